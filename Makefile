@@ -1,0 +1,42 @@
+# The README's two commands: `make run` (start the appliance on :9100) and `make test`.
+SHELL := /bin/bash
+VENV := $(shell scripts/venv-dir.sh)
+PY := $(VENV)/bin/python
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+HOST ?= 0.0.0.0
+PORT ?= 9100
+PYTEST_ARGS ?=
+
+.PHONY: setup system venv run test lint typecheck check bench clean
+
+setup: system venv
+
+system:
+	@scripts/setup-system.sh
+
+venv: $(VENV)/.installed
+
+# Debian's /usr/bin/python3: a pyenv python in root's 0700 home cannot run as uid 1001.
+$(VENV)/.installed: pyproject.toml
+	@if [ ! -x $(PY) ]; then $(SUDO) mkdir -p $(dir $(VENV)) && $(SUDO) chown "$$(id -u)" $(dir $(VENV)) 2>/dev/null; /usr/bin/python3 -m venv $(VENV); fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[science,test]'
+	@touch $@
+
+run: setup
+	$(SUDO) env SANDBOX_PYTHON=$(PY) $(VENV)/bin/appliance serve --host $(HOST) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check appliance tests benchmarks
+	$(VENV)/bin/mypy
+
+check: lint test
+
+bench: setup
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache

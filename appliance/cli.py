@@ -1,0 +1,96 @@
+"""Command line: `appliance serve`, `appliance exec`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from appliance.errors import SettingsError, StartupError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="appliance", description="Jailed Python exec over WebSocket")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the appliance server")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=9100)
+    serve.add_argument("--ready-file", help=argparse.SUPPRESS)
+    ex = sub.add_parser("exec", help="run code (or a .py file) on an appliance and stream the output")
+    ex.add_argument("code", help="Python source, or a path to a .py file, or - for stdin")
+    ex.add_argument("--url", default=os.environ.get("APPLIANCE_URL", "ws://127.0.0.1:9100/exec"))
+    ex.add_argument("--token", default=os.environ.get("SANDBOX_AUTH_TOKEN"))
+    ex.add_argument("--timeout-ms", type=int)
+    ex.add_argument("--json", action="store_true", help="print raw frames as JSON lines")
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return asyncio.run(_exec(args))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from appliance import logs, settings
+    from appliance.server import serve
+
+    logs.configure()
+    try:
+        config = settings.from_env()
+        asyncio.run(serve(config, args.host, args.port, args.ready_file))
+    except (SettingsError, StartupError) as exc:
+        print(f"appliance: cannot start: {exc.message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _read_code(arg: str) -> str:
+    if arg == "-":
+        return sys.stdin.read()
+    path = Path(arg)
+    if arg.endswith(".py") and path.is_file():
+        return path.read_text()
+    return arg
+
+
+async def _exec(args: argparse.Namespace) -> int:
+    from appliance.client import AsyncClient
+
+    code = _read_code(args.code)
+    status, exit_code = "internal", None
+    async with AsyncClient(args.url, args.token) as client:
+        async for frame in client.stream(code, timeout_ms=args.timeout_ms):
+            if args.json:
+                print(json.dumps(frame), flush=True)
+            else:
+                _render(frame)
+            if frame.get("type") == "done":
+                status, exit_code = frame.get("status", "internal"), frame.get("exit_code")
+    if status == "ok":
+        return 0
+    return exit_code if isinstance(exit_code, int) and exit_code > 0 else 1
+
+
+def _render(frame: dict[str, object]) -> None:
+    kind = frame.get("type")
+    if kind == "stream":
+        out = sys.stderr if frame.get("name") == "stderr" else sys.stdout
+        out.write(str(frame.get("text", "")))
+        out.flush()
+    elif kind == "result":
+        data = frame.get("data")
+        if isinstance(data, dict):
+            print(data.get("text/plain", ""), flush=True)
+    elif kind == "display":
+        data = frame.get("data")
+        kinds = ", ".join(sorted(data)) if isinstance(data, dict) else "?"
+        print(f"[display: {kinds}]", flush=True)
+    elif kind == "error":
+        tb = frame.get("traceback")
+        if isinstance(tb, list):
+            sys.stderr.write("\n".join(str(line) for line in tb) + "\n")
+    elif kind == "file":
+        print(f"[file: outputs/{frame.get('path')} ({frame.get('size')} bytes)]", flush=True)
+    elif kind == "done" and frame.get("status") != "ok":
+        print(f"[{frame.get('status')}] {frame.get('message') or ''}".rstrip(), file=sys.stderr, flush=True)

@@ -1,0 +1,83 @@
+"""The appliance's error tree and its one mapping to `done.status`.
+
+    ApplianceError
+    ├── RequestRejected      bad request, nothing ran          -> rejected
+    ├── Busy                 queue full, nothing ran           -> busy
+    ├── JailFailure          the jail could not be made/checked -> internal
+    └── RunLimit             the run hit a limit we enforce
+        ├── RunTimeout       wall clock                        -> timeout
+        ├── MemoryLimit      RLIMIT_AS / MemoryError           -> memory_limit
+        ├── OutputLimit      output bytes or disk quota        -> output_limit
+        └── Cancelled        interrupt or client gone          -> cancelled
+
+Anything else that escapes is reported as `internal` with no details.
+"""
+
+from __future__ import annotations
+
+
+class ApplianceError(Exception):
+    """Base of every error the appliance raises on purpose."""
+
+    status = "internal"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class SettingsError(ApplianceError):
+    """A setting from the environment is invalid; startup stops."""
+
+
+class StartupError(ApplianceError):
+    """The host cannot run jails exactly as configured; startup stops."""
+
+
+class RequestRejected(ApplianceError):
+    """The request is malformed or not allowed; nothing ran."""
+
+    status = "rejected"
+
+
+class Busy(ApplianceError):
+    """The run queue is full; nothing ran."""
+
+    status = "busy"
+
+
+class JailFailure(ApplianceError):
+    """A jail could not be started, or failed its self-check; nothing ran."""
+
+    status = "internal"
+
+
+class RunLimit(ApplianceError):
+    """A limit enforced by the appliance stopped the run."""
+
+
+class RunTimeout(RunLimit):
+    status = "timeout"
+
+
+class MemoryLimit(RunLimit):
+    status = "memory_limit"
+
+
+class OutputLimit(RunLimit):
+    status = "output_limit"
+
+
+class Cancelled(RunLimit):
+    status = "cancelled"
+
+
+class GpuMemoryLimit(RunLimit):
+    status = "gpu_memory_limit"
+
+
+def status_of(exc: BaseException) -> tuple[str, str]:
+    """Map an exception to (`done.status`, client-safe message). The one place this happens."""
+    if isinstance(exc, ApplianceError):
+        return exc.status, exc.message
+    return "internal", "internal error"

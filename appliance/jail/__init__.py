@@ -1,0 +1,1 @@
+"""The jail core shared by every image: spec, firejail argv, run dirs, process, driver, pool."""

@@ -1,0 +1,466 @@
+"""The in-jail driver: runs cells the way IPython does and reports over a pipe.
+
+Runs inside the jail as `python -I -u driver.py`, standard library only. Channels:
+
+- fd 0 at start: control messages from the server, one JSON object a line
+  (`run`, `stdin`, `stdin_eof`, `interrupt`). Moved to a private fd at once; the
+  code's own stdin becomes /dev/null and `input()` reads what `stdin` frames bring.
+- fd 1 / fd 2: the code's stdout / stderr, raw, straight to the server.
+- the fd named in argv[1]: events to the server, one JSON object a line (`ready`, `result`,
+  `display`, `error`, `done`). Never inherited by the code's child processes.
+
+Before any code runs it reports a self-check of its own jail (uid, no_new_privs,
+seccomp, namespaces, interfaces); the server refuses to use a jail that fails it.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import builtins
+import contextlib
+import io
+import json
+import linecache
+import os
+import queue
+import resource
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+MAX_TEXT_CHARS = 256 * 1024
+MAX_IMAGE_BYTES = 8 * 1024 * 1024
+DRIVER_FILE = os.path.abspath(__file__)
+RUNTIME = os.path.dirname(DRIVER_FILE)
+
+MIME_METHODS = (
+    ("_repr_html_", "text/html"),
+    ("_repr_markdown_", "text/markdown"),
+    ("_repr_svg_", "image/svg+xml"),
+    ("_repr_png_", "image/png"),
+    ("_repr_jpeg_", "image/jpeg"),
+    ("_repr_latex_", "text/latex"),
+    ("_repr_json_", "application/json"),
+)
+
+
+class Events:
+    """Writes events to the server; serialised so threads cannot interleave lines."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+        self.pid = os.getpid()
+        os.register_at_fork(after_in_child=self._reset_lock)
+
+    def _reset_lock(self) -> None:
+        self._lock = threading.Lock()
+
+    def emit(self, event: dict[str, Any]) -> None:
+        if os.getpid() != self.pid:
+            return  # a process the code forked is not the driver: it reports nothing
+        line = (json.dumps(event, ensure_ascii=False, default=str) + "\n").encode("utf-8", "replace")
+        # The code's own output precedes the event on the wire: the server drains
+        # stdout/stderr before it handles each event.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # the code may have replaced or closed its streams
+                pass
+        with self._lock:
+            view = memoryview(line)
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+
+
+class StdinBuffer(io.TextIOBase):
+    """The code's sys.stdin: fed by `stdin` frames, EOF when the client says so."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._buf = ""
+        self._eof = False
+
+    def feed(self, data: str) -> None:
+        with self._cond:
+            self._buf += data
+            self._cond.notify_all()
+
+    def close_input(self) -> None:
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def readable(self) -> bool:
+        return True
+
+    def readline(self, size: int | None = -1) -> str:  # type: ignore[override]
+        with self._cond:
+            while "\n" not in self._buf and not self._eof:
+                self._cond.wait()
+            idx = self._buf.find("\n")
+            end = len(self._buf) if idx < 0 else idx + 1
+            if size is not None and size >= 0:
+                end = min(end, size)
+            line, self._buf = self._buf[:end], self._buf[end:]
+            return line
+
+    def read(self, size: int | None = -1) -> str:
+        with self._cond:
+            while not self._eof and (size is None or size < 0 or len(self._buf) < size):
+                self._cond.wait()
+            end = len(self._buf) if size is None or size < 0 else size
+            data, self._buf = self._buf[:end], self._buf[end:]
+            return data
+
+
+class Driver:
+    def __init__(self, control_fd: int, events: Events) -> None:
+        self.events = events
+        self.control = os.fdopen(control_fd, "rb", buffering=0)
+        self.runs: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.stdin = StdinBuffer()
+        self.in_user_code = False
+        self.cell_count = 0
+        self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        self.main_ident = threading.get_ident()
+
+    # -- control channel ----------------------------------------------------------------
+    def read_control(self) -> None:
+        for raw in iter(self.control.readline, b""):
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue
+            op = msg.get("op")
+            if op == "run":
+                self.runs.put(msg)
+            elif op == "stdin":
+                self.stdin.feed(str(msg.get("data", "")))
+            elif op == "stdin_eof":
+                self.stdin.close_input()
+            elif op == "interrupt" and self.in_user_code:
+                signal.pthread_kill(self.main_ident, signal.SIGINT)
+        self.runs.put(None)
+
+    # -- cells ---------------------------------------------------------------------------
+    def serve(self) -> None:
+        while True:
+            msg = self.runs.get()
+            if msg is None:
+                return
+            self.stdin = StdinBuffer()
+            sys.stdin = self.stdin
+            if msg.get("stdin_eof"):
+                self.stdin.close_input()
+            before = _usage()
+            exit_code = 0
+            try:
+                write_uploads(msg.get("files") or [])
+            except OSError as exc:
+                self.events.emit(error_event(exc, skip_driver=False))
+                exit_code = 1
+            else:
+                exit_code = self.run_cell(str(msg.get("code", "")))
+            if os.getpid() != self.events.pid:
+                os._exit(exit_code)  # a child the code forked fell out of its cell: end it here
+            after = _usage()
+            self.events.emit({
+                "ev": "done",
+                "exit_code": exit_code,
+                "cpu_ms": int((after[0] - before[0]) * 1000),
+                "max_rss_mb": round(after[1] / 1024, 1),
+            })
+
+    def run_cell(self, code: str) -> int:
+        self.cell_count += 1
+        filename = f"<cell-{self.cell_count}>"
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        try:
+            tree = ast.parse(code, filename=filename, mode="exec")
+        except (SyntaxError, ValueError) as exc:
+            self.events.emit(error_event(exc, skip_driver=True))
+            return 1
+        last: ast.Expression | None = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        try:
+            self.in_user_code = True
+            try:
+                exec(compile(tree, filename, "exec"), self.namespace)
+                value = eval(compile(last, filename, "eval"), self.namespace) if last else None
+            finally:
+                self.in_user_code = False
+            if value is not None:
+                self.namespace["_"] = value
+                self.events.emit({"ev": "result", "data": mime_bundle(value)})
+            flush_figures()
+            return 0
+        except SystemExit as exc:
+            flush_figures()
+            return exit_code_of(exc)
+        except BaseException as exc:  # the cell's error, whatever it is, is the run's output
+            self.in_user_code = False
+            self.events.emit(error_event(exc, skip_driver=True))
+            flush_figures()
+            return 1
+
+    def display(self, *objs: Any, **_: Any) -> None:
+        for obj in objs:
+            self.events.emit({"ev": "display", "data": mime_bundle(obj)})
+
+
+# -- rich output -------------------------------------------------------------------------
+
+def mime_bundle(obj: Any) -> dict[str, Any]:
+    """A Jupyter-style MIME bundle for obj; a repr that raises or is huge never breaks it."""
+    data: dict[str, Any] = {}
+    if _is_figure(obj):
+        png = _figure_png(obj)
+        if png is not None:
+            data["image/png"] = png
+    for method, mime in MIME_METHODS:
+        try:
+            fn = getattr(obj, method, None)
+            if fn is None or isinstance(obj, type) or not callable(fn):
+                continue
+            value = fn()
+        except Exception:
+            continue
+        if value is None:
+            continue
+        if isinstance(value, tuple):  # (data, metadata) form
+            value = value[0]
+        if mime in ("image/png", "image/jpeg"):
+            if isinstance(value, (bytes, bytearray)) and len(value) <= MAX_IMAGE_BYTES:
+                data[mime] = base64.b64encode(bytes(value)).decode("ascii")
+            elif isinstance(value, str):
+                data[mime] = value
+        elif mime == "application/json":
+            try:
+                json.dumps(value)
+                data[mime] = value
+            except (TypeError, ValueError):
+                continue
+        elif isinstance(value, str):
+            data[mime] = _truncate(value)
+    data["text/plain"] = safe_repr(obj)
+    return data
+
+
+def safe_repr(obj: Any) -> str:
+    try:
+        text = repr(obj)
+        if not isinstance(text, str):
+            raise TypeError("__repr__ returned non-string")
+    except Exception as exc:
+        try:
+            kind = type(obj).__name__
+        except Exception:
+            kind = "object"
+        text = f"<{kind} object; repr failed: {type(exc).__name__}>"
+    return _truncate(text)
+
+
+def _truncate(text: str) -> str:
+    if len(text) <= MAX_TEXT_CHARS:
+        return text
+    return text[:MAX_TEXT_CHARS] + f"… [truncated {len(text) - MAX_TEXT_CHARS} characters]"
+
+
+def _is_figure(obj: Any) -> bool:
+    try:
+        return type(obj).__module__.startswith("matplotlib.figure") and hasattr(obj, "savefig")
+    except Exception:
+        return False
+
+
+def _figure_png(fig: Any) -> str | None:
+    try:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", bbox_inches="tight")
+        return base64.b64encode(buf.getvalue()).decode("ascii")
+    except Exception:
+        return None
+
+
+def flush_figures() -> None:
+    """Every matplotlib figure still open becomes a display event, then is closed."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    try:
+        numbers = list(plt.get_fignums())
+    except Exception:
+        return
+    for num in numbers:
+        try:
+            fig = plt.figure(num)
+            builtins.display(fig)  # type: ignore[attr-defined]
+            plt.close(fig)
+        except Exception:
+            continue
+
+
+# -- errors ------------------------------------------------------------------------------
+
+def error_event(exc: BaseException, skip_driver: bool) -> dict[str, Any]:
+    tb = exc.__traceback__
+    if skip_driver:
+        while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == DRIVER_FILE:
+            tb = tb.tb_next
+    try:
+        lines = traceback.format_exception(type(exc), exc, tb)
+        text = "".join(lines)
+    except Exception:
+        text = f"{type(exc).__name__}\n"
+    try:
+        evalue = str(exc)
+    except Exception:
+        evalue = "<str() failed>"
+    return {
+        "ev": "error",
+        "memory": isinstance(exc, MemoryError),
+        "ename": type(exc).__name__,
+        "evalue": _truncate(evalue),
+        "traceback": _truncate(text).splitlines(),
+    }
+
+
+def exit_code_of(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, bool):
+        return int(code)
+    if isinstance(code, int):
+        return code & 0xFF
+    with contextlib.suppress(Exception):
+        sys.stderr.write(f"{code}\n")
+    return 1
+
+
+# -- files in ----------------------------------------------------------------------------
+
+def write_uploads(files: list[dict[str, Any]]) -> None:
+    """Write uploaded files under the cwd, refusing to follow or replace any link."""
+    for item in files:
+        parts = [p for p in str(item["path"]).split("/") if p not in ("", ".")]
+        if not parts or any(p == ".." for p in parts):
+            raise OSError(f"refused upload path {item['path']!r}")
+        dir_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for part in parts[:-1]:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o755, dir_fd=dir_fd)
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+                os.close(dir_fd)
+                dir_fd = nxt
+            fd = os.open(
+                parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd
+            )
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(base64.b64decode(item.get("data", "")))
+        finally:
+            os.close(dir_fd)
+
+
+# -- self-check --------------------------------------------------------------------------
+
+def self_check() -> dict[str, Any]:
+    """What this process can see of its own confinement."""
+    status: dict[str, str] = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            status[key] = value.strip()
+    try:
+        interfaces = sorted(name for _, name in socket.if_nameindex())
+    except OSError:
+        interfaces = []
+    return {
+        "uid": os.getuid(),
+        "euid": os.geteuid(),
+        "gid": os.getgid(),
+        "no_new_privs": int(status.get("NoNewPrivs", "0")),
+        "seccomp": int(status.get("Seccomp", "0")),
+        "cap_eff": status.get("CapEff", ""),
+        "pid_ns": os.readlink("/proc/self/ns/pid"),
+        "net_ns": os.readlink("/proc/self/ns/net"),
+        "interfaces": interfaces,
+        "cwd": os.getcwd(),
+        "home": os.environ.get("HOME", ""),
+    }
+
+
+def _usage() -> tuple[float, int]:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    return cpu, max(me.ru_maxrss, kids.ru_maxrss)
+
+
+def preload(modules: list[str]) -> dict[str, str]:
+    failures: dict[str, str] = {}
+    for name in modules:
+        try:
+            __import__(name)
+            if name == "matplotlib":
+                __import__("matplotlib.pyplot")
+        except Exception as exc:
+            failures[name] = f"{type(exc).__name__}: {exc}"
+    return failures
+
+
+def _prepare_matplotlib_cache() -> None:
+    # The font cache was built once at setup; copy it into the jail's private /tmp.
+    src = os.path.join(RUNTIME, "matplotlib")
+    dst = os.environ.get("MPLCONFIGDIR", "")
+    if not dst or not os.path.isdir(src):
+        return
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        try:
+            with open(os.path.join(src, name), "rb") as fin, open(os.path.join(dst, name), "wb") as fout:
+                fout.write(fin.read())
+        except OSError:
+            pass
+
+
+def main() -> None:
+    # Take the control channel and the event pipe off the fds the code and its children use.
+    control_fd = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    inherited = int(sys.argv[1])
+    events_fd = os.dup(inherited)  # os.dup gives a close-on-exec copy
+    os.close(inherited)
+    events = Events(events_fd)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", write_through=True)
+    if RUNTIME not in sys.path:
+        sys.path.append(RUNTIME)  # appliance_mpl (the matplotlib backend) lives beside us
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    driver = Driver(control_fd, events)
+    builtins.display = driver.display  # type: ignore[attr-defined]
+    check = self_check()
+    _prepare_matplotlib_cache()
+    started = time.monotonic()
+    failures = preload([m for m in os.environ.get("APPLIANCE_PRELOAD", "").split(",") if m])
+    events.emit({"ev": "ready", "check": check, "preload_failed": failures,
+                 "preload_ms": int((time.monotonic() - started) * 1000)})
+    threading.Thread(target=driver.read_control, name="control", daemon=True).start()
+    driver.serve()
+
+
+if __name__ == "__main__":
+    main()

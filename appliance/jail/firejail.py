@@ -1,0 +1,61 @@
+"""Render a JailSpec to the firejail command line. Pure: no I/O, testable without spawning."""
+
+from __future__ import annotations
+
+from appliance.jail.spec import ETC_FILES, WORKSPACE, JailSpec
+
+MIB = 1024 * 1024
+
+
+def render_argv(spec: JailSpec, events_fd: int, firejail: str = "firejail") -> list[str]:
+    """The argv that starts the in-jail driver under firejail, in a fixed, commented order.
+
+    `events_fd` is the descriptor number the driver writes its events to (inherited as is).
+    """
+    argv = [firejail, "--quiet", "--noprofile"]
+    # 1. Identity and privileges: a user namespace holding only the caller's uid, no
+    #    capabilities, no setuid gains, firejail's default seccomp blacklist (native arch only),
+    #    and no new namespaces from inside.
+    argv += [
+        "--noroot", "--caps.drop=all", "--nonewprivs", "--seccomp",
+        "--seccomp.block-secondary", "--restrict-namespaces",
+    ]
+    # 2. Network: a fresh namespace with only a loopback interface.
+    argv += ["--net=none"]
+    # 3. Filesystem: the run directory as /workspace (= HOME, cwd); private /tmp, /dev, /etc;
+    #    everything at the top level that is not needed is blacklisted; the Python
+    #    environment and the runtime are whitelisted and read-only.
+    argv += [
+        f"--private={spec.workdir}", f"--private-cwd={WORKSPACE}",
+        "--private-tmp", "--private-dev", f"--private-etc={','.join(ETC_FILES)}",
+    ]
+    argv += [f"--blacklist={path}" for path in spec.hidden]
+    for path in spec.readable:
+        argv += [f"--whitelist={path}", f"--read-only={path}"]
+    # 4. Limits (per process; the user namespace makes RLIMIT_NPROC count this jail only).
+    if spec.limits.memory_mb is not None:
+        argv.append(f"--rlimit-as={spec.limits.memory_mb * MIB}")
+    argv += [
+        f"--rlimit-nproc={spec.limits.max_procs}",
+        f"--rlimit-fsize={spec.limits.file_mb * MIB}",
+        f"--rlimit-nofile={spec.limits.open_files}",
+    ]
+    # 5. Lifecycle: the driver's event pipe survives firejail's fd cleanup; every process
+    #    left when the driver exits is killed.
+    argv += [f"--keep-fd={events_fd}", "--deterministic-exit-code", "--deterministic-shutdown"]
+    # 6. Environment: firejail starts from our clean env; these are the only additions.
+    argv += [f"--env={key}={value}" for key, value in spec.env]
+    # 7. The driver: isolated mode (no user site, no PYTHON* vars), unbuffered.
+    # (No "--" before it: firejail 0.9.72 then runs the command through the user's login shell.)
+    argv += [str(spec.python), "-I", "-u", str(spec.driver), str(events_fd)]
+    return argv
+
+
+def launcher_env() -> dict[str, str]:
+    """The environment firejail itself is started with.
+
+    `container=docker` makes firejail sandbox normally inside containers and PID
+    namespaces instead of silently running the program unjailed; every jail is
+    verified afterwards by the driver's self-check anyway.
+    """
+    return {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "container": "docker", "LANG": "C.UTF-8"}

@@ -1,0 +1,143 @@
+"""Per-run directories and the shared read-only runtime, under SANDBOX_TMP_ROOT.
+
+Layout:
+    <tmp_root>/appliance/                  0755 root
+        runtime-<hash>/                    0755, read-only in jails: driver, mpl backend, font cache
+        srv-<pid>/                         0711, one per server process
+            <run id>/                      0700 uid:gid, mounted as /workspace
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+from appliance.errors import StartupError
+
+RUNTIME_FILES = ("driver.py", "appliance_mpl.py")
+SOURCE_DIR = Path(__file__).resolve().parent
+
+
+class RunDirs:
+    """Creates, measures and removes run directories for one server process."""
+
+    def __init__(self, tmp_root: Path, uid: int, gid: int) -> None:
+        self.base = tmp_root / "appliance"
+        self.instance = self.base / f"srv-{os.getpid()}"
+        self.uid = uid
+        self.gid = gid
+
+    def prepare(self) -> list[Path]:
+        """Create this server's directory; remove those of servers that are gone. Returns them."""
+        try:
+            self.base.mkdir(mode=0o755, parents=True, exist_ok=True)
+            os.chmod(self.base, 0o755)
+            self.instance.mkdir(mode=0o711, exist_ok=True)
+            os.chmod(self.instance, 0o711)
+        except OSError as exc:
+            raise StartupError(f"SANDBOX_TMP_ROOT: cannot create {self.instance}: {exc}") from exc
+        return self.purge_stale()
+
+    def purge_stale(self) -> list[Path]:
+        removed: list[Path] = []
+        for entry in self.base.iterdir():
+            if not entry.name.startswith("srv-") or entry == self.instance:
+                continue
+            try:
+                pid = int(entry.name[4:])
+            except ValueError:
+                continue
+            if not _alive(pid):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+        return removed
+
+    def create(self, run_id: str) -> Path:
+        path = self.instance / run_id
+        path.mkdir(mode=0o700)
+        (path / "outputs").mkdir(mode=0o755)
+        for p in (path / "outputs", path):
+            os.chown(p, self.uid, self.gid)
+        return path
+
+    def remove(self, path: Path) -> None:
+        # rmtree uses fd-based traversal here, so links planted by the code are not followed.
+        shutil.rmtree(path, ignore_errors=True)
+
+    def remove_instance(self) -> None:
+        shutil.rmtree(self.instance, ignore_errors=True)
+
+
+def disk_usage(path: Path, max_entries: int = 200_000) -> tuple[int, int]:
+    """(bytes allocated, entries) under path, without following links; stops at max_entries."""
+    total = 0
+    entries = 0
+    stack = [str(path)]
+    while stack and entries < max_entries:
+        current = stack.pop()
+        try:
+            with os.scandir(current) as it:
+                for entry in it:
+                    entries += 1
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    total += st.st_blocks * 512
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append(entry.path)
+        except OSError:
+            continue
+    return total, entries
+
+
+def stage_runtime(tmp_root: Path, python: Path) -> Path:
+    """Install the in-jail runtime once per content hash; build matplotlib's font cache there."""
+    digest = hashlib.sha256()
+    for name in RUNTIME_FILES:
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(str(python).encode())
+    target = tmp_root / "appliance" / f"runtime-{digest.hexdigest()[:16]}"
+    if (target / "ready").exists():
+        return target
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".runtime-", dir=target.parent))
+    try:
+        for name in RUNTIME_FILES:
+            shutil.copyfile(SOURCE_DIR / name, staging / name)
+        mpl = staging / "matplotlib"
+        mpl.mkdir()
+        env = {"MPLCONFIGDIR": str(mpl), "PATH": "/usr/bin:/bin", "MPLBACKEND": "Agg"}
+        # Builds fontlist-*.json once; missing matplotlib is fine (no cache needed then).
+        subprocess.run(
+            [str(python), "-I", "-c", "import matplotlib.font_manager"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=False,
+        )
+        (staging / "ready").write_text("ok\n")
+        for root, _dirs, files in os.walk(staging):
+            os.chmod(root, 0o755)
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o644)
+        try:
+            os.rename(staging, target)
+        except OSError:  # another server staged the same content first
+            shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

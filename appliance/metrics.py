@@ -1,0 +1,31 @@
+"""Prometheus metrics of one appliance, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.runs = Counter("appliance_runs", "Runs by final status", ["status"], registry=r)
+        self.run_seconds = Histogram("appliance_run_duration_seconds", "Run wall time",
+                                     buckets=BUCKETS_S, registry=r)
+        self.queue_seconds = Histogram("appliance_queue_wait_seconds", "Time queued before a jail",
+                                       buckets=BUCKETS_S, registry=r)
+        self.pool_ready = Gauge("appliance_pool_ready", "Ready jails in the pool", registry=r)
+        self.pool_starting = Gauge("appliance_pool_starting", "Jails being started for the pool",
+                                   registry=r)
+        self.cold_starts = Counter("appliance_cold_starts", "Runs that found the pool empty", registry=r)
+        self.jails_spawned = Counter("appliance_jails_spawned", "Jails started", registry=r)
+        self.sessions = Gauge("appliance_sessions_active", "Open sessions", registry=r)
+        self.bytes_streamed = Counter("appliance_bytes_streamed", "Output bytes sent to clients",
+                                      registry=r)
+        self.queue_depth = Gauge("appliance_queue_depth", "Requests waiting for a run slot", registry=r)
+        self.active_runs = Gauge("appliance_active_runs", "Runs holding a slot", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,130 @@
+"""Shared test support: start a real appliance server; look at real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SANDBOX_UID = 1001
+# Timeouts scale with the machine: CI boxes are small and noisy.
+SCALE = float(os.environ.get("APPLIANCE_TEST_TIMEOUT_SCALE", "1"))
+
+
+def scaled(seconds: float) -> float:
+    return seconds * SCALE
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    env: dict[str, str]
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/exec"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str, token: str | None = None) -> tuple[int, str]:
+        req = urllib.request.Request(self.http + path)
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, sig: int = 15, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(tmp: Path, wrap: list[str] | None = None, wait_ready: bool = True, **env: str) -> Server:
+    """Start `appliance serve` on a free port with SANDBOX_* overrides; wait for /readyz."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    ready = tmp / "port"
+    log = tmp / "server.log"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")}
+    full_env.update({"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "1", "SANDBOX_PYTHON": sys.executable})
+    full_env.update(env)
+    cmd = [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--ready-file", str(ready)]
+    with open(log, "wb") as log_fh:
+        proc = subprocess.Popen((wrap or []) + cmd, env=full_env, stdout=subprocess.DEVNULL,
+                                stderr=log_fh, cwd=REPO)
+    deadline = time.monotonic() + scaled(90)
+    while not ready.exists() or not ready.read_text().strip():
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server did not start:\n{log.read_text()}")
+        time.sleep(0.05)
+    server = Server(proc, int(ready.read_text()), log, full_env)
+    if wait_ready:
+        while True:
+            status, body = server.get("/readyz")
+            if status == 200:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(f"server never became ready ({body}):\n{log.read_text()}")
+            time.sleep(0.1)
+    return server
+
+
+def processes_of_uid(uid: int = SANDBOX_UID) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose real uid is uid."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as fh:
+                status = fh.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("Uid:"):
+                if int(line.split()[1]) == uid and "State:\tZ" not in status:
+                    found.append((int(entry), cmd))
+                break
+    return found
+
+
+def wait_no_processes(uid: int = SANDBOX_UID, timeout: float = 10.0) -> list[tuple[int, str]]:
+    """Wait until uid has no processes; returns what is left after timeout."""
+    deadline = time.monotonic() + scaled(timeout)
+    left = processes_of_uid(uid)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = processes_of_uid(uid)
+    return left
+
+
+def frames_of(raw: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in raw.splitlines() if line.strip()]

