@@ -128,3 +128,39 @@ def wait_no_processes(uid: int = SANDBOX_UID, timeout: float = 10.0) -> list[tup
 
 def frames_of(raw: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in raw.splitlines() if line.strip()]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of pid (through /proc/<pid>/task/*/children)."""
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        current = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{current}/task/{task}/children") as fh:
+                    kids = [int(p) for p in fh.read().split()]
+            except (OSError, ValueError):
+                continue
+            found.extend(kids)
+            stack.extend(kids)
+    return found
+
+
+def jail_processes(server: Server, uid: int = SANDBOX_UID) -> list[tuple[int, str]]:
+    """Processes of uid under this server, plus any of uid orphaned to the host's init."""
+    mine = set(descendants(server.proc.pid))
+    left = []
+    for pid, cmd in processes_of_uid(uid):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if pid in mine or ppid == 1:
+            left.append((pid, cmd))
+    return left

@@ -1,0 +1,142 @@
+"""Real abuse against real jails: each ends with the right status, leaves nothing behind,
+and the next run works."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from appliance.client import AsyncClient, Execution
+from tests.support import Server, jail_processes, start_server
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """No pool (so any process of the sandbox uid under the server is a leftover), small limits."""
+    srv = start_server(
+        tmp_path_factory.mktemp("limits"), SANDBOX_POOL_SIZE="0", SANDBOX_MAX_EXEC_MS="4000",
+        SANDBOX_MEMORY_MB="256", SANDBOX_MAX_PROCS="32", SANDBOX_MAX_FILE_MB="8",
+        SANDBOX_MAX_DISK_MB="24", SANDBOX_MAX_OUTPUT_BYTES="200000",
+    )
+    yield srv
+    srv.stop()
+
+
+async def run(server: Server, code: str, **fields: object) -> Execution:
+    async with AsyncClient(server.url) as c:
+        return await c.execute(code, **fields)
+
+
+async def assert_contained(server: Server) -> None:
+    left = jail_processes(server)
+    assert left == [], f"processes of the sandbox uid survived the run: {left}"
+    ok = await run(server, "print('still fine')")
+    assert ok.status == "ok" and ok.stdout == "still fine\n"
+
+
+async def test_an_infinite_loop_ends_with_timeout(tight: Server) -> None:
+    ex = await run(tight, "while True: pass", timeout_ms=1500)
+    assert ex.status == "timeout" and "1500 ms" in (ex.message or "")
+    assert ex.duration_ms is not None and ex.duration_ms < 4000
+    await assert_contained(tight)
+
+
+async def test_a_silent_sleep_ends_with_timeout_too(tight: Server) -> None:
+    ex = await run(tight, "import time\ntime.sleep(60)", timeout_ms=1000)
+    assert ex.status == "timeout"
+    await assert_contained(tight)
+
+
+async def test_a_loop_that_keeps_printing_still_times_out(tight: Server) -> None:
+    ex = await run(tight, "import time\nwhile True:\n    print('.', end='', flush=True); time.sleep(0.05)",
+                   timeout_ms=1500)
+    assert ex.status == "timeout" and ex.stdout.startswith(".")
+    await assert_contained(tight)
+
+
+async def test_a_fork_bomb_is_capped_and_cleaned_up(tight: Server) -> None:
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    ex = await run(tight, code, timeout_ms=3000)
+    assert ex.status in ("timeout", "error")
+    await assert_contained(tight)
+
+
+async def test_a_fork_bomb_hits_the_process_limit(tight: Server) -> None:
+    code = (
+        "import os, time\nkids = 0\n"
+        "try:\n    for _ in range(1000):\n        if os.fork() == 0:\n            time.sleep(30); os._exit(0)\n"
+        "        kids += 1\nexcept OSError as e:\n    print('refused after', kids, e.errno)\n"
+    )
+    ex = await run(tight, code, timeout_ms=3000)
+    assert "refused after" in ex.stdout, ex
+    assert int(ex.stdout.split()[2]) < 32
+    await assert_contained(tight)
+
+
+async def test_a_memory_bomb_ends_with_memory_limit(tight: Server) -> None:
+    ex = await run(tight, "blocks = []\nwhile True:\n    blocks.append(bytearray(16 * 1024 * 1024))")
+    assert ex.status == "memory_limit", ex
+    assert ex.error is not None and ex.error["ename"] == "MemoryError"
+    await assert_contained(tight)
+
+
+async def test_one_huge_allocation_ends_with_memory_limit(tight: Server) -> None:
+    ex = await run(tight, "x = bytearray(2 * 1024 ** 3)")
+    assert ex.status == "memory_limit"
+    await assert_contained(tight)
+
+
+async def test_a_file_larger_than_the_file_limit_fails_with_efbig(tight: Server) -> None:
+    code = "with open('big', 'wb') as f:\n    f.write(b'x' * (9 * 1024 * 1024))"
+    ex = await run(tight, code)
+    assert ex.status == "error" and ex.error is not None
+    assert "File too large" in ex.error["evalue"]
+    await assert_contained(tight)
+
+
+async def test_filling_the_disk_with_many_files_ends_with_output_limit(tight: Server) -> None:
+    code = ("import os\nfor i in range(10000):\n    with open(f'f{i}', 'wb') as f:\n"
+            "        f.write(os.urandom(4 * 1024 * 1024))")
+    ex = await run(tight, code, timeout_ms=4000)
+    assert ex.status == "output_limit" and "SANDBOX_MAX_DISK_MB" in (ex.message or ""), ex
+    await assert_contained(tight)
+
+
+async def test_an_output_flood_ends_with_output_limit(tight: Server) -> None:
+    ex = await run(tight, "while True:\n    print('x' * 1000)")
+    assert ex.status == "output_limit", ex
+    assert len(ex.stdout) <= 200000
+    await assert_contained(tight)
+
+
+async def test_a_stderr_flood_from_a_child_process_ends_with_output_limit(tight: Server) -> None:
+    ex = await run(tight, "import subprocess\nsubprocess.run(['sh', '-c', 'yes err 1>&2'])")
+    assert ex.status == "output_limit"
+    await assert_contained(tight)
+
+
+async def test_background_daemons_do_not_outlive_the_run(tight: Server) -> None:
+    code = ("import subprocess, os\n"
+            "subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+            "if os.fork() == 0:\n    os.setsid()\n    import time; time.sleep(300)\n"
+            "print('left them running')")
+    ex = await run(tight, code)
+    assert ex.status == "ok" and ex.stdout == "left them running\n"
+    await assert_contained(tight)
+
+
+async def test_a_client_that_disconnects_mid_run_gets_its_run_killed(tight: Server) -> None:
+    import asyncio
+
+    async with AsyncClient(tight.url) as c:
+        stream = c.stream("import time\nprint('started', flush=True)\ntime.sleep(60)")
+        async for frame in stream:
+            if frame["type"] == "stream":
+                break
+        await stream.aclose()
+    for _ in range(50):
+        if not jail_processes(tight):
+            break
+        await asyncio.sleep(0.1)
+    await assert_contained(tight)
