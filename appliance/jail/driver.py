@@ -68,10 +68,8 @@ class Events:
         # The code's own output precedes the event on the wire: the server drains
         # stdout/stderr before it handles each event.
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):  # the code may have replaced its streams
                 stream.flush()
-            except Exception:  # the code may have replaced or closed its streams
-                pass
         with self._lock:
             view = memoryview(line)
             while view:
@@ -140,6 +138,12 @@ class Driver:
                 continue
             op = msg.get("op")
             if op == "run":
+                # The cell's stdin is made here, in order with the stdin messages that follow.
+                buffer = StdinBuffer()
+                if msg.get("stdin_eof"):
+                    buffer.close_input()
+                self.stdin = buffer
+                msg["stdin_buffer"] = buffer
                 self.runs.put(msg)
             elif op == "stdin":
                 self.stdin.feed(str(msg.get("data", "")))
@@ -155,10 +159,7 @@ class Driver:
             msg = self.runs.get()
             if msg is None:
                 return
-            self.stdin = StdinBuffer()
-            sys.stdin = self.stdin
-            if msg.get("stdin_eof"):
-                self.stdin.close_input()
+            sys.stdin = msg["stdin_buffer"]
             before = _usage()
             exit_code = 0
             try:
@@ -443,6 +444,9 @@ def main() -> None:
     events_fd = os.dup(inherited)  # os.dup gives a close-on-exec copy
     os.close(inherited)
     events = Events(events_fd)
+    # No core dumps: a crash must not write the process's memory to disk, and the hard
+    # limit of 0 cannot be raised again by the code.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
                                   errors="backslashreplace", write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",

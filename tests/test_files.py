@@ -1,0 +1,83 @@
+"""Files in (uploads into the working directory) and out (outputs/ as file frames, persisted)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance.client import AsyncClient
+from tests.support import Server, start_server
+
+
+@pytest.fixture(scope="module")
+def filesrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    outdir = tmp_path_factory.mktemp("persisted")
+    srv = start_server(tmp_path_factory.mktemp("files"), SANDBOX_OUTPUTS_DIR=str(outdir),
+                       SANDBOX_MAX_FILE_OUT_BYTES="100000")
+    yield srv, outdir
+    srv.stop()
+
+
+async def test_uploaded_files_are_readable_by_the_code(filesrv: tuple[Server, Path]) -> None:
+    server, _ = filesrv
+    async with AsyncClient(server.url) as c:
+        ex = await c.execute("print(open('data.csv').read(), end='')\nprint(open('sub/dir/b.bin','rb').read())",
+                             files={"data.csv": "a,b\n1,2\n", "sub/dir/b.bin": b"\x00\x01"})
+    assert ex.status == "ok" and ex.stdout == "a,b\n1,2\nb'\\x00\\x01'\n"
+
+
+async def test_an_outputs_file_comes_back_and_persists_per_run(filesrv: tuple[Server, Path]) -> None:
+    server, outdir = filesrv
+    code = "import os\nos.makedirs('outputs/plots', exist_ok=True)\nopen('outputs/plots/r.txt','w').write('result')"
+    async with AsyncClient(server.url) as c:
+        first = await c.execute(code)
+        second = await c.execute(code.replace("result", "other"))
+    assert first.file_bytes("plots/r.txt") == b"result"
+    assert first.files[0]["size"] == 6 and first.files[0]["path"] == "plots/r.txt"
+    assert first.run and second.run and first.run != second.run
+    assert (outdir / first.run / "plots" / "r.txt").read_bytes() == b"result"
+    assert (outdir / second.run / "plots" / "r.txt").read_bytes() == b"other"
+
+
+async def test_links_in_outputs_are_never_followed(filesrv: tuple[Server, Path]) -> None:
+    server, outdir = filesrv
+    code = ("import os\nos.symlink('/etc/passwd', 'outputs/passwd')\nos.symlink('/etc', 'outputs/etcdir')\n"
+            "try:\n    os.link('/etc/hostname', 'outputs/hard')\nexcept OSError as e:\n    print('hardlink', e.errno)\n"
+            "open('outputs/real.txt', 'w').write('ok')")
+    async with AsyncClient(server.url) as c:
+        ex = await c.execute(code)
+    assert [f["path"] for f in ex.files] == ["real.txt"]
+    assert ex.run is not None and not (outdir / ex.run / "passwd").exists()
+
+
+async def test_an_output_over_the_size_cap_is_reported_without_data(filesrv: tuple[Server, Path]) -> None:
+    server, _ = filesrv
+    async with AsyncClient(server.url) as c:
+        ex = await c.execute("open('outputs/big.bin', 'wb').write(b'x' * 200000)")
+    assert ex.files[0]["path"] == "big.bin" and ex.files[0]["data"] is None and ex.files[0]["size"] == 200000
+    assert "SANDBOX_MAX_FILE_OUT_BYTES" in ex.files[0]["message"]
+
+
+async def test_a_session_returns_only_the_files_each_cell_changed(filesrv: tuple[Server, Path]) -> None:
+    server, _ = filesrv
+    async with AsyncClient(server.url) as c, c.session() as s:
+        one = await s.execute("open('outputs/a.txt','w').write('1')")
+        two = await s.execute("open('outputs/b.txt','w').write('2')")
+    assert [f["path"] for f in one.files] == ["a.txt"]
+    assert [f["path"] for f in two.files] == ["b.txt"]
+
+
+async def test_an_upload_through_a_planted_symlink_is_refused(filesrv: tuple[Server, Path]) -> None:
+    server, _ = filesrv
+    async with AsyncClient(server.url) as c, c.session() as s:
+        await s.execute("import os\nos.symlink('/tmp', 'escape')")
+        ex = await s.execute("print('ran')", files={"escape/x.txt": "payload"})
+    assert ex.status == "error" and ex.stdout == ""
+    assert ex.error is not None and "escape" in ex.error["evalue"] + " ".join(ex.error["traceback"])
+
+
+def test_base64_of_a_file_frame_is_valid() -> None:
+    assert base64.b64decode(base64.b64encode(b"x")) == b"x"
