@@ -447,10 +447,12 @@ def main() -> None:
     # No core dumps: a crash must not write the process's memory to disk, and the hard
     # limit of 0 cannot be raised again by the code.
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # Line-buffered like a terminal: print() reaches the server as one write per line;
+    # partial lines go out on flush(), before any event and at the end of the cell.
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                  errors="backslashreplace", write_through=True)
+                                  errors="backslashreplace", line_buffering=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                  errors="backslashreplace", write_through=True)
+                                  errors="backslashreplace", line_buffering=True)
     if RUNTIME not in sys.path:
         sys.path.append(RUNTIME)  # appliance_mpl (the matplotlib backend) lives beside us
     signal.signal(signal.SIGINT, signal.default_int_handler)

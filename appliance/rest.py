@@ -1,0 +1,140 @@
+"""REST mirror of the WebSocket protocol, for clients that cannot speak WebSocket.
+
+- `POST /v1/exec`: body = an execute frame; the reply streams the same frames as
+  NDJSON (one JSON object a line), ending with `done`.
+- `POST /v1/sessions`: opens a session (optionally running `code` in it); 201 with its id.
+- `DELETE /v1/sessions/{id}`: ends it; 204, or 404 when there is no such session.
+- `GET /openapi.json` and `GET /docs`: the API description.
+Bearer auth is applied by the server's middleware to every `/v1` route.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from appliance import protocol
+from appliance.errors import Cancelled
+from appliance.openapi import SPEC
+from appliance.protocol import ExecuteRequest, ProtocolError
+from appliance.runner import ActiveRun
+from appliance.service import Appliance
+
+NDJSON = "application/x-ndjson"
+
+
+def _limits(appliance: Appliance) -> protocol.Limits:
+    s = appliance.settings
+    return protocol.Limits(s.max_message_bytes, s.max_upload_bytes, gpu_enabled=s.gpu)
+
+
+def _rejected(message: str, rid: str | None = None, status: int = 400) -> web.Response:
+    frame = protocol.done_frame(rid or protocol.new_request_id(), "rejected", message=message)
+    return web.json_response(frame, status=status)
+
+
+async def _parse(request: web.Request, appliance: Appliance, default: str | None = None) -> ExecuteRequest:
+    raw = await request.read()
+    if not raw.strip() and default is not None:
+        raw = default.encode()
+    message = protocol.parse_client_frame(raw, _limits(appliance))
+    if not isinstance(message, ExecuteRequest):
+        raise ProtocolError("this endpoint takes an execute request", getattr(message, "id", None))
+    return message
+
+
+async def exec_ndjson(request: web.Request, appliance: Appliance, owner: str) -> web.StreamResponse:
+    try:
+        req = await _parse(request, appliance)
+    except ProtocolError as exc:
+        return _rejected(exc.message, exc.request_id)
+    response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
+    await response.prepare(request)
+
+    async def emit(frame: protocol.Frame) -> None:
+        try:
+            await response.write((protocol.encode(frame) + "\n").encode())
+        except (ConnectionError, RuntimeError) as exc:
+            raise Cancelled("the client disconnected") from exc
+
+    await appliance.execute(req, owner, emit, ActiveRun(req.id))
+    await response.write_eof()
+    return response
+
+
+async def open_session(request: web.Request, appliance: Appliance, owner: str) -> web.Response:
+    try:
+        req = await _parse(request, appliance, default='{"code": ""}')
+    except ProtocolError as exc:
+        return _rejected(exc.message, exc.request_id)
+    if req.session is not None:
+        return _rejected("POST /v1/sessions opens a new session; leave 'session' out", req.id)
+    frames: list[protocol.Frame] = []
+
+    async def collect(frame: protocol.Frame) -> None:
+        frames.append(frame)
+
+    new = ExecuteRequest(id=req.id, code=req.code, session="new", timeout_ms=req.timeout_ms,
+                         files=req.files, gpu=req.gpu, stdin_eof=True)
+    await appliance.execute(new, owner, collect, ActiveRun(req.id))
+    done = frames[-1]
+    session = done.get("session")
+    if done.get("status") in ("rejected", "busy", "internal") or not session:
+        code = {"rejected": 400, "busy": 429}.get(str(done.get("status")), 500)
+        return web.json_response(done, status=code)
+    return web.json_response({"session": session, "frames": frames}, status=201)
+
+
+async def close_session(request: web.Request, appliance: Appliance, owner: str) -> web.Response:
+    session_id = request.match_info["session_id"]
+    if await appliance.close_session(session_id, owner):
+        return web.Response(status=204)
+    return web.json_response({"error": f"no such session {session_id!r}"}, status=404)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(SPEC)
+
+
+async def docs(request: web.Request) -> web.Response:
+    """A self-contained page (no external scripts) listing the API from the OpenAPI spec."""
+    rows = []
+    for path, methods in SPEC["paths"].items():
+        for method, op in methods.items():
+            rows.append(
+                f"<tr><td><code>{method.upper()}</code></td><td><code>{html.escape(path)}</code></td>"
+                f"<td>{html.escape(op.get('summary', ''))}</td></tr>"
+            )
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>Appliance API</title></head><body>"
+        f"<h1>{html.escape(SPEC['info']['title'])} {html.escape(SPEC['info']['version'])}</h1>"
+        f"<p>{html.escape(SPEC['info']['description'])}</p>"
+        "<table border='1' cellpadding='4'><tr><th>method</th><th>path</th><th>what</th></tr>"
+        + "".join(rows)
+        + "</table><p>Machine-readable: <a href='/openapi.json'>/openapi.json</a></p>"
+        f"<pre>{html.escape(json.dumps(SPEC['components']['schemas'], indent=2))}</pre></body></html>"
+    )
+    return web.Response(text=page, content_type="text/html")
+
+
+def add_routes(
+    app: web.Application, appliance_key: web.AppKey[Any], owner_for: Callable[[web.Request], str]
+) -> None:
+    """Register the REST routes; `owner_for` names the caller (sessions are bound to it)."""
+
+    def bind(handler: Any) -> Any:
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            response: web.StreamResponse = await handler(request, request.app[appliance_key], owner_for(request))
+            return response
+
+        return wrapped
+
+    app.router.add_post("/v1/exec", bind(exec_ndjson))
+    app.router.add_post("/v1/sessions", bind(open_session))
+    app.router.add_delete("/v1/sessions/{session_id}", bind(close_session))
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/docs", docs)
