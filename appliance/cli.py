@@ -1,4 +1,4 @@
-"""Command line: `appliance serve`, `appliance exec`."""
+"""Command line: `appliance serve`, `appliance exec`, `appliance audit`."""
 
 from __future__ import annotations
 
@@ -25,9 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--token", default=os.environ.get("SANDBOX_AUTH_TOKEN"))
     ex.add_argument("--timeout-ms", type=int)
     ex.add_argument("--json", action="store_true", help="print raw frames as JSON lines")
+    audit = sub.add_parser("audit", help="run the adversarial security suite and write its report")
+    audit.add_argument("--out", default=None, help="report directory (default: security/ in the checkout)")
+    audit.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments, after --")
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "audit":
+        from appliance.audit import DEFAULT_OUT, run_audit
+
+        extra = [a for a in args.pytest_args if a != "--"]
+        return run_audit(Path(args.out) if args.out else DEFAULT_OUT, extra)
     return asyncio.run(_exec(args))
 
 

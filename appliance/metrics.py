@@ -19,6 +19,9 @@ class Metrics:
         self.pool_ready = Gauge("appliance_pool_ready", "Ready jails in the pool", registry=r)
         self.pool_starting = Gauge("appliance_pool_starting", "Jails being started for the pool",
                                    registry=r)
+        self.pool_target = Gauge("appliance_pool_target", "Jails the pool currently aims to keep",
+                                 registry=r)
+        self.jail_pss = Gauge("appliance_jail_pss_bytes", "PSS of the last warm jail started", registry=r)
         self.cold_starts = Counter("appliance_cold_starts", "Runs that found the pool empty", registry=r)
         self.jails_spawned = Counter("appliance_jails_spawned", "Jails started", registry=r)
         self.sessions = Gauge("appliance_sessions_active", "Open sessions", registry=r)

@@ -11,7 +11,7 @@ import binascii
 import json
 import secrets
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from appliance.errors import RequestRejected
 
@@ -73,7 +73,7 @@ class CloseSessionMessage:
     id: str
 
 
-ClientMessage = Union[ExecuteRequest, StdinMessage, InterruptMessage, CloseSessionMessage]
+ClientMessage = ExecuteRequest | StdinMessage | InterruptMessage | CloseSessionMessage
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,8 @@ def new_request_id() -> str:
 
 def parse_client_frame(frame: str | bytes, limits: Limits) -> ClientMessage:
     """Turn one client frame into a typed message, or raise ProtocolError naming the problem."""
-    size = len(frame.encode("utf-8") if isinstance(frame, str) else frame)
+    # surrogatepass: a str frame may hold lone surrogates; they are refused below, not crashed on.
+    size = len(frame.encode("utf-8", "surrogatepass") if isinstance(frame, str) else frame)
     if size > limits.max_message_bytes:
         raise ProtocolError(
             f"frame of {size} bytes exceeds SANDBOX_MAX_MESSAGE_BYTES ({limits.max_message_bytes})"
@@ -101,6 +102,8 @@ def parse_client_frame(frame: str | bytes, limits: Limits) -> ClientMessage:
         obj = json.loads(frame)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"frame is not valid JSON: {exc}") from None
+    except RecursionError:  # "[[[[…" nested deeper than the decoder's stack
+        raise ProtocolError("frame is nested too deeply") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"frame must be a JSON object, got {_json_type(obj)}")
     request_id = _optional_id(obj)
@@ -213,6 +216,8 @@ def upload_path_problem(path: str) -> str | None:
         return "empty or too long"
     if "\x00" in path:
         return "contains a NUL byte"
+    if any("\ud800" <= c <= "\udfff" for c in path):
+        return "is not valid UTF-8 (lone surrogate)"
     if path.startswith("/"):
         return "absolute paths are not allowed"
     parts = [p for p in path.split("/") if p not in ("", ".")]

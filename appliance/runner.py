@@ -25,6 +25,7 @@ Emit = Callable[[Frame], Awaitable[None]]
 
 INTERRUPT_GRACE_S = 0.8
 DISK_CHECK_S = 0.25
+MAX_DISK_ENTRIES = 100_000  # files + directories a run may create (inodes)
 
 
 @dataclass(frozen=True)
@@ -105,11 +106,18 @@ async def run_cell(
     sent = 0
     memory_error = False
     stopping: RunLimit | None = None
+    # A limit this loop detects is handled next, before anything already queued behind
+    # it (such as the cell's `done`): queued, it would arrive too late to count.
+    overrun: Violation | None = None
+    item: Any
     try:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                item: Any = await asyncio.wait_for(items.get(), max(remaining, 0.0))
+                if overrun is not None:
+                    item, overrun = overrun, None
+                else:
+                    item = await asyncio.wait_for(items.get(), max(remaining, 0.0))
             except TimeoutError:
                 if stopping is not None:  # the cell ignored the interrupt: give it up
                     return CellOutcome(stopping.status, message=stopping.message,
@@ -131,15 +139,15 @@ async def run_cell(
             if isinstance(item, Stream):
                 sent += item.nbytes
                 if sent > max_output_bytes:
-                    items.put_nowait(Violation(OutputLimit(  # type: ignore[arg-type]
-                        f"the run wrote more than SANDBOX_MAX_OUTPUT_BYTES ({max_output_bytes} bytes)")))
+                    overrun = Violation(OutputLimit(
+                        f"the run wrote more than SANDBOX_MAX_OUTPUT_BYTES ({max_output_bytes} bytes)"))
                     continue
                 if item.text and stopping is None:
                     await emit(protocol.stream_frame(rid, item.name, item.text))
                 continue
             if isinstance(item, Overflow):
-                items.put_nowait(Violation(OutputLimit(  # type: ignore[arg-type]
-                    f"an output object exceeded {item.nbytes} bytes")))
+                overrun = Violation(OutputLimit(
+                    f"an output object exceeded {item.nbytes} bytes"))
                 continue
             if isinstance(item, Exited):
                 code = await _exit_code(jail)
@@ -167,8 +175,8 @@ async def run_cell(
                     return outcome
                 sent += item.nbytes
                 if sent > max_output_bytes:
-                    items.put_nowait(Violation(OutputLimit(  # type: ignore[arg-type]
-                        f"the run wrote more than SANDBOX_MAX_OUTPUT_BYTES ({max_output_bytes} bytes)")))
+                    overrun = Violation(OutputLimit(
+                        f"the run wrote more than SANDBOX_MAX_OUTPUT_BYTES ({max_output_bytes} bytes)"))
                     continue
                 if stopping is not None:
                     continue
@@ -188,6 +196,11 @@ def _frame_for(rid: str, body: dict[str, Any]) -> Frame | None:
     """Only these driver events become frames; the server stamps the id itself."""
     kind = body.get("ev")
     data = body.get("data")
+    if kind == "stream":
+        name, text = body.get("name"), body.get("text")
+        if name in ("stdout", "stderr") and isinstance(text, str) and text:
+            return protocol.stream_frame(rid, str(name), text)
+        return None
     if kind in ("result", "display") and isinstance(data, dict):
         return (protocol.result_frame if kind == "result" else protocol.display_frame)(rid, data)
     if kind == "error":
@@ -203,10 +216,19 @@ async def _disk_watchdog(jail: Jail, max_disk_mb: int) -> None:
     limit = max_disk_mb * 1024 * 1024
     while True:
         await asyncio.sleep(DISK_CHECK_S)
-        used, _ = await asyncio.to_thread(disk_usage, jail.workdir)
+        used, entries = await asyncio.to_thread(disk_usage, jail.workdir)
+        # The jail's private /tmp is a tmpfs (host memory): it counts against the same quota.
+        tmp = jail.private_tmp
+        if tmp is not None:
+            tmp_used, tmp_entries = await asyncio.to_thread(disk_usage, tmp)
+            used, entries = used + tmp_used, entries + tmp_entries
         if used > limit:
             jail.process.items.put_nowait(Violation(OutputLimit(  # type: ignore[arg-type]
                 f"the run wrote more than SANDBOX_MAX_DISK_MB ({max_disk_mb} MiB) to disk")))
+            return
+        if entries > MAX_DISK_ENTRIES:  # empty files use no blocks but exhaust inodes
+            jail.process.items.put_nowait(Violation(OutputLimit(  # type: ignore[arg-type]
+                f"the run created more than {MAX_DISK_ENTRIES} files and directories")))
             return
 
 

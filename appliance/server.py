@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from appliance import protocol
+from appliance import protocol, rest
 from appliance.errors import Cancelled
 from appliance.protocol import (
     CloseSessionMessage,
@@ -30,6 +30,7 @@ from appliance.runner import ActiveRun
 from appliance.service import Appliance
 from appliance.sessions import owner_of
 from appliance.settings import Settings
+from appliance.tenants import Tenants
 
 log = logging.getLogger("appliance.server")
 
@@ -42,8 +43,13 @@ def bearer_token(request: web.Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def authorized(settings: Settings, request: web.Request) -> bool:
-    """Constant-time check of the bearer token; everything passes when no token is set."""
+def authorized(settings: Settings, request: web.Request, tenants: Tenants | None = None) -> bool:
+    """Constant-time check of the bearer token; everything passes when no token is set.
+
+    With a tokens file the token must belong to a tenant (compared against every one).
+    """
+    if tenants is not None:
+        return tenants.identify(bearer_token(request)) is not None
     if settings.auth_token is None:
         return True
     token = bearer_token(request) or ""
@@ -54,7 +60,7 @@ def authorized(settings: Settings, request: web.Request) -> bool:
 async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     appliance = request.app[APPLIANCE_KEY]
     protected = request.path == "/exec" or request.path.startswith("/v1")
-    if protected and not authorized(appliance.settings, request):
+    if protected and not authorized(appliance.settings, request, appliance.tenants):
         return web.json_response({"error": "missing or wrong bearer token"}, status=401,
                                  headers={"WWW-Authenticate": "Bearer"})
     response: web.StreamResponse = await handler(request)
@@ -199,13 +205,18 @@ async def readyz(request: web.Request) -> web.Response:
     appliance = request.app[APPLIANCE_KEY]
     problems = appliance.ready_problems
     pool = appliance.pool
-    body = {
+    body: dict[str, Any] = {
         "status": "ready" if not problems else "not ready",
         "problems": problems,
         "pool_ready": len(pool.ready) if pool else 0,
         "memory_cap": "RLIMIT_AS",
         "firejail": appliance.host.firejail_version if appliance.host else None,
     }
+    if appliance.gpu is not None:  # GPU mode: each enforcement layer, available or not
+        body["gpu"] = appliance.gpu.layers()
+        if not appliance.gpu.watchdog.healthy:
+            problems = [*problems, f"GPU watchdog cannot measure: {appliance.gpu.watchdog.last_error}"]
+            body["status"], body["problems"] = "not ready", problems
     return web.json_response(body, status=200 if not problems else 503)
 
 
@@ -223,6 +234,7 @@ def make_app(appliance: Appliance) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    rest.add_routes(app, APPLIANCE_KEY, lambda request: owner_of(bearer_token(request)))
     return app
 
 

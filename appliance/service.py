@@ -13,13 +13,15 @@ import json
 import logging
 import secrets
 import time
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from appliance import outputs, protocol
 from appliance.admission import Admission
 from appliance.errors import ApplianceError, RequestRejected, status_of
 from appliance.jail.host import HostFacts, inspect, readable_ancestors_problem
 from appliance.jail.jail import Jail, JailFactory, _python_roots
+from appliance.jail.network import EgressNetwork, check_prerequisites
 from appliance.jail.pool import JailPool
 from appliance.jail.workdir import RunDirs, stage_runtime
 from appliance.metrics import Metrics
@@ -27,6 +29,12 @@ from appliance.protocol import ExecuteRequest, Frame
 from appliance.runner import ActiveRun, CellOutcome, Emit, run_cell
 from appliance.sessions import Session, SessionRegistry
 from appliance.settings import Settings
+from appliance.tenants import Tenants
+from appliance.tenants import load as load_tenants
+
+if TYPE_CHECKING:  # GPU modules are imported at run time only in GPU mode
+    from appliance.gpu.ledger import Grant
+    from appliance.gpu.runs import GpuRuns
 
 log = logging.getLogger("appliance.service")
 
@@ -42,6 +50,21 @@ try:
     s.connect(("127.0.0.1", PORT)); report["loopback"] = "connected"
 except OSError:
     report["loopback"] = "refused"
+# Egress mode: the host (its addresses and this jail's gateway) and cloud metadata must stay shut.
+targets = [(h, PORT) for h in HOSTS] + [("169.254.169.254", 80)]
+with open("/proc/net/route") as fh:
+    for line in list(fh)[1:]:
+        f = line.split()
+        if f[1] == "00000000":
+            targets.append((socket.inet_ntoa(bytes.fromhex(f[2])[::-1]), PORT))
+report["reached"] = []
+for target in targets:
+    s = socket.socket(); s.settimeout(1)
+    try:
+        s.connect(target); report["reached"].append("%s:%d" % target)
+    except OSError:
+        pass
+    s.close()
 with open("/proc/self/status") as fh:
     for line in fh:
         k, _, v = line.partition(":")
@@ -55,7 +78,7 @@ ALLOWED_JAIL_ENV = {
     "MPLBACKEND", "MPLCONFIGDIR", "APPLIANCE_RUNTIME", "APPLIANCE_PRELOAD", "OPENBLAS_NUM_THREADS",
     "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_MAX_THREADS", "TMPDIR", "container",
     "FIREJAIL_QUIET", "SHELL", "QT_X11_NO_MITSHM", "QML_DISABLE_DISK_CACHE", "KDE_FORK_SLAVES",
-    "PROMPT_COMMAND",
+    "PROMPT_COMMAND", "SANDBOX_MODELS_DIR", "CUDA_VISIBLE_DEVICES",
 }
 
 
@@ -73,12 +96,20 @@ class Appliance:
         self.dirs: RunDirs | None = None
         self.ready_problems: list[str] = ["starting"]
         self.canary_port = 0
+        self.network: EgressNetwork | None = None
+        self.tenants: Tenants | None = None
+        if settings.auth_tokens_file is not None:
+            self.tenants = Tenants(load_tenants(settings.auth_tokens_file))
+            self.sessions.owner_limits = self.tenants.session_limits()
+        self.gpu: GpuRuns | None = None  # GPU mode (SANDBOX_GPU=1) only
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
     def check_host(self) -> HostFacts:
         """Fail-closed startup checks; raises StartupError with what to fix."""
         s = self.settings
+        if s.open_ports:
+            check_prerequisites()  # before inspect: /run/netns must exist when /run is judged
         host = inspect(s.firejail, s.uid, s.python)
         for root in _python_roots(s.python):
             problem = readable_ancestors_problem(root, host.uid)
@@ -86,6 +117,10 @@ class Appliance:
                 from appliance.errors import StartupError
 
                 raise StartupError(f"SANDBOX_PYTHON's environment is not reachable in the jail: {problem}")
+        if s.gpu and self.gpu is None:
+            from appliance.gpu.runs import GpuRuns  # GPU mode only: NVML is never loaded otherwise
+
+            self.gpu = GpuRuns.open(s)  # no driver / no GPU: StartupError, startup stops
         self.host = host
         return host
 
@@ -96,9 +131,15 @@ class Appliance:
         if removed:
             log.info("purged stale run directories", extra={"dirs": [str(p) for p in removed]})
         runtime = await asyncio.to_thread(stage_runtime, self.settings.tmp_root, self.settings.python)
-        self.factory = JailFactory(self.settings, host, runtime, self.dirs)
-        self.pool = JailPool(self.factory, self.settings.pool_size)
+        if self.settings.open_ports:
+            self.network = EgressNetwork(self.settings)
+            await self.network.start()
+        self.factory = JailFactory(self.settings, host, runtime, self.dirs, self.network)
+        self.pool = JailPool(self.factory, self.settings.pool_size, max_size=self.settings.pool_max)
         self.pool.start()
+        if self.gpu is not None:  # one factory + warm pool per GPU, each jail seeing only its GPU
+            network, dirs = self.network, self.dirs
+            self.gpu.start(lambda dev: JailFactory(self.settings, host, runtime, dirs, network, gpu=dev))
         self.sessions.start()
         self.canary_port = canary_port
         log.info("appliance started", extra={
@@ -113,6 +154,10 @@ class Appliance:
         await self.sessions.close_all()
         if self.pool is not None:
             await self.pool.close()
+        if self.gpu is not None:
+            await self.gpu.close()
+        if self.network is not None:
+            await self.network.close()
         if self.dirs is not None:
             self.dirs.remove_instance()
 
@@ -136,7 +181,8 @@ class Appliance:
         async def collect(frame: Frame) -> None:
             frames.append(frame)
 
-        code = CANARY_CODE.replace("PORT", str(self.canary_port or 9100))
+        hosts = [str(a) for a in self.network.policy.host_addresses] if self.network and self.network.policy else []
+        code = CANARY_CODE.replace("PORT", str(self.canary_port or 9100)).replace("HOSTS", json.dumps(hosts))
         req = ExecuteRequest(id="canary", code=code)
         await self.execute(req, owner="canary", emit=collect, active=ActiveRun("canary"), canary=True)
         done = frames[-1] if frames else {}
@@ -154,6 +200,8 @@ class Appliance:
             found.append("canary could read /etc/shadow")
         if report.get("loopback") != "refused":
             found.append("canary reached the server over loopback")
+        if report.get("reached") != []:
+            found.append(f"canary reached the host or a metadata address: {report.get('reached')}")
         if report.get("NoNewPrivs") != "1" or report.get("Seccomp") != "2":
             found.append("canary is missing no_new_privs or seccomp")
         extra_env = set(report.get("env", [])) - ALLOWED_JAIL_ENV
@@ -169,16 +217,20 @@ class Appliance:
         started = time.monotonic()
         outcome: CellOutcome | None = None
         session_id: str | None = None
+        quota = contextlib.ExitStack()  # the tenant's in-flight slot, held to the end of the run
         try:
+            if self.tenants is not None:
+                quota.enter_context(self.tenants.request(owner))
             session: Session | None = None
             if req.session not in (None, "new"):
                 session = self.sessions.get(req.session, owner)
                 if session.lock.locked():
                     raise RequestRejected(f"session {req.session} is busy with another request")
             elif req.session == "new":
-                self.sessions.check_capacity()
+                self.sessions.check_capacity(owner)
             self.metrics.queue_depth.set(self.admission.waiting + 1)
-            async with self.admission.slot() as queued_ms:
+            async with self._gpu_grant(req, canary) as grant, self.admission.slot() as slot_ms:
+                queued_ms = slot_ms + (grant.queued_ms if grant is not None else 0)
                 self.metrics.queue_depth.set(self.admission.waiting)
                 self.metrics.queue_seconds.observe(queued_ms / 1000)
                 self.metrics.active_runs.set(self.admission.active)
@@ -189,7 +241,7 @@ class Appliance:
                 elif req.session == "new":
                     outcome, session_id = await self._new_session(req, owner, emit, active, queued_ms)
                 else:
-                    outcome = await self._one_shot(req, emit, active, queued_ms)
+                    outcome = await self._one_shot(req, emit, active, queued_ms, grant)
         except asyncio.CancelledError:
             self._count("cancelled", started)
             raise
@@ -202,6 +254,7 @@ class Appliance:
                 req.id, status, duration_ms=_ms_since(started), message=message, session=session_id))
             return
         finally:
+            quota.close()
             self.metrics.active_runs.set(self.admission.active)
         assert outcome is not None
         self._count(outcome.status, started)
@@ -231,6 +284,8 @@ class Appliance:
         if self.pool is not None:
             self.metrics.pool_ready.set(len(self.pool.ready))
             self.metrics.pool_starting.set(self.pool.starting)
+            self.metrics.pool_target.set(self.pool.target())
+            self.metrics.jail_pss.set(self.pool.jail_pss_kb * 1024)
         self.metrics.sessions.set(len(self.sessions))
 
     def _timeout_ms(self, req: ExecuteRequest) -> int:
@@ -245,12 +300,27 @@ class Appliance:
             max_disk_mb=s.max_disk_mb, active=active, keep_alive=keep_alive,
         )
 
-    async def _one_shot(self, req: ExecuteRequest, emit: Emit, active: ActiveRun, queued_ms: int) -> CellOutcome:
+    @contextlib.asynccontextmanager
+    async def _gpu_grant(self, req: ExecuteRequest, canary: bool) -> AsyncIterator[Grant | None]:
+        """GPU mode: the run's GPU reservation, held (queued FIFO) before it takes a run slot."""
+        if self.gpu is None or canary:
+            yield None
+            return
+        async with self.gpu.grant(req) as grant:
+            yield grant
+
+    async def _one_shot(self, req: ExecuteRequest, emit: Emit, active: ActiveRun, queued_ms: int,
+                        grant: Grant | None = None) -> CellOutcome:
         run_id = secrets.token_hex(8)
-        jail = await self._take_jail()
+        gpu = self.gpu if grant is not None else None
+        jail = await (gpu.take_jail(grant) if gpu is not None and grant is not None else self._take_jail())
         try:
-            await emit(protocol.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req)))
-            outcome = await self._cell(jail, req, emit, active, keep_alive=False)
+            if gpu is not None and grant is not None:
+                await gpu.write_grant(jail, grant)
+            await emit(protocol.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req),
+                                            grant.frame() if grant is not None else None))
+            with gpu.watch(run_id, jail, grant) if gpu is not None and grant is not None else contextlib.nullcontext():
+                outcome = await self._cell(jail, req, emit, active, keep_alive=False)
             await jail.process.kill()  # nothing of the run may outlive it, before files are read
             await self._send_outputs(jail, req.id, run_id, None, emit)
             return outcome

@@ -10,7 +10,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from appliance.errors import RequestRejected
+from appliance.errors import Busy, RequestRejected
 from appliance.jail.jail import Jail
 
 
@@ -35,6 +35,7 @@ class SessionRegistry:
         self.limit = limit
         self.idle_s = idle_s
         self._sessions: dict[str, Session] = {}
+        self.owner_limits: dict[str, int] = {}  # per-tenant max_sessions (appliance.tenants)
         self._reaper: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -44,12 +45,15 @@ class SessionRegistry:
         if self._reaper is None:
             self._reaper = asyncio.create_task(self._reap_idle(), name="session-reaper")
 
-    def check_capacity(self) -> None:
+    def check_capacity(self, owner: str | None = None) -> None:
         if len(self._sessions) >= self.limit:
             raise RequestRejected(f"too many sessions (SANDBOX_MAX_SESSIONS={self.limit}); close one first")
+        quota = self.owner_limits.get(owner) if owner is not None else None
+        if quota is not None and sum(1 for s in self._sessions.values() if s.owner == owner) >= quota:
+            raise Busy(f"this tenant is at its session quota (max_sessions={quota}); close one first")
 
     def add(self, owner: str, jail: Jail) -> Session:
-        self.check_capacity()
+        self.check_capacity(owner)
         session = Session(id=secrets.token_hex(16), owner=owner, jail=jail)  # 128 random bits
         self._sessions[session.id] = session
         return session

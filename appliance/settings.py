@@ -6,6 +6,7 @@ with a message naming the variable.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 from collections.abc import Mapping
@@ -15,6 +16,9 @@ from pathlib import Path
 from appliance.errors import SettingsError
 
 DEFAULT_PRELOAD = ("numpy", "pandas", "matplotlib")
+# GPU mode also warms the model tools (llama.cpp, whisper.cpp) in pooled jails.
+GPU_PRELOAD = ("llama_cpp", "pywhispercpp.model", "appliance.tools")
+GPU_BACKENDS = ("nvml", "simulated")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,10 @@ class Settings:
     uid: int = 1001
     auth_token: str | None = field(default=None, repr=False)
     open_ports: tuple[int, ...] = ()
+    egress_allow_nets: tuple[str, ...] = ()  # private IPv4 networks runs may reach (SANDBOX_EGRESS_ALLOW_NETS)
+    egress_dns: tuple[str, ...] = ()         # resolvers reachable when 53 is open (SANDBOX_EGRESS_DNS)
+    egress_subnet: str = "10.216.0.0/16"     # jail links are /30s carved from it (SANDBOX_EGRESS_SUBNET)
+    auth_tokens_file: Path | None = None     # several tenants (SANDBOX_AUTH_TOKENS_FILE); see tenants.py
     gpu: bool = False
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     pool_size: int = 2
@@ -48,6 +56,14 @@ class Settings:
     shutdown_grace_s: float = 10.0
     jail_threads: int = 1
     firejail: str = "firejail"
+    models_dir: Path | None = None        # read-only models for appliance.tools (SANDBOX_MODELS_DIR)
+    gpu_default_mb: int = 1024            # budget of a run that names none; 0: such runs get no GPU
+    gpu_margin_mb: int = 256              # per-device headroom at admission; slack before a kill
+    gpu_backend: str = "nvml"             # nvml (real) or simulated (tests, no GPU)
+    gpu_simulate_mb: tuple[int, ...] = (16384,)  # simulated device totals (SANDBOX_GPU_SIMULATE)
+    gpu_simulate_file: Path | None = None # simulated per-PID usage / faults (SANDBOX_GPU_SIMULATE_FILE)
+    gpu_queue_ms: int = 120000            # longest wait for GPU memory before `busy`
+    gpu_poll_ms: int = 250                # watchdog polling interval
 
 
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
@@ -85,6 +101,23 @@ def _ports(env: Mapping[str, str], name: str) -> tuple[int, ...]:
     return tuple(sorted(set(ports)))
 
 
+def _ipv4(env: Mapping[str, str], name: str, networks: bool) -> tuple[str, ...]:
+    """Comma-separated IPv4 networks (or single addresses); IPv6 egress is not supported."""
+    found: list[str] = []
+    for part in (p.strip() for p in env.get(name, "").split(",")):
+        if not part:
+            continue
+        try:
+            net = ipaddress.ip_network(part, strict=True) if networks else ipaddress.ip_address(part)
+        except ValueError:
+            kind = "an IPv4 network like 10.1.2.0/24" if networks else "an IPv4 address"
+            raise SettingsError(f"{name}: {part!r} is not {kind}") from None
+        if net.version != 4:
+            raise SettingsError(f"{name}: {part!r} is IPv6; only IPv4 egress is supported")
+        found.append(str(net))
+    return tuple(found)
+
+
 def _modules(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tuple[str, ...]:
     raw = env.get(name)
     if raw is None:
@@ -106,6 +139,27 @@ def _dir(env: Mapping[str, str], name: str, default: Path | None) -> Path | None
     return path
 
 
+def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return choices[0]
+    if raw not in choices:
+        raise SettingsError(f"{name}: expected one of {', '.join(choices)}, got {raw!r}")
+    return raw
+
+
+def _simulate(env: Mapping[str, str], name: str) -> tuple[int, ...]:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return (16384,)
+    from appliance.gpu.simulated import parse_spec  # pure parsing; no NVML involved
+
+    try:
+        return parse_spec(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{name}: {exc} (expected e.g. '2x16384' or '16384,8192')") from None
+
+
 def from_env(env: Mapping[str, str] | None = None) -> Settings:
     """Build settings from the environment (or the given mapping); raise SettingsError if invalid."""
     env = os.environ if env is None else env
@@ -120,6 +174,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
     if token is not None and (len(token) < 8 or any(c.isspace() for c in token)):
         raise SettingsError("SANDBOX_AUTH_TOKEN: must be at least 8 characters with no whitespace")
     pool_size = _int(env, "SANDBOX_POOL_SIZE", 2)
+    gpu = _bool(env, "SANDBOX_GPU")
     settings = Settings(
         max_exec_ms=_int(env, "SANDBOX_MAX_EXEC_MS", 15000, minimum=1),
         tmp_root=tmp_root,
@@ -137,8 +192,12 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         uid=_int(env, "SANDBOX_UID", 1001, minimum=1),
         auth_token=token,
         open_ports=_ports(env, "SANDBOX_OPEN_PORTS"),
-        gpu=_bool(env, "SANDBOX_GPU"),
-        preload=_modules(env, "SANDBOX_PRELOAD", DEFAULT_PRELOAD),
+        egress_allow_nets=_ipv4(env, "SANDBOX_EGRESS_ALLOW_NETS", networks=True),
+        egress_dns=_ipv4(env, "SANDBOX_EGRESS_DNS", networks=False),
+        egress_subnet=(_ipv4(env, "SANDBOX_EGRESS_SUBNET", networks=True) or ("10.216.0.0/16",))[0],
+        auth_tokens_file=_dir(env, "SANDBOX_AUTH_TOKENS_FILE", None),
+        gpu=gpu,
+        preload=_modules(env, "SANDBOX_PRELOAD", DEFAULT_PRELOAD + GPU_PRELOAD if gpu else DEFAULT_PRELOAD),
         pool_size=pool_size,
         pool_max=_int(env, "SANDBOX_POOL_MAX", max(8, pool_size)),
         session_idle_s=_int(env, "SANDBOX_SESSION_IDLE_S", 600, minimum=1),
@@ -148,15 +207,26 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         shutdown_grace_s=_int(env, "SANDBOX_SHUTDOWN_GRACE_MS", 10000) / 1000,
         jail_threads=_int(env, "SANDBOX_JAIL_THREADS", 1, minimum=1),
         firejail=env.get("SANDBOX_FIREJAIL", "").strip() or "firejail",
+        models_dir=_dir(env, "SANDBOX_MODELS_DIR", None),
+        gpu_default_mb=_int(env, "SANDBOX_GPU_DEFAULT_MB", 1024),
+        gpu_margin_mb=_int(env, "SANDBOX_GPU_MARGIN_MB", 256),
+        gpu_backend=_choice(env, "SANDBOX_GPU_BACKEND", GPU_BACKENDS),
+        gpu_simulate_mb=_simulate(env, "SANDBOX_GPU_SIMULATE"),
+        gpu_simulate_file=_dir(env, "SANDBOX_GPU_SIMULATE_FILE", None),
+        gpu_queue_ms=_int(env, "SANDBOX_GPU_QUEUE_MS", 120000, minimum=1),
+        gpu_poll_ms=_int(env, "SANDBOX_GPU_POLL_MS", 250, minimum=10),
     )
     if settings.pool_max < settings.pool_size:
         raise SettingsError("SANDBOX_POOL_MAX: must be at least SANDBOX_POOL_SIZE")
-    if settings.open_ports:
-        # Fail closed: the egress filter is not built yet, so no port can be opened safely.
-        raise SettingsError(
-            "SANDBOX_OPEN_PORTS: outbound ports are not supported by this build; "
-            "unset it to run with no network"
-        )
-    if settings.gpu:
-        raise SettingsError("SANDBOX_GPU: GPU mode is not supported by this build; unset it")
+    if settings.auth_token is not None and settings.auth_tokens_file is not None:
+        raise SettingsError("SANDBOX_AUTH_TOKENS_FILE: set either it or SANDBOX_AUTH_TOKEN, not both")
+    if 53 in settings.open_ports and not settings.egress_dns:
+        # Fail closed: DNS goes only to resolvers named on purpose, never to whatever answers.
+        raise SettingsError("SANDBOX_OPEN_PORTS: 53 is listed but SANDBOX_EGRESS_DNS names no resolver")
+    if settings.egress_dns and 53 not in settings.open_ports:
+        raise SettingsError("SANDBOX_EGRESS_DNS: set, but SANDBOX_OPEN_PORTS does not list 53")
+    if ipaddress.ip_network(settings.egress_subnet).prefixlen > 28:
+        raise SettingsError("SANDBOX_EGRESS_SUBNET: too small; use a /28 or larger (one /30 per jail)")
+    if settings.gpu_backend == "simulated" and not settings.gpu:
+        raise SettingsError("SANDBOX_GPU_BACKEND: 'simulated' needs SANDBOX_GPU=1")
     return settings

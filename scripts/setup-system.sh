@@ -11,6 +11,9 @@ need=()
 command -v firejail >/dev/null || need+=(firejail)
 [ -x /usr/bin/python3 ] || need+=(python3)
 /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
+# The egress allowlist (SANDBOX_OPEN_PORTS) and its tests: namespaces, veth pairs, nftables.
+PATH="$PATH:/usr/sbin:/sbin" command -v ip >/dev/null || need+=(iproute2)
+PATH="$PATH:/usr/sbin:/sbin" command -v nft >/dev/null || need+=(nftables)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}" >&2
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq

@@ -61,7 +61,8 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(tmp: Path, wrap: list[str] | None = None, wait_ready: bool = True, **env: str) -> Server:
+def start_server(tmp: Path, wrap: list[str] | None = None, wait_ready: bool = True,
+                 host: str = "127.0.0.1", port: int = 0, **env: str) -> Server:
     """Start `appliance serve` on a free port with SANDBOX_* overrides; wait for /readyz."""
     tmp.mkdir(parents=True, exist_ok=True)
     ready = tmp / "port"
@@ -69,7 +70,7 @@ def start_server(tmp: Path, wrap: list[str] | None = None, wait_ready: bool = Tr
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")}
     full_env.update({"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "1", "SANDBOX_PYTHON": sys.executable})
     full_env.update(env)
-    cmd = [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", "0",
+    cmd = [sys.executable, "-m", "appliance", "serve", "--host", host, "--port", str(port),
            "--ready-file", str(ready)]
     with open(log, "wb") as log_fh:
         proc = subprocess.Popen((wrap or []) + cmd, env=full_env, stdout=subprocess.DEVNULL,

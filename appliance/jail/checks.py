@@ -11,6 +11,7 @@ class Expected:
     uid: int
     host_pid_ns: str
     host_net_ns: str
+    interfaces: tuple[str, ...] = ("lo",)  # egress mode adds the jail's link (network.expected_interfaces)
 
 
 def problems(report: Any, expected: Expected) -> list[str]:
@@ -33,8 +34,8 @@ def problems(report: Any, expected: Expected) -> list[str]:
     if not report.get("net_ns") or report.get("net_ns") == expected.host_net_ns:
         found.append("shares the server's network namespace")
     interfaces = report.get("interfaces")
-    if not isinstance(interfaces, list) or any(name != "lo" for name in interfaces):
-        found.append(f"network interfaces {interfaces!r} besides loopback")
+    if not isinstance(interfaces, list) or any(name not in expected.interfaces for name in interfaces):
+        found.append(f"network interfaces {interfaces!r} besides {list(expected.interfaces)!r}")
     if report.get("cwd") != "/workspace" or report.get("home") != "/workspace":
         found.append(f"cwd/HOME are {report.get('cwd')!r}/{report.get('home')!r}, not /workspace")
     return found

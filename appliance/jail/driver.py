@@ -62,19 +62,84 @@ class Events:
         self._lock = threading.Lock()
 
     def emit(self, event: dict[str, Any]) -> None:
+        """Send an event after the code's pending output, so the wire keeps program order."""
         if os.getpid() != self.pid:
             return  # a process the code forked is not the driver: it reports nothing
-        line = (json.dumps(event, ensure_ascii=False, default=str) + "\n").encode("utf-8", "replace")
-        # The code's own output precedes the event on the wire: the server drains
-        # stdout/stderr before it handles each event.
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # the code may have replaced its streams
                 stream.flush()
+        self.send(event)
+
+    def send(self, event: dict[str, Any]) -> None:
+        if os.getpid() != self.pid:
+            return
+        line = (json.dumps(event, ensure_ascii=False, default=str) + "\n").encode("utf-8", "replace")
         with self._lock:
             view = memoryview(line)
             while view:
                 written = os.write(self._fd, view)
                 view = view[written:]
+
+
+class EventStream(io.TextIOBase):
+    """The code's sys.stdout / sys.stderr: line-buffered text sent as `stream` events.
+
+    Going through the event pipe keeps print() output in program order with
+    display/result/error events. Descriptor-level writes (C code, subprocesses,
+    `.buffer`) still go straight to fd 1/2. A process the code forked is not the
+    driver: its Python-level output goes to the descriptor directly.
+    """
+
+    CHUNK = 32768
+
+    def __init__(self, events: Events, name: str, fd: int) -> None:
+        self._events = events
+        self._name = name
+        self._fd = fd
+        self._pending: list[str] = []
+        self._lock = threading.RLock()
+        self.buffer = io.BufferedWriter(io.FileIO(fd, "w", closefd=False))
+        os.register_at_fork(after_in_child=self._reset_lock)
+
+    def _reset_lock(self) -> None:
+        self._lock = threading.RLock()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    @property
+    def errors(self) -> str:  # type: ignore[override]
+        return "backslashreplace"
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        with self._lock:
+            self._pending.append(text)
+            if "\n" in text or sum(map(len, self._pending)) >= self.CHUNK:
+                self.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._pending:
+                return
+            text, self._pending = "".join(self._pending), []
+        if os.getpid() != self._events.pid:
+            os.write(self._fd, text.encode("utf-8", "backslashreplace"))
+            return
+        for start in range(0, len(text), self.CHUNK):
+            self._events.send({"ev": "stream", "name": self._name, "text": text[start:start + self.CHUNK]})
 
 
 class StdinBuffer(io.TextIOBase):
@@ -447,12 +512,10 @@ def main() -> None:
     # No core dumps: a crash must not write the process's memory to disk, and the hard
     # limit of 0 cannot be raised again by the code.
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    # Line-buffered like a terminal: print() reaches the server as one write per line;
-    # partial lines go out on flush(), before any event and at the end of the cell.
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                  errors="backslashreplace", line_buffering=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                  errors="backslashreplace", line_buffering=True)
+    # Line-buffered like a terminal; partial lines go out on flush(), before any event
+    # and at the end of the cell.
+    sys.stdout = EventStream(events, "stdout", 1)
+    sys.stderr = EventStream(events, "stderr", 2)
     if RUNTIME not in sys.path:
         sys.path.append(RUNTIME)  # appliance_mpl (the matplotlib backend) lives beside us
     signal.signal(signal.SIGINT, signal.default_int_handler)

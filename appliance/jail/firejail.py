@@ -20,8 +20,12 @@ def render_argv(spec: JailSpec, events_fd: int, firejail: str = "firejail") -> l
         "--noroot", "--caps.drop=all", "--nonewprivs", "--seccomp",
         "--seccomp.block-secondary", "--restrict-namespaces",
     ]
-    # 2. Network: a fresh namespace with only a loopback interface.
-    argv += ["--net=none"]
+    # 2. Network: a fresh namespace with only a loopback interface; or, in egress mode, the
+    #    filtered namespace appliance.jail.network made (firejail is started inside it and
+    #    must not make another), with the configured resolvers as the jail's resolv.conf.
+    if spec.netns is None:
+        argv += ["--net=none"]
+    argv += [f"--dns={server}" for server in spec.dns]
     # 3. Filesystem: the run directory as /workspace (= HOME, cwd); private /tmp, /dev, /etc;
     #    everything at the top level that is not needed is blacklisted; the Python
     #    environment and the runtime are whitelisted and read-only.
@@ -30,11 +34,24 @@ def render_argv(spec: JailSpec, events_fd: int, firejail: str = "firejail") -> l
         "--private-tmp", "--private-dev", f"--private-etc={','.join(ETC_FILES)}",
     ]
     argv += [f"--blacklist={path}" for path in spec.hidden]
+    # 3b. Devices. --private-dev brings every /dev/nvidia[0-9]*, nvidiactl, nvidia-uvm and dri
+    #     node of the host along; CPU jails drop them all (--no3d). A GPU jail keeps them,
+    #     blacklists every one it was not given, and may read /sys/module/nvidia* (drivers
+    #     >= 550 need it; firejail blacklists /sys/module whole).
+    if not spec.gpu:
+        argv.append("--no3d")
+    else:
+        argv.append("--noblacklist=/sys/module")
+        argv += [f"--blacklist={path}" for path in spec.gpu_hidden]
     for path in spec.readable:
         argv += [f"--whitelist={path}", f"--read-only={path}"]
     # 4. Limits (per process; the user namespace makes RLIMIT_NPROC count this jail only).
-    if spec.limits.memory_mb is not None:
+    #    GPU jails get no RLIMIT_AS (CUDA reserves huge virtual ranges): the GPU watchdog
+    #    caps their resident memory instead.
+    if spec.limits.memory_mb is not None and not spec.gpu:
         argv.append(f"--rlimit-as={spec.limits.memory_mb * MIB}")
+    if spec.nice:
+        argv.append(f"--nice={spec.nice}")
     argv += [
         f"--rlimit-nproc={spec.limits.max_procs}",
         f"--rlimit-fsize={spec.limits.file_mb * MIB}",

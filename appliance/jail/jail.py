@@ -11,6 +11,7 @@ and `Jail.destroy()` undoes all of it, whatever happened.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -19,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import JailFailure
+from appliance.gpu.devices import GpuDevice
 from appliance.jail import checks
 from appliance.jail.firejail import launcher_env, render_argv
 from appliance.jail.host import HostFacts
-from appliance.jail.process import Event, JailProcess
+from appliance.jail.network import EgressNetwork, JailLink, enter_argv, expected_interfaces
+from appliance.jail.process import Event, JailProcess, _children
 from appliance.jail.spec import JailLimits, JailSpec, jail_env
 from appliance.jail.workdir import RunDirs
 from appliance.settings import Settings
@@ -43,11 +46,19 @@ class Jail:
     created: float = field(default_factory=time.monotonic)
     check: dict[str, Any] = field(default_factory=dict)
     preload_ms: int = 0
+    link: JailLink | None = None           # egress mode: the jail's own network namespace
+    network: EgressNetwork | None = None
     _destroyed: bool = False
 
     @property
     def alive(self) -> bool:
-        return not self._destroyed and self.process.returncode is None
+        return not self._destroyed and self.process.is_running()
+
+    @property
+    def private_tmp(self) -> Path | None:
+        """The jail's private /tmp (a tmpfs in its mount namespace) as the host sees it."""
+        inner = _children(self.process.pid)
+        return Path(f"/proc/{inner[0]}/root/tmp") if inner else None
 
     async def destroy(self, grace_s: float = 0.0) -> None:
         """Kill every process of the jail, reap them, and remove the run directory."""
@@ -57,23 +68,35 @@ class Jail:
         try:
             await self.process.kill(grace_s)
         finally:
-            await asyncio.to_thread(self.dirs.remove, self.workdir)
+            try:
+                await asyncio.to_thread(self.dirs.remove, self.workdir)
+            finally:
+                if self.network is not None and self.link is not None:
+                    await self.network.release(self.link)
 
 
 class JailFactory:
     """Makes jails for one server: holds the settings and host facts every spec needs."""
 
-    def __init__(self, settings: Settings, host: HostFacts, runtime: Path, dirs: RunDirs) -> None:
+    def __init__(self, settings: Settings, host: HostFacts, runtime: Path, dirs: RunDirs,
+                 network: EgressNetwork | None = None, gpu: GpuDevice | None = None) -> None:
         self.settings = settings
+        self.gpu = gpu  # GPU mode: every jail made here sees only this device
         self.host = host
         self.runtime = runtime
         self.dirs = dirs
-        self.expected = checks.Expected(uid=host.uid, host_pid_ns=host.pid_ns, host_net_ns=host.net_ns)
+        self.network = network
+        self.expected = checks.Expected(uid=host.uid, host_pid_ns=host.pid_ns, host_net_ns=host.net_ns,
+                                        interfaces=expected_interfaces(network is not None))
         self._env = jail_env(settings, settings.python, runtime)
         self._readable = tuple(_python_roots(settings.python)) + (runtime,)
+        if settings.models_dir is not None:
+            self._readable += (settings.models_dir,)
+        if gpu is not None:
+            self._env = tuple(sorted(self._env + (("CUDA_VISIBLE_DEVICES", gpu.uuid),)))
         self.spawned = 0
 
-    def spec(self, workdir: Path) -> JailSpec:
+    def spec(self, workdir: Path, link: JailLink | None = None) -> JailSpec:
         s = self.settings
         return JailSpec(
             workdir=workdir,
@@ -89,24 +112,46 @@ class JailFactory:
             root_entries=self.host.root_entries,
             run_entries=self.host.run_entries,
             env=self._env,
+            netns=link.netns if link is not None else None,
+            dns=s.egress_dns if link is not None else (),
+            devices=self.gpu.nodes if self.gpu else (),
+            gpu=self.gpu is not None,
+            gpu_hidden=self.gpu.hidden if self.gpu else (),
         )
 
-    async def launch(self) -> Jail:
-        """Start and verify a new jail, or raise JailFailure (and leave nothing behind)."""
+    async def launch(self, nice: int = 0) -> Jail:
+        """Start and verify a new jail, or raise JailFailure (and leave nothing behind).
+
+        nice > 0 starts it at lower CPU priority (pool refills); `Jail.process.renice(0)`
+        restores normal priority when it is handed to a run.
+        """
         jail_id = secrets.token_hex(8)
         workdir = await asyncio.to_thread(self.dirs.create, jail_id)
-        spec = self.spec(workdir)
+        link: JailLink | None = None
+        if self.network is not None:  # egress mode: the filtered namespace first, firejail inside it
+            try:
+                link = await self.network.attach(jail_id)
+            except BaseException:
+                await asyncio.to_thread(self.dirs.remove, workdir)
+                raise
+        spec = dataclasses.replace(self.spec(workdir, link), nice=nice)
+        # In egress mode root enters the namespace and drops to the sandbox uid itself.
+        prefix = enter_argv(link, self.host.uid, self.host.gid) if link is not None else []
+        run_as = self.host.run_as_uid if link is None else None
         try:
             process = await JailProcess.spawn(
-                lambda fd: render_argv(spec, fd, self.host.firejail),
-                uid=self.host.run_as_uid, gid=self.host.gid if self.host.run_as_uid is not None else None,
+                lambda fd: prefix + render_argv(spec, fd, self.host.firejail),
+                uid=run_as, gid=self.host.gid if run_as is not None else None,
                 env=launcher_env(), max_event_bytes=self.settings.max_output_bytes + 65536,
             )
         except OSError as exc:
             await asyncio.to_thread(self.dirs.remove, workdir)
+            if link is not None and self.network is not None:
+                await self.network.release(link)
             raise JailFailure(f"could not start firejail: {exc}") from exc
         self.spawned += 1
-        jail = Jail(id=jail_id, workdir=workdir, process=process, dirs=self.dirs)
+        jail = Jail(id=jail_id, workdir=workdir, process=process, dirs=self.dirs, link=link,
+                    network=self.network)
         try:
             ready = await asyncio.wait_for(self._await_ready(jail), READY_TIMEOUT_S)
         except (TimeoutError, JailFailure) as exc:

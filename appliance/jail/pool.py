@@ -2,7 +2,13 @@
 
 A run takes a ready jail (its driver is up and the preload imported), uses it once
 and destroys it. When the pool is empty a run starts a cold jail instead; it never
-fails for want of a pooled one. A jail that dies while idle is dropped and replaced.
+fails for want of a pooled one. A jail that dies, or idles past `max_idle_s`, is
+dropped and replaced.
+
+Sizing: `size` is the floor. The target grows with the arrival rate (Little's law:
+jails consumed while one is being started, with 50% headroom) up to `max_size`, and
+never past what the host's available memory affords at the measured PSS per jail.
+Refills run at nice 10 and at most two at a time, so they never starve running work.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections import deque
 
 from appliance.errors import JailFailure
@@ -17,65 +25,116 @@ from appliance.jail.jail import Jail, JailFactory
 
 log = logging.getLogger("appliance.pool")
 
+REFILL_NICE = 10
+RATE_WINDOW_S = 10.0
+MEMORY_RESERVE_KB = 512 * 1024  # never let warm jails eat the last 512 MiB
+TICK_S = 1.0
+
+
+def mem_available_kb() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
 
 class JailPool:
-    """Keeps `size` ready jails (0 turns pooling off)."""
+    """Keeps between `size` and `max_size` ready jails (size 0 turns pooling off)."""
 
-    def __init__(self, factory: JailFactory, size: int, max_starting: int = 1) -> None:
+    def __init__(self, factory: JailFactory, size: int, max_size: int | None = None,
+                 max_idle_s: float = 600.0) -> None:
         self.factory = factory
         self.size = size
-        self.max_starting = max_starting
+        self.max_size = max(size, max_size if max_size is not None else size)
+        self.max_idle_s = max_idle_s
         self.ready: deque[Jail] = deque()
         self.starting = 0
         self.cold_starts = 0
         self.replaced = 0
+        self.jail_pss_kb = 0
+        self._arrivals: deque[float] = deque()
+        self._start_s: deque[float] = deque(maxlen=20)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._watchers: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._failures = 0
 
     def start(self) -> None:
-        if self._task is None:
+        if self._task is None and self.size > 0:
             self._task = asyncio.create_task(self._refill_loop(), name="pool-refill")
 
     async def take(self) -> Jail:
         """A ready jail from the pool, or a cold-started one when none is ready."""
+        self._arrivals.append(time.monotonic())
+        self._wake.set()
         while self.ready:
             jail = self.ready.popleft()
-            self._wake.set()
             if jail.alive:
+                jail.process.renice(0)  # refills were started nice'd; the run is not
                 return jail
             await jail.destroy()
-        self._wake.set()
         self.cold_starts += 1
         return await self.factory.launch()
 
+    def target(self) -> int:
+        """How many jails should be ready or starting now."""
+        if self.size == 0:
+            return 0
+        now = time.monotonic()
+        while self._arrivals and now - self._arrivals[0] > RATE_WINDOW_S:
+            self._arrivals.popleft()
+        rate = len(self._arrivals) / RATE_WINDOW_S
+        start_s = sum(self._start_s) / len(self._start_s) if self._start_s else 0.5
+        wanted = max(self.size, min(self.max_size, math.ceil(rate * start_s * 1.5)))
+        if wanted > self.size and self.jail_pss_kb > 0:
+            have = len(self.ready) + self.starting
+            affordable = max(0, (mem_available_kb() - MEMORY_RESERVE_KB) // self.jail_pss_kb)
+            wanted = max(self.size, min(wanted, have + affordable))
+        return wanted
+
     async def _refill_loop(self) -> None:
-        failures = 0
         while not self._closing:
-            while not self._closing and len(self.ready) + self.starting < self.size:
-                if self.starting >= self.max_starting:
-                    break
+            await self._retire_stale()
+            target = self.target()
+            parallel = 2 if target - len(self.ready) > 2 else 1
+            while self.starting < parallel and len(self.ready) + self.starting < target:
                 self.starting += 1
-                try:
-                    jail = await self.factory.launch()
-                except JailFailure as exc:
-                    failures += 1
-                    log.error("pool refill failed", extra={"error": exc.message, "failures": failures})
-                    await asyncio.sleep(min(30.0, 0.5 * 2 ** min(failures, 6)))
-                    continue
-                finally:
-                    self.starting -= 1
-                failures = 0
-                if self._closing:
-                    await jail.destroy()
-                    return
-                self.ready.append(jail)
-                watcher = asyncio.create_task(self._watch(jail))
-                self._watchers.add(watcher)
-                watcher.add_done_callback(self._watchers.discard)
+                task = asyncio.create_task(self._start_one())
+                self._watchers.add(task)
+                task.add_done_callback(self._watchers.discard)
+            while len(self.ready) > target and len(self.ready) > self.size:
+                await self.ready.pop().destroy()  # shrink back once the burst is over
             self._wake.clear()
-            await self._wake.wait()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), TICK_S)
+
+    async def _start_one(self) -> None:
+        started = time.monotonic()
+        try:
+            jail = await self.factory.launch(nice=REFILL_NICE)
+        except JailFailure as exc:
+            self._failures += 1
+            log.error("pool refill failed", extra={"error": exc.message, "failures": self._failures})
+            await asyncio.sleep(min(30.0, 0.5 * 2 ** min(self._failures, 6)))
+            return
+        finally:
+            self.starting -= 1
+            self._wake.set()
+        self._failures = 0
+        self._start_s.append(time.monotonic() - started)
+        if self._closing:
+            await jail.destroy()
+            return
+        self.jail_pss_kb = await asyncio.to_thread(jail.process.pss_kb) or self.jail_pss_kb
+        self.ready.append(jail)
+        watcher = asyncio.create_task(self._watch(jail))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
 
     async def _watch(self, jail: Jail) -> None:
         # A jail's driver exiting while it waits in the pool means it is no longer usable.
@@ -87,6 +146,13 @@ class JailPool:
             await jail.destroy()
             self._wake.set()
 
+    async def _retire_stale(self) -> None:
+        now = time.monotonic()
+        for jail in [j for j in self.ready if now - j.created > self.max_idle_s]:
+            self.ready.remove(jail)
+            self.replaced += 1
+            await jail.destroy()
+
     async def close(self) -> None:
         self._closing = True
         self._wake.set()
@@ -96,5 +162,6 @@ class JailPool:
                 await self._task
         for watcher in list(self._watchers):
             watcher.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
         while self.ready:
             await self.ready.popleft().destroy()

@@ -237,6 +237,47 @@ class JailProcess:
                 await proc.wait()
         self._close_all()
 
+    def is_running(self) -> bool:
+        """Not reaped, not a zombie, and its event pipe still open (checked from /proc)."""
+        if self._proc.returncode is not None or self._exited:
+            return False
+        try:
+            with open(f"/proc/{self.pid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state not in ("Z", "X")
+
+    def tree(self) -> list[int]:
+        """firejail's PID and every descendant's (the whole jail)."""
+        found = [self.pid]
+        stack = [self.pid]
+        while stack:
+            for child in _children(stack.pop()):
+                found.append(child)
+                stack.append(child)
+        return found
+
+    def renice(self, value: int) -> None:
+        """Set every process of the jail to this niceness (lowering it needs root)."""
+        for pid in self.tree():
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, pid, value)
+
+    def pss_kb(self) -> int:
+        """Proportional set size of the jail's processes, in KiB (0 where unreadable)."""
+        total = 0
+        for pid in self.tree():
+            try:
+                with open(f"/proc/{pid}/smaps_rollup") as fh:
+                    for line in fh:
+                        if line.startswith("Pss:"):
+                            total += int(line.split()[1])
+                            break
+            except (OSError, ValueError):
+                continue
+        return total
+
     async def wait(self) -> int:
         return await self._proc.wait()
 

@@ -50,6 +50,11 @@ class JailSpec:
     run_entries: tuple[str, ...]      # names found in the host's /run (firejail needs /run itself)
     env: tuple[tuple[str, str], ...]  # the jail's whole environment (besides firejail's own)
     devices: tuple[Path, ...] = ()    # extra /dev nodes (GPU mode); none in CPU mode
+    nice: int = 0                     # pool refills start at lower priority than running work
+    netns: str | None = None          # egress mode: the prepared namespace the jail starts in
+    dns: tuple[str, ...] = ()         # egress mode with 53 open: the jail's only resolvers
+    gpu: bool = False                 # GPU mode: CUDA-capable jail (no RLIMIT_AS, GPU nodes)
+    gpu_hidden: tuple[Path, ...] = () # GPU mode: host GPU nodes and /sys/module entries to hide
 
     @property
     def hidden(self) -> tuple[Path, ...]:
@@ -83,4 +88,6 @@ def jail_env(settings: Settings, python: Path, runtime: Path) -> tuple[tuple[str
         "TMPDIR": "/tmp",
         "APPLIANCE_PRELOAD": ",".join(settings.preload),
     }
+    if settings.models_dir is not None:  # read by appliance.tools: models load only from here
+        env["SANDBOX_MODELS_DIR"] = str(settings.models_dir)
     return tuple(sorted(env.items()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -21,6 +22,9 @@ from appliance.errors import StartupError
 
 RUNTIME_FILES = ("driver.py", "appliance_mpl.py")
 SOURCE_DIR = Path(__file__).resolve().parent
+# appliance/tools/ is staged as the package `appliance.tools` (runtime/appliance/tools/), so
+# jailed code can import it; nothing else of the server side goes into the runtime.
+TOOLS_DIR = SOURCE_DIR.parent / "tools"
 
 
 class RunDirs:
@@ -53,6 +57,9 @@ class RunDirs:
             except ValueError:
                 continue
             if not _alive(pid):
+                # Jails of a server that died (kill -9) outlive it: firejail is setuid, so no
+                # parent-death signal reaches it. Kill them before their directories go.
+                kill_jails_under(entry)
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry)
         return removed
@@ -101,6 +108,8 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
     digest = hashlib.sha256()
     for name in RUNTIME_FILES:
         digest.update((SOURCE_DIR / name).read_bytes())
+    for tool in _tool_files():
+        digest.update(tool.name.encode() + tool.read_bytes())
     digest.update(str(python).encode())
     target = tmp_root / "appliance" / f"runtime-{digest.hexdigest()[:16]}"
     if (target / "ready").exists():
@@ -110,6 +119,10 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
     try:
         for name in RUNTIME_FILES:
             shutil.copyfile(SOURCE_DIR / name, staging / name)
+        (staging / "appliance" / "tools").mkdir(parents=True)
+        (staging / "appliance" / "__init__.py").write_text('"""In-jail tools only."""\n')
+        for tool in _tool_files():
+            shutil.copyfile(tool, staging / "appliance" / "tools" / tool.name)
         mpl = staging / "matplotlib"
         mpl.mkdir()
         env = {"MPLCONFIGDIR": str(mpl), "PATH": "/usr/bin:/bin", "MPLBACKEND": "Agg"}
@@ -131,6 +144,35 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _tool_files() -> list[Path]:
+    return sorted(TOOLS_DIR.glob("*.py"))
+
+
+def kill_jails_under(instance: Path) -> list[int]:
+    """SIGKILL every firejail whose --private run directory lies under instance; returns their pids.
+
+    Killing the firejail processes ends each jail's PID namespace, and with it every process
+    the code started there.
+    """
+    prefix = f"--private={instance}/".encode()
+    killed: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                args = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.startswith(prefix) for arg in args):
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+            except OSError:
+                continue
+    return killed
 
 
 def _alive(pid: int) -> bool:

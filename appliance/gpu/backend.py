@@ -1,0 +1,57 @@
+"""The one seam between the appliance and the GPUs: `GpuBackend`, with plain data in and out.
+
+Two implementations: `appliance.gpu.nvml.NvmlBackend` (the real one, over NVML) and
+`appliance.gpu.simulated.SimulatedBackend` (for machines without a GPU). The rest of the
+code never sees NVML types or errors: a backend raises `GpuBackendError` only.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+
+class GpuBackendError(Exception):
+    """The backend could not answer (driver gone, NVML error, injected fault)."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU as the backend sees it; memory in MiB."""
+
+    index: int      # NVML index == /dev/nvidia<minor> on ordinary hosts (see `minor`)
+    uuid: str
+    name: str
+    total_mb: int
+    used_mb: int
+    minor: int      # the /dev/nvidia<minor> node of this device
+
+
+@dataclass(frozen=True)
+class ProcessUsage:
+    """GPU memory one host process holds on one device (MiB)."""
+
+    pid: int
+    uuid: str
+    used_mb: int
+
+
+class GpuBackend(abc.ABC):
+    """What the ledger, the watchdog and /readyz need to know about the GPUs."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def devices(self) -> list[Device]:
+        """Every device with its current total and used memory."""
+
+    @abc.abstractmethod
+    def processes(self) -> list[ProcessUsage]:
+        """Per-PID memory use on every device (host PIDs, as the server sees them)."""
+
+    @abc.abstractmethod
+    def mps_active(self) -> bool:
+        """Whether a CUDA MPS control daemon serves these GPUs (daemon-side limits possible)."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook: most backends hold nothing)
+        """Release the backend (NVML shutdown); idempotent."""

@@ -1,0 +1,188 @@
+"""GPU memory reservations per device (by UUID), with a strict FIFO queue.
+
+A run asks for `memory_mb`. It is admitted to a device where
+
+    reserved (all grants on it) + memory_mb + margin + foreign <= total
+
+(`foreign` = memory used on the device by anything that is not a run's reservation,
+learned by reconciling with the backend); among the devices that fit, the one with the
+most room left wins. Otherwise it waits in one FIFO queue: the head blocks those behind
+it, so a big request is never starved by small ones. A request that could not fit even
+on an empty device is rejected at once, never queued; a wait longer than `max_wait_ms`
+ends `busy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.errors import Busy, RequestRejected
+from appliance.gpu.backend import Device, ProcessUsage
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A reservation: `memory_mb` on device `index`/`uuid` (node /dev/nvidia<minor>)."""
+
+    ticket: int
+    index: int
+    uuid: str
+    minor: int
+    memory_mb: int
+    queued_ms: int
+
+    def frame(self) -> dict[str, Any]:
+        """The `gpu` field of the `start` frame."""
+        return {"index": self.index, "uuid": self.uuid, "memory_mb": self.memory_mb}
+
+
+@dataclass
+class DeviceBook:
+    index: int
+    uuid: str
+    minor: int
+    total_mb: int
+    foreign_mb: int = 0
+    grants: dict[int, int] = field(default_factory=dict)  # ticket -> MiB
+
+    @property
+    def reserved_mb(self) -> int:
+        return sum(self.grants.values())
+
+    def room_mb(self, margin_mb: int) -> int:
+        return self.total_mb - self.reserved_mb - self.foreign_mb - margin_mb
+
+
+@dataclass
+class _Waiter:
+    ticket: int
+    memory_mb: int
+    started: float
+    future: asyncio.Future[Grant]
+
+
+class GpuLedger:
+    """Reservations for every device; all methods run on the event loop (no locking needed)."""
+
+    def __init__(self, devices: Iterable[Device], margin_mb: int, max_wait_ms: int) -> None:
+        self.margin_mb = margin_mb
+        self.max_wait_ms = max_wait_ms
+        self.books: dict[str, DeviceBook] = {}
+        self._queue: deque[_Waiter] = deque()
+        self._tickets = itertools.count(1)
+        self.reconciles = 0
+        self.load(devices, processes=(), ours=())
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def load(self, devices: Iterable[Device], processes: Iterable[ProcessUsage], ours: Iterable[int]) -> None:
+        """Reconcile with what the backend reports: totals, and memory used by non-runs.
+
+        `ours` are the host PIDs of running runs: their usage is covered by their grants;
+        everything else a device reports as used is foreign.
+        """
+        ours_set = set(ours)
+        ours_used: dict[str, int] = {}
+        for proc in processes:
+            if proc.pid in ours_set:
+                ours_used[proc.uuid] = ours_used.get(proc.uuid, 0) + proc.used_mb
+        seen = set()
+        for dev in devices:
+            seen.add(dev.uuid)
+            book = self.books.get(dev.uuid)
+            if book is None:
+                book = self.books[dev.uuid] = DeviceBook(dev.index, dev.uuid, dev.minor, dev.total_mb)
+            book.index, book.minor, book.total_mb = dev.index, dev.minor, dev.total_mb
+            book.foreign_mb = max(0, dev.used_mb - ours_used.get(dev.uuid, 0))
+        for uuid in list(self.books):
+            if uuid not in seen and not self.books[uuid].grants:
+                del self.books[uuid]  # a device that vanished takes no new runs
+            elif uuid not in seen:
+                self.books[uuid].total_mb = 0
+        self.reconciles += 1
+        self._pump()
+
+    def snapshot(self) -> list[dict[str, int | str]]:
+        """Per-device totals for /metrics, /readyz and the benchmark."""
+        return [{"index": b.index, "uuid": b.uuid, "total_mb": b.total_mb, "reserved_mb": b.reserved_mb,
+                 "foreign_mb": b.foreign_mb, "runs": len(b.grants)} for b in self._ordered()]
+
+    # -- admission ---------------------------------------------------------------------------
+    async def acquire(self, memory_mb: int) -> Grant:
+        """A grant for memory_mb, now or after waiting in line; RequestRejected / Busy otherwise."""
+        if memory_mb <= 0:
+            raise RequestRejected("'gpu.memory_mb' must be a positive integer")
+        largest = max((b.total_mb for b in self.books.values()), default=0)
+        if memory_mb + self.margin_mb > largest:
+            raise RequestRejected(
+                f"gpu.memory_mb={memory_mb} can never fit: the largest GPU has {largest} MiB "
+                f"and {self.margin_mb} MiB are kept as margin (SANDBOX_GPU_MARGIN_MB)")
+        waiter = _Waiter(next(self._tickets), memory_mb, time.monotonic(),
+                         asyncio.get_running_loop().create_future())
+        self._queue.append(waiter)
+        self._pump()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), self.max_wait_ms / 1000)
+        except TimeoutError:
+            self._abandon(waiter)
+            raise Busy(f"no GPU had {memory_mb} MiB free within {self.max_wait_ms} ms "
+                       f"(SANDBOX_GPU_QUEUE_MS); try again later") from None
+        except BaseException:
+            self._abandon(waiter)
+            raise
+
+    def release(self, grant: Grant) -> None:
+        """Return a grant's memory and admit whoever now fits."""
+        book = self.books.get(grant.uuid)
+        if book is not None:
+            book.grants.pop(grant.ticket, None)
+        self._pump()
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+        elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+            self.release(waiter.future.result())  # granted just as we gave up: hand it back
+        if not waiter.future.done():
+            waiter.future.cancel()
+        self._pump()
+
+    def _pump(self) -> None:
+        """Admit from the head of the queue while the head fits; reject heads that never can."""
+        largest = max((b.total_mb for b in self.books.values()), default=0)
+        while self._queue:
+            head = self._queue[0]
+            if head.future.done():
+                self._queue.popleft()
+                continue
+            if head.memory_mb + self.margin_mb > largest:  # devices shrank or vanished
+                self._queue.popleft()
+                head.future.set_exception(RequestRejected(
+                    f"gpu.memory_mb={head.memory_mb} can no longer fit on any GPU"))
+                continue
+            book = self._best_fit(head.memory_mb)
+            if book is None:
+                return
+            self._queue.popleft()
+            book.grants[head.ticket] = head.memory_mb
+            head.future.set_result(Grant(
+                ticket=head.ticket, index=book.index, uuid=book.uuid, minor=book.minor,
+                memory_mb=head.memory_mb, queued_ms=int((time.monotonic() - head.started) * 1000)))
+
+    def _best_fit(self, memory_mb: int) -> DeviceBook | None:
+        fitting = [b for b in self._ordered() if b.room_mb(self.margin_mb) >= memory_mb]
+        if not fitting:
+            return None
+        return max(fitting, key=lambda b: (b.room_mb(self.margin_mb), -b.index))
+
+    def _ordered(self) -> list[DeviceBook]:
+        return sorted(self.books.values(), key=lambda b: b.index)

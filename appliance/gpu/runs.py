@@ -1,0 +1,165 @@
+"""GPU mode for the run service: backend, ledger, watchdog and one jail pool per device.
+
+`Appliance` (service.py) calls, in order: `GpuRuns.open(settings)` at startup (a
+missing driver stops startup here), `start(make_factory)`, then per run
+`grant()` -> `take_jail()` -> `watch()` -> release on leaving `grant()`, which also
+reconciles the ledger with the backend at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from appliance.errors import RequestRejected, RunLimit, StartupError
+from appliance.gpu.backend import GpuBackend, GpuBackendError
+from appliance.gpu.devices import GpuDevice, gpu_device
+from appliance.gpu.ledger import GpuLedger, Grant
+from appliance.gpu.watchdog import GpuWatchdog
+from appliance.jail.jail import Jail, JailFactory
+from appliance.jail.pool import JailPool
+from appliance.protocol import ExecuteRequest
+from appliance.runner import Violation
+from appliance.settings import Settings
+from appliance.tools.models import GRANT_FILE
+
+log = logging.getLogger("appliance.gpu")
+
+
+def open_backend(settings: Settings) -> GpuBackend:
+    """The backend SANDBOX_GPU_BACKEND names; StartupError (clear, actionable) if it cannot start."""
+    if settings.gpu_backend == "simulated":
+        from appliance.gpu.simulated import SimulatedBackend
+
+        return SimulatedBackend(settings.gpu_simulate_mb, settings.gpu_simulate_file)
+    from appliance.gpu.nvml import NvmlBackend  # the only import of NVML, and only here
+
+    try:
+        return NvmlBackend()
+    except GpuBackendError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+class GpuRuns:
+    """Everything GPU mode adds to a run."""
+
+    def __init__(self, settings: Settings, backend: GpuBackend) -> None:
+        self.settings = settings
+        self.backend = backend
+        try:
+            devices = backend.devices()
+            processes = backend.processes()
+        except GpuBackendError as exc:
+            raise StartupError(f"SANDBOX_GPU=1 but the GPUs could not be read: {exc}") from exc
+        if not devices:
+            raise StartupError("SANDBOX_GPU=1 but no GPU was found")
+        self.ledger = GpuLedger(devices, settings.gpu_margin_mb, settings.gpu_queue_ms)
+        self.ledger.load(devices, processes, ours=())  # startup reconciliation: all in use is foreign
+        self.devices = {d.uuid: d for d in devices}
+        self.watchdog = GpuWatchdog(
+            backend, self.ledger, margin_mb=settings.gpu_margin_mb, host_memory_mb=settings.memory_mb,
+            interval_s=settings.gpu_poll_ms / 1000)
+        self.pools: dict[str, JailPool] = {}
+        self.factories: dict[str, JailFactory] = {}
+
+    @classmethod
+    def open(cls, settings: Settings) -> GpuRuns:
+        backend = open_backend(settings)
+        try:
+            return cls(settings, backend)
+        except BaseException:
+            backend.close()
+            raise
+
+    def start(self, make_factory: Callable[[GpuDevice], JailFactory]) -> None:
+        """One factory and warm pool per device; start the watchdog."""
+        for dev in self.devices.values():
+            factory = make_factory(gpu_device(dev.index, dev.uuid, dev.minor))
+            self.factories[dev.uuid] = factory
+            pool = JailPool(factory, self.settings.pool_size)
+            pool.start()
+            self.pools[dev.uuid] = pool
+        self.watchdog.start()
+        log.info("GPU mode started", extra={"backend": self.backend.name, "devices": self.ledger.snapshot()})
+
+    async def close(self) -> None:
+        await self.watchdog.close()
+        for pool in self.pools.values():
+            await pool.close()
+        self.backend.close()
+
+    # -- per run ---------------------------------------------------------------------------
+    def budget_mb(self, req: ExecuteRequest) -> int:
+        """The run's GPU budget: its own, else SANDBOX_GPU_DEFAULT_MB (0: the run gets no GPU)."""
+        return req.gpu.memory_mb if req.gpu is not None else self.settings.gpu_default_mb
+
+    @contextlib.asynccontextmanager
+    async def grant(self, req: ExecuteRequest) -> AsyncIterator[Grant | None]:
+        """Hold a GPU reservation for the run (None when it runs without a GPU)."""
+        mb = self.budget_mb(req)
+        if mb <= 0:
+            yield None
+            return
+        if req.session is not None:
+            # A session would hold GPU memory between requests, unseen by the ledger's queue.
+            raise RequestRejected("sessions are not available for GPU runs; send one-shot requests")
+        if not self.watchdog.healthy and self.watchdog.faults >= self.watchdog.fault_grace:
+            raise RequestRejected(f"GPU runs are paused: the GPU backend fails ({self.watchdog.last_error})")
+        grant = await self.ledger.acquire(mb)
+        try:
+            yield grant
+        finally:
+            self.ledger.release(grant)
+            with contextlib.suppress(Exception):  # reconcile at once; the watchdog retries anyway
+                await self.watchdog.check()
+
+    async def take_jail(self, grant: Grant) -> Jail:
+        return await self.pools[grant.uuid].take()
+
+    @contextlib.contextmanager
+    def watch(self, key: str, jail: Jail, grant: Grant) -> Iterator[None]:
+        """Let the watchdog stop this run (a Violation on its jail's queue) while it runs."""
+        def stop(error: RunLimit) -> None:
+            jail.process.items.put_nowait(Violation(error))  # type: ignore[arg-type]
+
+        self.watchdog.watch(key, jail.process.pid, grant, stop)
+        try:
+            yield
+        finally:
+            self.watchdog.unwatch(key)
+
+    async def write_grant(self, jail: Jail, grant: Grant) -> None:
+        """Tell the tools inside the jail their budget (shaping reads it; it enforces nothing)."""
+        body = {**grant.frame(), "margin_mb": self.settings.gpu_margin_mb}
+        await asyncio.to_thread(_write_file, jail.workdir / GRANT_FILE, json.dumps(body))
+
+    # -- readiness -------------------------------------------------------------------------
+    def layers(self) -> dict[str, Any]:
+        """Each enforcement layer and whether it works now (for /readyz)."""
+        mps = False
+        with contextlib.suppress(Exception):
+            mps = self.backend.mps_active()
+        return {
+            "backend": self.backend.name,
+            "devices": self.ledger.snapshot(),
+            "queued": self.ledger.waiting,
+            "watchdog": {"available": self.watchdog.healthy, "polls": self.watchdog.polls,
+                         "error": self.watchdog.last_error},
+            "mps": {"available": mps, "enforcing": False,
+                    "note": "an MPS daemon was found; per-client limits are set on the daemon side only "
+                            "(see docs/gpu.md)" if mps else "no CUDA MPS control daemon on this host"},
+            "shaping": {"available": importlib.util.find_spec("llama_cpp") is not None},
+        }
+
+
+def _write_file(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)

@@ -1,0 +1,148 @@
+"""A simulated GPU backend: devices with total/used memory, per-PID usage, injectable faults.
+
+Used by tests and the CPU benchmark on machines without a GPU. Its state comes from
+two places, both optional:
+
+- in-process calls (`set_usage`, `set_foreign_mb`, `inject_fault`), for unit tests and
+  the benchmark;
+- a JSON control file (`SANDBOX_GPU_SIMULATE_FILE`), re-read whenever it changes, so a
+  test can drive a real server from outside::
+
+      {"processes": [{"pid": 4242, "gpu": 0, "used_mb": 5000}],
+       "foreign_mb": {"0": 1024},
+       "fault": null}
+
+  `processes` are host PIDs (as the server sees them) and the memory each "uses";
+  `foreign_mb` is memory held on a device by something that is not a run (another
+  tenant, the driver); `fault`, when a string, makes every call fail with it, like an
+  NVML error.
+
+Device `i` has UUID `GPU-SIM-<i>` and device node minor `i`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from appliance.gpu.backend import Device, GpuBackend, GpuBackendError, ProcessUsage
+
+SPEC_RE = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*$")
+
+
+def parse_spec(spec: str) -> tuple[int, ...]:
+    """'2x16384' or '16384,8192' -> device totals in MiB; ValueError if malformed."""
+    totals: list[int] = []
+    for part in spec.split(","):
+        match = SPEC_RE.match(part)
+        if not match:
+            raise ValueError(f"{part.strip()!r} is not COUNTxMIB or MIB")
+        count = int(match.group(1) or 1)
+        total = int(match.group(2))
+        if count < 1 or total < 1:
+            raise ValueError(f"{part.strip()!r}: count and MiB must be positive")
+        totals += [total] * count
+    if not totals:
+        raise ValueError("no devices")
+    return tuple(totals)
+
+
+class SimulatedBackend(GpuBackend):
+    """Devices that exist only in memory; thread-safe (the watchdog polls from a thread)."""
+
+    name = "simulated"
+
+    def __init__(self, totals_mb: tuple[int, ...], control_file: Path | None = None,
+                 mps: bool = False) -> None:
+        self._totals = totals_mb
+        self._control = control_file
+        self._mps = mps
+        self._lock = threading.Lock()
+        self._usage: dict[int, tuple[int, int]] = {}   # pid -> (device index, MiB)
+        self._foreign: dict[int, int] = {}
+        self._fault: str | None = None
+        self._file_mtime: int | None = None
+        self._file_state: dict[str, Any] = {}
+        self.calls = 0
+
+    # -- test hooks ------------------------------------------------------------------------
+    def set_usage(self, pid: int, index: int, used_mb: int) -> None:
+        """Make host process `pid` use `used_mb` MiB on device `index` (0 removes it)."""
+        with self._lock:
+            if used_mb <= 0:
+                self._usage.pop(pid, None)
+            else:
+                self._usage[pid] = (index, used_mb)
+
+    def set_foreign_mb(self, index: int, used_mb: int) -> None:
+        """Memory held on device `index` by something other than a run."""
+        with self._lock:
+            self._foreign[index] = used_mb
+
+    def inject_fault(self, message: str | None) -> None:
+        """Make every call fail with `message` (None clears the fault)."""
+        with self._lock:
+            self._fault = message
+
+    # -- GpuBackend ------------------------------------------------------------------------
+    def devices(self) -> list[Device]:
+        usage, foreign = self._state()
+        out = []
+        for i, total in enumerate(self._totals):
+            used = foreign.get(i, 0) + sum(mb for dev, mb in usage.values() if dev == i)
+            out.append(Device(index=i, uuid=f"GPU-SIM-{i}", name="Simulated GPU", total_mb=total,
+                              used_mb=min(used, total), minor=i))
+        return out
+
+    def processes(self) -> list[ProcessUsage]:
+        usage, _ = self._state()
+        return [ProcessUsage(pid=pid, uuid=f"GPU-SIM-{dev}", used_mb=mb)
+                for pid, (dev, mb) in sorted(usage.items()) if 0 <= dev < len(self._totals)]
+
+    def mps_active(self) -> bool:
+        return self._mps
+
+    # -- internals -------------------------------------------------------------------------
+    def _state(self) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
+        with self._lock:
+            self.calls += 1
+            file_state = self._read_control()
+            fault = self._fault or file_state.get("fault")
+            if fault:
+                raise GpuBackendError(f"simulated fault: {fault}")
+            usage = dict(self._usage)
+            foreign = dict(self._foreign)
+        for item in file_state.get("processes") or []:
+            try:
+                usage[int(item["pid"])] = (int(item.get("gpu", 0)), int(item["used_mb"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+        for key, value in (file_state.get("foreign_mb") or {}).items():
+            try:
+                foreign[int(key)] = int(value)
+            except (TypeError, ValueError):
+                continue
+        return usage, foreign
+
+    def _read_control(self) -> dict[str, Any]:
+        if self._control is None:
+            return {}
+        try:
+            mtime = os.stat(self._control).st_mtime_ns
+        except FileNotFoundError:
+            self._file_state = {}
+            return {}
+        except OSError as exc:
+            raise GpuBackendError(f"simulated control file unreadable: {exc}") from exc
+        if mtime != self._file_mtime:
+            try:
+                state = json.loads(self._control.read_text())
+            except (OSError, ValueError):
+                return self._file_state  # half-written: keep the last good state
+            self._file_state = state if isinstance(state, dict) else {}
+            self._file_mtime = mtime
+        return self._file_state

@@ -1,0 +1,205 @@
+"""The GPU watchdog: polls per-PID GPU memory, maps host PIDs to runs, stops over-budget runs.
+
+A jail's processes are not the server's children (firejail forks them), so a run is
+known by its root: the firejail PID. Its processes are that PID and every descendant,
+found through `/proc/<pid>/task/<tid>/children`. Each poll (in a thread) reads the
+backend once, sums each run's usage, and reports:
+
+- runs whose GPU memory exceeds their grant + margin (-> `gpu_memory_limit`);
+- runs whose resident host memory exceeds SANDBOX_MEMORY_MB (GPU jails have no
+  RLIMIT_AS, so this is their host memory cap -> `memory_limit`);
+- a backend fault: after `fault_grace` consecutive failures every watched run is
+  stopped (`internal`), since its budget can no longer be enforced (fail closed).
+
+The same poll reconciles the ledger, so queued runs see freed memory promptly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from appliance.errors import GpuMemoryLimit, MemoryLimit, RunLimit
+from appliance.gpu.backend import Device, GpuBackend, GpuBackendError, ProcessUsage
+from appliance.gpu.ledger import GpuLedger, Grant
+
+log = logging.getLogger("appliance.gpu")
+
+PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+class GpuMonitorFailed(RunLimit):
+    """GPU memory could not be measured, so the budget could not be enforced."""
+
+    status = "internal"
+
+
+def descendants(root: int) -> set[int]:
+    """root and every process below it (all threads' children), as far as /proc shows."""
+    found = {root}
+    stack = [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                    kids = [int(k) for k in fh.read().split()]
+            except (OSError, ValueError):
+                continue
+            for kid in kids:
+                if kid not in found:
+                    found.add(kid)
+                    stack.append(kid)
+    return found
+
+
+def rss_mb(pids: set[int]) -> int:
+    """Resident memory of these processes together, in MiB (shared pages counted per process)."""
+    total_pages = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/statm") as fh:
+                total_pages += int(fh.read().split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total_pages * PAGE_KB // 1024
+
+
+@dataclass
+class WatchedRun:
+    key: str
+    root_pid: int
+    grant: Grant
+    stop: Callable[[RunLimit], None]   # called once, on the event loop, to end the run
+    peak_mb: int = 0
+    stopped: bool = False
+
+
+@dataclass
+class PollResult:
+    devices: list[Device]
+    processes: list[ProcessUsage]
+    pids: dict[str, set[int]] = field(default_factory=dict)      # run key -> its host PIDs
+    gpu_mb: dict[str, int] = field(default_factory=dict)         # run key -> GPU MiB in use
+    host_mb: dict[str, int] = field(default_factory=dict)        # run key -> resident MiB
+
+
+class GpuWatchdog:
+    """Polls the backend every `interval_s`; one instance per server."""
+
+    def __init__(self, backend: GpuBackend, ledger: GpuLedger, *, margin_mb: int, host_memory_mb: int | None,
+                 interval_s: float, fault_grace: int = 3) -> None:
+        self.backend = backend
+        self.ledger = ledger
+        self.margin_mb = margin_mb
+        self.host_memory_mb = host_memory_mb
+        self.interval_s = interval_s
+        self.fault_grace = fault_grace
+        self.runs: dict[str, WatchedRun] = {}
+        self.faults = 0
+        self.last_error: str | None = None
+        self.polls = 0
+        self.kills = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """False while the backend fails: budgets are not being enforced."""
+        return self.faults == 0
+
+    def watch(self, key: str, root_pid: int, grant: Grant, stop: Callable[[RunLimit], None]) -> None:
+        self.runs[key] = WatchedRun(key, root_pid, grant, stop)
+
+    def unwatch(self, key: str) -> WatchedRun | None:
+        return self.runs.pop(key, None)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="gpu-watchdog")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            await self.check()
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+
+    async def check(self) -> PollResult | None:
+        """One poll: measure, reconcile, stop what broke its budget. Returns the measurement."""
+        roots = {key: run.root_pid for key, run in self.runs.items()}
+        try:
+            result = await asyncio.to_thread(self.measure, roots)
+        except GpuBackendError as exc:
+            self._on_fault(str(exc))
+            return None
+        if self.faults:
+            log.warning("GPU backend recovered", extra={"after_faults": self.faults})
+        self.faults = 0
+        self.last_error = None
+        self.polls += 1
+        ours = set().union(*result.pids.values()) if result.pids else set()
+        self.ledger.load(result.devices, result.processes, ours)
+        for key, used in result.gpu_mb.items():
+            run = self.runs.get(key)
+            if run is None or run.stopped:
+                continue
+            run.peak_mb = max(run.peak_mb, used)
+            limit = run.grant.memory_mb + self.margin_mb
+            if used > limit:
+                self._stop(run, GpuMemoryLimit(
+                    f"the run used {used} MiB of GPU memory; its budget is {run.grant.memory_mb} MiB "
+                    f"(+{self.margin_mb} MiB margin)"))
+        if self.host_memory_mb is not None:
+            for key, used in result.host_mb.items():
+                run = self.runs.get(key)
+                if run is not None and not run.stopped and used > self.host_memory_mb:
+                    self._stop(run, MemoryLimit(
+                        f"the run used {used} MiB of host memory (SANDBOX_MEMORY_MB={self.host_memory_mb})"))
+        return result
+
+    def measure(self, roots: dict[str, int]) -> PollResult:
+        """Backend + /proc in one go (blocking; runs in a thread)."""
+        devices = self.backend.devices()
+        processes = self.backend.processes()
+        result = PollResult(devices, processes)
+        by_pid: dict[int, int] = {}
+        for proc in processes:
+            by_pid[proc.pid] = by_pid.get(proc.pid, 0) + proc.used_mb
+        for key, root in roots.items():
+            pids = descendants(root)
+            result.pids[key] = pids
+            result.gpu_mb[key] = sum(by_pid.get(pid, 0) for pid in pids)
+            if self.host_memory_mb is not None:
+                result.host_mb[key] = rss_mb(pids)
+        return result
+
+    def _on_fault(self, message: str) -> None:
+        self.faults += 1
+        self.last_error = message
+        log.error("GPU backend failed", extra={"error": message, "consecutive": self.faults})
+        if self.faults >= self.fault_grace:
+            for run in list(self.runs.values()):
+                if not run.stopped:
+                    self._stop(run, GpuMonitorFailed(
+                        "GPU memory could not be measured (the GPU backend failed), so the run's "
+                        "budget could not be enforced; it was stopped"))
+
+    def _stop(self, run: WatchedRun, error: RunLimit) -> None:
+        run.stopped = True
+        self.kills += 1
+        log.warning("stopping run", extra={"run": run.key, "reason": error.message})
+        run.stop(error)

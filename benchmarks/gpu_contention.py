@@ -1,0 +1,268 @@
+"""GPU contention benchmark: N = 1, 2, 4, 8, 16 concurrent runs of a fixed mix sharing GPUs.
+
+Two modes, one report format (JSON + Markdown + PNG chart under benchmarks/results/):
+
+- `--simulated` (default; any machine): the appliance's real GpuLedger and GpuWatchdog
+  against the simulated backend (one 16 GiB device). Each run is a real process tree
+  (`sleep`), whose host PID the simulated backend reports as using GPU memory, so the
+  watchdog maps PIDs to runs exactly as in production. What is simulated: the GPU and the
+  models' memory curves. What is real: admission, the FIFO queue, reconciliation, the
+  PID-tree mapping and the kills.
+- `--server ws://HOST:PORT/exec` (a real GPU host, see benchmarks/gpu_real.sh): the same
+  mix as real requests to a running appliance with SANDBOX_GPU=1; each run allocates its
+  GPU memory through the CUDA driver API (libcuda via ctypes) inside its jail.
+
+The mix, per 8 runs: 3 llama (3.5 GiB budget, uses 3 GiB), 1 llama that overruns (uses
+budget + margin + 512 MiB -> gpu_memory_limit), 2 whisper (1 GiB, uses 800 MiB), 1 CPU-only
+(no GPU), 1 oversized (20 GiB -> rejected). Admitted budgets of N=16 sum to 2x the device.
+Samples of device memory are taken at 4 Hz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEVICE_MB = 16384
+MARGIN_MB = 256
+MIX = [  # (kind, budget MiB, uses MiB, seconds)
+    ("llama", 3584, 3072, 2.0), ("whisper", 1024, 800, 1.0), ("llama", 3584, 3072, 2.0),
+    ("cpu", 0, 0, 0.5), ("llama-overrun", 3584, 3584 + MARGIN_MB + 512, 2.0), ("whisper", 1024, 800, 1.0),
+    ("llama", 3584, 3072, 2.0), ("oversized", 20480, 0, 0.5),
+]
+LEVELS = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class RunRecord:
+    n: int
+    kind: str
+    budget_mb: int
+    queued_ms: float
+    run_ms: float
+    outcome: str
+    device: int | None
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+async def simulated_level(n: int, samples: list[dict[str, Any]]) -> list[RunRecord]:
+    from appliance.errors import RequestRejected, RunLimit
+    from appliance.gpu.ledger import GpuLedger
+    from appliance.gpu.simulated import SimulatedBackend
+    from appliance.gpu.watchdog import GpuWatchdog
+
+    backend = SimulatedBackend((DEVICE_MB,))
+    ledger = GpuLedger(backend.devices(), margin_mb=MARGIN_MB, max_wait_ms=120_000)
+    watchdog = GpuWatchdog(backend, ledger, margin_mb=MARGIN_MB, host_memory_mb=None, interval_s=0.1)
+    watchdog.start()
+    t0 = time.monotonic()
+
+    async def sampler() -> None:
+        while True:
+            dev = backend.devices()[0]
+            snap = ledger.snapshot()[0]
+            samples.append({"n": n, "t": round(time.monotonic() - t0, 3), "used_mb": dev.used_mb,
+                            "reserved_mb": snap["reserved_mb"], "queued": ledger.waiting})
+            await asyncio.sleep(0.25)
+
+    async def one(i: int) -> RunRecord:
+        kind, budget, uses, secs = MIX[i % len(MIX)]
+        asked = time.monotonic()
+        if budget == 0:
+            await asyncio.sleep(secs)
+            return RunRecord(n, kind, 0, 0.0, secs * 1000, "ok", None)
+        try:
+            grant = await ledger.acquire(budget)
+        except RequestRejected:
+            return RunRecord(n, kind, budget, (time.monotonic() - asked) * 1000, 0.0, "rejected", None)
+        queued = (time.monotonic() - asked) * 1000
+        started = time.monotonic()
+        proc = await asyncio.create_subprocess_exec("sleep", str(secs), start_new_session=True)
+        stopped: list[RunLimit] = []
+        watchdog.watch(f"r{i}", proc.pid, grant, lambda e: (stopped.append(e), os.killpg(proc.pid, signal.SIGKILL)))
+        try:
+            await asyncio.sleep(0.2)  # the model loads, then holds its memory
+            backend.set_usage(proc.pid, grant.index, uses)
+            await proc.wait()
+        finally:
+            backend.set_usage(proc.pid, grant.index, 0)
+            watchdog.unwatch(f"r{i}")
+            ledger.release(grant)
+        outcome = stopped[0].status if stopped else "ok"
+        return RunRecord(n, kind, budget, queued, (time.monotonic() - started) * 1000, outcome, grant.index)
+
+    sample_task = asyncio.create_task(sampler())
+    try:
+        records = await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        sample_task.cancel()
+        await watchdog.close()
+    over = [s for s in samples if s["n"] == n and s["used_mb"] > DEVICE_MB]
+    if over:  # a device over its memory is an out-of-memory failure for whoever allocated last
+        for r in records:
+            if r.outcome == "ok" and r.device is not None:
+                r.outcome = "oom"
+    return list(records)
+
+
+CUDA_CODE = """
+import ctypes, time
+cuda = ctypes.CDLL('libcuda.so.1')
+dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(USES * 1024 * 1024))
+if rc != 0:
+    raise MemoryError(f'cuMemAlloc failed with CUDA error {rc} (out of memory)')
+time.sleep(SECS)
+"""
+
+
+async def server_level(url: str, n: int, samples: list[dict[str, Any]], scale: float) -> list[RunRecord]:
+    """Budgets and uses are scaled to the real device (the mix is written for 16 GiB)."""
+    from appliance.client import AsyncClient
+
+    async def one(c: Any, i: int) -> RunRecord:
+        kind, budget, uses, secs = MIX[i % len(MIX)]
+        budget, uses = int(budget * scale), int(uses * scale) if kind != "llama-overrun" else int(
+            (budget * scale) + MARGIN_MB + 512)
+        code = CUDA_CODE.replace("USES", str(uses)).replace("SECS", str(secs)) if uses else f"import time; time.sleep({secs})"
+        fields: dict[str, Any] = {"gpu": {"memory_mb": budget}} if budget else {}
+        asked = time.monotonic()
+        ex = await c.execute(code, **fields)
+        start = next((f for f in ex.frames if f["type"] == "start"), None)
+        queued = float(start["queued_ms"]) if start else (time.monotonic() - asked) * 1000
+        outcome = ex.status
+        if ex.error and ex.error.get("ename") == "MemoryError":
+            outcome = "oom"
+        device = start["gpu"]["index"] if start and start.get("gpu") else None
+        return RunRecord(n, kind, budget, queued, float(ex.duration_ms or 0), outcome, device)
+
+    async def sampler() -> None:  # NVML on the host, 4 Hz
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        t0 = time.monotonic()
+        while True:
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            samples.append({"n": n, "t": round(time.monotonic() - t0, 3), "used_mb": mem.used // 2**20,
+                            "reserved_mb": None, "queued": None})
+            await asyncio.sleep(0.25)
+
+    sample_task = asyncio.create_task(sampler())
+    try:
+        async with AsyncClient(url) as c:
+            return list(await asyncio.gather(*(one(c, i) for i in range(n))))
+    finally:
+        sample_task.cancel()
+
+
+def summarise(records: list[RunRecord]) -> list[dict[str, Any]]:
+    rows = []
+    for n in sorted({r.n for r in records}):
+        rs = [r for r in records if r.n == n]
+        gpu = [r for r in rs if r.budget_mb and r.outcome != "rejected"]
+        q = [r.queued_ms for r in gpu]
+        t = [r.run_ms for r in gpu]
+        outcomes: dict[str, int] = {}
+        for r in rs:
+            outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+        rows.append({
+            "n": n, "outcomes": outcomes, "budget_sum_mb": sum(r.budget_mb for r in rs if r.outcome != "rejected"),
+            "queue_p50_ms": round(pct(q, 50)), "queue_p95_ms": round(pct(q, 95)), "queue_p99_ms": round(pct(q, 99)),
+            "run_p50_ms": round(pct(t, 50)), "run_p95_ms": round(pct(t, 95)), "run_p99_ms": round(pct(t, 99)),
+            "mean_run_ms": round(statistics.mean(t)) if t else 0,
+        })
+    return rows
+
+
+def write_report(name: str, mode: str, records: list[RunRecord], samples: list[dict[str, Any]]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    rows = summarise(records)
+    meta = {"mode": mode, "device_mb": DEVICE_MB, "margin_mb": MARGIN_MB, "levels": list(LEVELS),
+            "mix": [dict(zip(("kind", "budget_mb", "uses_mb", "seconds"), m, strict=True)) for m in MIX],
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "python": platform.python_version(),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    (RESULTS / f"{name}.json").write_text(json.dumps(
+        {"meta": meta, "summary": rows, "runs": [asdict(r) for r in records], "samples": samples}, indent=1))
+    lines = [f"# GPU contention ({mode})", "", f"Device {DEVICE_MB} MiB, margin {MARGIN_MB} MiB; "
+             f"{meta['machine']}; {meta['when']}.", "",
+             "| N | outcomes | budgets admitted (MiB) | queue p50/p95/p99 (ms) | run p50/p95/p99 (ms) |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
+        lines.append(f"| {r['n']} | {outs} | {r['budget_sum_mb']} | {r['queue_p50_ms']}/{r['queue_p95_ms']}/"
+                     f"{r['queue_p99_ms']} | {r['run_p50_ms']}/{r['run_p95_ms']}/{r['run_p99_ms']} |")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ns = [r["n"] for r in rows]
+    for key, label in (("queue_p50_ms", "queue p50"), ("queue_p95_ms", "queue p95"), ("queue_p99_ms", "queue p99"),
+                       ("run_p50_ms", "run p50")):
+        ax1.plot(ns, [r[key] for r in rows], marker="o", label=label)
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("concurrent runs (N)")
+    ax1.set_ylabel("ms")
+    ax1.set_title("queue wait and run time")
+    ax1.legend()
+    top = [s for s in samples if s["n"] == max(ns)]
+    ax2.plot([s["t"] for s in top], [s["used_mb"] for s in top], label="used (backend)")
+    if top and top[0]["reserved_mb"] is not None:
+        ax2.plot([s["t"] for s in top], [s["reserved_mb"] for s in top], label="reserved (ledger)")
+    ax2.axhline(DEVICE_MB, color="red", linestyle="--", label="device total")
+    ax2.set_xlabel("s")
+    ax2.set_ylabel("MiB")
+    ax2.set_title(f"device memory at 4 Hz, N={max(ns)}")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=100)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", help="ws://HOST:PORT/exec of an appliance with SANDBOX_GPU=1 (real GPU)")
+    parser.add_argument("--name", help="result file name (default gpu_contention_<mode>)")
+    args = parser.parse_args()
+    mode = "real-gpu" if args.server else "simulated"
+    records: list[RunRecord] = []
+    samples: list[dict[str, Any]] = []
+    scale = 1.0
+    if args.server:
+        import pynvml
+
+        pynvml.nvmlInit()
+        total = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total // 2**20
+        scale = total / DEVICE_MB
+        print(f"device 0: {total} MiB; mix scaled by {scale:.2f}")
+    for n in LEVELS:
+        level = await (server_level(args.server, n, samples, scale) if args.server else simulated_level(n, samples))
+        records += level
+        print(json.dumps(summarise(level)[0]))
+    write_report(args.name or f"gpu_contention_{mode}", mode, records, samples)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,129 @@
+"""The GPU ledger against the simulated backend: admission, FIFO queueing, rejection, reconciliation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from appliance.errors import Busy, RequestRejected
+from appliance.gpu.ledger import GpuLedger
+from appliance.gpu.simulated import SimulatedBackend, parse_spec
+
+
+def ledger_for(backend: SimulatedBackend, margin_mb: int = 256, max_wait_ms: int = 5000) -> GpuLedger:
+    return GpuLedger(backend.devices(), margin_mb=margin_mb, max_wait_ms=max_wait_ms)
+
+
+def test_simulated_device_specs_parse_counts_and_lists() -> None:
+    assert parse_spec("2x16384") == (16384, 16384)
+    assert parse_spec("16384, 8192") == (16384, 8192)
+    for bad in ("", "2x", "x100", "0x100", "abc", "2x-5"):
+        with pytest.raises(ValueError):
+            parse_spec(bad)
+
+
+async def test_a_run_is_admitted_to_the_device_with_the_most_room() -> None:
+    backend = SimulatedBackend((16384, 16384))
+    backend.set_foreign_mb(0, 4000)
+    ledger = ledger_for(backend)
+    ledger.load(backend.devices(), backend.processes(), ours=())
+    grant = await ledger.acquire(2048)
+    assert (grant.index, grant.uuid, grant.memory_mb) == (1, "GPU-SIM-1", 2048)
+    assert grant.frame() == {"index": 1, "uuid": "GPU-SIM-1", "memory_mb": 2048}
+    assert grant.queued_ms < 100
+
+
+async def test_reserved_plus_margin_plus_foreign_must_fit() -> None:
+    backend = SimulatedBackend((10000,))
+    ledger = ledger_for(backend, margin_mb=1000, max_wait_ms=200)
+    first = await ledger.acquire(8000)            # 8000 + 1000 margin <= 10000
+    with pytest.raises(Busy):
+        await ledger.acquire(1001)                # 8000 + 1001 + 1000 > 10000: waits, then busy
+    ledger.release(first)
+    second = await ledger.acquire(9000)           # exactly total - margin
+    assert second.memory_mb == 9000
+
+
+async def test_waiting_runs_are_admitted_first_in_first_out() -> None:
+    backend = SimulatedBackend((16384,))
+    ledger = ledger_for(backend)
+    holder = await ledger.acquire(16000)
+    order: list[str] = []
+
+    async def ask(name: str, mb: int) -> None:
+        grant = await ledger.acquire(mb)
+        order.append(name)
+        await asyncio.sleep(0.05)
+        ledger.release(grant)
+
+    big = asyncio.create_task(ask("big", 12000))
+    await asyncio.sleep(0.01)
+    small = asyncio.create_task(ask("small", 100))  # would fit beside `big`'s wait, but queues behind it
+    await asyncio.sleep(0.05)
+    assert order == [] and ledger.waiting == 2
+    ledger.release(holder)
+    await asyncio.gather(big, small)
+    assert order == ["big", "small"]
+
+
+async def test_a_budget_larger_than_any_device_is_rejected_at_once_not_queued() -> None:
+    ledger = ledger_for(SimulatedBackend((16384, 8192)), max_wait_ms=60000)
+    with pytest.raises(RequestRejected, match="can never fit"):
+        await asyncio.wait_for(ledger.acquire(16384 - 255), timeout=1)
+    assert ledger.waiting == 0
+    for bad in (0, -5):
+        with pytest.raises(RequestRejected):
+            await ledger.acquire(bad)
+
+
+async def test_reconciliation_counts_memory_of_non_runs_and_frees_it_when_it_goes() -> None:
+    backend = SimulatedBackend((16384,))
+    ledger = ledger_for(backend)
+    backend.set_usage(pid=999_999, index=0, used_mb=10000)   # a process that is not one of our runs
+    ledger.load(backend.devices(), backend.processes(), ours=())
+    assert ledger.snapshot()[0]["foreign_mb"] == 10000
+    waiter = asyncio.create_task(ledger.acquire(8000))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    backend.set_usage(pid=999_999, index=0, used_mb=0)
+    ledger.load(backend.devices(), backend.processes(), ours=())
+    grant = await asyncio.wait_for(waiter, 1)
+    assert grant.queued_ms >= 40
+
+
+async def test_usage_of_our_own_runs_is_not_counted_twice() -> None:
+    backend = SimulatedBackend((16384,))
+    ledger = ledger_for(backend)
+    grant = await ledger.acquire(6000)
+    backend.set_usage(pid=4242, index=0, used_mb=5500)
+    ledger.load(backend.devices(), backend.processes(), ours={4242})
+    assert ledger.snapshot()[0] == {"index": 0, "uuid": "GPU-SIM-0", "total_mb": 16384, "reserved_mb": 6000,
+                                    "foreign_mb": 0, "runs": 1}
+    ledger.release(grant)
+
+
+async def test_queued_runs_that_can_no_longer_fit_are_rejected_when_a_device_vanishes() -> None:
+    big, small = SimulatedBackend((16384, 8192)), SimulatedBackend((8192,))
+    ledger = ledger_for(big)
+    holder = await ledger.acquire(16000)
+    waiter = asyncio.create_task(ledger.acquire(15000))
+    await asyncio.sleep(0.02)
+    assert not waiter.done()
+    ledger.load(small.devices(), (), ())  # the 16 GiB device is gone (its holder still runs)
+    with pytest.raises(RequestRejected, match="no longer fit"):
+        await asyncio.wait_for(waiter, 1)
+    ledger.release(holder)
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_frees_nothing_it_did_not_hold() -> None:
+    ledger = ledger_for(SimulatedBackend((16384,)))
+    holder = await ledger.acquire(16000)
+    waiter = asyncio.create_task(ledger.acquire(1000))
+    await asyncio.sleep(0.02)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert ledger.waiting == 0 and ledger.snapshot()[0]["reserved_mb"] == 16000
+    ledger.release(holder)
+    assert ledger.snapshot()[0]["reserved_mb"] == 0

@@ -1,0 +1,106 @@
+"""The GPU watchdog on real process trees, with per-PID usage from the simulated backend."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance.errors import GpuMemoryLimit, MemoryLimit, RunLimit
+from appliance.gpu.ledger import GpuLedger
+from appliance.gpu.simulated import SimulatedBackend
+from appliance.gpu.watchdog import GpuWatchdog, descendants
+
+
+@pytest.fixture()
+def trees() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Two real process trees (a shell with a grandchild), standing in for two runs' jails."""
+    procs = [subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True) for _ in range(2)]
+    time.sleep(0.3)
+    yield procs
+    for p in procs:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def grandchild(root: int) -> int:
+    kids = descendants(root) - {root}
+    assert kids, "the shell's child should be visible through /proc/<pid>/task/*/children"
+    return max(kids)
+
+
+def make(backend: SimulatedBackend, host_memory_mb: int | None = None) -> tuple[GpuWatchdog, GpuLedger]:
+    ledger = GpuLedger(backend.devices(), margin_mb=100, max_wait_ms=1000)
+    return GpuWatchdog(backend, ledger, margin_mb=100, host_memory_mb=host_memory_mb, interval_s=0.05), ledger
+
+
+def test_descendants_follow_every_thread_s_children() -> None:
+    proc = subprocess.Popen(["sh", "-c", "sh -c 'sleep 30 & wait' & wait"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        found = descendants(proc.pid)
+        cmdlines = {Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] for pid in found}
+        assert proc.pid in found and len(found) >= 3 and b"sleep" in cmdlines  # sh, sh, sleep
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+async def test_an_over_budget_run_is_stopped_while_its_neighbour_keeps_running(
+        trees: list[subprocess.Popen[bytes]]) -> None:
+    backend = SimulatedBackend((16384,))
+    watchdog, ledger = make(backend)
+    a, b = await ledger.acquire(1000), await ledger.acquire(1000)
+    stopped: dict[str, RunLimit] = {}
+    watchdog.watch("a", trees[0].pid, a, lambda e: stopped.setdefault("a", e))
+    watchdog.watch("b", trees[1].pid, b, lambda e: stopped.setdefault("b", e))
+    backend.set_usage(grandchild(trees[0].pid), 0, 1101)   # budget 1000 + margin 100 exceeded
+    backend.set_usage(grandchild(trees[1].pid), 0, 1100)   # exactly at the limit: allowed
+    result = await watchdog.check()
+    assert result is not None and result.gpu_mb == {"a": 1101, "b": 1100}
+    assert set(stopped) == {"a"} and isinstance(stopped["a"], GpuMemoryLimit)
+    assert stopped["a"].status == "gpu_memory_limit" and "1101 MiB" in stopped["a"].message
+    await watchdog.check()
+    assert set(stopped) == {"a"}, "a run is stopped once; the neighbour is never touched"
+
+
+async def test_the_host_memory_of_a_gpu_run_is_capped_by_the_watchdog(
+        trees: list[subprocess.Popen[bytes]]) -> None:
+    backend = SimulatedBackend((16384,))
+    watchdog, ledger = make(backend, host_memory_mb=0)
+    stopped: list[RunLimit] = []
+    watchdog.watch("a", trees[0].pid, await ledger.acquire(10), stopped.append)
+    await watchdog.check()
+    assert len(stopped) == 1 and isinstance(stopped[0], MemoryLimit)
+
+
+async def test_a_backend_fault_mid_run_stops_watched_runs_after_the_grace_and_recovers() -> None:
+    backend = SimulatedBackend((16384,))
+    watchdog, ledger = make(backend)
+    stopped: list[RunLimit] = []
+    watchdog.watch("a", 1, await ledger.acquire(10), stopped.append)
+    backend.inject_fault("GPU is lost")
+    for _ in range(watchdog.fault_grace - 1):
+        assert await watchdog.check() is None
+    assert not stopped and not watchdog.healthy and "GPU is lost" in (watchdog.last_error or "")
+    await watchdog.check()
+    assert len(stopped) == 1 and stopped[0].status == "internal" and "could not be measured" in stopped[0].message
+    backend.inject_fault(None)
+    assert await watchdog.check() is not None
+    assert watchdog.healthy and watchdog.last_error is None
+
+
+async def test_each_poll_reconciles_the_ledger(trees: list[subprocess.Popen[bytes]]) -> None:
+    backend = SimulatedBackend((16384,))
+    watchdog, ledger = make(backend)
+    grant = await ledger.acquire(4000)
+    watchdog.watch("a", trees[0].pid, grant, lambda e: None)
+    backend.set_usage(grandchild(trees[0].pid), 0, 3000)   # ours: covered by the grant
+    backend.set_usage(999_999, 0, 2000)                    # someone else's
+    await watchdog.check()
+    assert ledger.snapshot()[0]["foreign_mb"] == 2000

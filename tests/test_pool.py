@@ -1,0 +1,101 @@
+"""The warm pool: single-use jails, as isolated as cold ones, replaced when they die."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from appliance.client import AsyncClient, Execution
+from tests.support import Server, descendants, start_server
+
+
+@pytest.fixture(scope="module")
+def pooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("pool"), SANDBOX_POOL_SIZE="2")
+    yield srv
+    srv.stop()
+
+
+async def run(server: Server, code: str, **fields: object) -> Execution:
+    async with AsyncClient(server.url) as c:
+        return await c.execute(code, **fields)
+
+
+def metric(server: Server, name: str) -> float:
+    _, body = server.get("/metrics")
+    for line in body.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+async def wait_pool_ready(server: Server, count: int) -> None:
+    for _ in range(200):
+        if metric(server, "appliance_pool_ready") >= count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the pool did not refill")
+
+
+async def test_nothing_one_pooled_run_leaves_is_visible_to_the_next(pooled: Server) -> None:
+    await wait_pool_ready(pooled, 2)
+    leave = ("import os, subprocess, builtins, sys\nopen('left.txt','w').write('x')\n"
+             "os.environ['LEFT'] = '1'\nbuiltins.LEFT = 1\nsys.modules['json'].LEFT = 1\n"
+             "subprocess.Popen(['sleep', '300'])\nglobal_left = 1")
+    assert (await run(pooled, leave)).status == "ok"
+    look = ("import os, json, builtins\n"
+            "print(os.path.exists('left.txt'), 'LEFT' in os.environ, hasattr(builtins, 'LEFT'),\n"
+            "      hasattr(json, 'LEFT'), 'global_left' in globals())\n"
+            "print([p for p in os.listdir('/proc') if p.isdigit() and 'sleep' in open(f'/proc/{p}/cmdline').read()])")
+    for _ in range(3):  # whichever jail of the pool serves it
+        ex = await run(pooled, look)
+        assert ex.stdout == "False False False False False\n[]\n", ex.stdout
+
+
+async def test_a_jail_killed_while_idle_is_replaced(pooled: Server) -> None:
+    await wait_pool_ready(pooled, 2)
+    replaced_before = metric(pooled, "appliance_jails_spawned_total")
+    firejails = [p for p in descendants(pooled.proc.pid)
+                 if open(f"/proc/{p}/comm").read().strip() == "firejail"]
+    victim = firejails[0]
+    os.kill(victim, signal.SIGKILL)
+    ex = await run(pooled, "print('served')")
+    assert ex.status == "ok" and ex.stdout == "served\n"
+    await wait_pool_ready(pooled, 2)
+    assert victim not in descendants(pooled.proc.pid)
+    assert metric(pooled, "appliance_pool_ready") == 2
+    assert metric(pooled, "appliance_jails_spawned_total") >= replaced_before
+
+
+async def test_an_empty_pool_still_serves_runs_with_cold_jails(tmp_path_factory: pytest.TempPathFactory) -> None:
+    srv = start_server(tmp_path_factory.mktemp("nopool"), SANDBOX_POOL_SIZE="0")
+    try:
+        results = await asyncio.gather(*(run(srv, f"print({i})") for i in range(6)))
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(6)]
+        assert metric(srv, "appliance_cold_starts_total") >= 6
+        assert metric(srv, "appliance_pool_ready") == 0
+    finally:
+        srv.stop()
+
+
+async def test_a_burst_drains_the_pool_and_falls_back_to_cold_starts(pooled: Server) -> None:
+    await wait_pool_ready(pooled, 2)
+    before = metric(pooled, "appliance_cold_starts_total")
+    results = await asyncio.gather(*(run(pooled, "print('burst')") for _ in range(8)))
+    assert all(r.status == "ok" and r.stdout == "burst\n" for r in results)
+    assert metric(pooled, "appliance_cold_starts_total") > before
+
+
+async def test_metrics_report_runs_pool_and_memory(pooled: Server) -> None:
+    await run(pooled, "print(1)")
+    _, body = pooled.get("/metrics")
+    for name in ("appliance_runs_total{status=\"ok\"}", "appliance_run_duration_seconds_bucket",
+                 "appliance_queue_wait_seconds_bucket", "appliance_pool_ready", "appliance_pool_starting",
+                 "appliance_cold_starts_total", "appliance_jails_spawned_total", "appliance_sessions_active",
+                 "appliance_bytes_streamed_total", "appliance_jail_pss_bytes"):
+        assert name in body, name
+    assert metric(pooled, "appliance_jail_pss_bytes") > 1_000_000
