@@ -49,6 +49,7 @@ def summary(rows: Sequence[AuditRow]) -> dict[str, dict[str, int]]:
 def write_report(rows: Sequence[AuditRow], out_dir: Path, meta: dict[str, str]) -> tuple[Path, Path]:
     """Write audit-report.json and audit-report.md under out_dir; return both paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    rows = sorted(rows, key=lambda r: CLASSES.index(r.cls) if r.cls in CLASSES else len(CLASSES))
     counts = summary(rows)
     uncontained = [r for r in rows if not r.contained]
     doc = {

@@ -42,6 +42,15 @@ def _walk(outputs: Path, uid: int) -> dict[str, tuple[int, int, int, int]]:
     return found
 
 
+def has_any(workdir: Path) -> bool:
+    """Whether outputs/ holds anything at all (a cheap check before a full, careful walk)."""
+    try:
+        with os.scandir(workdir / "outputs") as it:
+            return any(True for _ in it)
+    except OSError:
+        return False
+
+
 def snapshot(workdir: Path, uid: int) -> Snapshot:
     """What outputs/ holds now, to tell later which files a cell changed."""
     return {rel: (v[0], v[1]) for rel, v in _walk(workdir / "outputs", uid).items()}

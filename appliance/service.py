@@ -103,6 +103,7 @@ class Appliance:
             self.sessions.owner_limits = self.tenants.session_limits()
         self.gpu: GpuRuns | None = None  # GPU mode (SANDBOX_GPU=1) only
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._teardowns: set[asyncio.Task[None]] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
     def check_host(self) -> HostFacts:
@@ -148,9 +149,15 @@ class Appliance:
         })
         self._spawn(self._canary_loop())
 
+    def _teardown(self, jail: Jail) -> None:
+        task = asyncio.create_task(jail.destroy())
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
+
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        await asyncio.gather(*self._teardowns, return_exceptions=True)
         await self.sessions.close_all()
         if self.pool is not None:
             await self.pool.close()
@@ -321,11 +328,18 @@ class Appliance:
                                             grant.frame() if grant is not None else None))
             with gpu.watch(run_id, jail, grant) if gpu is not None and grant is not None else contextlib.nullcontext():
                 outcome = await self._cell(jail, req, emit, active, keep_alive=False)
-            await jail.process.kill()  # nothing of the run may outlive it, before files are read
-            await self._send_outputs(jail, req.id, run_id, None, emit)
+            # SIGKILL goes to every process of the run now: none runs another instruction of
+            # its code. Files are read, and GPU memory handed back, only once all are gone.
+            jail.process.signal_kill()
+            if gpu is not None or outputs.has_any(jail.workdir):
+                await jail.process.kill()
+                await self._send_outputs(jail, req.id, run_id, None, emit)
             return outcome
         finally:
-            await jail.destroy()
+            if gpu is not None:
+                await jail.destroy()
+            else:
+                self._teardown(jail)  # reaping and removing the directory need not delay `done`
 
     async def _new_session(self, req: ExecuteRequest, owner: str, emit: Emit, active: ActiveRun,
                            queued_ms: int) -> tuple[CellOutcome, str]:

@@ -152,8 +152,21 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def jail_processes(server: Server, uid: int = SANDBOX_UID) -> list[tuple[int, str]]:
-    """Processes of uid under this server, plus any of uid orphaned to the host's init."""
+def jail_processes(server: Server, uid: int = SANDBOX_UID, settle_s: float = 5.0) -> list[tuple[int, str]]:
+    """Processes of uid under this server, plus any of uid orphaned to the host's init.
+
+    A run's processes are SIGKILLed before its `done` is sent; the kernel may still be
+    tearing them down for a moment, so this waits up to settle_s for them to be gone.
+    """
+    deadline = time.monotonic() + scaled(settle_s)
+    while True:
+        left = _jail_processes_now(server, uid)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _jail_processes_now(server: Server, uid: int) -> list[tuple[int, str]]:
     mine = set(descendants(server.proc.pid))
     left = []
     for pid, cmd in processes_of_uid(uid):

@@ -216,6 +216,12 @@ class Driver:
                 self.stdin.close_input()
             elif op == "interrupt" and self.in_user_code:
                 signal.pthread_kill(self.main_ident, signal.SIGINT)
+        if self.in_user_code:
+            # EOF mid-cell: the server is gone (killed) and can no longer enforce the wall
+            # clock. End every process of this PID namespace and the jail with it.
+            with contextlib.suppress(OSError):
+                os.kill(-1, signal.SIGKILL)
+            os._exit(1)
         self.runs.put(None)
 
     # -- cells ---------------------------------------------------------------------------

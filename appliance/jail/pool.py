@@ -116,10 +116,15 @@ class JailPool:
     async def _start_one(self) -> None:
         started = time.monotonic()
         try:
+            if self._closing:
+                return
             jail = await self.factory.launch(nice=REFILL_NICE)
-        except JailFailure as exc:
+        except (JailFailure, OSError) as exc:  # OSError: e.g. the temp root is full or gone
+            if self._closing:
+                return
             self._failures += 1
-            log.error("pool refill failed", extra={"error": exc.message, "failures": self._failures})
+            message = exc.message if isinstance(exc, JailFailure) else str(exc)
+            log.error("pool refill failed", extra={"error": message, "failures": self._failures})
             await asyncio.sleep(min(30.0, 0.5 * 2 ** min(self._failures, 6)))
             return
         finally:

@@ -216,6 +216,16 @@ class JailProcess:
             self._loop.remove_writer(fd)
 
     # -- ending --------------------------------------------------------------------------
+    def signal_kill(self) -> None:
+        """SIGKILL the jail's PID-namespace init (and with it every process of the jail) now,
+        without waiting; `kill()` later waits for the teardown and reaps."""
+        if self._proc.returncode is not None:
+            return
+        targets = _children(self.pid) or [self.pid]
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
     async def kill(self, grace_s: float = 0.0) -> None:
         """TERM (when grace_s > 0), wait, then KILL the sandbox's PID-namespace init, which
         takes every process of the jail with it; then reap firejail and close all pipes."""
