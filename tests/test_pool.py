@@ -33,6 +33,11 @@ def metric(server: Server, name: str) -> float:
     raise KeyError(name)
 
 
+def comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as fh:
+        return fh.read().strip()
+
+
 async def wait_pool_ready(server: Server, count: int) -> None:
     for _ in range(200):
         if metric(server, "appliance_pool_ready") >= count:
@@ -59,8 +64,7 @@ async def test_nothing_one_pooled_run_leaves_is_visible_to_the_next(pooled: Serv
 async def test_a_jail_killed_while_idle_is_replaced(pooled: Server) -> None:
     await wait_pool_ready(pooled, 2)
     replaced_before = metric(pooled, "appliance_jails_spawned_total")
-    firejails = [p for p in descendants(pooled.proc.pid)
-                 if open(f"/proc/{p}/comm").read().strip() == "firejail"]
+    firejails = [p for p in descendants(pooled.proc.pid) if comm(p) == "firejail"]
     victim = firejails[0]
     os.kill(victim, signal.SIGKILL)
     ex = await run(pooled, "print('served')")

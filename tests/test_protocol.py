@@ -50,7 +50,7 @@ def test_gpu_is_refused_when_gpu_mode_is_off_and_validated_when_on() -> None:
     assert isinstance(msg, ExecuteRequest) and msg.gpu is not None and msg.gpu.memory_mb == 10
     for bad in ('-1', '1.5', '"10"', 'true', '0'):
         with pytest.raises(ProtocolError, match="memory_mb"):
-            parse_client_frame('{"code": "", "gpu": {"memory_mb": %s}}' % bad, on)
+            parse_client_frame(f'{{"code": "", "gpu": {{"memory_mb": {bad}}}}}', on)
 
 
 def test_stdin_interrupt_and_close_session_parse() -> None:
