@@ -37,7 +37,9 @@ class Violation:
 
 @dataclass(frozen=True)
 class InterruptRequest:
-    """Put on a jail's item queue when the client sends `interrupt`."""
+    """Put on a jail's item queue when the client sends `interrupt` (or the server stops)."""
+
+    reason: str = "the run was interrupted"
 
 
 @dataclass
@@ -59,6 +61,7 @@ class ActiveRun:
     jail: Jail | None = None
     pending_stdin: list[dict[str, Any]] = field(default_factory=list)
     interrupted: bool = False
+    reason: str = "the run was interrupted"
 
     async def stdin(self, data: str, eof: bool) -> None:
         messages = []
@@ -73,10 +76,11 @@ class ActiveRun:
             with contextlib.suppress(OSError):
                 await self.jail.process.send(msg)
 
-    def interrupt(self) -> None:
+    def interrupt(self, reason: str = "the run was interrupted") -> None:
         self.interrupted = True
+        self.reason = reason
         if self.jail is not None:
-            self.jail.process.items.put_nowait(InterruptRequest())  # type: ignore[arg-type]
+            self.jail.process.items.put_nowait(InterruptRequest(reason))  # type: ignore[arg-type]
 
 
 async def run_cell(
@@ -100,7 +104,7 @@ async def run_cell(
         await jail.process.send(pending)
     active.pending_stdin.clear()
     if active.interrupted:
-        items.put_nowait(InterruptRequest())  # type: ignore[arg-type]
+        items.put_nowait(InterruptRequest(active.reason))  # type: ignore[arg-type]
     watchdog = asyncio.create_task(_disk_watchdog(jail, max_disk_mb))
     deadline = time.monotonic() + timeout_ms / 1000
     sent = 0
@@ -124,7 +128,7 @@ async def run_cell(
                                        interpreter_alive=False, output_bytes=sent)
                 item = Violation(RunTimeout(f"the run exceeded its {timeout_ms} ms time limit"))
             if isinstance(item, InterruptRequest):
-                item = Violation(Cancelled("the run was interrupted"))
+                item = Violation(Cancelled(item.reason))
             if isinstance(item, Violation):
                 if stopping is not None:
                     continue

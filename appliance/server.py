@@ -265,7 +265,13 @@ async def serve(settings: Settings, host: str, port: int, ready_file: str | None
     pending = [t for c in connections for t in c.tasks]
     if pending:  # 2. let running work finish within the grace period
         await asyncio.wait(pending, timeout=settings.shutdown_grace_s)
-    for conn in list(connections):  # 3. cancel the rest
+    for conn in list(connections):  # 3. cancel the rest: each gets `done` cancelled, then goes
+        for run in list(conn.runs.values()):
+            run.interrupt("the server is shutting down")
+    pending = [t for c in connections for t in c.tasks]
+    if pending:
+        await asyncio.wait(pending, timeout=3.0)
+    for conn in list(connections):
         await conn.abort()
         with contextlib.suppress(Exception):
             await conn.ws.close(code=1001, message=b"server shutting down")

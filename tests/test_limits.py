@@ -140,3 +140,25 @@ async def test_a_client_that_disconnects_mid_run_gets_its_run_killed(tight: Serv
             break
         await asyncio.sleep(0.1)
     await assert_contained(tight)
+
+
+async def test_past_the_queue_a_request_is_answered_busy_and_nothing_runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    import asyncio
+
+    srv = start_server(tmp_path_factory.mktemp("busy"), SANDBOX_MAX_CONCURRENCY="1", SANDBOX_MAX_QUEUE="1")
+    try:
+        async with AsyncClient(srv.url) as c:
+            running = asyncio.create_task(c.execute("import time\ntime.sleep(1.5)\nprint('first')"))
+            await asyncio.sleep(0.5)
+            queued = asyncio.create_task(c.execute("print('second')"))
+            await asyncio.sleep(0.2)
+            refused = await c.execute("open('/workspace/outputs/ran', 'w')\nprint('third')")
+            first, second = await running, await queued
+        assert refused.status == "busy" and "queue is full" in (refused.message or "")
+        assert refused.stdout == "" and [f["type"] for f in refused.frames] == ["done"]
+        assert first.stdout == "first\n" and second.stdout == "second\n"
+        assert second.frames[0]["queued_ms"] >= 500
+    finally:
+        srv.stop()
