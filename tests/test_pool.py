@@ -103,3 +103,23 @@ async def test_metrics_report_runs_pool_and_memory(pooled: Server) -> None:
                  "appliance_bytes_streamed_total", "appliance_jail_pss_bytes"):
         assert name in body, name
     assert metric(pooled, "appliance_jail_pss_bytes") > 1_000_000
+
+
+def test_the_pool_target_grows_with_the_arrival_rate_within_its_bounds() -> None:
+    from appliance.jail.pool import pool_target
+
+    base = dict(floor=2, ceiling=8, start_s=0.8, have=2, jail_pss_kb=80_000, mem_available_kb=16_000_000)
+    assert pool_target(arrivals_per_s=0.0, **base) == 2          # idle: the floor
+    assert pool_target(arrivals_per_s=4.0, **base) == 5          # 4/s * 0.8 s * 1.5 = 4.8
+    assert pool_target(arrivals_per_s=100.0, **base) == 8        # never past the ceiling
+    assert pool_target(arrivals_per_s=100.0, **{**base, "floor": 0}) == 0  # pooling off stays off
+
+
+def test_the_pool_target_never_grows_past_what_memory_affords() -> None:
+    from appliance.jail.pool import MEMORY_RESERVE_KB, pool_target
+
+    tight = MEMORY_RESERVE_KB + 2 * 80_000  # room for two more jails
+    assert pool_target(floor=2, ceiling=16, arrivals_per_s=50.0, start_s=1.0, have=3,
+                       jail_pss_kb=80_000, mem_available_kb=tight) == 5
+    assert pool_target(floor=2, ceiling=16, arrivals_per_s=50.0, start_s=1.0, have=2,
+                       jail_pss_kb=80_000, mem_available_kb=MEMORY_RESERVE_KB) == 2

@@ -42,6 +42,24 @@ def mem_available_kb() -> int:
     return 0
 
 
+def pool_target(*, floor: int, ceiling: int, arrivals_per_s: float, start_s: float, have: int,
+                jail_pss_kb: int, mem_available_kb: int) -> int:
+    """Ready-or-starting jails to aim for. Pure.
+
+    Little's law: while one jail starts (start_s), arrivals_per_s * start_s runs arrive and
+    each consumes a jail; 50% headroom on top. Never below the floor, never above the
+    ceiling, and growth past the floor only as far as available memory affords at the
+    measured PSS per jail, keeping MEMORY_RESERVE_KB free.
+    """
+    if floor == 0:
+        return 0
+    wanted = max(floor, min(ceiling, math.ceil(arrivals_per_s * start_s * 1.5)))
+    if wanted > floor and jail_pss_kb > 0:
+        affordable = max(0, (mem_available_kb - MEMORY_RESERVE_KB) // jail_pss_kb)
+        wanted = max(floor, min(wanted, have + affordable))
+    return wanted
+
+
 class JailPool:
     """Keeps between `size` and `max_size` ready jails (size 0 turns pooling off)."""
 
@@ -83,19 +101,15 @@ class JailPool:
 
     def target(self) -> int:
         """How many jails should be ready or starting now."""
-        if self.size == 0:
-            return 0
         now = time.monotonic()
         while self._arrivals and now - self._arrivals[0] > RATE_WINDOW_S:
             self._arrivals.popleft()
-        rate = len(self._arrivals) / RATE_WINDOW_S
-        start_s = sum(self._start_s) / len(self._start_s) if self._start_s else 0.5
-        wanted = max(self.size, min(self.max_size, math.ceil(rate * start_s * 1.5)))
-        if wanted > self.size and self.jail_pss_kb > 0:
-            have = len(self.ready) + self.starting
-            affordable = max(0, (mem_available_kb() - MEMORY_RESERVE_KB) // self.jail_pss_kb)
-            wanted = max(self.size, min(wanted, have + affordable))
-        return wanted
+        return pool_target(
+            floor=self.size, ceiling=self.max_size, arrivals_per_s=len(self._arrivals) / RATE_WINDOW_S,
+            start_s=sum(self._start_s) / len(self._start_s) if self._start_s else 0.5,
+            have=len(self.ready) + self.starting, jail_pss_kb=self.jail_pss_kb,
+            mem_available_kb=mem_available_kb() if self.jail_pss_kb else 0,
+        )
 
     async def _refill_loop(self) -> None:
         while not self._closing:
