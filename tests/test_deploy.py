@@ -1,0 +1,267 @@
+"""Images and deployment files, checked without building an image.
+
+The image itself is built and run by `scripts/ci-images.sh`. Here: hadolint on both
+Dockerfiles, the Kubernetes manifests against the bundled schemas, the compose files, the
+seccomp profile, and the entrypoint's privilege checks, driven with crafted inputs and, for
+capabilities and no_new_privs, with the real kernel state of a process that lacks them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+ENTRYPOINT = REPO / "images" / "entrypoint.sh"
+DOCKERFILES = [REPO / "images" / "cpu" / "Dockerfile", REPO / "images" / "cuda12" / "Dockerfile"]
+K8S = REPO / "deploy" / "kubernetes"
+# sha256 of Docker's default profile (moby/moby profiles/seccomp/default.json) in canonical JSON.
+DOCKER_DEFAULT_SHA256 = "9af8d3aeaa836af0b750afd7ecdb490df8e04c47ca820f472794252396eaa6ea"
+# Docker's default capabilities, as a CapBnd mask, and the two the jail adds.
+DOCKER_DEFAULT_CAPS = 0xA80425FB
+SYS_ADMIN, NET_ADMIN = 1 << 21, 1 << 12
+EX_CONFIG = 78
+
+
+def load_all(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def manifests() -> list[Path]:
+    return sorted(K8S.rglob("*.yaml"))
+
+
+def kube_docs() -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d["kind"], d["metadata"]["name"]): d for p in manifests() for d in load_all(p)}
+
+
+def entrypoint(script: str, env: dict[str, str] | None = None,
+               wrap: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Source the entrypoint as a library, then run `script` (bash) with its functions."""
+    full_env = {"PATH": os.environ["PATH"], "APPLIANCE_ENTRYPOINT_LIB": "1", **(env or {})}
+    cmd = (wrap or []) + ["bash", "-c", f'source "{ENTRYPOINT}"; {script}']
+    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=60)
+
+
+class TestDockerfiles:
+    def test_hadolint_finds_nothing_in_either_dockerfile(self) -> None:
+        out = subprocess.run([str(BIN / "hadolint"), *map(str, DOCKERFILES)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+    def test_hadolint_does_fail_on_a_bad_dockerfile(self, tmp_path: Path) -> None:
+        bad = tmp_path / "Dockerfile"
+        bad.write_text("FROM debian\nRUN apt-get install curl\n")
+        out = subprocess.run([str(BIN / "hadolint"), str(bad)], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "DL3008" in out.stdout
+
+    def test_cpu_image_serves_as_root_with_the_jail_contract(self) -> None:
+        text = DOCKERFILES[0].read_text()
+        assert "ARG BASE=python:3.11-slim" in text
+        for needed in ("ENV container=docker", "EXPOSE 9100", "HEALTHCHECK", "/readyz", "USER 0",
+                       'useradd -l -u "${SANDBOX_UID}"', "-d /workspace", "ARG SANDBOX_UID=1001",
+                       "firejail", "SANDBOX_OUTPUTS_DIR=/workspace/outputs",
+                       "SANDBOX_MODELS_DIR=/srv/models", "llama-cpp-python", "pywhispercpp",
+                       "/tmp/src[science]", "-DGGML_NATIVE=OFF", "appliance-entrypoint"):
+            assert needed in text, needed
+        assert "seaborn" not in text
+
+    def test_cuda_image_is_built_on_devel_and_runs_on_runtime_without_heavy_frameworks(self) -> None:
+        text = DOCKERFILES[1].read_text()
+        froms = [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")]
+        assert "nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU}" in froms
+        assert froms[-1] == "nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU}"
+        assert "ARG CUDA_VERSION=12." in text
+        for needed in ("-DGGML_CUDA=on", "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}",
+                       'CUDA_ARCHITECTURES="75;80;86;89;90"', "GGML_CUDA=1", "SANDBOX_GPU=1",
+                       "PYTHON_VERSION=3.11", "ENV container=docker", "HEALTHCHECK", "EXPOSE 9100"):
+            assert needed in text, needed
+        lowered = text.lower()
+        assert "cudnn" not in lowered.replace("no cudnn", "")
+        assert "torch" not in lowered.replace("no pytorch", "")
+
+
+class TestKubernetes:
+    def test_every_manifest_is_valid_against_the_bundled_schemas(self) -> None:
+        out = subprocess.run([str(BIN / "kubernetes-validate"), "--strict", *map(str, manifests())],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.count("passed for resource") >= 10
+
+    def test_the_validator_rejects_a_misspelt_field(self, tmp_path: Path) -> None:
+        doc = load_all(K8S / "deployment.yaml")[0]
+        doc["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilites"] = {}
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump(doc))
+        out = subprocess.run([str(BIN / "kubernetes-validate"), "--strict", str(bad)],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode != 0
+
+    @pytest.mark.parametrize("name", ["appliance", "appliance-gpu"])
+    def test_deployment_grants_exactly_what_the_jail_needs(self, name: str) -> None:
+        pod = kube_docs()[("Deployment", name)]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        sc = container["securityContext"]
+        assert sc["capabilities"]["add"] == ["SYS_ADMIN", "NET_ADMIN"]
+        assert sc["allowPrivilegeEscalation"] is True and sc["privileged"] is False
+        assert sc["runAsUser"] == 0
+        assert sc["seccompProfile"]["type"] in ("RuntimeDefault", "Localhost")
+        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert container["readinessProbe"]["httpGet"]["port"] == "http"
+        assert container["ports"][0]["containerPort"] == 9100
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["models"]["readOnly"] is True and mounts["models"]["mountPath"] == "/srv/models"
+        assert mounts["outputs"]["mountPath"] == "/workspace/outputs"
+        token = next(e for e in container["env"] if e["name"] == "SANDBOX_AUTH_TOKEN")
+        assert "secretKeyRef" in token["valueFrom"]
+
+    def test_gpu_variant_requests_a_gpu_and_turns_gpu_mode_on(self) -> None:
+        (container,) = kube_docs()[("Deployment", "appliance-gpu")]["spec"]["template"]["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert {"name": "SANDBOX_GPU", "value": "1"} in container["env"]
+        assert container["image"].startswith("appliance:cuda12")
+
+    def test_many_pods_sit_behind_one_service_with_a_headless_twin_for_sessions(self) -> None:
+        docs = kube_docs()
+        assert docs[("Service", "appliance")]["spec"]["ports"][0]["port"] == 9100
+        assert docs[("Service", "appliance-pods")]["spec"]["clusterIP"] == "None"
+        hpa = docs[("HorizontalPodAutoscaler", "appliance")]["spec"]
+        assert hpa["metrics"][0]["resource"]["name"] == "cpu" and hpa["minReplicas"] >= 2
+        assert docs[("PodDisruptionBudget", "appliance")]["spec"]["maxUnavailable"] == 1
+        queue = load_all(K8S / "optional" / "hpa-queue-depth.yaml")[0]["spec"]["metrics"]
+        assert any(m.get("pods", {}).get("metric", {}).get("name") == "appliance_queue_depth" for m in queue)
+
+    def test_network_policy_admits_only_the_api_on_9100_and_no_egress(self) -> None:
+        spec = kube_docs()[("NetworkPolicy", "appliance")]["spec"]
+        assert spec["policyTypes"] == ["Ingress", "Egress"]
+        (rule,) = spec["ingress"]
+        assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "api"}}}]
+        assert rule["ports"] == [{"protocol": "TCP", "port": 9100}]
+        assert spec["egress"] == []
+
+
+class TestCompose:
+    def test_sandbox_service_has_privileges_limits_volumes_and_a_network_shared_with_api(self) -> None:
+        compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+        sandbox, api = compose["services"]["sandbox"], compose["services"]["api"]
+        assert sandbox["cap_add"] == ["SYS_ADMIN", "NET_ADMIN"]
+        assert "seccomp=./images/seccomp.json" in sandbox["security_opt"]
+        assert (REPO / "images" / "seccomp.json").is_file()
+        assert sandbox["deploy"]["resources"]["limits"] == {"cpus": "2.00", "memory": "4G"}
+        assert "./outputs:/workspace/outputs" in sandbox["volumes"]
+        assert "./models:/srv/models:ro" in sandbox["volumes"]
+        assert sandbox["env_file"] == ".env" and api["env_file"] == ".env"
+        assert set(sandbox["networks"]) & set(api["networks"])
+        assert sandbox["build"]["dockerfile"] == "images/cpu/Dockerfile"
+        env_example = (REPO / ".env.example").read_text()
+        assert "SANDBOX_AUTH_TOKEN=" in env_example
+
+    def test_gpu_file_reserves_nvidia_gpus_for_the_sandbox(self) -> None:
+        gpu = yaml.safe_load((REPO / "compose.gpu.yaml").read_text())["services"]["sandbox"]
+        (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert gpu["environment"]["SANDBOX_GPU"] == "1"
+        assert gpu["build"]["dockerfile"] == "images/cuda12/Dockerfile"
+
+
+class TestSeccompProfile:
+    def test_profile_is_dockers_default_unchanged_plus_one_rule_for_firejail(self) -> None:
+        profile = json.loads((REPO / "images" / "seccomp.json").read_text())
+        *docker, added = profile["syscalls"]
+        base = dict(profile, syscalls=docker)
+        digest = hashlib.sha256(json.dumps(base, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        assert digest == DOCKER_DEFAULT_SHA256
+        assert added["names"] == ["clone", "mount", "umount2", "unshare"]
+        assert added["action"] == "SCMP_ACT_ALLOW" and "includes" not in added and "args" not in added
+
+    def test_profile_denies_by_default_and_never_unconditionally_allows_kernel_escape_hatches(self) -> None:
+        profile = json.loads((REPO / "images" / "seccomp.json").read_text())
+        assert profile["defaultAction"] == "SCMP_ACT_ERRNO"
+        unconditional = {n for r in profile["syscalls"] if r["action"] == "SCMP_ACT_ALLOW"
+                         and not r.get("includes") and not r.get("args") for n in r["names"]}
+        for name in ("keyctl", "add_key", "bpf", "init_module", "kexec_load", "setns", "pivot_root",
+                     "ptrace", "open_by_handle_at", "reboot"):
+            assert name not in unconditional, name
+
+
+class TestEntrypoint:
+    def test_missing_caps_names_the_two_the_jail_adds_to_dockers_defaults(self) -> None:
+        out = entrypoint(f"missing_caps {DOCKER_DEFAULT_CAPS:x}")
+        assert out.stdout.split() == ["CAP_SYS_ADMIN", "CAP_NET_ADMIN"]
+        full = DOCKER_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN
+        assert entrypoint(f"missing_caps {full:x}").stdout == ""
+        assert len(entrypoint("missing_caps 0").stdout.split()) == 9
+
+    @pytest.mark.parametrize(("call", "message", "fix"), [
+        (f"check_caps {DOCKER_DEFAULT_CAPS | NET_ADMIN:x}", "missing capability: CAP_SYS_ADMIN", "--cap-add SYS_ADMIN"),
+        (f"check_caps {DOCKER_DEFAULT_CAPS | SYS_ADMIN:x}", "missing capability: CAP_NET_ADMIN", "--cap-add NET_ADMIN"),
+        (f"check_caps {DOCKER_DEFAULT_CAPS:x}", "CAP_SYS_ADMIN CAP_NET_ADMIN", "--cap-add SYS_ADMIN --cap-add NET_ADMIN"),
+        ("check_container_env ''", "container is '', not 'docker'", "remove -e container="),
+        ("check_container_env podman", "container is 'podman'", "ENV container=docker"),
+        ("check_no_new_privs 1", "no_new_privs is set", "allowPrivilegeEscalation: true"),
+        ("check_uid 1001", "runs as uid 1001", "remove --user"),
+        ("check_namespaces_with_failing_unshare 2", "seccomp profile forbids creating namespaces",
+         "seccomp=/path/to/images/seccomp.json"),
+        ("check_mount_with_failing_mount 'docker-default (enforce)'", "AppArmor profile",
+         "apparmor=unconfined"),
+    ])
+    def test_each_refusal_exits_78_and_names_the_missing_flag(self, call: str, message: str, fix: str) -> None:
+        # Namespace and mount failures are provoked with stand-ins for unshare/mount that fail
+        # like a seccomp or AppArmor denial does (EPERM), since this host permits both.
+        fakes = (
+            "unshare() { echo 'unshare: unshare failed: Operation not permitted' >&2; return 1; }; "
+            "check_namespaces_with_failing_unshare() { check_namespaces \"$1\"; }; "
+            "check_mount_with_failing_mount() { check_mount \"$1\"; }; "
+        )
+        if "failing_mount" in call:
+            fakes = fakes.replace("unshare() {", "unshare_real() {") + (
+                "unshare() { echo 'mount: /mnt: permission denied.' >&2; return 1; }; ")
+        out = entrypoint(fakes + call)
+        assert out.returncode == EX_CONFIG, out
+        assert "appliance: cannot start:" in out.stderr and message in out.stderr, out.stderr
+        assert fix in out.stderr, out.stderr
+
+    def test_accepted_values_pass_silently(self) -> None:
+        full = DOCKER_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN
+        out = entrypoint(f"check_caps {full:x} && check_container_env docker && check_no_new_privs 0 "
+                         "&& check_uid 0 && echo passed")
+        assert out.returncode == 0 and out.stdout.strip() == "passed" and out.stderr == ""
+
+    def test_status_field_reads_proc_status_lines(self, tmp_path: Path) -> None:
+        status = tmp_path / "status"
+        status.write_text("Name:\tbash\nNoNewPrivs:\t1\nCapBnd:\t00000000a82425fb\nSeccomp:\t2\n")
+        out = entrypoint(f'status_field CapBnd "{status}"; status_field NoNewPrivs "{status}"')
+        assert out.stdout.split() == ["00000000a82425fb", "1"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping capabilities for real needs root")
+class TestEntrypointOnThisHost:
+    """The checks against real kernel state: this host as is, then with a privilege removed."""
+
+    def test_every_check_passes_on_this_host_as_root(self) -> None:
+        if not shutil.which("firejail") or not os.stat("/usr/bin/firejail").st_mode & 0o4000:
+            pytest.fail("firejail must be installed setuid (scripts/setup-system.sh) for this test")
+        out = entrypoint("check_all && echo passed", env={"container": "docker"})
+        assert out.returncode == 0 and out.stdout.strip() == "passed", out.stderr
+
+    @pytest.mark.parametrize(("cap", "flag"), [("cap_sys_admin", "--cap-add SYS_ADMIN"),
+                                               ("cap_net_admin", "--cap-add NET_ADMIN")])
+    def test_a_process_without_the_capability_is_refused_naming_it(self, cap: str, flag: str) -> None:
+        capsh = shutil.which("capsh") or "/usr/sbin/capsh"
+        out = entrypoint("check_all", env={"container": "docker"}, wrap=[capsh, f"--drop={cap}", "--"] + ["-c", 'exec "$@"', "capsh"])
+        assert out.returncode == EX_CONFIG, out
+        assert cap.upper() in out.stderr and flag in out.stderr, out.stderr
+
+    def test_a_process_with_no_new_privs_is_refused(self) -> None:
+        out = entrypoint("check_all", env={"container": "docker"}, wrap=["setpriv", "--no-new-privs"])
+        assert out.returncode == EX_CONFIG and "no_new_privs is set" in out.stderr, out.stderr
