@@ -9,14 +9,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import json
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from appliance import outputs, protocol
+from appliance import canary, outputs, protocol
 from appliance.admission import Admission
 from appliance.errors import ApplianceError, RequestRejected, status_of
 from appliance.jail.host import HostFacts, inspect, readable_ancestors_problem
@@ -37,50 +36,6 @@ if TYPE_CHECKING:  # GPU modules are imported at run time only in GPU mode
     from appliance.gpu.runs import GpuRuns
 
 log = logging.getLogger("appliance.service")
-
-CANARY_CODE = """
-import json, os, socket
-report = {"uid": os.getuid(), "env": sorted(os.environ)}
-try:
-    open("/etc/shadow").read(); report["shadow"] = "readable"
-except OSError:
-    report["shadow"] = "denied"
-s = socket.socket(); s.settimeout(1)
-try:
-    s.connect(("127.0.0.1", PORT)); report["loopback"] = "connected"
-except OSError:
-    report["loopback"] = "refused"
-# Egress mode: the host (its addresses and this jail's gateway) and cloud metadata must stay shut.
-targets = [(h, PORT) for h in HOSTS] + [("169.254.169.254", 80)]
-with open("/proc/net/route") as fh:
-    for line in list(fh)[1:]:
-        f = line.split()
-        if f[1] == "00000000":
-            targets.append((socket.inet_ntoa(bytes.fromhex(f[2])[::-1]), PORT))
-report["reached"] = []
-for target in targets:
-    s = socket.socket(); s.settimeout(1)
-    try:
-        s.connect(target); report["reached"].append("%s:%d" % target)
-    except OSError:
-        pass
-    s.close()
-with open("/proc/self/status") as fh:
-    for line in fh:
-        k, _, v = line.partition(":")
-        if k in ("NoNewPrivs", "Seccomp"):
-            report[k] = v.strip()
-print(json.dumps(report))
-"""
-
-ALLOWED_JAIL_ENV = {
-    "HOME", "PATH", "LANG", "LC_ALL", "LC_CTYPE", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
-    "MPLBACKEND", "MPLCONFIGDIR", "APPLIANCE_RUNTIME", "APPLIANCE_PRELOAD", "OPENBLAS_NUM_THREADS",
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_MAX_THREADS", "TMPDIR", "container",
-    "FIREJAIL_QUIET", "SHELL", "QT_X11_NO_MITSHM", "QML_DISABLE_DISK_CACHE", "KDE_FORK_SLAVES",
-    "PROMPT_COMMAND", "SANDBOX_MODELS_DIR", "CUDA_VISIBLE_DEVICES",
-}
-
 
 class Appliance:
     """Everything that runs code; transports call `execute` and friends."""
@@ -182,38 +137,20 @@ class Appliance:
             await asyncio.sleep(300 if not self.ready_problems else 5)
 
     async def canary(self) -> list[str]:
-        """Run a probe in a real jail; every way it is less confined than promised is a problem."""
+        """Run the probe in a real jail; every way it is less confined than promised is a problem."""
         frames: list[Frame] = []
 
         async def collect(frame: Frame) -> None:
             frames.append(frame)
 
         hosts = [str(a) for a in self.network.policy.host_addresses] if self.network and self.network.policy else []
-        code = CANARY_CODE.replace("PORT", str(self.canary_port or 9100)).replace("HOSTS", json.dumps(hosts))
-        req = ExecuteRequest(id="canary", code=code)
+        req = ExecuteRequest(id="canary", code=canary.probe_code(self.canary_port or 9100, hosts))
         await self.execute(req, owner="canary", emit=collect, active=ActiveRun("canary"), canary=True)
         done = frames[-1] if frames else {}
-        if done.get("status") != "ok":
-            return [f"canary run ended {done.get('status')}: {done.get('message')}"]
-        text = "".join(f["text"] for f in frames if f.get("type") == "stream" and f.get("name") == "stdout")
-        try:
-            report = json.loads(text)
-        except ValueError:
-            return ["canary printed no report"]
-        found = []
-        if report.get("uid") != self.settings.uid and (self.host and report.get("uid") != self.host.uid):
-            found.append(f"canary ran as uid {report.get('uid')}")
-        if report.get("shadow") != "denied":
-            found.append("canary could read /etc/shadow")
-        if report.get("loopback") != "refused":
-            found.append("canary reached the server over loopback")
-        if report.get("reached") != []:
-            found.append(f"canary reached the host or a metadata address: {report.get('reached')}")
-        if report.get("NoNewPrivs") != "1" or report.get("Seccomp") != "2":
-            found.append("canary is missing no_new_privs or seccomp")
-        extra_env = set(report.get("env", [])) - ALLOWED_JAIL_ENV
-        if extra_env:
-            found.append(f"canary saw unexpected environment variables: {sorted(extra_env)}")
+        stdout = "".join(f["text"] for f in frames if f.get("type") == "stream" and f.get("name") == "stdout")
+        found = canary.judge(done.get("status"), stdout, {self.host.uid if self.host else self.settings.uid})
+        if found and done.get("message"):
+            found[0] += f": {done.get('message')}"
         return found
 
     # -- runs ----------------------------------------------------------------------------
@@ -236,7 +173,7 @@ class Appliance:
             elif req.session == "new":
                 self.sessions.check_capacity(owner)
             self.metrics.queue_depth.set(self.admission.waiting + 1)
-            async with self._gpu_grant(req, canary) as grant, self.admission.slot() as slot_ms:
+            async with self._gpu_grant(req, probe=canary) as grant, self.admission.slot() as slot_ms:
                 queued_ms = slot_ms + (grant.queued_ms if grant is not None else 0)
                 self.metrics.queue_depth.set(self.admission.waiting)
                 self.metrics.queue_seconds.observe(queued_ms / 1000)
@@ -308,9 +245,10 @@ class Appliance:
         )
 
     @contextlib.asynccontextmanager
-    async def _gpu_grant(self, req: ExecuteRequest, canary: bool) -> AsyncIterator[Grant | None]:
-        """GPU mode: the run's GPU reservation, held (queued FIFO) before it takes a run slot."""
-        if self.gpu is None or canary:
+    async def _gpu_grant(self, req: ExecuteRequest, probe: bool) -> AsyncIterator[Grant | None]:
+        """GPU mode: the run's GPU reservation, held (queued FIFO) before it takes a run slot.
+        The readiness probe (a CPU-only canary) takes none."""
+        if self.gpu is None or probe:
             yield None
             return
         async with self.gpu.grant(req) as grant:
