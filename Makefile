@@ -20,7 +20,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	@if [ ! -x $(PY) ]; then $(SUDO) mkdir -p $(dir $(VENV)) && $(SUDO) chown "$$(id -u)" $(dir $(VENV)) 2>/dev/null; /usr/bin/python3 -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[science,test,gpu]'
+	$(PY) -m pip install -q -e '.[science,test,gpu,bench]'
 	@touch $@
 
 run: setup

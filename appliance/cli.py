@@ -25,9 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--token", default=os.environ.get("SANDBOX_AUTH_TOKEN"))
     ex.add_argument("--timeout-ms", type=int)
     ex.add_argument("--json", action="store_true", help="print raw frames as JSON lines")
+    # Listed for --help; its arguments (--quick, --out, ...) belong to benchmarks.suite.
+    sub.add_parser("bench", help="run the benchmark suite (python -m benchmarks) from a checkout")
     audit = sub.add_parser("audit", help="run the adversarial security suite and write its report")
     audit.add_argument("--out", default=None, help="report directory (default: security/ in the checkout)")
     audit.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments, after --")
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["bench"]:
+        return _bench(raw[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
@@ -51,6 +56,18 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"appliance: cannot start: {exc.message}", file=sys.stderr)
         return 2
     return 0
+
+
+def _bench(argv: list[str]) -> int:
+    """The benchmarks live beside the package in the checkout (benchmarks/), not inside it."""
+    repo = str(Path(__file__).resolve().parent.parent)
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    import importlib
+
+    suite = importlib.import_module("benchmarks.suite")  # not part of the installed package
+    result: int = suite.main(argv)
+    return result
 
 
 def _read_code(arg: str) -> str:

@@ -1,0 +1,120 @@
+"""The benchmark suite: `python -m benchmarks --quick` runs end to end against real servers,
+real jails and a real Jupyter Kernel Gateway, and writes sane outputs. Fails on errors,
+never on the figures themselves (the targets are PASS/MISS lines in the report)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+from benchmarks.stats import percentile, summarize
+from tests.support import REPO, scaled
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_percentile_interpolates_between_closest_ranks() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([1.0, 2.0], 50) == 1.5
+    assert percentile([10.0, 0.0, 5.0], 100) == 10.0
+    assert percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_summary_orders_its_percentiles() -> None:
+    s = summarize([float(v) for v in range(1, 101)])
+    assert s.n == 100
+    assert s.min_ms <= s.p50_ms <= s.p90_ms <= s.p99_ms <= s.max_ms
+    assert s.p50_ms == pytest.approx(50.5)
+
+
+def _results(warm: float, naive: float, jupyter: float, pandas_warm: float, pandas_naive: float,
+             runs_per_s: float, capacity: float, pss: float) -> dict[str, object]:
+    def entry(p50: float) -> dict[str, float]:
+        return {"n": 10, "p50_ms": p50, "p90_ms": p50 * 2, "p99_ms": p50 * 3, "mean_ms": p50,
+                "min_ms": p50, "max_ms": p50 * 3}
+
+    return {
+        "latency": {
+            "print": {report.WARM: entry(warm), report.NAIVE: entry(naive), report.JUPYTER: entry(jupyter)},
+            "pandas": {report.WARM: entry(pandas_warm), report.NAIVE: entry(pandas_naive)},
+        },
+        "throughput": {"spawn_capacity": {"spawns_per_s": capacity},
+                       "levels": [{"clients": 1, "runs_per_s": runs_per_s}]},
+        "memory": {"pss_mb_per_warm_jail": pss},
+    }
+
+
+def test_targets_pass_when_every_ratio_is_met() -> None:
+    verdicts = [t.verdict() for t in report.targets(_results(1.5, 60, 4, 10, 800, 2.0, 2.1, 80))]
+    assert verdicts == ["PASS"] * 6
+
+
+def test_missed_targets_are_reported_not_raised() -> None:
+    found = report.targets(_results(5.0, 200, 4, 100, 800, 1.0, 2.0, 200))
+    by_name = {t.name: t.verdict() for t in found}
+    assert by_name["print(2+2) p50, warm pool (ms)"] == "MISS"
+    assert by_name["print(2+2): warm Jupyter p50 / warm p50"] == "MISS"
+    assert by_name["pandas cell: naive firejail p50 / warm p50"] == "MISS"
+    assert by_name["peak sustained runs/s / jail-spawn capacity"] == "MISS"
+    assert by_name["idle PSS per warm jail (MB)"] == "MISS"
+    assert by_name["print(2+2): naive firejail p50 / warm p50"] == "PASS"
+
+
+def test_appliance_bench_hands_its_arguments_to_the_suite() -> None:
+    proc = subprocess.run([sys.executable, "-m", "appliance", "bench", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--quick" in proc.stdout and "python -m benchmarks" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(int(scaled(900)))
+def test_quick_benchmark_runs_end_to_end_and_writes_sane_outputs(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--no-progress", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=scaled(840))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    for name in ("bench_quick.json", "bench_quick.md", "bench_quick.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert (tmp_path / "bench_quick.png").read_bytes()[:8] == PNG_MAGIC
+
+    results = json.loads((tmp_path / "bench_quick.json").read_text())
+    latency = results["latency"]
+    assert set(latency) == {"print", "pandas", "matplotlib", "session"}
+    assert set(latency["print"]) == {report.WARM, report.COLD, report.NAIVE, report.JUPYTER}
+    assert set(latency["pandas"]) == {report.WARM, report.COLD, report.NAIVE, report.JUPYTER}
+    assert set(latency["matplotlib"]) == {report.WARM, report.COLD}
+    assert set(latency["session"]) == {report.SESSION, report.JUPYTER}
+    for scenario, by_target in latency.items():
+        for target, s in by_target.items():
+            assert s["n"] >= 3, (scenario, target)
+            assert 0 < s["p50_ms"] <= s["p90_ms"] <= s["p99_ms"], (scenario, target, s)
+    # A warm jail skips the spawn and the imports a cold one pays for: even on a busy machine
+    # it is faster, and a cell that imports pandas is slower in a brand-new process.
+    for scenario in ("print", "pandas", "matplotlib"):
+        assert latency[scenario][report.WARM]["p50_ms"] < latency[scenario][report.COLD]["p50_ms"], scenario
+    assert latency["pandas"][report.WARM]["p50_ms"] < latency["pandas"][report.NAIVE]["p50_ms"]
+
+    assert results["jupyter_nodelay"]["client"] is True
+    assert results["jupyter_nodelay"]["server"] is True
+    tp = results["throughput"]
+    assert tp["spawn_capacity"]["spawns_per_s"] > 0
+    assert [lvl["clients"] for lvl in tp["levels"]] == [1, 2, 4, 8, 16]
+    assert all(lvl["runs_per_s"] >= 0 and lvl["p50_ms"] > 0 for lvl in tp["levels"])
+    assert any(lvl["runs_per_s"] > 0 for lvl in tp["levels"])
+    memory = results["memory"]
+    assert memory["pss_mb_proc"] and all(v > 1 for v in memory["pss_mb_proc"])
+    assert memory["pss_mb_per_warm_jail"] > 1
+
+    verdicts = {t["verdict"] for t in results["targets"]}
+    assert verdicts <= {"PASS", "MISS"} and len(results["targets"]) == 6
+    table = (tmp_path / "bench_quick.md").read_text()
+    assert "| appliance, warm pool |" in table and "## Targets (issue 4)" in table
+    assert "targets (issue 4):" in proc.stdout
