@@ -12,6 +12,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.jail import proctree
+
 REPO = Path(__file__).resolve().parent.parent
 SANDBOX_UID = 1001
 # Timeouts scale with the machine: CI boxes are small and noisy.
@@ -132,24 +134,8 @@ def frames_of(raw: str) -> list[dict[str, object]]:
 
 
 def descendants(pid: int) -> list[int]:
-    """Every live descendant of pid (through /proc/<pid>/task/*/children)."""
-    found: list[int] = []
-    stack = [pid]
-    while stack:
-        current = stack.pop()
-        try:
-            tasks = os.listdir(f"/proc/{current}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{current}/task/{task}/children") as fh:
-                    kids = [int(p) for p in fh.read().split()]
-            except (OSError, ValueError):
-                continue
-            found.extend(kids)
-            stack.extend(kids)
-    return found
+    """Every live descendant of pid."""
+    return proctree.tree(pid)[1:]
 
 
 def jail_processes(server: Server, uid: int = SANDBOX_UID, settle_s: float = 5.0) -> list[tuple[int, str]]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from appliance.errors import GpuMemoryLimit, MemoryLimit, RunLimit
 from appliance.gpu.backend import Device, GpuBackend, GpuBackendError, ProcessUsage
 from appliance.gpu.ledger import GpuLedger, Grant
+from appliance.jail import proctree
 
 log = logging.getLogger("appliance.gpu")
 
@@ -40,26 +41,8 @@ class GpuMonitorFailed(RunLimit):
 
 
 def descendants(root: int) -> set[int]:
-    """root and every process below it (all threads' children), as far as /proc shows."""
-    found = {root}
-    stack = [root]
-    while stack:
-        pid = stack.pop()
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as fh:
-                    kids = [int(k) for k in fh.read().split()]
-            except (OSError, ValueError):
-                continue
-            for kid in kids:
-                if kid not in found:
-                    found.add(kid)
-                    stack.append(kid)
-    return found
+    """root and every process below it."""
+    return set(proctree.tree(root))
 
 
 def rss_mb(pids: set[int]) -> int:

@@ -21,11 +21,11 @@ from typing import Any
 
 from appliance.errors import JailFailure
 from appliance.gpu.devices import GpuDevice
-from appliance.jail import checks
+from appliance.jail import checks, proctree
 from appliance.jail.firejail import launcher_env, render_argv
 from appliance.jail.host import HostFacts
 from appliance.jail.network import EgressNetwork, JailLink, enter_argv, expected_interfaces
-from appliance.jail.process import Event, JailProcess, _children
+from appliance.jail.process import Event, JailProcess
 from appliance.jail.spec import JailLimits, JailSpec, jail_env
 from appliance.jail.workdir import RunDirs
 from appliance.settings import Settings
@@ -57,7 +57,7 @@ class Jail:
     @property
     def private_tmp(self) -> Path | None:
         """The jail's private /tmp (a tmpfs in its mount namespace) as the host sees it."""
-        inner = _children(self.process.pid)
+        inner = proctree.children(self.process.pid)
         return Path(f"/proc/{inner[0]}/root/tmp") if inner else None
 
     async def destroy(self, grace_s: float = 0.0) -> None:

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.jail import proctree
+
 READ_CHUNK = 65536
 
 
@@ -221,7 +223,7 @@ class JailProcess:
         without waiting; `kill()` later waits for the teardown and reaps."""
         if self._proc.returncode is not None:
             return
-        targets = _children(self.pid) or [self.pid]
+        targets = proctree.children(self.pid) or [self.pid]
         for pid in targets:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -236,7 +238,7 @@ class JailProcess:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(proc.wait()), grace_s)
         if proc.returncode is None:
-            for child in _children(proc.pid):
+            for child in proctree.children(proc.pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(child, signal.SIGKILL)
             try:
@@ -260,13 +262,7 @@ class JailProcess:
 
     def tree(self) -> list[int]:
         """firejail's PID and every descendant's (the whole jail)."""
-        found = [self.pid]
-        stack = [self.pid]
-        while stack:
-            for child in _children(stack.pop()):
-                found.append(child)
-                stack.append(child)
-        return found
+        return proctree.tree(self.pid)
 
     def renice(self, value: int) -> None:
         """Set every process of the jail to this niceness (lowering it needs root)."""
@@ -294,11 +290,3 @@ class JailProcess:
     def _close_all(self) -> None:
         for fd in (self._fds["stdout"], self._fds["stderr"], self._events_fd, self._control_fd):
             self._close_fd(fd)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(p) for p in fh.read().split()]
-    except (OSError, ValueError):
-        return []
