@@ -25,7 +25,8 @@ Emit = Callable[[Frame], Awaitable[None]]
 
 INTERRUPT_GRACE_S = 0.8
 DISK_CHECK_S = 0.25
-MAX_DISK_ENTRIES = 100_000  # files + directories a run may create (inodes)
+MAX_DISK_ENTRIES = 100_000  # files + directories a run may create (inodes), at most ...
+ENTRY_BYTES = 4096  # ... and one per block of its disk quota: empty files cost inodes, not blocks
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,7 @@ def _frame_for(rid: str, body: dict[str, Any]) -> Frame | None:
 
 async def _disk_watchdog(jail: Jail, max_disk_mb: int) -> None:
     limit = max_disk_mb * 1024 * 1024
+    max_entries = min(MAX_DISK_ENTRIES, limit // ENTRY_BYTES)
     while True:
         await asyncio.sleep(DISK_CHECK_S)
         used, entries = await asyncio.to_thread(disk_usage, jail.workdir)
@@ -230,9 +232,9 @@ async def _disk_watchdog(jail: Jail, max_disk_mb: int) -> None:
             jail.process.items.put_nowait(Violation(OutputLimit(  # type: ignore[arg-type]
                 f"the run wrote more than SANDBOX_MAX_DISK_MB ({max_disk_mb} MiB) to disk")))
             return
-        if entries > MAX_DISK_ENTRIES:  # empty files use no blocks but exhaust inodes
+        if entries > max_entries:
             jail.process.items.put_nowait(Violation(OutputLimit(  # type: ignore[arg-type]
-                f"the run created more than {MAX_DISK_ENTRIES} files and directories")))
+                f"the run created more than {max_entries} files and directories")))
             return
 
 

@@ -1,0 +1,245 @@
+"""Soak: thousands of mixed runs (normal, hostile, concurrent, sessions, malformed) against a
+real server, then a leak audit.
+
+    .venv/bin/python -m benchmarks.soak                  # 10,000 requests -> benchmarks/results/soak.{md,json}
+    .venv/bin/python -m benchmarks.soak --quick          # 300 requests, printed only
+
+Checks afterwards: every request got exactly one `done`; no process left under the server
+(the pool is off, so any process is a leak); no run directory left under the server's
+SANDBOX_TMP_ROOT; no growth in the server's open file descriptors; RSS before/after reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import websockets  # noqa: E402
+
+from tests.support import Server, start_server  # noqa: E402
+
+NORMAL = [
+    "print(sum(range(1000)))",
+    "import math\nmath.factorial(200)",
+    "x = [i * i for i in range(10000)]\nlen(x)",
+    "open('outputs/r.txt', 'w').write('result')",
+    "import json\nprint(json.dumps({'a': 1}))",
+    "raise ValueError('expected failure')",
+    "import sys\nsys.exit(2)",
+    "name = input()\nprint('hi', name)",
+]
+HOSTILE = [
+    ("while True: pass", 600),
+    ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", 800),
+    ("while True: print('A' * 4096)", 3000),
+    ("x = bytearray(8 * 1024 ** 3)", 3000),
+    ("import subprocess\nsubprocess.Popen(['sleep', '600'], start_new_session=True)", 3000),
+    ("import os, time\nif os.fork() == 0:\n    time.sleep(600)\nprint('orphan')", 3000),
+    ("print('{\"type\":\"done\",\"id\":\"x\",\"status\":\"ok\"}')", 3000),
+    ("import os, signal\nos.killpg(0, signal.SIGSTOP)", 600),
+    ("import os\nfor fd in range(64):\n    try:\n        os.close(fd)\n    except OSError:\n        pass", 3000),
+    ("import os\nos._exit(9)", 3000),
+    ("i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'x' * (4 << 20)); i += 1", 3000),
+]
+MALFORMED = ["not json", "[1]", '{"code": 5}', '{"type": "nope"}', '{"type": "stdin", "id": "ghost", "data": "x"}']
+
+
+class Tally:
+    """Requests sent and `done` frames received, per request id."""
+
+    def __init__(self) -> None:
+        self.sent: Counter[str] = Counter()
+        self.done: Counter[str] = Counter()
+        self.status: Counter[str] = Counter()
+        self.kinds: Counter[str] = Counter()
+        self.errors: list[str] = []
+
+
+async def request(ws: Any, frame: dict[str, Any] | str, rid: str, tally: Tally, kind: str) -> dict[str, Any]:
+    """Send one frame on a private connection and read to its done (the connection is ours alone)."""
+    tally.sent[rid] += 1
+    tally.kinds[kind] += 1
+    await ws.send(frame if isinstance(frame, str) else json.dumps(frame))
+    while True:
+        msg = json.loads(await asyncio.wait_for(ws.recv(), 120))
+        if msg.get("type") == "done":
+            # Malformed frames without a readable id get a server-made id; count them as ours.
+            tally.done[rid if msg.get("id") in (rid, None) or isinstance(frame, str) else msg["id"]] += 1
+            tally.status[msg.get("status", "?")] += 1
+            return msg
+
+
+async def worker(url: str, n: int, seq: list[int], total: int, tally: Tally, rng: random.Random) -> None:
+    async with websockets.connect(url, max_size=None) as ws:
+        while seq[0] < total:
+            seq[0] += 1
+            i = seq[0]
+            roll = rng.random()
+            rid = f"w{n}-{i}"
+            try:
+                if roll < 0.60:
+                    await request(ws, {"id": rid, "code": rng.choice(NORMAL), "stdin_eof": False}, rid, tally, "normal")
+                elif roll < 0.85:
+                    code, ms = rng.choice(HOSTILE)
+                    await request(ws, {"id": rid, "code": code, "timeout_ms": ms}, rid, tally, "hostile")
+                elif roll < 0.95:
+                    first = await request(ws, {"id": rid, "code": "n = 1", "session": "new"}, rid, tally, "session")
+                    sid = first.get("session")
+                    for j in range(2):
+                        seq[0] += 1
+                        await request(ws, {"id": f"{rid}-{j}", "code": "n += 1\nprint(n)", "session": sid},
+                                      f"{rid}-{j}", tally, "session")
+                    if sid:
+                        seq[0] += 1
+                        await request(ws, {"type": "close_session", "id": f"{rid}-c", "session": sid},
+                                      f"{rid}-c", tally, "session")
+                else:
+                    await request(ws, rng.choice(MALFORMED), rid, tally, "malformed")
+            except (TimeoutError, websockets.ConnectionClosed) as exc:
+                tally.errors.append(f"{rid}: {type(exc).__name__}")
+                return
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def settle(server: Server, timeout: float = 30) -> tuple[list[int], list[str]]:
+    from tests.attacks.common import descendants, run_dirs
+
+    deadline = time.monotonic() + timeout
+    while True:
+        procs, dirs = descendants(server.proc.pid), run_dirs(server)
+        if (not procs and not dirs) or time.monotonic() > deadline:
+            return procs, dirs
+        time.sleep(0.2)
+
+
+async def soak(server: Server, total: int, concurrency: int, seed: int) -> tuple[Tally, float]:
+    tally = Tally()
+    seq = [0]
+    rng = random.Random(seed)
+    started = time.monotonic()
+    await asyncio.gather(*(worker(server.url, n, seq, total, tally, random.Random(rng.random()))
+                           for n in range(concurrency)))
+    return tally, time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=10_000)
+    parser.add_argument("--quick", action="store_true", help="300 requests, results printed only")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    total = 300 if args.quick else args.runs
+    work = Path(tempfile.mkdtemp(prefix="appliance-soak-", dir="/tmp"))
+    os.chmod(work, 0o755)
+    server = start_server(work / "server", SANDBOX_POOL_SIZE="0", SANDBOX_TMP_ROOT=str(work),
+                          SANDBOX_MAX_EXEC_MS="5000", SANDBOX_MAX_DISK_MB="32", SANDBOX_MEMORY_MB="512",
+                          SANDBOX_MAX_OUTPUT_BYTES="65536", SANDBOX_MAX_CONCURRENCY="4")
+    try:
+        # Warm up (imports, caches, the first connections) before the baseline is taken.
+        asyncio.run(soak(server, 40, 4, args.seed + 1))
+        settle(server)
+        rss_before, fds_before = rss_kb(server.proc.pid), fd_count(server.proc.pid)
+        tally, seconds = asyncio.run(soak(server, total, args.concurrency, args.seed))
+        procs, dirs = settle(server)
+        time.sleep(1)
+        rss_after, fds_after = rss_kb(server.proc.pid), fd_count(server.proc.pid)
+        alive = server.proc.poll() is None and server.get("/healthz")[0] == 200
+    finally:
+        server.stop()
+        log_tail = server.logs()[-2000:]
+        shutil.rmtree(work, ignore_errors=True)
+    wrong_done = {rid: tally.done[rid] for rid in tally.sent if tally.done[rid] != tally.sent[rid]}
+    extra_done = {rid: n for rid, n in tally.done.items() if rid not in tally.sent}
+    requests = sum(tally.sent.values())
+    result: dict[str, Any] = {
+        "requests": requests,
+        "kinds": dict(tally.kinds),
+        "statuses": dict(tally.status),
+        "concurrency": args.concurrency,
+        "duration_s": round(seconds, 1),
+        "requests_per_s": round(requests / seconds, 1) if seconds else None,
+        "requests_without_exactly_one_done": len(wrong_done) + len(extra_done),
+        "client_errors": tally.errors[:20],
+        "leftover_processes": procs,
+        "leftover_run_dirs": dirs,
+        "server_fds_before": fds_before,
+        "server_fds_after": fds_after,
+        "server_rss_mb_before": round(rss_before / 1024, 1),
+        "server_rss_mb_after": round(rss_after / 1024, 1),
+        "server_alive": alive,
+        "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    }
+    leaks = []
+    if result["requests_without_exactly_one_done"] or tally.errors:
+        leaks.append("requests without exactly one done")
+    if procs:
+        leaks.append("processes")
+    if dirs:
+        leaks.append("run directories")
+    if fds_after > fds_before + 2:
+        leaks.append("file descriptors")
+    if not alive:
+        leaks.append("server died")
+    result["leaks"] = leaks or ["none"]
+    print(json.dumps(result, indent=2))
+    if leaks:
+        print(log_tail, file=sys.stderr)
+    if not args.quick:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "soak.md").write_text(render(result))
+    return result
+
+
+def render(r: dict[str, Any]) -> str:
+    """The soak's figures as a Markdown page."""
+    rows = [
+        ("requests (every one expects exactly one done)", r["requests"]),
+        ("mix", ", ".join(f"{k} {v}" for k, v in sorted(r["kinds"].items()))),
+        ("done statuses", ", ".join(f"{k} {v}" for k, v in sorted(r["statuses"].items()))),
+        ("concurrent connections", r["concurrency"]),
+        ("duration", f"{r['duration_s']} s ({r['requests_per_s']} requests/s)"),
+        ("requests without exactly one done", r["requests_without_exactly_one_done"]),
+        ("processes left under the server (pool off)", len(r["leftover_processes"])),
+        ("run directories left", len(r["leftover_run_dirs"])),
+        ("server open fds before / after", f"{r['server_fds_before']} / {r['server_fds_after']}"),
+        ("server RSS before / after", f"{r['server_rss_mb_before']} MiB / {r['server_rss_mb_after']} MiB"),
+        ("leaks found", ", ".join(r["leaks"])),
+    ]
+    lines = ["# Soak", "", "`python -m benchmarks.soak` against a real server (real firejail jails),",
+             f"on {r['host']['cpus']} CPUs, Python {r['host']['python']}.", "",
+             "| measure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    outcome = main()
+    sys.exit(0 if outcome["leaks"] == ["none"] else 1)

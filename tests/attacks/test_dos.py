@@ -1,0 +1,336 @@
+"""Denial of service: code trying to exhaust the host or outlive its run. Each attack must end
+with exactly one `done`, leave no process or run directory behind, and leave the server serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance.client import AsyncClient
+from tests.attacks.common import TOKEN, assert_contained, assert_no_secret, assert_one_done, attack, run
+from tests.attacks.conftest import hostile_server
+from tests.support import Server
+
+Observe = Callable[[str], None]
+SHORT = 5000  # ms: the per-request limit most attacks run under
+OUTPUT_LIMIT = 262144
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator[Server]:
+    """A hostile server with a longer wall clock (requests lower it) and small file limits."""
+    srv = hostile_server(tmp_path_factory.mktemp("dos-server"), tmp_root,
+                         SANDBOX_MAX_EXEC_MS="15000", SANDBOX_MAX_FILE_MB="16", SANDBOX_MAX_PROCS="64")
+    yield srv
+    srv.stop()
+
+
+async def hostile(server: Server, code: str, timeout_ms: int = SHORT) -> tuple[str, str]:
+    """Run an attack; return (status, a short description) after checking containment."""
+    ex = await run(server, code, timeout_ms=timeout_ms, timeout=120)
+    note = await assert_contained(server)
+    streamed = sum(len(f.get("text", "")) for f in ex.frames if f["type"] == "stream")
+    return ex.status, (f"done {ex.status} after {ex.duration_ms} ms ({ex.message or 'no message'}); "
+                       f"{streamed} chars streamed; {note}")
+
+
+@attack("fork bomb (os.fork in a loop, children fork too)",
+        "RLIMIT_NPROC stops it; the run ends (timeout/error) and every process of it is killed")
+async def test_a_fork_bomb_is_contained(target: Server, observe: Observe) -> None:
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    status, note = await hostile(target, code)
+    assert status in ("timeout", "error"), note
+    observe(note)
+
+
+@attack("shell fork bomb :(){ :|:& };:", "contained by RLIMIT_NPROC and the wall clock; nothing survives")
+async def test_a_shell_fork_bomb_is_contained(target: Server, observe: Observe) -> None:
+    code = "import subprocess\nsubprocess.run(['bash', '-c', ':(){ :|:& };:'])\nimport time\ntime.sleep(30)"
+    status, note = await hostile(target, code)
+    assert status in ("timeout", "error"), note
+    observe(note)
+
+
+@attack("thread bomb (start threads until it fails)", "thread creation fails at RLIMIT_NPROC; the run ends")
+async def test_a_thread_bomb_is_capped(target: Server, observe: Observe) -> None:
+    code = '''
+import threading, time
+n = 0
+try:
+    while True:
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); n += 1
+except RuntimeError as e:
+    print("capped at", n, e)
+'''
+    ex = await run(target, code, timeout_ms=SHORT)
+    note = await assert_contained(target)
+    assert ex.stdout.startswith("capped at") and int(ex.stdout.split()[2]) < 64, ex.stdout
+    observe(f"{ex.stdout.strip()}; {note}")
+
+
+@attack("allocate 8 GiB of memory", "MemoryError at RLIMIT_AS; done status memory_limit")
+async def test_a_huge_allocation_ends_as_memory_limit(target: Server, observe: Observe) -> None:
+    status, note = await hostile(target, "x = bytearray(8 * 1024 ** 3)")
+    assert status == "memory_limit", note
+    observe(note)
+
+
+@attack("grow memory slowly in a loop (1 MiB at a time)", "stops at RLIMIT_AS; memory_limit")
+async def test_gradual_memory_growth_ends_as_memory_limit(target: Server, observe: Observe) -> None:
+    status, note = await hostile(target, "chunks = []\nwhile True:\n    chunks.append(b'x' * (1 << 20))")
+    assert status == "memory_limit", note
+    observe(note)
+
+
+@attack("mmap 64 GiB from C (ctypes) and touch it", "mmap fails with ENOMEM under RLIMIT_AS")
+async def test_a_native_mmap_is_refused(target: Server, observe: Observe) -> None:
+    code = '''
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+p = libc.mmap(None, ctypes.c_size_t(64 << 30), 3, 0x22, -1, 0)
+print("mmap", "failed" if p in (None, 2**64 - 1, -1) else "ok", ctypes.get_errno())
+'''
+    ex = await run(target, code, timeout_ms=SHORT)
+    note = await assert_contained(target)
+    assert ex.stdout.startswith("mmap failed 12"), ex.stdout
+    observe(f"{ex.stdout.strip()} (ENOMEM); {note}")
+
+
+@attack("fill the disk from /workspace", "the disk watchdog stops the run: output_limit at SANDBOX_MAX_DISK_MB")
+async def test_filling_the_workspace_ends_as_output_limit(target: Server, observe: Observe) -> None:
+    code = "i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'x' * (8 << 20)); i += 1"
+    status, note = await hostile(target, code)
+    assert status == "output_limit", note
+    observe(note)
+
+
+@attack("fill host memory through the jail's private /tmp (a tmpfs)",
+        "the jail's /tmp counts against the same disk quota: output_limit")
+async def test_filling_the_private_tmp_ends_as_output_limit(target: Server, observe: Observe) -> None:
+    code = "i = 0\nwhile True:\n    open(f'/tmp/f{i}', 'wb').write(b'x' * (8 << 20)); i += 1"
+    status, note = await hostile(target, code)
+    assert status == "output_limit", note
+    observe(note)
+
+
+@attack("exhaust inodes: create empty files as fast as possible",
+        "the watchdog counts entries (one per 4 KiB of quota, at most 100,000): output_limit")
+async def test_an_inode_flood_ends_as_output_limit(target: Server, observe: Observe) -> None:
+    code = "import os\nos.mkdir('d')\ni = 0\nwhile True:\n    os.close(os.open(f'd/{i}', os.O_CREAT | os.O_WRONLY)); i += 1"
+    status, note = await hostile(target, code, timeout_ms=15000)
+    assert status == "output_limit", note
+    observe(note)
+
+
+@attack("one file larger than RLIMIT_FSIZE", "the write is cut off at SANDBOX_MAX_FILE_MB (SIGXFSZ/EFBIG)")
+async def test_a_file_over_the_size_limit_is_cut_off(target: Server, observe: Observe) -> None:
+    code = "import signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\nwith open('big', 'wb') as f:\n    for _ in range(64):\n        f.write(b'x' * (1 << 20))"
+    ex = await run(target, code, timeout_ms=SHORT)
+    note = await assert_contained(target)
+    assert ex.status == "error" and ex.error and "File too large" in ex.error["evalue"], ex
+    observe(f"{ex.error['ename']}: {ex.error['evalue']}; {note}")
+
+
+@attack("stdout flood", "output_limit once SANDBOX_MAX_OUTPUT_BYTES is streamed; no more than that reaches the client")
+async def test_a_stdout_flood_ends_as_output_limit(target: Server, observe: Observe) -> None:
+    ex = await run(target, "while True:\n    print('A' * 1000)", timeout_ms=SHORT)
+    note = await assert_contained(target)
+    streamed = sum(len(f.get("text", "")) for f in ex.frames if f["type"] == "stream")
+    assert ex.status == "output_limit" and streamed <= OUTPUT_LIMIT + 65536, (ex.status, streamed)
+    observe(f"output_limit; {streamed} chars streamed; {note}")
+
+
+@attack("stderr flood from a C-level write loop", "output_limit; bounded bytes")
+async def test_a_stderr_flood_ends_as_output_limit(target: Server, observe: Observe) -> None:
+    ex = await run(target, "import os\nwhile True:\n    os.write(2, b'E' * 65536)", timeout_ms=SHORT)
+    note = await assert_contained(target)
+    streamed = sum(len(f.get("text", "")) for f in ex.frames if f["type"] == "stream")
+    assert ex.status == "output_limit" and streamed <= OUTPUT_LIMIT + 65536, (ex.status, streamed)
+    observe(f"output_limit; {streamed} chars streamed; {note}")
+
+
+@attack("one huge line with no newline (64 MiB)", "streamed in chunks, cut at the output limit; the server never buffers it whole")
+async def test_a_huge_single_line_is_cut_at_the_output_limit(target: Server, observe: Observe) -> None:
+    ex = await run(target, "import sys\nsys.stdout.write('L' * (64 << 20))", timeout_ms=SHORT)
+    note = await assert_contained(target)
+    frames = [f for f in ex.frames if f["type"] == "stream"]
+    biggest = max((len(f["text"]) for f in frames), default=0)
+    assert ex.status == "output_limit" and biggest <= 65536, (ex.status, biggest)
+    observe(f"output_limit; largest stream frame {biggest} chars, {len(frames)} frames; {note}")
+
+
+@attack("many tiny frames (20,000 flushed one-byte writes)", "all delivered in order, the run ends ok, the server keeps up")
+async def test_many_tiny_writes_are_delivered_in_order(target: Server, observe: Observe) -> None:
+    code = "import os\nfor i in range(20000):\n    os.write(1, b'abcdefghij'[i % 10:i % 10 + 1])"
+    ex = await run(target, code, timeout_ms=15000)
+    note = await assert_contained(target)
+    expected = "".join("abcdefghij"[i % 10] for i in range(20000))
+    assert ex.status == "ok" and ex.stdout == expected, (ex.status, len(ex.stdout))
+    observe(f"ok; {len(ex.stdout)} bytes in {sum(f['type'] == 'stream' for f in ex.frames)} frames; {note}")
+
+
+@attack("a result whose repr is 500 MB", "the repr is truncated in the jail; the frame stays bounded")
+async def test_a_gigantic_repr_is_truncated(target: Server, observe: Observe) -> None:
+    code = "class Big:\n    def __repr__(self):\n        return 'R' * (200 << 20)\nBig()"
+    ex = await run(target, code, timeout_ms=SHORT)
+    note = await assert_contained(target)
+    size = len(json.dumps(ex.frames))
+    assert ex.status in ("ok", "output_limit", "memory_limit") and size < OUTPUT_LIMIT + 300_000, (ex.status, size)
+    observe(f"done {ex.status}; all frames together {size} bytes; {note}")
+
+
+@attack("display flood (10,000 rich outputs)", "output_limit: events count against the output budget")
+async def test_a_display_flood_ends_as_output_limit(target: Server, observe: Observe) -> None:
+    ex = await run(target, "for i in range(10000):\n    display({'k': 'v' * 1000})", timeout_ms=SHORT)
+    note = await assert_contained(target)
+    assert ex.status == "output_limit", ex.status
+    observe(f"output_limit after {sum(f['type'] == 'display' for f in ex.frames)} displays; {note}")
+
+
+@attack("CPU spin in Python", "timeout at the wall clock")
+async def test_a_python_cpu_spin_times_out(target: Server, observe: Observe) -> None:
+    status, note = await hostile(target, "while True:\n    pass")
+    assert status == "timeout", note
+    observe(note)
+
+
+@attack("CPU spin in C with every signal blocked and SIGTERM/SIGINT ignored (catastrophic regex)",
+        "timeout at the wall clock: the server kills the jail with SIGKILL, which cannot be blocked")
+async def test_a_c_level_spin_that_blocks_signals_times_out(target: Server, observe: Observe) -> None:
+    code = '''
+import re, signal
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - {signal.SIGKILL, signal.SIGSTOP})
+re.match(r"(a+)+$", "a" * 64 + "b")
+'''
+    status, note = await hostile(target, code)
+    assert status == "timeout", note
+    observe(note)
+
+
+@attack("SIGSTOP its own process group", "the wall clock still ends it: timeout")
+async def test_stopping_its_own_group_still_times_out(target: Server, observe: Observe) -> None:
+    status, note = await hostile(target, "import os, signal\nprint('stopping', flush=True)\nos.killpg(0, signal.SIGSTOP)")
+    assert status == "timeout", note
+    observe(note)
+
+
+@attack("SIGSTOP / SIGKILL the jail's init (pid 1 in its namespace)", "the run still ends with one done; nothing survives")
+async def test_signalling_the_jails_init_is_contained(target: Server, observe: Observe) -> None:
+    code = "import os, signal\nfor s in (signal.SIGSTOP, signal.SIGKILL):\n    try:\n        os.kill(1, s); print(s, 'sent', flush=True)\n    except OSError as e:\n        print(s, e, flush=True)\nimport time\ntime.sleep(1)"
+    status, note = await hostile(target, code)
+    assert status in ("ok", "timeout", "error"), note
+    observe(note)
+
+
+@attack("orphaned children (double fork, parent exits)", "killed with the jail: no process of the run is left")
+async def test_orphaned_children_do_not_survive_the_run(target: Server, observe: Observe) -> None:
+    code = "import os, time\nif os.fork() == 0:\n    if os.fork() == 0:\n        time.sleep(600)\n    os._exit(0)\nprint('parent done')"
+    status, note = await hostile(target, code)
+    assert status == "ok", note
+    observe(note)
+
+
+@attack("setsid daemon (new session, stdio to /dev/null)", "killed with the jail")
+async def test_a_setsid_daemon_does_not_survive_the_run(target: Server, observe: Observe) -> None:
+    code = "import subprocess\nsubprocess.Popen(['sleep', '600'], start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\nprint('daemon started')"
+    status, note = await hostile(target, code)
+    assert status == "ok", note
+    observe(note)
+
+
+@attack("daemon that ignores SIGTERM/SIGHUP and blocks signals", "SIGKILL of the namespace takes it anyway")
+async def test_a_signal_ignoring_daemon_does_not_survive(target: Server, observe: Observe) -> None:
+    code = '''
+import os, signal, time
+if os.fork() == 0:
+    os.setsid()
+    for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - {signal.SIGKILL, signal.SIGSTOP})
+    while True:
+        time.sleep(1)
+print("spawned")
+'''
+    status, note = await hostile(target, code)
+    assert status == "ok", note
+    observe(note)
+
+
+@attack("close the driver's pipes (stdout, stderr, stdin and the event fd)", "the run still ends with exactly one done")
+async def test_closing_the_drivers_pipes_still_ends_with_one_done(target: Server, observe: Observe) -> None:
+    code = "import os\nfor fd in range(0, 64):\n    try:\n        os.close(fd)\n    except OSError:\n        pass\nimport time\ntime.sleep(0.5)"
+    status, note = await hostile(target, code)
+    assert status in ("ok", "error"), note
+    observe(note)
+
+
+@attack("exhaust file descriptors", "EMFILE at RLIMIT_NOFILE; the run ends")
+async def test_exhausting_file_descriptors_stops_at_the_limit(target: Server, observe: Observe) -> None:
+    code = "import os\nfds = []\ntry:\n    while True:\n        fds.append(os.open('/dev/null', os.O_RDONLY))\nexcept OSError as e:\n    print(len(fds), e.errno)"
+    ex = await run(target, code, timeout_ms=SHORT)
+    note = await assert_contained(target)
+    count, err = ex.stdout.split()
+    assert err == "24" and int(count) <= 1024, ex.stdout
+    observe(f"EMFILE after {count} fds; {note}")
+
+
+@attack("sleep forever / wait on stdin forever (no CPU used)", "the wall clock, not CPU time, ends it: timeout")
+async def test_idle_waits_still_time_out(target: Server, observe: Observe) -> None:
+    status, note = await hostile(target, "input()\nimport time\ntime.sleep(3600)")
+    assert status == "timeout", note
+    observe(note)
+
+
+@attack("ignore the client's interrupt in a session (SIGINT ignored, busy loop)",
+        "done cancelled; the session's jail is killed and the session ended")
+async def test_an_interrupt_ignoring_cell_is_cancelled(target: Server, observe: Observe) -> None:
+    async with AsyncClient(target.url, TOKEN) as c:
+        first = await c.execute("x = 1", session="new")
+        sid = first.session
+        rid = c.new_id()
+        frames = []
+        async for frame in c.stream("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('go', flush=True)\nwhile True:\n    pass",
+                                    id=rid, session=sid):
+            frames.append(frame)
+            if frame["type"] == "stream":
+                await c.interrupt(rid)
+        after = await c.execute("print(x)", session=sid)
+    assert_no_secret(frames)
+    assert_one_done(frames)
+    note = await assert_contained(target)
+    assert frames[-1]["status"] == "cancelled" and after.status == "rejected", (frames[-1], after.message)
+    observe(f"done cancelled ({frames[-1]['message']}); next cell: {after.message}; {note}")
+
+
+@attack("12 concurrent CPU spins on one connection (over SANDBOX_MAX_CONCURRENCY=4)",
+        "each gets exactly one done (queued then timeout); /healthz answers throughout")
+async def test_a_burst_of_spinning_runs_is_queued_and_all_end(target: Server, observe: Observe) -> None:
+    async with AsyncClient(target.url, TOKEN) as c:
+        tasks = [asyncio.create_task(c.execute("while True: pass", timeout_ms=1500)) for _ in range(12)]
+        await asyncio.sleep(0.5)
+        health = await asyncio.to_thread(target.get, "/healthz")
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    note = await assert_contained(target)
+    for ex in results:
+        assert_one_done(ex.frames)
+    statuses = sorted({ex.status for ex in results})
+    assert health[0] == 200 and statuses in (["timeout"], ["busy", "timeout"]), (health, statuses)
+    observe(f"statuses {statuses}; /healthz {health[0]} mid-burst; {note}")
+
+
+@attack("burst 2 MB of output and exit at once (so the limit would be judged after `done`)",
+        "output_limit all the same: a limit found while reading is handled before the queued done")
+async def test_an_output_burst_followed_by_exit_is_still_output_limit(target: Server, observe: Observe) -> None:
+    ex = await run(target, "import os, sys\nsys.stdout.write('B' * 2_000_000)\nsys.stdout.flush()\nos._exit(0)",
+                   timeout_ms=SHORT)
+    note = await assert_contained(target)
+    streamed = sum(len(f.get("text", "")) for f in ex.frames if f["type"] == "stream")
+    assert ex.status == "output_limit" and streamed <= OUTPUT_LIMIT + 65536, (ex.status, streamed)
+    observe(f"output_limit; {streamed} chars streamed; {note}")

@@ -1,0 +1,17 @@
+"""The soak in its quick form: 300 mixed requests against a real server, then the leak audit."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import soak
+
+
+@pytest.mark.slow
+def test_a_quick_soak_leaks_nothing() -> None:
+    result = soak.main(["--quick"])
+    assert result["requests"] >= 300
+    assert result["requests_without_exactly_one_done"] == 0 and result["client_errors"] == []
+    assert result["leftover_processes"] == [] and result["leftover_run_dirs"] == []
+    assert result["server_fds_after"] <= result["server_fds_before"] + 2
+    assert result["server_alive"] and result["leaks"] == ["none"]
