@@ -162,3 +162,23 @@ async def test_past_the_queue_a_request_is_answered_busy_and_nothing_runs(
         assert second.frames[0]["queued_ms"] >= 500
     finally:
         srv.stop()
+
+
+def test_disk_usage_stays_on_its_own_filesystem(tmp_path_factory: pytest.TempPathFactory) -> None:
+    import subprocess
+
+    from appliance.jail.workdir import disk_usage
+
+    root = tmp_path_factory.mktemp("du")
+    (root / "own.bin").write_bytes(b"x" * 200_000)
+    mnt = root / "mounted"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    try:
+        (mnt / "other.bin").write_bytes(b"y" * 3_000_000)
+        used, entries = disk_usage(root)
+        assert 200_000 <= used < 1_000_000 and entries == 1  # own.bin; the mount point is not ours
+        inner, _ = disk_usage(mnt)
+        assert inner >= 3_000_000
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

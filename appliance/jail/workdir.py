@@ -81,20 +81,28 @@ class RunDirs:
 
 
 def disk_usage(path: Path, max_entries: int = 200_000) -> tuple[int, int]:
-    """(bytes allocated, entries) under path, without following links; stops at max_entries."""
+    """(bytes allocated, entries) under path on path's own filesystem, without following
+    links or crossing into mounts (a jail's /tmp holds whitelisted bind mounts of the
+    runtime, and the venv when it lives under /tmp); stops at max_entries."""
     total = 0
     entries = 0
+    try:
+        device = os.stat(path).st_dev
+    except OSError:
+        return 0, 0
     stack = [str(path)]
     while stack and entries < max_entries:
         current = stack.pop()
         try:
             with os.scandir(current) as it:
                 for entry in it:
-                    entries += 1
                     try:
                         st = entry.stat(follow_symlinks=False)
                     except OSError:
                         continue
+                    if st.st_dev != device:
+                        continue
+                    entries += 1
                     total += st.st_blocks * 512
                     if stat.S_ISDIR(st.st_mode):
                         stack.append(entry.path)
