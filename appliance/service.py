@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance import canary, outputs, protocol
 from appliance.admission import Admission
-from appliance.errors import ApplianceError, RequestRejected, status_of
+from appliance.errors import ApplianceError, RequestRejected, StartupError, status_of
 from appliance.jail.host import HostFacts, inspect, readable_ancestors_problem
 from appliance.jail.jail import Jail, JailFactory, _python_roots
 from appliance.jail.network import EgressNetwork, check_prerequisites
@@ -70,9 +70,10 @@ class Appliance:
         for root in _python_roots(s.python):
             problem = readable_ancestors_problem(root, host.uid)
             if problem:
-                from appliance.errors import StartupError
-
                 raise StartupError(f"SANDBOX_PYTHON's environment is not reachable in the jail: {problem}")
+        problem = readable_ancestors_problem(s.tmp_root, host.uid)
+        if problem:  # firejail, running as the sandbox uid, must reach the run directories
+            raise StartupError(f"SANDBOX_TMP_ROOT is not reachable by the sandbox uid: {problem}")
         if s.gpu and self.gpu is None:
             from appliance.gpu.runs import GpuRuns  # GPU mode only: NVML is never loaded otherwise
 

@@ -88,6 +88,7 @@ def serve_once(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         ({"SANDBOX_AUTH_TOKEN": "short"}, "SANDBOX_AUTH_TOKEN"),
         ({"SANDBOX_FIREJAIL": "/nonexistent/firejail"}, "firejail not found"),
         ({"SANDBOX_UID": "4242"}, "SANDBOX_UID=4242 has no passwd entry"),
+        ({"SANDBOX_TMP_ROOT": "/root"}, "SANDBOX_TMP_ROOT is not reachable by the sandbox uid"),
     ],
 )
 def test_startup_refuses_invalid_settings_naming_the_problem(env: dict[str, str], fragment: str) -> None:

@@ -123,3 +123,26 @@ def test_the_pool_target_never_grows_past_what_memory_affords() -> None:
                        jail_pss_kb=80_000, mem_available_kb=tight) == 5
     assert pool_target(floor=2, ceiling=16, arrivals_per_s=50.0, start_s=1.0, have=2,
                        jail_pss_kb=80_000, mem_available_kb=MEMORY_RESERVE_KB) == 2
+
+
+async def test_runs_go_on_when_the_servers_temp_directory_is_removed_under_it(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(prefix="appliance-gone-", dir="/tmp"))
+    root.chmod(0o755)
+    srv = start_server(tmp_path_factory.mktemp("gone"), SANDBOX_TMP_ROOT=str(root), SANDBOX_POOL_SIZE="1")
+    try:
+        await wait_pool_ready(srv, 1)
+        instance = root / "appliance" / f"srv-{srv.proc.pid}"
+        shutil.rmtree(instance)
+        results = [await run(srv, f"print({i})") for i in range(3)]
+        assert [r.stdout for r in results] == ["0\n", "1\n", "2\n"], results
+        await wait_pool_ready(srv, 1)
+        assert instance.is_dir() and oct(instance.stat().st_mode & 0o777) == "0o711"
+    finally:
+        srv.stop()
+        shutil.rmtree(root, ignore_errors=True)

@@ -66,7 +66,14 @@ class RunDirs:
 
     def create(self, run_id: str) -> Path:
         path = self.instance / run_id
-        path.mkdir(mode=0o700)
+        try:
+            path.mkdir(mode=0o700)
+        except FileNotFoundError:
+            # Our directory was removed from under us (an operator clearing the temp
+            # root): make it again, as prepare() did, rather than fail every run.
+            self.instance.mkdir(mode=0o711, parents=True, exist_ok=True)
+            os.chmod(self.instance, 0o711)
+            path.mkdir(mode=0o700)
         (path / "outputs").mkdir(mode=0o755)
         for p in (path / "outputs", path):
             os.chown(p, self.uid, self.gid)
