@@ -68,6 +68,7 @@ def start_server(tmp: Path, wrap: list[str] | None = None, wait_ready: bool = Tr
     """Start `appliance serve` on a free port with SANDBOX_* overrides; wait for /readyz."""
     tmp.mkdir(parents=True, exist_ok=True)
     ready = tmp / "port"
+    ready.unlink(missing_ok=True)  # a reused directory must not hand us an old port
     log = tmp / "server.log"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")}
     full_env.update({"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "1", "SANDBOX_PYTHON": sys.executable})
@@ -88,7 +89,11 @@ def start_server(tmp: Path, wrap: list[str] | None = None, wait_ready: bool = Tr
     server = Server(proc, int(ready.read_text()), log, full_env)
     if wait_ready:
         while True:
-            status, body = server.get("/readyz")
+            try:
+                status, body = server.get("/readyz")
+            except OSError as exc:  # never leave a half-started server behind
+                server.stop()
+                raise RuntimeError(f"server unreachable ({exc}):\n{log.read_text()}") from exc
             if status == 200:
                 break
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -29,6 +29,7 @@ REFILL_NICE = 10
 RATE_WINDOW_S = 10.0
 MEMORY_RESERVE_KB = 512 * 1024  # never let warm jails eat the last 512 MiB
 TICK_S = 1.0
+REFILL_DELAY_S = 0.05
 
 
 def mem_available_kb() -> int:
@@ -89,7 +90,9 @@ class JailPool:
     async def take(self) -> Jail:
         """A ready jail from the pool, or a cold-started one when none is ready."""
         self._arrivals.append(time.monotonic())
-        self._wake.set()
+        # Refill a moment later: a jail start is CPU-heavy and the run that just took a
+        # jail usually finishes within milliseconds; starting now would compete with it.
+        asyncio.get_running_loop().call_later(REFILL_DELAY_S, self._wake.set)
         while self.ready:
             jail = self.ready.popleft()
             if jail.alive:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from appliance.client import AsyncClient, Execution
+from appliance.jail import proctree
 from tests.support import Server, scaled
 
 # The hostile server is started with these in its environment; no frame may ever carry them.
@@ -68,30 +69,15 @@ async def probe(server: Server, code: str, **fields: Any) -> tuple[Execution, An
 
 def descendants(pid: int) -> list[int]:
     """Every live, non-zombie process below pid."""
-    found: list[int] = []
-    stack = [pid]
-    while stack:
-        current = stack.pop()
-        try:
-            tasks = os.listdir(f"/proc/{current}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{current}/task/{tid}/children") as fh:
-                    kids = [int(p) for p in fh.read().split()]
-            except (OSError, ValueError):
-                continue
-            for kid in kids:
-                try:
-                    with open(f"/proc/{kid}/stat") as fh:
-                        state = fh.read().rsplit(")", 1)[1].split()[0]
-                except (OSError, IndexError):
-                    continue
-                if state != "Z":
-                    found.append(kid)
-                stack.append(kid)
-    return found
+    return [kid for kid in proctree.tree(pid)[1:] if _state(kid) not in ("Z", "")]
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def run_dirs(server: Server) -> list[str]:
