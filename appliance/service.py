@@ -71,13 +71,13 @@ class Appliance:
             problem = readable_ancestors_problem(root, host.uid)
             if problem:
                 raise StartupError(f"SANDBOX_PYTHON's environment is not reachable in the jail: {problem}")
-        problem = readable_ancestors_problem(s.tmp_root, host.uid)
-        if problem:  # firejail, running as the sandbox uid, must reach the run directories
-            raise StartupError(f"SANDBOX_TMP_ROOT is not reachable by the sandbox uid: {problem}")
         if s.gpu and self.gpu is None:
             from appliance.gpu.runs import GpuRuns  # GPU mode only: NVML is never loaded otherwise
 
             self.gpu = GpuRuns.open(s)  # no driver / no GPU: StartupError, startup stops
+        problem = readable_ancestors_problem(s.tmp_root, host.uid)
+        if problem:  # firejail, running as the sandbox uid, must reach the run directories
+            raise StartupError(f"SANDBOX_TMP_ROOT is not reachable by the sandbox uid: {problem}")
         self.host = host
         return host
 
