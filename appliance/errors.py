@@ -4,6 +4,7 @@
     ├── RequestRejected      bad request, nothing ran          -> rejected
     ├── Busy                 queue full, nothing ran           -> busy
     ├── JailFailure          the jail could not be made/checked -> internal
+    │   └── JailStartFailed  firejail exited before the driver was up
     └── RunLimit             the run hit a limit we enforce
         ├── RunTimeout       wall clock                        -> timeout
         ├── MemoryLimit      RLIMIT_AS / MemoryError           -> memory_limit
@@ -50,6 +51,10 @@ class JailFailure(ApplianceError):
     """A jail could not be started, or failed its self-check; nothing ran."""
 
     status = "internal"
+
+
+class JailStartFailed(JailFailure):
+    """firejail exited before the driver was up (nothing was judged, nothing ran)."""
 
 
 class RunLimit(ApplianceError):

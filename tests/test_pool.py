@@ -34,8 +34,11 @@ def metric(server: Server, name: str) -> float:
 
 
 def comm(pid: int) -> str:
-    with open(f"/proc/{pid}/comm") as fh:
-        return fh.read().strip()
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:  # it exited between the listing and the read (a teardown in progress)
+        return ""
 
 
 async def wait_pool_ready(server: Server, count: int) -> None:
@@ -146,3 +149,42 @@ async def test_runs_go_on_when_the_servers_temp_directory_is_removed_under_it(
     finally:
         srv.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_a_cold_start_that_fails_before_the_driver_is_up_is_tried_once_more() -> None:
+    import sys
+
+    from appliance.errors import JailStartFailed
+    from appliance.jail.host import inspect
+    from appliance.jail.jail import Jail, JailFactory
+    from appliance.jail.pool import JailPool
+    from appliance.jail.workdir import RunDirs, stage_runtime
+    from appliance.settings import from_env
+
+    class FirstStartFails(JailFactory):
+        """Injects one transient start failure (firejail exiting during setup), then real jails."""
+
+        failures = 1
+
+        async def launch(self, nice: int = 0) -> Jail:
+            if self.failures:
+                self.failures -= 1
+                raise JailStartFailed("the jail exited before it was ready")
+            return await super().launch(nice)
+
+    settings = from_env({"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "0", "SANDBOX_PYTHON": sys.executable})
+    host = inspect(settings.firejail, settings.uid, settings.python)
+    dirs = RunDirs(settings.tmp_root, host.uid, host.gid)
+    dirs.prepare()
+    factory = FirstStartFails(settings, host, stage_runtime(settings.tmp_root, settings.python), dirs)
+    pool = JailPool(factory, size=0)
+    try:
+        jail = await pool.take()
+        assert jail.alive and factory.failures == 0
+        await jail.destroy()
+        factory.failures = 2  # fails twice: the run is refused, nothing is left
+        with pytest.raises(JailStartFailed):
+            await pool.take()
+    finally:
+        await pool.close()
+        dirs.remove_instance()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import JailFailure
+from appliance.errors import JailFailure, JailStartFailed
 from appliance.gpu.devices import GpuDevice
 from appliance.jail import checks, proctree
 from appliance.jail.firejail import launcher_env, render_argv
@@ -186,7 +186,7 @@ class JailFactory:
             if not isinstance(item, Event):
                 detail = "".join(stderr).strip()[-500:]
                 log.error("jail exited before ready", extra={"output": detail, "jail": jail.id})
-                raise JailFailure("the jail exited before it was ready")
+                raise JailStartFailed("the jail exited before it was ready")
 
 
 def _python_roots(python: Path) -> list[Path]:

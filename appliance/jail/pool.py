@@ -20,7 +20,7 @@ import math
 import time
 from collections import deque
 
-from appliance.errors import JailFailure
+from appliance.errors import JailFailure, JailStartFailed
 from appliance.jail.jail import Jail, JailFactory
 
 log = logging.getLogger("appliance.pool")
@@ -100,7 +100,13 @@ class JailPool:
                 return jail
             await jail.destroy()
         self.cold_starts += 1
-        return await self.factory.launch()
+        try:
+            return await self.factory.launch()
+        except JailStartFailed as exc:
+            # firejail failed before the driver was up (e.g. host mounts changing under its
+            # setup): transient, and nothing was judged or ran; one more try, then give up.
+            log.warning("jail start failed; trying once more", extra={"error": exc.message})
+            return await self.factory.launch()
 
     def target(self) -> int:
         """How many jails should be ready or starting now."""
