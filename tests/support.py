@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +44,17 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def get(self, path: str, token: str | None = None) -> tuple[int, str]:
-        req = urllib.request.Request(self.http + path)
+        return self.request("GET", path, token)
+
+    def request(self, method: str, path: str, token: str | None = None, body: object = None,
+                timeout: float = 10) -> tuple[int, str]:
+        """(status, body text) of a plain HTTP call, errors included."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.http + path, data=data, method=method)
         if token:
             req.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, resp.read().decode()
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode()
@@ -124,16 +134,6 @@ def processes_of_uid(uid: int = SANDBOX_UID) -> list[tuple[int, str]]:
     return found
 
 
-def wait_no_processes(uid: int = SANDBOX_UID, timeout: float = 10.0) -> list[tuple[int, str]]:
-    """Wait until uid has no processes; returns what is left after timeout."""
-    deadline = time.monotonic() + scaled(timeout)
-    left = processes_of_uid(uid)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = processes_of_uid(uid)
-    return left
-
-
 def frames_of(raw: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in raw.splitlines() if line.strip()]
 
@@ -169,3 +169,14 @@ def _jail_processes_now(server: Server, uid: int) -> list[tuple[int, str]]:
         if pid in mine or ppid == 1:
             left.append((pid, cmd))
     return left
+
+
+@contextlib.contextmanager
+def reachable_tmp_root(prefix: str) -> Iterator[Path]:
+    """A SANDBOX_TMP_ROOT the sandbox uid can reach (pytest's own tmp dirs are 0700), removed after."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    os.chmod(root, 0o755)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

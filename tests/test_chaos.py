@@ -20,17 +20,15 @@ import pytest
 import websockets
 
 from tests.attacks.common import assert_contained, descendants, leftovers, run
-from tests.support import REPO, Server, scaled, start_server
+from tests.support import REPO, Server, reachable_tmp_root, scaled, start_server
 
 SLEEPER = "import time\nprint('started', flush=True)\ntime.sleep(60)"
 
 
 @pytest.fixture(scope="module")
 def chaos_root() -> Iterator[Path]:
-    root = Path(tempfile.mkdtemp(prefix="appliance-chaos-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    with reachable_tmp_root("appliance-chaos-") as root:
+        yield root
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from appliance.client import AsyncClient, Execution
-from tests.support import Server, descendants, start_server
+from tests.support import Server, descendants, reachable_tmp_root, start_server
 
 
 @pytest.fixture(scope="module")
@@ -132,23 +132,19 @@ async def test_runs_go_on_when_the_servers_temp_directory_is_removed_under_it(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     import shutil
-    import tempfile
-    from pathlib import Path
 
-    root = Path(tempfile.mkdtemp(prefix="appliance-gone-", dir="/tmp"))
-    root.chmod(0o755)
-    srv = start_server(tmp_path_factory.mktemp("gone"), SANDBOX_TMP_ROOT=str(root), SANDBOX_POOL_SIZE="1")
-    try:
-        await wait_pool_ready(srv, 1)
-        instance = root / "appliance" / f"srv-{srv.proc.pid}"
-        shutil.rmtree(instance)
-        results = [await run(srv, f"print({i})") for i in range(3)]
-        assert [r.stdout for r in results] == ["0\n", "1\n", "2\n"], results
-        await wait_pool_ready(srv, 1)
-        assert instance.is_dir() and oct(instance.stat().st_mode & 0o777) == "0o711"
-    finally:
-        srv.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with reachable_tmp_root("appliance-gone-") as root:
+        srv = start_server(tmp_path_factory.mktemp("gone"), SANDBOX_TMP_ROOT=str(root), SANDBOX_POOL_SIZE="1")
+        try:
+            await wait_pool_ready(srv, 1)
+            instance = root / "appliance" / f"srv-{srv.proc.pid}"
+            shutil.rmtree(instance)
+            results = [await run(srv, f"print({i})") for i in range(3)]
+            assert [r.stdout for r in results] == ["0\n", "1\n", "2\n"], results
+            await wait_pool_ready(srv, 1)
+            assert instance.is_dir() and oct(instance.stat().st_mode & 0o777) == "0o711"
+        finally:
+            srv.stop()
 
 
 async def test_a_cold_start_that_fails_before_the_driver_is_up_is_tried_once_more() -> None:

@@ -5,11 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import os
 import secrets
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -195,15 +192,7 @@ def tenant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def http(server: Server, method: str, path: str, token: str | None, body: object = None) -> tuple[int, str]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(server.http + path, data=data, method=method)
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+    return server.request(method, path, token, body, timeout=60)
 
 
 async def test_a_wrong_or_missing_token_gets_401_before_the_upgrade(tenant_server: Server) -> None:

@@ -8,8 +8,6 @@ test recorded with the `observe` fixture (or the failure, when it failed).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 
 from appliance.audit import DEFAULT_OUT, REPORT_DIR_ENV, AuditRow, default_meta, write_report
 from tests.attacks.common import AWS_SECRET, TOKEN
-from tests.support import Server, start_server
+from tests.support import Server, reachable_tmp_root, start_server
 
 MIN_ATTACKS = 60
 CLASS_OF_FILE = {
@@ -35,10 +33,8 @@ DESELECTED = pytest.StashKey[bool]()
 @pytest.fixture(scope="module")
 def tmp_root() -> Iterator[Path]:
     """A SANDBOX_TMP_ROOT of this module's own (reachable by the sandbox uid), removed after."""
-    root = Path(tempfile.mkdtemp(prefix="appliance-attacks-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    with reachable_tmp_root("appliance-attacks-") as root:
+        yield root
 
 
 def hostile_server(base: Path, tmp_root: Path, **env: str) -> Server:
