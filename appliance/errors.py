@@ -4,7 +4,8 @@
     ├── RequestRejected      bad request, nothing ran          -> rejected
     ├── Busy                 queue full, nothing ran           -> busy
     ├── JailFailure          the jail could not be made/checked -> internal
-    │   └── JailStartFailed  firejail exited before the driver was up
+    │   ├── JailStartFailed  firejail exited before the driver was up
+    │   └── GpuLimitUnavailable  the run's MPS memory limit could not be set
     └── RunLimit             the run hit a limit we enforce
         ├── RunTimeout       wall clock                        -> timeout
         ├── MemoryLimit      RLIMIT_AS / MemoryError           -> memory_limit
@@ -55,6 +56,10 @@ class JailFailure(ApplianceError):
 
 class JailStartFailed(JailFailure):
     """firejail exited before the driver was up (nothing was judged, nothing ran)."""
+
+
+class GpuLimitUnavailable(JailFailure):
+    """The run's daemon-side GPU memory limit (CUDA MPS) could not be set; nothing ran."""
 
 
 class RunLimit(ApplianceError):

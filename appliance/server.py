@@ -214,8 +214,9 @@ async def readyz(request: web.Request) -> web.Response:
     }
     if appliance.gpu is not None:  # GPU mode: each enforcement layer, available or not
         body["gpu"] = appliance.gpu.layers()
-        if not appliance.gpu.watchdog.healthy:
-            problems = [*problems, f"GPU watchdog cannot measure: {appliance.gpu.watchdog.last_error}"]
+        gpu_problems = appliance.gpu.problems()
+        if gpu_problems:
+            problems = [*problems, *gpu_problems]
             body["status"], body["problems"] = "not ready", problems
     return web.json_response(body, status=200 if not problems else 503)
 
@@ -249,7 +250,12 @@ async def serve(settings: Settings, host: str, port: int, ready_file: str | None
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
     bound = _bound_port(runner) or port
-    await appliance.start(canary_port=bound)
+    try:
+        await appliance.start(canary_port=bound)
+    except BaseException:  # a refusal found while starting (e.g. MPS required, not proven)
+        await appliance.close()
+        await runner.cleanup()
+        raise
     log.info("listening", extra={"host": host, "port": bound})
     if ready_file:
         with open(ready_file, "w") as fh:

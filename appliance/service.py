@@ -97,6 +97,7 @@ class Appliance:
         if self.gpu is not None:  # one factory + warm pool per GPU, each jail seeing only its GPU
             network, dirs = self.network, self.dirs
             self.gpu.start(lambda dev: JailFactory(self.settings, host, runtime, dirs, network, gpu=dev))
+            await self.gpu.probe_mps()  # layer (b) is reported as enforcing only where proven
         self.sessions.start()
         self.canary_port = canary_port
         log.info("appliance started", extra={
@@ -262,6 +263,7 @@ class Appliance:
         jail = await (gpu.take_jail(grant) if gpu is not None and grant is not None else self._take_jail())
         try:
             if gpu is not None and grant is not None:
+                await gpu.arm(jail, grant)  # MPS: the daemon-side limit, before any code runs
                 await gpu.write_grant(jail, grant)
             await emit(protocol.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req),
                                             grant.frame() if grant is not None else None))

@@ -19,6 +19,8 @@ DEFAULT_PRELOAD = ("numpy", "pandas", "matplotlib")
 # GPU mode also warms the model tools (llama.cpp, whisper.cpp) in pooled jails.
 GPU_PRELOAD = ("llama_cpp", "pywhispercpp.model", "appliance.tools")
 GPU_BACKENDS = ("nvml", "simulated")
+GPU_MPS_MODES = ("auto", "require", "off")
+GPU_SIMULATE_MPS = ("off", "on", "ignore-limits")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class Settings:
     gpu_simulate_file: Path | None = None # simulated per-PID usage / faults (SANDBOX_GPU_SIMULATE_FILE)
     gpu_queue_ms: int = 120000            # longest wait for GPU memory before `busy`
     gpu_poll_ms: int = 250                # watchdog polling interval
+    gpu_mps: str = "auto"                 # MPS limits: auto (where proven), require, off
+    gpu_mps_pipe_dir: Path = Path("/tmp/nvidia-mps")  # the MPS daemon's CUDA_MPS_PIPE_DIRECTORY
+    gpu_libcuda: str = "libcuda.so.1"     # the CUDA driver library jails load (SANDBOX_GPU_LIBCUDA)
+    gpu_simulate_mps: str = "off"         # simulated backend: an MPS daemon (on, ignore-limits)
 
 
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
@@ -160,6 +166,15 @@ def _simulate(env: Mapping[str, str], name: str) -> tuple[int, ...]:
         raise SettingsError(f"{name}: {exc} (expected e.g. '2x16384' or '16384,8192')") from None
 
 
+def _libcuda(env: Mapping[str, str], name: str) -> str:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return "libcuda.so.1"
+    if "/" in raw and not raw.startswith("/"):
+        raise SettingsError(f"{name}: must be an absolute path or a library name, got {raw!r}")
+    return raw
+
+
 def from_env(env: Mapping[str, str] | None = None) -> Settings:
     """Build settings from the environment (or the given mapping); raise SettingsError if invalid."""
     env = os.environ if env is None else env
@@ -215,6 +230,10 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         gpu_simulate_file=_dir(env, "SANDBOX_GPU_SIMULATE_FILE", None),
         gpu_queue_ms=_int(env, "SANDBOX_GPU_QUEUE_MS", 120000, minimum=1),
         gpu_poll_ms=_int(env, "SANDBOX_GPU_POLL_MS", 250, minimum=10),
+        gpu_mps=_choice(env, "SANDBOX_GPU_MPS", GPU_MPS_MODES),
+        gpu_mps_pipe_dir=_dir(env, "SANDBOX_GPU_MPS_PIPE_DIR", Path("/tmp/nvidia-mps")) or Path("/tmp/nvidia-mps"),
+        gpu_libcuda=_libcuda(env, "SANDBOX_GPU_LIBCUDA"),
+        gpu_simulate_mps=_choice(env, "SANDBOX_GPU_SIMULATE_MPS", GPU_SIMULATE_MPS),
     )
     if settings.pool_max < settings.pool_size:
         raise SettingsError("SANDBOX_POOL_MAX: must be at least SANDBOX_POOL_SIZE")
@@ -227,6 +246,8 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         raise SettingsError("SANDBOX_EGRESS_DNS: set, but SANDBOX_OPEN_PORTS does not list 53")
     if ipaddress.ip_network(settings.egress_subnet).prefixlen > 28:
         raise SettingsError("SANDBOX_EGRESS_SUBNET: too small; use a /28 or larger (one /30 per jail)")
+    if settings.gpu_simulate_mps != "off" and settings.gpu_backend != "simulated":
+        raise SettingsError("SANDBOX_GPU_SIMULATE_MPS: needs SANDBOX_GPU_BACKEND=simulated")
     if settings.gpu_backend == "simulated" and not settings.gpu:
         raise SettingsError("SANDBOX_GPU_BACKEND: 'simulated' needs SANDBOX_GPU=1")
     return settings

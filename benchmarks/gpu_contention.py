@@ -121,12 +121,14 @@ async def simulated_level(n: int, samples: list[dict[str, Any]]) -> list[RunReco
     return list(records)
 
 
+# The primary context, as the CUDA runtime (llama.cpp, whisper.cpp) uses it: under MPS it is
+# the client the appliance armed with the run's budget before the code started.
 CUDA_CODE = """
-import ctypes, time
-cuda = ctypes.CDLL('libcuda.so.1')
+import ctypes, os, time
+cuda = ctypes.CDLL(os.environ.get('APPLIANCE_LIBCUDA', 'libcuda.so.1'))
 dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
 assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev) == 0
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0 and cuda.cuCtxSetCurrent(ctx) == 0
 rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(USES * 1024 * 1024))
 if rc != 0:
     raise MemoryError(f'cuMemAlloc failed with CUDA error {rc} (out of memory)')
@@ -150,7 +152,9 @@ async def server_level(url: str, n: int, samples: list[dict[str, Any]], scale: f
         queued = float(start["queued_ms"]) if start else (time.monotonic() - asked) * 1000
         outcome = ex.status
         if ex.error and ex.error.get("ename") == "MemoryError":
-            outcome = "oom"
+            # The overrunner refused past its own budget (MPS limit) is containment working;
+            # an out-of-memory anywhere else is a neighbour pushed out.
+            outcome = "budget_refused" if kind == "llama-overrun" else "oom"
         device = start["gpu"]["index"] if start and start.get("gpu") else None
         return RunRecord(n, kind, budget, queued, float(ex.duration_ms or 0), outcome, device)
 

@@ -110,3 +110,21 @@ def test_gpu_off_never_imports_nvml() -> None:
             "assert loaded <= {'appliance.gpu', 'appliance.gpu.devices'}, loaded\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_an_mps_jail_shares_only_the_daemons_pipe_directory_and_writes_to_it(tmp_path: Path) -> None:
+    import dataclasses
+
+    from appliance.jail.jail import gpu_env
+    from appliance.settings import Settings
+
+    gpu = gpu_device(0, "GPU-abc", 0, dev_dir=fake_dev(tmp_path), mps_pipe_dir=Path("/tmp/nvidia-mps"))
+    argv = render_argv(dataclasses.replace(spec(gpu), gpu_shared=(Path("/tmp/nvidia-mps"),)), 5)
+    assert "--whitelist=/tmp/nvidia-mps" in argv and "--read-only=/tmp/nvidia-mps" not in argv
+    env = dict(gpu_env(Settings(gpu=True), gpu))
+    assert env == {"CUDA_VISIBLE_DEVICES": "GPU-abc", "APPLIANCE_LIBCUDA": "libcuda.so.1",
+                   "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps"}
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in dict(gpu_env(Settings(gpu=True), spec_gpu := gpu_device(
+        0, "GPU-abc", 0, dev_dir=tmp_path / "dev"))), spec_gpu
+    cpu_argv = render_argv(spec(None), 5)
+    assert not any("nvidia-mps" in a for a in cpu_argv)

@@ -53,5 +53,12 @@ class GpuBackend(abc.ABC):
     def mps_active(self) -> bool:
         """Whether a CUDA MPS control daemon serves these GPUs (daemon-side limits possible)."""
 
+    def exclusive_process(self, uuid: str) -> bool:
+        """Whether the device only takes contexts through MPS (compute mode EXCLUSIVE_PROCESS).
+
+        Without it a client that avoids the MPS daemon gets a context with no daemon-side limit.
+        """
+        return False
+
     def close(self) -> None:  # noqa: B027 (optional hook: most backends hold nothing)
         """Release the backend (NVML shutdown); idempotent."""

@@ -64,16 +64,19 @@ def gpu_hidden(dev_entries: tuple[str, ...], allowed: tuple[Path, ...]) -> tuple
 
 @dataclass(frozen=True)
 class GpuDevice:
-    """What a GPU jail factory needs: which device, its nodes, and what to hide."""
+    """What a GPU jail factory needs: which device, its nodes, what to hide, what to share."""
 
     index: int
     uuid: str
     nodes: tuple[Path, ...]
     hidden: tuple[Path, ...]
+    mps_pipe_dir: Path | None = None  # the MPS daemon's sockets, when runs join it
 
 
-def gpu_device(index: int, uuid: str, minor: int, dev_dir: Path = DEV) -> GpuDevice:
+def gpu_device(index: int, uuid: str, minor: int, dev_dir: Path = DEV,
+               mps_pipe_dir: Path | None = None) -> GpuDevice:
     """Look at the host's /dev once and describe the jail of one device."""
     nodes = run_devices(minor)
     dev_entries = tuple(os.listdir(dev_dir)) if dev_dir.is_dir() else ()
-    return GpuDevice(index=index, uuid=uuid, nodes=nodes, hidden=gpu_hidden(dev_entries, nodes))
+    return GpuDevice(index=index, uuid=uuid, nodes=nodes, hidden=gpu_hidden(dev_entries, nodes),
+                     mps_pipe_dir=mps_pipe_dir)

@@ -92,6 +92,15 @@ class NvmlBackend(GpuBackend):
     def mps_active(self) -> bool:
         return mps_daemon_running()
 
+    def exclusive_process(self, uuid: str) -> bool:
+        nv = self._nvml
+        with self._lock:
+            try:
+                handle = nv.nvmlDeviceGetHandleByUUID(uuid.encode())
+                return bool(nv.nvmlDeviceGetComputeMode(handle) == nv.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+            except nv.NVMLError as exc:
+                raise GpuBackendError(f"NVML failed reading the compute mode: {exc}") from exc
+
     def close(self) -> None:
         with self._lock:
             if self._open:

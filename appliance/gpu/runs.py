@@ -1,9 +1,9 @@
 """GPU mode for the run service: backend, ledger, watchdog and one jail pool per device.
 
 `Appliance` (service.py) calls, in order: `GpuRuns.open(settings)` at startup (a
-missing driver stops startup here), `start(make_factory)`, then per run
-`grant()` -> `take_jail()` -> `watch()` -> release on leaving `grant()`, which also
-reconciles the ledger with the backend at once.
+missing driver stops startup here), `start(make_factory)`, `probe_mps()`, then per run
+`grant()` -> `take_jail()` -> `arm()` -> `watch()` -> release on leaving `grant()`, which
+also reconciles the ledger with the backend at once.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import RequestRejected, RunLimit, StartupError
+from appliance.errors import GpuMemoryLimit, RequestRejected, RunLimit, StartupError
 from appliance.gpu.backend import GpuBackend, GpuBackendError
 from appliance.gpu.devices import GpuDevice, gpu_device
 from appliance.gpu.ledger import GpuLedger, Grant
+from appliance.gpu.mps import DaemonControl, MpsControl, control_socket_present
+from appliance.gpu.mps_limits import MpsLimiter
 from appliance.gpu.watchdog import GpuWatchdog
 from appliance.jail.jail import Jail, JailFactory
 from appliance.jail.pool import JailPool
@@ -38,13 +40,35 @@ def open_backend(settings: Settings) -> GpuBackend:
     if settings.gpu_backend == "simulated":
         from appliance.gpu.simulated import SimulatedBackend
 
-        return SimulatedBackend(settings.gpu_simulate_mb, settings.gpu_simulate_file)
+        return SimulatedBackend(settings.gpu_simulate_mb, settings.gpu_simulate_file,
+                                mps=settings.gpu_simulate_mps != "off")
     from appliance.gpu.nvml import NvmlBackend  # the only import of NVML, and only here
 
     try:
         return NvmlBackend()
     except GpuBackendError as exc:
         raise StartupError(str(exc)) from exc
+
+
+def open_mps(settings: Settings, backend: GpuBackend) -> tuple[MpsControl | None, str]:
+    """The MPS control daemon runs will join, or None and why not."""
+    if settings.gpu_mps == "off":
+        return None, "not used (SANDBOX_GPU_MPS=off)"
+    if settings.gpu_simulate_mps != "off":
+        from appliance.gpu.mps_simulated import SimulatedMps
+        from appliance.gpu.simulated import SimulatedBackend
+
+        assert isinstance(backend, SimulatedBackend)  # settings allow it with that backend only
+        return SimulatedMps(settings.gpu_mps_pipe_dir, backend, enforce=settings.gpu_simulate_mps == "on"), ""
+    if not backend.mps_active():
+        return None, "no CUDA MPS control daemon on this host"
+    if not control_socket_present(settings.gpu_mps_pipe_dir):
+        return None, (f"an MPS control daemon runs, but {settings.gpu_mps_pipe_dir} holds no control socket "
+                      "(set SANDBOX_GPU_MPS_PIPE_DIR to its CUDA_MPS_PIPE_DIRECTORY)")
+    try:
+        return DaemonControl(settings.gpu_mps_pipe_dir), ""
+    except GpuBackendError as exc:
+        return None, str(exc)
 
 
 class GpuRuns:
@@ -68,6 +92,11 @@ class GpuRuns:
             interval_s=settings.gpu_poll_ms / 1000)
         self.pools: dict[str, JailPool] = {}
         self.factories: dict[str, JailFactory] = {}
+        control, self.mps_note = open_mps(settings, backend)
+        if control is None and settings.gpu_mps == "require":
+            raise StartupError(f"SANDBOX_GPU_MPS=require but MPS cannot be used: {self.mps_note}")
+        self.mps = None if control is None else MpsLimiter(
+            control, settings.uid, settings.gpu_margin_mb, settings.gpu_libcuda, self._evict)
 
     @classmethod
     def open(cls, settings: Settings) -> GpuRuns:
@@ -80,8 +109,9 @@ class GpuRuns:
 
     def start(self, make_factory: Callable[[GpuDevice], JailFactory]) -> None:
         """One factory and warm pool per device; start the watchdog."""
+        pipe_dir = self.mps.control.pipe_dir if self.mps is not None else None
         for dev in self.devices.values():
-            factory = make_factory(gpu_device(dev.index, dev.uuid, dev.minor))
+            factory = make_factory(gpu_device(dev.index, dev.uuid, dev.minor, mps_pipe_dir=pipe_dir))
             self.factories[dev.uuid] = factory
             pool = JailPool(factory, self.settings.pool_size)
             pool.start()
@@ -89,10 +119,27 @@ class GpuRuns:
         self.watchdog.start()
         log.info("GPU mode started", extra={"backend": self.backend.name, "devices": self.ledger.snapshot()})
 
+    async def probe_mps(self) -> None:
+        """Prove layer (b) on every device with a real jail; StartupError where it is required."""
+        if self.mps is None:
+            return
+        for uuid, factory in self.factories.items():
+            try:
+                exclusive = await asyncio.to_thread(self.backend.exclusive_process, uuid)
+            except GpuBackendError:
+                exclusive = False
+            device = await self.mps.probe(uuid, factory, exclusive, self.devices[uuid].total_mb)
+            log.info("MPS probe", extra={"device": uuid, "enforcing": device.enforcing, "note": device.note})
+            if self.settings.gpu_mps == "require" and not device.enforcing:
+                raise StartupError(f"SANDBOX_GPU_MPS=require but MPS limits are not enforced on {uuid}: "
+                                   f"{device.note}")
+
     async def close(self) -> None:
         await self.watchdog.close()
         for pool in self.pools.values():
             await pool.close()
+        if self.mps is not None:
+            self.mps.control.close()
         self.backend.close()
 
     # -- per run ---------------------------------------------------------------------------
@@ -123,6 +170,17 @@ class GpuRuns:
     async def take_jail(self, grant: Grant) -> Jail:
         return await self.pools[grant.uuid].take()
 
+    async def arm(self, jail: Jail, grant: Grant) -> None:
+        """Layer (b): the run's daemon-side MPS limit, set before its code starts (see mps_limits)."""
+        if self.mps is not None:
+            await self.mps.arm(jail, grant)
+
+    def _evict(self, pid: int) -> None:
+        """A process that got another run's MPS limit: stop the run it belongs to."""
+        self.watchdog.stop_owner(pid, GpuMemoryLimit(
+            "the run opened a CUDA client while another run's GPU memory limit was being set; "
+            "that client was terminated"))
+
     @contextlib.contextmanager
     def watch(self, key: str, jail: Jail, grant: Grant) -> Iterator[None]:
         """Let the watchdog stop this run (a Violation on its jail's queue) while it runs."""
@@ -152,11 +210,15 @@ class GpuRuns:
             "queued": self.ledger.waiting,
             "watchdog": {"available": self.watchdog.healthy, "polls": self.watchdog.polls,
                          "error": self.watchdog.last_error},
-            "mps": {"available": mps, "enforcing": False,
-                    "note": "an MPS daemon was found; per-client limits are set on the daemon side only "
-                            "(see docs/gpu.md)" if mps else "no CUDA MPS control daemon on this host"},
+            "mps": self.mps.layer() if self.mps is not None else {
+                "available": mps, "enforcing": False, "note": self.mps_note},
             "shaping": {"available": importlib.util.find_spec("llama_cpp") is not None},
         }
+
+    def problems(self) -> list[str]:
+        """What makes GPU mode not ready now (for /readyz)."""
+        found = [] if self.watchdog.healthy else [f"GPU watchdog cannot measure: {self.watchdog.last_error}"]
+        return found + (self.mps.problems() if self.mps is not None else [])
 
 
 def _write_file(path: Path, text: str) -> None:

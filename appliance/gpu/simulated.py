@@ -106,6 +106,14 @@ class SimulatedBackend(GpuBackend):
     def mps_active(self) -> bool:
         return self._mps
 
+    def exclusive_process(self, uuid: str) -> bool:
+        return self._mps  # a simulated MPS host is set up as MPS hosts should be
+
+    def control_state(self) -> dict[str, Any]:
+        """The control file's current content (the simulated MPS daemon reads its faults here)."""
+        with self._lock:
+            return dict(self._read_control())
+
     # -- internals -------------------------------------------------------------------------
     def _state(self) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
         with self._lock:

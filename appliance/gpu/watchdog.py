@@ -105,6 +105,14 @@ class GpuWatchdog:
     def unwatch(self, key: str) -> WatchedRun | None:
         return self.runs.pop(key, None)
 
+    def stop_owner(self, pid: int, error: RunLimit) -> bool:
+        """Stop the watched run whose processes include host PID `pid`; False if none does."""
+        for run in list(self.runs.values()):
+            if not run.stopped and pid in descendants(run.root_pid):
+                self._stop(run, error)
+                return True
+        return False
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="gpu-watchdog")

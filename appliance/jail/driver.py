@@ -210,6 +210,8 @@ class Driver:
                 self.stdin = buffer
                 msg["stdin_buffer"] = buffer
                 self.runs.put(msg)
+            elif op == "cuda_context":
+                self.runs.put(msg)  # on the main thread, where the code will run, before it
             elif op == "stdin":
                 self.stdin.feed(str(msg.get("data", "")))
             elif op == "stdin_eof":
@@ -230,6 +232,9 @@ class Driver:
             msg = self.runs.get()
             if msg is None:
                 return
+            if msg.get("op") == "cuda_context":
+                self.events.emit(open_cuda_context(str(msg.get("lib", ""))))
+                continue
             sys.stdin = msg["stdin_buffer"]
             before = _usage()
             exit_code = 0
@@ -441,6 +446,33 @@ def write_uploads(files: list[dict[str, Any]]) -> None:
                 fh.write(base64.b64decode(item.get("data", "")))
         finally:
             os.close(dir_fd)
+
+
+# -- GPU: the run's CUDA client, made before any code ------------------------------------
+
+_CUDA: list[Any] = []  # the library and the primary context: held for the process's lifetime
+
+
+def open_cuda_context(lib: str) -> dict[str, Any]:
+    """Create this process's CUDA context (its MPS client) now, while the server holds the
+    daemon-side limit at this run's budget; the code that follows reuses it."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL(lib)
+        device, ctx = ctypes.c_int(0), ctypes.c_void_p()
+        for step, call in (("cuInit", lambda: cuda.cuInit(0)),
+                           ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(device), 0)),
+                           ("cuDevicePrimaryCtxRetain",
+                            lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device)),
+                           ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(ctx))):
+            rc = call()
+            if rc != 0:
+                return {"ev": "cuda_context", "ok": False, "error": f"{step} returned CUDA error {rc}"}
+    except (OSError, AttributeError) as exc:
+        return {"ev": "cuda_context", "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    _CUDA.extend((cuda, ctx))
+    return {"ev": "cuda_context", "ok": True}
 
 
 # -- self-check --------------------------------------------------------------------------

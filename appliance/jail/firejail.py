@@ -43,6 +43,8 @@ def render_argv(spec: JailSpec, events_fd: int, firejail: str = "firejail") -> l
     else:
         argv.append("--noblacklist=/sys/module")
         argv += [f"--blacklist={path}" for path in spec.gpu_hidden]
+        # MPS clients connect to the daemon's sockets (and take its lock file) in its pipe dir.
+        argv += [f"--whitelist={path}" for path in spec.gpu_shared]
     for path in spec.readable:
         argv += [f"--whitelist={path}", f"--read-only={path}"]
     # 4. Limits (per process; the user namespace makes RLIMIT_NPROC count this jail only).

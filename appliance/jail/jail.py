@@ -93,7 +93,9 @@ class JailFactory:
         if settings.models_dir is not None:
             self._readable += (settings.models_dir,)
         if gpu is not None:
-            self._env = tuple(sorted(self._env + (("CUDA_VISIBLE_DEVICES", gpu.uuid),)))
+            self._env = tuple(sorted(self._env + gpu_env(settings, gpu)))
+            if settings.gpu_libcuda.startswith("/"):  # a driver library outside the usual paths
+                self._readable += (Path(settings.gpu_libcuda).parent,)
         self.spawned = 0
 
     def spec(self, workdir: Path, link: JailLink | None = None) -> JailSpec:
@@ -117,6 +119,7 @@ class JailFactory:
             devices=self.gpu.nodes if self.gpu else (),
             gpu=self.gpu is not None,
             gpu_hidden=self.gpu.hidden if self.gpu else (),
+            gpu_shared=(self.gpu.mps_pipe_dir,) if self.gpu and self.gpu.mps_pipe_dir else (),
         )
 
     async def launch(self, nice: int = 0) -> Jail:
@@ -187,6 +190,14 @@ class JailFactory:
                 detail = "".join(stderr).strip()[-500:]
                 log.error("jail exited before ready", extra={"output": detail, "jail": jail.id})
                 raise JailStartFailed("the jail exited before it was ready")
+
+
+def gpu_env(settings: Settings, gpu: GpuDevice) -> tuple[tuple[str, str], ...]:
+    """What a GPU jail adds to the environment: its one device, the CUDA library, MPS."""
+    env = [("CUDA_VISIBLE_DEVICES", gpu.uuid), ("APPLIANCE_LIBCUDA", settings.gpu_libcuda)]
+    if gpu.mps_pipe_dir is not None:
+        env.append(("CUDA_MPS_PIPE_DIRECTORY", str(gpu.mps_pipe_dir)))
+    return tuple(env)
 
 
 def _python_roots(python: Path) -> list[Path]:

@@ -55,6 +55,7 @@ class JailSpec:
     dns: tuple[str, ...] = ()         # egress mode with 53 open: the jail's only resolvers
     gpu: bool = False                 # GPU mode: CUDA-capable jail (no RLIMIT_AS, GPU nodes)
     gpu_hidden: tuple[Path, ...] = () # GPU mode: host GPU nodes and /sys/module entries to hide
+    gpu_shared: tuple[Path, ...] = () # GPU mode with MPS: the daemon's pipe dir, whitelisted read-write
 
     @property
     def hidden(self) -> tuple[Path, ...]:

@@ -1,0 +1,277 @@
+"""Enforcement layer (b): a daemon-side CUDA MPS memory limit for each run.
+
+The MPS daemon fixes a client's pinned device memory limit when the client connects, from
+the limit its server holds at that moment; later changes affect only later clients. Every
+jail runs as the same uid and so talks to the same MPS server. Per-run limits are therefore
+made by arming, one run at a time per device:
+
+  1. note the server's clients;
+  2. set the server's limit to the run's budget;
+  3. have the jail's driver create its CUDA context (its MPS client) before any code runs;
+  4. set the limit back to the resting value (SANDBOX_GPU_MARGIN_MB), so that any client
+     connecting later (a child process, a reset context) gets only that;
+  5. check the clients that appeared: the run's own must be among them, or the run is
+     refused; any other (a neighbour's process that connected inside the window and got
+     this budget) is terminated and its run stopped.
+
+Nothing is assumed: at startup each device is probed with a real jail (arm a small budget,
+allocate under and over it, try to raise the limit from inside, read it back) and the layer
+reports `enforcing` only where the probe proved it. SANDBOX_GPU_MPS=require refuses to start
+otherwise. A control command failing mid-run refuses the run (`internal`), never runs it
+with a limit left unknown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from appliance.errors import ApplianceError, GpuLimitUnavailable
+from appliance.gpu.backend import GpuBackendError
+from appliance.gpu.ledger import Grant
+from appliance.gpu.mps import MpsControl
+from appliance.jail import proctree
+from appliance.jail.process import Event
+from appliance.protocol import ExecuteRequest, Frame, UploadFile
+from appliance.runner import ActiveRun, run_cell
+
+if TYPE_CHECKING:
+    from appliance.jail.jail import Jail, JailFactory
+
+log = logging.getLogger("appliance.gpu")
+
+CONTEXT_TIMEOUT_S = 30.0
+PROBE_BUDGET_MB = 256
+PROBE_SMALL_MB = 64     # must fit under the probe budget
+PROBE_BIG_MB = 1024     # must not
+CUDA_SUCCESS, CUDA_ERROR_OUT_OF_MEMORY = 0, 2
+
+# Runs in the probe jail. Parameters arrive in a file, never spliced into the source.
+PROBE_CODE = """\
+import ctypes, json, os, shutil, subprocess
+p = json.load(open("mps-probe.json"))
+cu = ctypes.CDLL(os.environ["APPLIANCE_LIBCUDA"])
+ctx, ptr = ctypes.c_void_p(), ctypes.c_uint64()
+cu.cuInit(0)
+cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0)
+cu.cuCtxSetCurrent(ctx)
+small = cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(p["small_mb"] << 20))
+big = cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(p["big_mb"] << 20))
+tamper = "no control binary in the jail"
+tool = shutil.which("nvidia-cuda-mps-control")
+if tool:
+    line = "set_device_pinned_mem_limit %d %s %dM\\n" % (p["server"], p["uuid"], p["big_mb"] * 4)
+    done = subprocess.run([tool], input=line, capture_output=True, text=True, timeout=10)
+    tamper = (done.stdout + done.stderr).strip()[:200] or "accepted"
+print(json.dumps({"small": small, "big": big, "tamper": tamper}))
+"""
+
+
+@dataclass
+class DeviceMps:
+    """Layer (b) on one device: proven or not, and why."""
+
+    enforcing: bool = False
+    note: str = "not probed yet"
+    broken: str | None = None  # a control command failed; runs are refused until it works again
+
+
+class MpsLimiter:
+    """Arms each GPU run's MPS client with its budget; one instance per server."""
+
+    def __init__(self, control: MpsControl, uid: int, resting_mb: int, libcuda: str,
+                 on_intruder: Callable[[int], None]) -> None:
+        self.control = control
+        self.uid = uid
+        self.resting_mb = max(1, resting_mb)
+        self.libcuda = libcuda
+        self.on_intruder = on_intruder  # a host PID that connected in another run's window
+        self.devices: dict[str, DeviceMps] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.armed = 0
+        self.intruders = 0
+
+    # -- readiness ---------------------------------------------------------------------------
+    @property
+    def enforcing(self) -> bool:
+        return bool(self.devices) and all(d.enforcing and not d.broken for d in self.devices.values())
+
+    def problems(self) -> list[str]:
+        return [f"MPS limits on {uuid} are unknown: {d.broken}" for uuid, d in self.devices.items() if d.broken]
+
+    def layer(self) -> dict[str, Any]:
+        return {"available": True, "enforcing": self.enforcing, "daemon": self.control.name,
+                "pipe_dir": str(self.control.pipe_dir), "resting_mb": self.resting_mb,
+                "armed": self.armed, "intruders": self.intruders,
+                "devices": {uuid: {"enforcing": d.enforcing and not d.broken, "note": d.broken or d.note}
+                            for uuid, d in self.devices.items()}}
+
+    # -- per run -----------------------------------------------------------------------------
+    async def arm(self, jail: Jail, grant: Grant) -> None:
+        """Give the jail's CUDA client the grant's budget as its daemon-side limit (see module doc).
+
+        No-op on a device where the probe did not prove enforcement (the watchdog still runs).
+        Raises GpuLimitUnavailable when the limit could not be set: the run must not start.
+        """
+        device = self.devices.get(grant.uuid)
+        if device is None or not device.enforcing:
+            return
+        async with self._lock(grant.uuid):
+            if device.broken:
+                await self._recover(grant.uuid, device)
+            try:
+                new = await self._window(jail, grant)
+            except GpuBackendError as exc:
+                device.broken = str(exc)
+                log.error("MPS limit could not be set", extra={"device": grant.uuid, "error": str(exc)})
+                raise GpuLimitUnavailable(
+                    "the run's GPU memory limit could not be set on the MPS daemon; nothing ran") from exc
+        ours = set(proctree.tree(jail.process.pid))
+        for pid in sorted(new - ours):
+            await self._evict(pid)
+        if not new & ours:
+            raise GpuLimitUnavailable(
+                "the run's CUDA client did not appear on the MPS server while its limit was set "
+                "(it existed before, or did not use MPS); nothing ran")
+        self.armed += 1
+
+    async def _window(self, jail: Jail, grant: Grant) -> set[int]:
+        """Steps 1-4, the limit held at the budget for as short as possible. New client PIDs."""
+        server = await asyncio.to_thread(self.control.server_for, self.uid)
+        before = await asyncio.to_thread(self.control.clients, server)
+        await asyncio.to_thread(self.control.set_limit, server, grant.uuid, grant.memory_mb)
+        try:
+            await open_cuda_context(jail, self.libcuda)
+        finally:
+            await asyncio.to_thread(self.control.set_limit, server, grant.uuid, self.resting_mb)
+        after = await asyncio.to_thread(self.control.clients, server)
+        return after - before
+
+    async def _evict(self, pid: int) -> None:
+        self.intruders += 1
+        log.warning("a CUDA client connected inside another run's MPS window; terminated", extra={"pid": pid})
+        with contextlib.suppress(GpuBackendError):
+            server = await asyncio.to_thread(self.control.server_for, self.uid)
+            await asyncio.to_thread(self.control.terminate_client, server, pid)
+        self.on_intruder(pid)
+
+    async def _recover(self, uuid: str, device: DeviceMps) -> None:
+        try:
+            await self.set_resting(uuid)
+        except GpuBackendError as exc:
+            device.broken = str(exc)
+            raise GpuLimitUnavailable(
+                f"GPU runs on {uuid} are paused: the MPS daemon does not answer ({exc})") from exc
+        device.broken = None
+
+    async def set_resting(self, uuid: str) -> int:
+        """Resting limits on the daemon (for servers started later) and on our server."""
+        await asyncio.to_thread(self.control.set_default_limit, uuid, self.resting_mb)
+        server = await asyncio.to_thread(self.control.server_for, self.uid)
+        await asyncio.to_thread(self.control.set_limit, server, uuid, self.resting_mb)
+        return server
+
+    def _lock(self, uuid: str) -> asyncio.Lock:
+        return self._locks.setdefault(uuid, asyncio.Lock())
+
+    # -- startup probe -----------------------------------------------------------------------
+    async def probe(self, uuid: str, factory: JailFactory, exclusive: bool, total_mb: int) -> DeviceMps:
+        """Prove, with a real jail on this device, that a run cannot pass its MPS limit.
+
+        Where it is not proven, the limits the probe left are lifted to the device's size:
+        runs then join MPS unarmed, under the watchdog alone, and must not inherit the
+        resting limit as their whole budget.
+        """
+        device = await self._probe(uuid, factory, exclusive)
+        if not device.enforcing:
+            with contextlib.suppress(GpuBackendError):
+                await asyncio.to_thread(self.control.set_default_limit, uuid, total_mb)
+                server = await asyncio.to_thread(self.control.server_for, self.uid)
+                await asyncio.to_thread(self.control.set_limit, server, uuid, total_mb)
+        return device
+
+    async def _probe(self, uuid: str, factory: JailFactory, exclusive: bool) -> DeviceMps:
+        device = self.devices[uuid] = DeviceMps(enforcing=False, note="probing")
+        if not exclusive:
+            device.note = ("the GPU is not in EXCLUSIVE_PROCESS compute mode, so a client that avoids "
+                           "MPS would get a context with no limit (nvidia-smi -c EXCLUSIVE_PROCESS)")
+            return device
+        try:
+            server = await self.set_resting(uuid)
+            jail = await factory.launch()
+        except (GpuBackendError, ApplianceError) as exc:
+            device.note = f"probe could not start: {exc}"
+            return device
+        try:
+            device.enforcing = True  # so that arm() arms the probe jail
+            await self.arm(jail, Grant(ticket=0, index=0, uuid=uuid, minor=0, memory_mb=PROBE_BUDGET_MB,
+                                       queued_ms=0))
+            result = await _run_probe(jail, {"small_mb": PROBE_SMALL_MB, "big_mb": PROBE_BIG_MB,
+                                             "server": server, "uuid": uuid})
+            after = await asyncio.to_thread(self.control.limit, server, uuid)
+        except (GpuBackendError, ApplianceError, ValueError) as exc:
+            device.enforcing, device.note = False, f"probe failed: {exc}"
+            return device
+        finally:
+            await jail.destroy()
+        device.enforcing, device.note = judge_probe(result, after, self.resting_mb)
+        return device
+
+
+def judge_probe(result: dict[str, Any], limit_after: int | None, resting_mb: int) -> tuple[bool, str]:
+    """Whether the probe proved the limit (pure). Returns (enforcing, note)."""
+    if result.get("small") != CUDA_SUCCESS:
+        return False, (f"an allocation of {PROBE_SMALL_MB} MiB under a {PROBE_BUDGET_MB} MiB limit failed "
+                       f"(CUDA error {result.get('small')}): a preloaded module may create the CUDA context "
+                       "before the limit is set")
+    if result.get("big") != CUDA_ERROR_OUT_OF_MEMORY:
+        return False, (f"an allocation of {PROBE_BIG_MB} MiB over a {PROBE_BUDGET_MB} MiB limit was not refused "
+                       f"(CUDA result {result.get('big')}): the daemon does not enforce the limit")
+    if limit_after != resting_mb:
+        return False, (f"the server's limit was {limit_after} MiB after the probe, not the resting "
+                       f"{resting_mb} MiB: jailed code could change it ({result.get('tamper')})")
+    return True, (f"proved: {PROBE_SMALL_MB} MiB allowed and {PROBE_BIG_MB} MiB refused under a "
+                  f"{PROBE_BUDGET_MB} MiB limit; the limit could not be raised from the jail")
+
+
+async def open_cuda_context(jail: Jail, libcuda: str) -> None:
+    """Have the jail's driver create its CUDA context now; GpuLimitUnavailable if it cannot."""
+    await jail.process.send({"op": "cuda_context", "lib": libcuda})
+    try:
+        async with asyncio.timeout(CONTEXT_TIMEOUT_S):
+            while True:
+                item = await jail.process.items.get()
+                if isinstance(item, Event) and item.body.get("ev") == "cuda_context":
+                    break
+                if not isinstance(item, Event) and not hasattr(item, "text"):
+                    raise GpuLimitUnavailable("the jail exited while creating its CUDA context")
+    except TimeoutError:
+        raise GpuLimitUnavailable("the jail did not create its CUDA context in time") from None
+    if not item.body.get("ok"):
+        raise GpuLimitUnavailable(f"the jail could not create its CUDA context: {item.body.get('error')}")
+
+
+async def _run_probe(jail: Jail, params: dict[str, Any]) -> dict[str, Any]:
+    frames: list[Frame] = []
+
+    async def collect(frame: Frame) -> None:
+        frames.append(frame)
+
+    req = ExecuteRequest(id="mps-probe", code=PROBE_CODE,
+                         files=(UploadFile("mps-probe.json", json.dumps(params).encode()),))
+    outcome = await run_cell(jail, req, collect, timeout_ms=30000, max_output_bytes=65536, max_disk_mb=16,
+                             active=ActiveRun("mps-probe"), keep_alive=False)
+    stdout = "".join(str(f.get("text", "")) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout")
+    if outcome.status != "ok":
+        errors = [f for f in frames if f.get("type") == "error"]
+        detail = f"{errors[0].get('ename')}: {errors[0].get('evalue')}" if errors else outcome.message
+        raise ValueError(f"the probe run ended {outcome.status} ({detail})")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    if not isinstance(result, dict):
+        raise ValueError("the probe printed no result")
+    return result

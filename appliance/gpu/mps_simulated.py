@@ -1,0 +1,197 @@
+"""A simulated CUDA MPS control daemon, for tests and machines without a GPU.
+
+It keeps what the real daemon keeps for layer (b): one server per uid, a per-device
+pinned-memory limit per server, and clients whose limit is fixed when they connect. Clients
+are real processes (in real jails): they connect to the unix socket `<pipe_dir>/sim-client`
+(what the test build of libcuda, `tests/stub_libcuda.c`, does in cuDevicePrimaryCtxRetain),
+and the daemon learns their host PID and uid from SO_PEERCRED, as the real one does. Line
+protocol, one request and one answer a line:
+
+    hello <device uuid>   -> "ok <limit MiB | none>"     (the connection is the client)
+    alloc <bytes>         -> "ok" | "oom"                (CUDA_ERROR_OUT_OF_MEMORY)
+
+Allocations are reported to the simulated GPU backend as the client PID's usage, so the
+watchdog and the ledger see them. `enforce=False` makes a daemon that accepts limits but
+ignores them (the startup probe must notice); a `mps_fault` string in the backend's control
+file makes every control command fail, like a daemon that went away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from appliance.gpu.mps import MpsControl, MpsError
+from appliance.gpu.simulated import SimulatedBackend
+
+SOCKET_NAME = "sim-client"
+SERVER_PID_BASE = 4_000_000  # simulated server "PIDs": above any real pid_max default
+MIB = 1024 * 1024
+
+
+@dataclass
+class _Client:
+    pid: int
+    uid: int
+    uuid: str
+    limit_mb: int | None
+    used_bytes: int = 0
+
+
+class SimulatedMps(MpsControl):
+    """An in-process MPS daemon with a real socket for real clients; thread-safe."""
+
+    name = "simulated"
+
+    def __init__(self, pipe_dir: Path, backend: SimulatedBackend, enforce: bool = True) -> None:
+        self.pipe_dir = pipe_dir
+        self.backend = backend
+        self.enforce = enforce
+        self._lock = threading.Lock()
+        self._defaults: dict[str, int] = {}                 # uuid -> MiB for new servers
+        self._limits: dict[int, dict[str, int]] = {}        # server -> uuid -> MiB
+        self._servers: dict[int, int] = {}                  # uid -> server
+        self._clients: dict[int, dict[int, _Client]] = {}   # server -> pid -> client
+        pipe_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(pipe_dir, 0o755)
+        path = pipe_dir / SOCKET_NAME
+        path.unlink(missing_ok=True)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(str(path))
+        os.chmod(path, 0o666)  # like the real control socket: every uid may connect
+        self._sock.listen(64)
+        self._closed = False
+        threading.Thread(target=self._accept, name="sim-mps", daemon=True).start()
+
+    # -- MpsControl --------------------------------------------------------------------------
+    def server_for(self, uid: int) -> int:
+        self._check_fault()
+        with self._lock:
+            return self._server(uid)
+
+    def clients(self, server: int) -> set[int]:
+        self._check_fault()
+        with self._lock:
+            return set(self._clients.get(self._known(server), {}))
+
+    def set_limit(self, server: int, uuid: str, memory_mb: int) -> None:
+        self._check_fault()
+        with self._lock:
+            self._limits[self._known(server)][uuid] = memory_mb
+
+    def limit(self, server: int, uuid: str) -> int | None:
+        self._check_fault()
+        with self._lock:
+            return self._limits[self._known(server)].get(uuid)
+
+    def set_default_limit(self, uuid: str, memory_mb: int) -> None:
+        self._check_fault()
+        with self._lock:
+            self._defaults[uuid] = memory_mb
+
+    def terminate_client(self, server: int, client: int) -> None:
+        self._check_fault()
+        with self._lock:
+            gone = self._clients.get(self._known(server), {}).pop(client, None)
+        if gone is not None:
+            self.backend.set_usage(gone.pid, _index(gone.uuid), 0)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            with contextlib.suppress(OSError):
+                (self.pipe_dir / SOCKET_NAME).unlink()
+
+    # -- test hooks --------------------------------------------------------------------------
+    def client_limits(self) -> dict[int, int | None]:
+        """Every connected client's fixed limit, by host PID."""
+        with self._lock:
+            return {c.pid: c.limit_mb for clients in self._clients.values() for c in clients.values()}
+
+    def tamper(self, server: int, uuid: str, memory_mb: int) -> None:
+        """What a client able to send privileged commands would do: raise its server's limit."""
+        with self._lock:
+            self._limits[self._known(server)][uuid] = memory_mb
+
+    # -- internals ---------------------------------------------------------------------------
+    def _check_fault(self) -> None:
+        fault = self.backend.control_state().get("mps_fault")
+        if fault:
+            raise MpsError(f"simulated MPS fault: {fault}")
+
+    def _server(self, uid: int) -> int:
+        server = self._servers.get(uid)
+        if server is None:
+            server = self._servers[uid] = SERVER_PID_BASE + uid
+            self._limits[server] = dict(self._defaults)
+            self._clients[server] = {}
+        return server
+
+    def _known(self, server: int) -> int:
+        if server not in self._limits:
+            raise MpsError(f"no MPS server with PID {server}")
+        return server
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+        client: _Client | None = None
+        server = 0
+        try:
+            with conn, conn.makefile("rw", encoding="ascii", newline="\n") as stream:
+                for line in stream:
+                    verb, _, arg = line.strip().partition(" ")
+                    if verb == "hello" and client is None:
+                        with self._lock:
+                            server = self._server(uid)
+                            client = _Client(pid, uid, arg, self._limits[server].get(arg))
+                            self._clients[server][pid] = client
+                        stream.write(f"ok {client.limit_mb if client.limit_mb is not None else 'none'}\n")
+                    elif verb == "alloc" and client is not None and arg.isdigit():
+                        stream.write("ok\n" if self._alloc(server, client, int(arg)) else "oom\n")
+                    else:
+                        stream.write("error\n")
+                    stream.flush()
+        except (OSError, ValueError):
+            pass
+        finally:
+            if client is not None:
+                with self._lock:
+                    self._clients.get(server, {}).pop(pid, None)
+                self.backend.set_usage(pid, _index(client.uuid), 0)
+
+    def _alloc(self, server: int, client: _Client, size: int) -> bool:
+        total = next((d.total_mb for d in self.backend.devices() if d.uuid == client.uuid), 0) * MIB
+        with self._lock:
+            if server not in self._clients or client.pid not in self._clients[server]:
+                return False  # terminated by the daemon
+            ceiling = client.limit_mb * MIB if self.enforce and client.limit_mb is not None else total
+            if client.used_bytes + size > ceiling:
+                return False
+            client.used_bytes += size
+            used_mb = -(-client.used_bytes // MIB)
+        self.backend.set_usage(client.pid, _index(client.uuid), used_mb)
+        return True
+
+
+def _index(uuid: str) -> int:
+    """GPU-SIM-<i> -> i (the simulated backend's naming)."""
+    try:
+        return int(uuid.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1

@@ -1,0 +1,89 @@
+/* A stand-in for libcuda.so.1 on machines without a GPU, for tests only.
+ *
+ * It implements the few driver-API calls the appliance's jails make, and makes its CUDA
+ * "context" an MPS client of the simulated daemon (appliance/gpu/mps_simulated.py): the
+ * primary context connects to $CUDA_MPS_PIPE_DIRECTORY/sim-client, and every allocation is
+ * granted or refused (CUDA_ERROR_OUT_OF_MEMORY) by that daemon against the limit it fixed
+ * for this client when it connected, as the real MPS daemon does.
+ */
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+#define CUDA_ERROR_NOT_INITIALIZED 3
+#define CUDA_ERROR_DEVICES_UNAVAILABLE 46
+#define CUDA_ERROR_INVALID_CONTEXT 201
+
+static int initialised = 0;
+static int client = -1;
+static long long limit_mb = -1;  /* what the daemon fixed for this client; -1: none */
+
+static int ask(const char *line, char *reply, size_t size) {
+    size_t len = strlen(line), got = 0;
+    if (write(client, line, len) != (ssize_t)len) return -1;
+    while (got + 1 < size) {
+        ssize_t n = read(client, reply + got, 1);
+        if (n <= 0) return -1;
+        if (reply[got++] == '\n') break;
+    }
+    reply[got] = '\0';
+    return 0;
+}
+
+int cuInit(unsigned int flags) { (void)flags; initialised = 1; return CUDA_SUCCESS; }
+
+int cuDeviceGet(int *device, int ordinal) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    *device = ordinal;
+    return CUDA_SUCCESS;
+}
+
+int cuDevicePrimaryCtxRetain(void **ctx, int device) {
+    (void)device;
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (client < 0) {
+        const char *dir = getenv("CUDA_MPS_PIPE_DIRECTORY");
+        const char *uuid = getenv("CUDA_VISIBLE_DEVICES");
+        struct sockaddr_un addr = {.sun_family = AF_UNIX};
+        char line[256], reply[64];
+        snprintf(addr.sun_path, sizeof addr.sun_path, "%s/sim-client", dir ? dir : "/tmp/nvidia-mps");
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+            if (fd >= 0) close(fd);
+            return CUDA_ERROR_DEVICES_UNAVAILABLE;  /* as on an EXCLUSIVE_PROCESS GPU */
+        }
+        client = fd;
+        snprintf(line, sizeof line, "hello %s\n", uuid ? uuid : "");
+        if (ask(line, reply, sizeof reply) != 0 || strncmp(reply, "ok", 2) != 0) {
+            close(client);
+            client = -1;
+            return CUDA_ERROR_DEVICES_UNAVAILABLE;
+        }
+        limit_mb = strncmp(reply, "ok none", 7) == 0 ? -1 : atoll(reply + 3);
+    }
+    *ctx = (void *)&client;
+    return CUDA_SUCCESS;
+}
+
+int cuCtxSetCurrent(void *ctx) { return ctx == (void *)&client ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT; }
+
+int cuMemAlloc_v2(unsigned long long *ptr, size_t bytes) {
+    char line[64], reply[16];
+    static unsigned long long next = 0x10000000ULL;
+    if (client < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    snprintf(line, sizeof line, "alloc %zu\n", bytes);
+    if (ask(line, reply, sizeof reply) != 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (strncmp(reply, "ok", 2) != 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    *ptr = next;
+    next += bytes;
+    return CUDA_SUCCESS;
+}
+
+/* Not a CUDA call: lets a test read the limit the simulated daemon gave this client. */
+long long simClientLimitMB(void) { return limit_mb; }

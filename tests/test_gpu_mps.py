@@ -1,0 +1,310 @@
+"""Layer (b), per-run CUDA MPS memory limits: a real server, real jails, real client processes.
+
+There is no GPU here, so the MPS daemon is the simulated one (appliance/gpu/mps_simulated.py)
+and libcuda is a stand-in compiled from tests/stub_libcuda.c; both sit where the real ones
+would: the jail's driver loads the library through SANDBOX_GPU_LIBCUDA and connects through
+the pipe directory whitelisted into the jail, and the daemon learns each client's host PID
+from SO_PEERCRED, across the jail's PID namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance.client import AsyncClient, Client, Execution
+from appliance.errors import GpuLimitUnavailable
+from appliance.gpu.ledger import Grant
+from appliance.gpu.mps import (
+    MpsError,
+    cmd_set_default_limit,
+    cmd_set_limit,
+    parse_limit_mb,
+    parse_pids,
+)
+from appliance.gpu.mps_limits import DeviceMps, MpsLimiter, judge_probe
+from appliance.gpu.mps_simulated import SimulatedMps
+from appliance.gpu.simulated import SimulatedBackend
+from appliance.jail.process import Event
+from tests.support import REPO, Server, scaled, start_server
+from tests.test_gpu_server import simulate
+
+MARGIN_MB = 128
+ALLOC = textwrap.dedent("""\
+    import ctypes, os
+    cu = ctypes.CDLL(os.environ["APPLIANCE_LIBCUDA"])
+    cu.cuInit(0)
+    def alloc(mb):
+        ctx, ptr = ctypes.c_void_p(), ctypes.c_uint64()
+        cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0)
+        return cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(mb << 20))
+    """)
+
+
+@pytest.fixture(scope="module")
+def cuda_dir() -> Iterator[Path]:
+    """The stand-in libcuda, built where the sandbox uid can read it."""
+    if shutil.which("gcc") is None:
+        pytest.fail("gcc is needed to build tests/stub_libcuda.c (apt-get install gcc)")
+    root = Path(tempfile.mkdtemp(prefix="appliance-cuda-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(root / "libcuda.so.1"),
+                    str(REPO / "tests" / "stub_libcuda.c")], check=True)
+    (root / "mps").mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def mps_env(cuda_dir: Path, pipe: str = "mps", **extra: str) -> dict[str, str]:
+    return {"SANDBOX_GPU": "1", "SANDBOX_GPU_BACKEND": "simulated", "SANDBOX_GPU_SIMULATE": "4096",
+            "SANDBOX_GPU_SIMULATE_MPS": "on", "SANDBOX_GPU_MPS_PIPE_DIR": str(cuda_dir / pipe),
+            "SANDBOX_GPU_LIBCUDA": str(cuda_dir / "libcuda.so.1"), "SANDBOX_GPU_MARGIN_MB": str(MARGIN_MB),
+            "SANDBOX_GPU_DEFAULT_MB": "512", "SANDBOX_GPU_POLL_MS": "100", "SANDBOX_PRELOAD": "", **extra}
+
+
+@pytest.fixture(scope="module")
+def mps_server(tmp_path_factory: pytest.TempPathFactory, cuda_dir: Path) -> Iterator[tuple[Server, Path]]:
+    tmp = tmp_path_factory.mktemp("mps")
+    control = tmp / "sim.json"
+    srv = start_server(tmp / "srv", **mps_env(cuda_dir, SANDBOX_GPU_SIMULATE_FILE=str(control)))
+    yield srv, control
+    srv.stop()
+
+
+def results(ex: Execution) -> list[Any]:
+    assert ex.status == "ok", ex.frames
+    return [json.loads(line) for line in ex.stdout.splitlines()]
+
+
+# -- end to end -------------------------------------------------------------------------------
+
+def test_readiness_reports_mps_limits_proven_by_the_startup_probe(mps_server: tuple[Server, Path]) -> None:
+    status, body = mps_server[0].get("/readyz")
+    mps = json.loads(body)["gpu"]["mps"]
+    assert status == 200, body
+    assert mps["enforcing"] is True and mps["daemon"] == "simulated" and mps["resting_mb"] == MARGIN_MB
+    assert mps["devices"]["GPU-SIM-0"]["enforcing"] is True
+    assert mps["devices"]["GPU-SIM-0"]["note"].startswith("proved")
+
+
+async def test_a_run_can_allocate_its_budget_and_is_refused_past_it(mps_server: tuple[Server, Path]) -> None:
+    code = ALLOC + "print(alloc(900))\nprint(alloc(64))\nprint(alloc(64))"
+    async with AsyncClient(mps_server[0].url) as c:
+        ex = await c.execute(code, gpu={"memory_mb": 1000})
+    assert results(ex) == [0, 0, 2], "900 + 64 fit in 1000 MiB; the next 64 is CUDA_ERROR_OUT_OF_MEMORY"
+
+
+async def test_concurrent_runs_on_one_gpu_each_get_their_own_limit(mps_server: tuple[Server, Path]) -> None:
+    # Both clients are alive at once on the same device (and the same MPS server).
+    code = ALLOC + "import time\nprint(alloc({}))\ntime.sleep(1.5)\nprint(alloc(101))"
+    async with AsyncClient(mps_server[0].url) as c:
+        big, small = await asyncio.gather(
+            c.execute(code.format(1900), gpu={"memory_mb": 2000}),
+            c.execute(code.format(250), gpu={"memory_mb": 300}))
+    assert big.frames[0]["gpu"]["uuid"] == small.frames[0]["gpu"]["uuid"] == "GPU-SIM-0"
+    assert results(big) == [0, 2] and results(small) == [0, 2]
+
+
+async def test_a_child_process_gets_only_the_resting_limit(mps_server: tuple[Server, Path]) -> None:
+    child = ALLOC + f"print(alloc({MARGIN_MB + 1}))" + "\nprint(alloc(64))"
+    code = (ALLOC + "import subprocess, sys\nprint(alloc(800))\n"
+            f"subprocess.run([sys.executable, '-c', {child!r}], check=True)")
+    async with AsyncClient(mps_server[0].url) as c:
+        ex = await c.execute(code, gpu={"memory_mb": 1000})
+    assert results(ex) == [0, 2, 0], "the child's own client is limited to SANDBOX_GPU_MARGIN_MB"
+
+
+async def test_an_mps_fault_refuses_the_run_before_any_code_and_readiness_says_so(
+        mps_server: tuple[Server, Path]) -> None:
+    srv, control = mps_server
+    async with AsyncClient(srv.url) as c:
+        simulate(control, mps_fault="control daemon went away")
+        try:
+            ex = await c.execute("print('ran')", gpu={"memory_mb": 500})
+            status, body = srv.get("/readyz")
+        finally:
+            simulate(control)
+        assert ex.status == "internal" and "MPS" in (ex.message or "") and ex.stdout == ""
+        assert not any(f["type"] == "start" for f in ex.frames), "nothing started"
+        assert status == 503 and "went away" in body
+        again = await c.execute(ALLOC + "print(alloc(400))", gpu={"memory_mb": 500})
+    assert results(again) == [0]
+    assert srv.get("/readyz")[0] == 200
+
+
+def test_a_daemon_that_ignores_limits_is_reported_as_not_enforcing(
+        tmp_path: Path, cuda_dir: Path) -> None:
+    srv = start_server(tmp_path / "srv", **mps_env(cuda_dir, pipe="mps-ignore",
+                                                   SANDBOX_GPU_SIMULATE_MPS="ignore-limits"))
+    try:
+        status, body = srv.get("/readyz")
+        mps = json.loads(body)["gpu"]["mps"]
+        assert status == 200 and mps["enforcing"] is False
+        assert "was not refused" in mps["devices"]["GPU-SIM-0"]["note"]
+        assert json.loads(body)["gpu"]["watchdog"]["available"] is True, "the watchdog still guards runs"
+        code = ALLOC + "print(alloc(64))\ncu.simClientLimitMB.restype = ctypes.c_longlong\nprint(cu.simClientLimitMB())"
+        with Client(srv.url) as c:
+            ex = c.execute(code, gpu={"memory_mb": 500})
+        assert results(ex) == [0, 4096], "an unproven device leaves runs unlimited, not at the resting limit"
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(("env", "reason"), [
+    ({"SANDBOX_GPU_SIMULATE_MPS": "ignore-limits"}, "the daemon does not enforce the limit"),
+    ({"SANDBOX_GPU_SIMULATE_MPS": "off"}, "no CUDA MPS control daemon"),
+    ({"SANDBOX_GPU_LIBCUDA": "libcuda-missing.so.1"}, "could not create its CUDA context"),
+])
+def test_required_mps_limits_that_cannot_be_proven_stop_startup(
+        tmp_path: Path, cuda_dir: Path, env: dict[str, str], reason: str) -> None:
+    with pytest.raises(RuntimeError) as err:
+        start_server(tmp_path / "srv", **mps_env(cuda_dir, pipe="mps-require", SANDBOX_GPU_MPS="require", **env))
+    assert "server exited 2" in str(err.value) and "SANDBOX_GPU_MPS=require" in str(err.value)
+    assert reason in str(err.value)
+
+
+# -- the limiter on its own: a neighbour's client inside another run's window -------------------
+
+class _Process:
+    """A stand-in for a jail's process whose 'CUDA context' is a real client process."""
+
+    def __init__(self, env: dict[str, str], intruder: bool) -> None:
+        self.env, self.intruder = env, intruder
+        self.items: asyncio.Queue[object] = asyncio.Queue()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.root = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        self.pid = self.root.pid
+
+    def client(self) -> subprocess.Popen[bytes]:
+        code = ALLOC + "import time\nassert alloc(1) == 0\nprint('up', flush=True)\ntime.sleep(60)"
+        proc = subprocess.Popen([sys.executable, "-c", code], env=self.env, stdout=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        self.procs.append(proc)
+        return proc
+
+    async def send(self, message: dict[str, Any]) -> None:
+        assert message["op"] == "cuda_context"
+        # The jail's own client must be in the jail's process tree: re-root the tree on it.
+        own = await asyncio.to_thread(self.client)
+        self.pid = own.pid
+        if self.intruder:
+            await asyncio.to_thread(self.client)  # not in the tree: someone else's process
+        self.items.put_nowait(Event({"ev": "cuda_context", "ok": True}, 0))
+
+    def close(self) -> None:
+        for proc in [self.root, *self.procs]:
+            proc.kill()
+            proc.wait()
+
+
+class _Jail:
+    def __init__(self, process: _Process) -> None:
+        self.process = process
+
+
+@pytest.fixture()
+def limiter(cuda_dir: Path) -> Iterator[tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]]]:
+    backend = SimulatedBackend((4096,), mps=True)
+    daemon = SimulatedMps(cuda_dir / "mps-unit", backend)
+    evicted: list[int] = []
+    lim = MpsLimiter(daemon, os.getuid(), MARGIN_MB, str(cuda_dir / "libcuda.so.1"), evicted.append)
+    lim.devices["GPU-SIM-0"] = DeviceMps(enforcing=True, note="test")
+    env = {"PATH": os.environ["PATH"], "APPLIANCE_LIBCUDA": str(cuda_dir / "libcuda.so.1"),
+           "CUDA_MPS_PIPE_DIRECTORY": str(cuda_dir / "mps-unit"), "CUDA_VISIBLE_DEVICES": "GPU-SIM-0"}
+    yield lim, daemon, env, evicted
+    daemon.close()
+
+
+GRANT = Grant(ticket=1, index=0, uuid="GPU-SIM-0", minor=0, memory_mb=700, queued_ms=0)
+
+
+async def test_a_client_that_connects_inside_another_runs_window_is_terminated(
+        limiter: tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]]) -> None:
+    lim, daemon, env, evicted = limiter
+    process = _Process(env, intruder=True)
+    try:
+        await lim.arm(_Jail(process), GRANT)  # type: ignore[arg-type]
+        own, intruder = (p.pid for p in process.procs)
+        assert evicted == [intruder] and lim.intruders == 1
+        assert daemon.client_limits() == {own: 700}, "the run keeps its limit; the intruder is gone"
+        server = daemon.server_for(os.getuid())
+        assert daemon.limit(server, "GPU-SIM-0") == MARGIN_MB, "the window closed at the resting limit"
+    finally:
+        process.close()
+
+
+async def test_a_run_whose_client_existed_before_arming_is_refused(
+        limiter: tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]]) -> None:
+    lim, daemon, env, _ = limiter
+    await lim.set_resting("GPU-SIM-0")
+    process = _Process(env, intruder=False)
+    early = process.client()  # connected at the resting limit, before the window
+    process.pid = early.pid
+
+    async def no_new_client(message: dict[str, Any]) -> None:
+        process.items.put_nowait(Event({"ev": "cuda_context", "ok": True}, 0))
+
+    process.send = no_new_client  # type: ignore[method-assign]
+    try:
+        with pytest.raises(GpuLimitUnavailable, match="did not appear"):
+            await lim.arm(_Jail(process), GRANT)  # type: ignore[arg-type]
+        assert daemon.client_limits() == {early.pid: MARGIN_MB}
+    finally:
+        process.close()
+
+
+async def test_a_device_the_probe_did_not_prove_is_not_armed(
+        limiter: tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]]) -> None:
+    lim, daemon, env, _ = limiter
+    lim.devices["GPU-SIM-0"] = DeviceMps(enforcing=False, note="not proved")
+    process = _Process(env, intruder=False)
+    try:
+        started = time.monotonic()
+        await lim.arm(_Jail(process), GRANT)  # type: ignore[arg-type]
+        assert process.procs == [] and lim.armed == 0 and time.monotonic() - started < scaled(5)
+    finally:
+        process.close()
+
+
+# -- pure: commands, replies, the probe's verdict ---------------------------------------------
+
+def test_control_commands_are_rendered_with_device_uuids_and_mib() -> None:
+    assert cmd_set_limit(1234, "GPU-0a1b", 900) == "set_device_pinned_mem_limit 1234 GPU-0a1b 900M"
+    assert cmd_set_default_limit("GPU-0a1b", 256) == "set_default_device_pinned_mem_limit GPU-0a1b 256M"
+    for bad in ("GPU-0 1", "GPU-0\nquit", ""):
+        with pytest.raises(MpsError):
+            cmd_set_limit(1, bad, 1)
+
+
+def test_control_replies_are_parsed_strictly() -> None:
+    assert parse_pids("123\n456\n") == {123, 456} and parse_pids("") == set()
+    with pytest.raises(MpsError):
+        parse_pids("Cannot find MPS control daemon process")
+    assert parse_limit_mb("900M") == 900 and parse_limit_mb("4G") == 4096 and parse_limit_mb("512 MB") == 512
+    assert parse_limit_mb("none") is None and parse_limit_mb("0") is None
+    with pytest.raises(MpsError):
+        parse_limit_mb("N/A: server not found")
+
+
+@pytest.mark.parametrize(("result", "after", "enforcing", "phrase"), [
+    ({"small": 0, "big": 2}, MARGIN_MB, True, "proved"),
+    ({"small": 2, "big": 2}, MARGIN_MB, False, "preloaded module"),
+    ({"small": 0, "big": 0}, MARGIN_MB, False, "does not enforce"),
+    ({"small": 0, "big": 2, "tamper": "accepted"}, 4096, False, "jailed code could change it"),
+])
+def test_the_probe_is_judged_on_every_property(result: dict[str, Any], after: int, enforcing: bool,
+                                                phrase: str) -> None:
+    ok, note = judge_probe(result, after, MARGIN_MB)
+    assert ok is enforcing and phrase in note
