@@ -28,6 +28,7 @@ import platform
 import signal
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -136,12 +137,58 @@ time.sleep(SECS)
 """
 
 
-async def server_level(url: str, n: int, samples: list[dict[str, Any]], scale: float) -> list[RunRecord]:
-    """Budgets and uses are scaled to the real device (the mix is written for 16 GiB)."""
+async def nvml_sampler(n: int, samples: list[dict[str, Any]]) -> None:
+    """Device 0's used memory from NVML on the host, 4 Hz (a real GPU)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    t0 = time.monotonic()
+    while True:
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        samples.append({"n": n, "t": round(time.monotonic() - t0, 3), "used_mb": mem.used // 2**20,
+                        "reserved_mb": None, "queued": None})
+        await asyncio.sleep(0.25)
+
+
+def readyz_sampler(http: str) -> Sampler:
+    """The ledger's reservations and queue from the server's /readyz, 4 Hz (simulated devices)."""
+    import urllib.request
+
+    async def sample(n: int, samples: list[dict[str, Any]]) -> None:
+        t0 = time.monotonic()
+        while True:
+            def get() -> dict[str, Any]:
+                with urllib.request.urlopen(f"{http}/readyz", timeout=5) as resp:
+                    return dict(json.loads(resp.read()))
+            try:
+                gpu = (await asyncio.to_thread(get))["gpu"]
+            except (OSError, ValueError, KeyError):
+                gpu = None
+            if gpu is not None:
+                samples.append({"n": n, "t": round(time.monotonic() - t0, 3), "used_mb": None,
+                                "reserved_mb": gpu["devices"][0]["reserved_mb"], "queued": gpu["queued"]})
+            await asyncio.sleep(0.25)
+    return sample
+
+
+Sampler = Callable[[int, list[dict[str, Any]]], Awaitable[None]]
+
+
+OVERRUNNERS = ("llama-overrun", "llama-runaway")  # kinds that use more than their budget
+
+
+async def server_level(url: str, n: int, samples: list[dict[str, Any]], scale: float,
+                       sampler: Sampler = nvml_sampler, mix: list[tuple[str, int, int, float]] = MIX,
+                       limits_enforced: bool = False) -> list[RunRecord]:
+    """Budgets and uses are scaled to the device (the mix is written for 16 GiB).
+
+    limits_enforced: the server enforces MPS limits (/readyz gpu.mps.enforcing), so an
+    overrunner's failed allocation is its own budget refused, not a full device."""
     from appliance.client import AsyncClient
 
     async def one(c: Any, i: int) -> RunRecord:
-        kind, budget, uses, secs = MIX[i % len(MIX)]
+        kind, budget, uses, secs = mix[i % len(mix)]
         budget, uses = int(budget * scale), int(uses * scale) if kind != "llama-overrun" else int(
             (budget * scale) + MARGIN_MB + 512)
         code = CUDA_CODE.replace("USES", str(uses)).replace("SECS", str(secs)) if uses else f"import time; time.sleep({secs})"
@@ -154,23 +201,12 @@ async def server_level(url: str, n: int, samples: list[dict[str, Any]], scale: f
         if ex.error and ex.error.get("ename") == "MemoryError":
             # The overrunner refused past its own budget (MPS limit) is containment working;
             # an out-of-memory anywhere else is a neighbour pushed out.
-            outcome = "budget_refused" if kind == "llama-overrun" else "oom"
+            outcome = "budget_refused" if limits_enforced and kind in OVERRUNNERS else "oom"
         device = start["gpu"]["index"] if start and start.get("gpu") else None
-        return RunRecord(n, kind, budget, queued, float(ex.duration_ms or 0), outcome, device)
+        # done.duration_ms counts from the request, queue included; run time is what follows it.
+        return RunRecord(n, kind, budget, queued, max(0.0, float(ex.duration_ms or 0) - queued), outcome, device)
 
-    async def sampler() -> None:  # NVML on the host, 4 Hz
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        t0 = time.monotonic()
-        while True:
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            samples.append({"n": n, "t": round(time.monotonic() - t0, 3), "used_mb": mem.used // 2**20,
-                            "reserved_mb": None, "queued": None})
-            await asyncio.sleep(0.25)
-
-    sample_task = asyncio.create_task(sampler())
+    sample_task = asyncio.create_task(sampler(n, samples))
     try:
         async with AsyncClient(url) as c:
             return list(await asyncio.gather(*(one(c, i) for i in range(n))))
@@ -261,8 +297,17 @@ async def main() -> None:
         total = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total // 2**20
         scale = total / DEVICE_MB
         print(f"device 0: {total} MiB; mix scaled by {scale:.2f}")
+    enforced = False
+    if args.server:  # the same port serves /readyz: are MPS limits enforced there?
+        import urllib.request
+
+        http = args.server.replace("ws://", "http://", 1).rsplit("/exec", 1)[0]
+        with urllib.request.urlopen(f"{http}/readyz", timeout=10) as resp:
+            enforced = bool(json.loads(resp.read()).get("gpu", {}).get("mps", {}).get("enforcing"))
+        print(f"MPS limits enforced: {enforced}")
     for n in LEVELS:
-        level = await (server_level(args.server, n, samples, scale) if args.server else simulated_level(n, samples))
+        level = await (server_level(args.server, n, samples, scale, limits_enforced=enforced) if args.server
+                       else simulated_level(n, samples))
         records += level
         print(json.dumps(summarise(level)[0]))
     write_report(args.name or f"gpu_contention_{mode}", mode, records, samples)

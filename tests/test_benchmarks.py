@@ -118,3 +118,19 @@ def test_quick_benchmark_runs_end_to_end_and_writes_sane_outputs(tmp_path: Path)
     table = (tmp_path / "bench_quick.md").read_text()
     assert "| appliance, warm pool |" in table and "## Targets (issue 4)" in table
     assert "targets (issue 4):" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(int(scaled(300)))
+def test_mps_contention_benchmark_contains_a_runaway_by_kill_without_mps_and_by_refusal_with_it(
+        tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_mps_contention", "--quick", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=scaled(240))
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    results = json.loads((tmp_path / "gpu_mps_contention_simulated_quick.json").read_text())
+    runaway = {config: [r["outcome"] for r in runs if r["kind"] == "llama-runaway"]
+               for config, runs in results["runs"].items()}
+    assert runaway == {"watchdog only": ["gpu_memory_limit"], "watchdog + MPS": ["budget_refused"]}
+    assert (tmp_path / "gpu_mps_contention_simulated_quick.png").read_bytes()[:8] == PNG_MAGIC
+    assert any(line.startswith("GPU run time p50") and line.endswith("x") for line in proc.stdout.splitlines()), \
+        "the side-by-side ratio is printed"

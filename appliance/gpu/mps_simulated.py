@@ -10,7 +10,8 @@ protocol, one request and one answer a line:
     hello <device uuid>   -> "ok <limit MiB | none>"     (the connection is the client)
     alloc <bytes>         -> "ok" | "oom"                (CUDA_ERROR_OUT_OF_MEMORY)
 
-Allocations are reported to the simulated GPU backend as the client PID's usage, so the
+Allocations are refused past the client's limit and past the device's size (what a full
+GPU does), and reported to the simulated GPU backend as the client PID's usage, so the
 watchdog and the ledger see them. `enforce=False` makes a daemon that accepts limits but
 ignores them (the startup probe must notice); a `mps_fault` string in the backend's control
 file makes every control command fail, like a daemon that went away.
@@ -181,8 +182,10 @@ class SimulatedMps(MpsControl):
             if server not in self._clients or client.pid not in self._clients[server]:
                 return False  # terminated by the daemon
             ceiling = client.limit_mb * MIB if self.enforce and client.limit_mb is not None else total
-            if client.used_bytes + size > ceiling:
-                return False
+            on_device = sum(c.used_bytes for cs in self._clients.values() for c in cs.values()
+                            if c.uuid == client.uuid)
+            if client.used_bytes + size > ceiling or on_device + size > total:
+                return False  # over its own limit, or the device is full (a real OOM)
             client.used_bytes += size
             used_mb = -(-client.used_bytes // MIB)
         self.backend.set_usage(client.pid, _index(client.uuid), used_mb)
