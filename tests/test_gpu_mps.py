@@ -308,3 +308,83 @@ def test_the_probe_is_judged_on_every_property(result: dict[str, Any], after: in
                                                 phrase: str) -> None:
     ok, note = judge_probe(result, after, MARGIN_MB)
     assert ok is enforcing and phrase in note
+
+
+def test_a_host_daemon_is_joined_only_when_its_pipe_directory_is_usable(tmp_path: Path, cuda_dir: Path) -> None:
+    import socket
+
+    from appliance.gpu.runs import open_mps
+    from appliance.settings import Settings
+
+    backend = SimulatedBackend((4096,), mps=True)  # "an MPS control daemon runs on this host"
+    hidden = tmp_path / "pipe"  # pytest's tmp dirs are 0700: the sandbox uid cannot reach them
+    hidden.mkdir()
+    reachable = cuda_dir / "host-pipe"
+    reachable.mkdir()
+    cases = [(Settings(gpu=True, gpu_mps="off"), "SANDBOX_GPU_MPS=off"),
+             (Settings(gpu=True, gpu_mps_pipe_dir=hidden), "not reachable by the sandbox uid"),
+             (Settings(gpu=True, gpu_mps_pipe_dir=reachable), "holds no control socket")]
+    for settings, why in cases:
+        control, note = open_mps(settings, backend)
+        assert control is None and why in note, note
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(reachable / "control"))
+        env_path = os.environ["PATH"]
+        os.environ["PATH"] = str(cuda_dir)  # no nvidia-cuda-mps-control here
+        try:
+            control, note = open_mps(Settings(gpu=True, gpu_mps_pipe_dir=reachable), backend)
+        finally:
+            os.environ["PATH"] = env_path
+    assert control is None and "nvidia-cuda-mps-control was not found" in note
+    assert open_mps(Settings(gpu=True), SimulatedBackend((4096,)))[1] == "no CUDA MPS control daemon on this host"
+
+
+FAKE_CONTROL = """#!/bin/bash
+# Stands in for nvidia-cuda-mps-control (no GPU here): one command on stdin, state in the pipe dir.
+read -r cmd
+dir=$CUDA_MPS_PIPE_DIRECTORY
+echo "$cmd" >> "$dir/commands"
+case "$cmd" in
+  get_server_list) cat "$dir/servers" 2>/dev/null ;;
+  "start_server -uid "*) mv "$dir/pending" "$dir/servers" ;;
+  "get_client_list "*) cat "$dir/clients" ;;
+  "get_device_pinned_mem_limit "*) echo 256M ;;
+  set_*) [ -e "$dir/refuse" ] && echo "Invalid value" ;;
+  quit) exit 3 ;;
+esac
+exit 0
+"""
+
+
+def test_the_daemon_client_speaks_nvidia_cuda_mps_control_line_by_line(tmp_path: Path) -> None:
+    from appliance.gpu.mps import DaemonControl
+
+    tool = tmp_path / "nvidia-cuda-mps-control"
+    tool.write_text(FAKE_CONTROL)
+    tool.chmod(0o755)
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    server = subprocess.Popen(["setpriv", "--reuid=1001", "--regid=1001", "--clear-groups", "sleep", "30"])
+    try:
+        time.sleep(0.2)
+        (pipe / "pending").write_text(f"{server.pid}\n")
+        (pipe / "clients").write_text("4242\n4343\n")
+        daemon = DaemonControl(pipe, binary=str(tool))
+        assert daemon.server_for(1001) == server.pid, "no server for the uid yet: one is started"
+        assert daemon.clients(server.pid) == {4242, 4343}
+        daemon.set_limit(server.pid, "GPU-abc", 700)
+        daemon.set_default_limit("GPU-abc", 256)
+        assert daemon.limit(server.pid, "GPU-abc") == 256
+        (pipe / "refuse").touch()
+        with pytest.raises(MpsError, match="refused: Invalid value"):
+            daemon.set_limit(server.pid, "GPU-abc", 700)
+        with pytest.raises(MpsError, match=r"failed \(3\)"):
+            daemon._run("quit")
+    finally:
+        server.kill()
+        server.wait()
+    assert (pipe / "commands").read_text().splitlines() == [
+        "get_server_list", "start_server -uid 1001", "get_server_list", f"get_client_list {server.pid}",
+        f"set_device_pinned_mem_limit {server.pid} GPU-abc 700M", "set_default_device_pinned_mem_limit GPU-abc 256M",
+        f"get_device_pinned_mem_limit {server.pid} GPU-abc", f"set_device_pinned_mem_limit {server.pid} GPU-abc 700M",
+        "quit"]

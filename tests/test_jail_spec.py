@@ -73,3 +73,11 @@ def test_the_driver_is_the_program_and_gets_its_event_fd() -> None:
 
 def test_rendering_is_deterministic() -> None:
     assert render_argv(make_spec(), 3) == render_argv(make_spec(), 3)
+
+
+def test_a_given_path_in_run_keeps_only_its_own_entry_visible() -> None:
+    mps = make_spec(run_entries=("firejail", "nvidia-mps", "secrets", "user"), gpu=True,
+                    gpu_shared=(Path("/run/nvidia-mps"),))
+    hidden = {str(p) for p in mps.hidden}
+    assert "/run/secrets" in hidden and "/run/user" in hidden
+    assert "/run/nvidia-mps" not in hidden and "/run/firejail" not in hidden

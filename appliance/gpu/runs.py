@@ -25,6 +25,7 @@ from appliance.gpu.ledger import GpuLedger, Grant
 from appliance.gpu.mps import DaemonControl, MpsControl, control_socket_present
 from appliance.gpu.mps_limits import MpsLimiter
 from appliance.gpu.watchdog import GpuWatchdog
+from appliance.jail.host import readable_ancestors_problem
 from appliance.jail.jail import Jail, JailFactory
 from appliance.jail.pool import JailPool
 from appliance.protocol import ExecuteRequest
@@ -62,6 +63,9 @@ def open_mps(settings: Settings, backend: GpuBackend) -> tuple[MpsControl | None
         return SimulatedMps(settings.gpu_mps_pipe_dir, backend, enforce=settings.gpu_simulate_mps == "on"), ""
     if not backend.mps_active():
         return None, "no CUDA MPS control daemon on this host"
+    problem = readable_ancestors_problem(settings.gpu_mps_pipe_dir, settings.uid)
+    if problem:
+        return None, f"the MPS pipe directory is not reachable by the sandbox uid: {problem}"
     if not control_socket_present(settings.gpu_mps_pipe_dir):
         return None, (f"an MPS control daemon runs, but {settings.gpu_mps_pipe_dir} holds no control socket "
                       "(set SANDBOX_GPU_MPS_PIPE_DIR to its CUDA_MPS_PIPE_DIRECTORY)")

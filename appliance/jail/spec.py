@@ -59,13 +59,17 @@ class JailSpec:
 
     @property
     def hidden(self) -> tuple[Path, ...]:
-        """Top-level host paths blacklisted in the jail: not allowed, not holding a readable path."""
-        holders = {p.parts[1] for p in self.readable if len(p.parts) > 1}
+        """Host paths blacklisted in the jail: top-level entries (and /run entries) that are
+        neither allowed nor holding a path the jail is given."""
+        given = self.readable + self.gpu_shared
+        holders = {p.parts[1] for p in given if len(p.parts) > 1}
         keep = VISIBLE_TOP_LEVEL | holders | {WORKSPACE.name, "run"}
         hidden = [Path("/") / name for name in sorted(self.root_entries) if name not in keep]
-        if "run" in self.root_entries and "run" not in holders:
-            # /run cannot be blacklisted whole (firejail keeps its state in /run/firejail).
-            hidden += [Path("/run") / name for name in sorted(self.run_entries) if name != "firejail"]
+        if "run" in self.root_entries:
+            # /run cannot be blacklisted whole (firejail keeps its state in /run/firejail):
+            # each entry is, but firejail's own and those holding a given path (an MPS pipe dir).
+            run_keep = {"firejail"} | {p.parts[2] for p in given if len(p.parts) > 2 and p.parts[1] == "run"}
+            hidden += [Path("/run") / name for name in sorted(self.run_entries) if name not in run_keep]
         return tuple(hidden)
 
 
