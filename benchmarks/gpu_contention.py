@@ -233,13 +233,35 @@ def summarise(records: list[RunRecord]) -> list[dict[str, Any]]:
     return rows
 
 
+def run_meta(mix: list[tuple[str, int, int, float]], levels: tuple[int, ...], **extra: Any) -> dict[str, Any]:
+    """What a report says about its setup: device, mix, levels, machine, time."""
+    return {**extra, "device_mb": DEVICE_MB, "margin_mb": MARGIN_MB, "levels": list(levels),
+            "mix": [dict(zip(("kind", "budget_mb", "uses_mb", "seconds"), m, strict=True)) for m in mix],
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "python": platform.python_version(),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def outcomes_text(row: dict[str, Any]) -> str:
+    """'gpu_memory_limit 1, ok 6' for a summary row."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(row["outcomes"].items()))
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def write_report(name: str, mode: str, records: list[RunRecord], samples: list[dict[str, Any]]) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     rows = summarise(records)
-    meta = {"mode": mode, "device_mb": DEVICE_MB, "margin_mb": MARGIN_MB, "levels": list(LEVELS),
-            "mix": [dict(zip(("kind", "budget_mb", "uses_mb", "seconds"), m, strict=True)) for m in MIX],
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "python": platform.python_version(),
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    meta = run_meta(MIX, LEVELS, mode=mode)
     (RESULTS / f"{name}.json").write_text(json.dumps(
         {"meta": meta, "summary": rows, "runs": [asdict(r) for r in records], "samples": samples}, indent=1))
     lines = [f"# GPU contention ({mode})", "", f"Device {DEVICE_MB} MiB, margin {MARGIN_MB} MiB; "
@@ -247,16 +269,11 @@ def write_report(name: str, mode: str, records: list[RunRecord], samples: list[d
              "| N | outcomes | budgets admitted (MiB) | queue p50/p95/p99 (ms) | run p50/p95/p99 (ms) |",
              "|---|---|---|---|---|"]
     for r in rows:
-        outs = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
-        lines.append(f"| {r['n']} | {outs} | {r['budget_sum_mb']} | {r['queue_p50_ms']}/{r['queue_p95_ms']}/"
+        lines.append(f"| {r['n']} | {outcomes_text(r)} | {r['budget_sum_mb']} | {r['queue_p50_ms']}/{r['queue_p95_ms']}/"
                      f"{r['queue_p99_ms']} | {r['run_p50_ms']}/{r['run_p95_ms']}/{r['run_p99_ms']} |")
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ns = [r["n"] for r in rows]

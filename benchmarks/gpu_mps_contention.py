@@ -28,11 +28,9 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -46,8 +44,11 @@ from benchmarks.gpu_contention import (
     OVERRUNNERS,
     RESULTS,
     RunRecord,
+    outcomes_text,
     pct,
+    pyplot,
     readyz_sampler,
+    run_meta,
     server_level,
     summarise,
 )
@@ -105,10 +106,7 @@ def overrun_ms(records: list[RunRecord]) -> list[float]:
 def write(out: Path, name: str, results: dict[str, list[RunRecord]], samples: list[dict[str, Any]],
           lines: list[str], levels: tuple[int, ...]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"device_mb": DEVICE_MB, "margin_mb": MARGIN_MB, "poll_ms": POLL_MS, "levels": list(levels),
-            "mix": [dict(zip(("kind", "budget_mb", "uses_mb", "seconds"), m, strict=True)) for m in MIX_MPS],
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "python": platform.python_version(),
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    meta = run_meta(MIX_MPS, levels, poll_ms=POLL_MS)
     (out / f"{name}.json").write_text(json.dumps(
         {"meta": meta, "summary": {k: summarise(v) for k, v in results.items()},
          "runs": {k: [asdict(r) for r in v] for k, v in results.items()}, "samples": samples}, indent=1))
@@ -118,17 +116,12 @@ def write(out: Path, name: str, results: dict[str, list[RunRecord]], samples: li
           "| config | N | outcomes | queue p50/p95 (ms) | run p50/p95 (ms) |", "|---|---|---|---|---|"]
     for label, records in results.items():
         for row in summarise(records):
-            outs = ", ".join(f"{k} {v}" for k, v in sorted(row["outcomes"].items()))
-            md.append(f"| {label} | {row['n']} | {outs} | {row['queue_p50_ms']}/{row['queue_p95_ms']} | "
+            md.append(f"| {label} | {row['n']} | {outcomes_text(row)} | {row['queue_p50_ms']}/{row['queue_p95_ms']} | "
                       f"{row['run_p50_ms']}/{row['run_p95_ms']} |")
     md += ["", *[f"- {line}" for line in lines]]
     (out / f"{name}.md").write_text("\n".join(md) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for label, records in results.items():
