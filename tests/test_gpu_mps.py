@@ -97,6 +97,7 @@ def test_readiness_reports_mps_limits_proven_by_the_startup_probe(mps_server: tu
     assert mps["enforcing"] is True and mps["daemon"] == "simulated" and mps["resting_mb"] == MARGIN_MB
     assert mps["devices"]["GPU-SIM-0"]["enforcing"] is True
     assert mps["devices"]["GPU-SIM-0"]["note"].startswith("proved")
+    assert mps["note"] == "proved on every device by the startup probe"
 
 
 async def test_a_run_can_allocate_its_budget_and_is_refused_past_it(mps_server: tuple[Server, Path]) -> None:
@@ -153,6 +154,7 @@ def test_a_daemon_that_ignores_limits_is_reported_as_not_enforcing(
         mps = json.loads(body)["gpu"]["mps"]
         assert status == 200 and mps["enforcing"] is False
         assert "was not refused" in mps["devices"]["GPU-SIM-0"]["note"]
+        assert mps["note"].startswith("GPU-SIM-0: ") and "was not refused" in mps["note"]
         assert json.loads(body)["gpu"]["watchdog"]["available"] is True, "the watchdog still guards runs"
         code = ALLOC + "print(alloc(64))\ncu.simClientLimitMB.restype = ctypes.c_longlong\nprint(cu.simClientLimitMB())"
         with Client(srv.url) as c:

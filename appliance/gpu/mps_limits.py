@@ -102,10 +102,15 @@ class MpsLimiter:
         return bool(self.devices) and all(d.enforcing and not d.broken for d in self.devices.values())
 
     def problems(self) -> list[str]:
+        """Devices whose limits are unknown now (a control command failed): /readyz is 503."""
         return [f"MPS limits on {uuid} are unknown: {d.broken}" for uuid, d in self.devices.items() if d.broken]
 
     def layer(self) -> dict[str, Any]:
-        return {"available": True, "enforcing": self.enforcing, "daemon": self.control.name,
+        """Layer (b) for /readyz: whether it enforces, why (per device), and what it did."""
+        unproven = [f"{uuid}: {d.broken or d.note}" for uuid, d in self.devices.items()
+                    if d.broken or not d.enforcing]
+        note = "; ".join(unproven) if unproven else "proved on every device by the startup probe"
+        return {"available": True, "enforcing": self.enforcing, "note": note, "daemon": self.control.name,
                 "pipe_dir": str(self.control.pipe_dir), "resting_mb": self.resting_mb,
                 "armed": self.armed, "intruders": self.intruders,
                 "devices": {uuid: {"enforcing": d.enforcing and not d.broken, "note": d.broken or d.note}
