@@ -14,6 +14,8 @@ command -v firejail >/dev/null || need+=(firejail)
 # The egress allowlist (SANDBOX_OPEN_PORTS) and its tests: namespaces, veth pairs, nftables.
 PATH="$PATH:/usr/sbin:/sbin" command -v ip >/dev/null || need+=(iproute2)
 PATH="$PATH:/usr/sbin:/sbin" command -v nft >/dev/null || need+=(nftables)
+# A C compiler: llama-cpp-python builds from source, and the GPU tests build a stand-in libcuda.
+command -v gcc >/dev/null || need+=(gcc libc6-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}" >&2
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
