@@ -15,7 +15,7 @@ command -v firejail >/dev/null || need+=(firejail)
 PATH="$PATH:/usr/sbin:/sbin" command -v ip >/dev/null || need+=(iproute2)
 PATH="$PATH:/usr/sbin:/sbin" command -v nft >/dev/null || need+=(nftables)
 # A C compiler: llama-cpp-python builds from source, and the GPU tests build a stand-in libcuda.
-command -v gcc >/dev/null || need+=(gcc libc6-dev)
+{ command -v gcc && command -v g++; } >/dev/null || need+=(gcc g++ libc6-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}" >&2
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
