@@ -104,3 +104,17 @@ async def test_each_poll_reconciles_the_ledger(trees: list[subprocess.Popen[byte
     backend.set_usage(999_999, 0, 2000)                    # someone else's
     await watchdog.check()
     assert ledger.snapshot()[0]["foreign_mb"] == 2000
+
+
+async def test_the_run_owning_a_process_is_the_one_stopped(trees: list[subprocess.Popen[bytes]]) -> None:
+    backend = SimulatedBackend((16384,))
+    watchdog, ledger = make(backend)
+    a, b = await ledger.acquire(1000), await ledger.acquire(1000)
+    stopped: dict[str, RunLimit] = {}
+    watchdog.watch("a", trees[0].pid, a, lambda e: stopped.setdefault("a", e))
+    watchdog.watch("b", trees[1].pid, b, lambda e: stopped.setdefault("b", e))
+    error = GpuMemoryLimit("opened a CUDA client in another run's window")
+    assert watchdog.stop_owner(grandchild(trees[1].pid), error) is True
+    assert stopped == {"b": error}
+    assert watchdog.stop_owner(os.getpid(), error) is False, "a process of no run stops nothing"
+    assert watchdog.stop_owner(grandchild(trees[1].pid), error) is False, "a stopped run is not stopped twice"
