@@ -38,3 +38,16 @@ def test_an_invalid_value_names_its_variable(name: str, value: str) -> None:
 def test_the_auth_token_is_never_in_the_repr() -> None:
     s = from_env({"SANDBOX_AUTH_TOKEN": "supersecret-token"})
     assert "supersecret" not in repr(s)
+
+
+def test_mps_settings_default_to_joining_a_proven_daemon_and_reject_nonsense() -> None:
+    s = from_env({})
+    assert (s.gpu_mps, s.gpu_mps_pipe_dir, s.gpu_libcuda, s.gpu_simulate_mps) == (
+        "auto", Path("/tmp/nvidia-mps"), "libcuda.so.1", "off")
+    assert from_env({"SANDBOX_GPU_LIBCUDA": "/opt/cuda/libcuda.so.1"}).gpu_libcuda == "/opt/cuda/libcuda.so.1"
+    for env, name in (({"SANDBOX_GPU_MPS": "sometimes"}, "SANDBOX_GPU_MPS"),
+                      ({"SANDBOX_GPU_MPS_PIPE_DIR": "nvidia-mps"}, "SANDBOX_GPU_MPS_PIPE_DIR"),
+                      ({"SANDBOX_GPU_LIBCUDA": "lib/libcuda.so.1"}, "SANDBOX_GPU_LIBCUDA"),
+                      ({"SANDBOX_GPU": "1", "SANDBOX_GPU_SIMULATE_MPS": "on"}, "SANDBOX_GPU_SIMULATE_MPS")):
+        with pytest.raises(SettingsError, match=name):
+            from_env(env)
