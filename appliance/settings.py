@@ -21,6 +21,7 @@ GPU_PRELOAD = ("llama_cpp", "pywhispercpp.model", "appliance.tools")
 GPU_BACKENDS = ("nvml", "simulated")
 GPU_MPS_MODES = ("auto", "require", "off")
 GPU_SIMULATE_MPS = ("off", "on", "ignore-limits")
+MPS_PIPE_DIR = Path("/tmp/nvidia-mps")  # CUDA's own default CUDA_MPS_PIPE_DIRECTORY
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class Settings:
     gpu_queue_ms: int = 120000            # longest wait for GPU memory before `busy`
     gpu_poll_ms: int = 250                # watchdog polling interval
     gpu_mps: str = "auto"                 # MPS limits: auto (where proven), require, off
-    gpu_mps_pipe_dir: Path = Path("/tmp/nvidia-mps")  # the MPS daemon's CUDA_MPS_PIPE_DIRECTORY
+    gpu_mps_pipe_dir: Path = MPS_PIPE_DIR  # the MPS daemon's CUDA_MPS_PIPE_DIRECTORY
     gpu_libcuda: str = "libcuda.so.1"     # the CUDA driver library jails load (SANDBOX_GPU_LIBCUDA)
     gpu_simulate_mps: str = "off"         # simulated backend: an MPS daemon (on, ignore-limits)
 
@@ -231,7 +232,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         gpu_queue_ms=_int(env, "SANDBOX_GPU_QUEUE_MS", 120000, minimum=1),
         gpu_poll_ms=_int(env, "SANDBOX_GPU_POLL_MS", 250, minimum=10),
         gpu_mps=_choice(env, "SANDBOX_GPU_MPS", GPU_MPS_MODES),
-        gpu_mps_pipe_dir=_dir(env, "SANDBOX_GPU_MPS_PIPE_DIR", Path("/tmp/nvidia-mps")) or Path("/tmp/nvidia-mps"),
+        gpu_mps_pipe_dir=_dir(env, "SANDBOX_GPU_MPS_PIPE_DIR", None) or MPS_PIPE_DIR,
         gpu_libcuda=_libcuda(env, "SANDBOX_GPU_LIBCUDA"),
         gpu_simulate_mps=_choice(env, "SANDBOX_GPU_SIMULATE_MPS", GPU_SIMULATE_MPS),
     )

@@ -39,6 +39,18 @@ def make(backend: SimulatedBackend, host_memory_mb: int | None = None) -> tuple[
     return GpuWatchdog(backend, ledger, margin_mb=100, host_memory_mb=host_memory_mb, interval_s=0.05), ledger
 
 
+async def watch_both(trees: list[subprocess.Popen[bytes]]
+                     ) -> tuple[SimulatedBackend, GpuWatchdog, GpuLedger, dict[str, RunLimit]]:
+    """Runs "a" and "b" (1000 MiB each) watched on the two trees; `stopped` collects their stops."""
+    backend = SimulatedBackend((16384,))
+    watchdog, ledger = make(backend)
+    a, b = await ledger.acquire(1000), await ledger.acquire(1000)
+    stopped: dict[str, RunLimit] = {}
+    watchdog.watch("a", trees[0].pid, a, lambda e: stopped.setdefault("a", e))
+    watchdog.watch("b", trees[1].pid, b, lambda e: stopped.setdefault("b", e))
+    return backend, watchdog, ledger, stopped
+
+
 def test_descendants_follow_every_thread_s_children() -> None:
     proc = subprocess.Popen(["sh", "-c", "sh -c 'sleep 30 & wait' & wait"], start_new_session=True)
     try:
@@ -53,12 +65,7 @@ def test_descendants_follow_every_thread_s_children() -> None:
 
 async def test_an_over_budget_run_is_stopped_while_its_neighbour_keeps_running(
         trees: list[subprocess.Popen[bytes]]) -> None:
-    backend = SimulatedBackend((16384,))
-    watchdog, ledger = make(backend)
-    a, b = await ledger.acquire(1000), await ledger.acquire(1000)
-    stopped: dict[str, RunLimit] = {}
-    watchdog.watch("a", trees[0].pid, a, lambda e: stopped.setdefault("a", e))
-    watchdog.watch("b", trees[1].pid, b, lambda e: stopped.setdefault("b", e))
+    backend, watchdog, ledger, stopped = await watch_both(trees)
     backend.set_usage(grandchild(trees[0].pid), 0, 1101)   # budget 1000 + margin 100 exceeded
     backend.set_usage(grandchild(trees[1].pid), 0, 1100)   # exactly at the limit: allowed
     result = await watchdog.check()
@@ -107,12 +114,7 @@ async def test_each_poll_reconciles_the_ledger(trees: list[subprocess.Popen[byte
 
 
 async def test_the_run_owning_a_process_is_the_one_stopped(trees: list[subprocess.Popen[bytes]]) -> None:
-    backend = SimulatedBackend((16384,))
-    watchdog, ledger = make(backend)
-    a, b = await ledger.acquire(1000), await ledger.acquire(1000)
-    stopped: dict[str, RunLimit] = {}
-    watchdog.watch("a", trees[0].pid, a, lambda e: stopped.setdefault("a", e))
-    watchdog.watch("b", trees[1].pid, b, lambda e: stopped.setdefault("b", e))
+    backend, watchdog, ledger, stopped = await watch_both(trees)
     error = GpuMemoryLimit("opened a CUDA client in another run's window")
     assert watchdog.stop_owner(grandchild(trees[1].pid), error) is True
     assert stopped == {"b": error}

@@ -130,7 +130,7 @@ class MpsLimiter:
             if device.broken:
                 await self._recover(grant.uuid, device)
             try:
-                new = await self._window(jail, grant)
+                server, new = await self._window(jail, grant)
             except GpuBackendError as exc:
                 device.broken = str(exc)
                 log.error("MPS limit could not be set", extra={"device": grant.uuid, "error": str(exc)})
@@ -138,15 +138,16 @@ class MpsLimiter:
                     "the run's GPU memory limit could not be set on the MPS daemon; nothing ran") from exc
         ours = set(proctree.tree(jail.process.pid))
         for pid in sorted(new - ours):
-            await self._evict(pid)
+            await self._evict(server, pid)
         if not new & ours:
             raise GpuLimitUnavailable(
                 "the run's CUDA client did not appear on the MPS server while its limit was set "
                 "(it existed before, or did not use MPS); nothing ran")
         self.armed += 1
 
-    async def _window(self, jail: Jail, grant: Grant) -> set[int]:
-        """Steps 1-4, the limit held at the budget for as short as possible. New client PIDs."""
+    async def _window(self, jail: Jail, grant: Grant) -> tuple[int, set[int]]:
+        """Steps 1-4, the limit held at the budget for as short as possible.
+        Returns the server and the PIDs of the clients that connected meanwhile."""
         server = await asyncio.to_thread(self.control.server_for, self.uid)
         before = await asyncio.to_thread(self.control.clients, server)
         await asyncio.to_thread(self.control.set_limit, server, grant.uuid, grant.memory_mb)
@@ -155,13 +156,12 @@ class MpsLimiter:
         finally:
             await asyncio.to_thread(self.control.set_limit, server, grant.uuid, self.resting_mb)
         after = await asyncio.to_thread(self.control.clients, server)
-        return after - before
+        return server, after - before
 
-    async def _evict(self, pid: int) -> None:
+    async def _evict(self, server: int, pid: int) -> None:
         self.intruders += 1
         log.warning("a CUDA client connected inside another run's MPS window; terminated", extra={"pid": pid})
         with contextlib.suppress(GpuBackendError):
-            server = await asyncio.to_thread(self.control.server_for, self.uid)
             await asyncio.to_thread(self.control.terminate_client, server, pid)
         self.on_intruder(pid)
 
