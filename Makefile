@@ -7,7 +7,7 @@ HOST ?= 0.0.0.0
 PORT ?= 9100
 PYTEST_ARGS ?=
 
-.PHONY: setup system venv run test lint typecheck check bench clean
+.PHONY: setup system venv run test lint check bench clean
 
 setup: system venv
 

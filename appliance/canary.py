@@ -10,8 +10,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from appliance.protocol import UploadFile
+
+PARAMS_FILE = "canary.json"
+
+# Parameters arrive in PARAMS_FILE (uploaded with the run), never spliced into the source.
 CANARY_CODE = """
 import json, os, socket
+params = json.load(open("canary.json"))
+PORT, HOSTS = params["port"], params["hosts"]
 report = {"uid": os.getuid(), "env": sorted(os.environ)}
 try:
     open("/etc/shadow").read(); report["shadow"] = "readable"
@@ -55,9 +62,9 @@ ALLOWED_JAIL_ENV = {
 }
 
 
-def probe_code(port: int, host_addresses: list[str]) -> str:
-    """The canary's source for a server on `port` whose host has these addresses."""
-    return CANARY_CODE.replace("PORT", str(port)).replace("HOSTS", json.dumps(host_addresses))
+def params_file(port: int, host_addresses: list[str]) -> UploadFile:
+    """The canary's parameters: the server's port and the host's addresses (egress mode)."""
+    return UploadFile(PARAMS_FILE, json.dumps({"port": port, "hosts": host_addresses}).encode())
 
 
 def judge(status: Any, stdout: str, allowed_uids: set[int]) -> list[str]:

@@ -1,16 +1,20 @@
 """The appliance's error tree and its one mapping to `done.status`.
 
     ApplianceError
-    ├── RequestRejected      bad request, nothing ran          -> rejected
-    ├── Busy                 queue full, nothing ran           -> busy
+    ├── SettingsError        a SANDBOX_* setting is invalid     -> startup stops
+    ├── StartupError         the host cannot run jails as set   -> startup stops
+    ├── RequestRejected      bad request, nothing ran           -> rejected
+    ├── Busy                 queue or quota full, nothing ran   -> busy
     ├── JailFailure          the jail could not be made/checked -> internal
     │   ├── JailStartFailed  firejail exited before the driver was up
+    │   ├── JailExited       the driver went away while an event was awaited
     │   └── GpuLimitUnavailable  the run's MPS memory limit could not be set
     └── RunLimit             the run hit a limit we enforce
-        ├── RunTimeout       wall clock                        -> timeout
-        ├── MemoryLimit      RLIMIT_AS / MemoryError           -> memory_limit
-        ├── OutputLimit      output bytes or disk quota        -> output_limit
-        └── Cancelled        interrupt or client gone          -> cancelled
+        ├── RunTimeout       wall clock                         -> timeout
+        ├── MemoryLimit      memory cap / MemoryError           -> memory_limit
+        ├── OutputLimit      output bytes or disk quota         -> output_limit
+        ├── Cancelled        interrupt or client gone           -> cancelled
+        └── GpuMemoryLimit   GPU memory over the run's budget   -> gpu_memory_limit
 
 Anything else that escapes is reported as `internal` with no details.
 """
@@ -56,6 +60,14 @@ class JailFailure(ApplianceError):
 
 class JailStartFailed(JailFailure):
     """firejail exited before the driver was up (nothing was judged, nothing ran)."""
+
+
+class JailExited(JailFailure):
+    """The jail's driver went away while the server waited for one of its events."""
+
+    def __init__(self, output: str) -> None:
+        super().__init__("the jail exited unexpectedly")
+        self.output = output  # the end of what the jail wrote: for the log, never for clients
 
 
 class GpuLimitUnavailable(JailFailure):

@@ -10,6 +10,8 @@ Bearer auth is applied by the server's middleware to every `/v1` route.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import html
 import json
 from collections.abc import Callable
@@ -21,15 +23,10 @@ from appliance import protocol
 from appliance.errors import Cancelled
 from appliance.openapi import SPEC
 from appliance.protocol import ExecuteRequest, ProtocolError
-from appliance.runner import ActiveRun
-from appliance.service import Appliance
+from appliance.service import RunService
+from appliance.transport import send_within, until_gone
 
 NDJSON = "application/x-ndjson"
-
-
-def _limits(appliance: Appliance) -> protocol.Limits:
-    s = appliance.settings
-    return protocol.Limits(s.max_message_bytes, s.max_upload_bytes, gpu_enabled=s.gpu)
 
 
 def _rejected(message: str, rid: str | None = None, status: int = 400) -> web.Response:
@@ -37,50 +34,52 @@ def _rejected(message: str, rid: str | None = None, status: int = 400) -> web.Re
     return web.json_response(frame, status=status)
 
 
-async def _parse(request: web.Request, appliance: Appliance, default: str | None = None) -> ExecuteRequest:
+async def _parse(request: web.Request, service: RunService, default: str | None = None) -> ExecuteRequest:
     raw = await request.read()
     if not raw.strip() and default is not None:
         raw = default.encode()
-    message = protocol.parse_client_frame(raw, _limits(appliance))
+    message = protocol.parse_client_frame(raw, service.limits)
     if not isinstance(message, ExecuteRequest):
         raise ProtocolError("this endpoint takes an execute request", getattr(message, "id", None))
     return message
 
 
-async def exec_ndjson(request: web.Request, appliance: Appliance, owner: str) -> web.StreamResponse:
+async def exec_ndjson(request: web.Request, service: RunService, owner: str) -> web.StreamResponse:
     try:
-        req = await _parse(request, appliance)
+        req = await _parse(request, service)
     except ProtocolError as exc:
         return _rejected(exc.message, exc.request_id)
     response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
     await response.prepare(request)
+    stall_s = service.settings.client_stall_ms / 1000
 
     async def emit(frame: protocol.Frame) -> None:
-        try:
-            await response.write((protocol.encode(frame) + "\n").encode())
-        except (ConnectionError, RuntimeError) as exc:
-            raise Cancelled("the client disconnected") from exc
+        await send_within(request, response.write((protocol.encode(frame) + "\n").encode()), stall_s)
 
-    await appliance.execute(req, owner, emit, ActiveRun(req.id))
-    await response.write_eof()
+    run = service.submit(req, owner, emit)
+    assert run.task is not None
+    gone = asyncio.create_task(until_gone(request))
+    try:
+        await asyncio.wait([run.task, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not run.task.done():  # the client went away: its run ends now, not at its limit
+            run.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run.task
+    finally:
+        gone.cancel()
+    with contextlib.suppress(ConnectionError, RuntimeError, Cancelled):
+        await response.write_eof()
     return response
 
 
-async def open_session(request: web.Request, appliance: Appliance, owner: str) -> web.Response:
+async def open_session(request: web.Request, service: RunService, owner: str) -> web.Response:
     try:
-        req = await _parse(request, appliance, default='{"code": ""}')
+        req = await _parse(request, service, default='{"code": ""}')
     except ProtocolError as exc:
         return _rejected(exc.message, exc.request_id)
     if req.session is not None:
         return _rejected("POST /v1/sessions opens a new session; leave 'session' out", req.id)
-    frames: list[protocol.Frame] = []
-
-    async def collect(frame: protocol.Frame) -> None:
-        frames.append(frame)
-
-    new = ExecuteRequest(id=req.id, code=req.code, session="new", timeout_ms=req.timeout_ms,
-                         files=req.files, gpu=req.gpu, stdin_eof=True)
-    await appliance.execute(new, owner, collect, ActiveRun(req.id))
+    frames = await service.open_session(req, owner)
     done = frames[-1]
     session = done.get("session")
     if done.get("status") in ("rejected", "busy", "internal") or not session:
@@ -89,9 +88,9 @@ async def open_session(request: web.Request, appliance: Appliance, owner: str) -
     return web.json_response({"session": session, "frames": frames}, status=201)
 
 
-async def close_session(request: web.Request, appliance: Appliance, owner: str) -> web.Response:
+async def close_session(request: web.Request, service: RunService, owner: str) -> web.Response:
     session_id = request.match_info["session_id"]
-    if await appliance.close_session(session_id, owner):
+    if await service.close_session(session_id, owner):
         return web.Response(status=204)
     return web.json_response({"error": f"no such session {session_id!r}"}, status=404)
 
@@ -122,13 +121,13 @@ async def docs(request: web.Request) -> web.Response:
 
 
 def add_routes(
-    app: web.Application, appliance_key: web.AppKey[Any], owner_for: Callable[[web.Request], str]
+    app: web.Application, service_key: web.AppKey[Any], owner_for: Callable[[web.Request], str]
 ) -> None:
     """Register the REST routes; `owner_for` names the caller (sessions are bound to it)."""
 
     def bind(handler: Any) -> Any:
         async def wrapped(request: web.Request) -> web.StreamResponse:
-            response: web.StreamResponse = await handler(request, request.app[appliance_key], owner_for(request))
+            response: web.StreamResponse = await handler(request, request.app[service_key], owner_for(request))
             return response
 
         return wrapped

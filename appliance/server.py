@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from appliance import protocol, rest
-from appliance.errors import Cancelled
+from appliance.errors import Cancelled, RequestRejected
 from appliance.protocol import (
     CloseSessionMessage,
     ExecuteRequest,
@@ -26,43 +25,26 @@ from appliance.protocol import (
     ProtocolError,
     StdinMessage,
 )
-from appliance.runner import ActiveRun
-from appliance.service import Appliance
-from appliance.sessions import owner_of
+from appliance.service import Run, RunService
 from appliance.settings import Settings
-from appliance.tenants import Tenants
+from appliance.transport import bearer_token, is_gone, send_within, until_gone
 
 log = logging.getLogger("appliance.server")
 
-APPLIANCE_KEY = web.AppKey("appliance", Appliance)
-
-
-def bearer_token(request: web.Request) -> str | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-def authorized(settings: Settings, request: web.Request, tenants: Tenants | None = None) -> bool:
-    """Constant-time check of the bearer token; everything passes when no token is set.
-
-    With a tokens file the token must belong to a tenant (compared against every one).
-    """
-    if tenants is not None:
-        return tenants.identify(bearer_token(request)) is not None
-    if settings.auth_token is None:
-        return True
-    token = bearer_token(request) or ""
-    return hmac.compare_digest(token.encode(), settings.auth_token.encode())
+SERVICE_KEY = web.AppKey("service", RunService)
+OWNER = "appliance.owner"  # request key: who the caller is, set by the auth middleware
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    appliance = request.app[APPLIANCE_KEY]
+    service = request.app[SERVICE_KEY]
     protected = request.path == "/exec" or request.path.startswith("/v1")
-    if protected and not authorized(appliance.settings, request, appliance.tenants):
-        return web.json_response({"error": "missing or wrong bearer token"}, status=401,
-                                 headers={"WWW-Authenticate": "Bearer"})
+    if protected:
+        owner = service.identify(bearer_token(request))
+        if owner is None:
+            return web.json_response({"error": "missing or wrong bearer token"}, status=401,
+                                     headers={"WWW-Authenticate": "Bearer"})
+        request[OWNER] = owner
     response: web.StreamResponse = await handler(request)
     return response
 
@@ -70,14 +52,19 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
 class Connection:
     """One WebSocket client: its in-flight requests and a serialised sender."""
 
-    def __init__(self, ws: web.WebSocketResponse, appliance: Appliance, owner: str) -> None:
+    def __init__(self, ws: web.WebSocketResponse, request: web.Request, service: RunService, owner: str) -> None:
         self.ws = ws
-        self.appliance = appliance
+        self.request = request
+        self.service = service
         self.owner = owner
-        self.runs: dict[str, ActiveRun] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.runs: dict[str, Run] = {}
         self._send_lock = asyncio.Lock()
+        self._stall_s = service.settings.client_stall_ms / 1000
         self.gone = False
+
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return [run.task for run in self.runs.values() if run.task is not None]
 
     async def send(self, frame: protocol.Frame) -> None:
         if self.gone:
@@ -85,20 +72,15 @@ class Connection:
         text = protocol.encode(frame)
         async with self._send_lock:
             try:
-                await self.ws.send_str(text)
-            except (ConnectionError, RuntimeError) as exc:
+                await send_within(self.request, self.ws.send_str(text), self._stall_s)
+            except Cancelled:
                 self.gone = True
-                raise Cancelled("the client disconnected") from exc
+                raise
 
     async def handle_frame(self, data: str | bytes) -> None:
-        appliance = self.appliance
-        limits = protocol.Limits(
-            max_message_bytes=appliance.settings.max_message_bytes,
-            max_upload_bytes=appliance.settings.max_upload_bytes,
-            gpu_enabled=appliance.settings.gpu,
-        )
+        service = self.service
         try:
-            message = protocol.parse_client_frame(data, limits)
+            message = protocol.parse_client_frame(data, service.limits)
         except ProtocolError as exc:
             await self.reject(exc.request_id or protocol.new_request_id(), exc.message)
             return
@@ -106,36 +88,36 @@ class Connection:
             if message.id in self.runs:
                 await self.reject(message.id, f"id {message.id!r} is already in use by a running request")
                 return
-            active = ActiveRun(message.id)
-            self.runs[message.id] = active
-            task = asyncio.create_task(self._execute(message, active))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            run = service.submit(message, self.owner, self.send)
+            self.runs[message.id] = run
+            assert run.task is not None
+            run.task.add_done_callback(lambda _task: self._forget(run))
         elif isinstance(message, StdinMessage):
-            run = self.runs.get(message.id)
-            if run is None:
+            found = self.runs.get(message.id)
+            if found is None:
                 await self.reject(message.id, f"no running request with id {message.id!r} to take stdin")
                 return
-            await run.stdin(message.data, message.eof)
+            try:
+                found.stdin(message.data, message.eof)
+            except RequestRejected as exc:
+                await self.reject(message.id, exc.message)
         elif isinstance(message, InterruptMessage):
-            run = self.runs.get(message.id)
-            if run is None:
+            found = self.runs.get(message.id)
+            if found is None:
                 await self.reject(message.id, f"no running request with id {message.id!r} to interrupt")
                 return
-            run.interrupt()
+            found.interrupt()
         elif isinstance(message, CloseSessionMessage):
-            closed = await appliance.close_session(message.session, self.owner)
+            closed = await service.close_session(message.session, self.owner)
             if closed:
                 await self._send_quietly(protocol.done_frame(
                     message.id, "ok", message=f"session {message.session} closed", session=message.session))
             else:
                 await self.reject(message.id, f"no such session {message.session!r}")
 
-    async def _execute(self, req: ExecuteRequest, active: ActiveRun) -> None:
-        try:
-            await self.appliance.execute(req, self.owner, self.send, active)
-        finally:
-            self.runs.pop(req.id, None)
+    def _forget(self, run: Run) -> None:
+        if self.runs.get(run.id) is run:
+            del self.runs[run.id]
 
     async def reject(self, rid: str, message: str) -> None:
         await self._send_quietly(protocol.done_frame(rid, "rejected", message=message))
@@ -145,26 +127,35 @@ class Connection:
             await self.send(frame)
 
     async def finish(self) -> None:
-        """Client half-closed: let in-flight requests stream to their end."""
-        while self.tasks:
-            await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        """Client half-closed: let in-flight requests stream to their end, unless the
+        connection itself goes away meanwhile (then they are cancelled)."""
+        gone = asyncio.create_task(until_gone(self.request))
+        try:
+            while self.tasks:
+                await asyncio.wait([*self.tasks, gone], return_when=asyncio.FIRST_COMPLETED)
+                if gone.done():
+                    await self.abort()
+                    return
+        finally:
+            gone.cancel()
 
     async def abort(self) -> None:
         """Client vanished: cancel in-flight requests (their jails are killed)."""
         self.gone = True
-        for task in list(self.tasks):
+        tasks = self.tasks
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def exec_socket(request: web.Request) -> web.StreamResponse:
-    appliance = request.app[APPLIANCE_KEY]
-    settings = appliance.settings
+    service = request.app[SERVICE_KEY]
+    settings = service.settings
     # Frames a little over the limit still get a `rejected` answer; far over, the
     # transport closes with 1009 (message too big) rather than buffer them.
     ws = web.WebSocketResponse(autoclose=False, max_msg_size=settings.max_message_bytes * 2 + 4096)
     await ws.prepare(request)
-    conn = Connection(ws, appliance, owner_of(bearer_token(request)))
+    conn = Connection(ws, request, service, request[OWNER])
     request.app["connections"].add(conn)
     half_closed = False
     try:
@@ -182,7 +173,7 @@ async def exec_socket(request: web.Request) -> web.StreamResponse:
                 break
             else:
                 break
-        if half_closed:
+        if half_closed and not is_gone(request):
             await conn.finish()
         else:
             await conn.abort()
@@ -202,58 +193,42 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    appliance = request.app[APPLIANCE_KEY]
-    problems = appliance.ready_problems
-    pool = appliance.pool
-    body: dict[str, Any] = {
-        "status": "ready" if not problems else "not ready",
-        "problems": problems,
-        "pool_ready": len(pool.ready) if pool else 0,
-        "memory_cap": "RLIMIT_AS",
-        "firejail": appliance.host.firejail_version if appliance.host else None,
-    }
-    if appliance.gpu is not None:  # GPU mode: each enforcement layer, available or not
-        body["gpu"] = appliance.gpu.layers()
-        gpu_problems = appliance.gpu.problems()
-        if gpu_problems:
-            problems = [*problems, *gpu_problems]
-            body["status"], body["problems"] = "not ready", problems
-    return web.json_response(body, status=200 if not problems else 503)
+    ready, body = request.app[SERVICE_KEY].readiness()
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    appliance = request.app[APPLIANCE_KEY]
-    appliance._update_pool_gauges()
-    return web.Response(body=appliance.metrics.render(), content_type="text/plain", charset="utf-8")
+    text = request.app[SERVICE_KEY].metrics_text()
+    return web.Response(body=text, content_type="text/plain", charset="utf-8")
 
 
-def make_app(appliance: Appliance) -> web.Application:
-    app = web.Application(middlewares=[auth_middleware], client_max_size=appliance.settings.max_message_bytes)
-    app[APPLIANCE_KEY] = appliance
+def make_app(service: RunService) -> web.Application:
+    app = web.Application(middlewares=[auth_middleware], client_max_size=service.settings.max_message_bytes)
+    app[SERVICE_KEY] = service
     app["connections"] = set()
     app.router.add_get("/exec", exec_socket)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
-    rest.add_routes(app, APPLIANCE_KEY, lambda request: owner_of(bearer_token(request)))
+    rest.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
     return app
 
 
 async def serve(settings: Settings, host: str, port: int, ready_file: str | None = None) -> None:
     """Run until SIGTERM/SIGINT, then shut down in order: stop accepting, let runs finish
     within the grace period, cancel the rest, drain the pool."""
-    appliance = Appliance(settings)
-    appliance.check_host()
-    app = make_app(appliance)
+    service = RunService(settings)
+    service.check_host()
+    app = make_app(service)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
     bound = _bound_port(runner) or port
     try:
-        await appliance.start(canary_port=bound)
+        await service.start(canary_port=bound)
     except BaseException:  # a refusal found while starting (e.g. MPS required, not proven)
-        await appliance.close()
+        await service.close()
         await runner.cleanup()
         raise
     log.info("listening", extra={"host": host, "port": bound})
@@ -281,7 +256,7 @@ async def serve(settings: Settings, host: str, port: int, ready_file: str | None
         await conn.abort()
         with contextlib.suppress(Exception):
             await conn.ws.close(code=1001, message=b"server shutting down")
-    await appliance.close()  # 4. drain the pool and sessions
+    await service.close()  # 4. drain the pool and sessions
     await runner.cleanup()
     log.info("stopped")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ class Settings:
     max_message_bytes: int = 16777216
     max_upload_bytes: int = 8388608
     max_file_out_bytes: int = 8388608
+    max_stdin_bytes: int = 1048576        # stdin a run may have waiting for it to read (SANDBOX_MAX_STDIN_BYTES)
+    client_stall_ms: int = 10000          # a client that takes no frame this long is dropped
     max_concurrency: int = 4
     max_queue: int = 100
     uid: int = 1001
@@ -155,14 +158,32 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
     return raw
 
 
+SIMULATE_RE = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*$")
+
+
+def parse_simulated_devices(spec: str) -> tuple[int, ...]:
+    """SANDBOX_GPU_SIMULATE: '2x16384' or '16384,8192' -> device totals in MiB; ValueError if malformed."""
+    totals: list[int] = []
+    for part in spec.split(","):
+        match = SIMULATE_RE.match(part)
+        if not match:
+            raise ValueError(f"{part.strip()!r} is not COUNTxMIB or MIB")
+        count = int(match.group(1) or 1)
+        total = int(match.group(2))
+        if count < 1 or total < 1:
+            raise ValueError(f"{part.strip()!r}: count and MiB must be positive")
+        totals += [total] * count
+    if not totals:
+        raise ValueError("no devices")
+    return tuple(totals)
+
+
 def _simulate(env: Mapping[str, str], name: str) -> tuple[int, ...]:
     raw = env.get(name, "").strip()
     if not raw:
-        return (16384,)
-    from appliance.gpu.simulated import parse_spec  # pure parsing; no NVML involved
-
+        return ()
     try:
-        return parse_spec(raw)
+        return parse_simulated_devices(raw)
     except ValueError as exc:
         raise SettingsError(f"{name}: {exc} (expected e.g. '2x16384' or '16384,8192')") from None
 
@@ -170,17 +191,21 @@ def _simulate(env: Mapping[str, str], name: str) -> tuple[int, ...]:
 def _libcuda(env: Mapping[str, str], name: str) -> str:
     raw = env.get(name, "").strip()
     if not raw:
-        return "libcuda.so.1"
+        return ""
     if "/" in raw and not raw.startswith("/"):
         raise SettingsError(f"{name}: must be an absolute path or a library name, got {raw!r}")
     return raw
 
 
 def from_env(env: Mapping[str, str] | None = None) -> Settings:
-    """Build settings from the environment (or the given mapping); raise SettingsError if invalid."""
+    """Build settings from the environment (or the given mapping); raise SettingsError if invalid.
+
+    Every default is the field's default in `Settings` (D below), stated once; the few that
+    depend on the host or on other settings are computed here and say so."""
     env = os.environ if env is None else env
+    D = Settings()
     cpus = os.cpu_count() or 1
-    tmp_root = _dir(env, "SANDBOX_TMP_ROOT", Path("/tmp"))
+    tmp_root = _dir(env, "SANDBOX_TMP_ROOT", D.tmp_root)
     assert tmp_root is not None
     python_raw = env.get("SANDBOX_PYTHON", "").strip()
     python = Path(python_raw) if python_raw else Path(sys.executable)
@@ -189,51 +214,53 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
     token = env.get("SANDBOX_AUTH_TOKEN") or None
     if token is not None and (len(token) < 8 or any(c.isspace() for c in token)):
         raise SettingsError("SANDBOX_AUTH_TOKEN: must be at least 8 characters with no whitespace")
-    pool_size = _int(env, "SANDBOX_POOL_SIZE", 2)
+    pool_size = _int(env, "SANDBOX_POOL_SIZE", D.pool_size)
     gpu = _bool(env, "SANDBOX_GPU")
     settings = Settings(
-        max_exec_ms=_int(env, "SANDBOX_MAX_EXEC_MS", 15000, minimum=1),
+        max_exec_ms=_int(env, "SANDBOX_MAX_EXEC_MS", D.max_exec_ms, minimum=1),
         tmp_root=tmp_root,
-        memory_mb=_int(env, "SANDBOX_MEMORY_MB", 1024, minimum=64),
-        max_procs=_int(env, "SANDBOX_MAX_PROCS", 64, minimum=4),
-        max_file_mb=_int(env, "SANDBOX_MAX_FILE_MB", 100, minimum=1),
-        max_open_files=_int(env, "SANDBOX_MAX_OPEN_FILES", 1024, minimum=64),
-        max_disk_mb=_int(env, "SANDBOX_MAX_DISK_MB", 1024, minimum=1),
-        max_output_bytes=_int(env, "SANDBOX_MAX_OUTPUT_BYTES", 1048576, minimum=1024),
-        max_message_bytes=_int(env, "SANDBOX_MAX_MESSAGE_BYTES", 16777216, minimum=1024),
-        max_upload_bytes=_int(env, "SANDBOX_MAX_UPLOAD_BYTES", 8388608, minimum=0),
-        max_file_out_bytes=_int(env, "SANDBOX_MAX_FILE_OUT_BYTES", 8388608, minimum=0),
+        memory_mb=_int(env, "SANDBOX_MEMORY_MB", D.memory_mb, minimum=64),
+        max_procs=_int(env, "SANDBOX_MAX_PROCS", D.max_procs, minimum=4),
+        max_file_mb=_int(env, "SANDBOX_MAX_FILE_MB", D.max_file_mb, minimum=1),
+        max_open_files=_int(env, "SANDBOX_MAX_OPEN_FILES", D.max_open_files, minimum=64),
+        max_disk_mb=_int(env, "SANDBOX_MAX_DISK_MB", D.max_disk_mb, minimum=1),
+        max_output_bytes=_int(env, "SANDBOX_MAX_OUTPUT_BYTES", D.max_output_bytes, minimum=1024),
+        max_message_bytes=_int(env, "SANDBOX_MAX_MESSAGE_BYTES", D.max_message_bytes, minimum=1024),
+        max_upload_bytes=_int(env, "SANDBOX_MAX_UPLOAD_BYTES", D.max_upload_bytes, minimum=0),
+        max_file_out_bytes=_int(env, "SANDBOX_MAX_FILE_OUT_BYTES", D.max_file_out_bytes, minimum=0),
+        max_stdin_bytes=_int(env, "SANDBOX_MAX_STDIN_BYTES", D.max_stdin_bytes, minimum=1024),
+        client_stall_ms=_int(env, "SANDBOX_CLIENT_STALL_MS", D.client_stall_ms, minimum=100),
         max_concurrency=_int(env, "SANDBOX_MAX_CONCURRENCY", 2 * cpus, minimum=1),
-        max_queue=_int(env, "SANDBOX_MAX_QUEUE", 100),
-        uid=_int(env, "SANDBOX_UID", 1001, minimum=1),
+        max_queue=_int(env, "SANDBOX_MAX_QUEUE", D.max_queue),
+        uid=_int(env, "SANDBOX_UID", D.uid, minimum=1),
         auth_token=token,
         open_ports=_ports(env, "SANDBOX_OPEN_PORTS"),
         egress_allow_nets=_ipv4(env, "SANDBOX_EGRESS_ALLOW_NETS", networks=True),
         egress_dns=_ipv4(env, "SANDBOX_EGRESS_DNS", networks=False),
-        egress_subnet=(_ipv4(env, "SANDBOX_EGRESS_SUBNET", networks=True) or ("10.216.0.0/16",))[0],
+        egress_subnet=(_ipv4(env, "SANDBOX_EGRESS_SUBNET", networks=True) or (D.egress_subnet,))[0],
         auth_tokens_file=_dir(env, "SANDBOX_AUTH_TOKENS_FILE", None),
         gpu=gpu,
         preload=_modules(env, "SANDBOX_PRELOAD", DEFAULT_PRELOAD + GPU_PRELOAD if gpu else DEFAULT_PRELOAD),
         pool_size=pool_size,
         pool_max=_int(env, "SANDBOX_POOL_MAX", max(8, pool_size)),
-        session_idle_s=_int(env, "SANDBOX_SESSION_IDLE_S", 600, minimum=1),
-        max_sessions=_int(env, "SANDBOX_MAX_SESSIONS", 32),
+        session_idle_s=_int(env, "SANDBOX_SESSION_IDLE_S", D.session_idle_s, minimum=1),
+        max_sessions=_int(env, "SANDBOX_MAX_SESSIONS", D.max_sessions),
         outputs_dir=_dir(env, "SANDBOX_OUTPUTS_DIR", None),
         python=python,
-        shutdown_grace_s=_int(env, "SANDBOX_SHUTDOWN_GRACE_MS", 10000) / 1000,
-        jail_threads=_int(env, "SANDBOX_JAIL_THREADS", 1, minimum=1),
+        shutdown_grace_s=_int(env, "SANDBOX_SHUTDOWN_GRACE_MS", int(D.shutdown_grace_s * 1000)) / 1000,
+        jail_threads=_int(env, "SANDBOX_JAIL_THREADS", D.jail_threads, minimum=1),
         firejail=env.get("SANDBOX_FIREJAIL", "").strip() or "firejail",
         models_dir=_dir(env, "SANDBOX_MODELS_DIR", None),
-        gpu_default_mb=_int(env, "SANDBOX_GPU_DEFAULT_MB", 1024),
-        gpu_margin_mb=_int(env, "SANDBOX_GPU_MARGIN_MB", 256),
+        gpu_default_mb=_int(env, "SANDBOX_GPU_DEFAULT_MB", D.gpu_default_mb),
+        gpu_margin_mb=_int(env, "SANDBOX_GPU_MARGIN_MB", D.gpu_margin_mb),
         gpu_backend=_choice(env, "SANDBOX_GPU_BACKEND", GPU_BACKENDS),
-        gpu_simulate_mb=_simulate(env, "SANDBOX_GPU_SIMULATE"),
+        gpu_simulate_mb=_simulate(env, "SANDBOX_GPU_SIMULATE") or D.gpu_simulate_mb,
         gpu_simulate_file=_dir(env, "SANDBOX_GPU_SIMULATE_FILE", None),
-        gpu_queue_ms=_int(env, "SANDBOX_GPU_QUEUE_MS", 120000, minimum=1),
-        gpu_poll_ms=_int(env, "SANDBOX_GPU_POLL_MS", 250, minimum=10),
+        gpu_queue_ms=_int(env, "SANDBOX_GPU_QUEUE_MS", D.gpu_queue_ms, minimum=1),
+        gpu_poll_ms=_int(env, "SANDBOX_GPU_POLL_MS", D.gpu_poll_ms, minimum=10),
         gpu_mps=_choice(env, "SANDBOX_GPU_MPS", GPU_MPS_MODES),
         gpu_mps_pipe_dir=_dir(env, "SANDBOX_GPU_MPS_PIPE_DIR", None) or MPS_PIPE_DIR,
-        gpu_libcuda=_libcuda(env, "SANDBOX_GPU_LIBCUDA"),
+        gpu_libcuda=_libcuda(env, "SANDBOX_GPU_LIBCUDA") or D.gpu_libcuda,
         gpu_simulate_mps=_choice(env, "SANDBOX_GPU_SIMULATE_MPS", GPU_SIMULATE_MPS),
     )
     if settings.pool_max < settings.pool_size:

@@ -42,7 +42,7 @@ KEYS = {"name", "token", "token_sha256", "max_concurrency", "max_sessions", "run
 
 
 def owner_of(token: str | None) -> str:
-    """The owner name of a credential: hex SHA-256 of the token (same as sessions.owner_of)."""
+    """The owner name of a credential: hex SHA-256 of the token; sessions are bound to it."""
     return hashlib.sha256((token or "").encode()).hexdigest()
 
 
@@ -188,10 +188,6 @@ class Tenants:
         if token is None or found is None:
             return None
         return self._states[found.hex()].tenant
-
-    def tenant_of(self, owner: str) -> Tenant | None:
-        state = self._states.get(owner)
-        return state.tenant if state else None
 
     def session_limits(self) -> dict[str, int]:
         """owner -> max_sessions, for the tenants that have one."""

@@ -74,8 +74,10 @@ class Server:
 
 
 def start_server(tmp: Path, wrap: list[str] | None = None, wait_ready: bool = True,
-                 host: str = "127.0.0.1", port: int = 0, **env: str) -> Server:
-    """Start `appliance serve` on a free port with SANDBOX_* overrides; wait for /readyz."""
+                 host: str = "127.0.0.1", port: int = 0, wait_started: bool = True, **env: str) -> Server:
+    """Start `appliance serve` on a free port with SANDBOX_* overrides; wait for /readyz.
+
+    wait_started=False (a fixed `port` only) returns at once, while the server still starts."""
     tmp.mkdir(parents=True, exist_ok=True)
     ready = tmp / "port"
     ready.unlink(missing_ok=True)  # a reused directory must not hand us an old port
@@ -88,6 +90,9 @@ def start_server(tmp: Path, wrap: list[str] | None = None, wait_ready: bool = Tr
     with open(log, "wb") as log_fh:
         proc = subprocess.Popen((wrap or []) + cmd, env=full_env, stdout=subprocess.DEVNULL,
                                 stderr=log_fh, cwd=REPO)
+    if not wait_started:
+        assert port, "wait_started=False needs a fixed port"
+        return Server(proc, port, log, full_env)
     deadline = time.monotonic() + scaled(90)
     while not ready.exists() or not ready.read_text().strip():
         if proc.poll() is not None:

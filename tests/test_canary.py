@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from appliance.canary import ALLOWED_JAIL_ENV, judge, probe_code
+from appliance.canary import ALLOWED_JAIL_ENV, CANARY_CODE, judge, params_file
 
 GOOD = {"uid": 1001, "env": ["HOME", "PATH"], "shadow": "denied", "loopback": "refused", "reached": [],
         "NoNewPrivs": "1", "Seccomp": "2"}
@@ -33,8 +33,9 @@ def test_a_failed_or_garbled_run_is_not_ready() -> None:
     assert judge("ok", "not json", {1001}) == ["canary printed no report"]
 
 
-def test_the_probe_names_the_servers_port_and_host_addresses() -> None:
-    code = probe_code(4321, ["192.0.2.7"])
-    assert '("127.0.0.1", 4321)' in code and '["192.0.2.7"]' in code
-    compile(code, "<canary>", "exec")
+def test_the_probe_gets_the_servers_port_and_host_addresses_as_data_not_source() -> None:
+    params = params_file(4321, ["192.0.2.7"])
+    assert json.loads(params.data) == {"port": 4321, "hosts": ["192.0.2.7"]}
+    assert "4321" not in CANARY_CODE and "192.0.2.7" not in CANARY_CODE
+    compile(CANARY_CODE, "<canary>", "exec")
     assert "AWS_SECRET_ACCESS_KEY" not in ALLOWED_JAIL_ENV

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from appliance.errors import SettingsError
-from appliance.gpu.devices import GpuDevice, gpu_device, hidden_modules
+from appliance.jail.devices import GpuDevice, gpu_device, hidden_modules
 from appliance.jail.firejail import render_argv
 from appliance.jail.spec import JailLimits, JailSpec
 from appliance.settings import from_env
@@ -103,11 +103,11 @@ def test_gpu_mode_without_a_driver_stops_startup_with_a_clear_message(tmp_path: 
 
 
 def test_gpu_off_never_imports_nvml() -> None:
-    code = ("import sys\nfrom appliance.settings import from_env\nfrom appliance.service import Appliance\n"
-            "import appliance.server\nApp = Appliance(from_env({}))\n"
-            "assert App.gpu is None\nassert 'pynvml' not in sys.modules, 'pynvml imported'\n"
+    code = ("import sys\nfrom appliance.settings import from_env\nfrom appliance.service import RunService\n"
+            "import appliance.server\nApp = RunService(from_env({}))\n"
+            "assert App.lifecycle.gpu is None\nassert 'pynvml' not in sys.modules, 'pynvml imported'\n"
             "loaded = {m for m in sys.modules if m.startswith('appliance.gpu')}\n"
-            "assert loaded <= {'appliance.gpu', 'appliance.gpu.devices'}, loaded\n")
+            "assert not loaded, loaded\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 

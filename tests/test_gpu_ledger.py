@@ -8,7 +8,8 @@ import pytest
 
 from appliance.errors import Busy, RequestRejected
 from appliance.gpu.ledger import GpuLedger
-from appliance.gpu.simulated import SimulatedBackend, parse_spec
+from appliance.gpu.simulated import SimulatedBackend
+from appliance.settings import parse_simulated_devices as parse_spec
 
 
 def ledger_for(backend: SimulatedBackend, margin_mb: int = 256, max_wait_ms: int = 5000) -> GpuLedger:

@@ -37,7 +37,7 @@ from appliance.gpu.mps import (
 from appliance.gpu.mps_limits import DeviceMps, MpsLimiter, judge_probe
 from appliance.gpu.mps_simulated import SimulatedMps
 from appliance.gpu.simulated import SimulatedBackend
-from appliance.jail.process import Event
+from appliance.jail import channel
 from tests.support import REPO, Server, scaled, start_server
 from tests.test_gpu_server import simulate
 
@@ -184,7 +184,7 @@ class _Process:
 
     def __init__(self, env: dict[str, str], intruder: bool) -> None:
         self.env, self.intruder = env, intruder
-        self.items: asyncio.Queue[object] = asyncio.Queue()
+        self.asked = False
         self.procs: list[subprocess.Popen[bytes]] = []
         self.root = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         self.pid = self.root.pid
@@ -196,14 +196,19 @@ class _Process:
         self.procs.append(proc)
         return proc
 
-    async def send(self, message: dict[str, Any]) -> None:
-        assert message["op"] == "cuda_context"
+    def write(self, data: bytes, limit: int | None = None) -> None:
+        op = channel.parse_op(data)
+        assert op is not None and op["op"] == "cuda_context"
+        self.asked = True
+
+    async def wait_event(self, kind: str, timeout: float) -> channel.Event:
+        assert self.asked and kind == "cuda_context"
         # The jail's own client must be in the jail's process tree: re-root the tree on it.
         own = await asyncio.to_thread(self.client)
         self.pid = own.pid
         if self.intruder:
             await asyncio.to_thread(self.client)  # not in the tree: someone else's process
-        self.items.put_nowait(Event({"ev": "cuda_context", "ok": True}, 0))
+        return {"ev": "cuda_context", "ok": True}
 
     def close(self) -> None:
         for proc in [self.root, *self.procs]:
@@ -255,10 +260,10 @@ async def test_a_run_whose_client_existed_before_arming_is_refused(
     early = process.client()  # connected at the resting limit, before the window
     process.pid = early.pid
 
-    async def no_new_client(message: dict[str, Any]) -> None:
-        process.items.put_nowait(Event({"ev": "cuda_context", "ok": True}, 0))
+    async def no_new_client(kind: str, timeout: float) -> channel.Event:
+        return {"ev": "cuda_context", "ok": True}
 
-    process.send = no_new_client  # type: ignore[method-assign]
+    process.wait_event = no_new_client  # type: ignore[method-assign]
     try:
         with pytest.raises(GpuLimitUnavailable, match="did not appear"):
             await lim.arm(_Jail(process), GRANT)  # type: ignore[arg-type]
@@ -315,7 +320,7 @@ def test_the_probe_is_judged_on_every_property(result: dict[str, Any], after: in
 def test_a_host_daemon_is_joined_only_when_its_pipe_directory_is_usable(tmp_path: Path, cuda_dir: Path) -> None:
     import socket
 
-    from appliance.gpu.runs import open_mps
+    from appliance.gpu.lease import open_mps
     from appliance.settings import Settings
 
     backend = SimulatedBackend((4096,), mps=True)  # "an MPS control daemon runs on this host"

@@ -8,32 +8,31 @@ from collections.abc import AsyncIterator
 import pytest
 
 from appliance import protocol
-from appliance.runner import ActiveRun
-from appliance.service import Appliance
-from appliance.sessions import owner_of
+from appliance.service import RunService
 from appliance.settings import from_env
+from appliance.tenants import owner_of
 
 
 @pytest.fixture()
-async def appliance() -> AsyncIterator[Appliance]:
-    app = Appliance(from_env({"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "0", "SANDBOX_PYTHON": sys.executable}))
+async def appliance() -> AsyncIterator[RunService]:
+    app = RunService(from_env({"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "0", "SANDBOX_PYTHON": sys.executable}))
     await app.start(canary_port=0)
     yield app
     await app.close()
 
 
-async def run(app: Appliance, owner: str, code: str, session: str | None) -> list[protocol.Frame]:
+async def run(app: RunService, owner: str, code: str, session: str | None) -> list[protocol.Frame]:
     frames: list[protocol.Frame] = []
 
     async def emit(frame: protocol.Frame) -> None:
         frames.append(frame)
 
     req = protocol.ExecuteRequest(id="t", code=code, session=session)
-    await app.execute(req, owner, emit, ActiveRun("t"))
+    await app.execute(req, owner, emit)
     return frames
 
 
-async def test_another_owners_session_looks_exactly_like_a_missing_one(appliance: Appliance) -> None:
+async def test_another_owners_session_looks_exactly_like_a_missing_one(appliance: RunService) -> None:
     alice, mallory = owner_of("alice-token"), owner_of("mallory-token")
     opened = await run(appliance, alice, "secret = 'alice only'", "new")
     sid = opened[-1]["session"]

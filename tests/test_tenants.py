@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import websockets
 
-from appliance import sessions, tenants
+from appliance import tenants
 from appliance.client import AsyncClient
 from appliance.errors import Busy, SettingsError
 from appliance.settings import from_env
@@ -53,10 +53,6 @@ def test_a_tokens_file_gives_each_tenant_its_quotas_and_hashes_plain_tokens() ->
     assert by_name["bob"].owner == hashlib.sha256(BOB.encode()).hexdigest() and by_name["bob"].max_sessions is None
     assert by_name["carol"].runs_per_minute == 1.0 and by_name["carol"].burst == 2
     assert ALICE not in repr(found)  # the owner hash is kept out of repr too
-
-
-def test_a_tenants_owner_is_the_same_name_sessions_bind_to() -> None:
-    assert tenants.owner_of(ALICE) == sessions.owner_of(ALICE)
 
 
 @pytest.mark.parametrize(("text", "complaint"), [

@@ -31,14 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from appliance.errors import ApplianceError, GpuLimitUnavailable
+from appliance.errors import ApplianceError, GpuLimitUnavailable, JailExited
 from appliance.gpu.backend import GpuBackendError
 from appliance.gpu.ledger import Grant
 from appliance.gpu.mps import MpsControl
-from appliance.jail import proctree
-from appliance.jail.process import Event
+from appliance.jail import channel, proctree
+from appliance.jail.cell import run_cell
 from appliance.protocol import ExecuteRequest, Frame, UploadFile
-from appliance.runner import ActiveRun, run_cell
 
 if TYPE_CHECKING:
     from appliance.jail.jail import Jail, JailFactory
@@ -246,19 +245,15 @@ def judge_probe(result: dict[str, Any], limit_after: int | None, resting_mb: int
 
 async def open_cuda_context(jail: Jail, libcuda: str) -> None:
     """Have the jail's driver create its CUDA context now; GpuLimitUnavailable if it cannot."""
-    await jail.process.send({"op": "cuda_context", "lib": libcuda})
+    jail.process.write(channel.cuda_context_op(libcuda))
     try:
-        async with asyncio.timeout(CONTEXT_TIMEOUT_S):
-            while True:
-                item = await jail.process.items.get()
-                if isinstance(item, Event) and item.body.get("ev") == "cuda_context":
-                    break
-                if not isinstance(item, Event) and not hasattr(item, "text"):
-                    raise GpuLimitUnavailable("the jail exited while creating its CUDA context")
+        event = await jail.process.wait_event("cuda_context", CONTEXT_TIMEOUT_S)
+    except JailExited:
+        raise GpuLimitUnavailable("the jail exited while creating its CUDA context") from None
     except TimeoutError:
         raise GpuLimitUnavailable("the jail did not create its CUDA context in time") from None
-    if not item.body.get("ok"):
-        raise GpuLimitUnavailable(f"the jail could not create its CUDA context: {item.body.get('error')}")
+    if event["ev"] != "cuda_context" or not event.get("ok"):
+        raise GpuLimitUnavailable(f"the jail could not create its CUDA context: {event.get('error')}")
 
 
 async def _run_probe(jail: Jail, params: dict[str, Any]) -> dict[str, Any]:
@@ -270,7 +265,7 @@ async def _run_probe(jail: Jail, params: dict[str, Any]) -> dict[str, Any]:
     req = ExecuteRequest(id="mps-probe", code=PROBE_CODE,
                          files=(UploadFile("mps-probe.json", json.dumps(params).encode()),))
     outcome = await run_cell(jail, req, collect, timeout_ms=30000, max_output_bytes=65536, max_disk_mb=16,
-                             active=ActiveRun("mps-probe"), keep_alive=False)
+                             keep_alive=False)
     stdout = "".join(str(f.get("text", "")) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout")
     if outcome.status != "ok":
         errors = [f for f in frames if f.get("type") == "error"]

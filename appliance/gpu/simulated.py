@@ -24,31 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 from pathlib import Path
 from typing import Any
 
 from appliance.gpu.backend import Device, GpuBackend, GpuBackendError, ProcessUsage
-
-SPEC_RE = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*$")
-
-
-def parse_spec(spec: str) -> tuple[int, ...]:
-    """'2x16384' or '16384,8192' -> device totals in MiB; ValueError if malformed."""
-    totals: list[int] = []
-    for part in spec.split(","):
-        match = SPEC_RE.match(part)
-        if not match:
-            raise ValueError(f"{part.strip()!r} is not COUNTxMIB or MIB")
-        count = int(match.group(1) or 1)
-        total = int(match.group(2))
-        if count < 1 or total < 1:
-            raise ValueError(f"{part.strip()!r}: count and MiB must be positive")
-        totals += [total] * count
-    if not totals:
-        raise ValueError("no devices")
-    return tuple(totals)
 
 
 class SimulatedBackend(GpuBackend):

@@ -91,7 +91,6 @@ class GpuWatchdog:
         self.faults = 0
         self.last_error: str | None = None
         self.polls = 0
-        self.kills = 0
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -191,6 +190,5 @@ class GpuWatchdog:
 
     def _stop(self, run: WatchedRun, error: RunLimit) -> None:
         run.stopped = True
-        self.kills += 1
         log.warning("stopping run", extra={"run": run.key, "reason": error.message})
         run.stop(error)

@@ -31,12 +31,22 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
+
+DRIVER_FILE = os.path.abspath(__file__)
+RUNTIME = os.path.dirname(DRIVER_FILE)
+if RUNTIME not in sys.path:
+    # `python -I` puts no script directory on the path. The runtime holds the channel module
+    # (appliance.jail.channel), the matplotlib backend and the tools; it goes last, so it
+    # shadows nothing of the interpreter's own.
+    sys.path.append(RUNTIME)
+
+from appliance.jail import channel  # noqa: E402  (needs the runtime on the path, above)
 
 MAX_TEXT_CHARS = 256 * 1024
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
-DRIVER_FILE = os.path.abspath(__file__)
-RUNTIME = os.path.dirname(DRIVER_FILE)
+REAP_S = 0.2  # longest wait for a cell's killed children to be reaped before its `done`
 
 MIME_METHODS = (
     ("_repr_html_", "text/html"),
@@ -61,7 +71,7 @@ class Events:
     def _reset_lock(self) -> None:
         self._lock = threading.Lock()
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def emit(self, event: channel.Event) -> None:
         """Send an event after the code's pending output, so the wire keeps program order."""
         if os.getpid() != self.pid:
             return  # a process the code forked is not the driver: it reports nothing
@@ -70,10 +80,10 @@ class Events:
                 stream.flush()
         self.send(event)
 
-    def send(self, event: dict[str, Any]) -> None:
+    def send(self, event: channel.Event) -> None:
         if os.getpid() != self.pid:
             return
-        line = (json.dumps(event, ensure_ascii=False, default=str) + "\n").encode("utf-8", "replace")
+        line = channel.encode(event)
         with self._lock:
             view = memoryview(line)
             while view:
@@ -92,7 +102,7 @@ class EventStream(io.TextIOBase):
 
     CHUNK = 32768
 
-    def __init__(self, events: Events, name: str, fd: int) -> None:
+    def __init__(self, events: Events, name: Literal["stdout", "stderr"], fd: int) -> None:
         self._events = events
         self._name = name
         self._fd = fd
@@ -139,7 +149,8 @@ class EventStream(io.TextIOBase):
             os.write(self._fd, text.encode("utf-8", "backslashreplace"))
             return
         for start in range(0, len(text), self.CHUNK):
-            self._events.send({"ev": "stream", "name": self._name, "text": text[start:start + self.CHUNK]})
+            event: channel.StreamEvent = {"ev": "stream", "name": self._name, "text": text[start:start + self.CHUNK]}
+            self._events.send(event)
 
 
 class StdinBuffer(io.TextIOBase):
@@ -183,11 +194,20 @@ class StdinBuffer(io.TextIOBase):
             return data
 
 
+class Cell:
+    """A `run` op as the main thread takes it: code, uploads and the cell's own stdin."""
+
+    def __init__(self, code: str, files: list[tuple[str, bytes]], stdin: StdinBuffer) -> None:
+        self.code = code
+        self.files = files
+        self.stdin = stdin
+
+
 class Driver:
     def __init__(self, control_fd: int, events: Events) -> None:
         self.events = events
-        self.control = os.fdopen(control_fd, "rb", buffering=0)
-        self.runs: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.control = os.fdopen(control_fd, "rb")
+        self.runs: queue.Queue[Cell | channel.CudaContextOp | None] = queue.Queue()
         self.stdin = StdinBuffer()
         self.in_user_code = False
         self.cell_count = 0
@@ -197,26 +217,27 @@ class Driver:
     # -- control channel ----------------------------------------------------------------
     def read_control(self) -> None:
         for raw in iter(self.control.readline, b""):
-            try:
-                msg = json.loads(raw)
-            except ValueError:
+            op = channel.parse_op(raw)
+            if op is None:
                 continue
-            op = msg.get("op")
-            if op == "run":
+            if op["op"] == "run":
+                # The files' bytes follow the header on the same pipe, exactly as listed.
+                files = [(f["path"], self.control.read(f["size"])) for f in op["files"]]
+                if any(len(data) != f["size"] for (_, data), f in zip(files, op["files"], strict=True)):
+                    break  # the pipe closed mid-message: the server is gone
                 # The cell's stdin is made here, in order with the stdin messages that follow.
                 buffer = StdinBuffer()
-                if msg.get("stdin_eof"):
+                if op["stdin_eof"]:
                     buffer.close_input()
                 self.stdin = buffer
-                msg["stdin_buffer"] = buffer
-                self.runs.put(msg)
-            elif op == "cuda_context":
-                self.runs.put(msg)  # on the main thread, where the code will run, before it
-            elif op == "stdin":
-                self.stdin.feed(str(msg.get("data", "")))
-            elif op == "stdin_eof":
+                self.runs.put(Cell(op["code"], files, buffer))
+            elif op["op"] == "cuda_context":
+                self.runs.put(op)  # on the main thread, where the code will run, before it
+            elif op["op"] == "stdin":
+                self.stdin.feed(op["data"])
+            elif op["op"] == "stdin_eof":
                 self.stdin.close_input()
-            elif op == "interrupt" and self.in_user_code:
+            elif op["op"] == "interrupt" and self.in_user_code:
                 signal.pthread_kill(self.main_ident, signal.SIGINT)
         if self.in_user_code:
             # EOF mid-cell: the server is gone (killed) and can no longer enforce the wall
@@ -229,24 +250,25 @@ class Driver:
     # -- cells ---------------------------------------------------------------------------
     def serve(self) -> None:
         while True:
-            msg = self.runs.get()
-            if msg is None:
+            item = self.runs.get()
+            if item is None:
                 return
-            if msg.get("op") == "cuda_context":
-                self.events.emit(open_cuda_context(str(msg.get("lib", ""))))
+            if not isinstance(item, Cell):
+                self.events.emit(open_cuda_context(item["lib"]))
                 continue
-            sys.stdin = msg["stdin_buffer"]
+            sys.stdin = item.stdin
             before = _usage()
             exit_code = 0
             try:
-                write_uploads(msg.get("files") or [])
+                write_uploads(item.files)
             except OSError as exc:
                 self.events.emit(error_event(exc, skip_driver=False))
                 exit_code = 1
             else:
-                exit_code = self.run_cell(str(msg.get("code", "")))
+                exit_code = self.run_cell(item.code)
             if os.getpid() != self.events.pid:
                 os._exit(exit_code)  # a child the code forked fell out of its cell: end it here
+            end_leftovers()
             after = _usage()
             self.events.emit({
                 "ev": "done",
@@ -266,7 +288,9 @@ class Driver:
             return 1
         last: ast.Expression | None = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+            tail = tree.body.pop()
+            assert isinstance(tail, ast.Expr)
+            last = ast.Expression(tail.value)
         try:
             self.in_user_code = True
             try:
@@ -387,7 +411,7 @@ def flush_figures() -> None:
 
 # -- errors ------------------------------------------------------------------------------
 
-def error_event(exc: BaseException, skip_driver: bool) -> dict[str, Any]:
+def error_event(exc: BaseException, skip_driver: bool) -> channel.ErrorEvent:
     tb = exc.__traceback__
     if skip_driver:
         while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == DRIVER_FILE:
@@ -425,12 +449,12 @@ def exit_code_of(exc: SystemExit) -> int:
 
 # -- files in ----------------------------------------------------------------------------
 
-def write_uploads(files: list[dict[str, Any]]) -> None:
+def write_uploads(files: list[tuple[str, bytes]]) -> None:
     """Write uploaded files under the cwd, refusing to follow or replace any link."""
-    for item in files:
-        parts = [p for p in str(item["path"]).split("/") if p not in ("", ".")]
+    for path, data in files:
+        parts = [p for p in path.split("/") if p not in ("", ".")]
         if not parts or any(p == ".." for p in parts):
-            raise OSError(f"refused upload path {item['path']!r}")
+            raise OSError(f"refused upload path {path!r}")
         dir_fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
         try:
             for part in parts[:-1]:
@@ -443,9 +467,31 @@ def write_uploads(files: list[dict[str, Any]]) -> None:
                 parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd
             )
             with os.fdopen(fd, "wb") as fh:
-                fh.write(base64.b64decode(item.get("data", "")))
+                fh.write(data)
         finally:
             os.close(dir_fd)
+
+
+def end_leftovers() -> None:
+    """SIGKILL every process the cell left behind in this jail, before its `done`.
+
+    The jail is its own PID namespace: kill(-1) reaches every process in it this uid may
+    signal except the driver itself and the namespace's init. A session's limits then
+    hold between cells too: nothing the code started runs on unseen while no cell does.
+    (Threads the code started in the driver's own process do survive, as in Jupyter.)
+    """
+    with contextlib.suppress(OSError):
+        os.kill(-1, signal.SIGKILL)
+    # Reap the driver's own children (zombies now): the rest were reparented to the
+    # namespace's init, which reaps them. Bounded: a thread may still be forking.
+    deadline = time.monotonic() + REAP_S
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.001)
 
 
 # -- GPU: the run's CUDA client, made before any code ------------------------------------
@@ -453,7 +499,7 @@ def write_uploads(files: list[dict[str, Any]]) -> None:
 _CUDA: list[Any] = []  # the library and the primary context: held for the process's lifetime
 
 
-def open_cuda_context(lib: str) -> dict[str, Any]:
+def open_cuda_context(lib: str) -> channel.CudaContextEvent:
     """Create this process's CUDA context (its MPS client) now, while the server holds the
     daemon-side limit at this run's budget; the code that follows reuses it."""
     import ctypes
@@ -461,11 +507,13 @@ def open_cuda_context(lib: str) -> dict[str, Any]:
     try:
         cuda = ctypes.CDLL(lib)
         device, ctx = ctypes.c_int(0), ctypes.c_void_p()
-        for step, call in (("cuInit", lambda: cuda.cuInit(0)),
-                           ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(device), 0)),
-                           ("cuDevicePrimaryCtxRetain",
-                            lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device)),
-                           ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(ctx))):
+        steps: tuple[tuple[str, Callable[[], int]], ...] = (
+            ("cuInit", lambda: int(cuda.cuInit(0))),
+            ("cuDeviceGet", lambda: int(cuda.cuDeviceGet(ctypes.byref(device), 0))),
+            ("cuDevicePrimaryCtxRetain", lambda: int(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device))),
+            ("cuCtxSetCurrent", lambda: int(cuda.cuCtxSetCurrent(ctx))),
+        )
+        for step, call in steps:
             rc = call()
             if rc != 0:
                 return {"ev": "cuda_context", "ok": False, "error": f"{step} returned CUDA error {rc}"}
@@ -554,8 +602,6 @@ def main() -> None:
     # and at the end of the cell.
     sys.stdout = EventStream(events, "stdout", 1)
     sys.stderr = EventStream(events, "stderr", 2)
-    if RUNTIME not in sys.path:
-        sys.path.append(RUNTIME)  # appliance_mpl (the matplotlib backend) lives beside us
     signal.signal(signal.SIGINT, signal.default_int_handler)
     driver = Driver(control_fd, events)
     builtins.display = driver.display  # type: ignore[attr-defined]

@@ -17,15 +17,14 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from appliance.errors import JailFailure, JailStartFailed
-from appliance.gpu.devices import GpuDevice
+from appliance.errors import JailExited, JailFailure, JailStartFailed
 from appliance.jail import checks, proctree
+from appliance.jail.devices import GpuDevice
 from appliance.jail.firejail import launcher_env, render_argv
 from appliance.jail.host import HostFacts
 from appliance.jail.network import EgressNetwork, JailLink, enter_argv, expected_interfaces
-from appliance.jail.process import Event, JailProcess
+from appliance.jail.process import JailProcess
 from appliance.jail.spec import JailLimits, JailSpec, jail_env
 from appliance.jail.workdir import RunDirs
 from appliance.settings import Settings
@@ -44,8 +43,6 @@ class Jail:
     process: JailProcess
     dirs: RunDirs
     created: float = field(default_factory=time.monotonic)
-    check: dict[str, Any] = field(default_factory=dict)
-    preload_ms: int = 0
     link: JailLink | None = None           # egress mode: the jail's own network namespace
     network: EgressNetwork | None = None
     _destroyed: bool = False
@@ -60,13 +57,13 @@ class Jail:
         inner = proctree.children(self.process.pid)
         return Path(f"/proc/{inner[0]}/root/tmp") if inner else None
 
-    async def destroy(self, grace_s: float = 0.0) -> None:
+    async def destroy(self) -> None:
         """Kill every process of the jail, reap them, and remove the run directory."""
         if self._destroyed:
             return
         self._destroyed = True
         try:
-            await self.process.kill(grace_s)
+            await self.process.kill()
         finally:
             try:
                 await asyncio.to_thread(self.dirs.remove, self.workdir)
@@ -89,7 +86,7 @@ class JailFactory:
         self.expected = checks.Expected(uid=host.uid, host_pid_ns=host.pid_ns, host_net_ns=host.net_ns,
                                         interfaces=expected_interfaces(network is not None))
         self._env = jail_env(settings, settings.python, runtime)
-        self._readable = tuple(_python_roots(settings.python)) + (runtime,)
+        self._readable = tuple(python_roots(settings.python)) + (runtime,)
         if settings.models_dir is not None:
             self._readable += (settings.models_dir,)
         if gpu is not None:
@@ -156,40 +153,26 @@ class JailFactory:
         jail = Jail(id=jail_id, workdir=workdir, process=process, dirs=self.dirs, link=link,
                     network=self.network)
         try:
-            ready = await asyncio.wait_for(self._await_ready(jail), READY_TIMEOUT_S)
-        except (TimeoutError, JailFailure) as exc:
+            ready = await jail.process.wait_event("ready", READY_TIMEOUT_S)
+        except JailExited as exc:
             await jail.destroy()
-            if isinstance(exc, JailFailure):
-                raise
+            log.error("jail exited before ready", extra={"output": exc.output, "jail": jail.id})
+            raise JailStartFailed("the jail exited before it was ready") from exc
+        except TimeoutError as exc:
+            await jail.destroy()
             raise JailFailure("jail did not become ready in time") from exc
         except BaseException:
             await jail.destroy()
             raise
-        found = checks.problems(ready.get("check"), self.expected)
+        assert ready["ev"] == "ready"
+        found = checks.problems(ready["check"], self.expected)
         if found:
             await jail.destroy()
             log.error("jail refused: self-check failed", extra={"problems": found, "jail": jail_id})
             raise JailFailure("the jail failed its self-check; the run was refused")
-        jail.check = ready["check"]
-        jail.preload_ms = int(ready.get("preload_ms", 0))
-        failed = ready.get("preload_failed")
-        if failed:
-            log.warning("preload failed", extra={"modules": failed})
+        if ready["preload_failed"]:
+            log.warning("preload failed", extra={"modules": ready["preload_failed"]})
         return jail
-
-    async def _await_ready(self, jail: Jail) -> dict[str, Any]:
-        stderr: list[str] = []
-        while True:
-            item = await jail.process.items.get()
-            if isinstance(item, Event) and item.body.get("ev") == "ready":
-                return item.body
-            if hasattr(item, "text"):
-                stderr.append(item.text)
-                continue
-            if not isinstance(item, Event):
-                detail = "".join(stderr).strip()[-500:]
-                log.error("jail exited before ready", extra={"output": detail, "jail": jail.id})
-                raise JailStartFailed("the jail exited before it was ready")
 
 
 def gpu_env(settings: Settings, gpu: GpuDevice) -> tuple[tuple[str, str], ...]:
@@ -200,7 +183,7 @@ def gpu_env(settings: Settings, gpu: GpuDevice) -> tuple[tuple[str, str], ...]:
     return tuple(env)
 
 
-def _python_roots(python: Path) -> list[Path]:
+def python_roots(python: Path) -> list[Path]:
     """The directories the jail's interpreter needs besides /usr: its virtualenv, if any."""
     venv = python.parent.parent
     if (venv / "pyvenv.cfg").exists():

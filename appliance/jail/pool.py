@@ -73,7 +73,6 @@ class JailPool:
         self.ready: deque[Jail] = deque()
         self.starting = 0
         self.cold_starts = 0
-        self.replaced = 0
         self.jail_pss_kb = 0
         self._arrivals: deque[float] = deque()
         self._start_s: deque[float] = deque(maxlen=20)
@@ -169,7 +168,6 @@ class JailPool:
         await jail.process.wait()
         if jail in self.ready:
             self.ready.remove(jail)
-            self.replaced += 1
             log.warning("idle jail died; replacing it", extra={"jail": jail.id})
             await jail.destroy()
             self._wake.set()
@@ -178,7 +176,6 @@ class JailPool:
         now = time.monotonic()
         for jail in [j for j in self.ready if now - j.created > self.max_idle_s]:
             self.ready.remove(jail)
-            self.replaced += 1
             await jail.destroy()
 
     async def close(self) -> None:

@@ -1,9 +1,17 @@
-"""The one place that starts, reads, signals and reaps a firejail process tree.
+"""The one place that starts, reads, writes, signals and reaps a firejail process tree.
 
 A jail's output arrives on three pipes: the code's stdout and stderr, and the
-driver's event lines. `JailProcess` turns them into one ordered queue of items:
-before handling an event line it drains whatever stdout/stderr already holds, so
-output the code wrote before a `display`, `error` or `done` is delivered first.
+driver's event lines. `JailProcess` turns them into one ordered stream of items that
+only it holds: before handling an event line it drains whatever stdout/stderr already
+holds, so output the code wrote before a `display`, `error` or `done` is delivered first.
+
+Backpressure: at most HIGH_WATER_BYTES of output wait in the server for a consumer. Past
+that the pipes are not read, so the jail's writes block in the jail, and the server's
+memory stays bounded whatever the code writes and however slowly the client reads.
+Limits (`stop`) and interrupts jump the line: they are taken before any waiting output.
+
+Writes to the driver (`write`) are buffered and flushed as the pipe takes them; a caller
+that may be fed without bound (stdin from a client) passes a limit.
 """
 
 from __future__ import annotations
@@ -12,20 +20,25 @@ import asyncio
 import codecs
 import contextlib
 import errno
-import json
 import os
 import signal
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.jail import proctree
+from appliance.errors import JailExited, RunLimit
+from appliance.jail import channel, proctree
 
 READ_CHUNK = 65536
+HIGH_WATER_BYTES = 256 * 1024  # stop reading the jail's pipes above this much waiting output ...
+LOW_WATER_BYTES = 64 * 1024    # ... and read again below this
 
 
 @dataclass(frozen=True)
 class Stream:
+    """Bytes the code wrote to fd 1/2 (C code, subprocesses, `.buffer`), decoded."""
+
     name: str  # "stdout" | "stderr"
     text: str
     nbytes: int
@@ -33,7 +46,9 @@ class Stream:
 
 @dataclass(frozen=True)
 class Event:
-    body: dict[str, Any]
+    """One validated event line from the driver."""
+
+    body: channel.Event
     nbytes: int
 
 
@@ -49,7 +64,26 @@ class Exited:
     """The driver's event pipe closed: the jail's interpreter is gone."""
 
 
-Item = Stream | Event | Overflow | Exited
+@dataclass(frozen=True)
+class Violation:
+    """A watchdog's verdict (`stop`): the run broke a limit."""
+
+    error: RunLimit
+
+
+@dataclass(frozen=True)
+class InterruptRequest:
+    """The client sent `interrupt` (or the server is stopping)."""
+
+    reason: str = "the run was interrupted"
+
+
+Output = Stream | Event | Overflow | Exited
+Item = Output | Violation | InterruptRequest
+
+
+class PipeFull(Exception):
+    """A bounded `write` would have buffered more than its limit for the driver."""
 
 
 class JailProcess:
@@ -68,7 +102,11 @@ class JailProcess:
         }
         self._event_buf = bytearray()
         self._max_event_bytes = max_event_bytes
-        self.items: asyncio.Queue[Item] = asyncio.Queue()
+        self._output: deque[Output] = deque()
+        self._urgent: deque[Violation | InterruptRequest] = deque()
+        self._waiting_bytes = 0
+        self._paused = False
+        self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._closed_fds: set[int] = set()
         self._exited = False
@@ -77,7 +115,7 @@ class JailProcess:
             self._loop.add_reader(fd, self._on_readable, fd)
         os.set_blocking(control_fd, False)
         self._write_buf = bytearray()
-        self._writer_waiters: list[asyncio.Future[None]] = []
+        self._flushed: list[asyncio.Future[None]] = []
 
     @classmethod
     async def spawn(
@@ -115,8 +153,76 @@ class JailProcess:
     def returncode(self) -> int | None:
         return self._proc.returncode
 
+    # -- the item stream ------------------------------------------------------------------
+    async def next(self, timeout: float | None = None) -> Item:
+        """The next item: a pending limit or interrupt first, else the oldest output.
+        Raises TimeoutError when none comes within `timeout` seconds."""
+        async with asyncio.timeout(timeout):
+            while True:
+                if self._urgent:
+                    return self._urgent.popleft()
+                if self._output:
+                    item = self._output.popleft()
+                    self._waiting_bytes -= _size(item)
+                    if self._paused and self._waiting_bytes <= LOW_WATER_BYTES:
+                        self._resume()
+                    return item
+                self._wake.clear()
+                await self._wake.wait()
+
+    async def wait_event(self, kind: channel.EventKind, timeout: float) -> channel.Event:
+        """Skip output until the driver's next `kind` event and return it.
+
+        Raises JailExited (with what the jail wrote) if the driver goes first, TimeoutError,
+        or the RunLimit of a `stop` that came meanwhile.
+        """
+        text: list[str] = []
+        async with asyncio.timeout(timeout):
+            while True:
+                item = await self.next()
+                if isinstance(item, Event) and item.body["ev"] == kind:
+                    return item.body
+                if isinstance(item, Stream):
+                    text.append(item.text)
+                elif isinstance(item, Violation):
+                    raise item.error
+                elif isinstance(item, (Exited, Overflow)):
+                    raise JailExited("".join(text).strip()[-500:])
+
+    def stop(self, error: RunLimit) -> None:
+        """End the current run with `error` (a watchdog's verdict); taken before any output."""
+        self._urgent.append(Violation(error))
+        self._wake.set()
+
+    def interrupt(self, reason: str) -> None:
+        """The client (or the server) asks the current run to stop."""
+        self._urgent.append(InterruptRequest(reason))
+        self._wake.set()
+
+    def _put(self, item: Output) -> None:
+        self._output.append(item)
+        self._waiting_bytes += _size(item)
+        self._wake.set()
+        if not self._paused and self._waiting_bytes > HIGH_WATER_BYTES:
+            self._pause()
+
+    def _pause(self) -> None:
+        """Stop reading the jail's pipes: its writes block until the consumer catches up."""
+        self._paused = True
+        for fd in (*self._fds.values(), self._events_fd):
+            if fd not in self._closed_fds:
+                self._loop.remove_reader(fd)
+
+    def _resume(self) -> None:
+        self._paused = False
+        for fd in (*self._fds.values(), self._events_fd):
+            if fd not in self._closed_fds:
+                self._loop.add_reader(fd, self._on_readable, fd)
+
     # -- reading -------------------------------------------------------------------------
     def _on_readable(self, fd: int) -> None:
+        if self._paused:
+            return  # a callback already scheduled when reading paused
         if fd == self._events_fd:
             self._read_events()
         else:
@@ -138,10 +244,10 @@ class JailProcess:
                 self._close_fd(fd)
                 tail = self._decoders[name].decode(b"", final=True)
                 if tail:
-                    self.items.put_nowait(Stream(name, tail, 0))
+                    self._put(Stream(name, tail, 0))
                 return
             text = self._decoders[name].decode(chunk)
-            self.items.put_nowait(Stream(name, text, len(chunk)))
+            self._put(Stream(name, text, len(chunk)))
             if once:
                 return
 
@@ -159,7 +265,7 @@ class JailProcess:
             self._drain("stderr")
             if not self._exited:
                 self._exited = True
-                self.items.put_nowait(Exited())
+                self._put(Exited())
             return
         self._event_buf += chunk
         while True:
@@ -170,15 +276,12 @@ class JailProcess:
             del self._event_buf[: idx + 1]
             self._drain("stdout")
             self._drain("stderr")
-            try:
-                body = json.loads(line)
-            except ValueError:
-                body = None
-            if isinstance(body, dict):
-                self.items.put_nowait(Event(body, len(line)))
+            body = channel.parse_event(line)
+            if body is not None:
+                self._put(Event(body, len(line)))
         if len(self._event_buf) > self._max_event_bytes:
             self._event_buf.clear()
-            self.items.put_nowait(Overflow(self._max_event_bytes))
+            self._put(Overflow(self._max_event_bytes))
 
     def _close_fd(self, fd: int) -> None:
         if fd in self._closed_fds:
@@ -186,36 +289,55 @@ class JailProcess:
         self._closed_fds.add(fd)
         with contextlib.suppress(Exception):
             self._loop.remove_reader(fd)
+        with contextlib.suppress(Exception):
+            self._loop.remove_writer(fd)
         with contextlib.suppress(OSError):
             os.close(fd)
 
     # -- writing -------------------------------------------------------------------------
-    async def send(self, message: dict[str, Any]) -> None:
-        """Send one control message to the driver without blocking the event loop."""
-        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+    def write(self, data: bytes, limit: int | None = None) -> None:
+        """Queue channel bytes for the driver without blocking; they go out as the pipe takes them.
+
+        With `limit`, raises PipeFull rather than hold more than that many unsent bytes.
+        Raises BrokenPipeError once the control channel is closed.
+        """
         fd = self._control_fd
         if fd in self._closed_fds:
             raise BrokenPipeError("jail control channel is closed")
-        view = memoryview(data)
-        while view:
+        if limit is not None and len(self._write_buf) + len(data) > limit:
+            raise PipeFull(f"more than {limit} bytes are already waiting for the jail")
+        was_empty = not self._write_buf
+        self._write_buf += data
+        if was_empty:
+            self._flush()
+
+    async def flushed(self) -> None:
+        """Wait until the driver's pipe has taken everything written so far."""
+        if not self._write_buf:
+            return
+        done: asyncio.Future[None] = self._loop.create_future()
+        self._flushed.append(done)
+        await done
+
+    def _flush(self) -> None:
+        fd = self._control_fd
+        while self._write_buf:
             try:
-                written = os.write(fd, view)
-                view = view[written:]
+                written = os.write(fd, self._write_buf)
             except BlockingIOError:
-                await self._writable(fd)
-
-    async def _writable(self, fd: int) -> None:
-        ready: asyncio.Future[None] = self._loop.create_future()
-
-        def wake() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        self._loop.add_writer(fd, wake)
-        try:
-            await ready
-        finally:
+                self._loop.add_writer(fd, self._flush)
+                return
+            except OSError:  # the driver is gone (EPIPE) or the fd was closed
+                self._write_buf.clear()
+                self._close_fd(fd)
+                break
+            del self._write_buf[:written]
+        with contextlib.suppress(Exception):
             self._loop.remove_writer(fd)
+        waiters, self._flushed = self._flushed, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     # -- ending --------------------------------------------------------------------------
     def signal_kill(self) -> None:
@@ -228,15 +350,11 @@ class JailProcess:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
 
-    async def kill(self, grace_s: float = 0.0) -> None:
-        """TERM (when grace_s > 0), wait, then KILL the sandbox's PID-namespace init, which
-        takes every process of the jail with it; then reap firejail and close all pipes."""
+    async def kill(self) -> None:
+        """KILL the sandbox's PID-namespace init, which takes every process of the jail with
+        it; then reap firejail and close all pipes. (No TERM first: nothing in a jail is owed
+        a clean exit, and a grace period would be time the code keeps running.)"""
         proc = self._proc
-        if proc.returncode is None and grace_s > 0:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(proc.wait()), grace_s)
         if proc.returncode is None:
             for child in proctree.children(proc.pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -290,3 +408,12 @@ class JailProcess:
     def _close_all(self) -> None:
         for fd in (self._fds["stdout"], self._fds["stderr"], self._events_fd, self._control_fd):
             self._close_fd(fd)
+        self._write_buf.clear()
+        waiters, self._flushed = self._flushed, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+def _size(item: Output) -> int:
+    return item.nbytes if isinstance(item, (Stream, Event)) else 0

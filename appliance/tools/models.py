@@ -6,9 +6,10 @@ import json
 import os
 from typing import Any
 
-MODELS_ENV = "SANDBOX_MODELS_DIR"
 # Written by the server into the run's working directory when the run was granted a GPU.
-GRANT_FILE = ".appliance-gpu.json"
+from appliance.jail.channel import GRANT_FILE
+
+MODELS_ENV = "SANDBOX_MODELS_DIR"
 
 
 class ModelError(Exception):

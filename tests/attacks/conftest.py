@@ -23,6 +23,7 @@ CLASS_OF_FILE = {
     "test_exfiltration": "exfiltration",
     "test_dos": "denial of service",
     "test_protocol_abuse": "protocol abuse",
+    "test_transport": "transport and time",
 }
 OBSERVED = pytest.StashKey[str]()
 ROWS = pytest.StashKey[list[AuditRow]]()

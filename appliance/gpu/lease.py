@@ -1,9 +1,14 @@
-"""GPU mode for the run service: backend, ledger, watchdog and one jail pool per device.
+"""GPU mode: backend, ledger, watchdog and one jail pool per device, behind one lease.
 
-`Appliance` (service.py) calls, in order: `GpuRuns.open(settings)` at startup (a
-missing driver stops startup here), `start(make_factory)`, `probe_mps()`, then per run
-`grant()` -> `take_jail()` -> `arm()` -> `watch()` -> release on leaving `grant()`, which
-also reconciles the ledger with the backend at once.
+Startup (appliance.lifecycle): `GpuLeases.open(settings)` (a missing driver stops startup
+here), `start(make_factory, cpu)`, `probe_mps()`. Per run, one context manager:
+
+    async with gpu.lease(request) as lease:   # GPU memory reserved, FIFO (or `busy`)
+        jail = await lease.take()             # the device's warm jail, MPS limit armed,
+        ...                                   # budget file written, watchdog watching
+    # leaving: unwatched, killed, removed; the reservation handed back; ledger reconciled
+
+A run that asks for no GPU (budget 0) gets a CPU lease from the `PoolLeases` it was given.
 """
 
 from __future__ import annotations
@@ -14,24 +19,24 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import GpuMemoryLimit, RequestRejected, RunLimit, StartupError
+from appliance.errors import GpuMemoryLimit, RequestRejected, StartupError
 from appliance.gpu.backend import GpuBackend, GpuBackendError
-from appliance.gpu.devices import GpuDevice, gpu_device
 from appliance.gpu.ledger import GpuLedger, Grant
 from appliance.gpu.mps import DaemonControl, MpsControl, control_socket_present
 from appliance.gpu.mps_limits import MpsLimiter
 from appliance.gpu.watchdog import GpuWatchdog
+from appliance.jail.channel import GRANT_FILE
+from appliance.jail.devices import GpuDevice, gpu_device
 from appliance.jail.host import readable_ancestors_problem
 from appliance.jail.jail import Jail, JailFactory
+from appliance.jail.lease import Lease, LeaseSource, PoolLeases
 from appliance.jail.pool import JailPool
 from appliance.protocol import ExecuteRequest
-from appliance.runner import Violation
 from appliance.settings import Settings
-from appliance.tools.models import GRANT_FILE
 
 log = logging.getLogger("appliance.gpu")
 
@@ -75,7 +80,7 @@ def open_mps(settings: Settings, backend: GpuBackend) -> tuple[MpsControl | None
         return None, str(exc)
 
 
-class GpuRuns:
+class GpuLeases(LeaseSource):
     """Everything GPU mode adds to a run."""
 
     def __init__(self, settings: Settings, backend: GpuBackend) -> None:
@@ -96,6 +101,7 @@ class GpuRuns:
             interval_s=settings.gpu_poll_ms / 1000)
         self.pools: dict[str, JailPool] = {}
         self.factories: dict[str, JailFactory] = {}
+        self.cpu: PoolLeases | None = None  # runs that ask for no GPU
         control, self.mps_note = open_mps(settings, backend)
         if control is None and settings.gpu_mps == "require":
             raise StartupError(f"SANDBOX_GPU_MPS=require but MPS cannot be used: {self.mps_note}")
@@ -103,7 +109,7 @@ class GpuRuns:
             control, settings.uid, settings.gpu_margin_mb, settings.gpu_libcuda, self._evict)
 
     @classmethod
-    def open(cls, settings: Settings) -> GpuRuns:
+    def open(cls, settings: Settings) -> GpuLeases:
         backend = open_backend(settings)
         try:
             return cls(settings, backend)
@@ -111,8 +117,9 @@ class GpuRuns:
             backend.close()
             raise
 
-    def start(self, make_factory: Callable[[GpuDevice], JailFactory]) -> None:
+    def start(self, make_factory: Callable[[GpuDevice], JailFactory], cpu: PoolLeases) -> None:
         """One factory and warm pool per device; start the watchdog."""
+        self.cpu = cpu
         pipe_dir = self.mps.control.pipe_dir if self.mps is not None else None
         for dev in self.devices.values():
             factory = make_factory(gpu_device(dev.index, dev.uuid, dev.minor, mps_pipe_dir=pipe_dir))
@@ -140,6 +147,8 @@ class GpuRuns:
 
     async def close(self) -> None:
         await self.watchdog.close()
+        if self.cpu is not None:
+            await self.cpu.close()
         for pool in self.pools.values():
             await pool.close()
         if self.mps is not None:
@@ -152,11 +161,13 @@ class GpuRuns:
         return req.gpu.memory_mb if req.gpu is not None else self.settings.gpu_default_mb
 
     @contextlib.asynccontextmanager
-    async def grant(self, req: ExecuteRequest) -> AsyncIterator[Grant | None]:
-        """Hold a GPU reservation for the run (None when it runs without a GPU)."""
+    async def lease(self, req: ExecuteRequest) -> AsyncIterator[Lease]:
+        """Hold the run's GPU reservation (in line, FIFO) and, once taken, its armed jail."""
         mb = self.budget_mb(req)
         if mb <= 0:
-            yield None
+            assert self.cpu is not None, "start() first"
+            async with self.cpu.lease(req) as cpu_lease:
+                yield cpu_lease
             return
         if req.session is not None:
             # A session would hold GPU memory between requests, unseen by the ledger's queue.
@@ -164,43 +175,39 @@ class GpuRuns:
         if not self.watchdog.healthy and self.watchdog.faults >= self.watchdog.fault_grace:
             raise RequestRejected(f"GPU runs are paused: the GPU backend fails ({self.watchdog.last_error})")
         grant = await self.ledger.acquire(mb)
+        lease = GpuLease(self, grant)
         try:
-            yield grant
+            yield lease
         finally:
-            self.ledger.release(grant)
+            if not lease.kept:
+                await lease.end()
+
+    async def _take(self, lease: GpuLease) -> Jail:
+        grant = lease.grant
+        jail = await self.pools[grant.uuid].take()
+        lease.jail = jail
+        if self.mps is not None:
+            await self.mps.arm(jail, grant)  # layer (b): the daemon-side limit, before any code
+        body = {**grant.frame(), "margin_mb": self.settings.gpu_margin_mb}
+        await asyncio.to_thread(_write_file, jail.workdir / GRANT_FILE, json.dumps(body))
+        self.watchdog.watch(lease.key, jail.process.pid, grant, jail.process.stop)
+        return jail
+
+    async def _end(self, lease: GpuLease) -> None:
+        self.watchdog.unwatch(lease.key)
+        try:
+            if lease.jail is not None:
+                await lease.jail.destroy()
+        finally:
+            self.ledger.release(lease.grant)
             with contextlib.suppress(Exception):  # reconcile at once; the watchdog retries anyway
                 await self.watchdog.check()
-
-    async def take_jail(self, grant: Grant) -> Jail:
-        return await self.pools[grant.uuid].take()
-
-    async def arm(self, jail: Jail, grant: Grant) -> None:
-        """Layer (b): the run's daemon-side MPS limit, set before its code starts (see mps_limits)."""
-        if self.mps is not None:
-            await self.mps.arm(jail, grant)
 
     def _evict(self, pid: int) -> None:
         """A process that got another run's MPS limit: stop the run it belongs to."""
         self.watchdog.stop_owner(pid, GpuMemoryLimit(
             "the run opened a CUDA client while another run's GPU memory limit was being set; "
             "that client was terminated"))
-
-    @contextlib.contextmanager
-    def watch(self, key: str, jail: Jail, grant: Grant) -> Iterator[None]:
-        """Let the watchdog stop this run (a Violation on its jail's queue) while it runs."""
-        def stop(error: RunLimit) -> None:
-            jail.process.items.put_nowait(Violation(error))  # type: ignore[arg-type]
-
-        self.watchdog.watch(key, jail.process.pid, grant, stop)
-        try:
-            yield
-        finally:
-            self.watchdog.unwatch(key)
-
-    async def write_grant(self, jail: Jail, grant: Grant) -> None:
-        """Tell the tools inside the jail their budget (shaping reads it; it enforces nothing)."""
-        body = {**grant.frame(), "margin_mb": self.settings.gpu_margin_mb}
-        await asyncio.to_thread(_write_file, jail.workdir / GRANT_FILE, json.dumps(body))
 
     # -- readiness -------------------------------------------------------------------------
     def layers(self) -> dict[str, Any]:
@@ -223,6 +230,22 @@ class GpuRuns:
         """What makes GPU mode not ready now (for /readyz)."""
         found = [] if self.watchdog.healthy else [f"GPU watchdog cannot measure: {self.watchdog.last_error}"]
         return found + (self.mps.problems() if self.mps is not None else [])
+
+
+class GpuLease(Lease):
+    """A run's GPU reservation and, once taken, its jail on the reserved device."""
+
+    def __init__(self, source: GpuLeases, grant: Grant) -> None:
+        super().__init__(queued_ms=grant.queued_ms, gpu=grant.frame())
+        self.grant = grant
+        self.key = f"lease-{id(self):x}"
+        self._source = source
+
+    async def take(self) -> Jail:
+        return await self._source._take(self)
+
+    async def _end(self) -> None:
+        await self._source._end(self)
 
 
 def _write_file(path: Path, text: str) -> None:

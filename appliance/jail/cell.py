@@ -1,0 +1,179 @@
+"""Run one cell in a jail: hand over the code, turn what comes back into frames, enforce limits.
+
+Limits enforced here, by the server (never by the code's goodwill): wall clock, output
+bytes, disk quota. The wall clock holds whatever the client does: a frame the client does
+not take before the run's deadline ends the run (`timeout`) like any other overrun, so a
+client that stops reading cannot keep a jail, a slot or the server's memory.
+Memory, processes and file size are limits of the jail itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from appliance import protocol
+from appliance.errors import Cancelled, OutputLimit, RunLimit, RunTimeout
+from appliance.jail import channel
+from appliance.jail.jail import Jail
+from appliance.jail.process import Event, Exited, InterruptRequest, Overflow, Stream, Violation
+from appliance.jail.workdir import disk_usage
+from appliance.protocol import ExecuteRequest, Frame
+
+Emit = Callable[[Frame], Awaitable[None]]
+
+INTERRUPT_GRACE_S = 0.8
+DISK_CHECK_S = 0.25
+MAX_DISK_ENTRIES = 100_000  # files + directories a run may create (inodes), at most ...
+ENTRY_BYTES = 4096  # ... and one per block of its disk quota: empty files cost inodes, not blocks
+
+
+@dataclass
+class CellOutcome:
+    status: str
+    exit_code: int | None = None
+    cpu_ms: int | None = None
+    max_rss_mb: float | None = None
+    message: str | None = None
+    interpreter_alive: bool = True
+    output_bytes: int = 0
+
+
+async def run_cell(
+    jail: Jail, req: ExecuteRequest, emit: Emit, *, timeout_ms: int, max_output_bytes: int,
+    max_disk_mb: int, keep_alive: bool, started: Callable[[], None] | None = None,
+) -> CellOutcome:
+    """Run req.code in jail and stream its frames; returns how the cell ended.
+
+    keep_alive (sessions): on a limit, first try to stop only the cell (KeyboardInterrupt);
+    otherwise the caller kills the jail, so here the cell is simply abandoned.
+    `started` is called once the code is on its way to the driver: stdin written after
+    that belongs to this cell.
+    """
+    loop = asyncio.get_running_loop()
+    process = jail.process
+    rid = req.id
+    deadline = loop.time() + timeout_ms / 1000
+    timed_out = RunTimeout(f"the run exceeded its {timeout_ms} ms time limit")
+    over = OutputLimit(f"the run wrote more than SANDBOX_MAX_OUTPUT_BYTES ({max_output_bytes} bytes)")
+    process.write(channel.run_op(req.code, [(f.path, f.data) for f in req.files], req.stdin_eof))
+    if started is not None:
+        started()
+    watchdog = asyncio.create_task(_disk_watchdog(jail, max_disk_mb))
+    sent = 0
+    memory_error = False
+    stopping: RunLimit | None = None
+
+    def ended(error: RunLimit) -> CellOutcome:
+        return CellOutcome(error.status, message=error.message, interpreter_alive=False, output_bytes=sent)
+
+    try:
+        while True:
+            try:
+                item = await process.next(max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                if stopping is not None:  # the cell ignored the interrupt: give it up
+                    return ended(stopping)
+                item = Violation(timed_out)
+            if isinstance(item, InterruptRequest):
+                item = Violation(Cancelled(item.reason))
+            if isinstance(item, Violation):
+                if stopping is not None:
+                    continue
+                stopping = item.error
+                if not keep_alive:
+                    return ended(stopping)
+                with contextlib.suppress(OSError):
+                    process.write(channel.interrupt_op())
+                deadline = loop.time() + INTERRUPT_GRACE_S
+                continue
+            if isinstance(item, Overflow):
+                process.stop(OutputLimit(f"an output object exceeded {item.nbytes} bytes"))
+                continue
+            if isinstance(item, Exited):
+                if stopping is not None:
+                    return ended(stopping)
+                code = await _exit_code(jail)
+                return CellOutcome("ok" if code == 0 else "error", exit_code=code, interpreter_alive=False,
+                                   output_bytes=sent,
+                                   message=None if code == 0 else f"the interpreter exited with code {code}")
+            if isinstance(item, Event) and item.body["ev"] == "done":
+                body = item.body
+                outcome = CellOutcome("ok" if body["exit_code"] == 0 else "error", exit_code=body["exit_code"],
+                                      cpu_ms=body["cpu_ms"], max_rss_mb=body["max_rss_mb"], output_bytes=sent)
+                if stopping is not None:
+                    outcome.status, outcome.message = stopping.status, stopping.message
+                elif memory_error:
+                    outcome.status = "memory_limit"
+                    outcome.message = "the run ran out of memory (SANDBOX_MEMORY_MB)"
+                return outcome
+            sent += item.nbytes
+            if sent > max_output_bytes:
+                process.stop(over)  # taken next, before anything already waiting behind it
+                continue
+            frame = _frame_for(rid, item)
+            if frame is None or stopping is not None:
+                continue
+            if isinstance(item, Event) and item.body["ev"] == "error" and item.body["memory"]:
+                memory_error = True
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await emit(frame)
+            except TimeoutError:
+                process.stop(timed_out)  # the client did not take the frame in the run's time
+    finally:
+        watchdog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watchdog
+
+
+def _frame_for(rid: str, item: Stream | Event) -> Frame | None:
+    """Only these driver events become frames; the server stamps the id itself."""
+    if isinstance(item, Stream):
+        return protocol.stream_frame(rid, item.name, item.text) if item.text else None
+    body = item.body
+    if body["ev"] == "stream":
+        return protocol.stream_frame(rid, body["name"], body["text"]) if body["text"] else None
+    if body["ev"] == "result":
+        return protocol.result_frame(rid, body["data"])
+    if body["ev"] == "display":
+        return protocol.display_frame(rid, body["data"])
+    if body["ev"] == "error":
+        return protocol.error_frame(rid, body["ename"], body["evalue"], body["traceback"])
+    return None
+
+
+def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
+    """Whether the jail's files (run directory and its private /tmp, a tmpfs of host memory)
+    are over the disk quota, in bytes or in entries. Blocking: run it in a thread."""
+    limit = max_disk_mb * 1024 * 1024
+    max_entries = min(MAX_DISK_ENTRIES, limit // ENTRY_BYTES)
+    used, entries = disk_usage(jail.workdir)
+    tmp = jail.private_tmp
+    if tmp is not None:
+        tmp_used, tmp_entries = disk_usage(tmp)
+        used, entries = used + tmp_used, entries + tmp_entries
+    if used > limit:
+        return OutputLimit(f"the run wrote more than SANDBOX_MAX_DISK_MB ({max_disk_mb} MiB) to disk")
+    if entries > max_entries:
+        return OutputLimit(f"the run created more than {max_entries} files and directories")
+    return None
+
+
+async def _disk_watchdog(jail: Jail, max_disk_mb: int) -> None:
+    while True:
+        await asyncio.sleep(DISK_CHECK_S)
+        found = await asyncio.to_thread(disk_violation, jail, max_disk_mb)
+        if found is not None:
+            jail.process.stop(found)
+            return
+
+
+async def _exit_code(jail: Jail) -> int | None:
+    try:
+        code = await asyncio.wait_for(jail.process.wait(), 2.0)
+    except TimeoutError:
+        return None
+    return code

@@ -1,0 +1,219 @@
+"""The private channel between the server and the in-jail driver: its messages, one place.
+
+Standard library only: the driver imports this module inside the jail (it is staged into
+the runtime as `appliance.jail.channel`). Two pipes carry it:
+
+- control (server -> driver, the driver's fd 0 at start): one JSON object a line, an *op*.
+  A `run` op is followed on the same pipe by the raw bytes of its uploaded files, in the
+  order and sizes its header lists: the codec decoded them once, and they travel as they are.
+- events (driver -> server, the fd named in the driver's argv): one JSON object a line, an
+  *event*. The server treats every event as untrusted input: `parse_event` returns only
+  events of a known kind whose fields have the promised types, or None.
+
+The wire protocol the clients speak (appliance.protocol) is a different thing: the server
+builds every client frame itself from these events and stamps the request id on it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Literal, TypedDict, cast
+
+# Written by the server into a GPU run's working directory: the run's budget, for the
+# tools (appliance.tools) to shape their work to. It enforces nothing.
+GRANT_FILE = ".appliance-gpu.json"
+
+
+# -- ops: server -> driver ---------------------------------------------------------------
+
+class FileHeader(TypedDict):
+    path: str
+    size: int
+
+
+class RunOp(TypedDict):
+    op: Literal["run"]
+    code: str
+    stdin_eof: bool
+    files: list[FileHeader]
+
+
+class StdinOp(TypedDict):
+    op: Literal["stdin"]
+    data: str
+
+
+class StdinEofOp(TypedDict):
+    op: Literal["stdin_eof"]
+
+
+class InterruptOp(TypedDict):
+    op: Literal["interrupt"]
+
+
+class CudaContextOp(TypedDict):
+    op: Literal["cuda_context"]
+    lib: str
+
+
+Op = RunOp | StdinOp | StdinEofOp | InterruptOp | CudaContextOp
+
+
+def run_op(code: str, files: Sequence[tuple[str, bytes]], stdin_eof: bool) -> bytes:
+    """A `run` op and the raw bytes of its files, ready to write to the control pipe."""
+    op: RunOp = {"op": "run", "code": code, "stdin_eof": stdin_eof,
+                 "files": [{"path": path, "size": len(data)} for path, data in files]}
+    return encode(op) + b"".join(data for _, data in files)
+
+
+def stdin_op(data: str) -> bytes:
+    op: StdinOp = {"op": "stdin", "data": data}
+    return encode(op)
+
+
+def stdin_eof_op() -> bytes:
+    op: StdinEofOp = {"op": "stdin_eof"}
+    return encode(op)
+
+
+def interrupt_op() -> bytes:
+    op: InterruptOp = {"op": "interrupt"}
+    return encode(op)
+
+
+def cuda_context_op(lib: str) -> bytes:
+    op: CudaContextOp = {"op": "cuda_context", "lib": lib}
+    return encode(op)
+
+
+def parse_op(line: bytes) -> Op | None:
+    """The driver's reading of one control line (the server is trusted; shape is checked)."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("op"), str):
+        return None
+    op = obj["op"]
+    if op == "run":
+        files = obj.get("files")
+        if (not isinstance(obj.get("code"), str) or not isinstance(files, list)
+                or not all(isinstance(f, dict) and isinstance(f.get("path"), str)
+                           and _is_int(f.get("size")) and f["size"] >= 0 for f in files)):
+            return None
+        return cast(RunOp, {"op": "run", "code": obj["code"], "stdin_eof": obj.get("stdin_eof") is True,
+                            "files": [{"path": f["path"], "size": f["size"]} for f in files]})
+    if op == "stdin" and isinstance(obj.get("data"), str):
+        return cast(StdinOp, obj)
+    if op in ("stdin_eof", "interrupt"):
+        return cast(Op, {"op": op})
+    if op == "cuda_context" and isinstance(obj.get("lib"), str):
+        return cast(CudaContextOp, obj)
+    return None
+
+
+# -- events: driver -> server ------------------------------------------------------------
+
+class ReadyEvent(TypedDict):
+    ev: Literal["ready"]
+    check: dict[str, Any]           # the driver's self-check (judged by appliance.jail.checks)
+    preload_failed: dict[str, str]  # module -> why it failed to import
+    preload_ms: int
+
+
+class StreamEvent(TypedDict):
+    ev: Literal["stream"]
+    name: Literal["stdout", "stderr"]
+    text: str
+
+
+class DataEvent(TypedDict):
+    """`result` (the cell's last expression) or `display`: a MIME bundle."""
+
+    ev: Literal["result", "display"]
+    data: dict[str, Any]
+
+
+class ErrorEvent(TypedDict):
+    ev: Literal["error"]
+    ename: str
+    evalue: str
+    traceback: list[str]
+    memory: bool                    # the error was a MemoryError
+
+
+class DoneEvent(TypedDict):
+    ev: Literal["done"]
+    exit_code: int
+    cpu_ms: int | None
+    max_rss_mb: float | None
+
+
+class CudaContextEvent(TypedDict, total=False):
+    ev: Literal["cuda_context"]
+    ok: bool
+    error: str
+
+
+Event = ReadyEvent | StreamEvent | DataEvent | ErrorEvent | DoneEvent | CudaContextEvent
+EventKind = Literal["ready", "stream", "result", "display", "error", "done", "cuda_context"]
+
+
+def encode(message: Op | Event) -> bytes:
+    """One message as one line (UTF-8 JSON, no newline inside)."""
+    return (json.dumps(message, ensure_ascii=False, separators=(",", ":"), default=str) + "\n").encode(
+        "utf-8", "replace")
+
+
+def parse_event(line: bytes) -> Event | None:
+    """One event line from the jail, validated; None for anything malformed or unknown."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    kind = obj.get("ev")
+    if kind == "stream":
+        if obj.get("name") in ("stdout", "stderr") and isinstance(obj.get("text"), str):
+            return cast(StreamEvent, {"ev": "stream", "name": obj["name"], "text": obj["text"]})
+        return None
+    if kind in ("result", "display"):
+        return cast(DataEvent, {"ev": kind, "data": obj["data"]}) if isinstance(obj.get("data"), dict) else None
+    if kind == "error":
+        tb = obj.get("traceback")
+        return cast(ErrorEvent, {
+            "ev": "error", "ename": str(obj.get("ename", "Error")), "evalue": str(obj.get("evalue", "")),
+            "traceback": [str(line) for line in tb] if isinstance(tb, list) else [],
+            "memory": obj.get("memory") is True,
+        })
+    if kind == "done":
+        if not _is_int(obj.get("exit_code")):
+            return None
+        return cast(DoneEvent, {
+            "ev": "done", "exit_code": obj["exit_code"],
+            "cpu_ms": obj["cpu_ms"] if _is_int(obj.get("cpu_ms")) else None,
+            "max_rss_mb": float(obj["max_rss_mb"]) if _is_number(obj.get("max_rss_mb")) else None,
+        })
+    if kind == "ready":
+        check, failed, ms = obj.get("check"), obj.get("preload_failed"), obj.get("preload_ms")
+        return cast(ReadyEvent, {
+            "ev": "ready", "check": check if isinstance(check, dict) else {},
+            "preload_failed": {str(k): str(v) for k, v in failed.items()} if isinstance(failed, dict) else {},
+            "preload_ms": ms if _is_int(ms) else 0,
+        })
+    if kind == "cuda_context":
+        event: CudaContextEvent = {"ev": "cuda_context", "ok": obj.get("ok") is True}
+        if isinstance(obj.get("error"), str):
+            event["error"] = obj["error"]
+        return event
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

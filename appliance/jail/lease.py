@@ -1,0 +1,112 @@
+"""A run's hold on a jail, from the moment it is admitted until everything is undone.
+
+    async with leases.lease(request) as lease:      # held in line first (GPU memory, FIFO)
+        async with admission.slot():
+            jail = await lease.take()               # a ready jail, limits armed, watched
+            ...run the cell...
+    # leaving: the jail is killed, reaped and removed; what it held is handed back
+
+`PoolLeases` (here) hands out pooled CPU jails. `appliance.gpu.lease.GpuLeases` hands out
+jails that see one GPU, each under the run's GPU budget; it keeps a `PoolLeases` for runs
+that ask for no GPU. A session `keep()`s its lease past the request and `end()`s it when
+the session closes.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from appliance.jail.jail import Jail
+from appliance.jail.pool import JailPool
+from appliance.protocol import ExecuteRequest
+
+
+class Lease(abc.ABC):
+    """One run's (or session's) jail and what must be undone when it ends."""
+
+    def __init__(self, queued_ms: int = 0, gpu: dict[str, Any] | None = None) -> None:
+        self.queued_ms = queued_ms   # time spent in line for the lease (GPU memory), not the slot
+        self.gpu = gpu               # the start frame's `gpu` field; None for a CPU run
+        self.jail: Jail | None = None
+        self.kept = False
+        self._ended = False
+
+    @abc.abstractmethod
+    async def take(self) -> Jail:
+        """A ready jail for this lease (called once, inside the run's admission slot)."""
+
+    def keep(self) -> None:
+        """A session holds this lease past its first request; it calls `end()` itself."""
+        self.kept = True
+
+    async def end(self) -> None:
+        """Kill, reap and remove the jail and hand back what it held; idempotent."""
+        if self._ended:
+            return
+        self._ended = True
+        await self._end()
+
+    @abc.abstractmethod
+    async def _end(self) -> None: ...
+
+
+class LeaseSource(abc.ABC):
+    """What the run service takes jails from."""
+
+    @abc.abstractmethod
+    def lease(self, req: ExecuteRequest) -> contextlib.AbstractAsyncContextManager[Lease]:
+        """Hold a lease for req: ended on leaving, unless kept by a session."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """End every lease's pending teardown and drain the pools."""
+
+
+class PoolLease(Lease):
+    def __init__(self, source: PoolLeases) -> None:
+        super().__init__()
+        self._source = source
+
+    async def take(self) -> Jail:
+        self.jail = await self._source.pool.take()
+        return self.jail
+
+    async def _end(self) -> None:
+        if self.jail is None:
+            return
+        if self.kept:  # a session closing: its caller expects the jail gone
+            await self.jail.destroy()
+        else:
+            self._source.teardown(self.jail)
+
+
+class PoolLeases(LeaseSource):
+    """Pooled, single-use CPU jails. A jail's teardown (reap + remove) runs after the run's
+    `done`: its processes were SIGKILLed before, so nothing of it runs meanwhile."""
+
+    def __init__(self, pool: JailPool) -> None:
+        self.pool = pool
+        self._teardowns: set[asyncio.Task[None]] = set()
+
+    @contextlib.asynccontextmanager
+    async def lease(self, req: ExecuteRequest) -> AsyncIterator[Lease]:
+        lease = PoolLease(self)
+        try:
+            yield lease
+        finally:
+            if not lease.kept:
+                await lease.end()
+
+    def teardown(self, jail: Jail) -> None:
+        jail.process.signal_kill()
+        task = asyncio.create_task(jail.destroy())
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._teardowns, return_exceptions=True)
+        await self.pool.close()

@@ -1,0 +1,193 @@
+"""What the run service stands on, from startup to shutdown: host checks, run directories,
+the jail factories and pools (one per GPU in GPU mode), the readiness canary and the gauges.
+
+Startup refuses (StartupError, naming what to fix) rather than run jails less confined
+than configured. `started` is set once jails can be leased; runs that arrive before
+wait for it (appliance.service).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from appliance import canary
+from appliance.errors import StartupError
+from appliance.jail.cell import run_cell
+from appliance.jail.host import HostFacts, inspect, readable_ancestors_problem
+from appliance.jail.jail import JailFactory, python_roots
+from appliance.jail.lease import LeaseSource, PoolLeases
+from appliance.jail.network import EgressNetwork, check_prerequisites
+from appliance.jail.pool import JailPool
+from appliance.jail.workdir import RunDirs, stage_runtime
+from appliance.metrics import Metrics
+from appliance.protocol import ExecuteRequest, Frame
+from appliance.settings import Settings
+
+if TYPE_CHECKING:  # GPU modules are imported at run time only in GPU mode
+    from appliance.gpu.lease import GpuLeases
+
+log = logging.getLogger("appliance.lifecycle")
+
+CANARY_EVERY_S = 300.0
+CANARY_RETRY_S = 5.0
+CANARY_TIMEOUT_MS = 15000
+
+
+class Lifecycle:
+    """Owns every long-lived resource of one appliance process."""
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.host: HostFacts | None = None
+        self.dirs: RunDirs | None = None
+        self.network: EgressNetwork | None = None
+        self.cpu: PoolLeases | None = None
+        self.gpu: GpuLeases | None = None   # GPU mode (SANDBOX_GPU=1) only
+        self.started = asyncio.Event()
+        self.ready_problems: list[str] = ["starting"]
+        self.canary_port = 0
+        self._task: asyncio.Task[None] | None = None
+        self._counted = {"cold": 0, "spawned": 0}
+
+    @property
+    def leases(self) -> LeaseSource:
+        """Where runs take jails: GPU mode's device pools, else the CPU pool."""
+        source: LeaseSource | None = self.gpu if self.gpu is not None else self.cpu
+        assert source is not None and self.started.is_set(), "leases before start()"
+        return source
+
+    @property
+    def uid(self) -> int:
+        return self.host.uid if self.host is not None else self.settings.uid
+
+    # -- startup -----------------------------------------------------------------------------
+    def check_host(self) -> HostFacts:
+        """Fail-closed startup checks; raises StartupError with what to fix."""
+        s = self.settings
+        if s.open_ports:
+            check_prerequisites()  # before inspect: /run/netns must exist when /run is judged
+        host = inspect(s.firejail, s.uid, s.python)
+        for root in python_roots(s.python):
+            problem = readable_ancestors_problem(root, host.uid)
+            if problem:
+                raise StartupError(f"SANDBOX_PYTHON's environment is not reachable in the jail: {problem}")
+        if s.gpu and self.gpu is None:
+            from appliance.gpu.lease import GpuLeases  # GPU mode only: NVML is never loaded otherwise
+
+            self.gpu = GpuLeases.open(s)  # no driver / no GPU: StartupError, startup stops
+        problem = readable_ancestors_problem(s.tmp_root, host.uid)
+        if problem:  # firejail, running as the sandbox uid, must reach the run directories
+            raise StartupError(f"SANDBOX_TMP_ROOT is not reachable by the sandbox uid: {problem}")
+        self.host = host
+        return host
+
+    async def start(self, canary_port: int) -> None:
+        """Directories, runtime, network, pools, GPU probe; then the canary loop."""
+        s = self.settings
+        host = self.host or self.check_host()
+        self.dirs = RunDirs(s.tmp_root, host.uid, host.gid)
+        removed = self.dirs.prepare()
+        if removed:
+            log.info("purged stale run directories", extra={"dirs": [str(p) for p in removed]})
+        runtime = await asyncio.to_thread(stage_runtime, s.tmp_root, s.python)
+        if s.open_ports:
+            self.network = EgressNetwork(s)
+            await self.network.start()
+        factory = JailFactory(s, host, runtime, self.dirs, self.network)
+        pool = JailPool(factory, s.pool_size, max_size=s.pool_max)
+        pool.start()
+        self.cpu = PoolLeases(pool)
+        if self.gpu is not None:  # one factory + warm pool per GPU, each jail seeing only its GPU
+            network, dirs = self.network, self.dirs
+            self.gpu.start(lambda dev: JailFactory(s, host, runtime, dirs, network, gpu=dev), self.cpu)
+            await self.gpu.probe_mps()  # layer (b) is reported as enforcing only where proven
+        self.canary_port = canary_port
+        self.started.set()
+        log.info("appliance started", extra={
+            "firejail": host.firejail, "firejail_version": host.firejail_version,
+            "jail_uid": host.uid, "memory_cap": "RLIMIT_AS", "pool_size": s.pool_size,
+        })
+        self._task = asyncio.create_task(self._canary_loop(), name="canary")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.gpu is not None:
+            await self.gpu.close()  # and the CPU pool it was given
+        elif self.cpu is not None:
+            await self.cpu.close()
+        if self.network is not None:
+            await self.network.close()
+        if self.dirs is not None:
+            self.dirs.remove_instance()
+
+    # -- readiness ---------------------------------------------------------------------------
+    async def _canary_loop(self) -> None:
+        while True:
+            self.ready_problems = await self.canary()
+            if self.ready_problems:
+                log.error("canary failed; not ready", extra={"problems": self.ready_problems})
+            await asyncio.sleep(CANARY_EVERY_S if not self.ready_problems else CANARY_RETRY_S)
+
+    async def canary(self) -> list[str]:
+        """Run the probe in a real (CPU) jail; every way it is less confined than promised is a problem."""
+        assert self.cpu is not None
+        frames: list[Frame] = []
+
+        async def collect(frame: Frame) -> None:
+            frames.append(frame)
+
+        policy = self.network.policy if self.network is not None else None
+        hosts = [str(a) for a in policy.host_addresses] if policy is not None else []
+        req = ExecuteRequest(id="canary", code=canary.CANARY_CODE,
+                             files=(canary.params_file(self.canary_port or 9100, hosts),))
+        try:
+            async with self.cpu.lease(req) as lease:
+                jail = await lease.take()
+                outcome = await run_cell(jail, req, collect, timeout_ms=CANARY_TIMEOUT_MS,
+                                         max_output_bytes=self.settings.max_output_bytes,
+                                         max_disk_mb=self.settings.max_disk_mb, keep_alive=False)
+        except Exception as exc:  # any failure to run the probe is itself the finding
+            return [f"canary could not run: {type(exc).__name__}: {exc}"]
+        stdout = "".join(str(f["text"]) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout")
+        found = canary.judge(outcome.status, stdout, {self.uid})
+        if found and outcome.message:
+            found[0] += f": {outcome.message}"
+        return found
+
+    def readiness(self) -> tuple[list[str], dict[str, Any]]:
+        """(problems, details) for /readyz: every reason not to send runs here now."""
+        problems = list(self.ready_problems)
+        pool = self.cpu.pool if self.cpu is not None else None
+        body: dict[str, Any] = {
+            "pool_ready": len(pool.ready) if pool is not None else 0,
+            "memory_cap": "RLIMIT_AS",
+            "firejail": self.host.firejail_version if self.host else None,
+        }
+        if self.gpu is not None:  # GPU mode: each enforcement layer, available or not
+            body["gpu"] = self.gpu.layers()
+            problems += self.gpu.problems()
+        return problems, body
+
+    def update_gauges(self) -> None:
+        """Pool gauges and counters, read from the pools (on every scrape and run)."""
+        pools = [self.cpu.pool] if self.cpu is not None else []
+        if self.gpu is not None:
+            pools += list(self.gpu.pools.values())
+        if not pools:
+            return
+        m = self.metrics
+        cpu = pools[0]
+        m.pool_ready.set(len(cpu.ready))
+        m.pool_starting.set(cpu.starting)
+        m.pool_target.set(cpu.target())
+        m.jail_pss.set(cpu.jail_pss_kb * 1024)
+        cold = sum(p.cold_starts for p in pools)
+        spawned = sum(p.factory.spawned for p in pools)
+        m.cold_starts.inc(cold - self._counted["cold"])
+        m.jails_spawned.inc(spawned - self._counted["spawned"])
+        self._counted = {"cold": cold, "spawned": spawned}
