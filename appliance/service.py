@@ -102,8 +102,7 @@ class RunService:
             session_limits = self.tenants.session_limits()
         self.sessions = SessionRegistry(settings.max_sessions, settings.session_idle_s, self._between_cells,
                                         session_limits)
-        self.limits = protocol.Limits(max_message_bytes=settings.max_message_bytes,
-                                      max_upload_bytes=settings.max_upload_bytes, gpu_enabled=settings.gpu)
+        self.limits = protocol.Limits.from_settings(settings)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def check_host(self) -> None:
