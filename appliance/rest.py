@@ -4,7 +4,9 @@
   NDJSON (one JSON object a line), ending with `done`.
 - `POST /v1/sessions`: opens a session (optionally running `code` in it); 201 with its id.
 - `DELETE /v1/sessions/{id}`: ends it; 204, or 404 when there is no such session.
-- `GET /openapi.json` and `GET /docs`: the API description.
+- `GET /openapi.json` and `GET /docs`: the API description, generated from the protocol's
+  models (appliance.openapi); `/docs` is Swagger UI served from the installed
+  swagger-ui-bundle package, and its page may load nothing from any other origin.
 Bearer auth is applied by the server's middleware to every `/v1` route.
 """
 
@@ -12,16 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import html
-import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import swagger_ui_bundle
 from aiohttp import web
 
 from appliance import protocol
 from appliance.errors import Cancelled
-from appliance.openapi import SPEC
+from appliance.openapi import openapi_document
 from appliance.protocol import ExecuteRequest, ProtocolError
 from appliance.service import RunService
 from appliance.transport import send_within, until_gone
@@ -96,28 +98,68 @@ async def close_session(request: web.Request, service: RunService, owner: str) -
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(SPEC)
+    return web.json_response(openapi_document())
+
+
+# The /docs page: Swagger UI from the installed package. Relative URLs (so it works behind a
+# path prefix), no inline script, and a CSP that lets the browser load nothing from any other
+# origin, whatever the bundle would try (Swagger UI's default validator badge is one such URL).
+_SWAGGER_UI = Path(str(swagger_ui_bundle.swagger_ui_path))
+_DOCS_ASSETS = {
+    "swagger-ui.css": "text/css",
+    "swagger-ui-bundle.js": "application/javascript",
+    "favicon-32x32.png": "image/png",
+}
+_DOCS_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+        "img-src 'self' data:; font-src 'self' data:; connect-src 'self'; "
+        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+_DOCS_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>Appliance API</title>
+<link rel="stylesheet" href="docs/swagger-ui.css">
+<link rel="icon" type="image/png" href="docs/favicon-32x32.png">
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="docs/swagger-ui-bundle.js"></script>
+<script src="docs/init.js"></script>
+</body>
+</html>
+"""
+_DOCS_INIT = """window.onload = function () {
+  window.ui = SwaggerUIBundle({
+    url: "openapi.json",
+    dom_id: "#swagger-ui",
+    validatorUrl: null,
+    deepLinking: true,
+    presets: [SwaggerUIBundle.presets.apis],
+    layout: "BaseLayout"
+  });
+};
+"""
 
 
 async def docs(request: web.Request) -> web.Response:
-    """A self-contained page (no external scripts) listing the API from the OpenAPI spec."""
-    rows = []
-    for path, methods in SPEC["paths"].items():
-        for method, op in methods.items():
-            rows.append(
-                f"<tr><td><code>{method.upper()}</code></td><td><code>{html.escape(path)}</code></td>"
-                f"<td>{html.escape(op.get('summary', ''))}</td></tr>"
-            )
-    page = (
-        "<!doctype html><html><head><meta charset='utf-8'><title>Appliance API</title></head><body>"
-        f"<h1>{html.escape(SPEC['info']['title'])} {html.escape(SPEC['info']['version'])}</h1>"
-        f"<p>{html.escape(SPEC['info']['description'])}</p>"
-        "<table border='1' cellpadding='4'><tr><th>method</th><th>path</th><th>what</th></tr>"
-        + "".join(rows)
-        + "</table><p>Machine-readable: <a href='/openapi.json'>/openapi.json</a></p>"
-        f"<pre>{html.escape(json.dumps(SPEC['components']['schemas'], indent=2))}</pre></body></html>"
-    )
-    return web.Response(text=page, content_type="text/html")
+    """The OpenAPI document rendered by Swagger UI."""
+    return web.Response(text=_DOCS_PAGE, content_type="text/html", headers=_DOCS_HEADERS)
+
+
+async def docs_asset(request: web.Request) -> web.StreamResponse:
+    name = request.match_info["name"]
+    if name == "init.js":
+        return web.Response(text=_DOCS_INIT, content_type="application/javascript", headers=_DOCS_HEADERS)
+    content_type = _DOCS_ASSETS.get(name)  # a fixed list: no path from the request reaches the disk
+    if content_type is None:
+        raise web.HTTPNotFound()
+    return web.FileResponse(_SWAGGER_UI / name, headers={**_DOCS_HEADERS, "Content-Type": content_type})
 
 
 def add_routes(
@@ -137,3 +179,4 @@ def add_routes(
     app.router.add_delete("/v1/sessions/{session_id}", bind(close_session))
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/docs", docs)
+    app.router.add_get("/docs/{name}", docs_asset)

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from html.parser import HTMLParser
+from urllib.parse import urljoin, urlsplit
 
 import aiohttp
 import pytest
+from aiohttp import web
 
+from appliance import rest
+from appliance.openapi import openapi_document
 from tests.support import Server, start_server
 
 TOKEN = "rest-token-123456"
@@ -84,4 +89,64 @@ async def test_openapi_and_docs_are_served(restsrv: Server) -> None:
         async with http.get(restsrv.http + "/docs") as resp:
             page = await resp.text()
     assert spec["openapi"].startswith("3.") and "/v1/exec" in spec["paths"] and "/v1/sessions/{session_id}" in spec["paths"]
-    assert "<table" in page and "/v1/exec" in page
+    assert "swagger-ui" in page and "<title>Appliance API</title>" in page
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.urls += [value for name, value in attrs if name in ("src", "href", "action", "srcset") and value]
+
+
+async def test_the_docs_page_loads_only_its_own_packaged_assets(restsrv: Server) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(restsrv.http + "/docs") as resp:
+            assert resp.status == 200 and resp.content_type == "text/html"
+            page, csp = await resp.text(), resp.headers["Content-Security-Policy"]
+        links = _Links()
+        links.feed(page)
+        assert links.urls, "the page names its assets"
+        for url in links.urls:
+            assert not urlsplit(url).scheme and not urlsplit(url).netloc, f"{url} leaves the server"
+            async with http.get(urljoin(restsrv.http + "/docs", url)) as resp:
+                body = await resp.read()
+                assert resp.status == 200 and len(body) > 100, url
+                if url.endswith(".js"):
+                    assert resp.content_type == "application/javascript", url
+                    assert resp.headers["Content-Security-Policy"] == csp
+        async with http.get(restsrv.http + "/docs/init.js") as resp:
+            init = await resp.text()
+        async with http.get(restsrv.http + "/docs/..%2Fopenapi.json") as resp:
+            assert resp.status == 404, "only the listed assets are served"
+    # Nothing in our page or its start-up script names another origin ...
+    assert "://" not in page and "://" not in init
+    assert 'url: "openapi.json"' in init and "validatorUrl: null" in init
+    # ... and whatever the bundle might try, the browser is told to load nothing from elsewhere.
+    directives = dict(d.strip().split(" ", 1) for d in csp.split(";"))
+    assert directives["default-src"] == "'none'" and directives["script-src"] == "'self'"
+    for directive, sources in directives.items():
+        assert "http" not in sources and "*" not in sources, (directive, sources)
+
+
+async def test_every_documented_route_exists_on_the_real_server(restsrv: Server) -> None:
+    spec = openapi_document()
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        for path, methods in spec["paths"].items():
+            for method in methods:
+                url = restsrv.http + path.replace("{session_id}", "0" * 32)
+                async with http.request(method.upper(), url, json={"code": 5}) as resp:  # rejected: runs nothing
+                    body = await resp.text()
+                # aiohttp's own "no such route" answers, not ours:
+                assert resp.status != 405 and body != "404: Not Found", (method, path, resp.status)
+
+
+def test_every_rest_route_is_documented() -> None:
+    app = web.Application()
+    rest.add_routes(app, web.AppKey("appliance", object), lambda request: "owner")
+    documented = {(path, method.upper()) for path, ops in openapi_document()["paths"].items() for method in ops}
+    routed = {(r.resource.canonical, r.method) for r in app.router.routes() if r.resource is not None}
+    undocumented = {(p, m) for p, m in routed if m != "HEAD" and p != "/docs/{name}"} - documented
+    assert not undocumented
