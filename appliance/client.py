@@ -38,15 +38,20 @@ class ClientError(Exception):
     """The connection failed or the server broke the protocol."""
 
 
-class RequestOptions(TypedDict, total=False):
+class CellOptions(TypedDict, total=False):
     """The optional fields of an execute request, as keyword arguments (see protocol.md)."""
 
     id: str | None
-    session: str | None
     timeout_ms: int | None
     files: Mapping[str, bytes | str] | None
     gpu: GpuRequest | Mapping[str, int] | None
     stdin_eof: bool
+
+
+class RequestOptions(CellOptions, total=False):
+    """CellOptions and the session to run in (a session object sets that itself)."""
+
+    session: str | None
 
 
 class Output(dict[str, Any]):
@@ -378,11 +383,10 @@ class AsyncClient:
         return AsyncSession(self)
 
 
-def _in_session(options: RequestOptions, session: str | None) -> RequestOptions:
+def _in_session(options: CellOptions, session: str | None) -> RequestOptions:
     if "session" in options:
         raise TypeError("a session's execute() sets 'session' itself")
-    options["session"] = session or "new"
-    return options
+    return RequestOptions(**options, session=session or "new")
 
 
 class AsyncSession:
@@ -392,7 +396,7 @@ class AsyncSession:
         self.client = client
         self.id: str | None = None
 
-    async def execute(self, code: str, **options: Unpack[RequestOptions]) -> Execution:
+    async def execute(self, code: str, **options: Unpack[CellOptions]) -> Execution:
         """Run a cell in this session (the first one opens it)."""
         result = await self.client.execute(code, **_in_session(options, self.id))
         if self.id is None and result.session:
@@ -465,7 +469,7 @@ class Session:
         self.client = client
         self.id: str | None = None
 
-    def execute(self, code: str, **options: Unpack[RequestOptions]) -> Execution:
+    def execute(self, code: str, **options: Unpack[CellOptions]) -> Execution:
         """Run a cell in this session (the first one opens it)."""
         result = self.client.execute(code, **_in_session(options, self.id))
         if self.id is None and result.session:

@@ -34,7 +34,7 @@ class TestArguments:
     def test_files_given_as_the_wire_list_is_a_clear_type_error(self) -> None:
         wire = [{"path": "a", "data": "aGk="}]
         with pytest.raises(TypeError, match="files must be a mapping of path -> bytes or str.*got list"):
-            request_frame("1", "r1", files=wire)  # type: ignore[typeddict-item]
+            request_frame("1", "r1", files=wire)  # type: ignore[arg-type]
 
     @pytest.mark.parametrize(("options", "problem"), [
         ({"files": {"a": 5}}, "files\\['a'\\] must be bytes or str, got int"),
@@ -157,7 +157,7 @@ async def test_a_wrong_argument_fails_before_anything_is_sent_and_the_connection
 ) -> None:
     async with AsyncClient(typed.url) as c:
         with pytest.raises(TypeError, match="files must be a mapping"):
-            await c.execute("print('never')", id="bad", files=[{"path": "a", "data": ""}])  # type: ignore[typeddict-item]
+            await c.execute("print('never')", id="bad", files=[{"path": "a", "data": ""}])  # type: ignore[arg-type]
         after = await c.execute("print('after')")
     assert after.status == "ok" and after.stdout == "after\n"
     assert c.unrouted == [], "the bad request must never have reached the server"
@@ -170,5 +170,5 @@ def test_the_sync_client_and_its_session_take_the_same_typed_arguments(typed: Se
             s.execute("x = 20", timeout_ms=10000)
             again = s.execute("x + 1")
             with pytest.raises(TypeError, match="sets 'session' itself"):
-                s.execute("1", session="other")  # type: ignore[misc]
+                s.execute("1", session="other")  # type: ignore[call-arg]
     assert ex.stdout == "sync\n" and again.text == "21" and again.session
