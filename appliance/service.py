@@ -165,7 +165,6 @@ class RunService:
                     queued_ms = slot_ms + lease.queued_ms
                     self._admitted(queued_ms)
                     jail = await lease.take()
-                    self.lifecycle.update_gauges()
                     if req.session == "new":
                         session = self.sessions.add(owner, lease, jail)
                         lease.keep()

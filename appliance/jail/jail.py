@@ -172,6 +172,7 @@ class JailFactory:
             raise JailFailure("the jail failed its self-check; the run was refused")
         if ready["preload_failed"]:
             log.warning("preload failed", extra={"modules": ready["preload_failed"]})
+        jail.process.pin()
         return jail
 
 

@@ -116,6 +116,8 @@ class JailProcess:
         os.set_blocking(control_fd, False)
         self._write_buf = bytearray()
         self._flushed: list[asyncio.Future[None]] = []
+        self._ready_pids: tuple[int, ...] = ()
+        self._init_fds: list[int] = []  # pidfds of the jail's PID-namespace init (see pin)
 
     @classmethod
     async def spawn(
@@ -340,13 +342,27 @@ class JailProcess:
                 waiter.set_result(None)
 
     # -- ending --------------------------------------------------------------------------
+    def pin(self) -> None:
+        """The driver is up and no code has run: remember the jail's processes as they are now.
+
+        The PID-namespace init is held by a pidfd, so a kill can never reach a process that
+        reused its PID; the list of processes (and threads) is what `renice` changes."""
+        self._ready_pids = tuple(self.tree())
+        for pid in proctree.children(self.pid):
+            with contextlib.suppress(OSError):
+                self._init_fds.append(os.pidfd_open(pid))
+
     def signal_kill(self) -> None:
         """SIGKILL the jail's PID-namespace init (and with it every process of the jail) now,
         without waiting; `kill()` later waits for the teardown and reaps."""
         if self._proc.returncode is not None:
             return
-        targets = proctree.children(self.pid) or [self.pid]
-        for pid in targets:
+        if self._init_fds:
+            for fd in self._init_fds:
+                with contextlib.suppress(ProcessLookupError, OSError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+            return
+        for pid in proctree.children(self.pid) or [self.pid]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -356,9 +372,7 @@ class JailProcess:
         a clean exit, and a grace period would be time the code keeps running.)"""
         proc = self._proc
         if proc.returncode is None:
-            for child in proctree.children(proc.pid):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(child, signal.SIGKILL)
+            self.signal_kill()
             try:
                 await asyncio.wait_for(asyncio.shield(proc.wait()), 2.0)
             except TimeoutError:
@@ -383,10 +397,16 @@ class JailProcess:
         return proctree.tree(self.pid)
 
     def renice(self, value: int) -> None:
-        """Set every process of the jail to this niceness (lowering it needs root)."""
-        for pid in self.tree():
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, pid, value)
+        """Set every thread of the jail to this niceness (lowering it needs root). Before any
+        code ran (a pooled jail being handed out) the processes are the pinned ones."""
+        for pid in self._ready_pids or self.tree():
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                with contextlib.suppress(OSError, ValueError):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), value)
 
     def pss_kb(self) -> int:
         """Proportional set size of the jail's processes, in KiB (0 where unreadable)."""
@@ -408,6 +428,10 @@ class JailProcess:
     def _close_all(self) -> None:
         for fd in (self._fds["stdout"], self._fds["stderr"], self._events_fd, self._control_fd):
             self._close_fd(fd)
+        for fd in self._init_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._init_fds.clear()
         self._write_buf.clear()
         waiters, self._flushed = self._flushed, []
         for waiter in waiters:
