@@ -7,7 +7,7 @@ HOST ?= 0.0.0.0
 PORT ?= 9100
 PYTEST_ARGS ?=
 
-.PHONY: setup system venv run test lint check bench clean
+.PHONY: setup system venv run test lint check bench audit clean
 
 setup: system venv
 
@@ -37,6 +37,10 @@ check: lint test
 
 bench: setup
 	$(PY) -m benchmarks
+
+# The adversarial suite, and its report in security/ (make test runs the attacks, writes nothing).
+audit: setup
+	$(PY) -m appliance audit
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache

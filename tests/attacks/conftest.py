@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.audit import DEFAULT_OUT, REPORT_DIR_ENV, AuditRow, default_meta, write_report
+from appliance.audit import REPORT_DIR_ENV, AuditRow, default_meta, write_report
 from tests.attacks.common import AWS_SECRET, TOKEN
 from tests.support import Server, reachable_tmp_root, start_server
 
@@ -114,16 +114,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Write the report when the whole suite ran (or when `appliance audit` asked for it)."""
+    """Write the report when `appliance audit` (`make audit`) asked for it, and only then:
+    `make test` runs the same attacks but leaves the committed report as it is."""
     config = session.config
     rows = config.stash[ROWS]
     explicit = os.environ.get(REPORT_DIR_ENV)
+    if not rows or not explicit:
+        return
     complete = (not config.stash[DESELECTED] and config.stash[ATTACKS] >= MIN_ATTACKS
                 and len(rows) == config.stash[ATTACKS])
-    if not rows or not (explicit or complete):
+    if not complete:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"audit report not written: {len(rows)} of {config.stash[ATTACKS]} attacks ran")
         return
-    out = Path(explicit) if explicit else DEFAULT_OUT
-    md, _ = write_report(rows, out, default_meta())
+    md, _ = write_report(rows, Path(explicit), default_meta())
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         uncontained = sum(1 for r in rows if not r.contained)
