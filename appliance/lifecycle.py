@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from appliance import canary
@@ -19,7 +20,8 @@ from appliance.jail.host import HostFacts, inspect, readable_ancestors_problem
 from appliance.jail.jail import JailFactory, python_roots
 from appliance.jail.lease import LeaseSource, PoolLeases
 from appliance.jail.network import EgressNetwork, check_prerequisites
-from appliance.jail.pool import JailPool
+from appliance.jail.pool import ProfilePools
+from appliance.jail.profiles import Profile
 from appliance.jail.workdir import RunDirs, stage_runtime
 from appliance.metrics import Metrics
 from appliance.protocol import ExecuteRequest, Frame
@@ -50,7 +52,7 @@ class Lifecycle:
         self.ready_problems: list[str] = ["starting"]
         self.canary_port = 0
         self._task: asyncio.Task[None] | None = None
-        self._counted = {"cold": 0, "spawned": 0}
+        self._counted: dict[str, Counter[str]] = {k: Counter() for k in ("cold", "runs", "imported", "spawned")}
 
     @property
     def leases(self) -> LeaseSource:
@@ -96,13 +98,16 @@ class Lifecycle:
         if s.open_ports:
             self.network = EgressNetwork(s)
             await self.network.start()
-        factory = JailFactory(s, host, runtime, self.dirs, self.network)
-        pool = JailPool(factory, s.pool_size, max_size=s.pool_max)
-        pool.start()
-        self.cpu = PoolLeases(pool)
-        if self.gpu is not None:  # one factory + warm pool per GPU, each jail seeing only its GPU
-            network, dirs = self.network, self.dirs
-            self.gpu.start(lambda dev: JailFactory(s, host, runtime, dirs, network, gpu=dev), self.cpu)
+        network, dirs = self.network, self.dirs
+        profiles = tuple(Profile(name, modules) for name, modules in s.preload_profiles)
+        pools = ProfilePools.build(
+            profiles, lambda p: JailFactory(s, host, runtime, dirs, network, preload=p.modules),
+            s.pool_size, max_size=s.pool_max)
+        pools.start()
+        self.cpu = PoolLeases(pools)
+        if self.gpu is not None:  # warm pools per GPU (and profile), each jail seeing only its GPU
+            self.gpu.start(lambda dev, p: JailFactory(s, host, runtime, dirs, network, gpu=dev, preload=p.modules),
+                           self.cpu)
             await self.gpu.probe_mps()  # layer (b) is reported as enforcing only where proven
         self.canary_port = canary_port
         self.started.set()
@@ -162,9 +167,12 @@ class Lifecycle:
     def readiness(self) -> tuple[list[str], dict[str, Any]]:
         """(problems, details) for /readyz: every reason not to send runs here now."""
         problems = list(self.ready_problems)
-        pool = self.cpu.pool if self.cpu is not None else None
+        cpu = self.cpu.pools if self.cpu is not None else None
         body: dict[str, Any] = {
-            "pool_ready": len(pool.ready) if pool is not None else 0,
+            "pool_ready": sum(len(p.ready) for p in cpu.pools.values()) if cpu is not None else 0,
+            "pools": {profile.name: {"modules": list(profile.modules), "ready": len(pool.ready),
+                                     "starting": pool.starting, "target": pool.target()}
+                      for profile, pool in cpu.pools.items()} if cpu is not None else {},
             "memory_cap": "RLIMIT_AS",
             "firejail": self.host.firejail_version if self.host else None,
         }
@@ -173,21 +181,41 @@ class Lifecycle:
             problems += self.gpu.problems()
         return problems, body
 
+    def _pool_sets(self) -> list[ProfilePools]:
+        found = [self.cpu.pools] if self.cpu is not None else []
+        return found + (list(self.gpu.pools.values()) if self.gpu is not None else [])
+
     def update_gauges(self) -> None:
-        """Pool gauges and counters, read from the pools (on every scrape and run)."""
-        pools = [self.cpu.pool] if self.cpu is not None else []
-        if self.gpu is not None:
-            pools += list(self.gpu.pools.values())
-        if not pools:
+        """Pool gauges and counters, read from the pools (when /metrics is scraped)."""
+        sets = self._pool_sets()
+        if not sets:
             return
         m = self.metrics
-        cpu = pools[0]
-        m.pool_ready.set(len(cpu.ready))
-        m.pool_starting.set(cpu.starting)
-        m.pool_target.set(cpu.target())
-        m.jail_pss.set(cpu.jail_pss_kb * 1024)
-        cold = sum(p.cold_starts for p in pools)
-        spawned = sum(p.factory.spawned for p in pools)
-        m.cold_starts.inc(cold - self._counted["cold"])
-        m.jails_spawned.inc(spawned - self._counted["spawned"])
-        self._counted = {"cold": cold, "spawned": spawned}
+        cpu = sets[0]
+        m.pool_ready.set(sum(len(p.ready) for p in cpu.pools.values()))
+        m.pool_starting.set(sum(p.starting for p in cpu.pools.values()))
+        m.pool_target.set(sum(p.target() for p in cpu.pools.values()))
+        m.jail_pss.set(max(p.jail_pss_kb for p in cpu.pools.values()) * 1024)
+        for profile, pool in cpu.pools.items():
+            m.profile_ready.labels(profile=profile.name).set(len(pool.ready))
+            m.profile_target.labels(profile=profile.name).set(pool.target())
+            m.profile_pss.labels(profile=profile.name).set(pool.jail_pss_kb * 1024)
+        cold: Counter[str] = Counter()
+        runs: Counter[str] = Counter()
+        imported: Counter[str] = Counter()
+        spawned = 0
+        for pools in sets:
+            runs.update(pools.runs)
+            imported.update(pools.imported)
+            for profile, pool in pools.pools.items():
+                cold[profile.name] += pool.cold_starts
+                spawned += pool.factory.spawned
+        m.cold_starts.inc(sum(cold.values()) - sum(self._counted["cold"].values()))
+        m.jails_spawned.inc(spawned - self._counted["spawned"]["all"])
+        for name, value in cold.items():
+            m.profile_cold_starts.labels(profile=name).inc(value - self._counted["cold"][name])
+        for name, value in runs.items():
+            m.profile_runs.labels(profile=name).inc(value - self._counted["runs"][name])
+        for name, value in imported.items():
+            m.preloaded_imports.labels(module=name).inc(value - self._counted["imported"][name])
+        self._counted = {"cold": cold, "runs": runs, "imported": imported, "spawned": Counter(all=spawned)}

@@ -29,6 +29,23 @@ class Metrics:
                                       registry=r)
         self.queue_depth = Gauge("appliance_queue_depth", "Requests waiting for a run slot", registry=r)
         self.active_runs = Gauge("appliance_active_runs", "Runs holding a slot", registry=r)
+        # Per preload profile (appliance.jail.profiles): which warm jails runs get.
+        self.profile_runs = Counter("appliance_profile_runs", "Runs given a jail of this profile", ["profile"],
+                                    registry=r)
+        self.profile_cold_starts = Counter("appliance_profile_cold_starts",
+                                           "Runs of this profile that found its pool empty", ["profile"], registry=r)
+        self.profile_ready = Gauge("appliance_profile_pool_ready", "Ready jails of this profile", ["profile"],
+                                   registry=r)
+        self.profile_target = Gauge("appliance_profile_pool_target", "Jails of this profile the pool aims to keep",
+                                    ["profile"], registry=r)
+        self.profile_pss = Gauge("appliance_profile_jail_pss_bytes", "PSS of the last warm jail of this profile",
+                                 ["profile"], registry=r)
+        self.preloaded_imports = Counter(
+            "appliance_preloaded_module_imports", "Runs whose code imports this preloaded package (static scan)",
+            ["module"], registry=r)
+        self.import_seconds = Histogram("appliance_cell_import_seconds",
+                                        "Time a cell spent loading modules not yet imported in its jail",
+                                        ["profile"], buckets=BUCKETS_S, registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

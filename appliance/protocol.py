@@ -471,6 +471,7 @@ class DoneFrame(TypedDict):
     max_rss_mb: float | None
     message: str | None
     session: NotRequired[str]
+    import_ms: NotRequired[int]  # time the cell spent loading modules its jail had not imported
 
 
 ServerFrame = StartFrame | StreamFrame | DisplayFrame | ResultFrame | ErrorFrame | FileFrame | DoneFrame
@@ -540,7 +541,7 @@ def file_frame(rid: str, path: str, size: int, data: str | None, message: str | 
 def done_frame(
     rid: str, status: str, *, exit_code: int | None = None, duration_ms: int = 0,
     cpu_ms: int | None = None, max_rss_mb: float | None = None, message: str | None = None,
-    session: str | None = None,
+    session: str | None = None, import_ms: int | None = None,
 ) -> Frame:
     assert status in STATUSES, status
     frame: Frame = {
@@ -550,4 +551,6 @@ def done_frame(
     }
     if session is not None:
         frame["session"] = session
+    if import_ms is not None:
+        frame["import_ms"] = import_ms
     return frame

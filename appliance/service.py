@@ -140,6 +140,7 @@ class RunService:
         started = time.monotonic()
         outcome: CellOutcome | None = None
         session_id: str | None = None
+        profile = "?"
         quota = contextlib.ExitStack()  # the tenant's in-flight slot, held to the end of the run
         try:
             if self.tenants is not None:
@@ -156,13 +157,14 @@ class RunService:
             await self._until_started(req)
             self.metrics.queue_depth.set(self.admission.waiting + 1)
             if session is not None:
-                session_id = session.id
+                session_id, profile = session.id, session.lease.profile
                 async with self.admission.slot() as slot_ms, session.lock:
                     self._admitted(slot_ms)
                     outcome = await self._session_cell(session, req, emit, run, slot_ms)
             else:
                 async with self.lifecycle.leases.lease(req) as lease, self.admission.slot() as slot_ms:
                     queued_ms = slot_ms + lease.queued_ms
+                    profile = lease.profile
                     self._admitted(queued_ms)
                     jail = await lease.take()
                     if req.session == "new":
@@ -190,10 +192,12 @@ class RunService:
         assert outcome is not None
         self._count(outcome.status, started)
         self.metrics.bytes_streamed.inc(outcome.output_bytes)
+        if outcome.import_ms is not None:
+            self.metrics.import_seconds.labels(profile=profile).observe(outcome.import_ms / 1000)
         await _safe_emit(emit, protocol.done_frame(
             req.id, outcome.status, exit_code=outcome.exit_code, duration_ms=_ms_since(started),
             cpu_ms=outcome.cpu_ms, max_rss_mb=outcome.max_rss_mb, message=outcome.message,
-            session=session_id,
+            session=session_id, import_ms=outcome.import_ms,
         ))
 
     async def open_session(self, req: ExecuteRequest, owner: str) -> list[Frame]:

@@ -53,6 +53,8 @@ class Settings:
     auth_tokens_file: Path | None = None     # several tenants (SANDBOX_AUTH_TOKENS_FILE); see tenants.py
     gpu: bool = False
     preload: tuple[str, ...] = DEFAULT_PRELOAD
+    # Warm-jail kinds, name -> modules (SANDBOX_PRELOAD_PROFILES); by default from `preload`.
+    preload_profiles: tuple[tuple[str, tuple[str, ...]], ...] = (("bare", ()), ("full", DEFAULT_PRELOAD))
     pool_size: int = 2
     pool_max: int = 8
     session_idle_s: int = 600
@@ -139,6 +141,43 @@ def _modules(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tup
     return names
 
 
+PROFILE_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+
+def default_profiles(preload: tuple[str, ...], gpu: bool) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`bare` (nothing), `full` (SANDBOX_PRELOAD) and, in GPU mode, `science`: the full list
+    without the model libraries, which only code using the tools needs."""
+    profiles: list[tuple[str, tuple[str, ...]]] = [("bare", ())]
+    science = tuple(m for m in preload if m not in GPU_PRELOAD)
+    if gpu and science and science != preload:
+        profiles.append(("science", science))
+    if preload:
+        profiles.append(("full", preload))
+    return tuple(profiles)
+
+
+def _profiles(env: Mapping[str, str], name: str, default: tuple[tuple[str, tuple[str, ...]], ...]
+              ) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`bare=;science=numpy,pandas,matplotlib`: profiles separated by `;`, modules by `,`."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    found: list[tuple[str, tuple[str, ...]]] = []
+    for part in (p.strip() for p in raw.split(";")):
+        if not part:
+            continue
+        label, sep, mods = part.partition("=")
+        label = label.strip()
+        if not sep or not PROFILE_NAME_RE.match(label):
+            raise SettingsError(f"{name}: {part!r} is not NAME=MODULE,MODULE (NAME in a-z, 0-9, _ and -)")
+        if any(label == f[0] for f in found):
+            raise SettingsError(f"{name}: profile {label!r} is named twice")
+        found.append((label, _modules({name: mods}, name, ())))
+    if not found:
+        raise SettingsError(f"{name}: names no profile")
+    return tuple(found)
+
+
 def _dir(env: Mapping[str, str], name: str, default: Path | None) -> Path | None:
     raw = env.get(name, "").strip()
     if not raw:
@@ -216,6 +255,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         raise SettingsError("SANDBOX_AUTH_TOKEN: must be at least 8 characters with no whitespace")
     pool_size = _int(env, "SANDBOX_POOL_SIZE", D.pool_size)
     gpu = _bool(env, "SANDBOX_GPU")
+    preload = _modules(env, "SANDBOX_PRELOAD", DEFAULT_PRELOAD + GPU_PRELOAD if gpu else DEFAULT_PRELOAD)
     settings = Settings(
         max_exec_ms=_int(env, "SANDBOX_MAX_EXEC_MS", D.max_exec_ms, minimum=1),
         tmp_root=tmp_root,
@@ -240,7 +280,8 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         egress_subnet=(_ipv4(env, "SANDBOX_EGRESS_SUBNET", networks=True) or (D.egress_subnet,))[0],
         auth_tokens_file=_dir(env, "SANDBOX_AUTH_TOKENS_FILE", None),
         gpu=gpu,
-        preload=_modules(env, "SANDBOX_PRELOAD", DEFAULT_PRELOAD + GPU_PRELOAD if gpu else DEFAULT_PRELOAD),
+        preload=preload,
+        preload_profiles=_profiles(env, "SANDBOX_PRELOAD_PROFILES", default_profiles(preload, gpu)),
         pool_size=pool_size,
         pool_max=_int(env, "SANDBOX_POOL_MAX", max(8, pool_size)),
         session_idle_s=_int(env, "SANDBOX_SESSION_IDLE_S", D.session_idle_s, minimum=1),

@@ -48,7 +48,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 
 
 def targets(results: dict[str, Any]) -> list[Target]:
-    """Issue 4's targets judged against this run's figures."""
+    """Issue 4's and issue 18's targets judged against this run's figures."""
     warm = _p50(results, "print", WARM)
     naive_x = _ratio(_p50(results, "print", NAIVE), warm)
     jupyter_x = _ratio(_p50(results, "print", JUPYTER), warm)
@@ -58,6 +58,7 @@ def targets(results: dict[str, Any]) -> list[Target]:
     peak = max((lvl["runs_per_s"] for lvl in tp.get("levels", [])), default=None)
     tp_share = _ratio(peak, capacity)
     pss = results.get("memory", {}).get("pss_mb_per_warm_jail")
+    eval_ratio = results.get("eval", {}).get("ratio")
 
     def judge(value: float | None, ok: bool) -> bool | None:
         return None if value is None else ok
@@ -74,6 +75,8 @@ def targets(results: dict[str, Any]) -> list[Target]:
                judge(tp_share, tp_share is not None and tp_share >= 0.9)),
         Target("idle PSS per warm jail (MB)", pss, f"< {PSS_LIMIT_MB:.0f} MB",
                judge(pss, pss is not None and pss < PSS_LIMIT_MB)),
+        Target("import-light eval runs/s: default / SANDBOX_PRELOAD=''", eval_ratio, ">= 0.8",
+               judge(eval_ratio, eval_ratio is not None and eval_ratio >= 0.8)),
     ]
 
 
@@ -137,6 +140,23 @@ def markdown(results: dict[str, Any]) -> str:
             f"PSS per warm jail: **{fmt(mem['pss_mb_per_warm_jail'], 1)} MB** "
             f"(`appliance_jail_pss_bytes`: {fmt(mem['pss_mb_metric'], 1)} MB; /proc smaps_rollup of the idle "
             f"pool's jails: {', '.join(fmt(v, 1) for v in mem['pss_mb_proc'])} MB).", ""]
+    ev = results.get("eval")
+    if ev:
+        out += ["## Import-light eval load (issue 18)", "",
+                f"{ev['default']['programs']} generated stdlib-only programs with asserts, "
+                f"{ev['default']['clients']} clients, one-shot runs back to back. At default settings a run goes "
+                "to the preload profile its imports fit (stdlib code: a bare jail).", "",
+                "| server | runs/s | p50 ms | p90 ms |", "|---|---:|---:|---:|"]
+        for name, label in (("default", "default settings (profiles)"), ("no_preload", "SANDBOX_PRELOAD=''")):
+            r = ev[name]
+            out.append(f"| {label} | {r['runs_per_s']:.2f} | {r['p50_ms']:.1f} | {r['p90_ms']:.1f} |")
+        out += ["", f"Ratio default / no preload: **{ev['ratio']:.2f}** (target >= 0.8).", ""]
+    flags = results.get("flags")
+    if flags:
+        out += ["## What each firejail flag costs per jail (`python -I -c pass`, p50)", "",
+                "| variant | wall ms | CPU ms |", "|---|---:|---:|"]
+        out += [f"| {name} | {c['wall_ms']:.1f} | {c['cpu_ms']:.1f} |" for name, c in flags.items()]
+        out.append("")
     nd = results.get("jupyter_nodelay", {})
     if nd:
         nagle = nd.get("print_p50_ms_with_nagle")
@@ -144,7 +164,7 @@ def markdown(results: dict[str, Any]) -> str:
                 f"gateway {nd['server']}"
                 + (f"; with Nagle left on, the same `print(2+2)` p50 is {nagle:.1f} ms." if nagle else ".")
                 , ""]
-    out += ["## Targets (issue 4)", "", "| target | goal | this run | verdict |", "|---|---|---:|---|"]
+    out += ["## Targets (issues 4 and 18)", "", "| target | goal | this run | verdict |", "|---|---|---:|---|"]
     for t in targets(results):
         out.append(f"| {t.name} | {t.goal} | {fmt(t.value)} | {t.verdict()} |")
     out.append("")

@@ -31,7 +31,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from benchmarks import report
+from benchmarks import evals, report
 from benchmarks.appliance_server import (
     REPO,
     ApplianceServer,
@@ -88,14 +88,19 @@ class Plan:
     spawn_min: int
     spawn_parallel: tuple[int, ...]
     nagle_check: int     # samples of the Jupyter baseline with Nagle left on (0: skip)
+    eval_programs: int   # import-light eval programs per server (issue 18)
+    eval_clients: int
+    flag_repeats: int    # jails per firejail flag variant
 
 
 QUICK = Plan(print_fast=10, fast_extra=20, cold=3, pandas_warm=6, pandas_naive=3, mpl_warm=5, session=20,
              levels=(1, 2, 4, 8, 16), level_warmup_s=2.0, level_s=3.0, spawn_s=3.0, spawn_min=4,
-             spawn_parallel=(2 * (os.cpu_count() or 1),), nagle_check=0)
+             spawn_parallel=(2 * (os.cpu_count() or 1),), nagle_check=0, eval_programs=40, eval_clients=4,
+             flag_repeats=3)
 FULL = Plan(print_fast=60, fast_extra=140, cold=15, pandas_warm=40, pandas_naive=12, mpl_warm=25,
             session=100, levels=(1, 2, 4, 8, 16), level_warmup_s=5.0, level_s=12.0, spawn_s=10.0,
-            spawn_min=12, spawn_parallel=tuple(k * (os.cpu_count() or 1) for k in (1, 2, 3)), nagle_check=20)
+            spawn_min=12, spawn_parallel=tuple(k * (os.cpu_count() or 1) for k in (1, 2, 3)), nagle_check=20,
+            eval_programs=300, eval_clients=4, flag_repeats=12)
 
 Sampler = Callable[[], Awaitable[float]]
 
@@ -120,6 +125,7 @@ class Bench:
         self.ids = itertools.count()
         self.warm: ApplianceServer | None = None
         self.cold: ApplianceServer | None = None
+        self.bare: ApplianceServer | None = None
         self.gateway: KernelGateway | None = None
         self.jails: BenchJails | None = None
         self.bar = tqdm(total=self._steps(), disable=not progress, unit="run", file=sys.stderr,
@@ -130,7 +136,7 @@ class Bench:
         p = self.plan
         return (2 * p.print_fast + p.print_fast + p.fast_extra + 3 * p.cold + p.pandas_warm
                 + p.pandas_naive + p.print_fast + p.fast_extra + p.mpl_warm + 2 * p.session
-                + p.spawn_min * len(p.spawn_parallel) + len(p.levels) + p.nagle_check)
+                + p.spawn_min * len(p.spawn_parallel) + len(p.levels) + p.nagle_check + 2)
 
     def phase(self, text: str) -> None:
         self.bar.set_description(text)
@@ -144,6 +150,8 @@ class Bench:
         self.warm = await asyncio.to_thread(start_appliance, "warm", self.work)
         self.phase("starting the appliance (pool off)")
         self.cold = await asyncio.to_thread(start_appliance, "cold", self.work, SANDBOX_POOL_SIZE="0")
+        self.phase("starting the appliance (no preload)")
+        self.bare = await asyncio.to_thread(start_appliance, "bare", self.work, SANDBOX_PRELOAD="")
         self.phase("starting Jupyter Kernel Gateway")
         self.gateway = await start_gateway(self.work / "jupyter")
         # The kernel is warm the way the pool is: the same modules imported before the first cell.
@@ -151,7 +159,7 @@ class Bench:
         self.jails = await asyncio.to_thread(open_factory)
 
     async def close(self) -> None:
-        for server in (self.warm, self.cold):
+        for server in (self.warm, self.cold, self.bare):
             if server is not None:
                 await asyncio.to_thread(server.stop)
         if self.gateway is not None:
@@ -383,6 +391,21 @@ class Bench:
                 "cold_starts": int(server.metrics().get("appliance_cold_starts_total", 0.0) - cold_before),
                 "p50_ms": round(s.p50_ms, 2), "p90_ms": round(s.p90_ms, 2), "p99_ms": round(s.p99_ms, 2)}
 
+    async def evals(self) -> None:
+        """Import-light eval load at default settings vs SANDBOX_PRELOAD='' (issue 18), and
+        what each firejail flag costs per jail."""
+        assert self.warm is not None and self.bare is not None and self.jails is not None
+        runs = {}
+        for name, server in (("default", self.warm), ("no_preload", self.bare)):
+            self.phase(f"import-light eval load ({name})")
+            await wait_pool_idle(server, POOL_FLOOR if name == "default" else 1, timeout_s=120)
+            runs[name] = await evals.eval_throughput(server, self.plan.eval_programs, self.plan.eval_clients)
+            self.bar.update()
+        ratio = runs["default"]["runs_per_s"] / runs["no_preload"]["runs_per_s"]
+        self.results["eval"] = {**runs, "ratio": round(ratio, 3)}
+        self.phase("firejail flag costs")
+        self.results["flags"] = await evals.flag_costs(self.jails, self.plan.flag_repeats)
+
     async def nagle(self) -> None:
         """The Jupyter baseline once more with Nagle left on, to show what TCP_NODELAY changes."""
         if not self.plan.nagle_check:
@@ -472,10 +495,11 @@ async def run(plan: Plan, quick: bool, progress: bool) -> dict[str, Any]:
             await bench.latency()
             await bench.capacity()
             await bench.throughput()
+            await bench.evals()
             await bench.nagle()
         except BenchError as exc:
             logs = "".join(f"\n--- {srv.name} server log (tail) ---\n{srv.tail()}"
-                           for srv in (bench.warm, bench.cold) if srv is not None)
+                           for srv in (bench.warm, bench.cold, bench.bare) if srv is not None)
             raise BenchError(f"{exc}{logs}") from exc
         finally:
             await bench.close()
@@ -505,10 +529,15 @@ def print_summary(results: dict[str, Any], paths: list[Path]) -> None:
         print(f"  {lvl['clients']:>2} clients: {lvl['runs_per_s']:6.2f} runs/s   p50 {lvl['p50_ms']:8.1f} ms"
               f"   p99 {lvl['p99_ms']:8.1f} ms   cold starts {lvl['cold_starts']}")
     print(f"idle PSS per warm jail: {results['memory']['pss_mb_per_warm_jail']} MB")
+    ev = results["eval"]
+    print(f"import-light eval load: {ev['default']['runs_per_s']:.2f} runs/s at default settings, "
+          f"{ev['no_preload']['runs_per_s']:.2f} with SANDBOX_PRELOAD='' (ratio {ev['ratio']:.2f})")
+    for name, cost in results["flags"].items():
+        print(f"  firejail {name:<36} wall {cost['wall_ms']:7.1f} ms   cpu {cost['cpu_ms']:6.1f} ms per jail")
     print("\nratios (baseline / appliance):")
     for line in report.ratio_lines(results):
         print("  " + line)
-    print("\ntargets (issue 4):")
+    print("\ntargets (issues 4 and 18):")
     for t in report.targets(results):
         print(f"  {t.verdict():<5} {t.name}: {report.fmt(t.value)} (goal {t.goal})")
     print("\nwrote " + ", ".join(str(p) for p in paths))

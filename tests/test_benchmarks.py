@@ -35,7 +35,7 @@ def test_summary_orders_its_percentiles() -> None:
 
 
 def _results(warm: float, naive: float, jupyter: float, pandas_warm: float, pandas_naive: float,
-             runs_per_s: float, capacity: float, pss: float) -> dict[str, object]:
+             runs_per_s: float, capacity: float, pss: float, eval_ratio: float = 0.9) -> dict[str, object]:
     def entry(p50: float) -> dict[str, float]:
         return {"n": 10, "p50_ms": p50, "p90_ms": p50 * 2, "p99_ms": p50 * 3, "mean_ms": p50,
                 "min_ms": p50, "max_ms": p50 * 3}
@@ -48,22 +48,24 @@ def _results(warm: float, naive: float, jupyter: float, pandas_warm: float, pand
         "throughput": {"spawn_capacity": {"spawns_per_s": capacity},
                        "levels": [{"clients": 1, "runs_per_s": runs_per_s}]},
         "memory": {"pss_mb_per_warm_jail": pss},
+        "eval": {"ratio": eval_ratio},
     }
 
 
 def test_targets_pass_when_every_ratio_is_met() -> None:
     verdicts = [t.verdict() for t in report.targets(_results(1.5, 60, 4, 10, 800, 2.0, 2.1, 80))]
-    assert verdicts == ["PASS"] * 6
+    assert verdicts == ["PASS"] * 7
 
 
 def test_missed_targets_are_reported_not_raised() -> None:
-    found = report.targets(_results(5.0, 200, 4, 100, 800, 1.0, 2.0, 200))
+    found = report.targets(_results(5.0, 200, 4, 100, 800, 1.0, 2.0, 200, eval_ratio=0.3))
     by_name = {t.name: t.verdict() for t in found}
     assert by_name["print(2+2) p50, warm pool (ms)"] == "MISS"
     assert by_name["print(2+2): warm Jupyter p50 / warm p50"] == "MISS"
     assert by_name["pandas cell: naive firejail p50 / warm p50"] == "MISS"
     assert by_name["peak sustained runs/s / jail-spawn capacity"] == "MISS"
     assert by_name["idle PSS per warm jail (MB)"] == "MISS"
+    assert by_name["import-light eval runs/s: default / SANDBOX_PRELOAD=''"] == "MISS"
     assert by_name["print(2+2): naive firejail p50 / warm p50"] == "PASS"
 
 
@@ -113,11 +115,20 @@ def test_quick_benchmark_runs_end_to_end_and_writes_sane_outputs(tmp_path: Path)
     assert memory["pss_mb_proc"] and all(v > 1 for v in memory["pss_mb_proc"])
     assert memory["pss_mb_per_warm_jail"] > 1
 
+    ev = results["eval"]
+    assert ev["default"]["programs"] == ev["no_preload"]["programs"] > 0
+    assert ev["ratio"] == pytest.approx(ev["default"]["runs_per_s"] / ev["no_preload"]["runs_per_s"], rel=0.01)
+    flags = results["flags"]
+    assert set(flags) == {"all flags", "without --private-etc", "without --deterministic-shutdown",
+                          "without --seccomp"}
+    assert all(c["wall_ms"] > 0 and c["cpu_ms"] >= 0 for c in flags.values())
+
     verdicts = {t["verdict"] for t in results["targets"]}
-    assert verdicts <= {"PASS", "MISS"} and len(results["targets"]) == 6
+    assert verdicts <= {"PASS", "MISS"} and len(results["targets"]) == 7
     table = (tmp_path / "bench_quick.md").read_text()
-    assert "| appliance, warm pool |" in table and "## Targets (issue 4)" in table
-    assert "targets (issue 4):" in proc.stdout
+    assert "| appliance, warm pool |" in table and "## Targets (issues 4 and 18)" in table
+    assert "## Import-light eval load (issue 18)" in table
+    assert "targets (issues 4 and 18):" in proc.stdout
 
 
 @pytest.mark.slow

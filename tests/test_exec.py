@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from appliance.client import AsyncClient, Client
-from tests.support import REPO, Server, frames_of, scaled
+from tests.support import REPO, Server, frames_of, processes_of_uid, scaled
 
 
 async def test_print_arrives_as_a_stream_frame_then_done_ok(server: Server) -> None:
@@ -92,6 +92,17 @@ async def test_os_exit_without_the_driver_is_reported_with_its_code(server: Serv
     async with AsyncClient(server.url) as c:
         ex = await c.execute("import os\nprint('bye', flush=True)\nos._exit(7)")
     assert ex.status == "error" and ex.exit_code == 7 and ex.stdout == "bye\n"
+
+
+async def test_os_exit_with_children_left_running_reports_its_code_at_once(server: Server) -> None:
+    async with AsyncClient(server.url) as c:
+        started = time.monotonic()
+        ex = await c.execute("import os, subprocess\nsubprocess.Popen(['sleep', '600'])\nos._exit(5)")
+        took = time.monotonic() - started
+    assert ex.status == "error" and ex.exit_code == 5, ex
+    assert took < 1.5, f"the exit took {took:.1f} s to be reported"
+    await asyncio.sleep(0.2)
+    assert not [cmd for _, cmd in processes_of_uid() if cmd.startswith("sleep 600")], "a child survived"
 
 
 async def test_timeout_ms_in_the_request_only_lowers_the_limit(server: Server) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -34,7 +35,8 @@ from appliance.jail.devices import GpuDevice, gpu_device
 from appliance.jail.host import readable_ancestors_problem
 from appliance.jail.jail import Jail, JailFactory
 from appliance.jail.lease import Lease, LeaseSource, PoolLeases
-from appliance.jail.pool import JailPool
+from appliance.jail.pool import ProfilePools
+from appliance.jail.profiles import Profile, choose, imports_of
 from appliance.protocol import ExecuteRequest
 from appliance.settings import Settings
 
@@ -99,8 +101,9 @@ class GpuLeases(LeaseSource):
         self.watchdog = GpuWatchdog(
             backend, self.ledger, margin_mb=settings.gpu_margin_mb, host_memory_mb=settings.memory_mb,
             interval_s=settings.gpu_poll_ms / 1000)
-        self.pools: dict[str, JailPool] = {}
-        self.factories: dict[str, JailFactory] = {}
+        self.profiles = tuple(Profile(name, mods) for name, mods in settings.preload_profiles)
+        self.pools: dict[str, ProfilePools] = {}     # device UUID -> its pools, one per profile
+        self.factories: dict[str, JailFactory] = {}  # device UUID -> the fullest profile's (MPS probe)
         self.cpu: PoolLeases | None = None  # runs that ask for no GPU
         control, self.mps_note = open_mps(settings, backend)
         if control is None and settings.gpu_mps == "require":
@@ -117,16 +120,17 @@ class GpuLeases(LeaseSource):
             backend.close()
             raise
 
-    def start(self, make_factory: Callable[[GpuDevice], JailFactory], cpu: PoolLeases) -> None:
-        """One factory and warm pool per device; start the watchdog."""
+    def start(self, make_factory: Callable[[GpuDevice, Profile], JailFactory], cpu: PoolLeases) -> None:
+        """Warm pools per device and profile; start the watchdog."""
         self.cpu = cpu
         pipe_dir = self.mps.control.pipe_dir if self.mps is not None else None
+        fullest = max(self.profiles, key=lambda p: len(p.modules))
         for dev in self.devices.values():
-            factory = make_factory(gpu_device(dev.index, dev.uuid, dev.minor, mps_pipe_dir=pipe_dir))
-            self.factories[dev.uuid] = factory
-            pool = JailPool(factory, self.settings.pool_size)
-            pool.start()
-            self.pools[dev.uuid] = pool
+            device = gpu_device(dev.index, dev.uuid, dev.minor, mps_pipe_dir=pipe_dir)
+            pools = ProfilePools.build(self.profiles, functools.partial(make_factory, device), self.settings.pool_size)
+            pools.start()
+            self.pools[dev.uuid] = pools
+            self.factories[dev.uuid] = pools.pools[fullest].factory
         self.watchdog.start()
         log.info("GPU mode started", extra={"backend": self.backend.name, "devices": self.ledger.snapshot()})
 
@@ -174,8 +178,9 @@ class GpuLeases(LeaseSource):
             raise RequestRejected("sessions are not available for GPU runs; send one-shot requests")
         if not self.watchdog.healthy and self.watchdog.faults >= self.watchdog.fault_grace:
             raise RequestRejected(f"GPU runs are paused: the GPU backend fails ({self.watchdog.last_error})")
+        profile = choose(self.profiles, imports_of(req.code))
         grant = await self.ledger.acquire(mb)
-        lease = GpuLease(self, grant)
+        lease = GpuLease(self, grant, profile)
         try:
             yield lease
         finally:
@@ -184,7 +189,7 @@ class GpuLeases(LeaseSource):
 
     async def _take(self, lease: GpuLease) -> Jail:
         grant = lease.grant
-        jail = await self.pools[grant.uuid].take()
+        jail = await self.pools[grant.uuid].pools[lease.preload].take()
         lease.jail = jail
         if self.mps is not None:
             await self.mps.arm(jail, grant)  # layer (b): the daemon-side limit, before any code
@@ -235,9 +240,10 @@ class GpuLeases(LeaseSource):
 class GpuLease(Lease):
     """A run's GPU reservation and, once taken, its jail on the reserved device."""
 
-    def __init__(self, source: GpuLeases, grant: Grant) -> None:
-        super().__init__(queued_ms=grant.queued_ms, gpu=grant.frame())
+    def __init__(self, source: GpuLeases, grant: Grant, profile: Profile) -> None:
+        super().__init__(profile.name, queued_ms=grant.queued_ms, gpu=grant.frame())
         self.grant = grant
+        self.preload = profile
         self.key = f"lease-{id(self):x}"
         self._source = source
 

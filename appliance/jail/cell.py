@@ -39,6 +39,7 @@ class CellOutcome:
     message: str | None = None
     interpreter_alive: bool = True
     output_bytes: int = 0
+    import_ms: int | None = None
 
 
 async def run_cell(
@@ -102,7 +103,8 @@ async def run_cell(
             if isinstance(item, Event) and item.body["ev"] == "done":
                 body = item.body
                 outcome = CellOutcome("ok" if body["exit_code"] == 0 else "error", exit_code=body["exit_code"],
-                                      cpu_ms=body["cpu_ms"], max_rss_mb=body["max_rss_mb"], output_bytes=sent)
+                                      cpu_ms=body["cpu_ms"], max_rss_mb=body["max_rss_mb"], output_bytes=sent,
+                                      import_ms=body["import_ms"])
                 if stopping is not None:
                     outcome.status, outcome.message = stopping.status, stopping.message
                 elif memory_error:

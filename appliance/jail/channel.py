@@ -148,6 +148,7 @@ class DoneEvent(TypedDict):
     exit_code: int
     cpu_ms: int | None
     max_rss_mb: float | None
+    import_ms: int | None           # time the cell spent loading modules not yet imported
 
 
 class CudaContextEvent(TypedDict, total=False):
@@ -195,6 +196,7 @@ def parse_event(line: bytes) -> Event | None:
             "ev": "done", "exit_code": obj["exit_code"],
             "cpu_ms": obj["cpu_ms"] if _is_int(obj.get("cpu_ms")) else None,
             "max_rss_mb": float(obj["max_rss_mb"]) if _is_number(obj.get("max_rss_mb")) else None,
+            "import_ms": obj["import_ms"] if _is_int(obj.get("import_ms")) else None,
         })
     if kind == "ready":
         check, failed, ms = obj.get("check"), obj.get("preload_failed"), obj.get("preload_ms")

@@ -76,8 +76,10 @@ class JailFactory:
     """Makes jails for one server: holds the settings and host facts every spec needs."""
 
     def __init__(self, settings: Settings, host: HostFacts, runtime: Path, dirs: RunDirs,
-                 network: EgressNetwork | None = None, gpu: GpuDevice | None = None) -> None:
+                 network: EgressNetwork | None = None, gpu: GpuDevice | None = None,
+                 preload: tuple[str, ...] | None = None) -> None:
         self.settings = settings
+        self.preload = settings.preload if preload is None else preload  # this factory's profile
         self.gpu = gpu  # GPU mode: every jail made here sees only this device
         self.host = host
         self.runtime = runtime
@@ -85,7 +87,7 @@ class JailFactory:
         self.network = network
         self.expected = checks.Expected(uid=host.uid, host_pid_ns=host.pid_ns, host_net_ns=host.net_ns,
                                         interfaces=expected_interfaces(network is not None))
-        self._env = jail_env(settings, settings.python, runtime)
+        self._env = jail_env(settings, settings.python, runtime, self.preload)
         self._readable = tuple(python_roots(settings.python)) + (runtime,)
         if settings.models_dir is not None:
             self._readable += (settings.models_dir,)

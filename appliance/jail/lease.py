@@ -21,14 +21,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from appliance.jail.jail import Jail
-from appliance.jail.pool import JailPool
+from appliance.jail.pool import JailPool, ProfilePools
 from appliance.protocol import ExecuteRequest
 
 
 class Lease(abc.ABC):
     """One run's (or session's) jail and what must be undone when it ends."""
 
-    def __init__(self, queued_ms: int = 0, gpu: dict[str, Any] | None = None) -> None:
+    def __init__(self, profile: str, queued_ms: int = 0, gpu: dict[str, Any] | None = None) -> None:
+        self.profile = profile       # the preload profile of the jail (appliance.jail.profiles)
         self.queued_ms = queued_ms   # time spent in line for the lease (GPU memory), not the slot
         self.gpu = gpu               # the start frame's `gpu` field; None for a CPU run
         self.jail: Jail | None = None
@@ -67,12 +68,13 @@ class LeaseSource(abc.ABC):
 
 
 class PoolLease(Lease):
-    def __init__(self, source: PoolLeases) -> None:
-        super().__init__()
+    def __init__(self, source: PoolLeases, pool: JailPool, profile: str) -> None:
+        super().__init__(profile)
         self._source = source
+        self._pool = pool
 
     async def take(self) -> Jail:
-        self.jail = await self._source.pool.take()
+        self.jail = await self._pool.take()
         return self.jail
 
     async def _end(self) -> None:
@@ -85,16 +87,18 @@ class PoolLease(Lease):
 
 
 class PoolLeases(LeaseSource):
-    """Pooled, single-use CPU jails. A jail's teardown (reap + remove) runs after the run's
-    `done`: its processes were SIGKILLed before, so nothing of it runs meanwhile."""
+    """Pooled, single-use CPU jails, one pool per preload profile; a run gets the profile its
+    code fits. A jail's teardown (reap + remove) runs after the run's `done`: its processes
+    were SIGKILLed before, so nothing of it runs meanwhile."""
 
-    def __init__(self, pool: JailPool) -> None:
-        self.pool = pool
+    def __init__(self, pools: ProfilePools) -> None:
+        self.pools = pools
         self._teardowns: set[asyncio.Task[None]] = set()
 
     @contextlib.asynccontextmanager
     async def lease(self, req: ExecuteRequest) -> AsyncIterator[Lease]:
-        lease = PoolLease(self)
+        profile = self.pools.profile_for(req.code)
+        lease = PoolLease(self, self.pools.pools[profile], profile.name)
         try:
             yield lease
         finally:
@@ -109,4 +113,4 @@ class PoolLeases(LeaseSource):
 
     async def close(self) -> None:
         await asyncio.gather(*self._teardowns, return_exceptions=True)
-        await self.pool.close()
+        await self.pools.close()

@@ -18,10 +18,12 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable
 
 from appliance.errors import JailFailure, JailStartFailed
 from appliance.jail.jail import Jail, JailFactory
+from appliance.jail.profiles import Profile, choose, imports_of
 
 log = logging.getLogger("appliance.pool")
 
@@ -190,3 +192,38 @@ class JailPool:
         await asyncio.gather(*self._watchers, return_exceptions=True)
         while self.ready:
             await self.ready.popleft().destroy()
+
+
+class ProfilePools:
+    """One JailPool per preload profile (appliance.jail.profiles), each sized from its own
+    traffic: a run takes from the pool whose profile fits its code."""
+
+    def __init__(self, pools: dict[Profile, JailPool]) -> None:
+        if not pools:
+            raise ValueError("no pools")
+        self.pools = pools
+        self.profiles = tuple(pools)
+        self.runs: Counter[str] = Counter()      # profile name -> runs given one of its jails
+        self.imported: Counter[str] = Counter()  # preloaded package -> runs whose code imports it
+        self._preloaded = frozenset().union(*(p.tops for p in self.profiles))
+
+    @classmethod
+    def build(cls, profiles: tuple[Profile, ...], make_factory: Callable[[Profile], JailFactory], size: int,
+              max_size: int | None = None) -> ProfilePools:
+        return cls({p: JailPool(make_factory(p), size, max_size=max_size) for p in profiles})
+
+    def profile_for(self, code: str) -> Profile:
+        """The profile a run of `code` gets (and what it is counted as having imported)."""
+        imports = imports_of(code)
+        profile = choose(self.profiles, imports)
+        self.runs[profile.name] += 1
+        self.imported.update(imports & self._preloaded)
+        return profile
+
+    def start(self) -> None:
+        for pool in self.pools.values():
+            pool.start()
+
+    async def close(self) -> None:
+        for pool in self.pools.values():
+            await pool.close()

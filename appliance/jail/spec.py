@@ -73,8 +73,10 @@ class JailSpec:
         return tuple(hidden)
 
 
-def jail_env(settings: Settings, python: Path, runtime: Path) -> tuple[tuple[str, str], ...]:
-    """The complete environment of jailed code: nothing of the server's own env is copied."""
+def jail_env(settings: Settings, python: Path, runtime: Path, preload: tuple[str, ...]
+             ) -> tuple[tuple[str, str], ...]:
+    """The complete environment of jailed code: nothing of the server's own env is copied.
+    `preload`: the modules the driver imports before its first run (the jail's profile)."""
     threads = str(settings.jail_threads)
     env = {
         "HOME": str(WORKSPACE),
@@ -91,7 +93,7 @@ def jail_env(settings: Settings, python: Path, runtime: Path) -> tuple[tuple[str
         "MKL_NUM_THREADS": threads,
         "NUMEXPR_MAX_THREADS": threads,
         "TMPDIR": "/tmp",
-        "APPLIANCE_PRELOAD": ",".join(settings.preload),
+        "APPLIANCE_PRELOAD": ",".join(preload),
     }
     if settings.models_dir is not None:  # read by appliance.tools: models load only from here
         env["SANDBOX_MODELS_DIR"] = str(settings.models_dir)
