@@ -19,7 +19,7 @@ def make_spec(**over: object) -> JailSpec:
         readable=(Path("/srv/venv"), Path("/tmp/appliance/runtime-x")),
         root_entries=("bin", "etc", "home", "opt", "root", "run", "srv", "tmp", "usr", "var", "work"),
         run_entries=("firejail", "secrets", "user"),
-        env=jail_env(SETTINGS, Path("/srv/venv/bin/python"), Path("/tmp/appliance/runtime-x")),
+        env=jail_env(SETTINGS, Path("/srv/venv/bin/python"), Path("/tmp/appliance/runtime-x"), ("numpy",)),
     )
     fields.update(over)
     return JailSpec(**fields)  # type: ignore[arg-type]
@@ -61,6 +61,7 @@ def test_the_environment_is_built_from_scratch() -> None:
     env = dict(a[len("--env="):].split("=", 1) for a in argv if a.startswith("--env="))
     assert env["HOME"] == "/workspace" and env["PATH"].startswith("/srv/venv/bin:")
     assert not {k for k in env if "TOKEN" in k or "SECRET" in k or k.startswith("AWS")}
+    assert env["APPLIANCE_PRELOAD"] == "numpy"  # the jail's preload profile
     assert launcher_env()["container"] == "docker"
 
 

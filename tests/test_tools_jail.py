@@ -90,11 +90,16 @@ async def test_the_models_directory_is_read_only_in_the_jail(tools_server: Serve
 
 async def test_the_tools_package_is_the_only_part_of_the_appliance_the_jail_can_import(
         tools_server: Server) -> None:
-    code = ("import appliance, appliance.tools\nprint(sorted(n for n in dir(appliance) if not n.startswith('_')))\n"
-            "try:\n    import appliance.service\nexcept ImportError:\n    print('no server side')")
+    # The driver's channel is staged as appliance.jail.channel: it and the tools are all the jail sees.
+    code = ("import appliance, appliance.tools, appliance.jail.channel\n"
+            "print(sorted(n for n in dir(appliance) if not n.startswith('_')))\n"
+            "for m in ('appliance.service', 'appliance.jail.jail', 'appliance.settings'):\n"
+            "    try:\n        __import__(m)\n    except ImportError:\n        print('no', m)")
     async with AsyncClient(tools_server.url) as c:
         ex = await c.execute(code)
-    assert ex.status == "ok" and ex.stdout.splitlines() == ["['tools']", "no server side"]
+    assert ex.status == "ok", ex
+    assert ex.stdout.splitlines() == ["['jail', 'tools']", "no appliance.service", "no appliance.jail.jail",
+                                      "no appliance.settings"]
 
 
 async def test_without_a_models_directory_the_tools_say_so(server: Server) -> None:
