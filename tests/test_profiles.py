@@ -140,8 +140,11 @@ async def test_each_profiles_pool_refills_on_its_own(profiled: Server) -> None:
     while True:
         now = pools(profiled)
         seen_bare.append(now["bare"]["ready"])
-        if now["np"]["ready"] >= full["np"]["ready"] and now["np"]["starting"] == 0:
+        # Against the target, not the first reading: a pool may briefly hold more than its
+        # target (a refill that raced the draw), and the first reading may be that moment.
+        if now["np"]["ready"] >= now["np"]["target"] and now["np"]["starting"] == 0:
             break
         assert time.monotonic() < deadline, now
         await asyncio.sleep(0.05)
-    assert min(seen_bare) >= full["bare"]["ready"], "the bare pool was drawn on for a numpy run"
+    assert min(seen_bare) >= min(full["bare"]["ready"], full["bare"]["target"]), \
+        "the bare pool was drawn on for a numpy run"
