@@ -1,24 +1,23 @@
 """Start a real appliance (`python -m appliance serve`) as a subprocess and talk to it.
 
 The benchmark measures the product as deployed: a separate server process, real
-firejail jails, a real WebSocket. This mirrors `tests/support.start_server`, but the
-benchmark is an entry point of its own and does not import the test package.
+firejail jails, a real WebSocket. The server is started by `appliance.local`, the
+same spawner the tests use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
+
+from appliance import local
+from appliance.local import LocalServer
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 120.0
@@ -29,26 +28,10 @@ class BenchError(RuntimeError):
 
 
 @dataclass
-class ApplianceServer:
-    """A running appliance subprocess and where to reach it."""
+class ApplianceServer(LocalServer):
+    """A running appliance subprocess (appliance.local), named for the benchmark's reports."""
 
-    name: str
-    proc: subprocess.Popen[bytes]
-    port: int
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/exec"
-
-    def get(self, path: str) -> tuple[int, str]:
-        """A plain HTTP GET against the server (for /readyz and /metrics)."""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as resp:
-                return int(resp.status), resp.read().decode()
-        except OSError as exc:
-            code = getattr(exc, "code", 0)
-            return int(code or 0), str(exc)
+    name: str = "server"
 
     def metrics(self) -> dict[str, float]:
         """The server's /metrics as {sample name with labels: value} (no parser dependency)."""
@@ -66,49 +49,17 @@ class ApplianceServer:
                 continue
         return samples
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM, wait for the graceful shutdown (which drains the pool), KILL if it hangs."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
     def tail(self, chars: int = 2000) -> str:
-        return self.log.read_text(errors="replace")[-chars:]
+        return self.logs()[-chars:]
 
 
 def start_appliance(name: str, workdir: Path, **env: str) -> ApplianceServer:
     """Start `appliance serve` on a free loopback port with SANDBOX_* overrides; wait for /readyz."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    ready = workdir / f"{name}.port"
-    ready.unlink(missing_ok=True)
-    log = workdir / f"{name}.log"
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")}
-    full_env["SANDBOX_PYTHON"] = sys.executable
-    full_env.update(env)
-    cmd = [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--ready-file", str(ready)]
-    with open(log, "wb") as log_fh:
-        proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.DEVNULL, stderr=log_fh, cwd=REPO)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not ready.exists() or not ready.read_text().strip():
-        if proc.poll() is not None:
-            raise BenchError(f"{name}: server exited {proc.returncode}:\n{log.read_text()[-2000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise BenchError(f"{name}: server did not start:\n{log.read_text()[-2000:]}")
-        time.sleep(0.05)
-    server = ApplianceServer(name, proc, int(ready.read_text()), log)
-    while server.get("/readyz")[0] != 200:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            raise BenchError(f"{name}: server never became ready:\n{server.tail()}")
-        time.sleep(0.1)
-    return server
+    try:
+        server = local.start(workdir, env, name=name, timeout_s=START_TIMEOUT_S, cwd=REPO)
+    except local.ServerStartError as exc:
+        raise BenchError(str(exc)) from exc
+    return ApplianceServer(server.proc, server.port, server.log, server.env, name)
 
 
 async def wait_pool_idle(server: ApplianceServer, floor: int, timeout_s: float = 60.0,

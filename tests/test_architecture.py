@@ -27,7 +27,7 @@ BASE = {"errors", "protocol", "settings", "logs", "metrics", "canary", "admissio
         "openapi", "client", "schema"}
 SERVICE = {"lifecycle", "service", "sessions"}
 TRANSPORT = {"server", "rest", "transport"}
-CLI = {"cli", "__main__", "audit", "__init__"}
+CLI = {"cli", "__main__", "audit", "local", "__init__"}
 IN_JAIL = {"appliance.jail.driver", "appliance.jail.channel", "appliance.jail.appliance_mpl"}
 
 

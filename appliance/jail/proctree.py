@@ -33,3 +33,21 @@ def tree(root: int) -> list[int]:
                 found.append(kid)
                 stack.append(kid)
     return found
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below root that is still running: root itself and zombies left out.
+
+    The one meaning of "descendants" in the house: a zombie holds no memory, no files and
+    runs nothing, so whoever asks "is anything of this run left?" should not see it.
+    """
+    return [pid for pid in tree(root)[1:] if state(pid) not in ("Z", "X", "")]
+
+
+def state(pid: int) -> str:
+    """The one-letter state /proc gives pid (R, S, D, Z, ...), or "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from appliance.client import AsyncClient, Execution
-from appliance.jail import proctree
+from appliance.jail.proctree import descendants
 from tests.support import Server, scaled
 
 # The hostile server is started with these in its environment; no frame may ever carry them.
@@ -65,19 +65,6 @@ async def probe(server: Server, code: str, **fields: Any) -> tuple[Execution, An
     lines = [ln for ln in ex.stdout.splitlines() if ln.strip()]
     assert lines, f"no report printed: status={ex.status} stderr={ex.stderr[-800:]} error={ex.error}"
     return ex, json.loads(lines[-1])
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live, non-zombie process below pid."""
-    return [kid for kid in proctree.tree(pid)[1:] if _state(kid) not in ("Z", "")]
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
 
 
 def run_dirs(server: Server) -> list[str]:
