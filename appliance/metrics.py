@@ -25,6 +25,10 @@ class Metrics:
         self.cold_starts = Counter("appliance_cold_starts", "Runs that found the pool empty", registry=r)
         self.jails_spawned = Counter("appliance_jails_spawned", "Jails started", registry=r)
         self.sessions = Gauge("appliance_sessions_active", "Open sessions", registry=r)
+        self.gpu_sessions = Gauge("appliance_gpu_sessions_active", "Open sessions holding a GPU budget",
+                                  registry=r)
+        self.gpu_session_memory = Gauge("appliance_gpu_session_memory_bytes",
+                                        "GPU memory budgets held by open sessions", registry=r)
         self.bytes_streamed = Counter("appliance_bytes_streamed", "Output bytes sent to clients",
                                       registry=r)
         self.queue_depth = Gauge("appliance_queue_depth", "Requests waiting for a run slot", registry=r)

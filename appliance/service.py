@@ -19,7 +19,7 @@ from typing import Any
 
 from appliance import outputs, protocol
 from appliance.admission import Admission
-from appliance.errors import ApplianceError, Busy, RequestRejected, status_of
+from appliance.errors import ApplianceError, Busy, GpuMemoryLimit, RequestRejected, status_of
 from appliance.jail import channel
 from appliance.jail.cell import CellOutcome, Emit, disk_violation, run_cell
 from appliance.jail.jail import Jail
@@ -142,6 +142,7 @@ class RunService:
         session_id: str | None = None
         profile = "?"
         quota = contextlib.ExitStack()  # the tenant's in-flight slot, held to the end of the run
+        gpu_quota = contextlib.ExitStack()  # its GPU quota: to the end of the run, or of the session
         try:
             if self.tenants is not None:
                 quota.enter_context(self.tenants.request(owner))
@@ -150,10 +151,13 @@ class RunService:
                 session = self.sessions.get(req.session, owner)
                 if session.lock.locked():
                     raise RequestRejected(f"session {req.session} is busy with another request")
-                if req.gpu is not None and session.lease.gpu is None:
-                    raise RequestRejected(f"session {req.session} has no GPU; a later cell cannot ask for one")
-            elif req.session == "new":
-                self.sessions.check_capacity(owner)
+                _check_session_gpu(session, req)
+            else:
+                if req.session == "new":
+                    self.sessions.check_capacity(owner)
+                gpu_mb = self.settings.gpu_budget_mb(req.gpu.memory_mb if req.gpu is not None else None)
+                if self.tenants is not None:
+                    gpu_quota.callback(self.tenants.hold_gpu(owner, gpu_mb))
             await self._until_started(req)
             self.metrics.queue_depth.set(self.admission.waiting + 1)
             if session is not None:
@@ -170,6 +174,7 @@ class RunService:
                     if req.session == "new":
                         session = self.sessions.add(owner, lease, jail)
                         lease.keep()
+                        session.on_close.append(gpu_quota.pop_all().close)  # held as long as it lives
                         session_id = session.id
                         async with session.lock:
                             outcome = await self._session_cell(session, req, emit, run, queued_ms)
@@ -187,6 +192,7 @@ class RunService:
                 req.id, status, duration_ms=_ms_since(started), message=message, session=session_id))
             return
         finally:
+            gpu_quota.close()
             quota.close()
             self.metrics.active_runs.set(self.admission.active)
         assert outcome is not None
@@ -221,11 +227,16 @@ class RunService:
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, body) for /readyz."""
         problems, body = self.lifecycle.readiness()
+        gpu_sessions, gpu_mb = self.sessions.gpu_held()
+        body["sessions"] = {"open": len(self.sessions), "gpu": gpu_sessions, "gpu_memory_mb": gpu_mb}
         return not problems, {"status": "ready" if not problems else "not ready", "problems": problems, **body}
 
     def metrics_text(self) -> bytes:
         self.lifecycle.update_gauges()
         self.metrics.sessions.set(len(self.sessions))
+        gpu_sessions, gpu_mb = self.sessions.gpu_held()
+        self.metrics.gpu_sessions.set(gpu_sessions)
+        self.metrics.gpu_session_memory.set(gpu_mb * 1024 * 1024)
         return self.metrics.render()
 
     # -- internals -----------------------------------------------------------------------------
@@ -301,11 +312,21 @@ class RunService:
             await self.sessions.close(session.id, reason="its interpreter could not be recovered")
             note = "the session has ended: its interpreter could not be recovered"
             outcome.message = f"{outcome.message}; {note}" if outcome.message else note
+        elif outcome.status == GpuMemoryLimit.status:
+            # What went over may still hold the memory (a thread, a cached model): a GPU
+            # session that broke its budget ends, and its grant goes back to the ledger.
+            await self.sessions.close(session.id, reason="a cell went over the session's GPU memory budget")
+            note = "the session has ended: a cell went over its GPU memory budget"
+            outcome.message = f"{outcome.message}; {note}" if outcome.message else note
         self.metrics.sessions.set(len(self.sessions))
         return outcome
 
     async def _between_cells(self, session: Session) -> str | None:
-        """Why an idle session must end now (its files over the disk quota), or None."""
+        """Why an idle session must end now (a watchdog's verdict, its files over the disk
+        quota), or None."""
+        verdict = session.jail.process.violation()
+        if verdict is not None:
+            return f"{verdict.message} (between cells)"
         found = await asyncio.to_thread(disk_violation, session.jail, self.settings.max_disk_mb)
         return f"{found.message} between cells" if found is not None else None
 
@@ -321,6 +342,18 @@ class RunService:
                 await asyncio.to_thread(outputs.persist, files, self.settings.outputs_dir, run_id)
             except OSError as exc:
                 log.error("could not persist outputs", extra={"run": run_id, "error": str(exc)})
+
+
+def _check_session_gpu(session: Session, req: ExecuteRequest) -> None:
+    """A later cell runs under the budget the session opened with: it may repeat it, not change it."""
+    if req.gpu is None:
+        return
+    if session.gpu_mb == 0:
+        raise RequestRejected(f"session {session.id} has no GPU; a later cell cannot ask for one")
+    if req.gpu.memory_mb != session.gpu_mb:
+        raise RequestRejected(
+            f"session {session.id} holds a GPU budget of {session.gpu_mb} MiB for its whole life; a later "
+            f"cell cannot ask for {req.gpu.memory_mb} MiB (omit 'gpu', or open a new session)")
 
 
 async def _safe_emit(emit: Emit, frame: Frame) -> None:

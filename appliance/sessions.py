@@ -36,6 +36,13 @@ class Session:
     jail: Jail
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Called once the session's jail and lease are gone (a tenant's GPU quota, for one).
+    on_close: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def gpu_mb(self) -> int:
+        """The GPU budget this session holds for its whole life (0: none)."""
+        return int(self.lease.gpu["memory_mb"]) if self.lease.gpu is not None else 0
 
 
 Check = Callable[[Session], Awaitable[str | None]]
@@ -56,6 +63,11 @@ class SessionRegistry:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def gpu_held(self) -> tuple[int, int]:
+        """(sessions holding a GPU budget, MiB they hold together)."""
+        held = [s.gpu_mb for s in self._sessions.values() if s.gpu_mb > 0]
+        return len(held), sum(held)
 
     def start(self) -> None:
         if self._reaper is None:
@@ -94,7 +106,11 @@ class SessionRegistry:
             self._ended[session_id] = (session.owner, reason)
             while len(self._ended) > REMEMBER_ENDED:
                 self._ended.popitem(last=False)
-        await session.lease.end()
+        try:
+            await session.lease.end()
+        finally:
+            for release in session.on_close:
+                release()
         return True
 
     async def _watch_idle(self) -> None:

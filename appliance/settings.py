@@ -77,6 +77,12 @@ class Settings:
     gpu_libcuda: str = "libcuda.so.1"     # the CUDA driver library jails load (SANDBOX_GPU_LIBCUDA)
     gpu_simulate_mps: str = "off"         # simulated backend: an MPS daemon (on, ignore-limits)
 
+    def gpu_budget_mb(self, asked_mb: int | None) -> int:
+        """A run's GPU budget: what it asked for, else SANDBOX_GPU_DEFAULT_MB; 0 outside GPU mode."""
+        if not self.gpu:
+            return 0
+        return asked_mb if asked_mb is not None else self.gpu_default_mb
+
 
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
     raw = env.get(name)

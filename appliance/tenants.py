@@ -10,6 +10,7 @@ The file is TOML, one `[[tenant]]` table per tenant:
     max_sessions = 4               # open sessions
     runs_per_minute = 60           # token bucket: refills this many per minute ...
     burst = 10                     # ... and holds at most this many (default: runs_per_minute)
+    max_gpu_mb = 8192              # GPU memory its runs and sessions hold at once (GPU mode)
 
 Every quota is optional (absent: only the server-wide limits apply); unknown keys are
 errors, so a misspelt quota cannot silently switch itself off. A tenant is known by the
@@ -38,7 +39,8 @@ from appliance.errors import Busy, SettingsError
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 MIN_TOKEN_CHARS = 16
-KEYS = {"name", "token", "token_sha256", "max_concurrency", "max_sessions", "runs_per_minute", "burst"}
+KEYS = {"name", "token", "token_sha256", "max_concurrency", "max_sessions", "runs_per_minute", "burst",
+        "max_gpu_mb"}
 
 
 def owner_of(token: str | None) -> str:
@@ -56,6 +58,7 @@ class Tenant:
     max_sessions: int | None = None
     runs_per_minute: float | None = None
     burst: int | None = None
+    max_gpu_mb: int | None = None
 
 
 class TokenBucket:
@@ -132,6 +135,7 @@ def parse(text: str, source: str = "SANDBOX_AUTH_TOKENS_FILE") -> tuple[tuple[Te
             name=name, owner=owner, max_concurrency=_positive_int(entry, "max_concurrency", where),
             max_sessions=_positive_int(entry, "max_sessions", where),
             runs_per_minute=float(rpm) if rpm is not None else None, burst=burst,
+            max_gpu_mb=_positive_int(entry, "max_gpu_mb", where),
         ))
     names = [t.name for t in tenants]
     if len(set(names)) != len(names):
@@ -160,6 +164,7 @@ class _State:
     tenant: Tenant
     bucket: TokenBucket | None
     in_flight: int = 0
+    gpu_mb: int = 0  # GPU budget its runs and sessions hold now
 
 
 class Tenants:
@@ -217,3 +222,30 @@ class Tenants:
             yield
         finally:
             state.in_flight -= 1
+
+    def hold_gpu(self, owner: str, mb: int) -> Callable[[], None]:
+        """Hold mb of the owner's GPU quota until the returned release is called (once is enough).
+
+        Raises Busy naming the quota when the tenant's runs and sessions would hold more
+        than max_gpu_mb. A session holds its budget for its whole life, a run for its own.
+        """
+        state = self._states.get(owner)
+        if state is None or mb <= 0 or state.tenant.max_gpu_mb is None:
+            return _nothing
+        quota = state.tenant.max_gpu_mb
+        if state.gpu_mb + mb > quota:
+            raise Busy(f"tenant {state.tenant.name!r} is at its GPU quota (max_gpu_mb={quota}: "
+                       f"{state.gpu_mb} MiB held by its runs and sessions, {mb} MiB asked); "
+                       f"try again when one ends")
+        state.gpu_mb += mb
+        held = [mb]
+
+        def release() -> None:
+            if held:
+                state.gpu_mb -= held.pop()
+
+        return release
+
+
+def _nothing() -> None:
+    return None

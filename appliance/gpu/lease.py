@@ -162,7 +162,7 @@ class GpuLeases(LeaseSource):
     # -- per run ---------------------------------------------------------------------------
     def budget_mb(self, req: ExecuteRequest) -> int:
         """The run's GPU budget: its own, else SANDBOX_GPU_DEFAULT_MB (0: the run gets no GPU)."""
-        return req.gpu.memory_mb if req.gpu is not None else self.settings.gpu_default_mb
+        return self.settings.gpu_budget_mb(req.gpu.memory_mb if req.gpu is not None else None)
 
     @contextlib.asynccontextmanager
     async def lease(self, req: ExecuteRequest) -> AsyncIterator[Lease]:
@@ -173,9 +173,8 @@ class GpuLeases(LeaseSource):
             async with self.cpu.lease(req) as cpu_lease:
                 yield cpu_lease
             return
-        if req.session is not None:
-            # A session would hold GPU memory between requests, unseen by the ledger's queue.
-            raise RequestRejected("sessions are not available for GPU runs; send one-shot requests")
+        # A session ("new") holds this grant for its whole life: the service keeps the lease
+        # and the ledger counts it like a run until the session ends (SessionRegistry.close).
         if not self.watchdog.healthy and self.watchdog.faults >= self.watchdog.fault_grace:
             raise RequestRejected(f"GPU runs are paused: the GPU backend fails ({self.watchdog.last_error})")
         profile = choose(self.profiles, imports_of(req.code))

@@ -196,6 +196,13 @@ class JailProcess:
         self._urgent.append(Violation(error))
         self._wake.set()
 
+    def violation(self) -> RunLimit | None:
+        """A watchdog's verdict that no cell has taken yet (one that came between cells)."""
+        for item in self._urgent:
+            if isinstance(item, Violation):
+                return item.error
+        return None
+
     def interrupt(self, reason: str) -> None:
         """The client (or the server) asks the current run to stop."""
         self._urgent.append(InterruptRequest(reason))

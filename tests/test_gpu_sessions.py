@@ -1,0 +1,230 @@
+"""GPU sessions: a session opened with a GPU budget holds one device and that budget for its
+whole life; its cells keep their state; the watchdog holds between cells; per-tenant GPU
+quotas. A real server and real jails on the simulated GPU backend (no GPU here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import tenants
+from appliance.client import AsyncClient
+from appliance.errors import Busy
+from appliance.jail.proctree import descendants
+from tests.support import Server, scaled, start_server
+
+MARGIN_MB = 128
+ALICE = "alice-" + secrets.token_hex(12)
+BOB = "bob-" + secrets.token_hex(12)
+TOKENS = f"""
+[[tenant]]
+name = "alice"
+token = "{ALICE}"
+max_gpu_mb = 1500
+
+[[tenant]]
+name = "bob"
+token = "{BOB}"
+"""
+
+
+def gpu_env(control: Path) -> dict[str, str]:
+    return {"SANDBOX_GPU": "1", "SANDBOX_GPU_BACKEND": "simulated", "SANDBOX_GPU_SIMULATE": "1x4096",
+            "SANDBOX_GPU_SIMULATE_FILE": str(control), "SANDBOX_GPU_MARGIN_MB": str(MARGIN_MB),
+            "SANDBOX_GPU_DEFAULT_MB": "512", "SANDBOX_GPU_POLL_MS": "100", "SANDBOX_GPU_QUEUE_MS": "60000",
+            "SANDBOX_PRELOAD": ""}
+
+
+@pytest.fixture(scope="module")
+def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    tmp = tmp_path_factory.mktemp("gpu-sessions")
+    control = tmp / "sim.json"
+    srv = start_server(tmp / "srv", **gpu_env(control))
+    yield srv, control
+    srv.stop()
+
+
+def simulate(control: Path, **state: object) -> None:
+    tmp = control.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    tmp.replace(control)
+
+
+def readyz(server: Server) -> dict[str, Any]:
+    status, body = server.get("/readyz")
+    found: dict[str, Any] = json.loads(body)
+    return found
+
+
+def reserved_mb(server: Server) -> int:
+    return sum(int(d["reserved_mb"]) for d in readyz(server)["gpu"]["devices"])
+
+
+def pid_named(server: Server, comm: str, timeout: float = 10) -> int:
+    """The host PID of the server's descendant whose /proc comm is `comm`."""
+    deadline = time.monotonic() + scaled(timeout)
+    while time.monotonic() < deadline:
+        for pid in descendants(server.proc.pid):
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == comm:
+                    return pid
+            except OSError:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no process named {comm!r} under the server")
+
+
+# The interpreter renames itself (prctl PR_SET_NAME) so the test can find its host PID.
+RENAME = "import ctypes\nctypes.CDLL(None).prctl(15, b'{name}', 0, 0, 0)\n"
+
+
+async def test_a_gpu_session_keeps_its_state_and_its_grant_across_cells(gpu_server: tuple[Server, Path]) -> None:
+    srv, _ = gpu_server
+    async with AsyncClient(srv.url) as c:
+        first = await c.execute("import os\nx = 41\nprint(os.environ['CUDA_VISIBLE_DEVICES'])",
+                                session="new", gpu={"memory_mb": 1000})
+        assert first.status == "ok", first.frames
+        sid = str(first.session)
+        assert first.frames[0]["gpu"]["memory_mb"] == 1000
+        # Between cells the grant stays held: the ledger and /readyz count it like a run.
+        assert reserved_mb(srv) == 1000
+        assert readyz(srv)["sessions"] == {"open": 1, "gpu": 1, "gpu_memory_mb": 1000}
+        _, text = srv.get("/metrics")
+        samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        assert float(samples["appliance_gpu_sessions_active"]) == 1
+        assert float(samples["appliance_gpu_session_memory_bytes"]) == 1000 * 1024 * 1024
+        later = [await c.execute("x += 1\nprint(x, os.environ['CUDA_VISIBLE_DEVICES'])", session=sid)
+                 for _ in range(3)]
+        assert [e.status for e in later] == ["ok"] * 3, [e.frames for e in later]
+        device = first.stdout.strip()
+        assert [e.stdout for e in later] == [f"{n} {device}\n" for n in (42, 43, 44)]
+        same = await c.execute("print('same budget')", session=sid, gpu={"memory_mb": 1000})
+        assert same.status == "ok"
+        other = await c.execute("print('ran')", session=sid, gpu={"memory_mb": 2000})
+        assert other.status == "rejected" and other.stdout == ""
+        assert "1000 MiB for its whole life" in (other.message or "")
+        assert await c.close_session(sid)
+    deadline = time.monotonic() + scaled(10)
+    while reserved_mb(srv) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert reserved_mb(srv) == 0, "closing the session gave its GPU budget back"
+    assert readyz(srv)["sessions"]["gpu"] == 0
+
+
+async def test_a_run_queued_behind_a_gpu_session_starts_once_the_session_closes(
+        gpu_server: tuple[Server, Path]) -> None:
+    srv, _ = gpu_server
+    big = 4096 - MARGIN_MB - 100
+    async with AsyncClient(srv.url) as c:
+        opened = await c.execute("y = 1", session="new", gpu={"memory_mb": big})
+        assert opened.status == "ok", opened.frames
+        waiter = asyncio.create_task(c.execute("print('late')", gpu={"memory_mb": 1000}))
+        await asyncio.sleep(1.5)
+        assert not waiter.done(), "the session's budget leaves no room: the run waits in line"
+        assert readyz(srv)["gpu"]["queued"] == 1
+        assert await c.close_session(str(opened.session))
+        ex = await asyncio.wait_for(waiter, scaled(20))
+    assert ex.status == "ok" and ex.stdout == "late\n" and ex.frames[0]["queued_ms"] >= 1000
+
+
+async def test_a_gpu_session_over_its_budget_between_cells_ends_with_a_clear_message(
+        gpu_server: tuple[Server, Path]) -> None:
+    srv, control = gpu_server
+    async with AsyncClient(srv.url) as c:
+        opened = await c.execute(RENAME.format(name="gpusess77") + "z = 1", session="new",
+                                 gpu={"memory_mb": 1000})
+        assert opened.status == "ok", opened.frames
+        sid = str(opened.session)
+        pid = await asyncio.to_thread(pid_named, srv, "gpusess77")
+        # The interpreter itself (what a loaded model or a thread keeps) goes over, between cells.
+        simulate(control, processes=[{"pid": pid, "gpu": 0, "used_mb": 1000 + MARGIN_MB + 50}])
+        try:
+            deadline = time.monotonic() + scaled(15)
+            while readyz(srv)["sessions"]["open"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            later = await c.execute("print(z)", session=sid)
+        finally:
+            simulate(control)
+    assert later.status == "rejected" and later.stdout == ""
+    assert "has ended" in (later.message or "") and "between cells" in (later.message or "")
+    assert "GPU" in (later.message or "")
+    assert not Path(f"/proc/{pid}").exists(), "the session's interpreter is gone"
+    assert reserved_mb(srv) == 0
+
+
+async def test_a_gpu_session_whose_cell_goes_over_budget_ends(gpu_server: tuple[Server, Path]) -> None:
+    srv, control = gpu_server
+    async with AsyncClient(srv.url) as c:
+        opened = await c.execute(RENAME.format(name="gpucell66") + "w = 1", session="new",
+                                 gpu={"memory_mb": 700})
+        sid = str(opened.session)
+        pid = await asyncio.to_thread(pid_named, srv, "gpucell66")
+        cell = asyncio.create_task(c.execute("import time\nprint('up', flush=True)\ntime.sleep(30)", session=sid))
+        await asyncio.sleep(1.0)
+        simulate(control, processes=[{"pid": pid, "gpu": 0, "used_mb": 700 + MARGIN_MB + 1}])
+        try:
+            ex = await asyncio.wait_for(cell, scaled(15))
+        finally:
+            simulate(control)
+        assert ex.status == "gpu_memory_limit", ex.frames
+        assert "session has ended" in (ex.message or "")
+        after = await c.execute("print(w)", session=sid)
+    assert after.status == "rejected" and "GPU memory budget" in (after.message or "")
+    assert reserved_mb(srv) == 0
+
+
+# -- per-tenant GPU quota ------------------------------------------------------------------------
+
+def test_max_gpu_mb_is_parsed_and_held_until_released() -> None:
+    found, _ = tenants.parse(TOKENS)
+    assert {t.name: t.max_gpu_mb for t in found} == {"alice": 1500, "bob": None}
+    reg = tenants.Tenants(found)
+    alice = tenants.owner_of(ALICE)
+    release = reg.hold_gpu(alice, 1000)
+    with pytest.raises(Busy, match=r"max_gpu_mb=1500: 1000 MiB held .* 1000 MiB asked"):
+        reg.hold_gpu(alice, 1000)
+    small = reg.hold_gpu(alice, 500)
+    release()
+    release()  # twice is once
+    reg.hold_gpu(alice, 1000)
+    small()
+    reg.hold_gpu(tenants.owner_of(BOB), 100000)  # no quota: nothing held, nothing refused
+    with pytest.raises(Exception, match="max_gpu_mb must be a whole number"):
+        tenants.parse(f"[[tenant]]\nname='a'\ntoken='{ALICE}'\nmax_gpu_mb=0")
+
+
+@pytest.fixture(scope="module")
+def tenant_gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("gpu-tenants")
+    path = tmp / "tokens.toml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(TOKENS)
+    srv = start_server(tmp / "srv", SANDBOX_AUTH_TOKENS_FILE=str(path), **gpu_env(tmp / "sim.json"))
+    yield srv
+    srv.stop()
+
+
+async def test_a_tenant_over_its_gpu_quota_gets_busy_while_another_runs(tenant_gpu_server: Server) -> None:
+    srv = tenant_gpu_server
+    async with AsyncClient(srv.url, ALICE) as alice, AsyncClient(srv.url, BOB) as bob:
+        opened = await alice.execute("a = 1", session="new", gpu={"memory_mb": 1000})
+        assert opened.status == "ok", opened.frames
+        over = await alice.execute("print('ran')", gpu={"memory_mb": 600})
+        assert over.status == "busy" and "max_gpu_mb=1500" in (over.message or "") and over.stdout == ""
+        fits = await alice.execute("print('fits')", gpu={"memory_mb": 500})
+        assert fits.status == "ok" and fits.stdout == "fits\n"
+        other = await bob.execute("print('bob')", gpu={"memory_mb": 2000})
+        assert other.status == "ok" and other.stdout == "bob\n"
+        assert await alice.close_session(str(opened.session))
+        again = await alice.execute("print('again')", gpu={"memory_mb": 1500})
+    assert again.status == "ok" and again.stdout == "again\n"
