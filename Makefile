@@ -37,6 +37,7 @@ check: lint test
 
 bench: setup
 	$(PY) -m benchmarks
+	$(PY) -m benchmarks.inference
 
 # The adversarial suite, and its report in security/ (make test runs the attacks, writes nothing).
 audit: setup

@@ -145,3 +145,19 @@ def test_mps_contention_benchmark_contains_a_runaway_by_kill_without_mps_and_by_
     assert (tmp_path / "gpu_mps_contention_simulated_quick.png").read_bytes()[:8] == PNG_MAGIC
     assert any(line.startswith("GPU run time p50") and line.endswith("x") for line in proc.stdout.splitlines()), \
         "the side-by-side ratio is printed"
+
+
+@pytest.mark.slow
+def test_the_inference_benchmark_runs_end_to_end_and_reports_its_ratios(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.inference", "--quick", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=scaled(600))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "inference_quick.json").read_text())
+    s = doc["summary"]
+    assert s["session_speedup"] > 0 and s["tokens_per_s"]["jail_p50"] > 0 and s["tokens_per_s"]["host_p50"] > 0
+    assert s["whisper_rtf"]["jail_p50"] > 0 and s["whisper_rtf"]["host_p50"] > 0
+    assert s["tokens_per_run"] == 16, "every generation ran its full count (EOS held off)"
+    assert len(doc["jail"]["session"]) == doc["reps"] and len(doc["host"]["llm"]) == doc["reps"]
+    md = (tmp_path / "inference_quick.md").read_text()
+    assert "session speed-up" in md and "jail overhead, tokens/s" in md
+    assert (tmp_path / "inference_quick.png").read_bytes().startswith(PNG_MAGIC)
