@@ -92,65 +92,74 @@ def last_json(stdout: str) -> dict[str, Any]:
     return found
 
 
-async def in_jail(url: str, reps: int, tokens: int, quick: bool) -> dict[str, Any]:
+class Outside:
+    """The same libraries in this process, no jail: the baseline for the jail's overhead.
+
+    Its samples are taken interleaved with the jail's, one after the other, so that a
+    change in the machine's load weighs on both sides alike."""
+
+    def __init__(self, models: Path, threads: int, n_ctx: int) -> None:
+        import llama_cpp
+        from pywhispercpp.model import Model
+
+        t0 = time.perf_counter()
+        self.llm = llama_cpp.Llama(model_path=str(models / LLM), n_ctx=n_ctx, n_gpu_layers=0,
+                                   n_threads=threads, seed=0, verbose=False)
+        self.load_s = time.perf_counter() - t0
+        self.whisper = Model(str(models / WHISPER), redirect_whispercpp_logs_to=None, n_threads=threads,
+                             print_progress=False, print_realtime=False)
+        self.audio = np.random.default_rng(0).uniform(-0.1, 0.1, int(16000 * AUDIO_S)).astype(np.float32)
+
+    def generate(self, tokens: int) -> dict[str, Any]:
+        t1 = time.perf_counter()
+        got: Any = self.llm("hello world", max_tokens=tokens, temperature=0.0, logit_bias=EOS_BIAS)
+        return {"gen_s": time.perf_counter() - t1, "tokens": got["usage"]["completion_tokens"]}
+
+    def transcribe(self) -> dict[str, Any]:
+        t1 = time.perf_counter()
+        self.whisper.transcribe(self.audio)
+        return {"s": time.perf_counter() - t1}
+
+
+async def measure(url: str, models: Path, reps: int, tokens: int, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(in the jail, outside): one-shot loads, then session cells and whisper, interleaved."""
     from appliance.client import AsyncClient
 
-    async def checked(client: AsyncClient, code: str, **kw: Any) -> tuple[dict[str, Any], float, Any]:
+    sessions: list[str] = []
+
+    async def checked(client: AsyncClient, code: str, **kw: Any) -> tuple[dict[str, Any], float]:
         t0 = time.perf_counter()
         ex = await client.execute(code, timeout_ms=120000, **kw)
         wall = time.perf_counter() - t0
         if ex.status != "ok":
             raise BenchError(f"run ended {ex.status}: {ex.message} {ex.stderr[-800:]}")
-        return last_json(ex.stdout), wall, ex
+        if ex.session is not None:
+            sessions.append(str(ex.session))
+        return last_json(ex.stdout), wall
 
-    out: dict[str, Any] = {"one_shot": [], "session": [], "whisper": []}
+    jail: dict[str, Any] = {"one_shot": [], "session": [], "whisper": []}
+    host: dict[str, Any] = {"llm": [], "whisper": []}
+    load = LOAD_AND_GENERATE.format(llm=LLM, tokens=tokens, bias=EOS_BIAS)
     async with AsyncClient(url) as client:
         for _ in range(reps):  # each run loads the model into a fresh jail
-            report, wall, _ = await checked(client, LOAD_AND_GENERATE.format(llm=LLM, tokens=tokens, bias=EOS_BIAS))
-            out["one_shot"].append({**report, "wall_s": wall})
-        sid = None
-        async with AsyncClient(url) as c2:
-            first = await c2.execute(LOAD_AND_GENERATE.format(llm=LLM, tokens=tokens, bias=EOS_BIAS),
-                                     session="new", timeout_ms=120000)
-            if first.status != "ok":
-                raise BenchError(f"session's first cell ended {first.status}: {first.message}")
-            sid = str(first.session)
-            out["session_first"] = {**last_json(first.stdout)}
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                ex = await c2.execute(GENERATE.format(tokens=tokens, bias=EOS_BIAS), session=sid, timeout_ms=120000)
-                if ex.status != "ok":
-                    raise BenchError(f"session cell ended {ex.status}: {ex.message}")
-                out["session"].append({**last_json(ex.stdout), "wall_s": time.perf_counter() - t0})
-            await c2.close_session(sid)
+            report, wall = await checked(client, load)
+            jail["one_shot"].append({**report, "wall_s": wall})
+        first = jail["one_shot"][0]
+        outside = Outside(models, int(first["threads"]), int(first["n_ctx"]))
+        host["load_s"] = outside.load_s
+        report, _ = await checked(client, load, session="new")
+        jail["session_first"] = report
+        sid = sessions[-1]
+        for _ in range(reps):
+            report, wall = await checked(client, GENERATE.format(tokens=tokens, bias=EOS_BIAS), session=sid)
+            jail["session"].append({**report, "wall_s": wall})
+            host["llm"].append(outside.generate(tokens))
+        await client.close_session(sid)
         for _ in range(max(1, reps // (3 if quick else 2))):
-            report, wall, _ = await checked(client, TRANSCRIBE.format(seconds=AUDIO_S, whisper=WHISPER))
-            out["whisper"].append({**report, "wall_s": wall})
-    return out
-
-
-def outside(models: Path, reps: int, tokens: int, threads: int, n_ctx: int, quick: bool) -> dict[str, Any]:
-    """The same libraries in this process, no jail: the baseline for the jail's overhead."""
-    import llama_cpp
-    from pywhispercpp.model import Model
-
-    out: dict[str, Any] = {"llm": [], "whisper": []}
-    t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=str(models / LLM), n_ctx=n_ctx, n_gpu_layers=0, n_threads=threads,
-                          seed=0, verbose=False)
-    out["load_s"] = time.perf_counter() - t0
-    for _ in range(reps):
-        t1 = time.perf_counter()
-        got: Any = llm("hello world", max_tokens=tokens, temperature=0.0, logit_bias=EOS_BIAS)
-        out["llm"].append({"gen_s": time.perf_counter() - t1, "tokens": got["usage"]["completion_tokens"]})
-    whisper = Model(str(models / WHISPER), redirect_whispercpp_logs_to=None, n_threads=threads,
-                    print_progress=False, print_realtime=False)
-    audio = np.random.default_rng(0).uniform(-0.1, 0.1, int(16000 * AUDIO_S)).astype(np.float32)
-    for _ in range(max(1, reps // (3 if quick else 2))):
-        t1 = time.perf_counter()
-        whisper.transcribe(audio)
-        out["whisper"].append({"s": time.perf_counter() - t1})
-    return out
+            report, wall = await checked(client, TRANSCRIBE.format(seconds=AUDIO_S, whisper=WHISPER))
+            jail["whisper"].append({**report, "wall_s": wall})
+            host["whisper"].append(outside.transcribe())
+    return jail, host
 
 
 def p(values: list[float]) -> dict[str, float]:
@@ -250,11 +259,10 @@ def main(argv: list[str] | None = None) -> int:
                              SANDBOX_PRELOAD_PROFILES="tools=numpy,llama_cpp,pywhispercpp.model,appliance.tools",
                              SANDBOX_MAX_EXEC_MS="120000", SANDBOX_MEMORY_MB="2048")
     try:
-        jail = asyncio.run(in_jail(server.url, reps, tokens, args.quick))
+        jail, host = asyncio.run(measure(server.url, models, reps, tokens, args.quick))
     finally:
         server.stop()
     first = jail["one_shot"][0]
-    host = outside(models, reps, tokens, int(first["threads"]), int(first["n_ctx"]), args.quick)
     doc = {"meta": meta_line(started), "models": "generated" if args.models_dir is None else str(models),
            "threads": first["threads"], "reps": reps, "summary": summarise(jail, host), "jail": jail,
            "host": host}
