@@ -23,8 +23,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[science,test,gpu,bench]'
 	@touch $@
 
+# Every SANDBOX_* setting (from the environment or `make run SANDBOX_X=...`) reaches the server:
+# sudo's env_reset would drop them, so scripts/serve.sh passes each as an `env NAME=value` argument.
 run: setup
-	$(SUDO) env SANDBOX_PYTHON=$(PY) $(VENV)/bin/appliance serve --host $(HOST) --port $(PORT)
+	SUDO="$(SUDO)" scripts/serve.sh $(VENV) --host $(HOST) --port $(PORT)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
