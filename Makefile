@@ -21,10 +21,13 @@ $(VENV)/.installed: pyproject.toml
 	@if [ ! -x $(PY) ]; then $(SUDO) mkdir -p $(dir $(VENV)) && $(SUDO) chown "$$(id -u)" $(dir $(VENV)) 2>/dev/null; /usr/bin/python3 -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[science,test,gpu,bench]'
+	@scripts/cuda-build.sh $(PY)   # CUDA llama.cpp only with APPLIANCE_CUDA_BUILD=1 (a long build)
 	@touch $@
 
+# Every SANDBOX_* setting (from the environment or `make run SANDBOX_X=...`) reaches the server:
+# sudo's env_reset would drop them, so scripts/serve.sh passes each as an `env NAME=value` argument.
 run: setup
-	$(SUDO) env SANDBOX_PYTHON=$(PY) $(VENV)/bin/appliance serve --host $(HOST) --port $(PORT)
+	SUDO="$(SUDO)" scripts/serve.sh $(VENV) --host $(HOST) --port $(PORT)
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

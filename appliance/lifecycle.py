@@ -13,7 +13,7 @@ import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from appliance import canary
+from appliance import canary, toolprobe
 from appliance.errors import StartupError
 from appliance.jail.cell import run_cell
 from appliance.jail.host import HostFacts, inspect, readable_ancestors_problem
@@ -51,6 +51,7 @@ class Lifecycle:
         self.started = asyncio.Event()
         self.ready_problems: list[str] = ["starting"]
         self.canary_port = 0
+        self.tools: toolprobe.ToolProbe | None = None   # what llama.cpp / whisper.cpp can do here
         self._task: asyncio.Task[None] | None = None
         self._counted: dict[str, Counter[str]] = {k: Counter() for k in ("cold", "runs", "imported", "spawned")}
 
@@ -95,6 +96,9 @@ class Lifecycle:
         if removed:
             log.info("purged stale run directories", extra={"dirs": [str(p) for p in removed]})
         runtime = await asyncio.to_thread(stage_runtime, s.tmp_root, s.python)
+        if toolprobe.wanted(s.models_dir, s.gpu):
+            self.tools = toolprobe.ToolProbe(s.python, s.gpu)
+            self.tools.start(runtime)
         if s.open_ports:
             self.network = EgressNetwork(s)
             await self.network.start()
@@ -121,6 +125,8 @@ class Lifecycle:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.tools is not None:
+            await self.tools.close()
         if self.gpu is not None:
             await self.gpu.close()  # and the CPU pool it was given
         elif self.cpu is not None:
@@ -176,9 +182,15 @@ class Lifecycle:
             "memory_cap": "RLIMIT_AS",
             "firejail": self.host.firejail_version if self.host else None,
         }
+        if self.tools is not None:  # per binding: does it import, can it offload to a GPU
+            body["tools"] = self.tools.report()
+            problems += self.tools.problems()
         if self.gpu is not None:  # GPU mode: each enforcement layer, available or not
             body["gpu"] = self.gpu.layers()
             problems += self.gpu.problems()
+            if self.tools is not None and isinstance(body["gpu"].get("shaping"), dict):
+                llama = body["tools"].get("llama_cpp") or {}
+                body["gpu"]["shaping"]["gpu_offload"] = llama.get("gpu_offload")
         return problems, body
 
     def _pool_sets(self) -> list[ProfilePools]:

@@ -25,7 +25,7 @@ LAYERS: dict[str, set[str]] = {
 }
 BASE = {"errors", "protocol", "settings", "logs", "metrics", "canary", "admission", "tenants", "outputs",
         "openapi", "client", "schema"}
-SERVICE = {"lifecycle", "service", "sessions"}
+SERVICE = {"lifecycle", "service", "sessions", "toolprobe"}
 TRANSPORT = {"server", "rest", "transport"}
 CLI = {"cli", "__main__", "audit", "local", "__init__"}
 IN_JAIL = {"appliance.jail.driver", "appliance.jail.channel", "appliance.jail.appliance_mpl"}

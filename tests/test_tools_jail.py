@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import pytest
 
 from appliance.client import AsyncClient
 from tests.models import write_corrupt_model, write_tiny_llama, write_tiny_whisper
-from tests.support import Server, start_server
+from tests.support import Server, scaled, start_server
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +109,102 @@ async def test_without_a_models_directory_the_tools_say_so(server: Server) -> No
     async with AsyncClient(server.url) as c:
         ex = await c.execute("from appliance.tools import load_llm\nload_llm('tiny-llama.gguf')")
     assert ex.status == "error" and ex.error is not None and "SANDBOX_MODELS_DIR" in ex.error["evalue"]
+
+
+async def test_transcribe_reuses_its_model_and_runs_with_the_runs_threads_on_the_cpu(tools_server: Server) -> None:
+    code = ("import json, os, numpy as np\nfrom appliance import tools\n"
+            "a = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin')\n"
+            "b = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin')\n"
+            "m = tools.load_whisper('tiny-whisper.bin')\n"
+            "print(json.dumps({'cache': tools.cache_info()['whisper'], 'gpu': a.placement.use_gpu,\n"
+            "  'threads': a.placement.n_threads, 'omp': os.environ['OMP_NUM_THREADS'],\n"
+            "  'lib_use_gpu': m._context_params.use_gpu, 'lib_threads': m.get_params()['n_threads']}))\n"
+            "del m  # the cache drops its old model; nothing else may hold it (one whisper fits RLIMIT_AS)\n"
+            "c = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin',\n"
+            "    n_threads=int(os.environ['OMP_NUM_THREADS']) + 1)\n"
+            "print(json.dumps(tools.cache_info()['whisper']))")
+    async with AsyncClient(tools_server.url) as c:
+        ex = await c.execute(code, timeout_ms=30000)
+    assert ex.status == "ok", (ex.error, ex.stderr)
+    first, after = (json.loads(line) for line in ex.stdout.splitlines())
+    assert first["cache"] == {"loads": 1, "hits": 2, "held": 1}  # one load for three calls
+    # No GPU granted: whisper.cpp is told so (its own default is use_gpu=True), threads from the run.
+    assert first["gpu"] is False and first["lib_use_gpu"] is False
+    assert first["threads"] == int(first["omp"]) == first["lib_threads"]
+    assert after == {"loads": 2, "hits": 2, "held": 1}  # other parameters: loaded again, the old one dropped
+
+
+async def test_load_llm_reuses_its_model_for_the_same_parameters(tools_server: Server) -> None:
+    code = ("from appliance import tools\na = tools.load_llm('tiny-llama.gguf')\nb = tools.load_llm('tiny-llama.gguf')\n"
+            "c = tools.load_llm('tiny-llama.gguf', n_ctx=128)\nprint(a is b, a is c, tools.cache_info()['llm'])")
+    async with AsyncClient(tools_server.url) as c:
+        ex = await c.execute(code, timeout_ms=30000)
+    assert ex.status == "ok", (ex.error, ex.stderr)
+    assert ex.stdout.strip() == "True False {'loads': 2, 'hits': 1, 'held': 1}"
+
+
+async def test_readyz_reports_what_each_model_binding_can_do(tools_server: Server) -> None:
+    deadline = time.monotonic() + scaled(60)
+    while True:
+        status, body = tools_server.get("/readyz")
+        tools = json.loads(body)["tools"]
+        if not tools.get("probing") or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert status == 200
+    assert tools["llama_cpp"]["available"] is True and tools["llama_cpp"]["gpu_offload"] is False
+    assert tools["whisper"]["available"] is True and tools["whisper"]["gpu_offload"] is False
+    assert tools["ggml_conflicts"] == []
+
+
+@pytest.fixture(scope="module")
+def gpu_tools_server(tmp_path_factory: pytest.TempPathFactory, models: Path) -> Iterator[Server]:
+    """GPU mode (simulated devices) with the GPU preload: warm jails import llama.cpp and whisper.cpp."""
+    srv = start_server(tmp_path_factory.mktemp("gpu-tools"), SANDBOX_MODELS_DIR=str(models), SANDBOX_GPU="1",
+                       SANDBOX_GPU_BACKEND="simulated", SANDBOX_GPU_SIMULATE="8192",
+                       SANDBOX_PRELOAD="llama_cpp,pywhispercpp.model,appliance.tools")
+    yield srv
+    srv.stop()
+
+
+async def test_a_warm_gpu_jail_runs_llama_and_whisper_in_one_process(gpu_tools_server: Server) -> None:
+    code = ("import sys, json, warnings, numpy as np\npreloaded = 'llama_cpp' in sys.modules and "
+            "'pywhispercpp.model' in sys.modules\nfrom appliance import tools\nfrom appliance.tools import backends\n"
+            "with warnings.catch_warnings(record=True) as seen:\n    warnings.simplefilter('always')\n"
+            "    llm = tools.load_llm('tiny-llama.gguf')\n"
+            "text = llm('hello', max_tokens=4)\nt = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin')\n"
+            "print(json.dumps({'preloaded': preloaded, 'layers': llm.shape.n_gpu_layers, 'text': isinstance(text, str),\n"
+            "  'warned': [str(w.message) for w in seen], 'whisper_gpu': t.placement.use_gpu, 'why': t.placement.reason,\n"
+            "  'conflicts': backends.probe()['ggml_conflicts']}))")
+    async with AsyncClient(gpu_tools_server.url) as c:
+        ex = await c.execute(code, gpu={"memory_mb": 2048}, timeout_ms=30000)
+    assert ex.status == "ok", (ex.error, ex.stderr)
+    out = json.loads(ex.stdout)
+    assert out["preloaded"] is True and out["text"] is True and out["conflicts"] == []
+    # A CPU build of llama.cpp with a GPU budget: on the CPU, and the run is told why and how to fix it.
+    assert out["layers"] == 0 and any("-DGGML_CUDA=on" in w for w in out["warned"]), out
+    assert out["whisper_gpu"] is False and "no GPU backend" in out["why"]
+
+
+@pytest.mark.parametrize("call", ["load_llm('tiny-llama.gguf', n_gpu_layers=-1)",
+                                  "load_llm('tiny-llama.gguf', n_gpu_layers=2)",
+                                  "transcribe('a.wav', model='tiny-whisper.bin', use_gpu=True)"])
+async def test_asking_a_cpu_build_for_gpu_work_is_a_clear_error_naming_the_fix(
+        gpu_tools_server: Server, call: str) -> None:
+    async with AsyncClient(gpu_tools_server.url) as c:
+        ex = await c.execute(f"from appliance.tools import load_llm, transcribe\n{call}", gpu={"memory_mb": 2048})
+    assert ex.status == "error" and ex.error is not None and ex.error["ename"] == "ModelError", ex.frames
+    assert 'CMAKE_ARGS="-DGGML_CUDA=on"' in ex.error["evalue"] and "cannot offload" in ex.error["evalue"] \
+        or "no GPU backend" in ex.error["evalue"]
+
+
+async def test_gpu_readyz_says_whether_shaping_can_offload(gpu_tools_server: Server) -> None:
+    deadline = time.monotonic() + scaled(60)
+    while True:
+        status, body = gpu_tools_server.get("/readyz")
+        ready = json.loads(body)
+        if not ready["tools"].get("probing") or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert status == 200, body
+    assert ready["gpu"]["shaping"]["gpu_offload"] is False and ready["tools"]["llama_cpp"]["gpu_offload"] is False

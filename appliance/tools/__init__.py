@@ -11,11 +11,21 @@ models directory (SANDBOX_MODELS_DIR), never from the network.
     print(transcribe("speech.wav", model="ggml-base.en.bin").text)
 """
 
+from typing import Any
+
+from appliance.tools import llm as _llm
+from appliance.tools import whisper as _whisper
 from appliance.tools.llm import Llm, load_llm
 from appliance.tools.models import ModelError, gpu_grant, models_dir, resolve_model
 from appliance.tools.whisper import Transcript, load_whisper, transcribe
 
+
+def cache_info() -> dict[str, Any]:
+    """How often this process loaded a model and how often it reused one: {"llm": ..., "whisper": ...}."""
+    return {"llm": _llm.cache_info(), "whisper": _whisper.cache_info()}
+
+
 __all__ = [
-    "Llm", "ModelError", "Transcript", "gpu_grant", "load_llm", "load_whisper", "models_dir",
-    "resolve_model", "transcribe",
+    "Llm", "ModelError", "Transcript", "cache_info", "gpu_grant", "load_llm", "load_whisper",
+    "models_dir", "resolve_model", "transcribe",
 ]

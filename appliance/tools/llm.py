@@ -1,12 +1,15 @@
-"""`load_llm`: a llama.cpp model (llama-cpp-python) shaped to the run's GPU budget."""
+"""`load_llm`: a llama.cpp model (llama-cpp-python) shaped to the run's GPU budget, loaded once per process."""
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
-from appliance.tools import shaping
-from appliance.tools.models import ModelError, gpu_grant, resolve_model, threads
+from appliance.tools import backends, shaping
+from appliance.tools.models import ModelCache, ModelError, gpu_grant, resolve_model, threads
+
+_CACHE: ModelCache[Llm] = ModelCache()
 
 
 class Llm:
@@ -28,11 +31,14 @@ class Llm:
 
 def load_llm(path: str | os.PathLike[str], *, n_ctx: int | None = None, n_gpu_layers: int | None = None,
              seed: int = 0, **kwargs: Any) -> Llm:
-    """Load a GGUF model from the models directory.
+    """Load a GGUF model from the models directory (the same model and parameters: the one already loaded).
 
     Without explicit values, `n_gpu_layers` and `n_ctx` come from the run's GPU budget
     and the model's metadata (no GPU granted: everything on the CPU). An explicit
-    `n_gpu_layers` is capped at what the budget allows.
+    `n_gpu_layers` is capped at what the budget allows; a negative one (llama.cpp's "all
+    layers") asks for every layer that fits. Asking for GPU layers from a llama.cpp build
+    that cannot offload is a ModelError naming the fix; when the layers came from the
+    budget alone, a warning says so and the model runs on the CPU.
     """
     real = resolve_model(path)
     try:
@@ -40,17 +46,33 @@ def load_llm(path: str | os.PathLike[str], *, n_ctx: int | None = None, n_gpu_la
     except shaping.GgufError as exc:
         raise ModelError(f"cannot load {os.fspath(path)!r}: {exc}") from None
     grant = gpu_grant()
-    shape = shaping.choose(info, grant["memory_mb"] if grant else None, n_ctx)
-    if n_gpu_layers is not None:
-        shape = shaping.LlamaShape(min(n_gpu_layers, shape.n_gpu_layers), shape.n_ctx,
-                                   shaping.estimate_mb(info, min(n_gpu_layers, shape.n_gpu_layers), shape.n_ctx))
-    import llama_cpp
-
+    shape = shaping.shape_llama(info, grant["memory_mb"] if grant else None, n_ctx, n_gpu_layers)
+    if shape.n_gpu_layers > 0 and not backends.llama_cpp()["gpu_offload"]:
+        if n_gpu_layers is not None:
+            raise ModelError(f"n_gpu_layers={n_gpu_layers}: this llama-cpp-python build cannot offload to a GPU "
+                             f"(llama_supports_gpu_offload() is False); "
+                             + backends.CUDA_FIX.format(package="llama-cpp-python")
+                             + ", or pass n_gpu_layers=0")
+        warnings.warn("this llama-cpp-python build cannot offload to a GPU, so the model runs on the CPU; "
+                      + backends.CUDA_FIX.format(package="llama-cpp-python"), RuntimeWarning, stacklevel=2)
+        shape = shaping.LlamaShape(0, shape.n_ctx, 0)
     kwargs.setdefault("verbose", False)
     kwargs.setdefault("n_threads", threads())
-    try:
-        model = llama_cpp.Llama(model_path=real, n_ctx=shape.n_ctx, n_gpu_layers=shape.n_gpu_layers,
-                                seed=seed, **kwargs)
-    except (ValueError, RuntimeError, OSError) as exc:
-        raise ModelError(f"llama.cpp could not load {os.fspath(path)!r}: {exc}") from None
-    return Llm(model, real, shape)
+    key = (shape.n_ctx, shape.n_gpu_layers, seed, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+
+    def load() -> Llm:
+        import llama_cpp
+
+        try:
+            model = llama_cpp.Llama(model_path=real, n_ctx=shape.n_ctx, n_gpu_layers=shape.n_gpu_layers,
+                                    seed=seed, **kwargs)
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise ModelError(f"llama.cpp could not load {os.fspath(path)!r}: {exc}") from None
+        return Llm(model, real, shape)
+
+    return _CACHE.get(real, key, load)
+
+
+def cache_info() -> dict[str, int]:
+    """{"loads", "hits", "held"} of load_llm in this process."""
+    return _CACHE.info()

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 # Written by the server into the run's working directory when the run was granted a GPU.
 from appliance.jail.channel import GRANT_FILE
 
 MODELS_ENV = "SANDBOX_MODELS_DIR"
+T = TypeVar("T")
 
 
 class ModelError(Exception):
@@ -61,3 +64,34 @@ def threads() -> int:
         return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
     except ValueError:
         return 1
+
+
+class ModelCache(Generic[T]):
+    """Loaded models of this process, one per model file: the same file with the same
+    parameters is the loaded one; other parameters replace it (two copies of one model
+    would hold its memory twice). A file changed on disk since is loaded again."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[Any, T]] = {}
+        self.loads = 0
+        self.hits = 0
+
+    def get(self, real: str, params: Any, load: Callable[[], T]) -> T:
+        """The model at real path `real` loaded with `params`: held, or `load()`ed now."""
+        st = os.stat(real)
+        key = (st.st_mtime_ns, st.st_size, st.st_ino, params)
+        held = self._held.get(real)
+        if held is not None and held[0] == key:
+            self.hits += 1
+            return held[1]
+        if self._held.pop(real, None) is not None:  # free the old one before loading its replacement
+            del held
+            gc.collect()  # bindings' models sit in reference cycles; their native memory goes with them
+        model = load()
+        self.loads += 1
+        self._held[real] = (key, model)
+        return model
+
+    def info(self) -> dict[str, int]:
+        """{"loads", "hits", "held"} so far."""
+        return {"loads": self.loads, "hits": self.hits, "held": len(self._held)}

@@ -177,3 +177,43 @@ def choose(info: GgufInfo, budget_mb: int | None, n_ctx: int | None = None) -> L
         if n_ctx is not None or ctx <= MIN_CTX:  # an explicit context is kept: go to the CPU
             return LlamaShape(n_gpu_layers=0, n_ctx=ctx, estimate_mb=0)
         ctx = max(MIN_CTX, ctx // 2)
+
+
+def shape_llama(info: GgufInfo, budget_mb: int | None, n_ctx: int | None = None,
+                n_gpu_layers: int | None = None) -> LlamaShape:
+    """`choose`, with an explicit n_gpu_layers capped at what fits; negative means all layers
+    (llama.cpp's -1), which is every layer that fits, not -1 passed through unshaped."""
+    shape = choose(info, budget_mb, n_ctx)
+    if n_gpu_layers is None:
+        return shape
+    wanted = info.n_layer + 1 if n_gpu_layers < 0 else n_gpu_layers
+    layers = min(wanted, shape.n_gpu_layers)
+    return LlamaShape(layers, shape.n_ctx, estimate_mb(info, layers, shape.n_ctx))
+
+
+# whisper.cpp on a GPU: the weights, plus its compute buffers and KV caches (a few hundred
+# MiB for the small models), plus the CUDA context. An estimate, like estimate_mb.
+WHISPER_BUFFERS_MB = 256
+
+
+@dataclass(frozen=True)
+class WhisperPlacement:
+    use_gpu: bool
+    n_threads: int
+    estimate_mb: int     # GPU memory expected when use_gpu (0 on the CPU)
+    reason: str          # why it runs where it runs
+
+
+def place_whisper(file_bytes: int, budget_mb: int | None, can_offload: bool, n_threads: int,
+                  use_gpu: bool | None = None) -> WhisperPlacement:
+    """GPU when granted, offload-capable, wanted (use_gpu not False) and within the budget; else CPU."""
+    need = int(OVERHEAD_MB + WHISPER_BUFFERS_MB + file_bytes / MIB + 0.999)
+    if use_gpu is False:
+        return WhisperPlacement(False, n_threads, 0, "use_gpu=False")
+    if not budget_mb:
+        return WhisperPlacement(False, n_threads, 0, "no GPU granted to this run")
+    if not can_offload:
+        return WhisperPlacement(False, n_threads, 0, "this whisper.cpp build has no GPU backend")
+    if need > budget_mb:
+        return WhisperPlacement(False, n_threads, 0, f"needs about {need} MiB of GPU memory; the budget is {budget_mb}")
+    return WhisperPlacement(True, n_threads, need, f"about {need} MiB of the {budget_mb} MiB budget")

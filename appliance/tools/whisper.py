@@ -1,4 +1,4 @@
-"""`transcribe`: speech to text with whisper.cpp (pywhispercpp)."""
+"""`transcribe`: speech to text with whisper.cpp (pywhispercpp), under the run's budget, loaded once per process."""
 
 from __future__ import annotations
 
@@ -7,39 +7,67 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.tools.models import ModelError, resolve_model, threads
+from appliance.tools import backends, shaping
+from appliance.tools.models import ModelCache, ModelError, gpu_grant, resolve_model, threads
 
 GGML_MAGIC = 0x67676D6C
+_CACHE: ModelCache[Any] = ModelCache()
 
 
 @dataclass(frozen=True)
 class Transcript:
     text: str
     segments: tuple[tuple[float, float, str], ...]   # (start s, end s, text)
+    placement: shaping.WhisperPlacement | None = None  # where the model ran (GPU or CPU, threads)
 
     def __str__(self) -> str:
         return self.text
 
 
-def load_whisper(model: str | os.PathLike[str], **params: Any) -> Any:
-    """A pywhispercpp Model for a ggml whisper file in the models directory."""
+def load_whisper(model: str | os.PathLike[str], *, use_gpu: bool | None = None, **params: Any) -> Any:
+    """A pywhispercpp Model for a ggml whisper file in the models directory, placed by the run's
+    budget (see `shaping.place_whisper`); the same file and parameters: the one already loaded."""
+    return _load(model, use_gpu, params)[0]
+
+
+def _load(model: str | os.PathLike[str], use_gpu: bool | None, params: dict[str, Any]) -> tuple[Any, Any]:
     real = resolve_model(model)
     _check_header(real, os.fspath(model))
-    from pywhispercpp.model import Model
-
-    params.setdefault("n_threads", threads())
+    grant = gpu_grant()
+    offload = bool(backends.whisper()["gpu_offload"])
+    if use_gpu and grant and not offload:
+        raise ModelError("use_gpu=True: this pywhispercpp build has no GPU backend "
+                         f"(ggml backends: {', '.join(backends.whisper()['backends']) or 'none'}); "
+                         + backends.CUDA_FIX.format(package="pywhispercpp") + ", or pass use_gpu=False")
+    placement = shaping.place_whisper(os.path.getsize(real), grant["memory_mb"] if grant else None,
+                                      offload, threads(), use_gpu)
+    params.setdefault("n_threads", placement.n_threads)
     params.setdefault("print_progress", False)
     params.setdefault("print_realtime", False)
-    try:
-        return Model(real, redirect_whispercpp_logs_to=None, **params)
-    except (RuntimeError, ValueError, OSError) as exc:
-        raise ModelError(f"whisper.cpp could not load {os.fspath(model)!r}: {exc}") from None
+    context: dict[str, Any] = {"use_gpu": placement.use_gpu}
+    if placement.use_gpu:
+        context["gpu_device"] = 0  # CUDA_VISIBLE_DEVICES shows the jail its one device as 0
+    key = (tuple(sorted(context.items())), tuple(sorted((k, repr(v)) for k, v in params.items())))
+
+    def load() -> Any:
+        from pywhispercpp.model import Model
+
+        try:
+            return Model(real, redirect_whispercpp_logs_to=None, context_params=context, **params)  # type: ignore[arg-type]
+        except (RuntimeError, ValueError, OSError, TypeError) as exc:
+            raise ModelError(f"whisper.cpp could not load {os.fspath(model)!r}: {exc}") from None
+
+    return _CACHE.get(real, key, load), placement
 
 
-def transcribe(audio_path_or_array: Any, model: str | os.PathLike[str] = "ggml-base.en.bin",
-               **params: Any) -> Transcript:
-    """Transcribe a 16 kHz audio file path (in the jail) or a float32 mono numpy array."""
-    whisper = load_whisper(model, **params)
+def transcribe(audio_path_or_array: Any, model: str | os.PathLike[str] = "ggml-base.en.bin", *,
+               use_gpu: bool | None = None, **params: Any) -> Transcript:
+    """Transcribe a 16 kHz audio file path (in the jail) or a float32 mono numpy array.
+
+    The model runs where the run's budget puts it: on the granted GPU when the build can
+    offload and the model fits the budget, else on the CPU; with the run's thread count.
+    """
+    whisper, placement = _load(model, use_gpu, params)
     media = audio_path_or_array
     if isinstance(media, (str, os.PathLike)):
         media = os.fspath(media)
@@ -47,7 +75,12 @@ def transcribe(audio_path_or_array: Any, model: str | os.PathLike[str] = "ggml-b
             raise ModelError(f"no audio file {media!r}")
     segments = whisper.transcribe(media)
     parts = tuple((s.t0 / 100.0, s.t1 / 100.0, str(s.text)) for s in segments)
-    return Transcript(text="".join(p[2] for p in parts).strip(), segments=parts)
+    return Transcript(text="".join(p[2] for p in parts).strip(), segments=parts, placement=placement)
+
+
+def cache_info() -> dict[str, int]:
+    """{"loads", "hits", "held"} of transcribe/load_whisper in this process."""
+    return _CACHE.info()
 
 
 def _check_header(real: str, shown: str) -> None:
