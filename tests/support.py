@@ -51,6 +51,8 @@ class Server:
         """(status, body text) of a plain HTTP call, errors included."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.http + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
         if token:
             req.add_header("Authorization", f"Bearer {token}")
         try:
