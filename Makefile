@@ -3,7 +3,8 @@ SHELL := /bin/bash
 VENV := $(shell scripts/venv-dir.sh)
 PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-HOST ?= 0.0.0.0
+# Loopback only by default; `make run HOST=0.0.0.0` exposes the server (set SANDBOX_AUTH_TOKEN first).
+HOST ?= 127.0.0.1
 PORT ?= 9100
 PYTEST_ARGS ?=
 

@@ -105,6 +105,8 @@ def _json(schema: str) -> dict[str, Any]:
 
 
 _UNAUTHORIZED = {"description": "missing or wrong bearer token", "content": _json("HttpError")}
+_NOT_JSON = {"description": "the body was not sent as Content-Type: application/json; nothing ran",
+             "content": _json("DoneFrame")}
 
 
 @functools.cache
@@ -146,6 +148,8 @@ def openapi_document() -> dict[str, Any]:
                     "400": {"description": "rejected: nothing ran; `message` says why",
                             "content": _json("DoneFrame")},
                     "401": _UNAUTHORIZED,
+                    "415": _NOT_JSON,
+                    "429": {"description": "busy: over the tenant's rate limit", "content": _json("DoneFrame")},
                 }}},
             "/v1/sessions": {"post": {
                 "summary": "Open a stateful session (optionally running code in it)",
@@ -157,6 +161,7 @@ def openapi_document() -> dict[str, Any]:
                     "429": {"description": "busy: too many sessions", "content": _json("DoneFrame")},
                     "500": {"description": "the appliance failed", "content": _json("DoneFrame")},
                     "401": _UNAUTHORIZED,
+                    "415": _NOT_JSON,
                 }}},
             "/v1/sessions/{session_id}": {"delete": {
                 "summary": "End a session and its jail",
@@ -170,8 +175,11 @@ def openapi_document() -> dict[str, Any]:
             "/readyz": {"get": {"summary": "A canary run proved the jail", "security": [],
                                 "responses": {"200": {"description": "ready"},
                                               "503": {"description": "not ready; `problems` says why"}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [],
-                                 "responses": {"200": {"description": "text exposition format"}}}},
+            "/metrics": {"get": {
+                "summary": "Prometheus metrics",
+                "description": ("Needs a bearer token when tokens are configured; only "
+                                "SANDBOX_METRICS_TOKEN when that is set."),
+                "responses": {"200": {"description": "text exposition format"}, "401": _UNAUTHORIZED}}},
             "/openapi.json": {"get": {"summary": "This document", "security": [],
                                       "responses": {"200": {"description": "OpenAPI 3.0.3"}}}},
             "/docs": {"get": {"summary": "This document, rendered (Swagger UI, served from the package)",

@@ -73,6 +73,8 @@ class LimitSettings(Protocol):
     def max_upload_bytes(self) -> int: ...
     @property
     def gpu(self) -> bool: ...
+    @property
+    def max_upload_files(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,13 @@ class Limits:
     max_message_bytes: int
     max_upload_bytes: int
     gpu_enabled: bool = False
+    max_upload_files: int = 1000
 
     @classmethod
     def from_settings(cls, settings: LimitSettings) -> "Limits":
         """The one place that turns settings into codec limits (every transport uses it)."""
-        return cls(settings.max_message_bytes, settings.max_upload_bytes, gpu_enabled=settings.gpu)
+        return cls(settings.max_message_bytes, settings.max_upload_bytes, gpu_enabled=settings.gpu,
+                   max_upload_files=settings.max_upload_files)
 
 
 def new_request_id() -> str:
@@ -254,14 +258,19 @@ _FIELD_ORDER = {
 }
 
 
-def parse_client_frame(frame: str | bytes, limits: Limits) -> ClientMessage:
-    """Turn one client frame into a typed message, or raise ProtocolError naming the problem."""
-    # surrogatepass: a str frame may hold lone surrogates; they are refused below, not crashed on.
+def check_size(frame: str | bytes, limits: Limits) -> None:
+    """ProtocolError if the frame is over SANDBOX_MAX_MESSAGE_BYTES: checked before any parsing."""
+    # surrogatepass: a str frame may hold lone surrogates; they are refused later, not crashed on.
     size = len(frame.encode("utf-8", "surrogatepass") if isinstance(frame, str) else frame)
     if size > limits.max_message_bytes:
         raise ProtocolError(
             f"frame of {size} bytes exceeds SANDBOX_MAX_MESSAGE_BYTES ({limits.max_message_bytes})"
         )
+
+
+def parse_client_frame(frame: str | bytes, limits: Limits) -> ClientMessage:
+    """Turn one client frame into a typed message, or raise ProtocolError naming the problem."""
+    check_size(frame, limits)
     # The stdlib decoder, not pydantic's: what counts as JSON on the wire stays exactly as it was.
     try:
         obj = json.loads(frame)
@@ -272,6 +281,11 @@ def parse_client_frame(frame: str | bytes, limits: Limits) -> ClientMessage:
     if not isinstance(obj, dict):
         raise ProtocolError(f"frame must be a JSON object, got {_json_type(obj)}")
     kind = obj.get("type", "execute")
+    files = obj.get("files")
+    # Counted before any validation: per entry, validation costs far more than decoding did.
+    if kind == "execute" and isinstance(files, list) and len(files) > limits.max_upload_files:
+        raise ProtocolError(f"'files' has {len(files)} entries; SANDBOX_MAX_UPLOAD_FILES allows "
+                            f"{limits.max_upload_files}", _optional_id(obj))
     adapter = _ADAPTERS.get(kind) if isinstance(kind, str) else None
     if adapter is None:
         request_id = _optional_id(obj)

@@ -7,7 +7,8 @@
 - `GET /openapi.json` and `GET /docs`: the API description, generated from the protocol's
   models (appliance.openapi); `/docs` is Swagger UI served from the installed
   swagger-ui-bundle package, and its page may load nothing from any other origin.
-Bearer auth is applied by the server's middleware to every `/v1` route.
+Bearer auth is applied by the server's middleware to every `/v1` route, and so is the
+`Origin` check; a POST whose body is not `Content-Type: application/json` gets 415.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ import swagger_ui_bundle
 from aiohttp import web
 
 from appliance import protocol
-from appliance.errors import Cancelled
+from appliance.errors import Busy, Cancelled
 from appliance.openapi import openapi_document
 from appliance.protocol import ExecuteRequest, ProtocolError
 from appliance.service import RunService
-from appliance.transport import send_within, until_gone
+from appliance.transport import PARSER_KEY, send_within, until_gone
 
 NDJSON = "application/x-ndjson"
+JSON = "application/json"
 
 
 def _rejected(message: str, rid: str | None = None, status: int = 400) -> web.Response:
@@ -36,11 +38,16 @@ def _rejected(message: str, rid: str | None = None, status: int = 400) -> web.Re
     return web.json_response(frame, status=status)
 
 
-async def _parse(request: web.Request, service: RunService, default: str | None = None) -> ExecuteRequest:
+def _busy(exc: Busy) -> web.Response:
+    return web.json_response(protocol.done_frame(protocol.new_request_id(), exc.status, message=exc.message),
+                             status=429)
+
+
+async def _parse(request: web.Request, owner: str, default: str | None = None) -> ExecuteRequest:
     raw = await request.read()
     if not raw.strip() and default is not None:
         raw = default.encode()
-    message = protocol.parse_client_frame(raw, service.limits)
+    message = await request.app[PARSER_KEY].parse(raw, owner)
     if not isinstance(message, ExecuteRequest):
         raise ProtocolError("this endpoint takes an execute request", getattr(message, "id", None))
     return message
@@ -48,9 +55,11 @@ async def _parse(request: web.Request, service: RunService, default: str | None 
 
 async def exec_ndjson(request: web.Request, service: RunService, owner: str) -> web.StreamResponse:
     try:
-        req = await _parse(request, service)
+        req = await _parse(request, owner)
     except ProtocolError as exc:
         return _rejected(exc.message, exc.request_id)
+    except Busy as exc:
+        return _busy(exc)
     response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
     await response.prepare(request)
     stall_s = service.settings.client_stall_ms / 1000
@@ -76,9 +85,11 @@ async def exec_ndjson(request: web.Request, service: RunService, owner: str) -> 
 
 async def open_session(request: web.Request, service: RunService, owner: str) -> web.Response:
     try:
-        req = await _parse(request, service, default='{"code": ""}')
+        req = await _parse(request, owner, default='{"code": ""}')
     except ProtocolError as exc:
         return _rejected(exc.message, exc.request_id)
+    except Busy as exc:
+        return _busy(exc)
     if req.session is not None:
         return _rejected("POST /v1/sessions opens a new session; leave 'session' out", req.id)
     frames = await service.open_session(req, owner)
@@ -165,10 +176,15 @@ async def docs_asset(request: web.Request) -> web.StreamResponse:
 def add_routes(
     app: web.Application, service_key: web.AppKey[Any], owner_for: Callable[[web.Request], str]
 ) -> None:
-    """Register the REST routes; `owner_for` names the caller (sessions are bound to it)."""
+    """Register the REST routes; `owner_for` names the caller (sessions are bound to it).
+    Frames are parsed by the app's FrameParser (`PARSER_KEY`)."""
 
     def bind(handler: Any) -> Any:
         async def wrapped(request: web.Request) -> web.StreamResponse:
+            if request.method == "POST" and request.content_type != JSON:
+                # A browser sends text/plain, form and multipart bodies across origins with no
+                # CORS preflight; application/json it may only send after one, which we never grant.
+                return _rejected(f"a POST body must be sent as Content-Type: {JSON}", status=415)
             response: web.StreamResponse = await handler(request, request.app[service_key], owner_for(request))
             return response
 

@@ -1,6 +1,7 @@
 """HTTP + WebSocket transport on one port. Moves frames; all decisions live elsewhere.
 
 Routes: `GET /exec` (WebSocket), `/healthz`, `/readyz`, `/metrics`.
+Every route refuses a browser `Origin` that SANDBOX_ALLOWED_ORIGINS does not list (403).
 Half-close: when the client's Close frame arrives while runs are in flight, the
 server keeps streaming them to their `done` and only then answers the Close (RFC
 6455 §5.5.1 lets an endpoint finish sending before it replies with Close).
@@ -17,7 +18,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from appliance import protocol, rest
-from appliance.errors import Cancelled, RequestRejected
+from appliance.errors import Busy, Cancelled, RequestRejected
 from appliance.protocol import (
     CloseSessionMessage,
     ExecuteRequest,
@@ -27,7 +28,16 @@ from appliance.protocol import (
 )
 from appliance.service import Run, RunService
 from appliance.settings import Settings
-from appliance.transport import bearer_token, is_gone, send_within, until_gone
+from appliance.transport import (
+    PARSER_KEY,
+    FrameParser,
+    bearer_token,
+    exposed_without_token,
+    is_gone,
+    origin_allowed,
+    send_within,
+    until_gone,
+)
 
 log = logging.getLogger("appliance.server")
 
@@ -37,25 +47,40 @@ OWNER = "appliance.owner"  # request key: who the caller is, set by the auth mid
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Before any route: a browser origin not allowed gets 403, a missing or wrong token 401
+    (/metrics: see `RunService.may_read_metrics`)."""
     service = request.app[SERVICE_KEY]
-    protected = request.path == "/exec" or request.path.startswith("/v1")
-    if protected:
+    if not origin_allowed(request.headers.getall("Origin", []), service.settings.allowed_origins):
+        # A page on another origin may open a WebSocket or send a "simple" POST without any
+        # CORS preflight; only the operator's own list of origins may reach the API.
+        return web.json_response({"error": "this request's Origin is not in SANDBOX_ALLOWED_ORIGINS"},
+                                 status=403)
+    if request.path == "/metrics":
+        if not service.may_read_metrics(bearer_token(request)):
+            return _unauthorized()
+    elif request.path == "/exec" or request.path.startswith("/v1"):
         owner = service.identify(bearer_token(request))
         if owner is None:
-            return web.json_response({"error": "missing or wrong bearer token"}, status=401,
-                                     headers={"WWW-Authenticate": "Bearer"})
+            return _unauthorized()
         request[OWNER] = owner
     response: web.StreamResponse = await handler(request)
     return response
 
 
+def _unauthorized() -> web.Response:
+    return web.json_response({"error": "missing or wrong bearer token"}, status=401,
+                             headers={"WWW-Authenticate": "Bearer"})
+
+
 class Connection:
     """One WebSocket client: its in-flight requests and a serialised sender."""
 
-    def __init__(self, ws: web.WebSocketResponse, request: web.Request, service: RunService, owner: str) -> None:
+    def __init__(self, ws: web.WebSocketResponse, request: web.Request, service: RunService, owner: str,
+                 parser: FrameParser) -> None:
         self.ws = ws
         self.request = request
         self.service = service
+        self.parser = parser
         self.owner = owner
         self.runs: dict[str, Run] = {}
         self._send_lock = asyncio.Lock()
@@ -80,9 +105,12 @@ class Connection:
     async def handle_frame(self, data: str | bytes) -> None:
         service = self.service
         try:
-            message = protocol.parse_client_frame(data, service.limits)
+            message = await self.parser.parse(data, self.owner)
         except ProtocolError as exc:
             await self.reject(exc.request_id or protocol.new_request_id(), exc.message)
+            return
+        except Busy as exc:
+            await self._send_quietly(protocol.done_frame(protocol.new_request_id(), exc.status, message=exc.message))
             return
         if isinstance(message, ExecuteRequest):
             if message.id in self.runs:
@@ -159,7 +187,7 @@ async def exec_socket(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(autoclose=False, compress=False,
                                max_msg_size=settings.max_message_bytes * 2 + 4096)
     await ws.prepare(request)
-    conn = Connection(ws, request, service, request[OWNER])
+    conn = Connection(ws, request, service, request[OWNER], request.app[PARSER_KEY])
     request.app["connections"].add(conn)
     half_closed = False
     try:
@@ -209,6 +237,7 @@ async def metrics(request: web.Request) -> web.Response:
 def make_app(service: RunService) -> web.Application:
     app = web.Application(middlewares=[auth_middleware], client_max_size=service.settings.max_message_bytes)
     app[SERVICE_KEY] = service
+    app[PARSER_KEY] = FrameParser(service)
     app["connections"] = set()
     app.router.add_get("/exec", exec_socket)
     app.router.add_get("/healthz", healthz)
@@ -229,6 +258,7 @@ async def serve(settings: Settings, host: str, port: int, ready_file: str | None
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
     bound = _bound_port(runner) or port
+    _warn_if_exposed(service, runner)
     try:
         await service.start(canary_port=bound)
     except BaseException:  # a refusal found while starting (e.g. MPS required, not proven)
@@ -263,6 +293,22 @@ async def serve(settings: Settings, host: str, port: int, ready_file: str | None
     await service.close()  # 4. drain the pool and sessions
     await runner.cleanup()
     log.info("stopped")
+
+
+def _warn_if_exposed(service: RunService, runner: web.AppRunner) -> None:
+    """No token and a non-loopback address: anyone who can reach it runs code. Allowed (a
+    private network may be the operator's choice), but said loudly, in the log and /readyz."""
+    s = service.settings
+    if s.auth_token is not None or s.auth_tokens_file is not None:
+        return
+    hosts = [str(addr[0]) for addr in runner.addresses if isinstance(addr, tuple) and addr]
+    exposed = exposed_without_token(hosts)
+    if exposed:
+        warning = (f"no SANDBOX_AUTH_TOKEN or SANDBOX_AUTH_TOKENS_FILE, yet listening on "
+                   f"{', '.join(sorted(set(exposed)))}: anyone who can reach this port can run code")
+        service.warnings.append(warning)
+        log.warning(f"UNAUTHENTICATED AND EXPOSED: {warning}",
+                    extra={"addresses": exposed, "fix": "set SANDBOX_AUTH_TOKEN, or --host 127.0.0.1"})
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:

@@ -103,6 +103,7 @@ class RunService:
         self.sessions = SessionRegistry(settings.max_sessions, settings.session_idle_s, self._between_cells,
                                         session_limits)
         self.limits = protocol.Limits.from_settings(settings)
+        self.warnings: list[str] = []  # how this server is exposed less safely than it could be (/readyz)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def check_host(self) -> None:
@@ -126,6 +127,25 @@ class RunService:
         if expected is not None and not hmac.compare_digest((token or "").encode(), expected.encode()):
             return None
         return owner_of(token)
+
+    def may_read_metrics(self, token: str | None) -> bool:
+        """/metrics: only SANDBOX_METRICS_TOKEN when set; else any caller's token when tokens
+        are configured; open only where everything is. Constant time."""
+        expected = self.settings.metrics_token
+        if expected is not None:
+            return hmac.compare_digest((token or "").encode(), expected.encode())
+        if self.tenants is None and self.settings.auth_token is None:
+            return True
+        return token is not None and self.identify(token) is not None
+
+    def over_rate(self, owner: str) -> str | None:
+        """Why this caller may send no costly frame now (its tenant's rate bucket is empty), or None."""
+        return self.tenants.over_rate(owner) if self.tenants is not None else None
+
+    def charge_rejected(self, owner: str) -> None:
+        """A frame of this caller's was refused: it costs a rate token, like a run."""
+        if self.tenants is not None:
+            self.tenants.charge(owner)
 
     # -- runs --------------------------------------------------------------------------------
     def submit(self, req: ExecuteRequest, owner: str, emit: Emit) -> Run:
@@ -229,6 +249,8 @@ class RunService:
         problems, body = self.lifecycle.readiness()
         gpu_sessions, gpu_mb = self.sessions.gpu_held()
         body["sessions"] = {"open": len(self.sessions), "gpu": gpu_sessions, "gpu_memory_mb": gpu_mb}
+        if self.warnings:  # a warning never makes the server unready: it says what to fix
+            body["warning"] = "; ".join(self.warnings)
         return not problems, {"status": "ready" if not problems else "not ready", "problems": problems, **body}
 
     def metrics_text(self) -> bytes:

@@ -46,6 +46,11 @@ class Settings:
     max_queue: int = 100
     uid: int = 1001
     auth_token: str | None = field(default=None, repr=False)
+    # Browser origins allowed to call the API (SANDBOX_ALLOWED_ORIGINS); empty: none.
+    allowed_origins: tuple[str, ...] = ()
+    # The only token /metrics accepts, when set (SANDBOX_METRICS_TOKEN).
+    metrics_token: str | None = field(default=None, repr=False)
+    max_upload_files: int = 1000          # file entries one request may carry (SANDBOX_MAX_UPLOAD_FILES)
     open_ports: tuple[int, ...] = ()
     egress_allow_nets: tuple[str, ...] = ()  # private IPv4 networks runs may reach (SANDBOX_EGRESS_ALLOW_NETS)
     egress_dns: tuple[str, ...] = ()         # resolvers reachable when 53 is open (SANDBOX_EGRESS_DNS)
@@ -134,6 +139,44 @@ def _ipv4(env: Mapping[str, str], name: str, networks: bool) -> tuple[str, ...]:
             raise SettingsError(f"{name}: {part!r} is IPv6; only IPv4 egress is supported")
         found.append(str(net))
     return tuple(found)
+
+
+ORIGIN_RE = re.compile(r"^(https?)://([a-z0-9.-]+|\[[0-9a-f:.]+\])(?::(\d{1,5}))?$")
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origins(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """Comma-separated exact origins, each written the way a browser sends it in `Origin`
+    (lower case, no path, no default port), so that what is listed can match at all."""
+    found: list[str] = []
+    for part in (p.strip() for p in env.get(name, "").split(",")):
+        if not part:
+            continue
+        if part == "*" or "*" in part:
+            raise SettingsError(f"{name}: {part!r}: wildcards are not allowed; list exact origins "
+                                "like https://app.example.com")
+        match = ORIGIN_RE.match(part)
+        if match is None:
+            raise SettingsError(f"{name}: {part!r} is not an origin like https://app.example.com[:port] "
+                                "(lower case, scheme http or https, no path or trailing slash)")
+        scheme, host, port = match.groups()
+        if port is not None:
+            number = int(port)
+            canonical = f"{scheme}://{host}" + ("" if number == DEFAULT_PORTS[scheme] else f":{number}")
+            if not 0 < number < 65536:
+                raise SettingsError(f"{name}: {part!r}: port must be 1-65535")
+            if canonical != part:  # a browser never sends a default port or a leading zero
+                raise SettingsError(f"{name}: {part!r} would never match; browsers send it as {canonical}")
+        if part not in found:
+            found.append(part)
+    return tuple(found)
+
+
+def _token(env: Mapping[str, str], name: str) -> str | None:
+    token = env.get(name) or None
+    if token is not None and (len(token) < 8 or any(c.isspace() for c in token)):
+        raise SettingsError(f"{name}: must be at least 8 characters with no whitespace")
+    return token
 
 
 def _modules(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -256,9 +299,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
     python = Path(python_raw) if python_raw else Path(sys.executable)
     if not python.is_absolute():
         raise SettingsError(f"SANDBOX_PYTHON: must be an absolute path, got {python_raw!r}")
-    token = env.get("SANDBOX_AUTH_TOKEN") or None
-    if token is not None and (len(token) < 8 or any(c.isspace() for c in token)):
-        raise SettingsError("SANDBOX_AUTH_TOKEN: must be at least 8 characters with no whitespace")
+    token = _token(env, "SANDBOX_AUTH_TOKEN")
     pool_size = _int(env, "SANDBOX_POOL_SIZE", D.pool_size)
     gpu = _bool(env, "SANDBOX_GPU")
     preload = _modules(env, "SANDBOX_PRELOAD", DEFAULT_PRELOAD + GPU_PRELOAD if gpu else DEFAULT_PRELOAD)
@@ -280,6 +321,9 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         max_queue=_int(env, "SANDBOX_MAX_QUEUE", D.max_queue),
         uid=_int(env, "SANDBOX_UID", D.uid, minimum=1),
         auth_token=token,
+        allowed_origins=_origins(env, "SANDBOX_ALLOWED_ORIGINS"),
+        metrics_token=_token(env, "SANDBOX_METRICS_TOKEN"),
+        max_upload_files=_int(env, "SANDBOX_MAX_UPLOAD_FILES", D.max_upload_files),
         open_ports=_ports(env, "SANDBOX_OPEN_PORTS"),
         egress_allow_nets=_ipv4(env, "SANDBOX_EGRESS_ALLOW_NETS", networks=True),
         egress_dns=_ipv4(env, "SANDBOX_EGRESS_DNS", networks=False),
@@ -314,6 +358,9 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         raise SettingsError("SANDBOX_POOL_MAX: must be at least SANDBOX_POOL_SIZE")
     if settings.auth_token is not None and settings.auth_tokens_file is not None:
         raise SettingsError("SANDBOX_AUTH_TOKENS_FILE: set either it or SANDBOX_AUTH_TOKEN, not both")
+    if settings.metrics_token is not None and settings.metrics_token == settings.auth_token:
+        raise SettingsError("SANDBOX_METRICS_TOKEN: must differ from SANDBOX_AUTH_TOKEN (a scraper's token "
+                            "must not be able to run code)")
     if 53 in settings.open_ports and not settings.egress_dns:
         # Fail closed: DNS goes only to resolvers named on purpose, never to whatever answers.
         raise SettingsError("SANDBOX_OPEN_PORTS: 53 is listed but SANDBOX_EGRESS_DNS names no resolver")

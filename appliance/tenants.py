@@ -81,6 +81,11 @@ class TokenBucket:
             return 0.0
         return (1.0 - self._tokens) / self.rate_per_s
 
+    def wait_s(self) -> float:
+        """Seconds until one run will be allowed (0.0: now), taking nothing."""
+        tokens = min(self.capacity, self._tokens + (self._clock() - self._at) * self.rate_per_s)
+        return 0.0 if tokens >= 1.0 else (1.0 - tokens) / self.rate_per_s
+
 
 def _positive_int(entry: Mapping[str, Any], key: str, where: str) -> int | None:
     value = entry.get(key)
@@ -198,6 +203,21 @@ class Tenants:
         """owner -> max_sessions, for the tenants that have one."""
         return {o: s.tenant.max_sessions for o, s in self._states.items() if s.tenant.max_sessions is not None}
 
+    def charge(self, owner: str) -> None:
+        """A frame of this owner's was refused: it costs one rate token, like a run (nothing
+        when the bucket is empty already), so malformed frames cannot be sent for free."""
+        state = self._states.get(owner)
+        if state is not None and state.bucket is not None:
+            state.bucket.take()
+
+    def over_rate(self, owner: str) -> str | None:
+        """Why the owner's tenant may send no costly frame now (its bucket is empty), or None."""
+        state = self._states.get(owner)
+        if state is None or state.bucket is None:
+            return None
+        wait_s = state.bucket.wait_s()
+        return _over_rate(state.tenant, wait_s) if wait_s > 0 else None
+
     @contextmanager
     def request(self, owner: str) -> Iterator[None]:
         """Hold one in-flight request of the owner's tenant; raise Busy naming the quota if over it.
@@ -215,8 +235,7 @@ class Tenants:
         if state.bucket is not None:
             wait_s = state.bucket.take()
             if wait_s > 0:
-                raise Busy(f"tenant {t.name!r} is over its rate limit (runs_per_minute="
-                           f"{t.runs_per_minute:g}); retry in {wait_s:.1f} s")
+                raise Busy(_over_rate(t, wait_s))
         state.in_flight += 1
         try:
             yield
@@ -249,3 +268,8 @@ class Tenants:
 
 def _nothing() -> None:
     return None
+
+
+def _over_rate(tenant: Tenant, wait_s: float) -> str:
+    return (f"tenant {tenant.name!r} is over its rate limit (runs_per_minute="
+            f"{tenant.runs_per_minute:g}); retry in {wait_s:.1f} s")

@@ -164,3 +164,15 @@ def test_text_that_is_not_unicode_is_escaped_not_a_failed_frame() -> None:
 def test_encode_is_compact_json_with_text_kept_as_it_is() -> None:
     frame = protocol.result_frame("r1", {"text/plain": "é 😀 <>&\u2028", "application/json": {"x": [1.5, None]}})
     assert protocol.encode(frame) == json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+
+
+def test_file_entries_are_counted_before_they_are_validated() -> None:
+    limits = Limits(max_message_bytes=1 << 20, max_upload_bytes=100, max_upload_files=3)
+    ok = json.dumps({"type": "execute", "id": "f", "code": "1",
+                     "files": [{"path": f"f{i}", "data": ""} for i in range(3)]})
+    assert len(protocol.parse_client_frame(ok, limits).files) == 3  # type: ignore[union-attr]
+    # Four entries, none of them even valid: refused by count alone, naming the setting.
+    over = json.dumps({"type": "execute", "id": "f", "code": "1", "files": [{"bogus": i} for i in range(4)]})
+    with pytest.raises(ProtocolError, match="4 entries; SANDBOX_MAX_UPLOAD_FILES allows 3") as info:
+        protocol.parse_client_frame(over, limits)
+    assert info.value.request_id == "f"

@@ -51,3 +51,35 @@ def test_mps_settings_default_to_joining_a_proven_daemon_and_reject_nonsense() -
                       ({"SANDBOX_GPU": "1", "SANDBOX_GPU_SIMULATE_MPS": "on"}, "SANDBOX_GPU_SIMULATE_MPS")):
         with pytest.raises(SettingsError, match=name):
             from_env(env)
+
+
+def test_allowed_origins_are_exact_browser_origins_and_none_by_default() -> None:
+    assert from_env({}).allowed_origins == ()
+    s = from_env({"SANDBOX_ALLOWED_ORIGINS": " https://app.example.com, http://localhost:3000,,http://[::1]:8080"})
+    assert s.allowed_origins == ("https://app.example.com", "http://localhost:3000", "http://[::1]:8080")
+    # Each refused form names the variable: a wildcard, a path, upper case, another scheme,
+    # and ports a browser never sends (so the entry could never match).
+    for bad in ("*", "https://*.example.com", "https://app.example.com/", "HTTPS://app.example.com",
+                "ftp://app.example.com", "app.example.com", "https://app.example.com:443",
+                "http://app.example.com:80", "http://app.example.com:0080", "http://app.example.com:70000",
+                "null"):
+        with pytest.raises(SettingsError, match="SANDBOX_ALLOWED_ORIGINS"):
+            from_env({"SANDBOX_ALLOWED_ORIGINS": bad})
+
+
+def test_the_metrics_token_is_checked_hidden_and_separate_from_the_auth_token() -> None:
+    assert from_env({}).metrics_token is None
+    s = from_env({"SANDBOX_METRICS_TOKEN": "scrape-secret-1"})
+    assert s.metrics_token == "scrape-secret-1" and "scrape-secret" not in repr(s)
+    for env in ({"SANDBOX_METRICS_TOKEN": "short"}, {"SANDBOX_METRICS_TOKEN": "has white space"},
+                {"SANDBOX_METRICS_TOKEN": "same-token-1", "SANDBOX_AUTH_TOKEN": "same-token-1"}):
+        with pytest.raises(SettingsError, match="SANDBOX_METRICS_TOKEN"):
+            from_env(env)
+
+
+def test_upload_files_are_bounded_by_count() -> None:
+    assert from_env({}).max_upload_files == 1000
+    assert from_env({"SANDBOX_MAX_UPLOAD_FILES": "0"}).max_upload_files == 0
+    for bad in ("-1", "many"):
+        with pytest.raises(SettingsError, match="SANDBOX_MAX_UPLOAD_FILES"):
+            from_env({"SANDBOX_MAX_UPLOAD_FILES": bad})

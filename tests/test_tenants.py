@@ -273,3 +273,23 @@ def test_a_server_with_a_world_readable_plain_token_file_refuses_to_start(tmp_pa
     with pytest.raises(RuntimeError, match="chmod 600") as info:
         start_server(tmp_path / "srv", SANDBOX_AUTH_TOKENS_FILE=str(path))
     assert ALICE not in str(info.value)
+
+
+def test_a_refused_frame_costs_a_rate_token_and_an_empty_bucket_is_seen_without_taking() -> None:
+    clock = Clock()
+    reg = tenants.Tenants(tenants.parse(TOKENS_FILE)[0], clock=clock)
+    carol, bob = tenants.owner_of(CAROL), tenants.owner_of(BOB)
+    assert reg.over_rate(carol) is None
+    reg.charge(carol)  # a refused frame ...
+    with reg.request(carol):  # ... and one run use up carol's burst of 2
+        pass
+    refusal = reg.over_rate(carol)
+    assert refusal is not None and "runs_per_minute=1" in refusal
+    assert reg.over_rate(carol) == refusal  # looking takes nothing
+    reg.charge(carol)  # charging an empty bucket is no error (and takes nothing either)
+    with pytest.raises(Busy, match="rate limit"), reg.request(carol):
+        pass
+    clock.now += 60
+    assert reg.over_rate(carol) is None
+    reg.charge(bob)  # no rate limit: nothing to charge
+    assert reg.over_rate(bob) is None and reg.over_rate("canary") is None
