@@ -24,7 +24,7 @@ LAYERS: dict[str, set[str]] = {
     "cli": {"base", "jail", "gpu", "service", "transport", "cli"},
 }
 BASE = {"errors", "protocol", "settings", "logs", "metrics", "canary", "admission", "tenants", "outputs",
-        "openapi", "client", "schema"}
+        "openapi", "client", "schema", "agents"}
 SERVICE = {"lifecycle", "service", "sessions"}
 TRANSPORT = {"server", "rest", "transport"}
 CLI = {"cli", "__main__", "audit", "__init__"}
