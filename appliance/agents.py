@@ -24,9 +24,9 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, Unpack
 
-from appliance.client import AsyncClient, Execution
+from appliance.client import Execution, Frame, RequestOptions
 
 TOOL_NAME = "run_python"
 CLOSE_SESSION_TOOL = "close_session"
@@ -185,6 +185,7 @@ class ToolResult:
     images: list[Image]
     files: list[FileEntry]
     is_error: bool
+    run: str | None = None
 
     def openai(self, tool_call_id: str) -> list[dict[str, Any]]:
         """Chat Completions messages to append: the `tool` message with the text, then, when
@@ -245,7 +246,7 @@ def tool_result(execution: Execution, max_chars: int = DEFAULT_MAX_CHARS, images
     if display_notes:
         flexible.append(("displays", "\n".join(display_notes)))
     return ToolResult(_layout(fixed, flexible, max_chars), found_images, files,
-                      is_error=execution.status != "ok")
+                      is_error=execution.status != "ok", run=execution.run)
 
 
 def _status_line(ex: Execution) -> str:
@@ -339,11 +340,20 @@ def _fair_share(sizes: list[int], total: int) -> list[int]:
     return budgets
 
 
+class Executor(Protocol):
+    """What runs the code: an appliance.client.AsyncClient, or the server's own service
+    (appliance.mcp_http) for the /mcp endpoint."""
+
+    async def execute(self, code: str, **options: Unpack[RequestOptions]) -> Execution: ...
+
+    async def close_session(self, session: str) -> Frame: ...
+
+
 class Dispatcher:
-    """Runs the tools' calls on an AsyncClient for one conversation: keep_state calls share one
+    """Runs the tools' calls on an Executor for one conversation: keep_state calls share one
     appliance session, opened on first use and ended by close_session (or `close()`)."""
 
-    def __init__(self, client: AsyncClient, max_chars: int = DEFAULT_MAX_CHARS, images: bool = True,
+    def __init__(self, client: Executor, max_chars: int = DEFAULT_MAX_CHARS, images: bool = True,
                  timeout_ms: int | None = None) -> None:
         self.client = client
         self.max_chars = max_chars

@@ -1,6 +1,7 @@
 """HTTP + WebSocket transport on one port. Moves frames; all decisions live elsewhere.
 
-Routes: `GET /exec` (WebSocket), `/healthz`, `/readyz`, `/metrics`.
+Routes: `GET /exec` (WebSocket), `/healthz`, `/readyz`, `/metrics`; `/v1` (rest.py) and
+`/mcp` (mcp_http.py) share the bearer auth below.
 Half-close: when the client's Close frame arrives while runs are in flight, the
 server keeps streaming them to their `done` and only then answers the Close (RFC
 6455 §5.5.1 lets an endpoint finish sending before it replies with Close).
@@ -16,7 +17,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from appliance import protocol, rest
+from appliance import mcp_http, protocol, rest
 from appliance.errors import Cancelled, RequestRejected
 from appliance.protocol import (
     CloseSessionMessage,
@@ -38,7 +39,7 @@ OWNER = "appliance.owner"  # request key: who the caller is, set by the auth mid
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     service = request.app[SERVICE_KEY]
-    protected = request.path == "/exec" or request.path.startswith("/v1")
+    protected = request.path == "/exec" or request.path.startswith(("/v1", "/mcp"))
     if protected:
         owner = service.identify(bearer_token(request))
         if owner is None:
@@ -215,6 +216,7 @@ def make_app(service: RunService) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     rest.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
+    mcp_http.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
     return app
 
 

@@ -24,9 +24,9 @@ LAYERS: dict[str, set[str]] = {
     "cli": {"base", "jail", "gpu", "service", "transport", "cli"},
 }
 BASE = {"errors", "protocol", "settings", "logs", "metrics", "canary", "admission", "tenants", "outputs",
-        "openapi", "client", "schema", "agents"}
+        "openapi", "client", "schema", "agents", "mcp_tools"}
 SERVICE = {"lifecycle", "service", "sessions"}
-TRANSPORT = {"server", "rest", "transport"}
+TRANSPORT = {"server", "rest", "transport", "mcp_http"}
 CLI = {"cli", "__main__", "audit", "__init__"}
 IN_JAIL = {"appliance.jail.driver", "appliance.jail.channel", "appliance.jail.appliance_mpl"}
 
