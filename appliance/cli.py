@@ -1,4 +1,4 @@
-"""Command line: `appliance serve`, `appliance exec`, `appliance audit`."""
+"""Command line: `appliance serve`, `appliance exec`, `appliance mcp`, `appliance audit`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--token", default=os.environ.get("SANDBOX_AUTH_TOKEN"))
     ex.add_argument("--timeout-ms", type=int)
     ex.add_argument("--json", action="store_true", help="print raw frames as JSON lines")
+    mcp = sub.add_parser("mcp", help="serve run_python to a local agent client over MCP (stdio)")
+    mcp.add_argument("--url", default=os.environ.get("APPLIANCE_URL", "ws://127.0.0.1:9100"),
+                     help="the appliance to run code on (default ws://127.0.0.1:9100; env APPLIANCE_URL)")
+    mcp.add_argument("--token", default=os.environ.get("SANDBOX_AUTH_TOKEN"),
+                     help="bearer token (default: env SANDBOX_AUTH_TOKEN)")
+    mcp.add_argument("--max-chars", type=int, default=8000, help="text budget of one tool result")
     # Listed for --help; its arguments (--quick, --out, ...) belong to benchmarks.suite.
     sub.add_parser("bench", help="run the benchmark suite (python -m benchmarks) from a checkout")
     audit = sub.add_parser("audit", help="run the adversarial security suite and write its report")
@@ -41,7 +47,39 @@ def main(argv: list[str] | None = None) -> int:
 
         extra = [a for a in args.pytest_args if a != "--"]
         return run_audit(Path(args.out) if args.out else DEFAULT_OUT, extra)
+    if args.command == "mcp":
+        return _mcp(args)
     return asyncio.run(_exec(args))
+
+
+def exec_url(url: str) -> str:
+    """The WebSocket endpoint of an appliance URL: `ws://host:9100` means `ws://host:9100/exec`."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "/" not in rest:
+        return f"{scheme}://{rest}/exec"
+    return url
+
+
+def _mcp(args: argparse.Namespace) -> int:
+    import logging
+
+    from websockets.exceptions import InvalidHandshake
+
+    from appliance.mcp_tools import serve_stdio
+
+    # stdout carries the protocol: every log line goes to stderr.
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+    if args.max_chars < 200:
+        print("appliance mcp: --max-chars must be at least 200", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve_stdio(exec_url(args.url), args.token, args.max_chars))
+    except (OSError, InvalidHandshake) as exc:  # down, or refused (a 401: the token)
+        print(f"appliance mcp: cannot reach the appliance at {exec_url(args.url)}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """HTTP + WebSocket transport on one port. Moves frames; all decisions live elsewhere.
 
-Routes: `GET /exec` (WebSocket), `/healthz`, `/readyz`, `/metrics`.
+Routes: `GET /exec` (WebSocket), `/healthz`, `/readyz`, `/metrics`; `/v1` (rest.py) and
+`/mcp` (mcp_http.py) share the bearer auth below.
 Every route refuses a browser `Origin` that SANDBOX_ALLOWED_ORIGINS does not list (403).
 Half-close: when the client's Close frame arrives while runs are in flight, the
 server keeps streaming them to their `done` and only then answers the Close (RFC
@@ -17,7 +18,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from appliance import protocol, rest
+from appliance import mcp_http, protocol, rest
 from appliance.errors import Busy, Cancelled, RequestRejected
 from appliance.protocol import (
     CloseSessionMessage,
@@ -58,7 +59,7 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     if request.path == "/metrics":
         if not service.may_read_metrics(bearer_token(request)):
             return _unauthorized()
-    elif request.path == "/exec" or request.path.startswith("/v1"):
+    elif request.path == "/exec" or request.path.startswith(("/v1", "/mcp")):
         owner = service.identify(bearer_token(request))
         if owner is None:
             return _unauthorized()
@@ -244,6 +245,7 @@ def make_app(service: RunService) -> web.Application:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     rest.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
+    mcp_http.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
     return app
 
 

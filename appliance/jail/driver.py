@@ -42,7 +42,7 @@ if RUNTIME not in sys.path:
     # shadows nothing of the interpreter's own.
     sys.path.append(RUNTIME)
 
-from appliance.jail import channel  # noqa: E402  (needs the runtime on the path, above)
+from appliance.jail import channel, magics, notebook  # noqa: E402  (needs the runtime on the path, above)
 
 MAX_TEXT_CHARS = 256 * 1024
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
@@ -239,6 +239,8 @@ class Driver:
         self.in_user_code = False
         self.cell_count = 0
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        # What notebook lines (`!cmd`, `%pip install x`) call; a session keeps its installs.
+        self.namespace[notebook.HOOK] = magics.Magics(self.namespace, os.environ)
         self.main_ident = threading.get_ident()
         self.imports = ImportClock()
 
@@ -312,7 +314,7 @@ class Driver:
         filename = f"<cell-{self.cell_count}>"
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         try:
-            tree = ast.parse(code, filename=filename, mode="exec")
+            tree = ast.parse(notebook.translate(code, filename), filename=filename, mode="exec")
         except (SyntaxError, ValueError) as exc:
             self.events.emit(error_event(exc, skip_driver=True))
             return 1

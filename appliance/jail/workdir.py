@@ -22,8 +22,9 @@ from appliance.errors import StartupError
 
 RUNTIME_FILES = ("driver.py", "appliance_mpl.py")
 SOURCE_DIR = Path(__file__).resolve().parent
-# The driver's half of the server-driver channel, staged as `appliance.jail.channel`.
-CHANNEL_FILE = SOURCE_DIR / "channel.py"
+# The driver's half of the server-driver channel, staged as `appliance.jail.channel`, and
+# its notebook-line helpers (appliance.jail.notebook, appliance.jail.magics).
+JAIL_MODULES = tuple(SOURCE_DIR / name for name in ("channel.py", "notebook.py", "magics.py"))
 # appliance/tools/ is staged as the package `appliance.tools` (runtime/appliance/tools/), so
 # jailed code can import it; nothing else of the server side goes into the runtime.
 TOOLS_DIR = SOURCE_DIR.parent / "tools"
@@ -127,7 +128,8 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
         digest.update((SOURCE_DIR / name).read_bytes())
     for tool in _tool_files():
         digest.update(tool.name.encode() + tool.read_bytes())
-    digest.update(CHANNEL_FILE.read_bytes())
+    for module in JAIL_MODULES:
+        digest.update(module.name.encode() + module.read_bytes())
     digest.update(str(python).encode())
     target = tmp_root / "appliance" / f"runtime-{digest.hexdigest()[:16]}"
     if (target / "ready").exists():
@@ -140,8 +142,9 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
         (staging / "appliance" / "tools").mkdir(parents=True)
         (staging / "appliance" / "jail").mkdir()
         (staging / "appliance" / "__init__.py").write_text('"""In-jail half only: the tools and the driver channel."""\n')
-        (staging / "appliance" / "jail" / "__init__.py").write_text('"""The driver channel only."""\n')
-        shutil.copyfile(CHANNEL_FILE, staging / "appliance" / "jail" / "channel.py")
+        (staging / "appliance" / "jail" / "__init__.py").write_text('"""The driver channel and notebook lines only."""\n')
+        for module in JAIL_MODULES:
+            shutil.copyfile(module, staging / "appliance" / "jail" / module.name)
         for tool in _tool_files():
             shutil.copyfile(tool, staging / "appliance" / "tools" / tool.name)
         mpl = staging / "matplotlib"

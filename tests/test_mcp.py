@@ -1,0 +1,164 @@
+"""The MCP server, driven by the official SDK's own client: over stdio (`appliance mcp`, a
+real subprocess) and over Streamable HTTP at /mcp, both against a real server and real jails."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+from mcp import ClientSession, StdioServerParameters, types
+from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
+
+from appliance.cli import exec_url
+from appliance.client import AsyncClient
+from tests.support import REPO, Server, scaled, start_server
+
+TOKEN = "mcp-test-token-0123456789abcdef"
+FIGURE = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nNone"
+
+
+@pytest.fixture(scope="module")
+def authed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("mcp"), SANDBOX_PRELOAD="matplotlib", SANDBOX_AUTH_TOKEN=TOKEN)
+    yield srv
+    srv.stop()
+
+
+@asynccontextmanager
+async def over_stdio(server: Server, token: str | None = TOKEN) -> AsyncIterator[ClientSession]:
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)}
+    if token:
+        env["SANDBOX_AUTH_TOKEN"] = token
+    params = StdioServerParameters(command=sys.executable, cwd=str(REPO), env=env,
+                                   args=["-m", "appliance", "mcp", "--url", f"ws://127.0.0.1:{server.port}"])
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
+
+
+@asynccontextmanager
+async def over_http(server: Server, token: str = TOKEN) -> AsyncIterator[ClientSession]:
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(60, read=300)) as http, \
+            streamable_http_client(server.http + "/mcp", http_client=http) as (read, write, _), \
+            ClientSession(read, write) as session:
+        await session.initialize()
+        yield session
+
+
+TRANSPORTS = {"stdio": over_stdio, "http": over_http}
+
+
+def text_of(result: types.CallToolResult) -> str:
+    first = result.content[0]
+    assert isinstance(first, types.TextContent)
+    return first.text
+
+
+@pytest.fixture(params=sorted(TRANSPORTS))
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+class TestBothTransports:
+    async def test_the_tools_are_run_python_and_close_session(self, authed: Server, transport: str) -> None:
+        async with TRANSPORTS[transport](authed) as mcp:
+            listed = await mcp.list_tools()
+            assert [t.name for t in listed.tools] == ["run_python", "close_session"]
+            assert listed.tools[0].inputSchema["required"] == ["code"]
+
+    async def test_a_figure_comes_back_as_image_content(self, authed: Server, transport: str) -> None:
+        async with TRANSPORTS[transport](authed) as mcp:
+            result = await mcp.call_tool("run_python", {"code": FIGURE})
+            assert not result.isError, text_of(result)
+            images = [c for c in result.content if isinstance(c, types.ImageContent)]
+            assert len(images) == 1 and images[0].mimeType == "image/png"
+            assert base64.b64decode(images[0].data).startswith(b"\x89PNG")
+            assert "image #1 attached" in text_of(result)
+
+    async def test_a_session_keeps_state_and_one_shot_calls_do_not(self, authed: Server, transport: str) -> None:
+        async with TRANSPORTS[transport](authed) as mcp:
+            first = await mcp.call_tool("run_python", {"code": "x = 41", "keep_state": True})
+            assert not first.isError, text_of(first)
+            second = await mcp.call_tool("run_python", {"code": "x + 1", "keep_state": True})
+            assert "--- result ---\n42" in text_of(second)
+            alone = await mcp.call_tool("run_python", {"code": "x"})
+            assert alone.isError and "NameError" in text_of(alone)
+            closed = await mcp.call_tool("close_session", {})
+            assert text_of(closed) == "session closed"
+            after = await mcp.call_tool("run_python", {"code": "x", "keep_state": True})
+            assert after.isError and "NameError" in text_of(after)
+
+    async def test_files_go_in_and_outputs_come_back_as_embedded_resources(
+            self, authed: Server, transport: str) -> None:
+        code = ("import os\nos.makedirs('outputs', exist_ok=True)\n"
+                "open('outputs/upper.txt', 'w').write(open('in.txt').read().upper())")
+        async with TRANSPORTS[transport](authed) as mcp:
+            result = await mcp.call_tool("run_python", {"code": code,
+                                                        "files": [{"path": "in.txt", "content": "hello"}]})
+            assert not result.isError, text_of(result)
+            resources = [c for c in result.content if isinstance(c, types.EmbeddedResource)]
+            assert len(resources) == 1
+            blob = resources[0].resource
+            assert isinstance(blob, types.BlobResourceContents)
+            assert str(blob.uri).endswith("/outputs/upper.txt") and blob.mimeType == "text/plain"
+            assert base64.b64decode(blob.blob) == b"HELLO"
+            assert "outputs/upper.txt (5 bytes)" in text_of(result)
+
+    async def test_bad_arguments_are_an_error_result_naming_the_problem(self, authed: Server, transport: str) -> None:
+        async with TRANSPORTS[transport](authed) as mcp:
+            result = await mcp.call_tool("run_python", {"code": 5})
+            assert result.isError and "'code' is required and must be a string" in text_of(result)
+
+
+class TestHttpAuth:
+    @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
+    def test_mcp_without_the_token_is_401(self, authed: Server, headers: dict[str, str]) -> None:
+        body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
+        reply = httpx.post(authed.http + "/mcp", json=body, headers={
+            **headers, "Accept": "application/json, text/event-stream"})
+        assert reply.status_code == 401 and reply.headers["WWW-Authenticate"] == "Bearer"
+
+    async def test_the_sdk_client_with_a_wrong_token_cannot_connect(self, authed: Server) -> None:
+        with pytest.raises(BaseException) as caught:  # the SDK surfaces it inside a task group
+            async with over_http(authed, token="wrong-token"):
+                pass
+        assert "401" in repr(caught.value) or "Unauthorized" in repr(caught.value)
+
+
+class TestSessionLifetime:
+    async def test_a_keep_state_session_ends_with_its_mcp_session(self, authed: Server, transport: str) -> None:
+        async with TRANSPORTS[transport](authed) as mcp:
+            opened = await mcp.call_tool("run_python", {"code": "y = 1", "keep_state": True})
+            session = re.search(r"session ([0-9a-f]{16,})", text_of(opened))
+            assert session, text_of(opened)
+            async with AsyncClient(authed.url, TOKEN) as client:
+                alive = await client.execute("y", session=session.group(1))
+                assert alive.text == "1"
+        # The MCP session ended (HTTP: the client's DELETE; stdio: the process exited), and
+        # its appliance session with it, not at the idle timeout.
+        async with AsyncClient(authed.url, TOKEN) as client:
+            gone = await client.execute("y", session=session.group(1))
+        assert gone.status == "rejected" and "no such session" in (gone.message or ""), gone.frames
+
+
+class TestStdioCli:
+    def test_a_wrong_token_ends_the_stdio_server_with_a_message(self, authed: Server) -> None:
+        env = {"PATH": os.environ.get("PATH", ""), "SANDBOX_AUTH_TOKEN": "wrong"}
+        proc = subprocess.run([sys.executable, "-m", "appliance", "mcp", "--url", f"ws://127.0.0.1:{authed.port}"],
+                              cwd=REPO, env=env, input=b"", capture_output=True, timeout=scaled(60))
+        assert proc.returncode == 1 and proc.stdout == b""
+        assert b"cannot reach the appliance" in proc.stderr and b"401" in proc.stderr
+
+    def test_a_bare_host_and_port_means_its_exec_endpoint(self) -> None:
+        assert exec_url("ws://127.0.0.1:9100") == "ws://127.0.0.1:9100/exec"
+        assert exec_url("wss://h/exec") == "wss://h/exec"
