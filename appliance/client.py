@@ -22,6 +22,9 @@ import builtins
 import contextlib
 import itertools
 import json
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
@@ -382,6 +385,10 @@ class AsyncClient:
         """A stateful session on this connection, opened by its first `execute`."""
         return AsyncSession(self)
 
+    async def models(self) -> list[dict[str, Any]]:
+        """The appliance's model catalogue (GET /v1/models on the same host and token)."""
+        return await asyncio.to_thread(_get_models, self.url, self.token)
+
 
 def _in_session(options: CellOptions, session: str | None) -> RequestOptions:
     if "session" in options:
@@ -461,6 +468,10 @@ class Client:
         """A stateful session on this connection, opened by its first `execute`."""
         return Session(self)
 
+    def models(self) -> list[dict[str, Any]]:
+        """The appliance's model catalogue (GET /v1/models on the same host and token)."""
+        return _get_models(self._async.url, self._async.token)
+
 
 class Session:
     """Synchronous stateful session."""
@@ -487,3 +498,23 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _get_models(ws_url: str, token: str | None) -> list[dict[str, Any]]:
+    """GET /v1/models of the appliance whose WebSocket is ws_url (ws -> http, wss -> https)."""
+    parts = urllib.parse.urlsplit(ws_url)
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme)
+    if scheme is None:
+        raise ClientError(f"not a ws:// or wss:// URL: {ws_url!r}")
+    req = urllib.request.Request(urllib.parse.urlunsplit((scheme, parts.netloc, "/v1/models", "", "")))
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 (the scheme is http(s) by construction)
+            body = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        raise ClientError(f"GET /v1/models answered {exc.code}: {exc.read().decode(errors='replace')[:300]}") from None
+    except OSError as exc:
+        raise ClientError(f"GET /v1/models failed: {exc}") from None
+    models: list[dict[str, Any]] = body["models"]
+    return models

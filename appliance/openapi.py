@@ -170,6 +170,14 @@ def openapi_document() -> dict[str, Any]:
                 "responses": {"204": {"description": "closed"},
                               "404": {"description": "no such session", "content": _json("HttpError")},
                               "401": _UNAUTHORIZED}}},
+            "/v1/models": {"get": {
+                "summary": "The model catalogue: what SANDBOX_MODELS_DIR holds, read from the headers",
+                "responses": {
+                    "200": {"description": "`models_dir` (null without one) and `models`: name, kind "
+                                           "(llm | whisper), file_bytes, architecture, quantisation, "
+                                           "parameters, gpu_mb_full_offload, error",
+                            "content": {"application/json": {"schema": {"type": "object"}}}},
+                    "401": _UNAUTHORIZED}}},
             "/healthz": {"get": {"summary": "The process is up", "security": [],
                                  "responses": {"200": {"description": "ok"}}}},
             "/readyz": {"get": {"summary": "A canary run proved the jail", "security": [],

@@ -108,6 +108,11 @@ async def close_session(request: web.Request, service: RunService, owner: str) -
     return web.json_response({"error": f"no such session {session_id!r}"}, status=404)
 
 
+async def list_models(request: web.Request, service: RunService, owner: str) -> web.Response:
+    """The model catalogue: what SANDBOX_MODELS_DIR holds (auth as every /v1 route)."""
+    return web.json_response(await service.models())
+
+
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document())
 
@@ -193,6 +198,7 @@ def add_routes(
     app.router.add_post("/v1/exec", bind(exec_ndjson))
     app.router.add_post("/v1/sessions", bind(open_session))
     app.router.add_delete("/v1/sessions/{session_id}", bind(close_session))
+    app.router.add_get("/v1/models", bind(list_models))
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/docs", docs)
     app.router.add_get("/docs/{name}", docs_asset)

@@ -32,6 +32,7 @@ from appliance.sessions import Session, SessionRegistry
 from appliance.settings import Settings
 from appliance.tenants import Tenants, owner_of
 from appliance.tenants import load as load_tenants
+from appliance.tools.catalogue import catalogue
 
 log = logging.getLogger("appliance.service")
 
@@ -242,6 +243,14 @@ class RunService:
         closed = await self.sessions.close(session_id, owner)
         self.metrics.sessions.set(len(self.sessions))
         return closed
+
+    async def models(self) -> dict[str, Any]:
+        """The model catalogue (GET /v1/models): what SANDBOX_MODELS_DIR holds, from the headers."""
+        root = self.settings.models_dir
+        if root is None:
+            return {"models_dir": None, "models": []}
+        found = await asyncio.to_thread(catalogue, str(root))
+        return {"models_dir": str(root), "models": [m.as_dict() for m in found]}
 
     # -- what the server reports ---------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, Any]]:

@@ -30,6 +30,10 @@ TRANSPORT = {"server", "rest", "transport", "mcp_http"}
 CLI = {"cli", "__main__", "audit", "local", "__init__"}
 IN_JAIL = {"appliance.jail.driver", "appliance.jail.channel", "appliance.jail.appliance_mpl",
            "appliance.jail.notebook", "appliance.jail.magics"}
+# Pure, standard-library-only tool modules the run service may share with the jail, so that
+# one reading of a model file gives the same answer inside (appliance.tools.models()) and
+# outside (GET /v1/models).
+SHARED_TOOLS = {"appliance.tools.catalogue"}
 # What in-jail code may import of the package: the modules staged into the jail's runtime.
 IN_JAIL_IMPORTABLE = {"appliance.jail.channel", "appliance.jail.notebook", "appliance.jail.magics"}
 
@@ -86,6 +90,8 @@ def violations(module: str, targets: set[str]) -> list[str]:
                 found.append(f"{module} runs in the jail and may not import {target}")
             continue
         theirs = layer_of(target)
+        if target in SHARED_TOOLS and mine in ("service", "transport", "cli"):
+            continue
         if theirs == "tools":
             found.append(f"{module} imports {target}: the in-jail tools are not a library of the server")
         elif theirs not in LAYERS[mine]:

@@ -9,15 +9,23 @@ models directory (SANDBOX_MODELS_DIR), never from the network.
     llm = load_llm("tiny-llama.gguf")
     print(llm("Hello", max_tokens=16))
     print(transcribe("speech.wav", model="ggml-base.en.bin").text)
+    print([m.name for m in models()])   # what the models directory offers
 """
 
 from typing import Any
 
+from appliance.tools import catalogue as _catalogue
 from appliance.tools import llm as _llm
 from appliance.tools import whisper as _whisper
+from appliance.tools.catalogue import ModelInfo
 from appliance.tools.llm import Llm, load_llm
 from appliance.tools.models import ModelError, gpu_grant, models_dir, resolve_model
 from appliance.tools.whisper import Transcript, load_whisper, transcribe
+
+
+def models() -> list[ModelInfo]:
+    """The models this appliance offers, read from their headers (the list GET /v1/models gives)."""
+    return _catalogue.catalogue(models_dir())
 
 
 def cache_info() -> dict[str, Any]:
@@ -26,6 +34,6 @@ def cache_info() -> dict[str, Any]:
 
 
 __all__ = [
-    "Llm", "ModelError", "Transcript", "cache_info", "gpu_grant", "load_llm", "load_whisper",
-    "models_dir", "resolve_model", "transcribe",
+    "Llm", "ModelError", "ModelInfo", "Transcript", "cache_info", "gpu_grant", "load_llm", "load_whisper",
+    "models", "models_dir", "resolve_model", "transcribe",
 ]

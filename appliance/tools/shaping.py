@@ -42,6 +42,8 @@ class GgufInfo:
     layer_bytes: int      # weights of one repeating block (average)
     other_bytes: int      # embeddings, output layer, norms
     file_bytes: int
+    n_params: int = 0     # elements of every tensor together
+    quantisation: str = ""  # general.file_type's name, else the blocks' most common tensor type
 
 
 @dataclass(frozen=True)
@@ -76,13 +78,20 @@ def _read(fh: BinaryIO, size: int) -> GgufInfo:
         (vtype,) = _unpack(fh, "<I")
         meta[key] = _value(fh, vtype)
     tensors: list[tuple[str, int]] = []
+    n_params = 0
+    block_types: dict[int, int] = {}
     for _ in range(n_tensors):
         name = _string(fh)
         (n_dims,) = _unpack(fh, "<I")
         if n_dims > 8:
             raise GgufError("corrupt GGUF tensor table")
-        _unpack(fh, f"<{n_dims}Q")
-        _unpack(fh, "<I")
+        elements = 1
+        for dim in _unpack(fh, f"<{n_dims}Q"):
+            elements *= dim
+        n_params += elements
+        (ggml_type,) = _unpack(fh, "<I")
+        if name.startswith("blk."):
+            block_types[ggml_type] = block_types.get(ggml_type, 0) + 1
         (offset,) = _unpack(fh, "<Q")
         tensors.append((name, offset))
     align = int(meta.get("general.alignment", 32)) or 32
@@ -109,7 +118,27 @@ def _read(fh: BinaryIO, size: int) -> GgufInfo:
         n_embd=int(meta.get(f"{arch}.embedding_length", 0)), n_head=n_head,
         n_head_kv=int(meta.get(f"{arch}.attention.head_count_kv", n_head)) or n_head,
         layer_bytes=layer_total // n_layer if n_layer else 0, other_bytes=other_total, file_bytes=size,
+        n_params=n_params, quantisation=_quantisation(meta.get("general.file_type"), block_types),
     )
+
+
+# llama.cpp's LLAMA_FTYPE_* (general.file_type) and ggml's tensor types, by number.
+FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+              11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+              17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
+              23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
+              29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16"}
+GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+              10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
+
+
+def _quantisation(file_type: object, block_types: dict[int, int]) -> str:
+    if isinstance(file_type, int) and not isinstance(file_type, bool) and file_type in FILE_TYPES:
+        return FILE_TYPES[file_type]
+    if not block_types:
+        return "unknown"
+    common = max(block_types, key=lambda t: block_types[t])
+    return GGML_TYPES.get(common, f"type {common}")
 
 
 def _unpack(fh: BinaryIO, fmt: str) -> tuple[Any, ...]:
