@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from appliance import canary, toolprobe
 from appliance.errors import StartupError
 from appliance.jail.cell import run_cell
-from appliance.jail.host import HostFacts, inspect, readable_ancestors_problem
+from appliance.jail.host import HostFacts, import_problem, inspect, readable_ancestors_problem
 from appliance.jail.jail import JailFactory, python_roots
 from appliance.jail.lease import LeaseSource, PoolLeases
 from appliance.jail.network import EgressNetwork, check_prerequisites
@@ -30,6 +30,7 @@ from appliance.settings import Settings
 if TYPE_CHECKING:  # GPU modules are imported at run time only in GPU mode
     from appliance.gpu.lease import GpuLeases
 
+GPU_TOOL_MODULES = ("llama_cpp", "pywhispercpp.model")  # what a GPU jail's tools stand on
 log = logging.getLogger("appliance.lifecycle")
 
 CANARY_EVERY_S = 300.0
@@ -81,6 +82,16 @@ class Lifecycle:
             from appliance.gpu.lease import GpuLeases  # GPU mode only: NVML is never loaded otherwise
 
             self.gpu = GpuLeases.open(s)  # no driver / no GPU: StartupError, startup stops
+        if s.gpu:
+            # GPU mode's warm jails preload the model tools; a jail that cannot would only say
+            # so in a log line, and every run would pay the import (or fail) instead.
+            tools = tuple(m for m in s.preload if m in GPU_TOOL_MODULES)
+            problem = import_problem(s.python, tools)
+            if problem is not None:
+                raise StartupError(
+                    f"GPU mode preloads {', '.join(tools)} (SANDBOX_PRELOAD) but SANDBOX_PYTHON ({s.python}) "
+                    f"cannot import them: {problem}; install the gpu extra (pip install '.[gpu]') into it, "
+                    f"or leave them out of SANDBOX_PRELOAD")
         problem = readable_ancestors_problem(s.tmp_root, host.uid)
         if problem:  # firejail, running as the sandbox uid, must reach the run directories
             raise StartupError(f"SANDBOX_TMP_ROOT is not reachable by the sandbox uid: {problem}")

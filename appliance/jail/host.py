@@ -98,3 +98,24 @@ def readable_ancestors_problem(path: Path, uid: int) -> str | None:
         if st.st_uid != uid and not st.st_mode & stat.S_IXOTH:
             return f"{parent} is not searchable by uid {uid} (mode {stat.filemode(st.st_mode)})"
     return None
+
+
+def import_problem(python: Path, modules: tuple[str, ...], timeout_s: float = 120.0) -> str | None:
+    """Why the jails' Python cannot import these modules (one process, as a warm jail does), or None.
+
+    Isolated mode and `/` as the working directory: the answer is about the installed
+    environment, not about whatever lies where the server was started.
+    """
+    if not modules:
+        return None
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    try:
+        proc = subprocess.run([str(python), "-I", "-c", code, *modules], capture_output=True, text=True,
+                              timeout=timeout_s, cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{python} could not be run: {exc}"
+    if proc.returncode == 0:
+        return None
+    lines = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else f"{python} exited {proc.returncode} while importing {', '.join(modules)}"
