@@ -126,8 +126,8 @@ def markdown(results: dict[str, Any]) -> str:
     tp = results["throughput"]
     cap = tp["spawn_capacity"]
     out += ["## Throughput: one-shot `print(2+2)`, each run in a fresh jail", "",
-            f"Jail-spawn capacity of this machine (`JailFactory.launch()` + `destroy()` with the default "
-            f"preload, {cap['parallel']} at a time, {cap['spawns']} spawns in {cap['seconds']:.1f} s): "
+            f"Jail-spawn capacity of this machine (`JailFactory.launch()` + `destroy()` of a bare "
+            f"jail, the profile a `print(2+2)` run gets, {cap['parallel']} at a time, {cap['spawns']} spawns in {cap['seconds']:.1f} s): "
             f"**{cap['spawns_per_s']:.2f} spawns/s** (launch p50 {cap['launch_p50_ms']:.0f} ms).", "",
             "| clients | runs/s | share of spawn capacity | runs | cold starts | p50 | p90 | p99 |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
