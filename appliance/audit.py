@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 SUITE = REPO / "tests" / "attacks"
 DEFAULT_OUT = REPO / "security"
 REPORT_DIR_ENV = "APPLIANCE_AUDIT_DIR"
-CLASSES = ("escape", "exfiltration", "denial of service", "protocol abuse")
+CLASSES = ("escape", "exfiltration", "denial of service", "protocol abuse", "transport and time",
+           "cross-site requests")
 
 
 @dataclass(frozen=True)

@@ -86,12 +86,12 @@ def leftovers(server: Server, timeout: float = 15) -> tuple[list[int], list[str]
         time.sleep(0.1)
 
 
-async def assert_contained(server: Server) -> str:
-    """Nothing of the run is left and the server still runs code; returns a short note."""
+async def assert_contained(server: Server, token: str | None = TOKEN) -> str:
+    """Nothing of the run is left and the server still runs code (for `token`); returns a short note."""
     procs, dirs = await asyncio.to_thread(leftovers, server)
     assert not procs, f"processes of the run survived: {procs}"
     assert not dirs, f"run directories left behind: {dirs}"
     assert server.proc.poll() is None, "the server died"
-    ex = await run(server, "print('still here')")
+    ex = await run(server, "print('still here')", token=token)
     assert ex.status == "ok" and ex.stdout == "still here\n", ex
     return "no process or run dir left; server answered the next run"

@@ -24,6 +24,7 @@ CLASS_OF_FILE = {
     "test_dos": "denial of service",
     "test_protocol_abuse": "protocol abuse",
     "test_transport": "transport and time",
+    "test_cross_site": "cross-site requests",
 }
 OBSERVED = pytest.StashKey[str]()
 ROWS = pytest.StashKey[list[AuditRow]]()
@@ -38,7 +39,7 @@ def tmp_root() -> Iterator[Path]:
         yield root
 
 
-def hostile_server(base: Path, tmp_root: Path, **env: str) -> Server:
+def hostile_server(base: Path, tmp_root: Path, host: str = "127.0.0.1", **env: str) -> Server:
     """A real server holding secrets in its environment, pool off so leftovers are visible."""
     settings = {
         "SANDBOX_POOL_SIZE": "0",
@@ -54,7 +55,7 @@ def hostile_server(base: Path, tmp_root: Path, **env: str) -> Server:
         "SANDBOX_MAX_CONCURRENCY": "4",
     }
     settings.update(env)
-    return start_server(base, **settings)
+    return start_server(base, host=host, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,7 @@ def observe(request: pytest.FixtureRequest) -> Callable[[str], None]:
 
     def record(text: str) -> None:
         request.node.stash[OBSERVED] = text
+        print("OBSERVED:", text)
 
     return record
 

@@ -1,6 +1,7 @@
-"""Transport and time: clients that stop reading, vanish after a half-close, flood stdin, or
-come too early; sessions whose cells leave work running. Each must end within the run's
-limits, keep the server's memory bounded and leave other clients served."""
+"""Transport and time: clients that stop reading (WebSocket and REST), vanish after a
+half-close, flood stdin, send frames that are costly to parse, or come too early; sessions
+whose cells leave work running; metrics read without a token. Each must end within the
+run's limits, keep the server's memory and event loop bounded and leave other clients served."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,13 +39,19 @@ def target(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator
     srv.stop()
 
 
+def slow_socket(server: Server) -> socket.socket:
+    """A TCP connection to the server with a 4 KiB receive buffer, that reads only when told to."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    return sock
+
+
 class RawSocket:
     """A WebSocket client at the byte level that reads only when told to (4 KiB receive buffer)."""
 
     def __init__(self, server: Server, token: str = TOKEN) -> None:
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        self.sock.connect(("127.0.0.1", server.port))
+        self.sock = slow_socket(server)
         key = base64.b64encode(os.urandom(16)).decode()
         self.sock.sendall((f"GET /exec HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
                            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
@@ -52,7 +61,10 @@ class RawSocket:
             head += self.sock.recv(1)
         assert head.startswith(b"HTTP/1.1 101"), head
 
-    def frame(self, opcode: int, payload: bytes) -> None:
+    @staticmethod
+    def masked(opcode: int, payload: bytes) -> bytes:
+        """One client frame on the wire: header, mask, masked payload (XORed as one big integer:
+        a byte loop would take seconds for a 16 MB frame)."""
         mask = os.urandom(4)
         size = len(payload)
         if size < 126:
@@ -61,7 +73,12 @@ class RawSocket:
             header = struct.pack("!BBH", 0x80 | opcode, 0x80 | 126, size)
         else:
             header = struct.pack("!BBQ", 0x80 | opcode, 0x80 | 127, size)
-        self.sock.sendall(header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
+        key = (mask * (size // 4 + 1))[:size]
+        body = (int.from_bytes(payload, "big") ^ int.from_bytes(key, "big")).to_bytes(size, "big")
+        return header + mask + body
+
+    def frame(self, opcode: int, payload: bytes) -> None:
+        self.sock.sendall(self.masked(opcode, payload))
 
     def send(self, obj: dict[str, object]) -> None:
         self.frame(0x1, json.dumps(obj).encode())
@@ -256,3 +273,187 @@ async def test_runs_sent_while_the_server_starts_are_not_internal_errors(
         observe(f"statuses of runs sent at once: {statuses}")
     finally:
         srv.stop()
+
+
+@attack("REST: 4 POST /v1/exec of 64 KiB-block writers (timeout_ms 3000) whose client never reads the NDJSON",
+        "the same bounds as over WebSocket: server RSS stays bounded; each run ends at its limit or "
+        "when the stalled client is dropped; nothing of the runs survives")
+async def test_a_rest_client_that_never_reads_cannot_grow_the_server_or_outlive_its_limits(
+        target: Server, observe: Observe) -> None:
+    before = rss_mb(target.proc.pid)
+    body = json.dumps({"code": "import os\nb = b'x' * 65536\nwhile True:\n    os.write(1, b)",
+                       "timeout_ms": 3000}).encode()
+    socks = []
+    for _ in range(4):
+        sock = slow_socket(target)
+        sock.sendall(b"POST /v1/exec HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        socks.append(sock)
+    assert await wait_until(lambda: bool(jailed(target)), 10), "no run started"
+    peak = before
+    started = time.monotonic()
+    while time.monotonic() - started < scaled(10):
+        peak = max(peak, rss_mb(target.proc.pid))
+        await asyncio.sleep(0.2)
+    gone = await wait_until(lambda: not jailed(target), 10)
+    for sock in socks:
+        sock.close()
+    assert peak - before < 200, f"server RSS grew by {peak - before:.0f} MB (from {before:.0f} MB)"
+    assert gone, f"the runs outlived their limits: {jailed(target)}"
+    note = await assert_contained(target)
+    observe(f"server RSS {before:.0f} -> peak {peak:.0f} MB over 10 s; runs gone; {note}")
+
+
+# -- frames that are costly to parse, refused frames and rate limits, /metrics --------------------
+
+FLOOD = "flood-tenant-" + "f" * 16      # no quota: only the server-wide bounds hold it
+LIMITED = "limited-tenant-" + "l" * 16  # 2 runs, then 1 a minute
+METRICS_TOKEN = "metrics-scraper-" + "m" * 16
+TENANTS = f"""
+[[tenant]]
+name = "flood"
+token = "{FLOOD}"
+
+[[tenant]]
+name = "limited"
+token = "{LIMITED}"
+runs_per_minute = 1
+burst = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def tenanted(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator[Server]:
+    """Two tenants, the default 16 MiB frame limit, and a token of its own for /metrics."""
+    base = tmp_path_factory.mktemp("tenanted-server")
+    path = base / "tokens.toml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(TENANTS)
+    srv = hostile_server(base, tmp_root, SANDBOX_AUTH_TOKEN="", SANDBOX_AUTH_TOKENS_FILE=str(path),
+                         SANDBOX_METRICS_TOKEN=METRICS_TOKEN, SANDBOX_MAX_MESSAGE_BYTES="16777216",
+                         SANDBOX_MAX_UPLOAD_BYTES="8388608")
+    yield srv
+    srv.stop()
+
+
+def healthz_latencies(server: Server, stop: threading.Event, found: list[float]) -> None:
+    """Time /healthz again and again until told to stop (a stall shows as one long answer)."""
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            with urllib.request.urlopen(f"{server.http}/healthz", timeout=scaled(30)) as resp:
+                resp.read()
+        except OSError:
+            found.append(float("inf"))
+            return
+        found.append(time.monotonic() - started)
+        time.sleep(0.05)
+
+
+@attack("5 connections each send a 15.7 MB execute frame of 540,000 file entries",
+        "the frames are refused (SANDBOX_MAX_UPLOAD_FILES) without stalling the event loop: /healthz "
+        "keeps answering while they are processed")
+async def test_frames_costly_to_parse_do_not_stall_the_server(tenanted: Server, observe: Observe) -> None:
+    files = [{"path": f"f{i:06d}", "data": ""} for i in range(540_000)]
+    socks = [RawSocket(tenanted, token=FLOOD) for _ in range(5)]
+    payloads = [json.dumps({"type": "execute", "id": f"heavy-{n}", "code": "print(1)", "files": files},
+                           separators=(",", ":")).encode() for n in range(len(socks))]
+    assert len(payloads[0]) < 16777216
+    wire = [RawSocket.masked(0x1, payload) for payload in payloads]  # built before anything is timed
+    stop, latencies = threading.Event(), []
+    watcher = threading.Thread(target=healthz_latencies, args=(tenanted, stop, latencies))
+    watcher.start()
+    try:
+        await asyncio.sleep(0.3)
+        await asyncio.gather(*(asyncio.to_thread(sock.sock.sendall, data) for sock, data in zip(socks, wire, strict=True)))
+        answers = await asyncio.gather(*(asyncio.to_thread(read_done, sock, scaled(60)) for sock in socks))
+        await asyncio.sleep(0.3)
+    finally:
+        stop.set()
+        await asyncio.to_thread(watcher.join)
+        for sock in socks:
+            sock.close()
+    worst = max(latencies)
+    assert worst < scaled(1.0), f"/healthz took {worst:.2f} s to answer while the frames were parsed"
+    for answer in answers:
+        assert answer.get("status") == "rejected" and "SANDBOX_MAX_UPLOAD_FILES" in str(answer.get("message")), answer
+    note = await assert_contained(tenanted, FLOOD)
+    observe(f"5 frames of {len(payloads[0]) / 1e6:.1f} MB refused ({answers[0]['message']}); /healthz answered "
+            f"{len(latencies)} times meanwhile, the slowest in {worst:.2f} s; {note}")
+
+
+def read_done(raw: RawSocket, timeout: float) -> dict[str, object]:
+    """Read server frames from a raw WebSocket until a `done` (server frames are unmasked)."""
+    raw.sock.settimeout(timeout)
+    buf = b""
+
+    def take(n: int) -> bytes:
+        nonlocal buf
+        while len(buf) < n:
+            chunk = raw.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the server closed the connection")
+            buf += chunk
+        out, buf = buf[:n], buf[n:]
+        return out
+
+    while True:
+        first, second = take(2)
+        size = second & 0x7F
+        if size == 126:
+            size = struct.unpack("!H", take(2))[0]
+        elif size == 127:
+            size = struct.unpack("!Q", take(8))[0]
+        payload = take(size)
+        if first & 0x0F == 0x8:
+            raise ConnectionError(f"the server closed the WebSocket: {payload!r}")
+        frame = json.loads(payload)
+        if frame.get("type") == "done":
+            return dict(frame)
+
+
+@attack("a rate-limited tenant sends malformed frames, then a run, then a 1 MB frame",
+        "each refused frame costs a rate token like a run: once the bucket is empty the run is `busy` "
+        "naming the rate limit, and a big frame is refused without being parsed")
+async def test_refused_frames_are_charged_to_the_tenants_rate_limit(tenanted: Server, observe: Observe) -> None:
+    raw = RawSocket(tenanted, token=LIMITED)
+    try:
+        answers = []
+        for bad in (b"{not json", b'{"type": "execute", "code": 5}'):
+            raw.frame(0x1, bad)
+            answers.append(await asyncio.to_thread(read_done, raw, scaled(30)))
+        raw.send({"type": "execute", "id": "after-bad", "code": "print('ran')"})
+        run_answer = await asyncio.to_thread(read_done, raw, scaled(60))
+        raw.send({"type": "execute", "id": "big", "code": "#" + "x" * 1_000_000})
+        big_answer = await asyncio.to_thread(read_done, raw, scaled(30))
+    finally:
+        raw.close()
+    assert [a["status"] for a in answers] == ["rejected", "rejected"], answers
+    assert run_answer["status"] == "busy" and "rate limit" in str(run_answer["message"]), run_answer
+    assert big_answer["status"] == "busy" and "was not read" in str(big_answer["message"]), big_answer
+    async with AsyncClient(tenanted.url, FLOOD) as other:  # another tenant is not held back
+        assert (await other.execute("print('other')")).stdout == "other\n"
+    note = await assert_contained(tenanted, FLOOD)
+    observe(f"after 2 refused frames: run {run_answer['status']} ({run_answer['message']}); "
+            f"1 MB frame {big_answer['status']}; {note}")
+
+
+def metrics_status(server: Server, token: str | None) -> int:
+    return server.get("/metrics", token)[0]
+
+
+@attack("GET /metrics without a token, with a wrong one, and (SANDBOX_METRICS_TOKEN set) with a tenant's",
+        "with tokens configured /metrics needs one (401 otherwise); with SANDBOX_METRICS_TOKEN it is the "
+        "only token accepted; nobody reads the counts unauthenticated")
+async def test_metrics_are_not_readable_without_the_token(target: Server, tenanted: Server,
+                                                          observe: Observe) -> None:
+    single = {"none": metrics_status(target, None), "wrong": metrics_status(target, "wrong-token-123"),
+              "token": metrics_status(target, TOKEN)}
+    split = {"none": metrics_status(tenanted, None), "tenant": metrics_status(tenanted, FLOOD),
+             "metrics": metrics_status(tenanted, METRICS_TOKEN)}
+    assert single == {"none": 401, "wrong": 401, "token": 200}, single
+    assert split == {"none": 401, "tenant": 401, "metrics": 200}, split
+    status, body = tenanted.get("/metrics", METRICS_TOKEN)
+    assert "appliance_runs_total" in body
+    observe(f"single token: {single}; tenants + SANDBOX_METRICS_TOKEN: {split}")
