@@ -123,13 +123,15 @@ async def test_the_watchdog_stops_an_over_budget_run_while_its_neighbour_keeps_r
     assert not Path(f"/proc/{pid}").exists(), "the over-budget run's processes are gone"
 
 
+@pytest.mark.parametrize("kind", ["nvml", "plain"])
 async def test_an_nvml_fault_mid_run_stops_the_run_cleanly_and_readiness_reflects_it(
-        gpu_server: tuple[Server, Path]) -> None:
+        gpu_server: tuple[Server, Path], kind: str) -> None:
+    # "plain": the backend raises a bare Exception (as pynvml's NVMLLibraryMismatchError is).
     srv, control = gpu_server
     async with AsyncClient(srv.url) as c:
         run = asyncio.create_task(c.execute("import time; print('up', flush=True); time.sleep(30)"))
         await asyncio.sleep(1.5)
-        simulate(control, fault="GPU has fallen off the bus")
+        simulate(control, fault="GPU has fallen off the bus", fault_kind=kind)
         try:
             ex = await asyncio.wait_for(run, scaled(15))
             status, body = srv.get("/readyz")
@@ -140,6 +142,7 @@ async def test_an_nvml_fault_mid_run_stops_the_run_cleanly_and_readiness_reflect
         finally:
             simulate(control)
         assert ex.status == "internal" and "could not be measured" in (ex.message or "")
+        assert "fallen off the bus" in (ex.message or "")
         deadline = time.monotonic() + scaled(10)
         while srv.get("/readyz")[0] != 200 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)

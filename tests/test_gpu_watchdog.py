@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -120,3 +121,32 @@ async def test_the_run_owning_a_process_is_the_one_stopped(trees: list[subproces
     assert stopped == {"b": error}
     assert watchdog.stop_owner(os.getpid(), error) is False, "a process of no run stops nothing"
     assert watchdog.stop_owner(grandchild(trees[1].pid), error) is False, "a stopped run is not stopped twice"
+
+
+async def test_a_plain_exception_from_the_backend_fails_closed_at_once_and_the_loop_survives() -> None:
+    # pynvml raises exceptions outside NVMLError (NVMLLibraryMismatchError is a plain Exception).
+    backend = SimulatedBackend((16384,))
+    watchdog, ledger = make(backend)
+    stopped: list[RunLimit] = []
+    watchdog.watch("a", 1, await ledger.acquire(10), stopped.append)
+    backend.inject_fault("NVML library mismatch", plain=True)
+    watchdog.start()
+    try:
+        for _ in range(200):
+            if stopped:
+                break
+            await asyncio.sleep(0.01)
+        assert len(stopped) == 1 and stopped[0].status == "internal"
+        assert "NVML library mismatch" in stopped[0].message and "could not be measured" in stopped[0].message
+        assert not watchdog.healthy and watchdog.paused and "Exception" in (watchdog.last_error or "")
+        polls = backend.calls
+        await asyncio.sleep(0.2)
+        assert backend.calls > polls, "the polling loop is still alive after the exception"
+        backend.inject_fault(None)
+        for _ in range(200):
+            if watchdog.healthy:
+                break
+            await asyncio.sleep(0.01)
+        assert watchdog.healthy and not watchdog.paused
+    finally:
+        await watchdog.close()

@@ -175,7 +175,7 @@ class GpuLeases(LeaseSource):
             return
         # A session ("new") holds this grant for its whole life: the service keeps the lease
         # and the ledger counts it like a run until the session ends (SessionRegistry.close).
-        if not self.watchdog.healthy and self.watchdog.faults >= self.watchdog.fault_grace:
+        if self.watchdog.paused:
             raise RequestRejected(f"GPU runs are paused: the GPU backend fails ({self.watchdog.last_error})")
         profile = choose(self.profiles, imports_of(req.code))
         grant = await self.ledger.acquire(mb)

@@ -15,7 +15,9 @@ two places, both optional:
   `processes` are host PIDs (as the server sees them) and the memory each "uses";
   `foreign_mb` is memory held on a device by something that is not a run (another
   tenant, the driver); `fault`, when a string, makes every call fail with it, like an
-  NVML error.
+  NVML error. With `"fault_kind": "plain"` the fault is raised as a plain `Exception`,
+  outside the backend's error type, as pynvml does for some failures
+  (`NVMLLibraryMismatchError` derives from `Exception`, not from `NVMLError`).
 
 Device `i` has UUID `GPU-SIM-<i>` and device node minor `i`.
 """
@@ -45,6 +47,7 @@ class SimulatedBackend(GpuBackend):
         self._usage: dict[int, tuple[int, int]] = {}   # pid -> (device index, MiB)
         self._foreign: dict[int, int] = {}
         self._fault: str | None = None
+        self._fault_plain = False
         self._file_mtime: int | None = None
         self._file_state: dict[str, Any] = {}
         self.calls = 0
@@ -63,10 +66,15 @@ class SimulatedBackend(GpuBackend):
         with self._lock:
             self._foreign[index] = used_mb
 
-    def inject_fault(self, message: str | None) -> None:
-        """Make every call fail with `message` (None clears the fault)."""
+    def inject_fault(self, message: str | None, plain: bool = False) -> None:
+        """Make every call fail with `message` (None clears the fault).
+
+        plain=True raises a bare `Exception`, not a GpuBackendError: what a backend bug or
+        pynvml's `NVMLLibraryMismatchError` looks like to the caller.
+        """
         with self._lock:
             self._fault = message
+            self._fault_plain = plain
 
     # -- GpuBackend ------------------------------------------------------------------------
     def devices(self) -> list[Device]:
@@ -101,6 +109,8 @@ class SimulatedBackend(GpuBackend):
             file_state = self._read_control()
             fault = self._fault or file_state.get("fault")
             if fault:
+                if self._fault_plain if self._fault else file_state.get("fault_kind") == "plain":
+                    raise Exception(f"simulated unexpected failure: {fault}")  # noqa: TRY002 (the point)
                 raise GpuBackendError(f"simulated fault: {fault}")
             usage = dict(self._usage)
             foreign = dict(self._foreign)

@@ -10,6 +10,10 @@ backend once, sums each run's usage, and reports:
   RLIMIT_AS, so this is their host memory cap -> `memory_limit`);
 - a backend fault: after `fault_grace` consecutive failures every watched run is
   stopped (`internal`), since its budget can no longer be enforced (fail closed).
+  Any other exception in a poll (a plain `Exception` from pynvml, a bug here) fails
+  closed at once, without the grace: it is no transient driver hiccup. Either way GPU
+  admissions pause and /readyz is 503 until a poll succeeds again; the loop itself
+  never dies (a watchdog task that ended anyway reads as unhealthy).
 
 The same poll reconciles the ledger, so queued runs see freed memory promptly.
 """
@@ -92,11 +96,25 @@ class GpuWatchdog:
         self.last_error: str | None = None
         self.polls = 0
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
 
     @property
     def healthy(self) -> bool:
-        """False while the backend fails: budgets are not being enforced."""
-        return self.faults == 0
+        """False while the backend fails or the polling task is gone: budgets are not being enforced."""
+        return self.faults == 0 and not self._dead()
+
+    @property
+    def paused(self) -> bool:
+        """Whether GPU admissions must be refused now (fail closed)."""
+        return self.faults >= self.fault_grace or self._dead()
+
+    def _dead(self) -> bool:
+        task = self._task
+        if task is None or not task.done() or self._closing:
+            return False
+        if self.last_error is None:
+            self.last_error = "the GPU watchdog task ended"
+        return True
 
     def watch(self, key: str, root_pid: int, grant: Grant, stop: Callable[[RunLimit], None]) -> None:
         self.runs[key] = WatchedRun(key, root_pid, grant, stop)
@@ -117,6 +135,7 @@ class GpuWatchdog:
             self._task = asyncio.create_task(self._loop(), name="gpu-watchdog")
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -125,17 +144,27 @@ class GpuWatchdog:
     async def _loop(self) -> None:
         while True:
             started = time.monotonic()
-            await self.check()
+            try:
+                await self.check()
+            except Exception as exc:  # noqa: BLE001 (a bug in the fault path itself: still fail closed)
+                self._on_fault(f"{type(exc).__name__}: {exc}", unexpected=True)
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def check(self) -> PollResult | None:
-        """One poll: measure, reconcile, stop what broke its budget. Returns the measurement."""
-        roots = {key: run.root_pid for key, run in self.runs.items()}
+        """One poll: measure, reconcile, stop what broke its budget. Returns the measurement.
+
+        Never raises (but for cancellation): a failure is a fault (see the module doc)."""
         try:
-            result = await asyncio.to_thread(self.measure, roots)
+            return await self._check()
         except GpuBackendError as exc:
             self._on_fault(str(exc))
-            return None
+        except Exception as exc:  # noqa: BLE001 (pynvml raises plain Exceptions too: fail closed)
+            self._on_fault(f"{type(exc).__name__}: {exc}", unexpected=True)
+        return None
+
+    async def _check(self) -> PollResult:
+        roots = {key: run.root_pid for key, run in self.runs.items()}
+        result = await asyncio.to_thread(self.measure, roots)
         if self.faults:
             log.warning("GPU backend recovered", extra={"after_faults": self.faults})
         self.faults = 0
@@ -177,16 +206,18 @@ class GpuWatchdog:
                 result.host_mb[key] = rss_mb(pids)
         return result
 
-    def _on_fault(self, message: str) -> None:
-        self.faults += 1
+    def _on_fault(self, message: str, unexpected: bool = False) -> None:
+        """A poll failed. Backend errors get `fault_grace` tries; anything else stops runs at once."""
+        self.faults = max(self.faults + 1, self.fault_grace if unexpected else 0)
         self.last_error = message
-        log.error("GPU backend failed", extra={"error": message, "consecutive": self.faults})
+        log.error("GPU watchdog poll failed", extra={"error": message, "consecutive": self.faults,
+                                                     "unexpected": unexpected})
         if self.faults >= self.fault_grace:
             for run in list(self.runs.values()):
                 if not run.stopped:
                     self._stop(run, GpuMonitorFailed(
-                        "GPU memory could not be measured (the GPU backend failed), so the run's "
-                        "budget could not be enforced; it was stopped"))
+                        f"GPU memory could not be measured (the GPU watchdog failed: {message}), so the "
+                        "run's budget could not be enforced; it was stopped"))
 
     def _stop(self, run: WatchedRun, error: RunLimit) -> None:
         run.stopped = True
