@@ -164,3 +164,14 @@ async def test_a_gpu_request_is_rejected_when_gpu_mode_is_off(server: Server) ->
     async with AsyncClient(server.url) as c:
         ex = await c.execute("print('ran')", gpu={"memory_mb": 100})
     assert ex.status == "rejected" and "SANDBOX_GPU" in (ex.message or "") and ex.stdout == ""
+
+
+def test_a_mig_enabled_gpu_stops_startup_with_the_fix(tmp_path: Path) -> None:
+    control = tmp_path / "sim.json"
+    simulate(control, mig=[1])
+    with pytest.raises(RuntimeError) as err:
+        start_server(tmp_path / "srv", SANDBOX_GPU="1", SANDBOX_GPU_BACKEND="simulated",
+                     SANDBOX_GPU_SIMULATE="2x4096", SANDBOX_GPU_SIMULATE_FILE=str(control), SANDBOX_PRELOAD="")
+    text = str(err.value)
+    assert "server exited 2" in text and "MIG mode is enabled on GPU 1 (GPU-SIM-1)" in text
+    assert "nvidia-smi -i <index> -mig 0" in text and "not supported yet" in text

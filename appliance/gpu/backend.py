@@ -25,6 +25,7 @@ class Device:
     total_mb: int
     used_mb: int
     minor: int      # the /dev/nvidia<minor> node of this device
+    mig: bool = False  # MIG mode enabled: the whole GPU is not one schedulable device
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import GpuMemoryLimit, RequestRejected, StartupError
-from appliance.gpu.backend import GpuBackend, GpuBackendError
+from appliance.gpu.backend import Device, GpuBackend, GpuBackendError
 from appliance.gpu.ledger import GpuLedger, Grant
 from appliance.gpu.mps import DaemonControl, MpsControl, control_socket_present
 from appliance.gpu.mps_limits import MpsLimiter
@@ -82,6 +82,22 @@ def open_mps(settings: Settings, backend: GpuBackend) -> tuple[MpsControl | None
         return None, str(exc)
 
 
+def mig_problem(devices: list[Device]) -> str | None:
+    """Why GPU mode refuses these devices (MIG mode on), naming the fix; None if it does not.
+
+    A MIG-enabled GPU is addressed by its instances' UUIDs and needs /dev/nvidia-caps; the
+    appliance schedules whole GPUs by index, so it refuses rather than guess. Scheduling
+    MIG instances as devices is not supported (future work).
+    """
+    mig = [d for d in devices if d.mig]
+    if not mig:
+        return None
+    names = ", ".join(f"{d.index} ({d.uuid})" for d in mig)
+    return (f"SANDBOX_GPU=1 but MIG mode is enabled on GPU {names}: the appliance schedules whole GPUs "
+            "and cannot schedule MIG instances. Disable MIG (nvidia-smi -i <index> -mig 0, then reset the "
+            "GPU or reboot); running on MIG instances by UUID is not supported yet")
+
+
 class GpuLeases(LeaseSource):
     """Everything GPU mode adds to a run."""
 
@@ -95,6 +111,9 @@ class GpuLeases(LeaseSource):
             raise StartupError(f"SANDBOX_GPU=1 but the GPUs could not be read: {exc}") from exc
         if not devices:
             raise StartupError("SANDBOX_GPU=1 but no GPU was found")
+        problem = mig_problem(devices)
+        if problem:
+            raise StartupError(problem)
         self.ledger = GpuLedger(devices, settings.gpu_margin_mb, settings.gpu_queue_ms)
         self.ledger.load(devices, processes, ours=())  # startup reconciliation: all in use is foreign
         self.devices = {d.uuid: d for d in devices}

@@ -58,7 +58,7 @@ class NvmlBackend(GpuBackend):
                         index=i, uuid=_text(nv.nvmlDeviceGetUUID(handle)),
                         name=_text(nv.nvmlDeviceGetName(handle)),
                         total_mb=int(mem.total // MIB), used_mb=int(mem.used // MIB),
-                        minor=int(nv.nvmlDeviceGetMinorNumber(handle)),
+                        minor=int(nv.nvmlDeviceGetMinorNumber(handle)), mig=_mig_enabled(nv, handle),
                     ))
                 return out
             except nv.NVMLError as exc:
@@ -118,6 +118,15 @@ def _init_problem(nv: Any, exc: Exception) -> str:
     if isinstance(exc, nv.NVMLError_NoPermission):
         return "SANDBOX_GPU=1 but NVML refused access (run the server as root or in the video group)"
     return f"SANDBOX_GPU=1 but NVML could not start: {exc}"
+
+
+def _mig_enabled(nv: Any, handle: Any) -> bool:
+    """Whether MIG mode is on now (GPUs without MIG support answer NotSupported: off)."""
+    try:
+        current, _pending = nv.nvmlDeviceGetMigMode(handle)
+    except nv.NVMLError_NotSupported:
+        return False
+    return bool(current == nv.NVML_DEVICE_MIG_ENABLE)
 
 
 def _text(value: Any) -> str:

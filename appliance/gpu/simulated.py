@@ -19,6 +19,8 @@ two places, both optional:
   outside the backend's error type, as pynvml does for some failures
   (`NVMLLibraryMismatchError` derives from `Exception`, not from `NVMLError`).
 
+`"mig": [0]` puts those device indexes in MIG mode (read when devices are listed).
+
 Device `i` has UUID `GPU-SIM-<i>` and device node minor `i`.
 """
 
@@ -79,11 +81,13 @@ class SimulatedBackend(GpuBackend):
     # -- GpuBackend ------------------------------------------------------------------------
     def devices(self) -> list[Device]:
         usage, foreign = self._state()
+        with self._lock:
+            mig = set(self._read_control().get("mig") or [])
         out = []
         for i, total in enumerate(self._totals):
             used = foreign.get(i, 0) + sum(mb for dev, mb in usage.values() if dev == i)
             out.append(Device(index=i, uuid=f"GPU-SIM-{i}", name="Simulated GPU", total_mb=total,
-                              used_mb=min(used, total), minor=i))
+                              used_mb=min(used, total), minor=i, mig=i in mig))
         return out
 
     def processes(self) -> list[ProcessUsage]:
