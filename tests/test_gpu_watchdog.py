@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,3 +152,28 @@ async def test_a_plain_exception_from_the_backend_fails_closed_at_once_and_the_l
         assert watchdog.healthy and not watchdog.paused
     finally:
         await watchdog.close()
+
+
+async def test_gpu_memory_nvml_reports_under_a_thread_id_is_the_run_s_and_is_enforced(tmp_path: Path) -> None:
+    # The allocating context was created by a worker thread: NVML names that thread, not the process.
+    control = tmp_path / "sim.json"
+    proc = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                             "threading.Thread(target=time.sleep, args=(60,)).start()\nprint('up', flush=True)\n"
+                             "time.sleep(60)"], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        control.write_text(json.dumps({"report_tids": True,
+                                       "processes": [{"pid": proc.pid, "gpu": 0, "used_mb": 1101}]}))
+        backend = SimulatedBackend((16384,), control_file=control)
+        reported = backend.processes()[0].pid
+        assert reported != proc.pid and reported in {int(t) for t in os.listdir(f"/proc/{proc.pid}/task")}
+        watchdog, ledger = make(backend)
+        stopped: list[RunLimit] = []
+        watchdog.watch("a", proc.pid, await ledger.acquire(1000), stopped.append)
+        result = await watchdog.check()
+        assert result is not None and result.gpu_mb == {"a": 1101}
+        assert len(stopped) == 1 and isinstance(stopped[0], GpuMemoryLimit)
+        assert ledger.snapshot()[0]["foreign_mb"] == 0, "the thread's memory is the run's, not foreign"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

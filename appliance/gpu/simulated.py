@@ -19,7 +19,9 @@ two places, both optional:
   outside the backend's error type, as pynvml does for some failures
   (`NVMLLibraryMismatchError` derives from `Exception`, not from `NVMLError`).
 
-`"mig": [0]` puts those device indexes in MIG mode (read when devices are listed).
+`"report_tids": true` reports each live process's usage under the ID of its newest
+thread other than the main one (where it has one), as NVML does when a worker thread
+created the CUDA context. `"mig": [0]` puts those device indexes in MIG mode (read when devices are listed).
 
 Device `i` has UUID `GPU-SIM-<i>` and device node minor `i`.
 """
@@ -92,7 +94,9 @@ class SimulatedBackend(GpuBackend):
 
     def processes(self) -> list[ProcessUsage]:
         usage, _ = self._state()
-        return [ProcessUsage(pid=pid, uuid=f"GPU-SIM-{dev}", used_mb=mb)
+        with self._lock:
+            tids = bool(self._read_control().get("report_tids"))
+        return [ProcessUsage(pid=_context_thread(pid) if tids else pid, uuid=f"GPU-SIM-{dev}", used_mb=mb)
                 for pid, (dev, mb) in sorted(usage.items()) if 0 <= dev < len(self._totals)]
 
     def mps_active(self) -> bool:
@@ -148,3 +152,12 @@ class SimulatedBackend(GpuBackend):
             self._file_state = state if isinstance(state, dict) else {}
             self._file_mtime = mtime
         return self._file_state
+
+
+def _context_thread(pid: int) -> int:
+    """The newest thread of pid other than its main one (pid itself when it has none)."""
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    except (OSError, ValueError):
+        return pid
+    return tids[-1] if tids else pid

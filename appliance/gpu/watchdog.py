@@ -49,6 +49,11 @@ def descendants(root: int) -> set[int]:
     return set(proctree.tree(root))
 
 
+def run_ids(root: int) -> set[int]:
+    """Every process and thread ID of the run rooted at root: what NVML's IDs are matched against."""
+    return proctree.task_ids(descendants(root))
+
+
 def rss_mb(pids: set[int]) -> int:
     """Resident memory of these processes together, in MiB (shared pages counted per process)."""
     total_pages = 0
@@ -75,7 +80,7 @@ class WatchedRun:
 class PollResult:
     devices: list[Device]
     processes: list[ProcessUsage]
-    pids: dict[str, set[int]] = field(default_factory=dict)      # run key -> its host PIDs
+    pids: dict[str, set[int]] = field(default_factory=dict)      # run key -> its host PIDs and TIDs
     gpu_mb: dict[str, int] = field(default_factory=dict)         # run key -> GPU MiB in use
     host_mb: dict[str, int] = field(default_factory=dict)        # run key -> resident MiB
 
@@ -125,7 +130,7 @@ class GpuWatchdog:
     def stop_owner(self, pid: int, error: RunLimit) -> bool:
         """Stop the watched run whose processes include host PID `pid`; False if none does."""
         for run in list(self.runs.values()):
-            if not run.stopped and pid in descendants(run.root_pid):
+            if not run.stopped and pid in run_ids(run.root_pid):
                 self._stop(run, error)
                 return True
         return False
@@ -200,8 +205,9 @@ class GpuWatchdog:
             by_pid[proc.pid] = by_pid.get(proc.pid, 0) + proc.used_mb
         for key, root in roots.items():
             pids = descendants(root)
-            result.pids[key] = pids
-            result.gpu_mb[key] = sum(by_pid.get(pid, 0) for pid in pids)
+            ids = proctree.task_ids(pids)  # NVML may name a thread (the context's creator), not its process
+            result.pids[key] = ids
+            result.gpu_mb[key] = sum(by_pid.get(i, 0) for i in ids)
             if self.host_memory_mb is not None:
                 result.host_mb[key] = rss_mb(pids)
         return result

@@ -51,3 +51,17 @@ def state(pid: int) -> str:
             return fh.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+def task_ids(pids: set[int]) -> set[int]:
+    """Every task (thread) ID of these processes, the process IDs included.
+
+    NVML may report the thread that created a CUDA context instead of its process.
+    """
+    found = set(pids)
+    for pid in pids:
+        try:
+            found.update(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        except (OSError, ValueError):
+            continue
+    return found
