@@ -79,16 +79,6 @@ async def test_an_over_budget_run_is_stopped_while_its_neighbour_keeps_running(
     assert set(stopped) == {"a"}, "a run is stopped once; the neighbour is never touched"
 
 
-async def test_the_host_memory_of_a_gpu_run_is_capped_by_the_watchdog(
-        trees: list[subprocess.Popen[bytes]]) -> None:
-    backend = SimulatedBackend((16384,))
-    watchdog, ledger = make(backend, host_memory_mb=0)
-    stopped: list[RunLimit] = []
-    watchdog.watch("a", trees[0].pid, await ledger.acquire(10), stopped.append)
-    await watchdog.check()
-    assert len(stopped) == 1 and isinstance(stopped[0], MemoryLimit)
-
-
 async def test_a_backend_fault_mid_run_stops_watched_runs_after_the_grace_and_recovers() -> None:
     backend = SimulatedBackend((16384,))
     watchdog, ledger = make(backend)
@@ -174,6 +164,48 @@ async def test_gpu_memory_nvml_reports_under_a_thread_id_is_the_run_s_and_is_enf
         assert result is not None and result.gpu_mb == {"a": 1101}
         assert len(stopped) == 1 and isinstance(stopped[0], GpuMemoryLimit)
         assert ledger.snapshot()[0]["foreign_mb"] == 0, "the thread's memory is the run's, not foreign"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+MAP_AND_HOLD = """\
+import mmap, sys, time
+kind, mb = sys.argv[1], int(sys.argv[2])
+if kind == "file":   # a model file, mmapped and read through (what llama.cpp does with a GGUF)
+    f = open(sys.argv[3], "rb")
+    m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    total = sum(m[i] for i in range(0, len(m), 4096))
+else:                # memory the run owns
+    held = bytearray(b"\\x01") * (mb << 20)
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(("kind", "stopped_expected"), [("file", False), ("anon", True)])
+async def test_host_memory_counts_what_the_run_owns_not_the_files_it_maps(
+        tmp_path: Path, kind: str, stopped_expected: bool) -> None:
+    model = tmp_path / "model.bin"
+    with open(model, "wb") as fh:
+        fh.truncate(300 << 20)
+        fh.seek(0)
+        fh.write(b"\x07" * (300 << 20))  # real pages, so that reading them makes them resident
+    proc = subprocess.Popen([sys.executable, "-c", MAP_AND_HOLD, kind, "300", str(model)],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        watchdog, ledger = make(SimulatedBackend((16384,)), host_memory_mb=200)
+        stopped: list[RunLimit] = []
+        watchdog.watch("a", proc.pid, await ledger.acquire(10), stopped.append)
+        result = await watchdog.check()
+        assert result is not None
+        if stopped_expected:
+            assert len(stopped) == 1 and isinstance(stopped[0], MemoryLimit) and result.host_mb["a"] >= 300
+        else:
+            statm_mb = int(Path(f"/proc/{proc.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+            assert statm_mb >= 300, "the mapped file is resident (what the old statm reading counted)"
+            assert not stopped and result.host_mb["a"] < 200
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

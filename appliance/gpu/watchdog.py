@@ -6,8 +6,9 @@ found through `/proc/<pid>/task/<tid>/children`. Each poll (in a thread) reads t
 backend once, sums each run's usage, and reports:
 
 - runs whose GPU memory exceeds their grant + margin (-> `gpu_memory_limit`);
-- runs whose resident host memory exceeds SANDBOX_MEMORY_MB (GPU jails have no
-  RLIMIT_AS, so this is their host memory cap -> `memory_limit`);
+- runs whose owned host memory (anonymous + shmem, `appliance.jail.memory`; not mmapped
+  model files or CUDA libraries) exceeds SANDBOX_MEMORY_MB (GPU jails have no RLIMIT_AS,
+  so this is their host memory cap -> `memory_limit`);
 - a backend fault: after `fault_grace` consecutive failures every watched run is
   stopped (`internal`), since its budget can no longer be enforced (fail closed).
   Any other exception in a poll (a plain `Exception` from pynvml, a bug here) fails
@@ -23,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,10 +32,9 @@ from appliance.errors import GpuMemoryLimit, MemoryLimit, RunLimit
 from appliance.gpu.backend import Device, GpuBackend, GpuBackendError, ProcessUsage
 from appliance.gpu.ledger import GpuLedger, Grant
 from appliance.jail import proctree
+from appliance.jail.memory import ProcMemory, RunMemory
 
 log = logging.getLogger("appliance.gpu")
-
-PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 
 class GpuMonitorFailed(RunLimit):
@@ -52,18 +51,6 @@ def descendants(root: int) -> set[int]:
 def run_ids(root: int) -> set[int]:
     """Every process and thread ID of the run rooted at root: what NVML's IDs are matched against."""
     return proctree.task_ids(descendants(root))
-
-
-def rss_mb(pids: set[int]) -> int:
-    """Resident memory of these processes together, in MiB (shared pages counted per process)."""
-    total_pages = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/statm") as fh:
-                total_pages += int(fh.read().split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total_pages * PAGE_KB // 1024
 
 
 @dataclass
@@ -89,13 +76,14 @@ class GpuWatchdog:
     """Polls the backend every `interval_s`; one instance per server."""
 
     def __init__(self, backend: GpuBackend, ledger: GpuLedger, *, margin_mb: int, host_memory_mb: int | None,
-                 interval_s: float, fault_grace: int = 3) -> None:
+                 interval_s: float, fault_grace: int = 3, memory: RunMemory | None = None) -> None:
         self.backend = backend
         self.ledger = ledger
         self.margin_mb = margin_mb
         self.host_memory_mb = host_memory_mb
         self.interval_s = interval_s
         self.fault_grace = fault_grace
+        self.memory = memory if memory is not None else ProcMemory()  # a cgroup reading fits here too
         self.runs: dict[str, WatchedRun] = {}
         self.faults = 0
         self.last_error: str | None = None
@@ -192,7 +180,8 @@ class GpuWatchdog:
                 run = self.runs.get(key)
                 if run is not None and not run.stopped and used > self.host_memory_mb:
                     self._stop(run, MemoryLimit(
-                        f"the run used {used} MiB of host memory (SANDBOX_MEMORY_MB={self.host_memory_mb})"))
+                        f"the run used {used} MiB of host memory (anonymous and shared memory; "
+                        f"SANDBOX_MEMORY_MB={self.host_memory_mb})"))
         return result
 
     def measure(self, roots: dict[str, int]) -> PollResult:
@@ -209,7 +198,7 @@ class GpuWatchdog:
             result.pids[key] = ids
             result.gpu_mb[key] = sum(by_pid.get(i, 0) for i in ids)
             if self.host_memory_mb is not None:
-                result.host_mb[key] = rss_mb(pids)
+                result.host_mb[key] = self.memory.owned_mb(root, pids)
         return result
 
     def _on_fault(self, message: str, unexpected: bool = False) -> None:
