@@ -210,10 +210,16 @@ class Lifecycle:
 
     def update_gauges(self) -> None:
         """Pool gauges and counters, read from the pools (when /metrics is scraped)."""
+        m = self.metrics
+        if self.gpu is not None:
+            ledger = self.gpu.ledger
+            waits, ledger.reclaim_waits_s = ledger.reclaim_waits_s, []
+            for wait in waits:
+                m.gpu_reclaim_seconds.observe(wait)
+            m.gpu_reclaim_timeouts.set(sum(b.reclaim_timeouts for b in ledger.books.values()))
         sets = self._pool_sets()
         if not sets:
             return
-        m = self.metrics
         cpu = sets[0]
         m.pool_ready.set(sum(len(p.ready) for p in cpu.pools.values()))
         m.pool_starting.set(sum(p.starting for p in cpu.pools.values()))

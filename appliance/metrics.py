@@ -51,5 +51,13 @@ class Metrics:
                                         "Time a cell spent loading modules not yet imported in its jail",
                                         ["profile"], buckets=BUCKETS_S, registry=r)
 
+        # GPU mode: a finished run's grant is held until NVML shows its memory freed.
+        self.gpu_reclaim_seconds = Histogram("appliance_gpu_reclaim_wait_seconds",
+                                             "Time a finished GPU run's grant was held until NVML showed it freed",
+                                             buckets=BUCKETS_S, registry=r)
+        self.gpu_reclaim_timeouts = Gauge("appliance_gpu_reclaim_timeouts",
+                                          "Finished GPU runs whose memory NVML still listed after SANDBOX_GPU_RECLAIM_MS",
+                                          registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -77,6 +77,7 @@ class Settings:
     gpu_simulate_file: Path | None = None # simulated per-PID usage / faults (SANDBOX_GPU_SIMULATE_FILE)
     gpu_queue_ms: int = 120000            # longest wait for GPU memory before `busy`
     gpu_poll_ms: int = 250                # watchdog polling interval
+    gpu_reclaim_ms: int = 10000           # longest hold of a finished run's grant until NVML shows it freed
     gpu_mps: str = "auto"                 # MPS limits: auto (where proven), require, off
     gpu_mps_pipe_dir: Path = MPS_PIPE_DIR  # the MPS daemon's CUDA_MPS_PIPE_DIRECTORY
     gpu_libcuda: str = "libcuda.so.1"     # the CUDA driver library jails load (SANDBOX_GPU_LIBCUDA)
@@ -349,6 +350,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         gpu_simulate_file=_dir(env, "SANDBOX_GPU_SIMULATE_FILE", None),
         gpu_queue_ms=_int(env, "SANDBOX_GPU_QUEUE_MS", D.gpu_queue_ms, minimum=1),
         gpu_poll_ms=_int(env, "SANDBOX_GPU_POLL_MS", D.gpu_poll_ms, minimum=10),
+        gpu_reclaim_ms=_int(env, "SANDBOX_GPU_RECLAIM_MS", D.gpu_reclaim_ms),
         gpu_mps=_choice(env, "SANDBOX_GPU_MPS", GPU_MPS_MODES),
         gpu_mps_pipe_dir=_dir(env, "SANDBOX_GPU_MPS_PIPE_DIR", None) or MPS_PIPE_DIR,
         gpu_libcuda=_libcuda(env, "SANDBOX_GPU_LIBCUDA") or D.gpu_libcuda,

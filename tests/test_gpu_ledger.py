@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -100,7 +101,7 @@ async def test_usage_of_our_own_runs_is_not_counted_twice() -> None:
     backend.set_usage(pid=4242, index=0, used_mb=5500)
     ledger.load(backend.devices(), backend.processes(), ours={4242})
     assert ledger.snapshot()[0] == {"index": 0, "uuid": "GPU-SIM-0", "total_mb": 16384, "reserved_mb": 6000,
-                                    "foreign_mb": 0, "runs": 1}
+                                    "foreign_mb": 0, "runs": 1, "reclaiming": 0, "reclaim_timeouts": 0}
     ledger.release(grant)
 
 
@@ -128,3 +129,34 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_frees_nothing_it_did_not_
     assert ledger.waiting == 0 and ledger.snapshot()[0]["reserved_mb"] == 16000
     ledger.release(holder)
     assert ledger.snapshot()[0]["reserved_mb"] == 0
+
+
+async def test_a_released_grant_is_held_until_a_later_reading_no_longer_lists_the_run() -> None:
+    backend = SimulatedBackend((4096,))
+    ledger = GpuLedger(backend.devices(), margin_mb=0, max_wait_ms=60000, reclaim_ms=600000)
+    grant = await ledger.acquire(3000)
+    backend.set_usage(pid=4242, index=0, used_mb=2900)
+    early = time.monotonic()
+    ledger.release(grant, ids={4242, 4243})
+    waiter = asyncio.ensure_future(ledger.acquire(3000))
+    await asyncio.sleep(0)
+    ledger.load(backend.devices(), [], ours=(), taken_at=early)  # a reading from before the release
+    ledger.load(backend.devices(), backend.processes(), ours=(), taken_at=time.monotonic())  # still listed
+    await asyncio.sleep(0)
+    assert not waiter.done() and ledger.snapshot()[0]["reclaiming"] == 1
+    backend.set_usage(pid=4242, index=0, used_mb=0)
+    ledger.load(backend.devices(), backend.processes(), ours=(), taken_at=time.monotonic())
+    assert (await waiter).memory_mb == 3000 and ledger.snapshot()[0]["reclaiming"] == 0
+
+
+async def test_a_reclaim_that_outlasts_its_bound_marks_the_device_and_the_memory_stays_foreign() -> None:
+    backend = SimulatedBackend((4096,))
+    ledger = GpuLedger(backend.devices(), margin_mb=0, max_wait_ms=60000, reclaim_ms=1)
+    grant = await ledger.acquire(3000)
+    backend.set_usage(pid=4242, index=0, used_mb=2900)
+    ledger.release(grant, ids={4242})
+    await asyncio.sleep(0.01)
+    ledger.load(backend.devices(), backend.processes(), ours=(), taken_at=time.monotonic())
+    book = ledger.snapshot()[0]
+    assert book["reclaiming"] == 0 and book["reclaim_timeouts"] == 1 and "SANDBOX_GPU_RECLAIM_MS" in str(book["note"])
+    assert book["foreign_mb"] == 2900, "what NVML still shows keeps the next run off that memory"

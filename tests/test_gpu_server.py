@@ -175,3 +175,35 @@ def test_a_mig_enabled_gpu_stops_startup_with_the_fix(tmp_path: Path) -> None:
     text = str(err.value)
     assert "server exited 2" in text and "MIG mode is enabled on GPU 1 (GPU-SIM-1)" in text
     assert "nvidia-smi -i <index> -mig 0" in text and "not supported yet" in text
+
+
+async def test_a_queued_run_never_starts_while_the_previous_run_s_memory_still_shows_in_nvml(
+        tmp_path: Path) -> None:
+    # NVML frees late: the simulator keeps listing the finished run's process until told otherwise.
+    control = tmp_path / "sim.json"
+    srv = start_server(tmp_path / "srv", SANDBOX_GPU="1", SANDBOX_GPU_BACKEND="simulated",
+                       SANDBOX_GPU_SIMULATE="4096", SANDBOX_GPU_SIMULATE_FILE=str(control),
+                       SANDBOX_GPU_MARGIN_MB=str(MARGIN_MB), SANDBOX_GPU_POLL_MS="100",
+                       SANDBOX_GPU_RECLAIM_MS="600000", SANDBOX_GPU_QUEUE_MS="600000", SANDBOX_PRELOAD="")
+    try:
+        async with AsyncClient(srv.url) as c:
+            first = asyncio.create_task(c.execute(
+                "import subprocess, time\nsubprocess.Popen(['sleep', '77.7'])\ntime.sleep(2)", gpu={"memory_mb": 3000}))
+            pid = await asyncio.to_thread(host_pid_of, srv, "sleep 77.7")
+            simulate(control, processes=[{"pid": pid, "gpu": 0, "used_mb": 2900}])
+            await asyncio.sleep(0.5)  # a poll sees the memory as the first run's
+            second = asyncio.create_task(c.execute("print('second')", gpu={"memory_mb": 3000}))
+            assert (await asyncio.wait_for(first, scaled(20))).status == "ok"
+            done, _ = await asyncio.wait({second}, timeout=scaled(3))
+            assert not done, "the second run started while NVML still listed the first run's memory"
+            status, body = srv.get("/readyz")
+            assert json.loads(body)["gpu"]["devices"][0]["reclaiming"] == 1
+            simulate(control)  # NVML now shows the memory freed
+            ex = await asyncio.wait_for(second, scaled(20))
+        assert ex.status == "ok" and ex.stdout == "second\n"
+        assert json.loads(srv.get("/readyz")[1])["gpu"]["devices"][0]["reclaiming"] == 0
+        metrics = srv.get("/metrics")[1]
+        assert "appliance_gpu_reclaim_wait_seconds_count 1.0" in metrics
+        assert "appliance_gpu_reclaim_timeouts 0.0" in metrics
+    finally:
+        srv.stop()

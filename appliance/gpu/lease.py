@@ -114,7 +114,7 @@ class GpuLeases(LeaseSource):
         problem = mig_problem(devices)
         if problem:
             raise StartupError(problem)
-        self.ledger = GpuLedger(devices, settings.gpu_margin_mb, settings.gpu_queue_ms)
+        self.ledger = GpuLedger(devices, settings.gpu_margin_mb, settings.gpu_queue_ms, settings.gpu_reclaim_ms)
         self.ledger.load(devices, processes, ours=())  # startup reconciliation: all in use is foreign
         self.devices = {d.uuid: d for d in devices}
         self.watchdog = GpuWatchdog(
@@ -217,12 +217,13 @@ class GpuLeases(LeaseSource):
         return jail
 
     async def _end(self, lease: GpuLease) -> None:
-        self.watchdog.unwatch(lease.key)
+        watched = self.watchdog.unwatch(lease.key)
         try:
             if lease.jail is not None:
                 await lease.jail.destroy()
         finally:
-            self.ledger.release(lease.grant)
+            # Held until NVML no longer lists the run (SANDBOX_GPU_RECLAIM_MS at most): a kill is not a free.
+            self.ledger.release(lease.grant, watched.ids if watched is not None else ())
             with contextlib.suppress(Exception):  # reconcile at once; the watchdog retries anyway
                 await self.watchdog.check()
 

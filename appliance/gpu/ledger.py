@@ -43,6 +43,14 @@ class Grant:
 
 
 @dataclass
+class _Reclaim:
+    memory_mb: int
+    ids: frozenset[int]   # the run's process and thread IDs, as last seen
+    released: float       # monotonic time of the release
+    deadline: float
+
+
+@dataclass
 class DeviceBook:
     index: int
     uuid: str
@@ -50,10 +58,14 @@ class DeviceBook:
     total_mb: int
     foreign_mb: int = 0
     grants: dict[int, int] = field(default_factory=dict)  # ticket -> MiB
+    # Released grants still held until NVML no longer lists their run's IDs (frees are late).
+    reclaiming: dict[int, _Reclaim] = field(default_factory=dict)
+    reclaim_timeouts: int = 0
+    reclaim_note: str | None = None
 
     @property
     def reserved_mb(self) -> int:
-        return sum(self.grants.values())
+        return sum(self.grants.values()) + sum(r.memory_mb for r in self.reclaiming.values())
 
     def room_mb(self, margin_mb: int) -> int:
         return self.total_mb - self.reserved_mb - self.foreign_mb - margin_mb
@@ -70,8 +82,10 @@ class _Waiter:
 class GpuLedger:
     """Reservations for every device; all methods run on the event loop (no locking needed)."""
 
-    def __init__(self, devices: Iterable[Device], margin_mb: int, max_wait_ms: int) -> None:
+    def __init__(self, devices: Iterable[Device], margin_mb: int, max_wait_ms: int, reclaim_ms: int = 0) -> None:
         self.margin_mb = margin_mb
+        self.reclaim_ms = reclaim_ms
+        self.reclaim_waits_s: list[float] = []  # finished reclaim waits, drained by /metrics
         self.max_wait_ms = max_wait_ms
         self.books: dict[str, DeviceBook] = {}
         self._queue: deque[_Waiter] = deque()
@@ -84,7 +98,8 @@ class GpuLedger:
     def waiting(self) -> int:
         return len(self._queue)
 
-    def load(self, devices: Iterable[Device], processes: Iterable[ProcessUsage], ours: Iterable[int]) -> None:
+    def load(self, devices: Iterable[Device], processes: Iterable[ProcessUsage], ours: Iterable[int],
+             taken_at: float | None = None) -> None:
         """Reconcile with what the backend reports: totals, and memory used by non-runs.
 
         `ours` are the host PIDs of running runs: their usage is covered by their grants;
@@ -92,6 +107,9 @@ class GpuLedger:
         """
         ours_set = set(ours)
         ours_used: dict[str, int] = {}
+        processes = list(processes)
+        if taken_at is not None:
+            self._reclaim(processes, taken_at)
         for proc in processes:
             if proc.pid in ours_set:
                 ours_used[proc.uuid] = ours_used.get(proc.uuid, 0) + proc.used_mb
@@ -104,7 +122,7 @@ class GpuLedger:
             book.index, book.minor, book.total_mb = dev.index, dev.minor, dev.total_mb
             book.foreign_mb = max(0, dev.used_mb - ours_used.get(dev.uuid, 0))
         for uuid in list(self.books):
-            if uuid not in seen and not self.books[uuid].grants:
+            if uuid not in seen and not self.books[uuid].grants and not self.books[uuid].reclaiming:
                 del self.books[uuid]  # a device that vanished takes no new runs
             elif uuid not in seen:
                 self.books[uuid].total_mb = 0
@@ -114,7 +132,9 @@ class GpuLedger:
     def snapshot(self) -> list[dict[str, int | str]]:
         """Per-device totals for /metrics, /readyz and the benchmark."""
         return [{"index": b.index, "uuid": b.uuid, "total_mb": b.total_mb, "reserved_mb": b.reserved_mb,
-                 "foreign_mb": b.foreign_mb, "runs": len(b.grants)} for b in self._ordered()]
+                 "foreign_mb": b.foreign_mb, "runs": len(b.grants), "reclaiming": len(b.reclaiming),
+                 "reclaim_timeouts": b.reclaim_timeouts, **({"note": b.reclaim_note} if b.reclaim_note else {})}
+                for b in self._ordered()]
 
     # -- admission ---------------------------------------------------------------------------
     async def acquire(self, memory_mb: int) -> Grant:
@@ -140,12 +160,40 @@ class GpuLedger:
             self._abandon(waiter)
             raise
 
-    def release(self, grant: Grant) -> None:
-        """Return a grant's memory and admit whoever now fits."""
+    def release(self, grant: Grant, ids: Iterable[int] = ()) -> None:
+        """Return a grant's memory and admit whoever now fits.
+
+        With `ids` (the run's process and thread IDs) and a reclaim wait configured, the
+        memory stays reserved until a backend reading taken after this release lists none
+        of them (GPU memory is freed asynchronously after a kill), or until `reclaim_ms`
+        passes: then the device is marked, and what NVML still shows counts as foreign.
+        """
         book = self.books.get(grant.uuid)
         if book is not None:
-            book.grants.pop(grant.ticket, None)
+            mb = book.grants.pop(grant.ticket, None)
+            id_set = frozenset(ids)
+            if mb is not None and id_set and self.reclaim_ms > 0:
+                now = time.monotonic()
+                book.reclaiming[grant.ticket] = _Reclaim(mb, id_set, now, now + self.reclaim_ms / 1000)
         self._pump()
+
+    def _reclaim(self, processes: list[ProcessUsage], taken_at: float) -> None:
+        """Drop held grants whose run no longer shows in a reading taken after their release."""
+        listed = {p.pid for p in processes}
+        now = time.monotonic()
+        for book in self.books.values():
+            for ticket, r in list(book.reclaiming.items()):
+                if taken_at < r.released:
+                    continue  # the reading predates the kill: it proves nothing
+                if not r.ids & listed:
+                    del book.reclaiming[ticket]
+                    self.reclaim_waits_s.append(now - r.released)
+                elif now >= r.deadline:
+                    del book.reclaiming[ticket]
+                    book.reclaim_timeouts += 1
+                    book.reclaim_note = (f"{r.memory_mb} MiB of a finished run still listed by NVML after "
+                                         f"{self.reclaim_ms} ms (SANDBOX_GPU_RECLAIM_MS); counted as foreign")
+                    self.reclaim_waits_s.append(now - r.released)
 
     def _abandon(self, waiter: _Waiter) -> None:
         if waiter in self._queue:

@@ -61,12 +61,14 @@ class WatchedRun:
     stop: Callable[[RunLimit], None]   # called once, on the event loop, to end the run
     peak_mb: int = 0
     stopped: bool = False
+    ids: set[int] = field(default_factory=set)  # every process/thread ID seen: what a reclaim waits on
 
 
 @dataclass
 class PollResult:
     devices: list[Device]
     processes: list[ProcessUsage]
+    taken_at: float = 0.0                                        # monotonic time the reading began
     pids: dict[str, set[int]] = field(default_factory=dict)      # run key -> its host PIDs and TIDs
     gpu_mb: dict[str, int] = field(default_factory=dict)         # run key -> GPU MiB in use
     host_mb: dict[str, int] = field(default_factory=dict)        # run key -> resident MiB
@@ -164,7 +166,10 @@ class GpuWatchdog:
         self.last_error = None
         self.polls += 1
         ours = set().union(*result.pids.values()) if result.pids else set()
-        self.ledger.load(result.devices, result.processes, ours)
+        for key, ids in result.pids.items():
+            if key in self.runs:
+                self.runs[key].ids |= ids
+        self.ledger.load(result.devices, result.processes, ours, result.taken_at)
         for key, used in result.gpu_mb.items():
             run = self.runs.get(key)
             if run is None or run.stopped:
@@ -186,9 +191,10 @@ class GpuWatchdog:
 
     def measure(self, roots: dict[str, int]) -> PollResult:
         """Backend + /proc in one go (blocking; runs in a thread)."""
+        taken_at = time.monotonic()
         devices = self.backend.devices()
         processes = self.backend.processes()
-        result = PollResult(devices, processes)
+        result = PollResult(devices, processes, taken_at)
         by_pid: dict[int, int] = {}
         for proc in processes:
             by_pid[proc.pid] = by_pid.get(proc.pid, 0) + proc.used_mb
