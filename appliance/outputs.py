@@ -1,18 +1,29 @@
-"""Files a run wrote under /workspace/outputs: read safely, returned as frames, persisted.
+"""Files a run wrote under /workspace/outputs: read safely, streamed as frames, persisted.
 
 The server reads the run directory on the host as a privileged user, so every step
-refuses links: directories are walked with fwalk (no symlinks followed) and files are
-opened O_NOFOLLOW and must be regular, owned by the sandbox uid and singly linked.
+refuses links: directories are walked by descriptor (`jail.fstree`, no symlink followed,
+no recursion on the code's depth) and files are opened O_NOFOLLOW relative to their
+directory and must be regular, owned by the sandbox uid and singly linked.
+
+What a run gets back is bounded twice: each file by SANDBOX_MAX_FILE_OUT_BYTES, all of a
+run's files together by SANDBOX_MAX_OUTPUTS_BYTES, counted in the bytes actually read (a
+sparse file costs its apparent size, not its blocks). Files are read one at a time as they
+are sent (`stream`), never all at once; persistence writes the same files as they pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance import fstree
+
 Snapshot = dict[str, tuple[int, int]]
+CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -23,23 +34,28 @@ class OutputFile:
     message: str | None = None
 
 
-def _walk(outputs: Path, uid: int) -> dict[str, tuple[int, int, int, int]]:
-    """path -> (dir_fd-independent) (size, mtime_ns, ino, dev) of eligible regular files."""
-    found: dict[str, tuple[int, int, int, int]] = {}
-    if not outputs.is_dir() or outputs.is_symlink():
-        return found
-    for root, _dirs, files, root_fd in os.fwalk(outputs, follow_symlinks=False):
-        rel_root = os.path.relpath(root, outputs)
-        for name in files:
-            try:
-                st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
-                continue
-            rel = name if rel_root == "." else os.path.join(rel_root, name)
-            found[rel] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-    return found
+@dataclass
+class Tally:
+    """What a streamed collection sent and left out; filled in as `stream` goes."""
+
+    budget: int
+    sent_bytes: int = 0
+    skipped: int = 0          # files not returned: past the budget
+    too_deep: int = 0         # directories under outputs/ too deep to be read
+
+    def note(self) -> str | None:
+        """Why some files did not come back, for the run's `done`; None when all did."""
+        parts = []
+        if self.skipped:
+            parts.append(f"{self.skipped} outputs/ file(s) not returned: together they pass "
+                         f"SANDBOX_MAX_OUTPUTS_BYTES ({self.budget} bytes)")
+        if self.too_deep:
+            parts.append(f"outputs/ directories nested deeper than {fstree.MAX_DEPTH} levels were not read")
+        return "; ".join(parts) or None
+
+
+def _eligible(st: os.stat_result, uid: int) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == uid and st.st_nlink == 1
 
 
 def has_any(workdir: Path) -> bool:
@@ -53,64 +69,120 @@ def has_any(workdir: Path) -> bool:
 
 def snapshot(workdir: Path, uid: int) -> Snapshot:
     """What outputs/ holds now, to tell later which files a cell changed."""
-    return {rel: (v[0], v[1]) for rel, v in _walk(workdir / "outputs", uid).items()}
+    return {e.rel: (e.stat.st_size, e.stat.st_mtime_ns)
+            for e in fstree.Walk(workdir / "outputs") if _eligible(e.stat, uid)}
 
 
-def collect(workdir: Path, uid: int, before: Snapshot | None, max_file_bytes: int) -> list[OutputFile]:
-    """The files under outputs/ that are new or changed since `before` (all, if None)."""
-    outputs = workdir / "outputs"
-    result: list[OutputFile] = []
-    for rel, (size, mtime, _ino, _dev) in sorted(_walk(outputs, uid).items()):
-        if before is not None and before.get(rel) == (size, mtime):
-            continue
-        if size > max_file_bytes:
-            result.append(OutputFile(rel, size, None, f"larger than SANDBOX_MAX_FILE_OUT_BYTES ({max_file_bytes})"))
-            continue
-        data = _read_nofollow(outputs, rel, uid, max_file_bytes)
-        if data is None:
-            continue
-        result.append(OutputFile(rel, len(data), data))
-    return result
-
-
-def _read_nofollow(outputs: Path, rel: str, uid: int, limit: int) -> bytes | None:
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-    parts = rel.split(os.sep)
+def stream(workdir: Path, uid: int, before: Snapshot | None, max_file_bytes: int, tally: Tally
+           ) -> Generator[OutputFile, None, None]:
+    """The files under outputs/ that are new or changed since `before` (all, if None), one at
+    a time, read only when reached. Once the next file would pass the tally's budget it and
+    every later one are skipped (counted in `tally.skipped`). Blocking: advance it in a thread."""
+    walk = fstree.Walk(workdir / "outputs")
     try:
-        dir_fd = os.open(outputs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        for entry in walk:
+            st = entry.stat
+            if not _eligible(st, uid):
+                continue
+            if before is not None and before.get(entry.rel) == (st.st_size, st.st_mtime_ns):
+                continue
+            if tally.skipped:
+                tally.skipped += 1
+                continue
+            if st.st_size > max_file_bytes:
+                yield OutputFile(entry.rel, st.st_size, None,
+                                 f"larger than SANDBOX_MAX_FILE_OUT_BYTES ({max_file_bytes})")
+                continue
+            if tally.sent_bytes + st.st_size > tally.budget:
+                tally.skipped += 1
+                continue
+            data = _read(entry, uid, max_file_bytes)
+            if data is None:
+                continue
+            if len(data) > max_file_bytes:  # it grew since it was listed
+                yield OutputFile(entry.rel, len(data), None,
+                                 f"larger than SANDBOX_MAX_FILE_OUT_BYTES ({max_file_bytes})")
+                continue
+            if tally.sent_bytes + len(data) > tally.budget:
+                tally.skipped += 1
+                continue
+            tally.sent_bytes += len(data)
+            yield OutputFile(entry.rel, len(data), data)
+    finally:
+        tally.too_deep = walk.too_deep
+
+
+def next_batch(files: Iterator[OutputFile], max_bytes: int = 4 * CHUNK, max_items: int = 256) -> list[OutputFile]:
+    """The next few files of `stream` (up to max_bytes of data or max_items); [] at its end.
+    Blocking: one thread hop per batch rather than per file."""
+    batch: list[OutputFile] = []
+    size = 0
+    for item in files:
+        batch.append(item)
+        size += len(item.data or b"")
+        if size >= max_bytes or len(batch) >= max_items:
+            break
+    return batch
+
+
+def _read(entry: fstree.Entry, uid: int, limit: int) -> bytes | None:
+    """Up to limit + 1 bytes of a walked file, or None when it is not (any more) eligible."""
+    try:
+        fd = fstree.open_file(entry)
     except OSError:
         return None
-    try:
-        for part in parts[:-1]:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
-            os.close(dir_fd)
-            dir_fd = nxt
-        fd = os.open(parts[-1], flags, dir_fd=dir_fd)
-    except OSError:
-        os.close(dir_fd)
-        return None
-    os.close(dir_fd)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
+        if not _eligible(st, uid) or st.st_ino != entry.stat.st_ino:
             return None
-        data = os.read(fd, limit + 1)
-        return data if len(data) <= limit else None
+        chunks: list[bytes] = []
+        got = 0
+        while got <= limit:
+            chunk = os.read(fd, min(CHUNK, limit + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
     finally:
         os.close(fd)
 
 
-def persist(files: list[OutputFile], root: Path, run_id: str) -> None:
-    """Copy files into root/<run_id>/ (a directory made fresh for this run)."""
-    if not files:
-        return
-    base = root / run_id
-    base.mkdir(parents=True, exist_ok=True)
-    for item in files:
+class Persister:
+    """Writes a run's files, as they are sent, under root/<run_id>/ (made fresh for it).
+
+    Paths are made one directory at a time relative to descriptors, O_NOFOLLOW: a name
+    can never lead outside the run's own directory, and any depth the walk returns fits."""
+
+    def __init__(self, root: Path, run_id: str) -> None:
+        self.base = root / run_id
+        self._fd: int | None = None
+
+    def write(self, item: OutputFile) -> None:
         if item.data is None:
-            continue
-        target = base / item.path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(item.data)
+            return
+        if self._fd is None:
+            self.base.mkdir(parents=True, exist_ok=True)
+            self._fd = fstree.open_dir(self.base)
+        parts = item.path.split("/")
+        dir_fd = os.dup(self._fd)
+        try:
+            for part in parts[:-1]:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o755, dir_fd=dir_fd)
+                nxt = os.open(part, fstree.DIR_FLAGS, dir_fd=dir_fd)
+                os.close(dir_fd)
+                dir_fd = nxt
+            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o644, dir_fd=dir_fd)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(item.data)
+        finally:
+            os.close(dir_fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -486,6 +486,7 @@ class DoneFrame(TypedDict):
     message: str | None
     session: NotRequired[str]
     import_ms: NotRequired[int]  # time the cell spent loading modules its jail had not imported
+    files_skipped: NotRequired[int]  # outputs/ files not returned: past SANDBOX_MAX_OUTPUTS_BYTES
 
 
 ServerFrame = StartFrame | StreamFrame | DisplayFrame | ResultFrame | ErrorFrame | FileFrame | DoneFrame
@@ -555,7 +556,7 @@ def file_frame(rid: str, path: str, size: int, data: str | None, message: str | 
 def done_frame(
     rid: str, status: str, *, exit_code: int | None = None, duration_ms: int = 0,
     cpu_ms: int | None = None, max_rss_mb: float | None = None, message: str | None = None,
-    session: str | None = None, import_ms: int | None = None,
+    session: str | None = None, import_ms: int | None = None, files_skipped: int | None = None,
 ) -> Frame:
     assert status in STATUSES, status
     frame: Frame = {
@@ -567,4 +568,6 @@ def done_frame(
         frame["session"] = session
     if import_ms is not None:
         frame["import_ms"] = import_ms
+    if files_skipped:
+        frame["files_skipped"] = files_skipped
     return frame

@@ -224,7 +224,7 @@ class RunService:
         await _safe_emit(emit, protocol.done_frame(
             req.id, outcome.status, exit_code=outcome.exit_code, duration_ms=_ms_since(started),
             cpu_ms=outcome.cpu_ms, max_rss_mb=outcome.max_rss_mb, message=outcome.message,
-            session=session_id, import_ms=outcome.import_ms,
+            session=session_id, import_ms=outcome.import_ms, files_skipped=outcome.files_skipped,
         ))
 
     async def open_session(self, req: ExecuteRequest, owner: str) -> list[Frame]:
@@ -317,7 +317,7 @@ class RunService:
         jail.process.signal_kill()
         if outputs.has_any(jail.workdir):
             await jail.process.kill()
-            await self._send_outputs(jail, req.id, run_id, None, emit)
+            await self._send_outputs(jail, req.id, run_id, None, emit, outcome)
         return outcome
 
     async def _session_cell(self, session: Session, req: ExecuteRequest, emit: Emit, run: Run,
@@ -338,7 +338,7 @@ class RunService:
         session.last_used = time.monotonic()
         if not outcome.interpreter_alive:
             await jail.process.kill()
-        await self._send_outputs(jail, req.id, run_id, before, emit)
+        await self._send_outputs(jail, req.id, run_id, before, emit, outcome)
         if not outcome.interpreter_alive:
             await self.sessions.close(session.id, reason="its interpreter could not be recovered")
             note = "the session has ended: its interpreter could not be recovered"
@@ -362,17 +362,47 @@ class RunService:
         return f"{found.message} between cells" if found is not None else None
 
     async def _send_outputs(self, jail: Jail, rid: str, run_id: str, before: outputs.Snapshot | None,
-                            emit: Emit) -> None:
-        files = await asyncio.to_thread(
-            outputs.collect, jail.workdir, self.lifecycle.uid, before, self.settings.max_file_out_bytes)
-        for item in files:
-            data = base64.b64encode(item.data).decode() if item.data is not None else None
-            await emit(protocol.file_frame(rid, item.path, item.size, data, item.message))
-        if self.settings.outputs_dir is not None and files:
-            try:
-                await asyncio.to_thread(outputs.persist, files, self.settings.outputs_dir, run_id)
-            except OSError as exc:
-                log.error("could not persist outputs", extra={"run": run_id, "error": str(exc)})
+                            emit: Emit, outcome: CellOutcome) -> None:
+        """Stream outputs/ as `file` frames (and persist them), one batch in memory at a time,
+        within SANDBOX_MAX_OUTPUTS_BYTES; what was left out is said in the outcome."""
+        s = self.settings
+        tally = outputs.Tally(s.max_outputs_bytes)
+        files = outputs.stream(jail.workdir, self.lifecycle.uid, before, s.max_file_out_bytes, tally)
+        keep = outputs.Persister(s.outputs_dir, run_id) if s.outputs_dir is not None else None
+        try:
+            while batch := await asyncio.to_thread(outputs.next_batch, files):
+                for item in batch:
+                    data = base64.b64encode(item.data).decode() if item.data is not None else None
+                    await emit(protocol.file_frame(rid, item.path, item.size, data, item.message))
+                    del data
+                if keep is not None:
+                    try:
+                        await asyncio.to_thread(_persist_all, keep, batch)
+                    except OSError as exc:
+                        log.error("could not persist outputs", extra={"run": run_id, "error": str(exc)})
+                        keep.close()
+                        keep = None
+                del batch
+        finally:
+            # A cancelled run may leave a batch being read in its thread: the generator then
+            # closes (and its descriptors with it) when it is collected.
+            with contextlib.suppress(ValueError):
+                files.close()
+            if keep is not None:
+                keep.close()
+        note = tally.note()
+        if note is None:
+            return
+        outcome.files_skipped = tally.skipped or None
+        if outcome.status == "ok":
+            outcome.status, outcome.message = "output_limit", note
+        else:
+            outcome.message = f"{outcome.message}; {note}" if outcome.message else note
+
+
+def _persist_all(keep: outputs.Persister, batch: list[outputs.OutputFile]) -> None:
+    for item in batch:
+        keep.write(item)
 
 
 def _check_session_gpu(session: Session, req: ExecuteRequest) -> None:

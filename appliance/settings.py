@@ -40,6 +40,7 @@ class Settings:
     max_message_bytes: int = 16777216
     max_upload_bytes: int = 8388608
     max_file_out_bytes: int = 8388608
+    max_outputs_bytes: int = 67108864     # all outputs/ files of one run together (SANDBOX_MAX_OUTPUTS_BYTES)
     max_stdin_bytes: int = 1048576        # stdin a run may have waiting for it to read (SANDBOX_MAX_STDIN_BYTES)
     client_stall_ms: int = 10000          # a client that takes no frame this long is dropped
     max_concurrency: int = 4
@@ -316,6 +317,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         max_message_bytes=_int(env, "SANDBOX_MAX_MESSAGE_BYTES", D.max_message_bytes, minimum=1024),
         max_upload_bytes=_int(env, "SANDBOX_MAX_UPLOAD_BYTES", D.max_upload_bytes, minimum=0),
         max_file_out_bytes=_int(env, "SANDBOX_MAX_FILE_OUT_BYTES", D.max_file_out_bytes, minimum=0),
+        max_outputs_bytes=_int(env, "SANDBOX_MAX_OUTPUTS_BYTES", D.max_outputs_bytes, minimum=0),
         max_stdin_bytes=_int(env, "SANDBOX_MAX_STDIN_BYTES", D.max_stdin_bytes, minimum=1024),
         client_stall_ms=_int(env, "SANDBOX_CLIENT_STALL_MS", D.client_stall_ms, minimum=100),
         max_concurrency=_int(env, "SANDBOX_MAX_CONCURRENCY", 2 * cpus, minimum=1),

@@ -23,7 +23,7 @@ LAYERS: dict[str, set[str]] = {
     "transport": {"base", "service", "transport"},
     "cli": {"base", "jail", "gpu", "service", "transport", "cli"},
 }
-BASE = {"errors", "protocol", "settings", "logs", "metrics", "canary", "admission", "tenants", "outputs",
+BASE = {"errors", "protocol", "settings", "logs", "metrics", "canary", "admission", "tenants", "outputs", "fstree",
         "openapi", "client", "schema", "agents", "mcp_tools"}
 SERVICE = {"lifecycle", "service", "sessions", "toolprobe"}
 TRANSPORT = {"server", "rest", "transport", "mcp_http"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from appliance.jail.firejail import launcher_env, render_argv
+from appliance.jail.firejail import accounts_argv, drop_argv, launcher_env, render_argv
 from appliance.jail.spec import JailLimits, JailSpec, jail_env
 from appliance.settings import Settings
 
@@ -27,9 +27,20 @@ def make_spec(**over: object) -> JailSpec:
 
 def test_the_argv_drops_every_privilege_and_the_network() -> None:
     argv = render_argv(make_spec(), events_fd=7)
-    for flag in ("--noprofile", "--noroot", "--caps.drop=all", "--nonewprivs", "--seccomp", "--net=none",
-                 "--private-dev", "--private-tmp", "--restrict-namespaces"):
+    for flag in ("--noprofile", "--noroot", "--caps.drop=all", "--nonewprivs", "--net=none",
+                 "--private-dev", "--private-tmp", "--restrict-namespaces", "--ipc-namespace"):
         assert flag in argv
+    seccomp = [a for a in argv if a.startswith("--seccomp=")]
+    assert seccomp == ["--seccomp=io_uring_setup,io_uring_enter,io_uring_register"]  # on top of the default list
+
+
+def test_the_minimal_accounts_are_mounted_before_the_uid_is_dropped() -> None:
+    prefix = accounts_argv(Path("/t/passwd"), Path("/t/group"), drop_argv(1001, 1001))
+    assert prefix[:4] == ["unshare", "--mount", "--propagation=private", "--"]
+    script = prefix[6]
+    assert script.index("/etc/passwd") < script.index("/etc/group") < script.index('exec env -u PWD "$@"')
+    assert prefix[8:10] == ["/t/passwd", "/t/group"]
+    assert prefix[10:] == ["setpriv", "--reuid=1001", "--regid=1001", "--clear-groups", "--inh-caps=-all", "--"]
 
 
 def test_the_run_directory_becomes_workspace_and_cwd() -> None:

@@ -167,7 +167,7 @@ async def test_past_the_queue_a_request_is_answered_busy_and_nothing_runs(
 def test_disk_usage_stays_on_its_own_filesystem(tmp_path_factory: pytest.TempPathFactory) -> None:
     import subprocess
 
-    from appliance.jail.workdir import disk_usage
+    from appliance.fstree import usage
 
     root = tmp_path_factory.mktemp("du")
     (root / "own.bin").write_bytes(b"x" * 200_000)
@@ -176,9 +176,9 @@ def test_disk_usage_stays_on_its_own_filesystem(tmp_path_factory: pytest.TempPat
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
     try:
         (mnt / "other.bin").write_bytes(b"y" * 3_000_000)
-        used, entries = disk_usage(root)
+        used, entries, _deep = usage(root, 1000)
         assert 200_000 <= used < 1_000_000 and entries == 1  # own.bin; the mount point is not ours
-        inner, _ = disk_usage(mnt)
+        inner, _, _ = usage(mnt, 1000)
         assert inner >= 3_000_000
     finally:
         subprocess.run(["umount", str(mnt)], check=True)

@@ -83,3 +83,11 @@ def test_upload_files_are_bounded_by_count() -> None:
     for bad in ("-1", "many"):
         with pytest.raises(SettingsError, match="SANDBOX_MAX_UPLOAD_FILES"):
             from_env({"SANDBOX_MAX_UPLOAD_FILES": bad})
+
+
+def test_the_outputs_budget_defaults_to_64_mib_and_rejects_nonsense() -> None:
+    assert from_env({}).max_outputs_bytes == 64 * 1024 * 1024
+    assert from_env({"SANDBOX_MAX_OUTPUTS_BYTES": "1000"}).max_outputs_bytes == 1000
+    for bad in ("-1", "64MiB", "1e6"):
+        with pytest.raises(SettingsError, match="SANDBOX_MAX_OUTPUTS_BYTES"):
+            from_env({"SANDBOX_MAX_OUTPUTS_BYTES": bad})

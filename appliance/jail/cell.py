@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from appliance import protocol
+from appliance import fstree, protocol
 from appliance.errors import Cancelled, OutputLimit, RunLimit, RunTimeout
-from appliance.jail import channel
+from appliance.jail import channel, proctree
+from appliance.jail.held import held_bytes
 from appliance.jail.jail import Jail
 from appliance.jail.process import Event, Exited, InterruptRequest, Overflow, Stream, Violation
-from appliance.jail.workdir import disk_usage
 from appliance.protocol import ExecuteRequest, Frame
 
 Emit = Callable[[Frame], Awaitable[None]]
@@ -40,6 +41,7 @@ class CellOutcome:
     interpreter_alive: bool = True
     output_bytes: int = 0
     import_ms: int | None = None
+    files_skipped: int | None = None  # outputs/ files not returned (SANDBOX_MAX_OUTPUTS_BYTES)
 
 
 async def run_cell(
@@ -148,19 +150,35 @@ def _frame_for(rid: str, item: Stream | Event) -> Frame | None:
 
 
 def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
-    """Whether the jail's files (run directory and its private /tmp, a tmpfs of host memory)
-    are over the disk quota, in bytes or in entries. Blocking: run it in a thread."""
+    """Whether the jail's files are over the disk quota, in bytes or in entries: its run
+    directory, its private /tmp (a tmpfs of host memory), and what its processes hold with
+    no name left (unlinked-but-open files, memfds). Blocking: run it in a thread.
+
+    Trees are walked by descriptor without following links (`fstree`), so a directory
+    swapped for a symlink mid-walk leads nowhere; one nested deeper than the walk may go
+    cannot be measured, and is over the quota."""
     limit = max_disk_mb * 1024 * 1024
     max_entries = min(MAX_DISK_ENTRIES, limit // ENTRY_BYTES)
-    used, entries = disk_usage(jail.workdir)
+    roots = [jail.workdir]
     tmp = jail.private_tmp
     if tmp is not None:
-        tmp_used, tmp_entries = disk_usage(tmp)
-        used, entries = used + tmp_used, entries + tmp_entries
-    if used > limit:
-        return OutputLimit(f"the run wrote more than SANDBOX_MAX_DISK_MB ({max_disk_mb} MiB) to disk")
+        roots.append(tmp)
+    used = entries = too_deep = 0
+    devices: set[int] = set()
+    for root in roots:
+        with contextlib.suppress(OSError):
+            devices.add(os.stat(root).st_dev)
+        b, n, d = fstree.usage(root, max_entries)
+        used, entries, too_deep = used + b, entries + n, too_deep + d
+    if too_deep:
+        return OutputLimit(f"the run nested directories deeper than {fstree.MAX_DEPTH} levels "
+                           "(its disk use cannot be measured past that)")
     if entries > max_entries:
         return OutputLimit(f"the run created more than {max_entries} files and directories")
+    if used <= limit:
+        used += held_bytes(proctree.tree(jail.process.pid), devices)
+    if used > limit:
+        return OutputLimit(f"the run wrote more than SANDBOX_MAX_DISK_MB ({max_disk_mb} MiB) to disk")
     return None
 
 

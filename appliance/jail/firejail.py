@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from appliance.jail.spec import ETC_FILES, WORKSPACE, JailSpec
 
 MIB = 1024 * 1024
+# Denied on top of firejail's default seccomp list.
+EXTRA_DENIED_SYSCALLS = ("io_uring_setup", "io_uring_enter", "io_uring_register")
 
 
 def render_argv(spec: JailSpec, events_fd: int, firejail: str = "firejail") -> list[str]:
@@ -14,11 +18,14 @@ def render_argv(spec: JailSpec, events_fd: int, firejail: str = "firejail") -> l
     """
     argv = [firejail, "--quiet", "--noprofile"]
     # 1. Identity and privileges: a user namespace holding only the caller's uid, no
-    #    capabilities, no setuid gains, firejail's default seccomp blacklist (native arch only),
-    #    and no new namespaces from inside.
+    #    capabilities, no setuid gains, firejail's default seccomp blacklist plus io_uring
+    #    (a large kernel surface no Python code needs; native arch only), no new namespaces
+    #    from inside, and an IPC namespace of its own: System V shared memory, semaphores and
+    #    message queues are neither shared with other runs nor left on the host (the
+    #    namespace's objects go with its last process).
     argv += [
-        "--noroot", "--caps.drop=all", "--nonewprivs", "--seccomp",
-        "--seccomp.block-secondary", "--restrict-namespaces",
+        "--noroot", "--caps.drop=all", "--nonewprivs", f"--seccomp={','.join(EXTRA_DENIED_SYSCALLS)}",
+        "--seccomp.block-secondary", "--restrict-namespaces", "--ipc-namespace",
     ]
     # 2. Network: a fresh namespace with only a loopback interface; or, in egress mode, the
     #    filtered namespace appliance.jail.network made (firejail is started inside it and
@@ -82,3 +89,25 @@ def launcher_env() -> dict[str, str]:
     verified afterwards by the driver's self-check anyway.
     """
     return {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "container": "docker", "LANG": "C.UTF-8"}
+
+
+def accounts_argv(passwd: Path, group: Path, then: list[str]) -> list[str]:
+    """The prefix (run as root) that gives the jail a minimal /etc/passwd and /etc/group.
+
+    firejail copies the host's /etc/passwd into the jail (less the other human users):
+    every system account of the host would be listed. The server starts firejail in a
+    private mount namespace of its own where those two files are bind mounts of `passwd`
+    and `group`, then runs `then`: the prefix that drops to the sandbox uid (`drop_argv`,
+    or the egress namespace's `enter_argv`) before the setuid firejail runs.
+    """
+    # `env -u PWD`: the shell exports PWD, which the jail must not inherit (the canary checks).
+    script = 'mount --bind "$1" /etc/passwd && mount --bind "$2" /etc/group && shift 2 && exec env -u PWD "$@"'
+    return [
+        "unshare", "--mount", "--propagation=private", "--",
+        "sh", "-c", script, "sh", str(passwd), str(group), *then,
+    ]
+
+
+def drop_argv(uid: int, gid: int) -> list[str]:
+    """Become the sandbox uid with no groups and no capabilities, then exec what follows."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all", "--"]

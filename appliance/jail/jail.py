@@ -21,7 +21,7 @@ from pathlib import Path
 from appliance.errors import JailExited, JailFailure, JailStartFailed
 from appliance.jail import checks, proctree
 from appliance.jail.devices import GpuDevice
-from appliance.jail.firejail import launcher_env, render_argv
+from appliance.jail.firejail import accounts_argv, drop_argv, launcher_env, render_argv
 from appliance.jail.host import HostFacts
 from appliance.jail.network import EgressNetwork, JailLink, enter_argv, expected_interfaces
 from appliance.jail.process import JailProcess
@@ -140,6 +140,13 @@ class JailFactory:
         # In egress mode root enters the namespace and drops to the sandbox uid itself.
         prefix = enter_argv(link, self.host.uid, self.host.gid) if link is not None else []
         run_as = self.host.run_as_uid if link is None else None
+        accounts = self.dirs.accounts
+        if accounts is not None and (link is not None or run_as is not None):
+            # Root starts it: the jail's /etc/passwd and /etc/group list only root and the
+            # sandbox user (a server that is the sandbox uid itself cannot mount them).
+            drop = prefix if link is not None else drop_argv(self.host.uid, self.host.gid)
+            prefix = accounts_argv(*accounts, drop)
+            run_as = None
         try:
             process = await JailProcess.spawn(
                 lambda fd: prefix + render_argv(spec, fd, self.host.firejail),

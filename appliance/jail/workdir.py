@@ -9,16 +9,21 @@ Layout:
 
 from __future__ import annotations
 
+import grp
 import hashlib
+import logging
 import os
+import pwd
 import shutil
 import signal
-import stat
 import subprocess
 import tempfile
 from pathlib import Path
 
+from appliance import fstree
 from appliance.errors import StartupError
+
+log = logging.getLogger("appliance.workdir")
 
 RUNTIME_FILES = ("driver.py", "appliance_mpl.py")
 SOURCE_DIR = Path(__file__).resolve().parent
@@ -38,6 +43,7 @@ class RunDirs:
         self.instance = self.base / f"srv-{os.getpid()}"
         self.uid = uid
         self.gid = gid
+        self.accounts: tuple[Path, Path] | None = None  # (passwd, group) for jails; see prepare()
 
     def prepare(self) -> list[Path]:
         """Create this server's directory; remove those of servers that are gone. Returns them."""
@@ -46,13 +52,49 @@ class RunDirs:
             os.chmod(self.base, 0o755)
             self.instance.mkdir(mode=0o711, exist_ok=True)
             os.chmod(self.instance, 0o711)
+            self.accounts = self.stage_accounts()
         except OSError as exc:
             raise StartupError(f"SANDBOX_TMP_ROOT: cannot create {self.instance}: {exc}") from exc
         return self.purge_stale()
 
+    def stage_accounts(self) -> tuple[Path, Path]:
+        """A passwd and a group file naming only root and the sandbox user, for the jail's
+        /etc (the host's list its accounts). Written atomically; shared by servers alike."""
+        try:
+            user = pwd.getpwuid(self.uid).pw_name
+        except KeyError:
+            user = "sandbox"
+        try:
+            group = grp.getgrgid(self.gid).gr_name
+        except KeyError:
+            group = user
+        target = self.base / f"accounts-{self.uid}-{self.gid}"
+        target.mkdir(mode=0o755, exist_ok=True)
+        files = {
+            "passwd": f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
+                      f"{user}:x:{self.uid}:{self.gid}::/workspace:/usr/sbin/nologin\n",
+            "group": f"root:x:0:\n{group}:x:{self.gid}:\n",
+        }
+        for name, text in files.items():
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=target)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(text)
+            os.chmod(tmp, 0o644)
+            os.rename(tmp, target / name)
+        return target / "passwd", target / "group"
+
     def purge_stale(self) -> list[Path]:
+        """Kill the jails of servers that are gone and remove their directories.
+
+        Never fails the start on what such a run left (any depth, any content): what cannot
+        be removed is logged and left for the next start."""
         removed: list[Path] = []
-        for entry in self.base.iterdir():
+        try:
+            entries = sorted(self.base.iterdir())
+        except OSError as exc:
+            log.error("cannot list the temp root", extra={"path": str(self.base), "error": str(exc)})
+            return removed
+        for entry in entries:
             if not entry.name.startswith("srv-") or entry == self.instance:
                 continue
             try:
@@ -63,8 +105,8 @@ class RunDirs:
                 # Jails of a server that died (kill -9) outlive it: firejail is setuid, so no
                 # parent-death signal reaches it. Kill them before their directories go.
                 kill_jails_under(entry)
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
+                if fstree.remove_tree(entry):
+                    removed.append(entry)
         return removed
 
     def create(self, run_id: str) -> Path:
@@ -83,42 +125,12 @@ class RunDirs:
         return path
 
     def remove(self, path: Path) -> None:
-        # rmtree uses fd-based traversal here, so links planted by the code are not followed.
-        shutil.rmtree(path, ignore_errors=True)
+        """Remove a run directory, whatever the code made of it (links are never followed,
+        depth costs no recursion)."""
+        fstree.remove_tree(path)
 
     def remove_instance(self) -> None:
-        shutil.rmtree(self.instance, ignore_errors=True)
-
-
-def disk_usage(path: Path, max_entries: int = 200_000) -> tuple[int, int]:
-    """(bytes allocated, entries) under path on path's own filesystem, without following
-    links or crossing into mounts (a jail's /tmp holds whitelisted bind mounts of the
-    runtime, and the venv when it lives under /tmp); stops at max_entries."""
-    total = 0
-    entries = 0
-    try:
-        device = os.stat(path).st_dev
-    except OSError:
-        return 0, 0
-    stack = [str(path)]
-    while stack and entries < max_entries:
-        current = stack.pop()
-        try:
-            with os.scandir(current) as it:
-                for entry in it:
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if st.st_dev != device:
-                        continue
-                    entries += 1
-                    total += st.st_blocks * 512
-                    if stat.S_ISDIR(st.st_mode):
-                        stack.append(entry.path)
-        except OSError:
-            continue
-    return total, entries
+        fstree.remove_tree(self.instance)
 
 
 def stage_runtime(tmp_root: Path, python: Path) -> Path:

@@ -25,6 +25,7 @@ CLASS_OF_FILE = {
     "test_protocol_abuse": "protocol abuse",
     "test_transport": "transport and time",
     "test_cross_site": "cross-site requests",
+    "test_filesystem": "filesystem and IPC",
 }
 OBSERVED = pytest.StashKey[str]()
 ROWS = pytest.StashKey[list[AuditRow]]()

@@ -1,0 +1,57 @@
+"""Files a jail's processes keep alive without a name: unlinked-but-open files and memfds.
+
+The disk watchdog walks the run directory and the jail's /tmp, which cannot see a file
+that was unlinked while a descriptor or a mapping still holds it, nor a `memfd_create`
+file: both still take disk or tmpfs memory until their last holder goes. This module
+finds them through /proc (the fd table and `map_files` of each of the jail's processes,
+read by the root server; links there are the kernel's, not the code's) so the quota can
+count them.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+
+
+def _targets(pid: int) -> Iterable[str]:
+    for sub in ("fd", "map_files"):
+        base = f"/proc/{pid}/{sub}"
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            yield f"{base}/{name}"
+
+
+def held_bytes(pids: Iterable[int], devices: set[int]) -> int:
+    """Bytes allocated to regular files the processes hold open or mapped that have no name
+    left (st_nlink 0) on one of `devices` (the run directory's, the jail's /tmp's), and to
+    memfds. Each file counts once, however many holders it has."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for pid in pids:
+        for path in _targets(pid):
+            try:
+                st = os.stat(path)  # follows the kernel's magic link to the open file itself
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 0:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                continue
+            if st.st_dev not in devices and not _is_memfd(path):
+                continue  # e.g. a host library replaced while the jail maps it: not the run's
+            seen.add(key)
+            total += st.st_blocks * 512
+    return total
+
+
+def _is_memfd(path: str) -> bool:
+    try:
+        return os.readlink(path).startswith("/memfd:")
+    except OSError:
+        return False

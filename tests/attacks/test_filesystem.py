@@ -1,0 +1,308 @@
+"""Filesystem and IPC: what a run leaves in its directory, under outputs/, in System V IPC or
+holds open without a name, and what of the host its jail can still read. The root server
+must walk and remove any tree the code makes without recursing on its depth or following
+its links, bound what it reads back, and leave nothing of a run for the next one."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import websockets
+
+from tests.attacks.common import SYSCALLS, TOKEN, assert_contained, attack, probe, run
+from tests.attacks.conftest import hostile_server
+from tests.attacks.test_transport import rss_mb
+from tests.support import Server, scaled, start_server
+
+Observe = Callable[[str], None]
+OUTPUTS_BUDGET = 64 * 1024 * 1024  # SANDBOX_MAX_OUTPUTS_BYTES's default
+IPC_KEY = 0x5EC2E7
+
+
+@pytest.fixture(scope="module")
+def outputs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("persisted")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path, outputs_dir: Path) -> Iterator[Server]:
+    srv = hostile_server(tmp_path_factory.mktemp("fs-server"), tmp_root, SANDBOX_OUTPUTS_DIR=str(outputs_dir),
+                         SANDBOX_MAX_FILE_OUT_BYTES=str(8 * 1024 * 1024), SANDBOX_MAX_EXEC_MS="15000")
+    yield srv
+    srv.stop()
+
+
+DEEP = ("import os\n"
+        "for i in range(1200):\n"
+        "    os.mkdir('d'); os.chdir('d')\n"
+        "    with open('f', 'wb') as fh:\n"
+        "        fh.write(b'x' * 4096)\n"
+        "print('deep')")
+
+
+@attack("a 1200-deep directory tree (mkdir/chdir in a loop) with a file at every level",
+        "the run's directory is removed after the run whatever its depth (no RecursionError); the "
+        "next run works")
+async def test_a_1200_deep_tree_is_removed_after_the_run(target: Server, observe: Observe) -> None:
+    ex = await run(target, DEEP)
+    assert ex.status in ("ok", "output_limit"), (ex.status, ex.message)
+    note = await assert_contained(target)
+    observe(f"run {ex.status} ({ex.message or ex.stdout.strip()}); {note}")
+
+
+@attack("the same 1200-deep tree made under outputs/",
+        "collection never recurses: a clear status (the files within reach come back, the message "
+        "says the deeper ones were not read), never `internal`")
+async def test_a_deep_tree_under_outputs_gives_a_clear_status(target: Server, observe: Observe) -> None:
+    ex = await run(target, "import os\nos.chdir('outputs')\n" + DEEP)
+    assert ex.status == "output_limit", (ex.status, ex.message)
+    assert "deeper than 128 levels" in str(ex.message), ex.message
+    note = await assert_contained(target)
+    observe(f"{ex.status}: {ex.message}; {len(ex.files)} file frame(s); {note}")
+
+
+@attack("a 1200-deep tree with files left under SANDBOX_TMP_ROOT by a server that died",
+        "the next server on that temp root starts, becomes ready and removes the stale tree")
+async def test_a_server_starts_over_a_stale_deep_tree(tmp_path: Path, tmp_root: Path, observe: Observe) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_root / "appliance" / f"srv-{dead.pid}" / "0123456789abcdef"
+    stale.mkdir(parents=True)
+    fd = os.open(stale, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(1200):
+            os.mkdir("d", dir_fd=fd)
+            nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+            with open(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "wb") as fh:
+                fh.write(b"x" * 1024)
+    finally:
+        os.close(fd)
+    srv = start_server(tmp_path / "srv", SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_TMP_ROOT=str(tmp_root),
+                       SANDBOX_POOL_SIZE="0")
+    try:
+        assert srv.proc.poll() is None
+        assert not stale.parent.exists(), "the stale run directory is still there"
+        ex = await run(srv, "print('up')")
+        assert ex.status == "ok" and ex.stdout == "up\n", ex
+    finally:
+        srv.stop()
+    observe("server started, ready, stale 1200-deep tree removed, a run answered")
+
+
+SPARSE = ("import os\nfor i in range(100):\n"
+          "    with open(f'outputs/s{i:03}.bin', 'wb') as fh:\n"
+          "        fh.truncate(8 * 1024 * 1024)\nprint('sparse')")
+
+
+@attack("100 sparse 8 MiB files in outputs/ (truncate: no disk blocks, 800 MiB claimed)",
+        "file frames stop at SANDBOX_MAX_OUTPUTS_BYTES counted in apparent size; the rest is skipped "
+        "and `done` says so (files_skipped); server memory bounded; persistence has the same bound")
+async def test_sparse_outputs_are_bounded_by_the_outputs_budget(
+        target: Server, outputs_dir: Path, observe: Observe) -> None:
+    pid = target.proc.pid
+    before = rss_mb(pid)
+    peak = [before]
+
+    async def sample() -> None:
+        while True:
+            peak[0] = max(peak[0], rss_mb(pid))
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.create_task(sample())
+    sent = files = 0
+    done: dict[str, object] = {}
+    run_id = ""
+    try:
+        async with websockets.connect(target.url, max_size=None,
+                                      additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+            await ws.send(json.dumps({"id": "sparse", "code": SPARSE}))
+            async with asyncio.timeout(scaled(120)):
+                while True:
+                    frame = json.loads(await ws.recv())
+                    if frame["type"] == "start":
+                        run_id = frame["run"]
+                    if frame["type"] == "file":
+                        files += 1
+                        sent += len(base64.b64decode(frame["data"] or ""))
+                    if frame["type"] == "done":
+                        done = frame
+                        break
+    finally:
+        sampler.cancel()
+    persisted = sum(p.stat().st_size for p in (outputs_dir / run_id).rglob("*") if p.is_file())
+    grew = peak[0] - before
+    assert sent <= OUTPUTS_BUDGET, f"{sent} bytes of file frames were sent"
+    assert persisted <= OUTPUTS_BUDGET, f"{persisted} bytes were persisted"
+    assert files + int(done.get("files_skipped") or 0) == 100, (files, done)  # type: ignore[call-overload]
+    assert done["status"] == "output_limit" and "SANDBOX_MAX_OUTPUTS_BYTES" in str(done["message"]), done
+    assert grew < 200, f"server RSS grew by {grew:.0f} MB"
+    note = await assert_contained(target)
+    observe(f"{files} files ({sent >> 20} MiB) sent, {done.get('files_skipped')} skipped, "
+            f"{persisted >> 20} MiB persisted; server RSS {before:.0f} -> peak {peak[0]:.0f} MB; {note}")
+
+
+IPC_MAKE = f'''
+import ctypes, json
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+shm = libc.shmget({IPC_KEY}, 1 << 20, 0o1666)
+addr = libc.shmat(shm, None, 0)
+secret = b"ipc-secret-of-run-one"
+ctypes.memmove(addr, secret, len(secret))
+msg = libc.msgget({IPC_KEY}, 0o1666)
+sem = libc.semget({IPC_KEY}, 1, 0o1666)
+print(json.dumps({{"shm": shm, "msg": msg, "sem": sem}}))
+'''
+IPC_FIND = f'''
+import ctypes, json
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+shm = libc.shmget({IPC_KEY}, 0, 0)
+seen = ctypes.string_at(libc.shmat(shm, None, 0), 21).decode(errors="replace") if shm >= 0 else None
+print(json.dumps({{"shm": shm, "seen": seen, "msg": libc.msgget({IPC_KEY}, 0), "sem": libc.semget({IPC_KEY}, 0, 0),
+                  "sysvipc": open("/proc/sysvipc/shm").read().count("\\n") - 1}}))
+'''
+
+
+def host_ipc_keys() -> set[int]:
+    """System V keys the host's own IPC namespace holds (shm, msg, sem), as the server sees them."""
+    keys: set[int] = set()
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as fh:
+            keys |= {int(line.split()[0]) for line in fh.readlines()[1:] if line.split()}
+    return keys
+
+
+@attack("a run leaves a System V shared memory segment holding a secret (and a queue and a semaphore)",
+        "each jail has its own IPC namespace: a later fresh jail finds none of them, and nothing of "
+        "them stays on the host after the run")
+async def test_system_v_ipc_does_not_outlive_its_run(target: Server, observe: Observe) -> None:
+    try:
+        _, made = await probe(target, IPC_MAKE)
+        assert made["shm"] >= 0 and made["msg"] >= 0 and made["sem"] >= 0, made
+        await asyncio.sleep(0.5)
+        left = IPC_KEY in host_ipc_keys()
+        _, found = await probe(target, IPC_FIND)
+    finally:
+        for flag in ("-M", "-Q", "-S"):  # on a host where the attack worked, clean up after it
+            subprocess.run(["ipcrm", flag, str(IPC_KEY)], capture_output=True, check=False)
+    assert not left, "the run's IPC objects are still on the host after the run"
+    assert found["shm"] == -1 and found["seen"] is None, found
+    assert found["msg"] == -1 and found["sem"] == -1, found
+    note = await assert_contained(target)
+    observe(f"later jail: shmget/msgget/semget -1, /proc/sysvipc/shm lists {found['sysvipc']}; "
+            f"host holds none of the keys; {note}")
+
+
+SWAP = '''
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+os.mkdir("x")
+os.symlink(HOST, "y")
+end = time.monotonic() + 4
+swaps = 0
+while time.monotonic() < end:
+    if libc.renameat2(-100, b"x", -100, b"y", 2) != 0:  # AT_FDCWD, RENAME_EXCHANGE
+        raise OSError(ctypes.get_errno(), "renameat2")
+    swaps += 1
+print("swapped", swaps)
+'''
+
+
+@attack("swap a directory with a symlink to a host directory in a tight renameat2(RENAME_EXCHANGE) loop",
+        "the disk watchdog walks by directory descriptor with O_NOFOLLOW: it never lists the host "
+        "directory (whose 100 MiB would put the run over its quota), the run ends ok")
+async def test_a_symlink_swap_cannot_make_the_watchdog_list_the_host(
+        target: Server, tmp_root: Path, observe: Observe) -> None:
+    host = tmp_root / "host-only"
+    host.mkdir(exist_ok=True)
+    with open(host / "big.bin", "wb") as fh:  # allocated blocks on the run directories' filesystem
+        os.posix_fallocate(fh.fileno(), 0, 100 * 1024 * 1024)
+    try:
+        ex = await run(target, f"HOST = {str(host)!r}\n" + SWAP)
+    finally:
+        (host / "big.bin").unlink()
+    assert ex.status == "ok" and ex.stdout.startswith("swapped"), (ex.status, ex.message, ex.stderr[-400:])
+    note = await assert_contained(target)
+    observe(f"run ok after {ex.stdout.split()[-1]} swaps; {note}")
+
+
+UNNAMED = '''
+import os, time
+fd = os.open("hidden.bin", os.O_CREAT | os.O_RDWR, 0o600)
+os.unlink("hidden.bin")
+mem = os.memfd_create("hidden")
+block = b"u" * (1 << 20)
+for _ in range(45):
+    os.write(fd, block)
+    os.write(mem, block)
+time.sleep(4)
+print("kept", os.fstat(fd).st_size + os.fstat(mem).st_size)
+'''
+
+
+@attack("write 45 MiB to an unlinked-but-open file and 45 MiB to a memfd (quota 64 MiB)",
+        "files held open with no name count toward SANDBOX_MAX_DISK_MB: output_limit")
+async def test_unlinked_files_and_memfds_count_toward_the_disk_quota(target: Server, observe: Observe) -> None:
+    ex = await run(target, UNNAMED)
+    assert ex.status == "output_limit" and "SANDBOX_MAX_DISK_MB" in str(ex.message), (ex.status, ex.message)
+    note = await assert_contained(target)
+    observe(f"{ex.status}: {ex.message}; {note}")
+
+
+@attack("a session's cell leaves a thread that fills a memfd after the cell ended (90 MiB, quota 64)",
+        "the quota holds between cells, memfds included: the session is ended and its next request "
+        "is told why")
+async def test_a_sessions_memfd_counts_between_cells(target: Server, observe: Observe) -> None:
+    from appliance.client import AsyncClient
+
+    async with AsyncClient(target.url, TOKEN) as client:
+        first = await client.execute(
+            "import os, threading, time\n"
+            "held = []\n"
+            "def fill():\n"
+            "    time.sleep(0.5)\n"
+            "    fd = os.memfd_create('between'); held.append(fd)\n"
+            "    for _ in range(90):\n"
+            "        os.write(fd, b'm' * (1 << 20))\n"
+            "threading.Thread(target=fill, daemon=True).start()\nprint('started')",
+            session="new")
+        assert first.status == "ok", first
+        await asyncio.sleep(scaled(5))
+        later = await client.execute("print('still?')", session=first.session)
+    assert later.status == "rejected" and "between cells" in str(later.message), (later.status, later.message)
+    note = await assert_contained(target)
+    observe(f"next request: {later.status} ({later.message}); {note}")
+
+
+@attack("io_uring_setup (syscall 425) from ctypes",
+        "refused by the jail's seccomp filter (EPERM or ENOSYS): no io_uring instance")
+async def test_io_uring_is_refused(target: Server, observe: Observe) -> None:
+    _, out = await probe(target, SYSCALLS + "buf = ctypes.create_string_buffer(120)\n"
+                         "print(json.dumps(sc(425, 4, ctypes.addressof(buf))))")
+    assert out["ret"] == -1 and out["name"] in ("EPERM", "ENOSYS"), out
+    observe(f"io_uring_setup -> {out['ret']} {out['name']}")
+
+
+@attack("read /etc/passwd and /etc/group in the jail for the host's accounts",
+        "the jail's passwd and group list only root and the sandbox user")
+async def test_the_jail_lists_no_host_account(target: Server, observe: Observe) -> None:
+    import pwd
+
+    _, out = await probe(target, "import json\n"
+                         "names = lambda p: sorted(l.split(':')[0] for l in open(p) if l.strip())\n"
+                         "print(json.dumps({'passwd': names('/etc/passwd'), 'group': names('/etc/group')}))")
+    sandbox = pwd.getpwuid(1001).pw_name
+    assert out["passwd"] == sorted(["root", sandbox]), out
+    assert len(out["group"]) == 2 and "root" in out["group"], out
+    observe(f"passwd: {out['passwd']}; group: {out['group']}")
+
