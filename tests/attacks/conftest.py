@@ -73,7 +73,6 @@ def observe(request: pytest.FixtureRequest) -> Callable[[str], None]:
 
     def record(text: str) -> None:
         request.node.stash[OBSERVED] = text
-        print("OBSERVED:", text)
 
     return record
 
