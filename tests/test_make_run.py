@@ -40,7 +40,7 @@ def test_make_run_passes_every_sandbox_setting_through_sudo(tmp_path: Path, wher
     env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")}
     env["NOT_A_SETTING"] = "x"
     args = ["make", "-s", "-o", "setup", "-o", "system", "-o", "venv", "run", f"VENV={venv}", f"SUDO={sudo}",
-            "PORT=9123"]
+            "HOST=10.0.0.9", "PORT=9123"]
     if where == "environment":
         env.update(settings)
     else:  # make itself expands `$` in command-line values, as for any make variable
@@ -49,7 +49,7 @@ def test_make_run_passes_every_sandbox_setting_through_sudo(tmp_path: Path, wher
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     started = json.loads(dump.read_text())
-    assert started["argv"] == ["serve", "--host", "0.0.0.0", "--port", "9123"]
+    assert started["argv"] == ["serve", "--host", "10.0.0.9", "--port", "9123"]
     got = {k: v for k, v in started["env"].items() if k.startswith("SANDBOX_")}
     assert got == {**settings, "SANDBOX_PYTHON": f"{venv}/bin/python"}
     assert "NOT_A_SETTING" not in started["env"]
