@@ -40,7 +40,7 @@ cleanup() {
     for c in "${CONTAINERS[@]}"; do "${PODMAN[@]}" rm -f "$c" >/dev/null 2>&1 || true; done
 }
 trap cleanup EXIT
-for c in ci-appliance ci-no-sys-admin ci-no-net-admin ci-no-container-env ci-no-new-privs ci-unjailed; do
+for c in ci-appliance ci-no-sys-admin ci-no-net-admin ci-no-mknod ci-no-setpcap ci-no-container-env ci-no-new-privs ci-unjailed; do
     podman rm -f "$c" >/dev/null 2>&1 || true  # left by an interrupted earlier run
 done
 
@@ -49,6 +49,7 @@ need=()
 command -v podman >/dev/null || need+=(podman)
 command -v runc >/dev/null || need+=(runc)
 command -v debootstrap >/dev/null || need+=(debootstrap)
+command -v objdump >/dev/null || need+=(binutils)
 /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
     log "installing ${need[*]}"
@@ -91,12 +92,31 @@ log "base image $BASE_IMAGE ready"
 CTX="$WORK/context"
 rm -rf "$CTX"; mkdir -p "$CTX"
 git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$CTX"
-# llama-cpp-python has no binary wheel on PyPI; `pip wheel` reuses this machine's pip cache when
-# it holds one (about a second) and compiles otherwise (about 12 minutes, still correct).
-log "pip wheel llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION (host pip cache)"
-"$TOOLS/bin/pip" wheel -q --no-deps -w "$CTX/images/wheels" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" 2>&1 \
-    | grep -v "is ignored: it is neither" || true
-ls "$CTX"/images/wheels/llama_cpp_python-*.whl >/dev/null || die "no llama-cpp-python wheel"
+# llama-cpp-python has no binary wheel on PyPI. CI builds the portable wheel users get (the
+# Dockerfile's LLAMA_CMAKE_ARGS, GGML_NATIVE=OFF; --no-cache-dir so no host-specific wheel from
+# pip's cache is reused) once, and caches it under $WORK keyed by version and flags.
+LLAMA_CMAKE_ARGS=$(sed -n 's/^ARG LLAMA_CMAKE_ARGS="\(.*\)"$/\1/p' images/cpu/Dockerfile | head -1)
+[[ "$LLAMA_CMAKE_ARGS" == *-DGGML_NATIVE=OFF* ]] || die "images/cpu/Dockerfile's LLAMA_CMAKE_ARGS lacks -DGGML_NATIVE=OFF"
+WHEEL_CACHE="$WORK/wheel-cache/llama-$(printf '%s %s' "$LLAMA_CPP_PYTHON_VERSION" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-12)"
+if ! ls "$WHEEL_CACHE"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    log "pip wheel llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION, CMAKE_ARGS=$LLAMA_CMAKE_ARGS (compiles ~12 min)"
+    rm -rf "$WHEEL_CACHE.tmp"; mkdir -p "$WHEEL_CACHE.tmp"
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$TOOLS/bin/pip" wheel -q --no-cache-dir \
+        --no-deps -w "$WHEEL_CACHE.tmp" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" 2>&1 \
+        | grep -v "is ignored: it is neither" || true
+    ls "$WHEEL_CACHE.tmp"/llama_cpp_python-*.whl >/dev/null || die "no llama-cpp-python wheel"
+    mv "$WHEEL_CACHE.tmp" "$WHEEL_CACHE"
+fi
+# Portable: no AVX-512 instruction (zmm register) in the CPU backend.
+rm -rf "$WORK/wheel-check"; mkdir -p "$WORK/wheel-check"
+(cd "$WORK/wheel-check" && "$PY" -m zipfile -e "$WHEEL_CACHE"/llama_cpp_python-*.whl .)
+mapfile -t cpu_libs < <(find "$WORK/wheel-check" -name 'libggml-cpu.so*' -type f)
+[ ${#cpu_libs[@]} -gt 0 ] || die "no libggml-cpu in the llama-cpp-python wheel"
+zmm=$(objdump -d "${cpu_libs[0]}" | grep -c zmm || true)
+[ "$zmm" = 0 ] || die "the llama-cpp-python wheel uses AVX-512 ($zmm zmm instructions): not portable"
+log "llama-cpp-python wheel: $(basename "$WHEEL_CACHE"/llama_cpp_python-*.whl) (portable: no AVX-512)"
+rm -rf "$WORK/wheel-check"
+cp "$WHEEL_CACHE"/llama_cpp_python-*.whl "$CTX/images/wheels/"
 
 # Builds behind a TLS-intercepting proxy need the host's CA bundle for pip inside the build.
 BUILD_CA=()
@@ -200,6 +220,11 @@ log "jailed run: uid 1001, Seccomp 2 (firejail's filters on the container's), No
 # ---- the entrypoint refuses, naming the missing flag --------------------------------------------
 run_refused ci-no-sys-admin "--cap-add SYS_ADMIN" "${DOCKER_CAPS[@]}" --cap-add=NET_ADMIN "${SECCOMP[@]}"
 run_refused ci-no-net-admin "--cap-add NET_ADMIN" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN "${SECCOMP[@]}"
+# podman's own default set (no MKNOD) and a --cap-drop ALL add-back list without SETPCAP.
+run_refused ci-no-mknod "--cap-add MKNOD" --cap-add=SYS_ADMIN,NET_ADMIN "${SECCOMP[@]}"
+# shellcheck disable=SC2054
+run_refused ci-no-setpcap "--cap-add SETPCAP" --cap-drop=all \
+    --cap-add=SYS_ADMIN,NET_ADMIN,MKNOD,SYS_CHROOT,SETUID,SETGID,CHOWN,DAC_OVERRIDE,FOWNER,KILL "${SECCOMP[@]}"
 run_refused ci-no-container-env "container=docker" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN,NET_ADMIN \
     "${SECCOMP[@]}" -e container=
 run_refused ci-no-new-privs "no-new-privileges" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN,NET_ADMIN \
