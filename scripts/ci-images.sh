@@ -40,7 +40,7 @@ cleanup() {
     for c in "${CONTAINERS[@]}"; do "${PODMAN[@]}" rm -f "$c" >/dev/null 2>&1 || true; done
 }
 trap cleanup EXIT
-for c in ci-appliance ci-no-sys-admin ci-no-net-admin ci-no-mknod ci-no-setpcap ci-no-container-env ci-no-new-privs ci-unjailed; do
+for c in ci-appliance ci-token-stop ci-no-sys-admin ci-no-net-admin ci-no-mknod ci-no-setpcap ci-no-container-env ci-no-new-privs ci-unjailed; do
     podman rm -f "$c" >/dev/null 2>&1 || true  # left by an interrupted earlier run
 done
 
@@ -216,6 +216,39 @@ assert got["home"] == got["cwd"] == "/workspace", got
 EOF
 log "jailed run: uid 1001, Seccomp 2 (firejail's filters on the container's), NoNewPrivs 1, no caps, lo only"
 "${PODMAN[@]}" rm -f ci-appliance >/dev/null 2>&1
+
+# ---- the README's token form of websocat, and a stop with a run in flight -------------------------
+# The websocat line is taken from the README (only the port and the binary's path substituted),
+# so a doc change that breaks it fails here.
+readme_ws=$(grep -m1 -F "websocat -H=" README.md) || die "README has no websocat -H= line"
+readme_token=$(sed -n "s/.*Bearer \([^'\"]*\)['\"].*/\1/p" <<<"$readme_ws")
+[ -n "$readme_token" ] || die "no token in the README's websocat line: $readme_ws"
+CONTAINERS+=(ci-token-stop)
+"${PODMAN[@]}" run -d --name ci-token-stop "${ULIMITS[@]}" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN,NET_ADMIN,MKNOD \
+    "${SECCOMP[@]}" -p "127.0.0.1:$PORT:9100" -e "SANDBOX_AUTH_TOKEN=$readme_token" "$IMAGE" >/dev/null
+for _ in $(seq 1 600); do [ "$(http_status /readyz)" = 200 ] && break; sleep 0.1; done
+[ "$(http_status /readyz)" = 200 ] || { "${PODMAN[@]}" logs ci-token-stop 2>&1 | tail -30; die "token container never ready"; }
+ws_cmd=${readme_ws//ws:\/\/127.0.0.1:9100/ws:\/\/127.0.0.1:$PORT}
+ws_cmd=${ws_cmd//| websocat /| $TOOLS/bin/websocat }
+log "README: $readme_ws"
+token_out=$(timeout 60 bash -c "$ws_cmd") || die "the README's websocat line failed: $token_out"
+grep -q '"text":"4\\n"' <<<"$token_out" || { echo "$token_out"; die "the README's websocat line did not print 4"; }
+log "README's token form of websocat printed 4"
+"$PY" -c 'import json; print(json.dumps({"code": "import time; time.sleep(3); print(\"slept\")"}))' \
+    | timeout 60 "$TOOLS/bin/websocat" -H="Authorization: Bearer $readme_token" "ws://127.0.0.1:$PORT/exec" \
+    >"$WORK/inflight.out" 2>&1 &
+inflight=$!
+sleep 1
+s0=$(date +%s)
+"${PODMAN[@]}" stop ci-token-stop >/dev/null   # the runtime's default stop timeout (10 s)
+wait "$inflight" || true
+code=$("${PODMAN[@]}" container inspect -f '{{.State.ExitCode}}' ci-token-stop)
+sed 's/^/    /' "$WORK/inflight.out"
+{ grep -q '"text":"slept\\n"' "$WORK/inflight.out" && grep -q '"type":"done".*"status":"ok"' "$WORK/inflight.out"; } \
+    || die "the run in flight at podman stop did not end done/ok"
+[ "$code" = 0 ] || die "the container exited $code at podman stop, expected 0"
+log "podman stop with a run in flight: the run ended done/ok, container exit 0, after $(( $(date +%s) - s0 ))s"
+"${PODMAN[@]}" rm -f ci-token-stop >/dev/null 2>&1
 
 # ---- the entrypoint refuses, naming the missing flag --------------------------------------------
 run_refused ci-no-sys-admin "--cap-add SYS_ADMIN" "${DOCKER_CAPS[@]}" --cap-add=NET_ADMIN "${SECCOMP[@]}"
