@@ -14,9 +14,16 @@ SANDBOX_UID="${SANDBOX_UID:-1001}"
 # (root: switches to uid 1001, owns run directories of uid 1001, kills jails) need, by bit.
 #   SYS_ADMIN: mount, pivot/chroot the jail's filesystem, new mount/PID/user namespaces
 #   NET_ADMIN: bring up the loopback of the jail's own network namespace (--net=none)
+#   MKNOD: --private-dev creates the jail's /dev/null, /dev/zero, ... nodes (Docker's default
+#   set has it; podman's and CRI-O's do not)
+#   SETPCAP: firejail drops the jail's bounding set (prctl PR_CAPBSET_DROP, --caps.drop=all)
 #   SYS_CHROOT, SETUID, SETGID, CHOWN, DAC_OVERRIDE, FOWNER, KILL: in Docker's default set; a
 #   `--cap-drop ALL` (or a Kubernetes policy dropping ALL) takes them away, so they are checked.
-REQUIRED_CAPS="21:SYS_ADMIN 12:NET_ADMIN 18:SYS_CHROOT 7:SETUID 6:SETGID 0:CHOWN 1:DAC_OVERRIDE 3:FOWNER 5:KILL"
+REQUIRED_CAPS="21:SYS_ADMIN 12:NET_ADMIN 27:MKNOD 8:SETPCAP 18:SYS_CHROOT 7:SETUID 6:SETGID 0:CHOWN 1:DAC_OVERRIDE 3:FOWNER 5:KILL"
+# The rlimits every jail sets (firejail --rlimit-nofile/--rlimit-nproc); without
+# CAP_SYS_RESOURCE it can only lower them, so the container's hard limits must be at least these.
+JAIL_NOFILE="${SANDBOX_MAX_OPEN_FILES:-1024}"
+JAIL_NPROC="${SANDBOX_MAX_PROCS:-64}"
 
 EX_CONFIG=78
 
@@ -126,6 +133,43 @@ check_mount() {
     fi
 }
 
+# check_mknod: do what --private-dev does: make a device node on a fresh tmpfs.
+check_mknod() {
+    local err
+    if ! err=$(unshare --mount --fork sh -c 'mount -t tmpfs appliance-probe /mnt && mknod /mnt/zero c 1 5' 2>&1); then
+        fail "creating a device node is refused (mknod: ${err##*: }); firejail --private-dev would fail with \"cannot create /dev/zero device\"" \
+            "--cap-add MKNOD (podman and CRI-O leave it out by default), and a device cgroup that allows mknod (Docker's and podman's default do)"
+    fi
+}
+
+# check_capbset_drop: do what --caps.drop=all does: drop from the bounding set (PR_CAPBSET_DROP).
+check_capbset_drop() {
+    local err
+    # (Not setpriv --bounding-set: its libcap-ng skips the drop silently without CAP_SETPCAP.)
+    if ! err=$(python3 -c '
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(24, 36, 0, 0, 0) != 0:  # PR_CAPBSET_DROP, CAP_BLOCK_SUSPEND (never needed)
+    sys.exit("prctl(PR_CAPBSET_DROP): " + os.strerror(ctypes.get_errno()))' 2>&1); then
+        fail "dropping capabilities from the bounding set is refused (${err##*: }); firejail --caps.drop=all would fail with PR_CAPBSET_DROP" \
+            "--cap-add SETPCAP (it is in Docker's and podman's default set; add it back after --cap-drop ALL)"
+    fi
+}
+
+# check_ulimits NOFILE_HARD NPROC_HARD: firejail sets each jail's rlimits and cannot raise a hard
+# limit without CAP_SYS_RESOURCE.
+check_ulimits() {
+    local nofile=$1 nproc=$2
+    if [ "$nofile" != unlimited ] && [ "$nofile" -lt "$JAIL_NOFILE" ]; then
+        fail "the hard limit of open files is $nofile, below the $JAIL_NOFILE each jail is given (SANDBOX_MAX_OPEN_FILES)" \
+            "--ulimit nofile=$JAIL_NOFILE:$JAIL_NOFILE or more (compose: ulimits; or lower SANDBOX_MAX_OPEN_FILES)"
+    fi
+    if [ "$nproc" != unlimited ] && [ "$nproc" -lt "$JAIL_NPROC" ]; then
+        fail "the hard limit of processes is $nproc, below the $JAIL_NPROC each jail is given (SANDBOX_MAX_PROCS)" \
+            "--ulimit nproc=$JAIL_NPROC:$JAIL_NPROC or more (compose: ulimits; or lower SANDBOX_MAX_PROCS)"
+    fi
+}
+
 # check_all: every check, cheapest and most specific first, against this process's real state.
 check_all() {
     check_uid "$(id -u)"
@@ -135,6 +179,9 @@ check_all() {
     check_firejail "$FIREJAIL"
     check_namespaces "$(status_field Seccomp)"
     check_mount "$(lsm_label)"
+    check_mknod
+    check_capbset_drop
+    check_ulimits "$(ulimit -Hn)" "$(ulimit -Hu)"
 }
 
 main() {

@@ -40,7 +40,7 @@ cleanup() {
     for c in "${CONTAINERS[@]}"; do "${PODMAN[@]}" rm -f "$c" >/dev/null 2>&1 || true; done
 }
 trap cleanup EXIT
-for c in ci-appliance ci-no-sys-admin ci-no-net-admin ci-no-container-env ci-no-new-privs ci-unjailed; do
+for c in ci-appliance ci-token-stop ci-no-sys-admin ci-no-net-admin ci-no-mknod ci-no-setpcap ci-no-container-env ci-no-new-privs ci-unjailed; do
     podman rm -f "$c" >/dev/null 2>&1 || true  # left by an interrupted earlier run
 done
 
@@ -49,6 +49,7 @@ need=()
 command -v podman >/dev/null || need+=(podman)
 command -v runc >/dev/null || need+=(runc)
 command -v debootstrap >/dev/null || need+=(debootstrap)
+command -v objdump >/dev/null || need+=(binutils)
 /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
     log "installing ${need[*]}"
@@ -91,12 +92,31 @@ log "base image $BASE_IMAGE ready"
 CTX="$WORK/context"
 rm -rf "$CTX"; mkdir -p "$CTX"
 git ls-files -z -co --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$CTX"
-# llama-cpp-python has no binary wheel on PyPI; `pip wheel` reuses this machine's pip cache when
-# it holds one (about a second) and compiles otherwise (about 12 minutes, still correct).
-log "pip wheel llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION (host pip cache)"
-"$TOOLS/bin/pip" wheel -q --no-deps -w "$CTX/images/wheels" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" 2>&1 \
-    | grep -v "is ignored: it is neither" || true
-ls "$CTX"/images/wheels/llama_cpp_python-*.whl >/dev/null || die "no llama-cpp-python wheel"
+# llama-cpp-python has no binary wheel on PyPI. CI builds the portable wheel users get (the
+# Dockerfile's LLAMA_CMAKE_ARGS, GGML_NATIVE=OFF; --no-cache-dir so no host-specific wheel from
+# pip's cache is reused) once, and caches it under $WORK keyed by version and flags.
+LLAMA_CMAKE_ARGS=$(sed -n 's/^ARG LLAMA_CMAKE_ARGS="\(.*\)"$/\1/p' images/cpu/Dockerfile | head -1)
+[[ "$LLAMA_CMAKE_ARGS" == *-DGGML_NATIVE=OFF* ]] || die "images/cpu/Dockerfile's LLAMA_CMAKE_ARGS lacks -DGGML_NATIVE=OFF"
+WHEEL_CACHE="$WORK/wheel-cache/llama-$(printf '%s %s' "$LLAMA_CPP_PYTHON_VERSION" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-12)"
+if ! ls "$WHEEL_CACHE"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    log "pip wheel llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION, CMAKE_ARGS=$LLAMA_CMAKE_ARGS (compiles ~12 min)"
+    rm -rf "$WHEEL_CACHE.tmp"; mkdir -p "$WHEEL_CACHE.tmp"
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$TOOLS/bin/pip" wheel -q --no-cache-dir \
+        --no-deps -w "$WHEEL_CACHE.tmp" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" 2>&1 \
+        | grep -v "is ignored: it is neither" || true
+    ls "$WHEEL_CACHE.tmp"/llama_cpp_python-*.whl >/dev/null || die "no llama-cpp-python wheel"
+    mv "$WHEEL_CACHE.tmp" "$WHEEL_CACHE"
+fi
+# Portable: no AVX-512 instruction (zmm register) in the CPU backend.
+rm -rf "$WORK/wheel-check"; mkdir -p "$WORK/wheel-check"
+(cd "$WORK/wheel-check" && "$PY" -m zipfile -e "$WHEEL_CACHE"/llama_cpp_python-*.whl .)
+mapfile -t cpu_libs < <(find "$WORK/wheel-check" -name 'libggml-cpu.so*' -type f)
+[ ${#cpu_libs[@]} -gt 0 ] || die "no libggml-cpu in the llama-cpp-python wheel"
+zmm=$(objdump -d "${cpu_libs[0]}" | grep -c zmm || true)
+[ "$zmm" = 0 ] || die "the llama-cpp-python wheel uses AVX-512 ($zmm zmm instructions): not portable"
+log "llama-cpp-python wheel: $(basename "$WHEEL_CACHE"/llama_cpp_python-*.whl) (portable: no AVX-512)"
+rm -rf "$WORK/wheel-check"
+cp "$WHEEL_CACHE"/llama_cpp_python-*.whl "$CTX/images/wheels/"
 
 # Builds behind a TLS-intercepting proxy need the host's CA bundle for pip inside the build.
 BUILD_CA=()
@@ -197,9 +217,63 @@ EOF
 log "jailed run: uid 1001, Seccomp 2 (firejail's filters on the container's), NoNewPrivs 1, no caps, lo only"
 "${PODMAN[@]}" rm -f ci-appliance >/dev/null 2>&1
 
+# ---- the README's token form of websocat, and a stop with a run in flight -------------------------
+# The websocat line is taken from the README (only the port and the binary's path substituted),
+# so a doc change that breaks it fails here.
+readme_ws=$(grep -m1 -F "websocat -H=" README.md) || die "README has no websocat -H= line"
+readme_token=$(sed -n "s/.*Bearer \([^'\"]*\)['\"].*/\1/p" <<<"$readme_ws")
+[ -n "$readme_token" ] || die "no token in the README's websocat line: $readme_ws"
+CONTAINERS+=(ci-token-stop)
+"${PODMAN[@]}" run -d --name ci-token-stop "${ULIMITS[@]}" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN,NET_ADMIN,MKNOD \
+    "${SECCOMP[@]}" -p "127.0.0.1:$PORT:9100" -e "SANDBOX_AUTH_TOKEN=$readme_token" "$IMAGE" >/dev/null
+for _ in $(seq 1 600); do [ "$(http_status /readyz)" = 200 ] && break; sleep 0.1; done
+[ "$(http_status /readyz)" = 200 ] || { "${PODMAN[@]}" logs ci-token-stop 2>&1 | tail -30; die "token container never ready"; }
+ws_cmd=${readme_ws//ws:\/\/127.0.0.1:9100/ws:\/\/127.0.0.1:$PORT}
+ws_cmd=${ws_cmd//| websocat /| $TOOLS/bin/websocat }
+log "README: $readme_ws"
+token_out=$(timeout 60 bash -c "$ws_cmd") || die "the README's websocat line failed: $token_out"
+grep -q '"text":"4\\n"' <<<"$token_out" || { echo "$token_out"; die "the README's websocat line did not print 4"; }
+log "README's token form of websocat printed 4"
+"$PY" -c 'import json; print(json.dumps({"code": "import time; time.sleep(3); print(\"slept\")"}))' \
+    | timeout 60 "$TOOLS/bin/websocat" -H="Authorization: Bearer $readme_token" "ws://127.0.0.1:$PORT/exec" \
+    >"$WORK/inflight.out" 2>&1 &
+inflight=$!
+sleep 1
+s0=$(date +%s)
+"${PODMAN[@]}" stop ci-token-stop >/dev/null   # the runtime's default stop timeout (10 s)
+wait "$inflight" || true
+code=$("${PODMAN[@]}" container inspect -f '{{.State.ExitCode}}' ci-token-stop)
+sed 's/^/    /' "$WORK/inflight.out"
+{ grep -q '"text":"slept\\n"' "$WORK/inflight.out" && grep -q '"type":"done".*"status":"ok"' "$WORK/inflight.out"; } \
+    || die "the run in flight at podman stop did not end done/ok"
+[ "$code" = 0 ] || die "the container exited $code at podman stop, expected 0"
+log "podman stop with a run in flight: the run ended done/ok, container exit 0, after $(( $(date +%s) - s0 ))s"
+# A run longer than the grace: the server ends it (done/cancelled, "shutting down") and exits 0
+# before the runtime's 10 s SIGKILL (with a grace equal to the timeout: exit 137, no done).
+"${PODMAN[@]}" start ci-token-stop >/dev/null
+for _ in $(seq 1 600); do [ "$(http_status /readyz)" = 200 ] && break; sleep 0.1; done
+"$PY" -c 'import json; print(json.dumps({"code": "import time; time.sleep(60)"}))' \
+    | timeout 60 "$TOOLS/bin/websocat" -H="Authorization: Bearer $readme_token" "ws://127.0.0.1:$PORT/exec" \
+    >"$WORK/long.out" 2>&1 &
+inflight=$!
+sleep 1
+"${PODMAN[@]}" stop ci-token-stop >/dev/null
+wait "$inflight" || true
+code=$("${PODMAN[@]}" container inspect -f '{{.State.ExitCode}}' ci-token-stop)
+sed 's/^/    /' "$WORK/long.out"
+grep -q '"type":"done".*"status":"cancelled"' "$WORK/long.out" || die "a run past the grace got no done frame at podman stop"
+[ "$code" = 0 ] || die "the container exited $code at podman stop with a long run, expected 0"
+log "podman stop with a run longer than the grace: done/cancelled, container exit 0"
+"${PODMAN[@]}" rm -f ci-token-stop >/dev/null 2>&1
+
 # ---- the entrypoint refuses, naming the missing flag --------------------------------------------
 run_refused ci-no-sys-admin "--cap-add SYS_ADMIN" "${DOCKER_CAPS[@]}" --cap-add=NET_ADMIN "${SECCOMP[@]}"
 run_refused ci-no-net-admin "--cap-add NET_ADMIN" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN "${SECCOMP[@]}"
+# podman's own default set (no MKNOD) and a --cap-drop ALL add-back list without SETPCAP.
+run_refused ci-no-mknod "--cap-add MKNOD" --cap-add=SYS_ADMIN,NET_ADMIN "${SECCOMP[@]}"
+# shellcheck disable=SC2054
+run_refused ci-no-setpcap "--cap-add SETPCAP" --cap-drop=all \
+    --cap-add=SYS_ADMIN,NET_ADMIN,MKNOD,SYS_CHROOT,SETUID,SETGID,CHOWN,DAC_OVERRIDE,FOWNER,KILL "${SECCOMP[@]}"
 run_refused ci-no-container-env "container=docker" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN,NET_ADMIN \
     "${SECCOMP[@]}" -e container=
 run_refused ci-no-new-privs "no-new-privileges" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN,NET_ADMIN \

@@ -27,9 +27,11 @@ DOCKERFILES = [REPO / "images" / "cpu" / "Dockerfile", REPO / "images" / "cuda12
 K8S = REPO / "deploy" / "kubernetes"
 # sha256 of Docker's default profile (moby/moby profiles/seccomp/default.json) in canonical JSON.
 DOCKER_DEFAULT_SHA256 = "9af8d3aeaa836af0b750afd7ecdb490df8e04c47ca820f472794252396eaa6ea"
-# Docker's default capabilities, as a CapBnd mask, and the two the jail adds.
+# Docker's default capabilities, as a CapBnd mask, and the two the jail adds; podman's default
+# lacks MKNOD (and AUDIT_WRITE, NET_RAW), which --private-dev needs.
 DOCKER_DEFAULT_CAPS = 0xA80425FB
-SYS_ADMIN, NET_ADMIN = 1 << 21, 1 << 12
+SYS_ADMIN, NET_ADMIN, MKNOD, SETPCAP = 1 << 21, 1 << 12, 1 << 27, 1 << 8
+PODMAN_DEFAULT_CAPS = 0x800405FB
 EX_CONFIG = 78
 
 
@@ -112,7 +114,7 @@ class TestKubernetes:
         pod = kube_docs()[("Deployment", name)]["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         sc = container["securityContext"]
-        assert sc["capabilities"]["add"] == ["SYS_ADMIN", "NET_ADMIN"]
+        assert sc["capabilities"]["add"] == ["SYS_ADMIN", "NET_ADMIN", "MKNOD"]
         assert sc["allowPrivilegeEscalation"] is True and sc["privileged"] is False
         assert sc["runAsUser"] == 0
         assert sc["seccompProfile"]["type"] in ("RuntimeDefault", "Localhost")
@@ -154,7 +156,7 @@ class TestCompose:
     def test_sandbox_service_has_privileges_limits_volumes_and_a_network_shared_with_api(self) -> None:
         compose = yaml.safe_load((REPO / "compose.yaml").read_text())
         sandbox, api = compose["services"]["sandbox"], compose["services"]["api"]
-        assert sandbox["cap_add"] == ["SYS_ADMIN", "NET_ADMIN"]
+        assert sandbox["cap_add"] == ["SYS_ADMIN", "NET_ADMIN", "MKNOD"]
         assert "seccomp=./images/seccomp.json" in sandbox["security_opt"]
         assert (REPO / "images" / "seccomp.json").is_file()
         assert sandbox["deploy"]["resources"]["limits"] == {"cpus": "2.00", "memory": "4G"}
@@ -200,7 +202,11 @@ class TestEntrypoint:
         assert out.stdout.split() == ["CAP_SYS_ADMIN", "CAP_NET_ADMIN"]
         full = DOCKER_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN
         assert entrypoint(f"missing_caps {full:x}").stdout == ""
-        assert len(entrypoint("missing_caps 0").stdout.split()) == 9
+        assert len(entrypoint("missing_caps 0").stdout.split()) == 11
+
+    def test_missing_caps_names_mknod_under_podmans_default_set(self) -> None:
+        out = entrypoint(f"missing_caps {PODMAN_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN:x}")
+        assert out.stdout.split() == ["CAP_MKNOD"]
 
     @pytest.mark.parametrize(("call", "message", "fix"), [
         (f"check_caps {DOCKER_DEFAULT_CAPS | NET_ADMIN:x}", "missing capability: CAP_SYS_ADMIN", "--cap-add SYS_ADMIN"),
@@ -210,6 +216,12 @@ class TestEntrypoint:
         ("check_container_env podman", "container is 'podman'", "ENV container=docker"),
         ("check_no_new_privs 1", "no_new_privs is set", "allowPrivilegeEscalation: true"),
         ("check_uid 1001", "runs as uid 1001", "remove --user"),
+        (f"check_caps {(DOCKER_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN) & ~MKNOD:x}", "missing capability: CAP_MKNOD",
+         "--cap-add MKNOD"),
+        (f"check_caps {(DOCKER_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN) & ~SETPCAP:x}", "missing capability: CAP_SETPCAP",
+         "--cap-add SETPCAP"),
+        ("check_ulimits 512 100000", "hard limit of open files is 512", "--ulimit nofile=1024:1024"),
+        ("check_ulimits unlimited 32", "hard limit of processes is 32", "--ulimit nproc=64:64"),
         ("check_namespaces_with_failing_unshare 2", "seccomp profile forbids creating namespaces",
          "seccomp=/path/to/images/seccomp.json"),
         ("check_mount_with_failing_mount 'docker-default (enforce)'", "AppArmor profile",
@@ -255,12 +267,28 @@ class TestEntrypointOnThisHost:
         assert out.returncode == 0 and out.stdout.strip() == "passed", out.stderr
 
     @pytest.mark.parametrize(("cap", "flag"), [("cap_sys_admin", "--cap-add SYS_ADMIN"),
-                                               ("cap_net_admin", "--cap-add NET_ADMIN")])
+                                               ("cap_net_admin", "--cap-add NET_ADMIN"),
+                                               ("cap_mknod", "--cap-add MKNOD"),
+                                               ("cap_setpcap", "--cap-add SETPCAP")])
     def test_a_process_without_the_capability_is_refused_naming_it(self, cap: str, flag: str) -> None:
         capsh = shutil.which("capsh") or "/usr/sbin/capsh"
         out = entrypoint("check_all", env={"container": "docker"}, wrap=[capsh, f"--drop={cap}", "--"] + ["-c", 'exec "$@"', "capsh"])
         assert out.returncode == EX_CONFIG, out
         assert cap.upper() in out.stderr and flag in out.stderr, out.stderr
+
+    @pytest.mark.parametrize(("cap", "check", "message", "flag"), [
+        ("cap_mknod", "check_mknod", "cannot create /dev/zero device", "--cap-add MKNOD"),
+        ("cap_setpcap", "check_capbset_drop", "PR_CAPBSET_DROP", "--cap-add SETPCAP"),
+    ])
+    def test_the_trial_of_what_firejail_does_fails_without_the_capability(
+            self, cap: str, check: str, message: str, flag: str) -> None:
+        # The trial itself, not the mask check: it must fail for real when the kernel refuses.
+        capsh = shutil.which("capsh") or "/usr/sbin/capsh"
+        wrap = [capsh, f"--drop={cap}", "--"] + ["-c", 'exec "$@"', "capsh"]
+        assert entrypoint(check).returncode == 0
+        out = entrypoint(check, env={"container": "docker"}, wrap=wrap)
+        assert out.returncode == EX_CONFIG, out
+        assert message in out.stderr and flag in out.stderr, out.stderr
 
     def test_a_process_with_no_new_privs_is_refused(self) -> None:
         out = entrypoint("check_all", env={"container": "docker"}, wrap=["setpriv", "--no-new-privs"])
