@@ -20,7 +20,8 @@ from appliance import tenants
 from appliance.client import AsyncClient
 from appliance.errors import Busy
 from appliance.jail.proctree import descendants
-from tests.support import Server, scaled, start_server
+from tests.models import write_tiny_llama
+from tests.support import Server, reachable_tmp_root, scaled, start_server
 
 MARGIN_MB = 128
 ALICE = "alice-" + secrets.token_hex(12)
@@ -44,13 +45,19 @@ def gpu_env(control: Path) -> dict[str, str]:
             "SANDBOX_PRELOAD": ""}
 
 
+IDLE_S = 5  # the session server's SANDBOX_SESSION_IDLE_S: each test's cells come well within it
+
+
 @pytest.fixture(scope="module")
 def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
     tmp = tmp_path_factory.mktemp("gpu-sessions")
     control = tmp / "sim.json"
-    srv = start_server(tmp / "srv", **gpu_env(control))
-    yield srv, control
-    srv.stop()
+    with reachable_tmp_root("appliance-gpu-models-") as models:
+        write_tiny_llama(models / "tiny.gguf")
+        srv = start_server(tmp / "srv", SANDBOX_MODELS_DIR=str(models), SANDBOX_SESSION_IDLE_S=str(IDLE_S),
+                           **gpu_env(control))
+        yield srv, control
+        srv.stop()
 
 
 def simulate(control: Path, **state: object) -> None:
@@ -67,6 +74,15 @@ def readyz(server: Server) -> dict[str, Any]:
 
 def reserved_mb(server: Server) -> int:
     return sum(int(d["reserved_mb"]) for d in readyz(server)["gpu"]["devices"])
+
+
+async def until_reclaimed(server: Server, timeout: float = 15) -> int:
+    """Reserved MiB once the ledger gave every ended grant back (it waits for NVML to show the
+    memory freed first), or what is still reserved at the timeout."""
+    deadline = time.monotonic() + scaled(timeout)
+    while reserved_mb(server) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return reserved_mb(server)
 
 
 def pid_named(server: Server, comm: str, timeout: float = 10) -> int:
@@ -113,10 +129,7 @@ async def test_a_gpu_session_keeps_its_state_and_its_grant_across_cells(gpu_serv
         assert other.status == "rejected" and other.stdout == ""
         assert "1000 MiB for its whole life" in (other.message or "")
         assert await c.close_session(sid)
-    deadline = time.monotonic() + scaled(10)
-    while reserved_mb(srv) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert reserved_mb(srv) == 0, "closing the session gave its GPU budget back"
+    assert await until_reclaimed(srv) == 0, "closing the session gave its GPU budget back"
     assert readyz(srv)["sessions"]["gpu"] == 0
 
 
@@ -158,7 +171,7 @@ async def test_a_gpu_session_over_its_budget_between_cells_ends_with_a_clear_mes
     assert "has ended" in (later.message or "") and "between cells" in (later.message or "")
     assert "GPU" in (later.message or "")
     assert not Path(f"/proc/{pid}").exists(), "the session's interpreter is gone"
-    assert reserved_mb(srv) == 0
+    assert await until_reclaimed(srv) == 0
 
 
 async def test_a_gpu_session_whose_cell_goes_over_budget_ends(gpu_server: tuple[Server, Path]) -> None:
@@ -179,7 +192,42 @@ async def test_a_gpu_session_whose_cell_goes_over_budget_ends(gpu_server: tuple[
         assert "session has ended" in (ex.message or "")
         after = await c.execute("print(w)", session=sid)
     assert after.status == "rejected" and "GPU memory budget" in (after.message or "")
-    assert reserved_mb(srv) == 0
+    assert await until_reclaimed(srv) == 0
+
+
+LOAD = ("import json\nfrom appliance.tools import load_llm, cache_info\nllm = load_llm('tiny.gguf')\n"
+        "text = llm('hello', max_tokens=4)\nprint(json.dumps(cache_info()['llm']))")
+
+
+async def test_a_gpu_session_loads_its_model_once_and_later_cells_reuse_it(
+        gpu_server: tuple[Server, Path]) -> None:
+    srv, _ = gpu_server
+    async with AsyncClient(srv.url) as c:
+        first = await c.execute(LOAD, session="new", gpu={"memory_mb": 800})
+        assert first.status == "ok", (first.stderr, first.error)
+        sid = str(first.session)
+        later = [await c.execute(LOAD, session=sid) for _ in range(3)]
+        await c.close_session(sid)
+    assert [e.status for e in later] == ["ok"] * 3, [(e.stderr, e.error) for e in later]
+    counts = [json.loads(e.stdout.splitlines()[-1]) for e in [first, *later]]
+    # The loader's own counters in the session's interpreter: one load, then only reuse.
+    assert [c["loads"] for c in counts] == [1, 1, 1, 1], counts
+    assert [c["hits"] for c in counts] == [0, 1, 2, 3], counts
+
+
+async def test_an_idle_gpu_session_expires_and_a_queued_run_then_starts(gpu_server: tuple[Server, Path]) -> None:
+    srv, _ = gpu_server
+    big = 4096 - MARGIN_MB - 100
+    async with AsyncClient(srv.url) as c:
+        opened = await c.execute("v = 1", session="new", gpu={"memory_mb": big})
+        assert opened.status == "ok", opened.frames
+        started = time.monotonic()
+        ex = await asyncio.wait_for(c.execute("print('after expiry')", gpu={"memory_mb": 1000}), scaled(60))
+        waited = time.monotonic() - started
+        late = await c.execute("print(v)", session=str(opened.session))
+    assert ex.status == "ok" and ex.stdout == "after expiry\n"
+    assert waited >= IDLE_S - 1, "the run waited for the idle session to expire"
+    assert late.status == "rejected" and "idle too long" in (late.message or "")
 
 
 # -- per-tenant GPU quota ------------------------------------------------------------------------
