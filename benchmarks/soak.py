@@ -1,12 +1,14 @@
-"""Soak: thousands of mixed runs (normal, hostile, concurrent, sessions, malformed) against a
-real server, then a leak audit.
+"""Soak: thousands of mixed runs (normal, hostile, concurrent, sessions, malformed, deep
+trees, sparse outputs) and clients that stop reading, against a real server, then a leak
+audit.
 
     .venv/bin/python -m benchmarks.soak                  # 10,000 requests -> benchmarks/results/soak.{md,json}
     .venv/bin/python -m benchmarks.soak --quick          # 300 requests, printed only
 
 Checks afterwards: every request got exactly one `done`; no process left under the server
 (the pool is off, so any process is a leak); no run directory left under the server's
-SANDBOX_TMP_ROOT; no growth in the server's open file descriptors; RSS before/after reported.
+SANDBOX_TMP_ROOT; no growth in the server's open file descriptors; the server's RSS before,
+at its peak (sampled throughout) and after, reported.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -24,13 +27,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import websockets
 
-import websockets  # noqa: E402
-
-from tests.support import Server, start_server  # noqa: E402
+from tests.support import REPO, Server, start_server
 
 NORMAL = [
     "print(sum(range(1000)))",
@@ -54,7 +53,15 @@ HOSTILE = [
     ("import os\nfor fd in range(64):\n    try:\n        os.close(fd)\n    except OSError:\n        pass", 3000),
     ("import os\nos._exit(9)", 3000),
     ("i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'x' * (4 << 20)); i += 1", 3000),
+    # A tree deeper than any recursion limit, in the workspace and under outputs/.
+    ("import os\nfor i in range(1200):\n    os.mkdir('d'); os.chdir('d')\nopen('leaf', 'w').write('x')", 5000),
+    ("import os\nos.chdir('outputs')\nfor i in range(1200):\n    os.mkdir('d'); os.chdir('d')\n"
+     "open('leaf', 'w').write('x')", 5000),
+    # Sparse files: no disk blocks, 800 MiB claimed.
+    ("for i in range(100):\n    with open(f'outputs/s{i:03}.bin', 'wb') as fh:\n        fh.truncate(8 << 20)", 5000),
 ]
+# A client that sends this and never reads: the server must neither grow nor keep the run.
+FLOOD = "import os\nb = b'x' * 65536\nwhile True:\n    os.write(1, b)"
 MALFORMED = ["not json", "[1]", '{"code": 5}', '{"type": "nope"}', '{"type": "stdin", "id": "ghost", "data": "x"}']
 
 
@@ -114,6 +121,22 @@ async def worker(url: str, n: int, seq: list[int], total: int, tally: Tally, rng
                 return
 
 
+async def slow_readers(url: str, rounds: int, tally: Tally) -> None:
+    """Clients that send a flooding run and then never read (a 1-frame receive queue, so the
+    socket's buffers fill), for a while, before they drop."""
+    for i in range(rounds):
+        async with websockets.connect(url, max_size=None, max_queue=1) as ws:
+            await ws.send(json.dumps({"id": f"slow-{i}", "code": FLOOD, "timeout_ms": 2000}))
+            tally.kinds["slow reader"] += 1
+            await asyncio.sleep(3.0)
+
+
+async def sample_rss(pid: int, peak: list[int]) -> None:
+    while True:
+        peak[0] = max(peak[0], rss_kb(pid))
+        await asyncio.sleep(0.1)
+
+
 def rss_kb(pid: int) -> int:
     with open(f"/proc/{pid}/status") as fh:
         for line in fh:
@@ -127,7 +150,8 @@ def fd_count(pid: int) -> int:
 
 
 def settle(server: Server, timeout: float = 30) -> tuple[list[int], list[str]]:
-    from tests.attacks.common import descendants, run_dirs
+    from appliance.jail.proctree import descendants
+    from tests.attacks.common import run_dirs
 
     deadline = time.monotonic() + timeout
     while True:
@@ -137,13 +161,20 @@ def settle(server: Server, timeout: float = 30) -> tuple[list[int], list[str]]:
         time.sleep(0.2)
 
 
-async def soak(server: Server, total: int, concurrency: int, seed: int) -> tuple[Tally, float]:
+async def soak(server: Server, total: int, concurrency: int, seed: int,
+               peak: list[int] | None = None) -> tuple[Tally, float]:
     tally = Tally()
     seq = [0]
     rng = random.Random(seed)
     started = time.monotonic()
-    await asyncio.gather(*(worker(server.url, n, seq, total, tally, random.Random(rng.random()))
-                           for n in range(concurrency)))
+    sampler = asyncio.create_task(sample_rss(server.proc.pid, peak if peak is not None else [0]))
+    workers = asyncio.gather(*(worker(server.url, n, seq, total, tally, random.Random(rng.random()))
+                               for n in range(concurrency)))
+    # Slow readers come and go alongside the workers, one at a time, for as long as they run.
+    readers = asyncio.create_task(slow_readers(server.url, max(1, total // 150), tally))
+    await workers
+    await readers
+    sampler.cancel()
     return tally, time.monotonic() - started
 
 
@@ -166,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         asyncio.run(soak(server, 40, 4, args.seed + 1))
         settle(server)
         rss_before, fds_before = rss_kb(server.proc.pid), fd_count(server.proc.pid)
-        tally, seconds = asyncio.run(soak(server, total, args.concurrency, args.seed))
+        peak = [rss_before]
+        tally, seconds = asyncio.run(soak(server, total, args.concurrency, args.seed, peak))
         procs, dirs = settle(server)
         time.sleep(1)
         rss_after, fds_after = rss_kb(server.proc.pid), fd_count(server.proc.pid)
@@ -178,6 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     wrong_done = {rid: tally.done[rid] for rid in tally.sent if tally.done[rid] != tally.sent[rid]}
     extra_done = {rid: n for rid, n in tally.done.items() if rid not in tally.sent}
     requests = sum(tally.sent.values())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                            check=False).stdout.strip() or "?"
     result: dict[str, Any] = {
         "requests": requests,
         "kinds": dict(tally.kinds),
@@ -192,9 +226,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "server_fds_before": fds_before,
         "server_fds_after": fds_after,
         "server_rss_mb_before": round(rss_before / 1024, 1),
+        "server_rss_mb_peak": round(peak[0] / 1024, 1),
         "server_rss_mb_after": round(rss_after / 1024, 1),
         "server_alive": alive,
         "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "commit": commit,
     }
     leaks = []
     if result["requests_without_exactly_one_done"] or tally.errors:
@@ -231,11 +267,14 @@ def render(r: dict[str, Any]) -> str:
         ("processes left under the server (pool off)", len(r["leftover_processes"])),
         ("run directories left", len(r["leftover_run_dirs"])),
         ("server open fds before / after", f"{r['server_fds_before']} / {r['server_fds_after']}"),
-        ("server RSS before / after", f"{r['server_rss_mb_before']} MiB / {r['server_rss_mb_after']} MiB"),
+        ("server RSS before / peak / after",
+         f"{r['server_rss_mb_before']} MiB / {r.get('server_rss_mb_peak', '?')} MiB / {r['server_rss_mb_after']} MiB"),
         ("leaks found", ", ".join(r["leaks"])),
     ]
     lines = ["# Soak", "", "`python -m benchmarks.soak` against a real server (real firejail jails),",
-             f"on {r['host']['cpus']} CPUs, Python {r['host']['python']}.", "",
+             f"on {r['host']['cpus']} CPUs, Python {r['host']['python']}, commit {r.get('commit', '?')}.",
+             "Slow readers (clients that send a flooding run and never read) are not counted as",
+             "requests: they never take their `done`; the leak audit covers them.", "",
              "| measure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
     return "\n".join(lines)
 
