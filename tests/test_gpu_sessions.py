@@ -22,6 +22,7 @@ from appliance.errors import Busy
 from appliance.jail.proctree import descendants
 from tests.models import write_tiny_llama
 from tests.support import Server, reachable_tmp_root, scaled, start_server
+from tests.test_gpu_server import simulate
 
 MARGIN_MB = 128
 ALICE = "alice-" + secrets.token_hex(12)
@@ -58,12 +59,6 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
                            **gpu_env(control))
         yield srv, control
         srv.stop()
-
-
-def simulate(control: Path, **state: object) -> None:
-    tmp = control.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
-    tmp.replace(control)
 
 
 def readyz(server: Server) -> dict[str, Any]:
