@@ -22,6 +22,7 @@ from appliance.jail.lease import LeaseSource, PoolLeases
 from appliance.jail.network import EgressNetwork, check_prerequisites
 from appliance.jail.pool import ProfilePools
 from appliance.jail.profiles import Profile
+from appliance.jail.wheels import check_wheelhouse, stage_wheel_cache
 from appliance.jail.workdir import RunDirs, stage_runtime
 from appliance.metrics import Metrics
 from appliance.protocol import ExecuteRequest, Frame
@@ -95,6 +96,11 @@ class Lifecycle:
         problem = readable_ancestors_problem(s.tmp_root, host.uid)
         if problem:  # firejail, running as the sandbox uid, must reach the run directories
             raise StartupError(f"SANDBOX_TMP_ROOT is not reachable by the sandbox uid: {problem}")
+        if s.wheelhouse is not None:
+            check_wheelhouse(s.wheelhouse)
+            problem = readable_ancestors_problem(s.wheelhouse, host.uid)
+            if problem:  # pip in the jail reads the wheels as the sandbox uid
+                raise StartupError(f"SANDBOX_WHEELHOUSE is not reachable by the sandbox uid: {problem}")
         self.host = host
         return host
 
@@ -110,18 +116,23 @@ class Lifecycle:
         if toolprobe.wanted(s.models_dir, s.gpu):
             self.tools = toolprobe.ToolProbe(s.python, s.gpu)
             self.tools.start(runtime)
+        cache = None
+        if s.wheelhouse is not None:  # unpacked once here, so runs need not install again
+            cache = await asyncio.to_thread(stage_wheel_cache, s.wheelhouse, s.tmp_root)
         if s.open_ports:
             self.network = EgressNetwork(s)
             await self.network.start()
         network, dirs = self.network, self.dirs
         profiles = tuple(Profile(name, modules) for name, modules in s.preload_profiles)
         pools = ProfilePools.build(
-            profiles, lambda p: JailFactory(s, host, runtime, dirs, network, preload=p.modules),
+            profiles, lambda p: JailFactory(s, host, runtime, dirs, network, preload=p.modules,
+                                    wheel_cache=cache),
             s.pool_size, max_size=s.pool_max)
         pools.start()
         self.cpu = PoolLeases(pools)
         if self.gpu is not None:  # warm pools per GPU (and profile), each jail seeing only its GPU
-            self.gpu.start(lambda dev, p: JailFactory(s, host, runtime, dirs, network, gpu=dev, preload=p.modules),
+            self.gpu.start(lambda dev, p: JailFactory(s, host, runtime, dirs, network, gpu=dev, preload=p.modules,
+                                                  wheel_cache=cache),
                            self.cpu)
             await self.gpu.probe_mps()  # layer (b) is reported as enforcing only where proven
         self.canary_port = canary_port

@@ -71,6 +71,7 @@ class Settings:
     jail_threads: int = 1
     firejail: str = "firejail"
     models_dir: Path | None = None        # read-only models for appliance.tools (SANDBOX_MODELS_DIR)
+    wheelhouse: Path | None = None        # wheels `%pip install` may use, read-only (SANDBOX_WHEELHOUSE)
     gpu_default_mb: int = 1024            # budget of a run that names none; 0: such runs get no GPU
     gpu_margin_mb: int = 256              # per-device headroom at admission; slack before a kill
     gpu_backend: str = "nvml"             # nvml (real) or simulated (tests, no GPU)
@@ -345,6 +346,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         jail_threads=_int(env, "SANDBOX_JAIL_THREADS", D.jail_threads, minimum=1),
         firejail=env.get("SANDBOX_FIREJAIL", "").strip() or "firejail",
         models_dir=_dir(env, "SANDBOX_MODELS_DIR", None),
+        wheelhouse=_dir(env, "SANDBOX_WHEELHOUSE", None),
         gpu_default_mb=_int(env, "SANDBOX_GPU_DEFAULT_MB", D.gpu_default_mb),
         gpu_margin_mb=_int(env, "SANDBOX_GPU_MARGIN_MB", D.gpu_margin_mb),
         gpu_backend=_choice(env, "SANDBOX_GPU_BACKEND", GPU_BACKENDS),

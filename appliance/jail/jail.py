@@ -77,7 +77,7 @@ class JailFactory:
 
     def __init__(self, settings: Settings, host: HostFacts, runtime: Path, dirs: RunDirs,
                  network: EgressNetwork | None = None, gpu: GpuDevice | None = None,
-                 preload: tuple[str, ...] | None = None) -> None:
+                 preload: tuple[str, ...] | None = None, wheel_cache: Path | None = None) -> None:
         self.settings = settings
         self.preload = settings.preload if preload is None else preload  # this factory's profile
         self.gpu = gpu  # GPU mode: every jail made here sees only this device
@@ -91,6 +91,11 @@ class JailFactory:
         self._readable = tuple(python_roots(settings.python)) + (runtime,)
         if settings.models_dir is not None:
             self._readable += (settings.models_dir,)
+        if settings.wheelhouse is not None:  # whitelisted read-only, like every readable path
+            self._readable += (settings.wheelhouse,)
+        if wheel_cache is not None:  # the server's unpacked wheels (appliance.jail.wheels)
+            self._readable += (wheel_cache,)
+            self._env = tuple(sorted(self._env + (("APPLIANCE_WHEEL_CACHE", str(wheel_cache)),)))
         if gpu is not None:
             self._env = tuple(sorted(self._env + gpu_env(settings, gpu)))
             if settings.gpu_libcuda.startswith("/"):  # a driver library outside the usual paths

@@ -97,4 +97,6 @@ def jail_env(settings: Settings, python: Path, runtime: Path, preload: tuple[str
     }
     if settings.models_dir is not None:  # read by appliance.tools: models load only from here
         env["SANDBOX_MODELS_DIR"] = str(settings.models_dir)
+    if settings.wheelhouse is not None:  # read by appliance.jail.magics: pip installs only from here
+        env["APPLIANCE_WHEELHOUSE"] = str(settings.wheelhouse)
     return tuple(sorted(env.items()))

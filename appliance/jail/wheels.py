@@ -1,0 +1,140 @@
+"""The operator's wheelhouse (SANDBOX_WHEELHOUSE) and the shared wheel cache the server makes
+from it, so that `%pip install x` in a jail (appliance.jail.magics) need not install again.
+
+Layout, under SANDBOX_TMP_ROOT:
+    appliance/wheels-<hash>/         0755 root, read-only in jails; <hash> of the wheelhouse listing
+        manifest.json                name -> {name, version, path, requires, cacheable}
+        <name>-<version>/            a pure wheel (py3-none-any), unpacked: importable from sys.path
+
+Only pure wheels are unpacked: an unpacked pure wheel is exactly what pip would install
+(modules, data, .dist-info), while platform wheels and sdists need pip's judgement; those, and
+names with several versions or with requirements that carry environment markers, are marked
+not cacheable and go through pip in the jail (still only from the wheelhouse). The cache is
+written by the server (root) once per wheelhouse content and never by a jail: it is mounted
+read-only and owned by root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import tempfile
+import zipfile
+from email.parser import HeaderParser
+from pathlib import Path
+
+from appliance.errors import StartupError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_UNPACKED_BYTES = 512 * 1024 * 1024  # per wheel: a zip bomb in the wheelhouse stays a pip matter
+
+
+def normalize(name: str) -> str:
+    """A distribution name as PEP 503 compares them."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def check_wheelhouse(path: Path) -> None:
+    """StartupError unless `path` is a directory of files the server can list."""
+    if not path.is_dir():
+        raise StartupError(f"SANDBOX_WHEELHOUSE: {path} is not a directory")
+    try:
+        os.listdir(path)
+    except OSError as exc:
+        raise StartupError(f"SANDBOX_WHEELHOUSE: cannot list {path}: {exc}") from exc
+
+
+def stage_wheel_cache(wheelhouse: Path, tmp_root: Path) -> Path:
+    """Unpack the wheelhouse's pure wheels once per wheelhouse content; returns the cache."""
+    check_wheelhouse(wheelhouse)
+    wheels = sorted(p for p in wheelhouse.iterdir() if p.name.endswith(".whl") and p.is_file())
+    digest = hashlib.sha256()
+    for wheel in wheels:
+        info = wheel.stat()
+        digest.update(f"{wheel.name}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
+    target = tmp_root / "appliance" / f"wheels-{digest.hexdigest()[:16]}"
+    if (target / "manifest.json").exists():
+        return target
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".wheels-", dir=target.parent))
+    try:
+        manifest = _unpack_all(wheels, staging)
+        (staging / "manifest.json").write_text(json.dumps({"packages": manifest}, indent=1, sort_keys=True))
+        for root, dirs, files in os.walk(staging):
+            os.chmod(root, 0o755)
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o644)
+            for name in dirs:
+                os.chmod(os.path.join(root, name), 0o755)
+        try:
+            os.rename(staging, target)
+        except OSError:  # another server staged the same wheelhouse first
+            shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _unpack_all(wheels: list[Path], staging: Path) -> dict[str, dict[str, object]]:
+    manifest: dict[str, dict[str, object]] = {}
+    versions: dict[str, set[str]] = {}
+    for wheel in wheels:
+        parts = wheel.name[:-4].split("-")
+        if len(parts) < 5 or not _NAME.match(parts[0]):
+            continue
+        name, version = normalize(parts[0]), parts[1]
+        versions.setdefault(name, set()).add(version)
+        pure = parts[-2] == "none" and parts[-1] == "any" and parts[-3].startswith("py3")
+        entry: dict[str, object] = {"name": parts[0], "version": version, "path": None,
+                                    "requires": [], "cacheable": False}
+        if pure:
+            folder = f"{name}-{version}"
+            requires = _unpack(wheel, staging / folder)
+            if requires is not None:
+                entry.update(path=folder, requires=requires, cacheable=True)
+        manifest[name] = entry
+    for name, seen in versions.items():
+        if len(seen) > 1:  # which one a request means is pip's decision
+            manifest[name]["cacheable"] = False
+    return manifest
+
+
+def _unpack(wheel: Path, dest: Path) -> list[str] | None:
+    """Unpack one wheel safely; its unconditional requirements' names, or None when it
+    cannot be cached (a bad archive, an unsafe member, a marker only pip can judge)."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            members = archive.infolist()
+            if sum(m.file_size for m in members) > MAX_UNPACKED_BYTES:
+                return None
+            for member in members:
+                path = Path(member.filename)
+                if path.is_absolute() or ".." in path.parts or stat.S_ISLNK(member.external_attr >> 16):
+                    shutil.rmtree(dest, ignore_errors=True)
+                    return None
+            metadata = next((m for m in members if m.filename.endswith(".dist-info/METADATA")
+                             and m.filename.count("/") == 1), None)
+            if metadata is None:
+                return None
+            headers = HeaderParser().parsestr(archive.read(metadata).decode("utf-8", "replace"))
+            requires: list[str] = []
+            for req in headers.get_all("Requires-Dist") or []:
+                spec, _, marker = str(req).partition(";")
+                if marker.strip():
+                    if "extra" in marker:
+                        continue  # an optional extra: not needed by a plain install
+                    return None
+                match = _NAME.match(spec.strip())
+                if match:
+                    requires.append(normalize(match.group(0)))
+            dest.mkdir(parents=True)
+            archive.extractall(dest)
+            return requires
+    except (OSError, zipfile.BadZipFile, UnicodeDecodeError):
+        shutil.rmtree(dest, ignore_errors=True)
+        return None

@@ -1,0 +1,171 @@
+"""Packages on demand from an operator's wheelhouse (SANDBOX_WHEELHOUSE): wheels built by the
+test, a real server, real jails, real pip (offline, from the wheelhouse only)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance.client import AsyncClient, Execution
+from appliance.jail.wheels import stage_wheel_cache
+from tests.support import Server, start_server
+
+
+def build_wheel(folder: Path, name: str, version: str, module: str, requires: tuple[str, ...] = (),
+                tag: str = "py3-none-any", extra: dict[str, str] | None = None) -> Path:
+    """A minimal valid wheel: one module, METADATA, WHEEL and RECORD (what pip checks)."""
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": module, **(extra or {}),
+             f"{dist}/METADATA": "Metadata-Version: 2.1\nName: {n}\nVersion: {v}\n{r}\n".format(
+                 n=name, v=version, r="".join(f"Requires-Dist: {r}\n" for r in requires)),
+             f"{dist}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n"}
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    record.append(f"{dist}/RECORD,,")
+    wheel = folder / f"{name}-{version}-{tag}.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+        archive.writestr(f"{dist}/RECORD", "\n".join(record) + "\n")
+    os.chmod(wheel, 0o644)
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def wheelhouse() -> Iterator[Path]:
+    # Under /tmp with 0755: the sandbox uid must reach it (tmp_path's ancestors are root-only).
+    root = Path(tempfile.mkdtemp(prefix="appliance-wheels-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    build_wheel(root, "tinydep", "1.0", "WORD = 'dep'\n")
+    build_wheel(root, "tinypkg", "2.0", "import tinydep\nVALUE = 'pkg+' + tinydep.WORD\n", requires=("tinydep",))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, wheelhouse: Path) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("wheels"), SANDBOX_WHEELHOUSE=str(wheelhouse))
+    yield srv
+    srv.stop()
+
+
+async def run(server: Server, code: str, **options: object) -> Execution:
+    async with AsyncClient(server.url) as c:
+        return await c.execute(code, **options)  # type: ignore[arg-type]
+
+
+class TestInstall:
+    async def test_pip_install_then_import_in_the_same_cell(self, served: Server) -> None:
+        ex = await run(served, "%pip install tinypkg\nimport tinypkg\nprint(tinypkg.VALUE)")
+        assert ex.status == "ok", ex.frames
+        assert ex.stdout.splitlines()[-1] == "pkg+dep"
+        assert "tinypkg-2.0" in ex.stdout and "tinydep-1.0" in ex.stdout
+
+    async def test_a_second_run_takes_the_shared_cache_and_installs_nothing(self, served: Server) -> None:
+        code = ("%pip install tinypkg\nimport os, tinypkg\nprint(tinypkg.__file__.startswith(os.environ['APPLIANCE_WHEEL_CACHE']))\n"
+                "print(os.path.exists('.appliance/site-packages'))")
+        for _ in range(2):
+            ex = await run(served, code)
+            assert ex.status == "ok", ex.frames
+            assert "(from the appliance's wheel cache)" in ex.stdout
+            assert ex.stdout.splitlines()[-2:] == ["True", "False"]  # imported from the cache, nothing copied
+
+    async def test_real_pip_installs_offline_into_the_runs_own_site_dir(self, served: Server) -> None:
+        ex = await run(served, "!pip install --force-reinstall tinypkg\nimport tinypkg, os\n"
+                               "print(tinypkg.__file__)\nprint(sorted(os.listdir('.appliance/site-packages')))")
+        assert ex.status == "ok", (ex.stdout, ex.stderr)
+        assert "Successfully installed tinydep-1.0 tinypkg-2.0" in ex.stdout
+        lines = ex.stdout.splitlines()
+        assert lines[-2] == "/workspace/.appliance/site-packages/tinypkg.py"
+        assert "tinypkg.py" in lines[-1] and "tinydep.py" in lines[-1]
+
+    async def test_a_session_keeps_what_was_installed_for_later_cells_and_commands(self, served: Server) -> None:
+        async with AsyncClient(served.url) as c, c.session() as session:
+            first = await session.execute("!pip install --no-deps tinydep")
+            assert first.status == "ok" and "Successfully installed tinydep-1.0" in first.stdout, first.stderr
+            later = await session.execute("import tinydep\nprint(tinydep.WORD)\n!python -c 'import tinydep; print(1)'")
+            assert later.status == "ok" and later.stdout == "dep\n1\n", (later.stdout, later.stderr)
+
+    async def test_a_package_missing_from_the_wheelhouse_gets_a_list_of_what_is_there(self, served: Server) -> None:
+        ex = await run(served, "%pip install requests tinypkg\nprint(_exit_code)")
+        assert ex.status == "ok" and ex.stdout == "1\n"
+        assert "not in the appliance's wheelhouse: requests" in ex.stderr
+        assert "The wheelhouse has: tinydep 1.0, tinypkg 2.0" in ex.stderr
+
+    async def test_options_that_could_reach_elsewhere_are_refused(self, served: Server) -> None:
+        ex = await run(served, "!pip install --index-url http://example.com/simple tinypkg")
+        assert "unsupported option(s) --index-url" in ex.stderr
+
+
+class TestNeverWritableByAJail:
+    async def test_the_jail_cannot_write_the_cache_or_the_wheelhouse(self, served: Server, wheelhouse: Path) -> None:
+        code = ("import os, json\ncache = os.environ['APPLIANCE_WHEEL_CACHE']\nresults = {}\n"
+                f"targets = [cache, os.path.join(cache, 'tinydep-1.0'), {str(wheelhouse)!r}]\n"
+                "for d in targets:\n"
+                "    try:\n        open(os.path.join(d, 'planted.py'), 'w').write('x')\n"
+                "        results[d] = 'written'\n"
+                "    except OSError as exc:\n        results[d] = exc.strerror\n"
+                "for f in [os.path.join(cache, 'manifest.json'), os.path.join(cache, 'tinydep-1.0', 'tinydep.py')]:\n"
+                "    try:\n        open(f, 'a').write('#')\n        results[f] = 'written'\n"
+                "    except OSError as exc:\n        results[f] = exc.strerror\n"
+                "print(json.dumps(results))")
+        ex = await run(served, code)
+        assert ex.status == "ok", ex.frames
+        results = json.loads(ex.stdout)
+        assert len(results) == 5 and "written" not in results.values(), results
+        assert set(results.values()) <= {"Read-only file system", "Permission denied"}
+
+    def test_the_cache_is_owned_by_the_server_and_not_group_or_world_writable(
+            self, served: Server, wheelhouse: Path) -> None:
+        caches = list((Path(served.env.get("SANDBOX_TMP_ROOT", "/tmp")) / "appliance").glob("wheels-*"))
+        assert caches
+        for cache in caches:
+            for path in [cache, *cache.rglob("*")]:
+                info = path.lstat()
+                assert info.st_uid == os.getuid() and not info.st_mode & 0o022, path
+
+
+class TestStaging:
+    def test_pure_wheels_are_unpacked_once_per_wheelhouse_content(self, tmp_path: Path) -> None:
+        house = tmp_path / "house"
+        house.mkdir()
+        build_wheel(house, "alpha", "1.0", "A = 1\n", requires=("beta>=1", "gamma; extra == 'x'"))
+        build_wheel(house, "beta", "1.0", "B = 1\n")
+        build_wheel(house, "beta", "2.0", "B = 2\n")
+        build_wheel(house, "native", "1.0", "N = 1\n", tag="cp311-cp311-linux_x86_64")
+        build_wheel(house, "marked", "1.0", "M = 1\n", requires=("alpha; python_version < '4'",))
+        first = stage_wheel_cache(house, tmp_path / "root")
+        manifest = json.loads((first / "manifest.json").read_text())["packages"]
+        assert manifest["alpha"] == {"name": "alpha", "version": "1.0", "path": "alpha-1.0",
+                                     "requires": ["beta"], "cacheable": True}
+        assert (first / "alpha-1.0" / "alpha.py").read_text() == "A = 1\n"
+        assert not manifest["beta"]["cacheable"]  # two versions: pip chooses
+        assert not manifest["native"]["cacheable"] and not manifest["marked"]["cacheable"]
+        assert stage_wheel_cache(house, tmp_path / "root") == first
+        build_wheel(house, "delta", "1.0", "D = 1\n")
+        assert stage_wheel_cache(house, tmp_path / "root") != first
+
+    def test_a_wheel_with_a_path_outside_its_folder_is_not_unpacked(self, tmp_path: Path) -> None:
+        house = tmp_path / "house"
+        house.mkdir()
+        build_wheel(house, "evil", "1.0", "E = 1\n", extra={"../../escaped.py": "x"})
+        cache = stage_wheel_cache(house, tmp_path / "root")
+        assert not json.loads((cache / "manifest.json").read_text())["packages"]["evil"]["cacheable"]
+        assert not list(tmp_path.rglob("escaped.py"))
+
+
+class TestOffByDefault:
+    def test_a_wheelhouse_that_is_not_a_directory_stops_startup(self, tmp_path: Path) -> None:
+        with pytest.raises(RuntimeError, match="SANDBOX_WHEELHOUSE: /nonexistent-wheels is not a directory"):
+            start_server(tmp_path / "srv", SANDBOX_WHEELHOUSE="/nonexistent-wheels")
