@@ -34,7 +34,7 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check appliance tests benchmarks
+	$(VENV)/bin/ruff check appliance tests benchmarks examples
 	$(VENV)/bin/mypy
 
 check: lint test

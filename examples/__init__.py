@@ -1,0 +1,1 @@
+"""Examples of using the appliance (importable so the tests can drive them)."""
