@@ -22,7 +22,7 @@ SUITE = REPO / "tests" / "attacks"
 DEFAULT_OUT = REPO / "security"
 REPORT_DIR_ENV = "APPLIANCE_AUDIT_DIR"
 CLASSES = ("escape", "exfiltration", "denial of service", "protocol abuse", "transport and time",
-           "cross-site requests")
+           "filesystem and IPC", "cross-site requests")
 
 
 @dataclass(frozen=True)
