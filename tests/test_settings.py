@@ -91,3 +91,11 @@ def test_the_outputs_budget_defaults_to_64_mib_and_rejects_nonsense() -> None:
     for bad in ("-1", "64MiB", "1e6"):
         with pytest.raises(SettingsError, match="SANDBOX_MAX_OUTPUTS_BYTES"):
             from_env({"SANDBOX_MAX_OUTPUTS_BYTES": bad})
+
+
+def test_the_gpu_reclaim_bound_defaults_to_ten_seconds_and_rejects_nonsense() -> None:
+    assert from_env({}).gpu_reclaim_ms == 10000
+    assert from_env({"SANDBOX_GPU_RECLAIM_MS": "0"}).gpu_reclaim_ms == 0
+    for bad in ("-1", "5s", "1.5"):
+        with pytest.raises(SettingsError, match="SANDBOX_GPU_RECLAIM_MS"):
+            from_env({"SANDBOX_GPU_RECLAIM_MS": bad})
