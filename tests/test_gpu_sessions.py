@@ -165,6 +165,10 @@ async def test_a_gpu_session_over_its_budget_between_cells_ends_with_a_clear_mes
     assert later.status == "rejected" and later.stdout == ""
     assert "has ended" in (later.message or "") and "between cells" in (later.message or "")
     assert "GPU" in (later.message or "")
+    # The registry forgets the session first, then its jail is killed and reaped: a moment later.
+    deadline = time.monotonic() + scaled(10)
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     assert not Path(f"/proc/{pid}").exists(), "the session's interpreter is gone"
     assert await until_reclaimed(srv) == 0
 
