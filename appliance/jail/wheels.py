@@ -28,6 +28,7 @@ from email.parser import HeaderParser
 from pathlib import Path
 
 from appliance.errors import StartupError
+from appliance.jail.workdir import publish
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_UNPACKED_BYTES = 512 * 1024 * 1024  # per wheel: a zip bomb in the wheelhouse stays a pip matter
@@ -64,16 +65,7 @@ def stage_wheel_cache(wheelhouse: Path, tmp_root: Path) -> Path:
     try:
         manifest = _unpack_all(wheels, staging)
         (staging / "manifest.json").write_text(json.dumps({"packages": manifest}, indent=1, sort_keys=True))
-        for root, dirs, files in os.walk(staging):
-            os.chmod(root, 0o755)
-            for name in files:
-                os.chmod(os.path.join(root, name), 0o644)
-            for name in dirs:
-                os.chmod(os.path.join(root, name), 0o755)
-        try:
-            os.rename(staging, target)
-        except OSError:  # another server staged the same wheelhouse first
-            shutil.rmtree(staging, ignore_errors=True)
+        publish(staging, target)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -168,18 +168,25 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=False,
         )
         (staging / "ready").write_text("ok\n")
-        for root, _dirs, files in os.walk(staging):
-            os.chmod(root, 0o755)
-            for name in files:
-                os.chmod(os.path.join(root, name), 0o644)
-        try:
-            os.rename(staging, target)
-        except OSError:  # another server staged the same content first
-            shutil.rmtree(staging, ignore_errors=True)
+        publish(staging, target)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def publish(staging: Path, target: Path) -> None:
+    """Make a staged tree readable by everyone and writable by none but root (directories
+    0755, files 0644), then rename it into place; if another server published the same
+    content first, keep theirs and drop ours."""
+    for root, _dirs, files in os.walk(staging):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+    try:
+        os.rename(staging, target)
+    except OSError:  # another server staged the same content first
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _tool_files() -> list[Path]:
