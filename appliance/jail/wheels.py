@@ -22,13 +22,12 @@ import os
 import re
 import shutil
 import stat
-import tempfile
 import zipfile
 from email.parser import HeaderParser
 from pathlib import Path
 
 from appliance.errors import StartupError
-from appliance.jail.workdir import publish
+from appliance.jail.workdir import staged
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_UNPACKED_BYTES = 512 * 1024 * 1024  # per wheel: a zip bomb in the wheelhouse stays a pip matter
@@ -60,15 +59,9 @@ def stage_wheel_cache(wheelhouse: Path, tmp_root: Path) -> Path:
     target = tmp_root / "appliance" / f"wheels-{digest.hexdigest()[:16]}"
     if (target / "manifest.json").exists():
         return target
-    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".wheels-", dir=target.parent))
-    try:
+    with staged(target, ".wheels-") as staging:
         manifest = _unpack_all(wheels, staging)
         (staging / "manifest.json").write_text(json.dumps({"packages": manifest}, indent=1, sort_keys=True))
-        publish(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -9,6 +9,7 @@ Layout:
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import hashlib
 import logging
@@ -18,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from appliance import fstree
@@ -146,9 +148,7 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
     target = tmp_root / "appliance" / f"runtime-{digest.hexdigest()[:16]}"
     if (target / "ready").exists():
         return target
-    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".runtime-", dir=target.parent))
-    try:
+    with staged(target, ".runtime-") as staging:
         for name in RUNTIME_FILES:
             shutil.copyfile(SOURCE_DIR / name, staging / name)
         (staging / "appliance" / "tools").mkdir(parents=True)
@@ -168,14 +168,24 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=False,
         )
         (staging / "ready").write_text("ok\n")
-        publish(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def publish(staging: Path, target: Path) -> None:
+@contextlib.contextmanager
+def staged(target: Path, prefix: str) -> Iterator[Path]:
+    """A fresh directory beside target to build a read-only tree in; when the block ends
+    normally the tree is published as target, and the staging directory never stays."""
+    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    try:
+        yield staging
+        _publish(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, target: Path) -> None:
     """Make a staged tree readable by everyone and writable by none but root (directories
     0755, files 0644), then rename it into place; if another server published the same
     content first, keep theirs and drop ours."""
