@@ -25,7 +25,7 @@ import json
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
 
@@ -309,7 +309,8 @@ class AsyncClient:
                 await self._reader
 
     async def _read(self) -> None:
-        assert self._ws is not None
+        if self._ws is None:
+            raise RuntimeError("the client is not connected: use `async with`")
         try:
             async for raw in self._ws:
                 frame = json.loads(raw)
@@ -326,14 +327,15 @@ class AsyncClient:
 
     async def send(self, frame: Frame) -> None:
         """Send a raw frame (stdin, interrupt, close_session, or anything)."""
-        assert self._ws is not None, "use `async with`"
+        if self._ws is None:
+            raise RuntimeError("the client is not connected: use `async with`")
         await self._ws.send(json.dumps(frame))
 
     def new_id(self) -> str:
         """A fresh request id, unique on this connection."""
         return f"c{next(self._ids)}"
 
-    async def stream(self, code: str, **options: Unpack[RequestOptions]) -> AsyncIterator[Frame]:
+    async def stream(self, code: str, **options: Unpack[RequestOptions]) -> AsyncGenerator[Frame, None]:
         """Send an execute request and yield its frames up to and including `done`."""
         rid = options.pop("id", None) or self.new_id()
         frame = request_frame(code, rid, **options)  # a bad argument fails here, before anything is sent
@@ -506,7 +508,8 @@ def _get_models(ws_url: str, token: str | None) -> list[dict[str, Any]]:
     scheme = {"ws": "http", "wss": "https"}.get(parts.scheme)
     if scheme is None:
         raise ClientError(f"not a ws:// or wss:// URL: {ws_url!r}")
-    req = urllib.request.Request(urllib.parse.urlunsplit((scheme, parts.netloc, "/v1/models", "", "")))
+    # S310: the scheme is http(s), chosen above.
+    req = urllib.request.Request(urllib.parse.urlunsplit((scheme, parts.netloc, "/v1/models", "", "")))  # noqa: S310
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:

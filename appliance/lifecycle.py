@@ -61,7 +61,8 @@ class Lifecycle:
     def leases(self) -> LeaseSource:
         """Where runs take jails: GPU mode's device pools, else the CPU pool."""
         source: LeaseSource | None = self.gpu if self.gpu is not None else self.cpu
-        assert source is not None and self.started.is_set(), "leases before start()"
+        if source is None or not self.started.is_set():
+            raise RuntimeError("Lifecycle.leases before start()")
         return source
 
     @property
@@ -168,7 +169,8 @@ class Lifecycle:
 
     async def canary(self) -> list[str]:
         """Run the probe in a real (CPU) jail; every way it is less confined than promised is a problem."""
-        assert self.cpu is not None
+        if self.cpu is None:
+            raise RuntimeError("Lifecycle.canary before start()")
         frames: list[Frame] = []
 
         async def collect(frame: Frame) -> None:
@@ -184,7 +186,7 @@ class Lifecycle:
                 outcome = await run_cell(jail, req, collect, timeout_ms=CANARY_TIMEOUT_MS,
                                          max_output_bytes=self.settings.max_output_bytes,
                                          max_disk_mb=self.settings.max_disk_mb, keep_alive=False)
-        except Exception as exc:  # any failure to run the probe is itself the finding
+        except Exception as exc:  # noqa: BLE001 (any failure to run the probe is itself the finding: fail closed)
             return [f"canary could not run: {type(exc).__name__}: {exc}"]
         stdout = "".join(str(f["text"]) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout")
         found = canary.judge(outcome.status, stdout, {self.uid})

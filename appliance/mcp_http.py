@@ -60,7 +60,9 @@ class ServiceExecutor:
         except (TypeError, ProtocolError) as exc:
             result.add(protocol.done_frame(rid, "rejected", message=getattr(exc, "message", str(exc))))
             return result
-        assert isinstance(message, ExecuteRequest)
+        if not isinstance(message, ExecuteRequest):  # request_frame builds only execute frames
+            result.add(protocol.done_frame(rid, "rejected", message=f"not an execute request: {message.type}"))
+            return result
 
         async def emit(out: protocol.Frame) -> None:
             result.add(out)

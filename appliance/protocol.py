@@ -558,7 +558,8 @@ def done_frame(
     cpu_ms: int | None = None, max_rss_mb: float | None = None, message: str | None = None,
     session: str | None = None, import_ms: int | None = None, files_skipped: int | None = None,
 ) -> Frame:
-    assert status in STATUSES, status
+    if status not in STATUSES:
+        raise ValueError(f"unknown done status {status!r}")
     frame: Frame = {
         "type": "done", "id": rid, "status": status, "exit_code": exit_code,
         "duration_ms": duration_ms, "cpu_ms": cpu_ms, "max_rss_mb": max_rss_mb,

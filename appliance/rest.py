@@ -68,7 +68,8 @@ async def exec_ndjson(request: web.Request, service: RunService, owner: str) -> 
         await send_within(request, response.write((protocol.encode(frame) + "\n").encode()), stall_s)
 
     run = service.submit(req, owner, emit)
-    assert run.task is not None
+    if run.task is None:
+        raise RuntimeError("RunService.submit returned a run without its task")
     gone = asyncio.create_task(until_gone(request))
     try:
         await asyncio.wait([run.task, gone], return_when=asyncio.FIRST_COMPLETED)

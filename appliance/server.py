@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from pathlib import Path
 from typing import Any
 
 from aiohttp import WSMsgType, web
@@ -119,7 +120,8 @@ class Connection:
                 return
             run = service.submit(message, self.owner, self.send)
             self.runs[message.id] = run
-            assert run.task is not None
+            if run.task is None:
+                raise RuntimeError("RunService.submit returned a run without its task")
             run.task.add_done_callback(lambda _task: self._forget(run))
         elif isinstance(message, StdinMessage):
             found = self.runs.get(message.id)
@@ -269,8 +271,7 @@ async def serve(settings: Settings, host: str, port: int, ready_file: str | None
         raise
     log.info("listening", extra={"host": host, "port": bound})
     if ready_file:
-        with open(ready_file, "w") as fh:
-            fh.write(str(bound))
+        await asyncio.to_thread(Path(ready_file).write_text, str(bound))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -216,7 +216,8 @@ class RunService:
             gpu_quota.close()
             quota.close()
             self.metrics.active_runs.set(self.admission.active)
-        assert outcome is not None
+        if outcome is None:
+            raise RuntimeError(f"run {req.id} ended without an outcome")
         self._count(outcome.status, started)
         self.metrics.bytes_streamed.inc(outcome.output_bytes)
         if outcome.import_ms is not None:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import overload
 
 from appliance.errors import SettingsError
 
@@ -22,7 +23,7 @@ GPU_PRELOAD = ("llama_cpp", "pywhispercpp.model", "appliance.tools")
 GPU_BACKENDS = ("nvml", "simulated")
 GPU_MPS_MODES = ("auto", "require", "off")
 GPU_SIMULATE_MPS = ("off", "on", "ignore-limits")
-MPS_PIPE_DIR = Path("/tmp/nvidia-mps")  # CUDA's own default CUDA_MPS_PIPE_DIRECTORY
+MPS_PIPE_DIR = Path("/tmp/nvidia-mps")  # noqa: S108 (CUDA's own default CUDA_MPS_PIPE_DIRECTORY)
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Settings:
     """Everything the appliance is configured with."""
 
     max_exec_ms: int = 15000
-    tmp_root: Path = Path("/tmp")
+    tmp_root: Path = Path("/tmp")  # noqa: S108 (only the root: each server makes its own 0711 directory in it)
     memory_mb: int = 1024
     max_procs: int = 64
     max_file_mb: int = 100
@@ -230,6 +231,10 @@ def _profiles(env: Mapping[str, str], name: str, default: tuple[tuple[str, tuple
     return tuple(found)
 
 
+@overload
+def _dir(env: Mapping[str, str], name: str, default: Path) -> Path: ...
+@overload
+def _dir(env: Mapping[str, str], name: str, default: None) -> Path | None: ...
 def _dir(env: Mapping[str, str], name: str, default: Path | None) -> Path | None:
     raw = env.get(name, "").strip()
     if not raw:
@@ -297,7 +302,6 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
     D = Settings()
     cpus = os.cpu_count() or 1
     tmp_root = _dir(env, "SANDBOX_TMP_ROOT", D.tmp_root)
-    assert tmp_root is not None
     python_raw = env.get("SANDBOX_PYTHON", "").strip()
     python = Path(python_raw) if python_raw else Path(sys.executable)
     if not python.is_absolute():

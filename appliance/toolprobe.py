@@ -28,7 +28,8 @@ def run_probe(python: Path, runtime: Path, timeout_s: float = PROBE_TIMEOUT_S) -
     """The bindings' report, or {"error": why} when the probe itself could not run."""
     env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"}
     try:
-        proc = subprocess.run([str(python), "-I", "-c", _CODE, str(runtime)], env=env, capture_output=True,
+        # S603: the jails' python, our probe code
+        proc = subprocess.run([str(python), "-I", "-c", _CODE, str(runtime)], env=env, capture_output=True,  # noqa: S603
                               text=True, timeout=timeout_s, check=False, cwd="/")
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": f"the tools probe could not run: {type(exc).__name__}: {exc}"}

@@ -71,7 +71,7 @@ def test_server_frames_encode_compactly_and_done_checks_its_status() -> None:
     frame = protocol.done_frame("r1", "ok", exit_code=0, duration_ms=3)
     assert json.loads(protocol.encode(frame)) == frame
     assert set(frame) >= {"type", "id", "status", "exit_code", "duration_ms", "cpu_ms", "max_rss_mb", "message"}
-    with pytest.raises(AssertionError):
+    with pytest.raises(ValueError, match="unknown done status 'exploded'"):
         protocol.done_frame("r1", "exploded")
 
 
