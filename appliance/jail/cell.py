@@ -75,7 +75,8 @@ async def run_cell(
     try:
         while True:
             try:
-                item = await process.next(max(deadline - loop.time(), 0.0))
+                async with asyncio.timeout_at(deadline):
+                    item = await process.next()
             except TimeoutError:
                 if stopping is not None:  # the cell ignored the interrupt: give it up
                     return ended(stopping)

@@ -208,7 +208,7 @@ class ImportClock:
     def install(self) -> None:
         builtins.__import__ = self._import
 
-    def _import(self, name: str, globals: Any = None, locals: Any = None,  # noqa: A002 (builtin's names)
+    def _import(self, name: str, globals: Any = None, locals: Any = None,  # the builtin's parameter names
                 fromlist: Any = (), level: int = 0) -> Any:
         if self._depth or (level == 0 and name in sys.modules) or threading.get_ident() != self._main:
             return self._real(name, globals, locals, fromlist, level)
@@ -319,15 +319,16 @@ class Driver:
             self.events.emit(error_event(exc, skip_driver=True))
             return 1
         last: ast.Expression | None = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            tail = tree.body.pop()
-            assert isinstance(tail, ast.Expr)
+        if tree.body and isinstance(tail := tree.body[-1], ast.Expr):
+            tree.body.pop()
             last = ast.Expression(tail.value)
         try:
             self.in_user_code = True
             try:
-                exec(compile(tree, filename, "exec"), self.namespace)
-                value = eval(compile(last, filename, "eval"), self.namespace) if last else None
+                # S102: running the cell is the driver's job; the jail is the boundary
+                exec(compile(tree, filename, "exec"), self.namespace)  # noqa: S102
+                # S307: the cell's last expression, as above
+                value = eval(compile(last, filename, "eval"), self.namespace) if last else None  # noqa: S307
             finally:
                 self.in_user_code = False
             if value is not None:
@@ -338,7 +339,7 @@ class Driver:
         except SystemExit as exc:
             flush_figures()
             return exit_code_of(exc)
-        except BaseException as exc:  # the cell's error, whatever it is, is the run's output
+        except BaseException as exc:  # noqa: BLE001 (the cell's error, whatever it is, is the run's output)
             self.in_user_code = False
             self.events.emit(error_event(exc, skip_driver=True))
             flush_figures()
@@ -364,7 +365,7 @@ def mime_bundle(obj: Any) -> dict[str, Any]:
             if fn is None or isinstance(obj, type) or not callable(fn):
                 continue
             value = fn()
-        except Exception:
+        except Exception:  # noqa: BLE001, S112 (a user object's _repr_*_ may raise anything: skip that MIME type)
             continue
         if value is None:
             continue
@@ -392,10 +393,10 @@ def safe_repr(obj: Any) -> str:
         text = repr(obj)
         if not isinstance(text, str):
             raise TypeError("__repr__ returned non-string")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (a user __repr__ may raise anything)
         try:
             kind = type(obj).__name__
-        except Exception:
+        except Exception:  # noqa: BLE001 (even type(obj).__name__ can be a user property)
             kind = "object"
         text = f"<{kind} object; repr failed: {type(exc).__name__}>"
     return _truncate(text)
@@ -410,7 +411,7 @@ def _truncate(text: str) -> str:
 def _is_figure(obj: Any) -> bool:
     try:
         return type(obj).__module__.startswith("matplotlib.figure") and hasattr(obj, "savefig")
-    except Exception:
+    except Exception:  # noqa: BLE001 (a user type's __module__ may raise anything)
         return False
 
 
@@ -419,7 +420,7 @@ def _figure_png(fig: Any) -> str | None:
         buf = io.BytesIO()
         fig.savefig(buf, format="png", bbox_inches="tight")
         return base64.b64encode(buf.getvalue()).decode("ascii")
-    except Exception:
+    except Exception:  # noqa: BLE001 (a user figure's savefig may raise anything)
         return None
 
 
@@ -430,14 +431,14 @@ def flush_figures() -> None:
         return
     try:
         numbers = list(plt.get_fignums())
-    except Exception:
+    except Exception:  # noqa: BLE001 (the user's pyplot state may be broken)
         return
     for num in numbers:
         try:
             fig = plt.figure(num)
             builtins.display(fig)  # type: ignore[attr-defined]
             plt.close(fig)
-        except Exception:
+        except Exception:  # noqa: BLE001, S112 (one broken figure must not hide the others)
             continue
 
 
@@ -451,11 +452,11 @@ def error_event(exc: BaseException, skip_driver: bool) -> channel.ErrorEvent:
     try:
         lines = traceback.format_exception(type(exc), exc, tb)
         text = "".join(lines)
-    except Exception:
+    except Exception:  # noqa: BLE001 (formatting a user exception may raise anything)
         text = f"{type(exc).__name__}\n"
     try:
         evalue = str(exc)
-    except Exception:
+    except Exception:  # noqa: BLE001 (a user exception's __str__ may raise anything)
         evalue = "<str() failed>"
     return {
         "ev": "error",
@@ -597,7 +598,7 @@ def preload(modules: list[str]) -> dict[str, str]:
             __import__(name)
             if name == "matplotlib":
                 __import__("matplotlib.pyplot")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (a preload failure of any kind is reported, not fatal)
             failures[name] = f"{type(exc).__name__}: {exc}"
     return failures
 

@@ -88,14 +88,14 @@ class JailFactory:
         self.expected = checks.Expected(uid=host.uid, host_pid_ns=host.pid_ns, host_net_ns=host.net_ns,
                                         interfaces=expected_interfaces(network is not None))
         self._env = jail_env(settings, settings.python, runtime, self.preload)
-        self._readable = tuple(python_roots(settings.python)) + (runtime,)
+        self._readable = (*python_roots(settings.python), runtime)
         if settings.models_dir is not None:
             self._readable += (settings.models_dir,)
         if settings.wheelhouse is not None:  # whitelisted read-only, like every readable path
             self._readable += (settings.wheelhouse,)
         if wheel_cache is not None:  # the server's unpacked wheels (appliance.jail.wheels)
             self._readable += (wheel_cache,)
-            self._env = tuple(sorted(self._env + (("APPLIANCE_WHEEL_CACHE", str(wheel_cache)),)))
+            self._env = tuple(sorted((*self._env, ("APPLIANCE_WHEEL_CACHE", str(wheel_cache)))))
         if gpu is not None:
             self._env = tuple(sorted(self._env + gpu_env(settings, gpu)))
             if settings.gpu_libcuda.startswith("/"):  # a driver library outside the usual paths
@@ -178,7 +178,9 @@ class JailFactory:
         except BaseException:
             await jail.destroy()
             raise
-        assert ready["ev"] == "ready"
+        if ready["ev"] != "ready":
+            await jail.destroy()
+            raise JailFailure(f"the jail sent {ready['ev']!r} where its ready event was due")
         found = checks.problems(ready["check"], self.expected)
         if found:
             await jail.destroy()

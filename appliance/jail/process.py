@@ -156,23 +156,23 @@ class JailProcess:
         return self._proc.returncode
 
     # -- the item stream ------------------------------------------------------------------
-    async def next(self, timeout: float | None = None) -> Item:
+    async def next(self) -> Item:
         """The next item: a pending limit or interrupt first, else the oldest output.
-        Raises TimeoutError when none comes within `timeout` seconds."""
-        async with asyncio.timeout(timeout):
-            while True:
-                if self._urgent:
-                    return self._urgent.popleft()
-                if self._output:
-                    item = self._output.popleft()
-                    self._waiting_bytes -= _size(item)
-                    if self._paused and self._waiting_bytes <= LOW_WATER_BYTES:
-                        self._resume()
-                    return item
-                self._wake.clear()
-                await self._wake.wait()
+        Waits as long as it takes: the caller bounds it (asyncio.timeout_at in jail.cell)."""
+        while True:
+            if self._urgent:
+                return self._urgent.popleft()
+            if self._output:
+                item = self._output.popleft()
+                self._waiting_bytes -= _size(item)
+                if self._paused and self._waiting_bytes <= LOW_WATER_BYTES:
+                    self._resume()
+                return item
+            self._wake.clear()
+            await self._wake.wait()
 
-    async def wait_event(self, kind: channel.EventKind, timeout: float) -> channel.Event:
+    # ASYNC109: the timeout is required on purpose: no caller may wait on a jail unbounded.
+    async def wait_event(self, kind: channel.EventKind, timeout: float) -> channel.Event:  # noqa: ASYNC109
         """Skip output until the driver's next `kind` event and return it.
 
         Raises JailExited (with what the jail wrote) if the driver goes first, TimeoutError,
