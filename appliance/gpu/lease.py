@@ -66,7 +66,8 @@ def open_mps(settings: Settings, backend: GpuBackend) -> tuple[MpsControl | None
         from appliance.gpu.mps_simulated import SimulatedMps
         from appliance.gpu.simulated import SimulatedBackend
 
-        assert isinstance(backend, SimulatedBackend)  # settings allow it with that backend only
+        if not isinstance(backend, SimulatedBackend):  # settings allow it with that backend only
+            raise StartupError("SANDBOX_GPU_SIMULATE_MPS needs the simulated GPU backend")
         return SimulatedMps(settings.gpu_mps_pipe_dir, backend, enforce=settings.gpu_simulate_mps == "on"), ""
     if not backend.mps_active():
         return None, "no CUDA MPS control daemon on this host"
@@ -188,7 +189,8 @@ class GpuLeases(LeaseSource):
         """Hold the run's GPU reservation (in line, FIFO) and, once taken, its armed jail."""
         mb = self.budget_mb(req)
         if mb <= 0:
-            assert self.cpu is not None, "start() first"
+            if self.cpu is None:
+                raise RuntimeError("GpuLeases.lease before start()")
             async with self.cpu.lease(req) as cpu_lease:
                 yield cpu_lease
             return

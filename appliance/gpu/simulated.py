@@ -118,7 +118,7 @@ class SimulatedBackend(GpuBackend):
             fault = self._fault or file_state.get("fault")
             if fault:
                 if self._fault_plain if self._fault else file_state.get("fault_kind") == "plain":
-                    raise Exception(f"simulated unexpected failure: {fault}")  # noqa: TRY002 (the point)
+                    raise Exception(f"simulated unexpected failure: {fault}")  # a plain Exception: the point
                 raise GpuBackendError(f"simulated fault: {fault}")
             usage = dict(self._usage)
             foreign = dict(self._foreign)
