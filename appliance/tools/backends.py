@@ -50,7 +50,7 @@ def llama_cpp() -> dict[str, Any]:
     try:
         mod = importlib.import_module("llama_cpp")
         offload = bool(mod.llama_supports_gpu_offload())
-    except Exception as exc:  # an import failure of any kind is the finding
+    except Exception as exc:  # noqa: BLE001 (a native import fails in many ways; each is the finding)
         return {"available": False, "version": None, "gpu_offload": False, "error": f"{type(exc).__name__}: {exc}"}
     return {"available": True, "version": getattr(mod, "__version__", None), "gpu_offload": offload, "error": None}
 
@@ -62,16 +62,17 @@ def whisper() -> dict[str, Any]:
         importlib.import_module("pywhispercpp.model")
         native = importlib.import_module("_pywhispercpp")
         info = str(native.whisper_print_system_info())
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (a native import fails in many ways; each is the finding)
         return {"available": False, "version": None, "gpu_offload": False, "backends": [],
                 "error": f"{type(exc).__name__}: {exc}"}
     backends = whisper_backends(info)
     version = None
-    try:
-        from importlib.metadata import version as dist_version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
 
+    try:
         version = dist_version("pywhispercpp")
-    except Exception:  # metadata is optional; the binding works without it
+    except PackageNotFoundError:  # metadata is optional; the binding works without it
         version = None
     return {"available": True, "version": version, "gpu_offload": any(b in GPU_BACKENDS for b in backends),
             "backends": backends, "error": None}
