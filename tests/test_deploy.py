@@ -39,12 +39,32 @@ def load_all(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def manifests() -> list[Path]:
-    return sorted(K8S.rglob("*.yaml"))
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """Render a kustomization with a real kustomize (kubectl's built-in one, kustomize v5)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is needed for its built-in kustomize (deploy/kubernetes is a kustomize base)")
+    out = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
-def kube_docs() -> dict[tuple[str, str], dict[str, Any]]:
-    return {(d["kind"], d["metadata"]["name"]): d for p in manifests() for d in load_all(p)}
+# What `kubectl apply -k` gets: the CPU pool (base), the GPU pool, and what CI plays with podman.
+RENDERED = {"base": K8S / "base", "gpu": K8S / "overlays" / "gpu", "podman": K8S / "overlays" / "podman"}
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("rendered")
+    paths = {}
+    for name, directory in RENDERED.items():
+        paths[name] = out / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump_all(kustomize(directory)))
+    return paths
+
+
+def kube_docs(rendered: dict[str, Path], *names: str) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d["kind"], d["metadata"]["name"]): d for n in names for d in load_all(rendered[n])}
 
 
 def entrypoint(script: str, env: dict[str, str] | None = None,
@@ -94,14 +114,14 @@ class TestDockerfiles:
 
 
 class TestKubernetes:
-    def test_every_manifest_is_valid_against_the_bundled_schemas(self) -> None:
-        out = subprocess.run([str(BIN / "kubernetes-validate"), "--strict", *map(str, manifests())],
+    def test_every_rendered_manifest_is_valid_against_the_bundled_schemas(self, rendered: dict[str, Path]) -> None:
+        out = subprocess.run([str(BIN / "kubernetes-validate"), "--strict", *map(str, rendered.values())],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout + out.stderr
-        assert out.stdout.count("passed for resource") >= 10
+        assert out.stdout.count("passed for resource") >= 18
 
-    def test_the_validator_rejects_a_misspelt_field(self, tmp_path: Path) -> None:
-        doc = load_all(K8S / "deployment.yaml")[0]
+    def test_the_validator_rejects_a_misspelt_field(self, rendered: dict[str, Path], tmp_path: Path) -> None:
+        doc = kube_docs(rendered, "base")[("Deployment", "appliance")]
         doc["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilites"] = {}
         bad = tmp_path / "bad.yaml"
         bad.write_text(yaml.safe_dump(doc))
@@ -109,42 +129,112 @@ class TestKubernetes:
                              capture_output=True, text=True, timeout=300)
         assert out.returncode != 0
 
-    @pytest.mark.parametrize("name", ["appliance", "appliance-gpu"])
-    def test_deployment_grants_exactly_what_the_jail_needs(self, name: str) -> None:
-        pod = kube_docs()[("Deployment", name)]["spec"]["template"]["spec"]
+    def test_the_gpu_pool_is_an_overlay_of_the_base_not_a_copy(self) -> None:
+        # Only kustomizations and patches outside base/: no second full Deployment to drift.
+        for path in K8S.rglob("*.yaml"):
+            if "base" in path.parts:
+                continue
+            for doc in load_all(path):
+                assert doc.get("kind") in ("Kustomization", "Component", "Deployment"), path
+                if doc.get("kind") == "Deployment":
+                    assert "selector" not in doc["spec"] and "securityContext" not in str(doc), path
+
+    @pytest.mark.parametrize(("pool", "name"), [("base", "appliance"), ("gpu", "appliance-gpu"),
+                                                ("podman", "appliance")])
+    def test_deployment_grants_exactly_what_the_jail_needs(self, rendered: dict[str, Path], pool: str,
+                                                           name: str) -> None:
+        docs = kube_docs(rendered, pool)
+        pod = docs[("Deployment", name)]["spec"]["template"]["spec"]
         (container,) = pod["containers"]
         sc = container["securityContext"]
         assert sc["capabilities"]["add"] == ["SYS_ADMIN", "NET_ADMIN", "MKNOD"]
         assert sc["allowPrivilegeEscalation"] is True and sc["privileged"] is False
         assert sc["runAsUser"] == 0
         assert sc["seccompProfile"]["type"] in ("RuntimeDefault", "Localhost")
-        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
-        assert container["readinessProbe"]["httpGet"]["port"] == "http"
+        assert sc["appArmorProfile"]["type"] == "Unconfined"
         assert container["ports"][0]["containerPort"] == 9100
         mounts = {m["name"]: m for m in container["volumeMounts"]}
         assert mounts["models"]["readOnly"] is True and mounts["models"]["mountPath"] == "/srv/models"
         assert mounts["outputs"]["mountPath"] == "/workspace/outputs"
         token = next(e for e in container["env"] if e["name"] == "SANDBOX_AUTH_TOKEN")
-        assert "secretKeyRef" in token["valueFrom"]
+        assert token["valueFrom"]["secretKeyRef"] == {"name": "appliance-auth", "key": "token"}
+        # The settings come from the ConfigMap the base generates, under its hashed name.
+        (source,) = container["envFrom"]
+        settings = docs[("ConfigMap", source["configMapRef"]["name"])]
+        assert settings["data"]["SANDBOX_MAX_CONCURRENCY"] == "4"
+        claim = next(v for v in pod["volumes"] if v["name"] == "models")["persistentVolumeClaim"]["claimName"]
+        assert ("PersistentVolumeClaim", claim) in docs
+        if pool != "podman":  # podman 4.3 ignores readiness probes; its overlay says so
+            assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
 
-    def test_gpu_variant_requests_a_gpu_and_turns_gpu_mode_on(self) -> None:
-        (container,) = kube_docs()[("Deployment", "appliance-gpu")]["spec"]["template"]["spec"]["containers"]
+    def test_gpu_overlay_requests_a_gpu_turns_gpu_mode_on_and_selects_only_gpu_pods(
+            self, rendered: dict[str, Path]) -> None:
+        docs = kube_docs(rendered, "gpu")
+        deployment = docs[("Deployment", "appliance-gpu")]
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert container["resources"]["limits"]["memory"] == "4Gi"  # the base's, merged
         assert {"name": "SANDBOX_GPU", "value": "1"} in container["env"]
-        assert container["image"].startswith("appliance:cuda12")
+        assert container["image"] == "appliance:cuda12"
+        gpu_pods = {"app.kubernetes.io/name": "appliance", "app.kubernetes.io/component": "gpu"}
+        assert deployment["spec"]["selector"]["matchLabels"] == gpu_pods
+        assert deployment["spec"]["template"]["metadata"]["labels"] == gpu_pods
+        (spread,) = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert spread["labelSelector"]["matchLabels"] == gpu_pods
+        for name in ("appliance-gpu", "appliance-pods-gpu"):
+            assert docs[("Service", name)]["spec"]["selector"] == gpu_pods
+        assert docs[("PodDisruptionBudget", "appliance-gpu")]["spec"]["selector"]["matchLabels"] == gpu_pods
+        hpa = docs[("HorizontalPodAutoscaler", "appliance-gpu")]["spec"]
+        assert hpa["scaleTargetRef"]["name"] == "appliance-gpu" and hpa["maxReplicas"] == 4
+        # The API's pods keep their own selector: the component label is not forced on them.
+        (rule,) = docs[("NetworkPolicy", "appliance-gpu")]["spec"]["ingress"]
+        assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "api"}}}]
 
-    def test_many_pods_sit_behind_one_service_with_a_headless_twin_for_sessions(self) -> None:
-        docs = kube_docs()
+    def test_many_pods_sit_behind_one_service_with_a_headless_twin_for_sessions(
+            self, rendered: dict[str, Path]) -> None:
+        docs = kube_docs(rendered, "base")
         assert docs[("Service", "appliance")]["spec"]["ports"][0]["port"] == 9100
         assert docs[("Service", "appliance-pods")]["spec"]["clusterIP"] == "None"
         hpa = docs[("HorizontalPodAutoscaler", "appliance")]["spec"]
-        assert hpa["metrics"][0]["resource"]["name"] == "cpu" and hpa["minReplicas"] >= 2
+        assert [m["resource"]["name"] for m in hpa["metrics"]] == ["cpu"] and hpa["minReplicas"] >= 2
         assert docs[("PodDisruptionBudget", "appliance")]["spec"]["maxUnavailable"] == 1
-        queue = load_all(K8S / "optional" / "hpa-queue-depth.yaml")[0]["spec"]["metrics"]
-        assert any(m.get("pods", {}).get("metric", {}).get("name") == "appliance_queue_depth" for m in queue)
 
-    def test_network_policy_admits_only_the_api_on_9100_and_no_egress(self) -> None:
-        spec = kube_docs()[("NetworkPolicy", "appliance")]["spec"]
+    def test_the_queue_depth_component_adds_its_metric_to_either_pool(self, tmp_path: Path) -> None:
+        component = K8S / "optional" / "hpa-queue-depth"
+        for pool, name in (("base", "appliance"), ("overlays/gpu", "appliance-gpu")):
+            overlay = tmp_path / pool.replace("/", "-")
+            overlay.mkdir()
+            (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+                "resources": [os.path.relpath(K8S / pool, overlay)],
+                "components": [os.path.relpath(component, overlay)]}))
+            (hpa,) = [d for d in kustomize(overlay) if d["kind"] == "HorizontalPodAutoscaler"]
+            assert hpa["metadata"]["name"] == name
+            metrics = hpa["spec"]["metrics"]
+            assert metrics[0]["resource"]["name"] == "cpu"
+            assert metrics[1]["pods"]["metric"]["name"] == "appliance_queue_depth"
+
+    def test_podman_overlay_keeps_what_kube_play_runs_and_publishes_the_service_port(
+            self, rendered: dict[str, Path]) -> None:
+        docs = kube_docs(rendered, "podman")
+        assert {kind for kind, _ in docs} == {"ConfigMap", "Service", "PersistentVolumeClaim", "Deployment"}
+        base = kube_docs(rendered, "base")[("Deployment", "appliance")]["spec"]["template"]["spec"]
+        deployment = docs[("Deployment", "appliance")]
+        assert deployment["spec"]["replicas"] == 1
+        pod = deployment["spec"]["template"]["spec"]
+        (container,), (base_container,) = pod["containers"], base["containers"]
+        # Rendered from the base: everything but the port, the probe and the image is the same.
+        for key in ("securityContext", "resources", "volumeMounts", "env", "envFrom", "readinessProbe"):
+            assert container[key] == base_container[key], key
+        assert pod["volumes"] == base["volumes"]
+        service = docs[("Service", "appliance")]["spec"]["ports"][0]
+        (port,) = container["ports"]
+        assert port["name"] == service["targetPort"] and port["hostPort"] == service["port"] == 9100
+        assert port["hostIP"] == "127.0.0.1"
+        assert container["livenessProbe"]["exec"]["command"] == ["/usr/local/bin/appliance-healthcheck", "/healthz"]
+        assert container["image"] == "localhost/appliance:cpu-ci"
+
+    def test_network_policy_admits_only_the_api_on_9100_and_no_egress(self, rendered: dict[str, Path]) -> None:
+        spec = kube_docs(rendered, "base")[("NetworkPolicy", "appliance")]["spec"]
         assert spec["policyTypes"] == ["Ingress", "Egress"]
         (rule,) = spec["ingress"]
         assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "api"}}}]
