@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -383,3 +384,33 @@ class TestEntrypointOnThisHost:
     def test_a_process_with_no_new_privs_is_refused(self) -> None:
         out = entrypoint("check_all", env={"container": "docker"}, wrap=["setpriv", "--no-new-privs"])
         assert out.returncode == EX_CONFIG and "no_new_privs is set" in out.stderr, out.stderr
+
+
+class TestWheelUnbundle:
+    """images/wheel_unbundle.py, which the CUDA image and scripts/ci-cuda-packaging.sh run."""
+
+    def test_top_level_libraries_leave_the_wheel_and_its_record(self, tmp_path: Path) -> None:
+        src = tmp_path / "pkg-1.0-cp311-cp311-linux_x86_64.whl"
+        names = ["_pkg.cpython-311-x86_64-linux-gnu.so", "libggml.so.0", "libwhisper.so.1.8.5",
+                 "pkg/__init__.py", "pkg/libkept.so", "pkg-1.0.dist-info/METADATA"]
+        with zipfile.ZipFile(src, "w") as z:
+            for name in names:
+                z.writestr(name, b"x")
+            z.writestr("pkg-1.0.dist-info/RECORD", "".join(f"{n},sha256=x,1\n" for n in names))
+        out = subprocess.run([sys.executable, str(REPO / "images" / "wheel_unbundle.py"), str(src),
+                              str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        with zipfile.ZipFile(tmp_path / "out" / src.name) as z:
+            kept = set(z.namelist())
+            record = z.read("pkg-1.0.dist-info/RECORD").decode()
+        assert kept == {"_pkg.cpython-311-x86_64-linux-gnu.so", "pkg/__init__.py", "pkg/libkept.so",
+                        "pkg-1.0.dist-info/METADATA", "pkg-1.0.dist-info/RECORD"}
+        assert "libggml.so.0" not in record and "libwhisper" not in record and "pkg/libkept.so" in record
+
+    def test_a_wheel_without_top_level_libraries_is_an_error(self, tmp_path: Path) -> None:
+        src = tmp_path / "pkg-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(src, "w") as z:
+            z.writestr("pkg/__init__.py", b"")
+        out = subprocess.run([sys.executable, str(REPO / "images" / "wheel_unbundle.py"), str(src),
+                              str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "no top-level shared library" in out.stderr
