@@ -265,6 +265,7 @@ printf '%s\n' "$cmds" | sed 's/^/    /'
 readme_out=$(cd "$RD" && timeout 300 bash -euo pipefail -c "$cmds" 2>&1) \
     || { echo "$readme_out"; "${PODMAN[@]}" logs ci-readme 2>&1 | tail -30; die "the README's container commands failed"; }
 grep -q '"text":"4\\n"' <<<"$readme_out" || { echo "$readme_out"; die "the README's websocat line did not print 4"; }
+printf '%s\n' "$readme_out" | tail -4 | sed 's/^/    /'
 log "README's container commands: the container ran, /readyz went green, the token form of websocat printed 4"
 # The same container serves the stop checks below.
 "$PY" -c 'import json; print(json.dumps({"code": "import time; time.sleep(3); print(\"slept\")"}))' \
