@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # CI for the images and deployment files, on a fresh Debian 12 machine as root (no Docker
-# engine, no registry but PyPI/Debian): lint both Dockerfiles (hadolint), validate the
-# Kubernetes manifests offline (kubernetes-validate's bundled schemas), build the CPU image
-# with podman from a locally made Debian base, run it, and check what the issue demands:
-#   - the seed command `echo '{"code":"print(2+2)"}' | websocat ws://127.0.0.1:PORT/exec` prints 4
+# engine, no registry but PyPI/Debian): lint both Dockerfiles (hadolint) and the scripts
+# (shellcheck), render deploy/kubernetes with kustomize (kubectl's built-in one) and validate
+# it offline (kubernetes-validate's bundled schemas), test the CUDA image's pywhispercpp
+# packaging on CPU (scripts/ci-cuda-packaging.sh), build the CPU image with podman from a
+# locally made Debian base, run it, and check what the issues demand:
+#   - the README's seed one-liner prints 4
 #   - a run inside is jailed: uid 1001, Seccomp 2, NoNewPrivs 1, no capabilities, lo only
 #   - the image's HEALTHCHECK passes once ready
-#   - without CAP_SYS_ADMIN / CAP_NET_ADMIN / container=docker the entrypoint refuses, naming the flag
+#   - the README's container block runs as written (docker -> podman and the other
+#     substitutions docs/deploy.md lists) and its token form of websocat prints 4
+#   - podman stop with a run in flight ends it done, exit 0
+#   - the manifests run under podman kube play (scripts/ci-kube-play.sh)
+#   - without each privilege the entrypoint refuses (exit 78), naming the flag
 #   - with firejail's container hint gone (entrypoint bypassed), nothing runs unjailed: every
 #     jail fails its self-check, runs end `internal`, /readyz stays 503
 # and print the image size and the seconds from `podman run` to /readyz green.
-# The CUDA image cannot be built here (its base images cannot be pulled); it is linted only.
+# The CUDA image cannot be built here (its base images cannot be pulled).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)

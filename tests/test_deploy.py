@@ -243,6 +243,36 @@ class TestKubernetes:
         assert spec["egress"] == []
 
 
+class TestReadmeBlocksThatCiRuns:
+    """scripts/ci-images.sh finds these README blocks by their markers and runs them."""
+
+    @staticmethod
+    def block(marker: str) -> list[str]:
+        lines = (REPO / "README.md").read_text().splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"<!-- ci-images: {marker}"))
+        assert lines[start + 1] == "```sh"
+        end = lines.index("```", start + 2)
+        return lines[start + 2:end]
+
+    def test_the_container_block_builds_runs_waits_and_uses_the_token_form(self) -> None:
+        text = "\n".join(self.block("container commands"))
+        assert text.startswith("docker build -f images/cpu/Dockerfile -t appliance:cpu .")
+        assert "mkdir -p outputs models" in text  # podman refuses missing bind-mount sources
+        run = text[text.index("docker run "):text.index("appliance:cpu\n", text.index("docker run ")) + 13]
+        for flag in ("--cap-add SYS_ADMIN", "--cap-add NET_ADMIN", "--cap-add MKNOD", "-p 127.0.0.1:9100:9100",
+                     "--security-opt seccomp=images/seccomp.json", "--name sandbox",
+                     "-e SANDBOX_AUTH_TOKEN=change-me-long-token"):
+            assert flag in run, flag
+        assert "until curl -fsS http://127.0.0.1:9100/readyz" in text
+        # websocat 1.13: -H=VALUE (with =); `-H VALUE` swallows the URL.
+        assert ("| websocat -H='Authorization: Bearer change-me-long-token' ws://127.0.0.1:9100/exec"
+                in text.splitlines()[-1])
+
+    def test_the_seed_block_starts_with_the_seed_one_liner(self) -> None:
+        assert self.block("seed one-liner")[0] == (
+            """echo '{"code":"print(2+2)"}' | .venv/bin/websocat ws://localhost:9100/exec""")
+
+
 class TestCompose:
     def test_sandbox_service_has_privileges_limits_volumes_and_a_network_shared_with_api(self) -> None:
         compose = yaml.safe_load((REPO / "compose.yaml").read_text())
