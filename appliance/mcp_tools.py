@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 from mcp import types
 from mcp.server.lowlevel import Server
+from pydantic import AnyUrl
 
 from appliance import agents
 from appliance.client import AsyncClient
@@ -70,7 +71,7 @@ def to_mcp(result: agents.ToolResult) -> types.CallToolResult:
         mime = mimetypes.guess_type(item.path)[0] or "application/octet-stream"
         uri = f"appliance://runs/{result.run or 'unknown'}/outputs/{item.path}"
         content.append(types.EmbeddedResource(type="resource", resource=types.BlobResourceContents(
-            uri=uri, mimeType=mime, blob=base64.b64encode(item.data).decode())))  # type: ignore[arg-type]
+            uri=AnyUrl(uri), mimeType=mime, blob=base64.b64encode(item.data).decode())))
     return types.CallToolResult(content=content, isError=result.is_error)
 
 

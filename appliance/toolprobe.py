@@ -29,8 +29,9 @@ def run_probe(python: Path, runtime: Path, timeout_s: float = PROBE_TIMEOUT_S) -
     env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"}
     try:
         # S603: the jails' python, our probe code
-        proc = subprocess.run([str(python), "-I", "-c", _CODE, str(runtime)], env=env, capture_output=True,  # noqa: S603
-                              text=True, timeout=timeout_s, check=False, cwd="/")
+        proc = subprocess.run(  # noqa: S603
+            [str(python), "-I", "-c", _CODE, str(runtime)], env=env, capture_output=True,
+            text=True, timeout=timeout_s, check=False, cwd="/")
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": f"the tools probe could not run: {type(exc).__name__}: {exc}"}
     lines = proc.stdout.strip().splitlines()

@@ -52,7 +52,7 @@ class KernelGateway:
     def _http(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data, method=method)
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 (an http:// URL built here)
             raw = resp.read()
         return json.loads(raw) if raw else None
 
@@ -65,7 +65,8 @@ class KernelGateway:
 
     async def execute(self, code: str, timeout_s: float = 60.0) -> str:
         """Run code in the kernel; return its stdout. Raises BenchError if the cell failed."""
-        assert self.ws is not None
+        if self.ws is None:
+            raise BenchError("no kernel connection: open_kernel() first")
         msg_id = uuid.uuid4().hex
         msg = {
             "header": {"msg_id": msg_id, "username": "bench", "session": self.session,
@@ -98,7 +99,8 @@ class KernelGateway:
 
     def nodelay_state(self) -> dict[str, bool]:
         """TCP_NODELAY as set on the live client socket and on the gateway's end of it."""
-        assert self.ws is not None
+        if self.ws is None:
+            raise BenchError("no kernel connection: open_kernel() first")
         sock = self.ws.transport.get_extra_info("socket")
         client = bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
         local_port = sock.getsockname()[1]
@@ -122,7 +124,6 @@ async def start_gateway(workdir: Path, nodelay: bool = True) -> KernelGateway:
         import kernel_gateway  # noqa: F401
     except ImportError as exc:
         raise BenchError("jupyter_kernel_gateway is not installed: pip install -e '.[bench]'") from exc
-    workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = workdir / ("kernel_gateway.log" if nodelay else "kernel_gateway_nagle.log")
     env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(workdir / "runtime"),
@@ -131,8 +132,13 @@ async def start_gateway(workdir: Path, nodelay: bool = True) -> KernelGateway:
     module = ["-m", "benchmarks.kg_nodelay"] if nodelay else ["-m", "kernel_gateway"]
     cmd = [sys.executable, *module, "--KernelGatewayApp.ip=127.0.0.1", f"--KernelGatewayApp.port={port}",
            "--KernelGatewayApp.port_retries=0"]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=fh)
+
+    def spawn() -> subprocess.Popen[bytes]:  # file and process calls block: off the event loop
+        workdir.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as fh:
+            return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=fh)
+
+    proc = await asyncio.to_thread(spawn)
     gateway = KernelGateway(proc, port, log, nodelay)
     deadline = time.monotonic() + 60
     while True:

@@ -82,7 +82,7 @@ async def request(ws: Any, frame: dict[str, Any] | str, rid: str, tally: Tally, 
     tally.kinds[kind] += 1
     await ws.send(frame if isinstance(frame, str) else json.dumps(frame))
     while True:
-        msg = json.loads(await asyncio.wait_for(ws.recv(), 120))
+        msg: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), 120))
         if msg.get("type") == "done":
             # Malformed frames without a readable id get a server-made id; count them as ours.
             tally.done[rid if msg.get("id") in (rid, None) or isinstance(frame, str) else msg["id"]] += 1
@@ -165,10 +165,10 @@ async def soak(server: Server, total: int, concurrency: int, seed: int,
                peak: list[int] | None = None) -> tuple[Tally, float]:
     tally = Tally()
     seq = [0]
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # noqa: S311 (a reproducible workload mix, not a secret)
     started = time.monotonic()
     sampler = asyncio.create_task(sample_rss(server.proc.pid, peak if peak is not None else [0]))
-    workers = asyncio.gather(*(worker(server.url, n, seq, total, tally, random.Random(rng.random()))
+    workers = asyncio.gather(*(worker(server.url, n, seq, total, tally, random.Random(rng.random()))  # noqa: S311
                                for n in range(concurrency)))
     # Slow readers come and go alongside the workers, one at a time, for as long as they run.
     readers = asyncio.create_task(slow_readers(server.url, max(1, total // 150), tally))

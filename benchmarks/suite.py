@@ -178,7 +178,8 @@ class Bench:
         async def sample() -> float:
             if not ws_holder:
                 ws_holder.append(await open_ws(server.url))
-            assert self.warm is not None
+            if self.warm is None:
+                raise BenchError("the suite is not started")
             await wait_pool_idle(self.warm, POOL_FLOOR)  # no refill competes with the measured run
             await asyncio.sleep(SETTLE_S)
             started = time.perf_counter()
@@ -191,7 +192,8 @@ class Bench:
 
     def naive_sampler(self, code: str, stdout: str) -> Sampler:
         async def sample() -> float:
-            assert self.jails is not None and self.warm is not None
+            if self.jails is None or self.warm is None:
+                raise BenchError("the suite is not started")
             await wait_pool_idle(self.warm, POOL_FLOOR)
             await asyncio.sleep(SETTLE_S)
             started = time.perf_counter()
@@ -205,7 +207,8 @@ class Bench:
 
     def jupyter_sampler(self, code: str, stdout: str) -> Sampler:
         async def sample() -> float:
-            assert self.gateway is not None and self.warm is not None
+            if self.gateway is None or self.warm is None:
+                raise BenchError("the suite is not started")
             await wait_pool_idle(self.warm, POOL_FLOOR)
             await asyncio.sleep(SETTLE_S)
             started = time.perf_counter()
@@ -233,7 +236,8 @@ class Bench:
     # -- phases --------------------------------------------------------------------------
     async def memory(self) -> None:
         """Idle PSS per warm jail: the server's metric and /proc of its idle pool's jails."""
-        assert self.warm is not None
+        if self.warm is None:
+            raise BenchError("the suite is not started")
         self.phase("memory: idle warm jails")
         await wait_pool_idle(self.warm, POOL_FLOOR)
         await asyncio.sleep(0.5)
@@ -249,7 +253,8 @@ class Bench:
         }
 
     async def latency(self) -> None:
-        assert self.warm is not None and self.cold is not None
+        if self.warm is None or self.cold is None:
+            raise BenchError("the suite is not started")
         p = self.plan
         await self.interleave("print", {
             report.WARM: (self.appliance_sampler(self.warm, PRINT_CODE, "4\n"), p.print_fast),
@@ -257,7 +262,8 @@ class Bench:
             report.NAIVE: (self.naive_sampler(PRINT_CODE, "4\n"), p.print_fast),
             report.JUPYTER: (self.jupyter_sampler(PRINT_CODE, "4\n"), p.print_fast + p.fast_extra),
         })
-        assert self.gateway is not None
+        if self.gateway is None:
+            raise BenchError("the suite is not started")
         nodelay = self.gateway.nodelay_state()
         if not all(nodelay.values()):
             raise BenchError(f"TCP_NODELAY is off on the Jupyter baseline's connection: {nodelay}")
@@ -278,7 +284,8 @@ class Bench:
         })
 
     async def session_sampler(self) -> Sampler:
-        assert self.warm is not None
+        if self.warm is None:
+            raise BenchError("the suite is not started")
         ws = await open_ws(self.warm.url)
         opened = await execute(ws, self.rid(), "x = 0", session="new")
         _check(opened, "session open", "")
@@ -288,7 +295,8 @@ class Bench:
         counter = itertools.count(1)
 
         async def sample() -> float:
-            assert self.warm is not None
+            if self.warm is None:
+                raise BenchError("the suite is not started")
             await wait_pool_idle(self.warm, POOL_FLOOR)
             await asyncio.sleep(SETTLE_S)
             started = time.perf_counter()
@@ -300,12 +308,14 @@ class Bench:
         return sample
 
     async def jupyter_session_sampler(self) -> Sampler:
-        assert self.gateway is not None
+        if self.gateway is None:
+            raise BenchError("the suite is not started")
         await self.gateway.execute("x = 0")
         counter = itertools.count(1)
 
         async def sample() -> float:
-            assert self.gateway is not None and self.warm is not None
+            if self.gateway is None or self.warm is None:
+                raise BenchError("the suite is not started")
             await wait_pool_idle(self.warm, POOL_FLOOR)
             await asyncio.sleep(SETTLE_S)
             started = time.perf_counter()
@@ -319,7 +329,8 @@ class Bench:
 
     async def capacity(self) -> None:
         """Jails per second this machine can start (and destroy), measured with the server idle."""
-        assert self.jails is not None and self.warm is not None
+        if self.jails is None or self.warm is None:
+            raise BenchError("the suite is not started")
         best: dict[str, Any] | None = None
         for parallel in self.plan.spawn_parallel:
             self.phase(f"jail-spawn capacity ({parallel} at a time)")
@@ -332,11 +343,13 @@ class Bench:
             self.results.setdefault("spawn_capacity_runs", []).append(entry)
             if best is None or entry["spawns_per_s"] > best["spawns_per_s"]:
                 best = entry
-        assert best is not None
+        if best is None:
+            raise BenchError("no spawn-capacity run was measured")
         self.results.setdefault("throughput", {})["spawn_capacity"] = best
 
     async def throughput(self) -> None:
-        assert self.warm is not None
+        if self.warm is None:
+            raise BenchError("the suite is not started")
         levels = []
         for clients in self.plan.levels:
             self.phase(f"throughput: {clients} clients")
@@ -396,7 +409,8 @@ class Bench:
     async def evals(self) -> None:
         """Import-light eval load at default settings vs SANDBOX_PRELOAD='' (issue 18), and
         what each firejail flag costs per jail."""
-        assert self.warm is not None and self.bare is not None and self.jails is not None
+        if self.warm is None or self.bare is None or self.jails is None:
+            raise BenchError("the suite is not started")
         runs = {}
         for name, server in (("default", self.warm), ("no_preload", self.bare)):
             self.phase(f"import-light eval load ({name})")

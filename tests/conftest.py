@@ -16,6 +16,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv.stop()
 
 
-@pytest.fixture()
+@pytest.fixture
 def fresh_tmp(tmp_path: Path) -> Path:
     return tmp_path

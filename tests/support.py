@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from appliance import local
@@ -31,12 +31,14 @@ Server = LocalServer
 
 
 def start_server(tmp: Path, wrap: list[str] | None = None, wait_ready: bool = True,
-                 host: str = "127.0.0.1", port: int = 0, wait_started: bool = True, **env: str) -> Server:
-    """Start `appliance serve` on a free port with SANDBOX_* overrides; wait for /readyz.
+                 host: str = "127.0.0.1", port: int = 0, wait_started: bool = True,
+                 settings: Mapping[str, str] | None = None, **env: str) -> Server:
+    """Start `appliance serve` on a free port with SANDBOX_* overrides (`settings`, then `env`);
+    wait for /readyz.
 
     wait_started=False (a fixed `port` only) returns at once, while the server still starts."""
-    settings = {"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "1", **env}
-    return local.start(tmp, settings, host=host, port=port, wrap=wrap or (), wait_ready=wait_ready,
+    merged = {"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "1", **(settings or {}), **env}
+    return local.start(tmp, merged, host=host, port=port, wrap=wrap or (), wait_ready=wait_ready,
                        wait_started=wait_started, timeout_s=scaled(90), cwd=REPO)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -29,7 +30,7 @@ async def exchange(ws: websockets.ClientConnection, raw: str | bytes) -> dict[st
 
 async def assert_still_usable(ws: websockets.ClientConnection) -> None:
     await ws.send(json.dumps({"id": "after", "code": "print('ok')"}))
-    frames = []
+    frames: list[dict[str, Any]] = []
     while not frames or frames[-1]["type"] != "done":
         frames.append(json.loads(await ws.recv()))
     assert frames[-1]["status"] == "ok" and frames[-1]["id"] == "after"
@@ -100,7 +101,7 @@ async def test_a_duplicate_id_while_the_first_runs_is_rejected_without_disturbin
     async with connect(guarded) as ws:
         await ws.send(json.dumps({"id": "same", "code": "import time\ntime.sleep(1)\nprint('first')"}))
         await ws.send(json.dumps({"id": "same", "code": "print('second')"}))
-        frames = []
+        frames: list[dict[str, Any]] = []
         while len([f for f in frames if f["type"] == "done"]) < 2:
             frames.append(json.loads(await ws.recv()))
     dones = [f for f in frames if f["type"] == "done"]

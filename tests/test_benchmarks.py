@@ -23,7 +23,7 @@ def test_percentile_interpolates_between_closest_ranks() -> None:
     assert percentile([1.0, 2.0], 50) == 1.5
     assert percentile([10.0, 0.0, 5.0], 100) == 10.0
     assert percentile([7.0], 99) == 7.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="no samples"):
         percentile([], 50)
 
 

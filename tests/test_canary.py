@@ -15,7 +15,7 @@ def test_a_confined_report_passes() -> None:
 
 
 def test_each_weakness_is_named() -> None:
-    cases = {
+    cases: dict[str, tuple[dict[str, object], str]] = {
         "uid": ({"uid": 0}, "uid 0"),
         "shadow": ({"shadow": "readable"}, "/etc/shadow"),
         "loopback": ({"loopback": "connected"}, "loopback"),

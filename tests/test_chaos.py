@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import websockets
 
-from tests.attacks.common import assert_contained, descendants, leftovers, run
+from appliance.jail.proctree import descendants
+from tests.attacks.common import assert_contained, leftovers, run
 from tests.support import REPO, Server, reachable_tmp_root, scaled, start_server
 
 SLEEPER = "import time\nprint('started', flush=True)\ntime.sleep(60)"
@@ -73,7 +74,7 @@ async def start_sleeper(server: Server) -> tuple[Any, dict[str, int]]:
 
 
 async def rest_of(ws: Any) -> list[dict[str, Any]]:
-    frames = []
+    frames: list[dict[str, Any]] = []
     while not frames or frames[-1]["type"] != "done":
         frames.append(json.loads(await asyncio.wait_for(ws.recv(), scaled(30))))
     await ws.close()
@@ -102,7 +103,7 @@ async def test_a_sigstopped_jail_is_still_ended_by_the_wall_clock(server: Server
     await assert_contained(server)
 
 
-@pytest.fixture()
+@pytest.fixture
 def small_tmpfs() -> Iterator[Path]:
     mount = Path(tempfile.mkdtemp(prefix="appliance-tmpfs-", dir="/tmp"))
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=755", "tmpfs", str(mount)],

@@ -31,9 +31,14 @@ class TestArguments:
                                   {"path": "b.txt", "data": base64.b64encode("hé".encode()).decode()}]
         assert frame["timeout_ms"] == 500 and frame["type"] == "execute" and frame["id"] == "r1"
 
+    async def test_a_client_used_outside_async_with_says_so(self) -> None:
+        # A RuntimeError that names the fix, not an assert (python -O drops those).
+        with pytest.raises(RuntimeError, match="not connected: use `async with`"):
+            await AsyncClient("ws://127.0.0.1:9/exec").send({"type": "interrupt", "id": "r1"})
+
     def test_files_given_as_the_wire_list_is_a_clear_type_error(self) -> None:
         wire = [{"path": "a", "data": "aGk="}]
-        with pytest.raises(TypeError, match="files must be a mapping of path -> bytes or str.*got list"):
+        with pytest.raises(TypeError, match=r"files must be a mapping of path -> bytes or str.*got list"):
             request_frame("1", "r1", files=wire)  # type: ignore[arg-type]
 
     @pytest.mark.parametrize(("options", "problem"), [

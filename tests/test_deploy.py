@@ -393,7 +393,7 @@ class TestEntrypointOnThisHost:
                                                ("cap_setpcap", "--cap-add SETPCAP")])
     def test_a_process_without_the_capability_is_refused_naming_it(self, cap: str, flag: str) -> None:
         capsh = shutil.which("capsh") or "/usr/sbin/capsh"
-        out = entrypoint("check_all", env={"container": "docker"}, wrap=[capsh, f"--drop={cap}", "--"] + ["-c", 'exec "$@"', "capsh"])
+        out = entrypoint("check_all", env={"container": "docker"}, wrap=[capsh, f"--drop={cap}", "--", "-c", 'exec "$@"', "capsh"])
         assert out.returncode == EX_CONFIG, out
         assert cap.upper() in out.stderr and flag in out.stderr, out.stderr
 
@@ -405,7 +405,7 @@ class TestEntrypointOnThisHost:
             self, cap: str, check: str, message: str, flag: str) -> None:
         # The trial itself, not the mask check: it must fail for real when the kernel refuses.
         capsh = shutil.which("capsh") or "/usr/sbin/capsh"
-        wrap = [capsh, f"--drop={cap}", "--"] + ["-c", 'exec "$@"', "capsh"]
+        wrap = [capsh, f"--drop={cap}", "--", "-c", 'exec "$@"', "capsh"]
         assert entrypoint(check).returncode == 0
         out = entrypoint(check, env={"container": "docker"}, wrap=wrap)
         assert out.returncode == EX_CONFIG, out

@@ -185,7 +185,7 @@ def egress_server(tmp: Path, remote: Remote, subnet_octet: int, **env: str) -> t
     port = free_port()
     srv = start_server(tmp, host="0.0.0.0", port=port, SANDBOX_AUTH_TOKEN=TOKEN,
                        SANDBOX_EGRESS_SUBNET=f"10.216.{subnet_octet}.0/24",
-                       **{"SANDBOX_OPEN_PORTS": f"{remote.port_open},{port}", **env})
+                       settings={"SANDBOX_OPEN_PORTS": f"{remote.port_open},{port}", **env})
     return srv, port
 
 
@@ -244,7 +244,7 @@ async def test_the_host_and_the_appliances_own_port_are_unreachable_though_open(
     host_addrs = json.loads(sh("ip", "-j", "-4", "addr", "show").stdout)
     addresses = sorted({a["local"] for link in host_addrs for a in link["addr_info"]} - {"127.0.0.1"})
     targets = [("tcp", a, p) for a in addresses for p in (remote.port_open, port)]
-    got = await probe(srv, targets + [("tcp", "127.0.0.1", port)])
+    got = await probe(srv, [*targets, ("tcp", "127.0.0.1", port)])
     assert not any(reached(v) for v in got.values()), got
     assert srv.get("/readyz")[0] == 200  # the canary proves the same before every /readyz
 

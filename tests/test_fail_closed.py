@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from appliance.client import AsyncClient
-from tests.support import REPO, descendants, start_server
+from appliance.jail.proctree import descendants
+from tests.support import REPO, start_server
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
 

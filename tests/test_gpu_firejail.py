@@ -59,7 +59,7 @@ def test_gpu_jail_has_no_address_space_limit_and_reads_only_nvidia_modules(tmp_p
     assert len(argv) < 128, "firejail 0.9.72 refuses more than 127 arguments"
 
 
-@pytest.mark.parametrize("name,hidden", [
+@pytest.mark.parametrize(("name", "hidden"), [
     ("nvidia", False), ("nvidia_uvm", False), ("nvidia_drm", False), ("nvidia_modeset", False),
     ("kvm", True), ("nf_conntrack", True), ("nvproxy", True), ("nvme", True), ("n", True), ("nvidi", True),
     ("8250", True), ("Zz", True), ("nvidib", True),

@@ -21,7 +21,7 @@ def test_simulated_device_specs_parse_counts_and_lists() -> None:
     assert parse_spec("2x16384") == (16384, 16384)
     assert parse_spec("16384, 8192") == (16384, 8192)
     for bad in ("", "2x", "x100", "0x100", "abc", "2x-5"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"is not COUNTxMIB or MIB|must be positive"):
             parse_spec(bad)
 
 

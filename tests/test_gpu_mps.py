@@ -78,7 +78,7 @@ def mps_env(cuda_dir: Path, pipe: str = "mps", **extra: str) -> dict[str, str]:
 def mps_server(tmp_path_factory: pytest.TempPathFactory, cuda_dir: Path) -> Iterator[tuple[Server, Path]]:
     tmp = tmp_path_factory.mktemp("mps")
     control = tmp / "sim.json"
-    srv = start_server(tmp / "srv", **mps_env(cuda_dir, SANDBOX_GPU_SIMULATE_FILE=str(control)))
+    srv = start_server(tmp / "srv", settings=mps_env(cuda_dir, SANDBOX_GPU_SIMULATE_FILE=str(control)))
     yield srv, control
     srv.stop()
 
@@ -147,8 +147,8 @@ async def test_an_mps_fault_refuses_the_run_before_any_code_and_readiness_says_s
 
 def test_a_daemon_that_ignores_limits_is_reported_as_not_enforcing(
         tmp_path: Path, cuda_dir: Path) -> None:
-    srv = start_server(tmp_path / "srv", **mps_env(cuda_dir, pipe="mps-ignore",
-                                                   SANDBOX_GPU_SIMULATE_MPS="ignore-limits"))
+    srv = start_server(tmp_path / "srv", settings=mps_env(cuda_dir, pipe="mps-ignore",
+                                                          SANDBOX_GPU_SIMULATE_MPS="ignore-limits"))
     try:
         status, body = srv.get("/readyz")
         mps = json.loads(body)["gpu"]["mps"]
@@ -172,7 +172,7 @@ def test_a_daemon_that_ignores_limits_is_reported_as_not_enforcing(
 def test_required_mps_limits_that_cannot_be_proven_stop_startup(
         tmp_path: Path, cuda_dir: Path, env: dict[str, str], reason: str) -> None:
     with pytest.raises(RuntimeError) as err:
-        start_server(tmp_path / "srv", **mps_env(cuda_dir, pipe="mps-require", SANDBOX_GPU_MPS="require", **env))
+        start_server(tmp_path / "srv", settings=mps_env(cuda_dir, pipe="mps-require", SANDBOX_GPU_MPS="require", **env))
     assert "server exited 2" in str(err.value) and "SANDBOX_GPU_MPS=require" in str(err.value)
     assert reason in str(err.value)
 
@@ -221,7 +221,7 @@ class _Jail:
         self.process = process
 
 
-@pytest.fixture()
+@pytest.fixture
 def limiter(cuda_dir: Path) -> Iterator[tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]]]:
     backend = SimulatedBackend((4096,), mps=True)
     daemon = SimulatedMps(cuda_dir / "mps-unit", backend)
@@ -274,7 +274,7 @@ async def test_a_run_whose_client_existed_before_arming_is_refused(
 
 async def test_a_device_the_probe_did_not_prove_is_not_armed(
         limiter: tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]]) -> None:
-    lim, daemon, env, _ = limiter
+    lim, _daemon, env, _ = limiter
     lim.devices["GPU-SIM-0"] = DeviceMps(enforcing=False, note="not proved")
     process = _Process(env, intruder=False)
     try:

@@ -24,14 +24,14 @@ def system_python_lacks_llama_cpp() -> bool:
 def test_gpu_mode_refuses_to_start_when_the_jails_python_cannot_import_the_tools(tmp_path: Path) -> None:
     assert system_python_lacks_llama_cpp(), "this test needs a Python without llama_cpp"
     with pytest.raises(RuntimeError) as info:
-        start_server(tmp_path, SANDBOX_PRELOAD=TOOLS, SANDBOX_PYTHON=str(SYSTEM_PYTHON), **SIMULATED)
+        start_server(tmp_path, SANDBOX_PRELOAD=TOOLS, SANDBOX_PYTHON=str(SYSTEM_PYTHON), settings=SIMULATED)
     log = str(info.value)
     assert "server exited" in log and "cannot import them" in log and "llama_cpp" in log, log[-2000:]
     assert "pip install '.[gpu]'" in log
 
 
 def test_gpu_mode_with_the_tools_installed_starts_and_its_jails_have_them_loaded(tmp_path: Path) -> None:
-    srv = start_server(tmp_path, SANDBOX_PRELOAD=TOOLS, **SIMULATED)
+    srv = start_server(tmp_path, SANDBOX_PRELOAD=TOOLS, settings=SIMULATED)
     try:
         with Client(srv.url) as client:
             # Code that uses llama.cpp gets the tools' warm jail: whisper's binding is there too,

@@ -81,7 +81,8 @@ async def test_a_run_without_a_budget_gets_the_default(gpu_server: tuple[Server,
 async def test_bad_budgets_are_rejected_and_nothing_runs(gpu_server: tuple[Server, Path]) -> None:
     async with AsyncClient(gpu_server[0].url) as c:
         for budget in (-1, 0, 1.5, "512", True, None):
-            ex = await c.execute("print('ran')", gpu={"memory_mb": budget})
+            # Wrong types on purpose: the server's validation is what is tested.
+            ex = await c.execute("print('ran')", gpu={"memory_mb": budget})  # type: ignore[dict-item]
             assert ex.status == "rejected" and ex.stdout == "" and "memory_mb" in (ex.message or "")
         started = time.monotonic()
         ex = await c.execute("print('ran')", gpu={"memory_mb": 4096})   # + margin exceeds every device
@@ -196,7 +197,7 @@ async def test_a_queued_run_never_starts_while_the_previous_run_s_memory_still_s
             assert (await asyncio.wait_for(first, scaled(20))).status == "ok"
             done, _ = await asyncio.wait({second}, timeout=scaled(3))
             assert not done, "the second run started while NVML still listed the first run's memory"
-            status, body = srv.get("/readyz")
+            _status, body = srv.get("/readyz")
             assert json.loads(body)["gpu"]["devices"][0]["reclaiming"] == 1
             simulate(control)  # NVML now shows the memory freed
             ex = await asyncio.wait_for(second, scaled(20))

@@ -56,13 +56,13 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
     with reachable_tmp_root("appliance-gpu-models-") as models:
         write_tiny_llama(models / "tiny.gguf")
         srv = start_server(tmp / "srv", SANDBOX_MODELS_DIR=str(models), SANDBOX_SESSION_IDLE_S=str(IDLE_S),
-                           **gpu_env(control))
+                           settings=gpu_env(control))
         yield srv, control
         srv.stop()
 
 
 def readyz(server: Server) -> dict[str, Any]:
-    status, body = server.get("/readyz")
+    _status, body = server.get("/readyz")
     found: dict[str, Any] = json.loads(body)
     return found
 
@@ -256,7 +256,7 @@ def tenant_gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(TOKENS)
-    srv = start_server(tmp / "srv", SANDBOX_AUTH_TOKENS_FILE=str(path), **gpu_env(tmp / "sim.json"))
+    srv = start_server(tmp / "srv", SANDBOX_AUTH_TOKENS_FILE=str(path), settings=gpu_env(tmp / "sim.json"))
     yield srv
     srv.stop()
 

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ from appliance.gpu.simulated import SimulatedBackend
 from appliance.gpu.watchdog import GpuWatchdog, descendants
 
 
-@pytest.fixture()
+@pytest.fixture
 def trees() -> Iterator[list[subprocess.Popen[bytes]]]:
     """Two real process trees (a shell with a grandchild), standing in for two runs' jails."""
     procs = [subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True) for _ in range(2)]
@@ -49,8 +49,14 @@ async def watch_both(trees: list[subprocess.Popen[bytes]]
     watchdog, ledger = make(backend)
     a, b = await ledger.acquire(1000), await ledger.acquire(1000)
     stopped: dict[str, RunLimit] = {}
-    watchdog.watch("a", trees[0].pid, a, lambda e: stopped.setdefault("a", e))
-    watchdog.watch("b", trees[1].pid, b, lambda e: stopped.setdefault("b", e))
+
+    def keep_first(key: str) -> Callable[[RunLimit], None]:
+        def stop(error: RunLimit) -> None:
+            stopped.setdefault(key, error)
+        return stop
+
+    watchdog.watch("a", trees[0].pid, a, keep_first("a"))
+    watchdog.watch("b", trees[1].pid, b, keep_first("b"))
     return backend, watchdog, ledger, stopped
 
 
@@ -68,7 +74,7 @@ def test_descendants_follow_every_thread_s_children() -> None:
 
 async def test_an_over_budget_run_is_stopped_while_its_neighbour_keeps_running(
         trees: list[subprocess.Popen[bytes]]) -> None:
-    backend, watchdog, ledger, stopped = await watch_both(trees)
+    backend, watchdog, _ledger, stopped = await watch_both(trees)
     backend.set_usage(grandchild(trees[0].pid), 0, 1101)   # budget 1000 + margin 100 exceeded
     backend.set_usage(grandchild(trees[1].pid), 0, 1100)   # exactly at the limit: allowed
     result = await watchdog.check()
@@ -107,7 +113,7 @@ async def test_each_poll_reconciles_the_ledger(trees: list[subprocess.Popen[byte
 
 
 async def test_the_run_owning_a_process_is_the_one_stopped(trees: list[subprocess.Popen[bytes]]) -> None:
-    backend, watchdog, ledger, stopped = await watch_both(trees)
+    _backend, watchdog, _ledger, stopped = await watch_both(trees)
     error = GpuMemoryLimit("opened a CUDA client in another run's window")
     assert watchdog.stop_owner(grandchild(trees[1].pid), error) is True
     assert stopped == {"b": error}

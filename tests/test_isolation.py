@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import socket
 import sys
@@ -105,7 +106,7 @@ async def test_the_python_environment_is_read_only(secretive: Server) -> None:
 
 async def test_no_gpu_or_other_device_nodes_in_cpu_mode(secretive: Server) -> None:
     ex = await run(secretive, "import os\nprint(sorted(os.listdir('/dev')))")
-    devices = eval(ex.stdout)  # the run's own listing
+    devices = ast.literal_eval(ex.stdout)  # the run's own listing
     assert not [d for d in devices if d.startswith("nvidia")]
     assert set(devices) <= {"full", "null", "random", "urandom", "zero", "tty", "pts", "ptmx", "shm",
                             "stdin", "stdout", "stderr", "fd", "log"}

@@ -4,10 +4,11 @@ and the next run works."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Unpack
 
 import pytest
 
-from appliance.client import AsyncClient, Execution
+from appliance.client import AsyncClient, Execution, RequestOptions
 from tests.support import Server, jail_processes, start_server
 
 
@@ -23,7 +24,7 @@ def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv.stop()
 
 
-async def run(server: Server, code: str, **fields: object) -> Execution:
+async def run(server: Server, code: str, **fields: Unpack[RequestOptions]) -> Execution:
     async with AsyncClient(server.url) as c:
         return await c.execute(code, **fields)
 

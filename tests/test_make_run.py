@@ -85,7 +85,7 @@ def cuda_fakes(tmp_path: Path, offload_after_build: bool = True) -> tuple[Path, 
     return py, bin_dir, log
 
 
-@pytest.mark.parametrize("opt_in,with_nvcc,rc,built,says", [
+@pytest.mark.parametrize(("opt_in", "with_nvcc", "rc", "built", "says"), [
     ("0", True, 0, False, "APPLIANCE_CUDA_BUILD=1 make venv"),   # never a long build unasked
     ("1", False, 1, False, "needs nvcc"),
     ("1", True, 0, True, "offloads to the GPU"),

@@ -121,7 +121,7 @@ def test_links_are_consecutive_slash_30s_with_short_interface_names() -> None:
     assert second.netns == "sbx-0ad80000-bb" and second.netns_path == Path("/run/netns/sbx-0ad80000-bb")
     last = network.link_for(POLICY, POLICY.max_links - 1, "cc")
     assert last.address in POLICY.subnet and last.gateway in POLICY.subnet
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="outside"):
         network.link_for(POLICY, POLICY.max_links, "dd")
 
 

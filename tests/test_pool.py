@@ -6,12 +6,14 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterator
+from typing import Any, Unpack
 
 import pytest
 
-from appliance.client import AsyncClient, Execution
+from appliance.client import AsyncClient, Execution, RequestOptions
 from appliance.jail import proctree
-from tests.support import Server, descendants, reachable_tmp_root, start_server
+from appliance.jail.proctree import descendants
+from tests.support import Server, reachable_tmp_root, start_server
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def pooled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv.stop()
 
 
-async def run(server: Server, code: str, **fields: object) -> Execution:
+async def run(server: Server, code: str, **fields: Unpack[RequestOptions]) -> Execution:
     async with AsyncClient(server.url) as c:
         return await c.execute(code, **fields)
 
@@ -113,7 +115,7 @@ async def test_metrics_report_runs_pool_and_memory(pooled: Server) -> None:
 def test_the_pool_target_grows_with_the_arrival_rate_within_its_bounds() -> None:
     from appliance.jail.pool import pool_target
 
-    base = dict(floor=2, ceiling=8, start_s=0.8, have=2, jail_pss_kb=80_000, mem_available_kb=16_000_000)
+    base: dict[str, Any] = dict(floor=2, ceiling=8, start_s=0.8, have=2, jail_pss_kb=80_000, mem_available_kb=16_000_000)
     assert pool_target(arrivals_per_s=0.0, **base) == 2          # idle: the floor
     assert pool_target(arrivals_per_s=4.0, **base) == 5          # 4/s * 0.8 s * 1.5 = 4.8
     assert pool_target(arrivals_per_s=100.0, **base) == 8        # never past the ceiling

@@ -6,10 +6,11 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
+from typing import Unpack
 
 import pytest
 
-from appliance.client import AsyncClient, Execution
+from appliance.client import AsyncClient, Execution, RequestOptions
 from appliance.errors import SettingsError
 from appliance.jail.profiles import MAX_PARSE_CHARS, Profile, choose, imports_of
 from appliance.settings import from_env
@@ -62,7 +63,7 @@ def profiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv.stop()
 
 
-async def run(server: Server, code: str, **fields: object) -> Execution:
+async def run(server: Server, code: str, **fields: Unpack[RequestOptions]) -> Execution:
     async with AsyncClient(server.url) as client:
         return await client.execute(code, **fields)
 

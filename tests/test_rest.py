@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from html.parser import HTMLParser
+from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
@@ -26,7 +27,7 @@ def restsrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv.stop()
 
 
-async def post_exec(server: Server, body: object) -> tuple[int, str, list[dict[str, object]]]:
+async def post_exec(server: Server, body: object) -> tuple[int, str, list[dict[str, Any]]]:
     async with aiohttp.ClientSession(headers=AUTH) as http:
         async with http.post(server.http + "/v1/exec", json=body) as resp:
             text = await resp.text()

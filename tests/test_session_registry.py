@@ -13,7 +13,7 @@ from appliance.settings import from_env
 from appliance.tenants import owner_of
 
 
-@pytest.fixture()
+@pytest.fixture
 async def appliance() -> AsyncIterator[RunService]:
     app = RunService(from_env({"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "0", "SANDBOX_PYTHON": sys.executable}))
     await app.start(canary_port=0)

@@ -48,6 +48,7 @@ async def test_a_second_cell_while_one_runs_is_rejected_as_busy(sessions: Server
         second = await c.execute("1", session=sid)
         assert second.status == "rejected" and "busy" in (second.message or "")
         assert (await slow).text == "'slow done'"
+        assert sid is not None
         await c.close_session(sid)
 
 
@@ -92,6 +93,7 @@ async def test_a_timeout_stops_the_cell_but_keeps_the_session(sessions: Server) 
         assert spin.status == "timeout"
         after = await c.execute("kept", session=sid)
         assert after.text == "'yes'"
+        assert sid is not None
         await c.close_session(sid)
 
 

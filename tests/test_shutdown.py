@@ -22,7 +22,7 @@ async def test_a_run_shorter_than_the_grace_period_finishes_after_sigterm(tmp_pa
         ex = await task
     assert ex.status == "ok" and ex.stdout == "finished\n"
     assert await asyncio.to_thread(server.proc.wait, 30) == 0
-    with pytest.raises(OSError):
+    with pytest.raises(ConnectionRefusedError):
         async with websockets.connect(server.url, open_timeout=2):
             pass
 

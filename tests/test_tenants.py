@@ -123,7 +123,7 @@ def test_identify_compares_against_every_tenant_even_after_a_match(monkeypatch: 
         calls.append(1)
         return real(a, b)
 
-    monkeypatch.setattr(tenants.hmac, "compare_digest", counting)
+    monkeypatch.setattr(hmac, "compare_digest", counting)  # the module tenants.py calls
     for token in (ALICE, CAROL, "nobody-" + "x" * 20):
         calls.clear()
         reg.identify(token)
@@ -160,7 +160,7 @@ def test_a_request_over_the_rate_is_busy_until_the_bucket_refills() -> None:
     for _ in range(2):
         with reg.request(owner):
             pass
-    with pytest.raises(Busy, match="rate limit.*runs_per_minute=1"), reg.request(owner):
+    with pytest.raises(Busy, match=r"rate limit.*runs_per_minute=1"), reg.request(owner):
         pass
     clock.now += 60
     with reg.request(owner):
@@ -220,6 +220,7 @@ async def test_each_tenant_sees_only_its_own_sessions(tenant_server: Server) -> 
         assert code == 404
         assert (await alice.execute("print(secret)", session=opened.session)).status == "ok"
         for client, sid in ((alice, opened.session), (bob, mine.session)):
+            assert sid is not None
             await client.close_session(sid)
 
 
@@ -234,10 +235,13 @@ async def test_a_tenant_over_its_session_quota_gets_busy_naming_the_quota(tenant
         assert "max_sessions=1" in body, (code, body)
         others = await bob.execute("pass", session="new")  # the quota is per tenant
         assert others.status == "ok"
+        assert first.session is not None
         await alice.close_session(first.session)
+        assert others.session is not None
         await bob.close_session(others.session)
         third = await alice.execute("pass", session="new")  # a closed one frees the slot
         assert third.status == "ok"
+        assert third.session is not None
         await alice.close_session(third.session)
 
 

@@ -93,7 +93,7 @@ def test_wheel_repaired_names_never_collide_with_plain_ones() -> None:
                                             "llama_cpp": ["/a/llama_cpp/lib/libggml-base.so.0"]}) == []
 
 
-@pytest.mark.parametrize("info,backends_,offload", [
+@pytest.mark.parametrize(("info", "backends_", "offload"), [
     ("WHISPER : COREML = 0 | OPENVINO = 0 | CPU : SSE3 = 1 | AVX2 = 1 | OPENMP = 1 | ", ["CPU"], False),
     ("WHISPER : COREML = 0 | OPENVINO = 0 | CUDA : ARCHS = 900 | USE_GRAPHS = 1 | CPU : AVX2 = 1 | ",
      ["CUDA", "CPU"], True),

@@ -64,7 +64,7 @@ async def test_whisper_transcribes_an_array_and_a_file_inside_the_jail(tools_ser
     assert ex.stdout.splitlines() == ["Transcript True True", "str"]
 
 
-@pytest.mark.parametrize("call,needle", [
+@pytest.mark.parametrize(("call", "needle"), [
     ("load_llm('/etc/passwd')", "outside the models directory"),
     ("load_llm('../../etc/passwd')", "outside the models directory"),
     ("load_llm('missing.gguf')", "no model file"),
@@ -194,7 +194,7 @@ async def test_asking_a_cpu_build_for_gpu_work_is_a_clear_error_naming_the_fix(
     async with AsyncClient(gpu_tools_server.url) as c:
         ex = await c.execute(f"from appliance.tools import load_llm, transcribe\n{call}", gpu={"memory_mb": 2048})
     assert ex.status == "error" and ex.error is not None and ex.error["ename"] == "ModelError", ex.frames
-    assert 'CMAKE_ARGS="-DGGML_CUDA=on"' in ex.error["evalue"] and "cannot offload" in ex.error["evalue"] \
+    assert ('CMAKE_ARGS="-DGGML_CUDA=on"' in ex.error["evalue"] and "cannot offload" in ex.error["evalue"]) \
         or "no GPU backend" in ex.error["evalue"]
 
 

@@ -39,7 +39,7 @@ def test_a_tight_budget_drops_layers_first_then_shortens_the_context(tmp_path: P
 
 
 def test_corrupt_and_foreign_files_are_refused_with_a_reason(tmp_path: Path) -> None:
-    with pytest.raises(GgufError, match="corrupt|truncated"):
+    with pytest.raises(GgufError, match=r"corrupt|truncated"):
         read_gguf(str(write_corrupt_model(tmp_path / "c.gguf")))
     (tmp_path / "t.txt").write_text("hello")
     with pytest.raises(GgufError, match="bad magic"):

@@ -135,8 +135,9 @@ class DaemonControl(MpsControl):
         env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir)}
         try:
             # S603: the control binary from settings; commands are ours
-            done = subprocess.run([self.binary], input=command + "\n", capture_output=True, text=True,  # noqa: S603
-                                  env=env, timeout=COMMAND_TIMEOUT_S, check=False)
+            done = subprocess.run(  # noqa: S603
+                [self.binary], input=command + "\n", capture_output=True, text=True,
+                env=env, timeout=COMMAND_TIMEOUT_S, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise MpsError(f"{command.split()[0]}: {exc}") from exc
         if done.returncode != 0:

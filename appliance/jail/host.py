@@ -112,9 +112,10 @@ def import_problem(python: Path, modules: tuple[str, ...], timeout_s: float = 12
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
     try:
         # S603: the configured python, our code; module names from settings
-        proc = subprocess.run([str(python), "-I", "-c", code, *modules], capture_output=True, text=True,  # noqa: S603
-                              timeout=timeout_s, cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                              check=False)
+        proc = subprocess.run(  # noqa: S603
+            [str(python), "-I", "-c", code, *modules], capture_output=True, text=True,
+            timeout=timeout_s, cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{python} could not be run: {exc}"
     if proc.returncode == 0:

@@ -98,8 +98,9 @@ class Magics:
             with contextlib.suppress(Exception):
                 stream.flush()
         # S603: the cell's own `!` command, run inside the jail: the jail is the boundary
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # noqa: S603
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(  # noqa: S603
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=env, start_new_session=True)
         try:
             self._pump(proc, out, err)
             return proc.wait()

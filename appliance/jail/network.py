@@ -259,8 +259,9 @@ def expected_interfaces(egress: bool) -> tuple[str, ...]:
 
 def _run(argv: Sequence[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     # S603: ip/nft argv built in this module, fixed PATH
-    return subprocess.run(list(argv), input=stdin, capture_output=True, text=True,  # noqa: S603
-                          timeout=COMMAND_TIMEOUT_S, check=False, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    return subprocess.run(  # noqa: S603
+        list(argv), input=stdin, capture_output=True, text=True,
+        timeout=COMMAND_TIMEOUT_S, check=False, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
 
 
 def host_addresses() -> tuple[IPv4Address, ...]:

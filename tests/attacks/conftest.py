@@ -8,9 +8,10 @@ test recorded with the `observe` fixture (or the failure, when it failed).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
+import pluggy
 import pytest
 
 from appliance.audit import REPORT_DIR_ENV, AuditRow, default_meta, write_report
@@ -56,7 +57,7 @@ def hostile_server(base: Path, tmp_root: Path, host: str = "127.0.0.1", **env: s
         "SANDBOX_MAX_CONCURRENCY": "4",
     }
     settings.update(env)
-    return start_server(base, host=host, **settings)
+    return start_server(base, host=host, settings=settings)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def target(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator
     srv.stop()
 
 
-@pytest.fixture()
+@pytest.fixture
 def observe(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """Record what the attack actually did, for the report."""
 
@@ -94,7 +95,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
     marker = item.get_closest_marker("attack")
@@ -102,11 +104,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         return
     if report.when == "setup" and report.passed:
         return
-    module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+    module = item.path.stem  # the test file: test_escape.py -> test_escape
     observed = item.stash.get(OBSERVED, "")
     if not report.passed:
-        failure = str(report.longrepr.reprcrash.message) if hasattr(report.longrepr, "reprcrash") else str(
-            report.longrepr)
+        crash = getattr(report.longrepr, "reprcrash", None)
+        failure = str(crash.message) if crash is not None else str(report.longrepr)
         observed = f"{observed} FAILED: {failure}".strip()
     item.config.stash[ROWS].append(AuditRow(
         attack=marker.kwargs["name"], cls=CLASS_OF_FILE.get(module, module),

@@ -6,6 +6,7 @@ import base64
 import os
 import socket
 from collections.abc import Callable
+from typing import Any
 
 from appliance.client import AsyncClient
 from tests.attacks.common import SYSCALLS, TOKEN, assert_contained, attack, probe, run
@@ -175,7 +176,7 @@ print(json.dumps(out))
 '''
     _, rep = await probe(target, code)
     assert all(rep[k] == "ENOENT" for k in ("environ", "cmdline", "mem", "status")), rep
-    assert pid not in rep["visible"] or pid <= max(rep["visible"]) and len(rep["visible"]) < 10
+    assert pid not in rep["visible"] or (pid <= max(rep["visible"]) and len(rep["visible"]) < 10)
     assert len(rep["visible"]) < 10, f"the jail sees too many processes: {rep['visible']}"
     observe(f"/proc/{pid}/*: ENOENT; jail sees pids {rep['visible']}")
 
@@ -259,6 +260,7 @@ async def test_uploads_never_follow_a_planted_symlink(target: Server, observe: O
         via_file = await c.execute("print('ran')", session=sid, files={"file": b"pwn"})
         check = await c.execute("import os\nprint(os.path.exists('/tmp/x'), os.path.exists('/tmp/t'))",
                                 session=sid)
+        assert sid is not None
         await c.close_session(sid)
     assert via_dir.status == "error" and via_dir.stdout == "", via_dir
     assert via_file.status == "error" and via_file.stdout == "", via_file
@@ -425,14 +427,14 @@ async def test_host_administration_syscalls_are_refused(target: Server, observe:
 @attack("upload a file whose name is a path out of the workspace", "rejected before anything runs")
 async def test_upload_paths_that_climb_out_are_rejected(target: Server, observe: Observe) -> None:
     data = base64.b64encode(b"x").decode()
-    seen = []
+    seen: list[str] = []
     async with AsyncClient(target.url, TOKEN) as c:
         for path in ("../escape", "/etc/passwd", "a/../../b", "x\x00y"):
             frame = {"type": "execute", "id": f"u{len(seen)}", "code": "print('ran')",
                      "files": [{"path": path, "data": data}]}
             await c.send(frame)
             seen.append(path)
-        replies = []
+        replies: list[dict[str, Any]] = []
         while len(replies) < len(seen):
             await __import__("asyncio").sleep(0.05)
             replies = [f for f in c.unrouted if f.get("type") == "done"]

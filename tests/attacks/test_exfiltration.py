@@ -92,7 +92,7 @@ print(json.dumps({"hits": hits, "files": n}))
 
 @attack("the server's token in logs after a wrong-token attempt", "401 before upgrade; the token appears in no log line")
 async def test_the_token_never_reaches_the_log(target: Server, observe: Observe) -> None:
-    status, _ = target.get("/readyz")
+    _status, _ = target.get("/readyz")
     import websockets
 
     refused = ""
@@ -153,7 +153,9 @@ async def test_another_sessions_files_and_state_are_out_of_reach(target: Server,
         _, one_shot = await probe(target, look)
         other = await c.execute(look, session="new")
         again = await c.execute("print(SECRET)", session=victim.session)
+        assert victim.session is not None
         await c.close_session(victim.session)
+        assert other.session is not None
         await c.close_session(other.session)
     rep2 = json.loads(other.stdout)
     for rep in (one_shot, rep2):
@@ -346,6 +348,7 @@ async def test_the_jails_tmp_is_private_per_jail(target: Server, observe: Observ
     async with AsyncClient(target.url, TOKEN) as c:
         sess = await c.execute("open('/tmp/drop','w').write('MAILBOX')", session="new")
         ex = await c.execute("import os\nprint(os.path.exists('/tmp/drop'))")
+        assert sess.session is not None
         await c.close_session(sess.session)
     assert ex.stdout == "False\n", ex
     observe("a concurrent jail did not see /tmp/drop")

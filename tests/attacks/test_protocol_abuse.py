@@ -144,7 +144,7 @@ async def test_an_oversized_event_line_ends_as_output_limit(target: Server, obse
 
 @attack("frames that are not JSON, not objects, or binary garbage", "done rejected for each; connection stays usable")
 async def test_malformed_frames_are_rejected(target: Server, observe: Observe) -> None:
-    bad = ["not json", "[1,2,3]", "42", '"str"', "null", b"\xff\xfe\x00garbage", "{\"code\": \"x\"", ""]
+    bad: list[str | bytes] = ["not json", "[1,2,3]", "42", '"str"', "null", b"\xff\xfe\x00garbage", "{\"code\": \"x\"", ""]
     replies = await raw_exchange(target, *bad, until=len(bad))
     rej = rejections(replies)
     assert [r["status"] for r in rej] == ["rejected"] * len(bad), rej
@@ -267,6 +267,7 @@ async def test_session_id_guessing_finds_nothing(target: Server, observe: Observ
                   for i in range(20)]
         replies = await raw_exchange(target, *frames, *closes, until=len(frames) + len(closes))
         still = await c.execute("print(secret)", session=real.session)
+        assert real.session is not None
         await c.close_session(real.session)
     rej = rejections(replies)
     assert len(rej) == 520 and {r["status"] for r in rej} == {"rejected"}, rej[:3]
@@ -283,8 +284,10 @@ async def test_another_tokens_session_is_invisible(open_server: Server, observe:
         sid = opened.session
         stolen = await mallory.execute("print(secret)", session=sid)
         anon_try = await anon.execute("print(secret)", session=sid)
+        assert sid is not None
         closed = await mallory.close_session(sid)
         mine = await alice.execute("print(secret)", session=sid)
+        assert sid is not None
         await alice.close_session(sid)
     assert stolen.status == "rejected" and anon_try.status == "rejected" and closed["status"] == "rejected"
     assert "ALICE" not in json.dumps(stolen.frames + anon_try.frames) and mine.stdout == "ALICE\n"
@@ -382,6 +385,7 @@ async def test_a_busy_session_rejects_a_second_request(target: Server, observe: 
         second = await c.execute("n += 100", session=s.session)
         f = await first
         final = await c.execute("print(n)", session=s.session)
+        assert s.session is not None
         await c.close_session(s.session)
     assert second.status == "rejected" and f.stdout == "1\n" and final.stdout == "1\n", (second, f, final)
     observe(f"second: {second.message}")

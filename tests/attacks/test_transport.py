@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from appliance.client import AsyncClient
-from tests.attacks.common import TOKEN, assert_contained, attack, descendants, run
+from appliance.jail.proctree import descendants
+from tests.attacks.common import TOKEN, assert_contained, attack, run
 from tests.attacks.conftest import hostile_server
 from tests.support import Server, scaled, start_server
 
@@ -215,6 +216,7 @@ async def test_a_sessions_cell_leaves_no_process_running_between_cells(target: S
             "import os\nmine = os.getpid()\n"
             "others = sorted(int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) not in (1, mine))\n"
             "print([open(f'/proc/{p}/cmdline').read() for p in others])", session=sid)
+        assert sid is not None
         await client.close_session(sid)
     assert second.status == "ok" and second.stdout.strip() == "[]", second.stdout
     note = await assert_contained(target)
@@ -260,11 +262,12 @@ async def test_runs_sent_while_the_server_starts_are_not_internal_errors(
         deadline = time.monotonic() + scaled(60)
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
-                    break
+                url = f"http://127.0.0.1:{port}/healthz"
+                (await asyncio.to_thread(urllib.request.urlopen, url, timeout=1)).close()
+                break
             except OSError:
                 assert time.monotonic() < deadline, "the server never listened"
-                time.sleep(0.02)
+                await asyncio.sleep(0.02)
         async with AsyncClient(f"ws://127.0.0.1:{port}/exec", TOKEN) as client:
             results = await asyncio.gather(*(client.execute("print(6*7)") for _ in range(3)))
         statuses = [ex.status for ex in results]
@@ -361,7 +364,7 @@ async def test_frames_costly_to_parse_do_not_stall_the_server(tenanted: Server, 
                            separators=(",", ":")).encode() for n in range(len(socks))]
     assert len(payloads[0]) < 16777216
     wire = [RawSocket.masked(0x1, payload) for payload in payloads]  # built before anything is timed
-    stop, latencies = threading.Event(), []
+    stop, latencies = threading.Event(), list[float]()
     watcher = threading.Thread(target=healthz_latencies, args=(tenanted, stop, latencies))
     watcher.start()
     try:
@@ -454,6 +457,6 @@ async def test_metrics_are_not_readable_without_the_token(target: Server, tenant
              "metrics": metrics_status(tenanted, METRICS_TOKEN)}
     assert single == {"none": 401, "wrong": 401, "token": 200}, single
     assert split == {"none": 401, "tenant": 401, "metrics": 200}, split
-    status, body = tenanted.get("/metrics", METRICS_TOKEN)
+    _status, body = tenanted.get("/metrics", METRICS_TOKEN)
     assert "appliance_runs_total" in body
     observe(f"single token: {single}; tenants + SANDBOX_METRICS_TOKEN: {split}")
