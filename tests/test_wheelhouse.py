@@ -169,3 +169,43 @@ class TestOffByDefault:
     def test_a_wheelhouse_that_is_not_a_directory_stops_startup(self, tmp_path: Path) -> None:
         with pytest.raises(RuntimeError, match="SANDBOX_WHEELHOUSE: /nonexistent-wheels is not a directory"):
             start_server(tmp_path / "srv", SANDBOX_WHEELHOUSE="/nonexistent-wheels")
+
+
+SMALL_DISK_MB = 8
+
+
+@pytest.fixture(scope="module")
+def bounded() -> Iterator[Server]:
+    """A wheelhouse with a wheel whose install is bigger than the run's disk quota, and one
+    that never finishes reading (a FIFO: what a wheelhouse on a hung network mount looks like)."""
+    root = Path(tempfile.mkdtemp(prefix="appliance-wheels-big-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    megabyte = "0" * 2**20
+    # A platform wheel (not cacheable): real pip installs it. 24 files of 1 MiB, each under
+    # SANDBOX_MAX_FILE_MB, 24 MiB in all: three times SANDBOX_MAX_DISK_MB.
+    build_wheel(root, "bigpkg", "1.0", "BIG = 1\n", tag="py3-none-linux_x86_64",
+                extra={f"bigpkg_data/blob{i}.txt": megabyte for i in range(24)})
+    os.mkfifo(root / "slowpkg-1.0-py3-none-any.whl", 0o644)
+    tmp = Path(tempfile.mkdtemp(prefix="appliance-bounded-"))
+    srv = start_server(tmp, SANDBOX_WHEELHOUSE=str(root), SANDBOX_MAX_DISK_MB=str(SMALL_DISK_MB))
+    yield srv
+    srv.stop()
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+class TestBoundedByTheRunsLimits:
+    async def test_an_install_bigger_than_the_disk_quota_ends_output_limit(self, bounded: Server) -> None:
+        ex = await run(bounded, "%pip install bigpkg", timeout_ms=60000)
+        assert ex.status == "output_limit", (ex.status, ex.stdout, ex.stderr)
+        assert f"SANDBOX_MAX_DISK_MB ({SMALL_DISK_MB} MiB)" in (ex.message or ""), ex.message
+        after = await run(bounded, "print('next run fine')")
+        assert after.status == "ok" and after.stdout == "next run fine\n"
+
+    async def test_an_install_that_does_not_finish_is_stopped_at_the_runs_time_limit(self, bounded: Server) -> None:
+        ex = await run(bounded, "%pip install slowpkg\nprint('AFTER-INSTALL')", timeout_ms=4000)
+        assert ex.status == "timeout", (ex.status, ex.stdout, ex.stderr)
+        assert "Looking in links" in ex.stdout, "pip itself was running when the time ran out"
+        assert "AFTER-INSTALL" not in ex.stdout
+        after = await run(bounded, "print('next run fine')")
+        assert after.status == "ok" and after.stdout == "next run fine\n"
