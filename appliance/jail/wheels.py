@@ -99,8 +99,7 @@ def _unpack_all(wheels: list[Path], staging: Path) -> dict[str, dict[str, object
             manifest[name]["cacheable"] = False
     for entry in manifest.values():
         listed = entry["requires"]
-        assert isinstance(listed, list)
-        for req in listed:
+        for req in listed if isinstance(listed, list) else ():  # always a list: made above
             req["cached"] = satisfied_by(manifest.get(str(req["name"])), str(req["specifier"]))
     return manifest
 
