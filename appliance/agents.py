@@ -348,6 +348,8 @@ class Executor(Protocol):
 
     async def close_session(self, session: str) -> Frame: ...
 
+    async def models(self) -> list[dict[str, Any]]: ...
+
 
 class Dispatcher:
     """Runs the tools' calls on an Executor for one conversation: keep_state calls share one

@@ -230,6 +230,13 @@ class Lifecycle:
             for wait in waits:
                 m.gpu_reclaim_seconds.observe(wait)
             m.gpu_reclaim_timeouts.set(sum(b.reclaim_timeouts for b in ledger.books.values()))
+            mps = self.gpu.mps
+            for uuid in self.gpu.devices:
+                device = mps.devices.get(uuid) if mps is not None else None
+                m.gpu_mps_enforcing.labels(device=uuid).set(
+                    1 if device is not None and device.enforcing and not device.broken else 0)
+                for reason in device.blocked if device is not None else ():
+                    m.gpu_mps_blocked.labels(device=uuid, reason=reason).set(1)
         sets = self._pool_sets()
         if not sets:
             return

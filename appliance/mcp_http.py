@@ -70,6 +70,11 @@ class ServiceExecutor:
         await self.service.execute(message, self.owner, emit)
         return result
 
+    async def models(self) -> list[dict[str, Any]]:
+        """The model catalogue, as GET /v1/models gives it."""
+        found: list[dict[str, Any]] = (await self.service.models())["models"]
+        return found
+
     async def close_session(self, session: str) -> Frame:
         """End one of this owner's sessions."""
         rid = protocol.new_request_id()

@@ -2,7 +2,9 @@
 low-level `Server`; transports are elsewhere (stdio here for `appliance mcp`, Streamable HTTP
 at `/mcp` in appliance.mcp_http).
 
-Tools: `run_python` and `close_session`, with the schema of appliance.agents (one source).
+Tools: `run_python` and `close_session`, with the schema of appliance.agents (one source), and
+`list_models`: the model catalogue (GET /v1/models, appliance.tools.catalogue) as JSON text,
+the names being what `load_llm` / `transcribe` take inside `run_python`.
 A result comes back as text content (appliance.agents.tool_result, within a budget), image
 content for figures, and the files the run wrote under outputs/ as embedded resources.
 
@@ -10,8 +12,6 @@ State: each MCP session (a stdio process, or one `Mcp-Session-Id` over HTTP) get
 agents.Dispatcher through the SDK's per-session lifespan. Calls with `keep_state: true` run in
 that MCP session's one appliance session, opened on first use and closed by `close_session`
 or when the MCP session ends. Calls without it get a fresh jail each time.
-
-No model catalogue exists in the appliance yet, so there is no `list_models` tool.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import logging
 import mimetypes
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +38,13 @@ log = logging.getLogger("appliance.mcp")
 
 SERVER_NAME = "appliance"
 CLOSE_TIMEOUT_S = 10.0  # closing an appliance session when its MCP session ends
+LIST_MODELS_TOOL = "list_models"
+LIST_MODELS_DESCRIPTION = (
+    "List the models the appliance holds (its SANDBOX_MODELS_DIR): name, kind (llm: GGUF for "
+    "llama.cpp; whisper: whisper.cpp), size, architecture, quantisation, parameters and the GPU "
+    "memory a full offload needs. Load one inside run_python with "
+    "`from appliance.tools import load_llm; llm = load_llm(NAME)` or `transcribe(audio, model=NAME)`.")
+LIST_MODELS_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass
@@ -58,7 +66,22 @@ def tools() -> list[types.Tool]:
                    inputSchema=agents.RUN_PYTHON_PARAMETERS),
         types.Tool(name=agents.CLOSE_SESSION_TOOL, description=agents.CLOSE_SESSION_DESCRIPTION,
                    inputSchema=agents.CLOSE_SESSION_PARAMETERS),
+        types.Tool(name=LIST_MODELS_TOOL, description=LIST_MODELS_DESCRIPTION, inputSchema=LIST_MODELS_PARAMETERS),
     ]
+
+
+async def list_models(executor: agents.Executor) -> types.CallToolResult:
+    """The catalogue as one text block of JSON (an error result, saying why, if it cannot be read)."""
+    try:
+        models = await executor.models()
+    except Exception as exc:  # a transport or HTTP failure: the model reads why
+        return types.CallToolResult(content=[types.TextContent(
+            type="text", text=f"the model catalogue could not be read: {exc}")], isError=True)
+    if not models:
+        text = "no models: the appliance's models directory (SANDBOX_MODELS_DIR) is not set or holds none"
+    else:
+        text = json.dumps({"models": models}, indent=1)
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], isError=False)
 
 
 def to_mcp(result: agents.ToolResult) -> types.CallToolResult:
@@ -105,6 +128,8 @@ def build_server(executor_for: ExecutorFor, max_chars: int = agents.DEFAULT_MAX_
         state: McpSessionState = ctx.lifespan_context
         if state.dispatcher is None:
             state.dispatcher = agents.Dispatcher(executor_for(ctx), max_chars=max_chars)
+        if name == LIST_MODELS_TOOL:
+            return await list_models(state.dispatcher.client)
         return to_mcp(await state.dispatcher.call(name, arguments))
 
     return server

@@ -59,5 +59,13 @@ class Metrics:
                                           "Finished GPU runs whose memory NVML still listed after SANDBOX_GPU_RECLAIM_MS",
                                           registry=r)
 
+        # GPU mode, layer (b): whether MPS limits hold per device, and what stands in their way.
+        self.gpu_mps_enforcing = Gauge("appliance_gpu_mps_enforcing",
+                                       "1 where daemon-side MPS memory limits are proven on the device", ["device"],
+                                       registry=r)
+        self.gpu_mps_blocked = Gauge("appliance_gpu_mps_blocked",
+                                     "1 for each reason MPS limits cannot hold a jailed run on the device "
+                                     "(dev_shm, compute_mode, pid_namespace)", ["device", "reason"], registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,11 @@ through real jails and real WebSockets, with one llama replaced by a runaway tha
   the overrunner's allocation is refused inside the run (`budget_refused`): it never holds
   memory past its budget.
 
+Both run on a simulated host where nothing stands in a jailed client's way (EXCLUSIVE_PROCESS
+compute mode, and the daemon's shared memory in its pipe directory, which jails see): no
+real MPS daemon is that today (its clients need /dev/shm, which GPU jails do not get), so on
+a real GPU layer (b) reads "not enforcing" and only the first configuration applies.
+
 Run time is counted from the run's start (done.duration_ms minus the queue wait).
 
 Printed at the end: outcomes per configuration, how long the overrunner held memory
@@ -71,9 +76,11 @@ def build_stub(root: Path) -> Path:
 async def run_config(label: str, simulate: str, enforcing: bool, root: Path, lib: Path,
                      samples: list[dict[str, Any]], levels: tuple[int, ...]) -> list[RunRecord]:
     slug = simulate.replace("-", "_")
+    host = root / f"host-{slug}.json"  # the simulated host: see the module docstring
+    host.write_text(json.dumps({"compute_mode": {"0": "EXCLUSIVE_PROCESS"}, "mps_shm": "pipe_dir"}))
     server = start_appliance(
         f"mps-{slug}", root / "srv", SANDBOX_GPU="1", SANDBOX_GPU_BACKEND="simulated",
-        SANDBOX_GPU_SIMULATE=str(DEVICE_MB), SANDBOX_GPU_SIMULATE_MPS=simulate,
+        SANDBOX_GPU_SIMULATE=str(DEVICE_MB), SANDBOX_GPU_SIMULATE_MPS=simulate, SANDBOX_GPU_SIMULATE_FILE=str(host),
         SANDBOX_GPU_MPS_PIPE_DIR=str(root / f"pipe-{slug}"), SANDBOX_GPU_LIBCUDA=str(lib),
         SANDBOX_GPU_MARGIN_MB=str(MARGIN_MB), SANDBOX_GPU_POLL_MS=str(POLL_MS), SANDBOX_PRELOAD="",
         SANDBOX_POOL_SIZE="2", SANDBOX_MAX_CONCURRENCY="16", SANDBOX_MAX_EXEC_MS="60000",

@@ -4,13 +4,17 @@
  * "context" an MPS client of the simulated daemon (appliance/gpu/mps_simulated.py): the
  * primary context connects to $CUDA_MPS_PIPE_DIRECTORY/sim-client, and every allocation is
  * granted or refused (CUDA_ERROR_OUT_OF_MEMORY) by that daemon against the limit it fixed
- * for this client when it connected, as the real MPS daemon does.
+ * for this client when it connected, as the real MPS daemon does. Like a real MPS client it
+ * must map the daemon's shared memory (the daemon names the file; the real one keeps it in
+ * /dev/shm): where the file cannot be opened (a jail's private, empty /dev/shm) the context
+ * fails with CUDA_ERROR_MPS_CONNECTION_FAILED.
  */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -19,6 +23,7 @@
 #define CUDA_ERROR_NOT_INITIALIZED 3
 #define CUDA_ERROR_DEVICES_UNAVAILABLE 46
 #define CUDA_ERROR_INVALID_CONTEXT 201
+#define CUDA_ERROR_MPS_CONNECTION_FAILED 805
 
 static int initialised = 0;
 static int client = -1;
@@ -51,7 +56,8 @@ int cuDevicePrimaryCtxRetain(void **ctx, int device) {
         const char *dir = getenv("CUDA_MPS_PIPE_DIRECTORY");
         const char *uuid = getenv("CUDA_VISIBLE_DEVICES");
         struct sockaddr_un addr = {.sun_family = AF_UNIX};
-        char line[256], reply[64];
+        char line[256], reply[64], shm[512];
+        struct stat st;
         snprintf(addr.sun_path, sizeof addr.sun_path, "%s/sim-client", dir ? dir : "/tmp/nvidia-mps");
         int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
@@ -60,10 +66,22 @@ int cuDevicePrimaryCtxRetain(void **ctx, int device) {
         }
         client = fd;
         snprintf(line, sizeof line, "hello %s\n", uuid ? uuid : "");
-        if (ask(line, reply, sizeof reply) != 0 || strncmp(reply, "ok", 2) != 0) {
+        if (ask(line, shm, sizeof shm) != 0 || strncmp(shm, "shm ", 4) != 0) {
             close(client);
             client = -1;
             return CUDA_ERROR_DEVICES_UNAVAILABLE;
+        }
+        shm[strcspn(shm, "\n")] = '\0';
+        if (stat(shm + 4, &st) != 0) {  /* the daemon's shared memory is not there to map */
+            close(client);
+            client = -1;
+            return CUDA_ERROR_MPS_CONNECTION_FAILED;
+        }
+        snprintf(line, sizeof line, "attach %llu\n", (unsigned long long)st.st_ino);
+        if (ask(line, reply, sizeof reply) != 0 || strncmp(reply, "ok", 2) != 0) {
+            close(client);
+            client = -1;
+            return CUDA_ERROR_MPS_CONNECTION_FAILED;
         }
         limit_mb = strncmp(reply, "ok none", 7) == 0 ? -1 : atoll(reply + 3);
     }

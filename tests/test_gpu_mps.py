@@ -31,17 +31,27 @@ from appliance.gpu.mps import (
     MpsError,
     cmd_set_default_limit,
     cmd_set_limit,
+    daemon_pid_namespace_problem,
     parse_limit_mb,
     parse_pids,
 )
-from appliance.gpu.mps_limits import DeviceMps, MpsLimiter, judge_probe
+from appliance.gpu.mps_limits import DeviceMps, MpsLimiter, jail_blockers, judge_probe
 from appliance.gpu.mps_simulated import SimulatedMps
 from appliance.gpu.simulated import SimulatedBackend
 from appliance.jail import channel
 from tests.support import REPO, Server, scaled, start_server
-from tests.test_gpu_server import simulate
+from tests.test_gpu_server import simulate as simulate_file
 
 MARGIN_MB = 128
+# A host where nothing stands in a jailed MPS client's way: EXCLUSIVE_PROCESS compute mode and
+# a daemon whose shared memory sits in the pipe directory jails see. No real daemon is the
+# latter today (its memory is in /dev/shm): these tests hold the limiter's own mechanics.
+REACHABLE = {"compute_mode": {"0": "EXCLUSIVE_PROCESS"}, "mps_shm": "pipe_dir"}
+
+
+def simulate(control: Path, **state: object) -> None:
+    """The simulated host's state, on the REACHABLE host unless the state says otherwise."""
+    simulate_file(control, **{**REACHABLE, **state})
 ALLOC = textwrap.dedent("""\
     import ctypes, os
     cu = ctypes.CDLL(os.environ["APPLIANCE_LIBCUDA"])
@@ -68,6 +78,9 @@ def cuda_dir() -> Iterator[Path]:
 
 
 def mps_env(cuda_dir: Path, pipe: str = "mps", **extra: str) -> dict[str, str]:
+    if "SANDBOX_GPU_SIMULATE_FILE" not in extra:  # the REACHABLE host unless the test gives its own
+        simulate(cuda_dir / f"{pipe}.json")
+        extra["SANDBOX_GPU_SIMULATE_FILE"] = str(cuda_dir / f"{pipe}.json")
     return {"SANDBOX_GPU": "1", "SANDBOX_GPU_BACKEND": "simulated", "SANDBOX_GPU_SIMULATE": "4096",
             "SANDBOX_GPU_SIMULATE_MPS": "on", "SANDBOX_GPU_MPS_PIPE_DIR": str(cuda_dir / pipe),
             "SANDBOX_GPU_LIBCUDA": str(cuda_dir / "libcuda.so.1"), "SANDBOX_GPU_MARGIN_MB": str(MARGIN_MB),
@@ -78,6 +91,7 @@ def mps_env(cuda_dir: Path, pipe: str = "mps", **extra: str) -> dict[str, str]:
 def mps_server(tmp_path_factory: pytest.TempPathFactory, cuda_dir: Path) -> Iterator[tuple[Server, Path]]:
     tmp = tmp_path_factory.mktemp("mps")
     control = tmp / "sim.json"
+    simulate(control)
     srv = start_server(tmp / "srv", settings=mps_env(cuda_dir, SANDBOX_GPU_SIMULATE_FILE=str(control)))
     yield srv, control
     srv.stop()
@@ -143,6 +157,65 @@ async def test_an_mps_fault_refuses_the_run_before_any_code_and_readiness_says_s
         again = await c.execute(ALLOC + "print(alloc(400))", gpu={"memory_mb": 500})
     assert results(again) == [0]
     assert srv.get("/readyz")[0] == 200
+
+
+NEEDLES = {"dev_shm": "/dev/shm is private and empty", "compute_mode": "not in EXCLUSIVE_PROCESS compute mode",
+           "pid_namespace": "another PID namespace"}
+
+
+@pytest.mark.parametrize(("host", "blocked"), [
+    ({}, ["dev_shm", "compute_mode"]),                                  # a real daemon, a GPU out of the box
+    ({"compute_mode": {"0": "EXCLUSIVE_PROCESS"}}, ["dev_shm"]),        # a real daemon, set up for MPS
+    ({**REACHABLE, "mps_pid_namespace": "other"}, ["pid_namespace"]),   # a daemon in another container
+], ids=["real-default-mode", "real-exclusive", "other-pid-namespace"])
+def test_mps_that_cannot_hold_a_jailed_run_reads_not_enforcing_with_the_exact_reasons(
+        tmp_path: Path, cuda_dir: Path, host: dict[str, object], blocked: list[str]) -> None:
+    # Issue 14, defect 6: the simulated daemon read "enforcing" where the real one could not hold a
+    # jailed run (its clients need /dev/shm; compute mode; a daemon's PIDs in another namespace).
+    control = tmp_path / "sim.json"
+    simulate_file(control, **host)
+    pipe = Path(tempfile.mkdtemp(prefix="appliance-mps-", dir="/tmp"))  # apart from libcuda's (readable) dir
+    os.chmod(pipe, 0o755)
+    srv = start_server(tmp_path / "srv", settings=mps_env(cuda_dir, SANDBOX_GPU_SIMULATE_FILE=str(control),
+                                                          SANDBOX_GPU_MPS_PIPE_DIR=str(pipe)))
+    try:
+        status, body = srv.get("/readyz")
+        mps = json.loads(body)["gpu"]["mps"]
+        device = mps["devices"]["GPU-SIM-0"]
+        assert status == 200 and mps["enforcing"] is False and device["enforcing"] is False, body
+        assert device["blocked"] == blocked and device["note"].startswith("not enforcing: ")
+        assert all(NEEDLES[code] in device["note"] for code in blocked), device["note"]
+        assert json.loads(body)["gpu"]["watchdog"]["available"] is True, "the watchdog still guards runs"
+        metrics = srv.get("/metrics")[1]
+        assert 'appliance_gpu_mps_enforcing{device="GPU-SIM-0"} 0.0' in metrics
+        for code in blocked:
+            assert f'appliance_gpu_mps_blocked{{device="GPU-SIM-0",reason="{code}"}} 1.0' in metrics
+        # The device's jails do not join MPS, whose clients they could not be: no pipe directory.
+        code = (f"import os\nprint(os.path.exists({str(pipe)!r}), 'CUDA_MPS_PIPE_DIRECTORY' in os.environ)")
+        with Client(srv.url) as c:
+            ex = c.execute(code, gpu={"memory_mb": 500})
+        assert ex.status == "ok" and ex.stdout == "False False\n", ex.frames
+        assert json.loads(srv.get("/readyz")[1])["gpu"]["mps"]["armed"] == 0
+    finally:
+        srv.stop()
+        shutil.rmtree(pipe, ignore_errors=True)
+
+
+async def test_a_jailed_client_cannot_attach_to_a_daemon_whose_memory_is_in_dev_shm(
+        mps_server: tuple[Server, Path]) -> None:
+    # The simulated daemon is as unkind as the real one: its client must map the daemon's
+    # shared memory, and a GPU jail's /dev/shm is empty. Moved there after the startup checks,
+    # the next run's CUDA context fails to connect, and the run is refused before any code.
+    srv, control = mps_server
+    simulate(control, mps_shm="dev_shm")
+    try:
+        async with AsyncClient(srv.url) as c:
+            ex = await c.execute("print('ran')", gpu={"memory_mb": 500})
+    finally:
+        simulate(control)
+    assert ex.status == "internal" and ex.stdout == "", ex.frames
+    assert not any(f["type"] == "start" for f in ex.frames), "nothing started"
+    assert "cuDevicePrimaryCtxRetain returned CUDA error 805" in (ex.message or ""), ex.message  # MPS_CONNECTION_FAILED
 
 
 def test_a_daemon_that_ignores_limits_is_reported_as_not_enforcing(
@@ -395,3 +468,29 @@ def test_the_daemon_client_speaks_nvidia_cuda_mps_control_line_by_line(tmp_path:
         f"set_device_pinned_mem_limit {server.pid} GPU-abc 700M", "set_default_device_pinned_mem_limit GPU-abc 256M",
         f"get_device_pinned_mem_limit {server.pid} GPU-abc", f"set_device_pinned_mem_limit {server.pid} GPU-abc 700M",
         "quit"]
+
+
+def test_what_stands_in_a_jailed_clients_way_is_listed_with_every_reason() -> None:
+    assert [c for c, _ in jail_blockers(needs_dev_shm=True, exclusive=False, pid_problem="elsewhere")] == [
+        "dev_shm", "compute_mode", "pid_namespace"]
+    assert jail_blockers(needs_dev_shm=False, exclusive=True, pid_problem=None) == []
+    assert jail_blockers(needs_dev_shm=False, exclusive=True, pid_problem="elsewhere") == [
+        ("pid_namespace", "elsewhere")]
+
+
+def test_a_real_daemon_is_checked_for_being_in_this_pid_namespace(tmp_path: Path) -> None:
+    # This host runs no MPS daemon: nothing visible, so its PIDs could not be ours.
+    problem = daemon_pid_namespace_problem()
+    assert problem is not None and "no MPS control daemon process is visible" in problem
+    # A /proc with the daemon's entry: the same namespace link as ours, then another one.
+    proc = tmp_path / "proc"
+    (proc / "self" / "ns").mkdir(parents=True)
+    (proc / "self" / "ns" / "pid").symlink_to("pid:[4026531836]")
+    (proc / "77" / "ns").mkdir(parents=True)
+    (proc / "77" / "comm").write_text("nvidia-cuda-mps\n")
+    (proc / "77" / "ns" / "pid").symlink_to("pid:[4026531836]")
+    assert daemon_pid_namespace_problem(proc) is None
+    (proc / "77" / "ns" / "pid").unlink()
+    (proc / "77" / "ns" / "pid").symlink_to("pid:[4026532999]")
+    problem = daemon_pid_namespace_problem(proc)
+    assert problem is not None and "PID 77" in problem and "another PID namespace" in problem

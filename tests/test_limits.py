@@ -104,6 +104,17 @@ async def test_filling_the_disk_with_many_files_ends_with_output_limit(tight: Se
     await assert_contained(tight)
 
 
+@pytest.mark.parametrize("end", ["", "\nimport os\nos._exit(0)"], ids=["returns", "exits"])
+async def test_a_cell_that_writes_past_the_disk_quota_and_ends_at_once_ends_with_output_limit(
+        tight: Server, end: str) -> None:
+    # 28 MiB in four files under the 8 MiB file limit, then done, well inside one disk check
+    # interval: the quota is checked once more when the cell ends (it used to end ok).
+    code = "for i in range(4):\n    open(f'f{i}', 'wb').write(b'0' * (7 << 20))" + end
+    ex = await run(tight, code, timeout_ms=4000)
+    assert ex.status == "output_limit" and "SANDBOX_MAX_DISK_MB (24 MiB)" in (ex.message or ""), ex
+    await assert_contained(tight)
+
+
 async def test_an_output_flood_ends_with_output_limit(tight: Server) -> None:
     ex = await run(tight, "while True:\n    print('x' * 1000)")
     assert ex.status == "output_limit", ex

@@ -4,6 +4,7 @@ real subprocess) and over Streamable HTTP at /mcp, both against a real server an
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import subprocess
@@ -19,6 +20,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from appliance.cli import exec_url
 from appliance.client import AsyncClient
+from tests.models import write_tiny_llama, write_tiny_whisper
 from tests.support import REPO, Server, scaled, start_server
 
 TOKEN = "mcp-test-token-0123456789abcdef"
@@ -69,10 +71,10 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 
 class TestBothTransports:
-    async def test_the_tools_are_run_python_and_close_session(self, authed: Server, transport: str) -> None:
+    async def test_the_tools_are_run_python_close_session_and_list_models(self, authed: Server, transport: str) -> None:
         async with TRANSPORTS[transport](authed) as mcp:
             listed = await mcp.list_tools()
-            assert [t.name for t in listed.tools] == ["run_python", "close_session"]
+            assert [t.name for t in listed.tools] == ["run_python", "close_session", "list_models"]
             assert listed.tools[0].inputSchema["required"] == ["code"]
 
     async def test_a_figure_comes_back_as_image_content(self, authed: Server, transport: str) -> None:
@@ -117,6 +119,34 @@ class TestBothTransports:
         async with TRANSPORTS[transport](authed) as mcp:
             result = await mcp.call_tool("run_python", {"code": 5})
             assert result.isError and "'code' is required and must be a string" in text_of(result)
+
+
+@pytest.fixture(scope="module")
+def with_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("mcp-models")
+    os.chmod(root, 0o755)
+    write_tiny_llama(root / "tiny-llama.gguf")
+    write_tiny_whisper(root / "tiny-whisper.bin")
+    srv = start_server(tmp_path_factory.mktemp("mcp-models-srv"), SANDBOX_AUTH_TOKEN=TOKEN,
+                       SANDBOX_MODELS_DIR=str(root))
+    yield srv
+    srv.stop()
+
+
+class TestListModels:
+    async def test_list_models_gives_the_catalogue_of_get_v1_models(self, with_models: Server, transport: str) -> None:
+        async with TRANSPORTS[transport](with_models) as mcp, AsyncClient(with_models.url, TOKEN) as client:
+            result = await mcp.call_tool("list_models", {})
+            assert not result.isError, text_of(result)
+            listed = json.loads(text_of(result))["models"]
+            assert listed == await client.models()  # one catalogue, whichever way it is asked
+        assert [(m["name"], m["kind"]) for m in listed] == [("tiny-llama.gguf", "llm"), ("tiny-whisper.bin", "whisper")]
+        assert listed[0]["architecture"] == "llama" and listed[0]["error"] is None
+
+    async def test_without_a_models_directory_list_models_says_so(self, authed: Server, transport: str) -> None:
+        async with TRANSPORTS[transport](authed) as mcp:
+            result = await mcp.call_tool("list_models", {})
+        assert not result.isError and "SANDBOX_MODELS_DIR" in text_of(result)
 
 
 class TestHttpAuth:

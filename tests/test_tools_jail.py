@@ -208,3 +208,41 @@ async def test_gpu_readyz_says_whether_shaping_can_offload(gpu_tools_server: Ser
         await asyncio.sleep(0.2)
     assert status == 200, body
     assert ready["gpu"]["shaping"]["gpu_offload"] is False and ready["tools"]["llama_cpp"]["gpu_offload"] is False
+
+
+BIG_MODEL_MB = 226  # write_tiny_llama(n_embd=1024, n_layer=8, n_ff=1024): F32 weights, mmapped by llama.cpp
+SMALL_MEMORY_MB = 128
+
+
+@pytest.fixture(scope="module")
+def big_model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """GPU mode (simulated devices) with SANDBOX_MEMORY_MB below the size of the one model it serves."""
+    root = Path(tempfile.mkdtemp(prefix="appliance-big-model-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    model = write_tiny_llama(root / "big-llama.gguf", n_embd=1024, n_layer=8, n_head=8, n_ff=1024)
+    os.chmod(model, 0o644)
+    assert model.stat().st_size > BIG_MODEL_MB * 2**20 > SMALL_MEMORY_MB * 2**20
+    srv = start_server(tmp_path_factory.mktemp("big-model"), SANDBOX_MODELS_DIR=str(root), SANDBOX_GPU="1",
+                       SANDBOX_GPU_BACKEND="simulated", SANDBOX_GPU_SIMULATE="8192", SANDBOX_GPU_POLL_MS="50",
+                       SANDBOX_MEMORY_MB=str(SMALL_MEMORY_MB))
+    yield srv
+    srv.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_a_gpu_run_loading_a_model_larger_than_its_host_memory_cap_ends_ok(big_model_server: Server) -> None:
+    # Issue 14, defect 1: the watchdog capped resident memory (statm), which counts the mmapped
+    # GGUF, so loading a real model in a GPU jail ended memory_limit. It caps what the run owns.
+    code = ("import time, warnings\nfrom appliance.tools import load_llm\n"
+            "warnings.simplefilter('ignore')  # a CPU build with a GPU budget: on the CPU, and warned\n"
+            "llm = load_llm('big-llama.gguf')\ntext = llm('hello world', max_tokens=4)\n"
+            "time.sleep(1.0)  # the model stays mapped and resident across many watchdog polls\n"
+            "page = 4096\nrss = int(open('/proc/self/statm').read().split()[1]) * page // 2**20\n"
+            "print(isinstance(text, str), llm.shape.n_gpu_layers, rss)")
+    async with AsyncClient(big_model_server.url) as c:
+        ex = await c.execute(code, gpu={"memory_mb": 2048}, timeout_ms=120000)
+    assert ex.status == "ok", (ex.status, ex.error, ex.stderr)
+    is_text, layers, rss = ex.stdout.split()
+    assert is_text == "True" and layers == "0"
+    # The run really held more resident memory than SANDBOX_MEMORY_MB: the model's file pages.
+    assert int(rss) > SMALL_MEMORY_MB, ex.stdout

@@ -148,13 +148,28 @@ class TestStaging:
         first = stage_wheel_cache(house, tmp_path / "root")
         manifest = json.loads((first / "manifest.json").read_text())["packages"]
         assert manifest["alpha"] == {"name": "alpha", "version": "1.0", "path": "alpha-1.0",
-                                     "requires": ["beta"], "cacheable": True}
+                                     "requires": [{"name": "beta", "specifier": ">=1", "cached": False}],
+                                     "cacheable": True}  # beta has two versions: not cached
         assert (first / "alpha-1.0" / "alpha.py").read_text() == "A = 1\n"
         assert not manifest["beta"]["cacheable"]  # two versions: pip chooses
         assert not manifest["native"]["cacheable"] and not manifest["marked"]["cacheable"]
         assert stage_wheel_cache(house, tmp_path / "root") == first
         build_wheel(house, "delta", "1.0", "D = 1\n")
         assert stage_wheel_cache(house, tmp_path / "root") != first
+
+    def test_a_requirements_version_range_is_judged_against_the_cached_version(self, tmp_path: Path) -> None:
+        house = tmp_path / "house"
+        house.mkdir()
+        build_wheel(house, "lib", "1.5", "L = 1\n")
+        build_wheel(house, "old_ok", "1.0", "A = 1\n", requires=("lib<2,>=1",))
+        build_wheel(house, "wants_new", "1.0", "B = 1\n", requires=("Lib>=2",))
+        build_wheel(house, "legacy", "1.0", "C = 1\n", requires=("lib (==1.5)",))
+        build_wheel(house, "extras", "1.0", "D = 1\n", requires=("lib[fast]",))
+        manifest = json.loads((stage_wheel_cache(house, tmp_path / "root") / "manifest.json").read_text())["packages"]
+        assert manifest["old-ok"]["requires"] == [{"name": "lib", "specifier": "<2,>=1", "cached": True}]
+        assert manifest["wants-new"]["requires"] == [{"name": "lib", "specifier": ">=2", "cached": False}]
+        assert manifest["legacy"]["requires"] == [{"name": "lib", "specifier": "==1.5", "cached": True}]
+        assert not manifest["extras"]["cacheable"]  # a dependency's extras: pip's judgement
 
     def test_a_wheel_with_a_path_outside_its_folder_is_not_unpacked(self, tmp_path: Path) -> None:
         house = tmp_path / "house"
@@ -169,3 +184,74 @@ class TestOffByDefault:
     def test_a_wheelhouse_that_is_not_a_directory_stops_startup(self, tmp_path: Path) -> None:
         with pytest.raises(RuntimeError, match="SANDBOX_WHEELHOUSE: /nonexistent-wheels is not a directory"):
             start_server(tmp_path / "srv", SANDBOX_WHEELHOUSE="/nonexistent-wheels")
+
+
+SMALL_DISK_MB = 8
+
+
+@pytest.fixture(scope="module")
+def bounded() -> Iterator[Server]:
+    """A wheelhouse with a wheel whose install is bigger than the run's disk quota, and one
+    that never finishes reading (a FIFO: what a wheelhouse on a hung network mount looks like)."""
+    root = Path(tempfile.mkdtemp(prefix="appliance-wheels-big-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    megabyte = "0" * 2**20
+    # A platform wheel (not cacheable): real pip installs it. 24 files of 1 MiB, each under
+    # SANDBOX_MAX_FILE_MB, 24 MiB in all: three times SANDBOX_MAX_DISK_MB.
+    build_wheel(root, "bigpkg", "1.0", "BIG = 1\n", tag="py3-none-linux_x86_64",
+                extra={f"bigpkg_data/blob{i}.txt": megabyte for i in range(24)})
+    os.mkfifo(root / "slowpkg-1.0-py3-none-any.whl", 0o644)
+    tmp = Path(tempfile.mkdtemp(prefix="appliance-bounded-"))
+    srv = start_server(tmp, SANDBOX_WHEELHOUSE=str(root), SANDBOX_MAX_DISK_MB=str(SMALL_DISK_MB))
+    yield srv
+    srv.stop()
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+class TestBoundedByTheRunsLimits:
+    async def test_an_install_bigger_than_the_disk_quota_ends_output_limit(self, bounded: Server) -> None:
+        ex = await run(bounded, "%pip install bigpkg", timeout_ms=60000)
+        assert ex.status == "output_limit", (ex.status, ex.stdout, ex.stderr)
+        assert f"SANDBOX_MAX_DISK_MB ({SMALL_DISK_MB} MiB)" in (ex.message or ""), ex.message
+        after = await run(bounded, "print('next run fine')")
+        assert after.status == "ok" and after.stdout == "next run fine\n"
+
+    async def test_an_install_that_does_not_finish_is_stopped_at_the_runs_time_limit(self, bounded: Server) -> None:
+        ex = await run(bounded, "%pip install slowpkg\nprint('AFTER-INSTALL')", timeout_ms=4000)
+        assert ex.status == "timeout", (ex.status, ex.stdout, ex.stderr)
+        assert "Looking in links" in ex.stdout, "pip itself was running when the time ran out"
+        assert "AFTER-INSTALL" not in ex.stdout
+        after = await run(bounded, "print('next run fine')")
+        assert after.status == "ok" and after.stdout == "next run fine\n"
+
+
+@pytest.fixture(scope="module")
+def ranges(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A wheelhouse whose wheels ask their dependency for version ranges: one the cache's only
+    version meets, one it does not."""
+    root = Path(tempfile.mkdtemp(prefix="appliance-wheels-ranges-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    build_wheel(root, "rangedep", "1.0", "V = '1.0'\n")
+    build_wheel(root, "wantsold", "1.0", "import rangedep\nV = rangedep.V\n", requires=("rangedep<2",))
+    build_wheel(root, "wantsnew", "1.0", "import rangedep\nV = rangedep.V\n", requires=("rangedep>=2",))
+    srv = start_server(tmp_path_factory.mktemp("ranges"), SANDBOX_WHEELHOUSE=str(root))
+    yield srv
+    srv.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+class TestVersionRanges:
+    async def test_a_range_the_cached_version_meets_is_installed_from_the_cache(self, ranges: Server) -> None:
+        ex = await run(ranges, "%pip install wantsold\nimport wantsold\nprint(wantsold.V)")
+        assert ex.status == "ok", (ex.stdout, ex.stderr)
+        assert "(from the appliance's wheel cache)" in ex.stdout and ex.stdout.splitlines()[-1] == "1.0"
+
+    async def test_a_range_the_cache_cannot_meet_goes_to_pip_which_refuses_it(self, ranges: Server) -> None:
+        # The cache used to install rangedep 1.0 for `rangedep>=2`; pip, from the wheelhouse,
+        # finds no version that fits, as it would on any machine.
+        ex = await run(ranges, "%pip install wantsnew\nprint(_exit_code)", timeout_ms=60000)
+        assert ex.status == "ok", (ex.stdout, ex.stderr)
+        assert "(from the appliance's wheel cache)" not in ex.stdout
+        assert ex.stdout.splitlines()[-1] == "1"
+        assert "rangedep>=2" in ex.stderr, ex.stderr

@@ -143,9 +143,11 @@ class GpuLeases(LeaseSource):
     def start(self, make_factory: Callable[[GpuDevice, Profile], JailFactory], cpu: PoolLeases) -> None:
         """Warm pools per device and profile; start the watchdog."""
         self.cpu = cpu
-        pipe_dir = self.mps.control.pipe_dir if self.mps is not None else None
         fullest = max(self.profiles, key=lambda p: len(p.modules))
         for dev in self.devices.values():
+            pipe_dir = None
+            if self.mps is not None and self.mps.check_blockers(dev.uuid, self._exclusive(dev.uuid)) is None:
+                pipe_dir = self.mps.control.pipe_dir  # only jails that can be limited join MPS
             device = gpu_device(dev.index, dev.uuid, dev.minor, mps_pipe_dir=pipe_dir)
             pools = ProfilePools.build(self.profiles, functools.partial(make_factory, device), self.settings.pool_size)
             pools.start()
@@ -159,15 +161,19 @@ class GpuLeases(LeaseSource):
         if self.mps is None:
             return
         for uuid, factory in self.factories.items():
-            try:
-                exclusive = await asyncio.to_thread(self.backend.exclusive_process, uuid)
-            except GpuBackendError:
-                exclusive = False
+            exclusive = await asyncio.to_thread(self._exclusive, uuid)
             device = await self.mps.probe(uuid, factory, exclusive, self.devices[uuid].total_mb)
             log.info("MPS probe", extra={"device": uuid, "enforcing": device.enforcing, "note": device.note})
             if self.settings.gpu_mps == "require" and not device.enforcing:
                 raise StartupError(f"SANDBOX_GPU_MPS=require but MPS limits are not enforced on {uuid}: "
                                    f"{device.note}")
+
+    def _exclusive(self, uuid: str) -> bool:
+        """Whether the device is in EXCLUSIVE_PROCESS compute mode (unreadable: taken as not)."""
+        try:
+            return self.backend.exclusive_process(uuid)
+        except GpuBackendError:
+            return False
 
     async def close(self) -> None:
         await self.watchdog.close()

@@ -39,6 +39,14 @@ class MpsControl(abc.ABC):
 
     name: str = "abstract"
     pipe_dir: Path
+    def needs_dev_shm(self) -> bool:
+        """Whether clients must map the daemon's shared memory in /dev/shm (the real daemon's do;
+        a GPU jail's /dev/shm is private and empty, see mps_limits.jail_blockers)."""
+        return True
+
+    def pid_namespace_problem(self) -> str | None:
+        """Why the PIDs the daemon reports are not this server's (another PID namespace); None if they are."""
+        return None
 
     @abc.abstractmethod
     def server_for(self, uid: int) -> int:
@@ -124,8 +132,9 @@ class DaemonControl(MpsControl):
 
     name = "nvidia-cuda-mps-control"
 
-    def __init__(self, pipe_dir: Path, binary: str | None = None) -> None:
+    def __init__(self, pipe_dir: Path, binary: str | None = None, proc: Path = Path("/proc")) -> None:
         found = binary or shutil.which(CONTROL_BINARY)
+        self.proc = proc
         if not found:
             raise MpsError(f"{CONTROL_BINARY} was not found on PATH")
         self.binary = found
@@ -149,6 +158,11 @@ class DaemonControl(MpsControl):
         reply = self._run(command).strip()
         if reply:  # setters answer nothing on success
             raise MpsError(f"{command.split()[0]} refused: {reply[:300]}")
+
+    def pid_namespace_problem(self) -> str | None:
+        """The daemon's process must be visible here and in our PID namespace: the PIDs of its
+        servers and clients are then ours. A daemon in another container reports its own."""
+        return daemon_pid_namespace_problem(self.proc)
 
     def server_for(self, uid: int) -> int:
         for pid in sorted(parse_pids(self._run("get_server_list"))):
@@ -185,6 +199,31 @@ def _uid_of(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def daemon_pid_namespace_problem(proc: Path = Path("/proc")) -> str | None:
+    """Why the MPS control daemon's PIDs are not in this process's PID namespace; None if they are."""
+    try:
+        ours = os.readlink(proc / "self" / "ns" / "pid")
+        entries = os.listdir(proc)
+    except OSError as exc:
+        return f"this server's PID namespace could not be read ({exc})"
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            comm = (proc / entry / "comm").read_text().strip()
+            if comm != CONTROL_BINARY[:15]:  # comm is cut to 15 characters
+                continue
+            theirs = os.readlink(proc / entry / "ns" / "pid")
+        except OSError:
+            continue
+        if theirs != ours:
+            return (f"the MPS control daemon (PID {entry}) runs in another PID namespace ({theirs}, ours "
+                    f"{ours}): the client PIDs it reports are not this server's")
+        return None
+    return ("no MPS control daemon process is visible in this PID namespace (a daemon in another "
+            "container or on the host): the client PIDs it reports are not this server's")
 
 
 def control_socket_present(pipe_dir: Path) -> bool:

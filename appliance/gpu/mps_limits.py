@@ -14,7 +14,18 @@ made by arming, one run at a time per device:
      refused; any other (a neighbour's process that connected inside the window and got
      this budget) is terminated and its run stopped.
 
-Nothing is assumed: at startup each device is probed with a real jail (arm a small budget,
+Before any probe, what stands in a jailed client's way is checked (`jail_blockers`, pure):
+the real daemon keeps its clients' shared memory in /dev/shm, which a GPU jail does not see
+(firejail `--private-dev` mounts an empty one; `--keep-dev-shm` would hand every run the
+host's writable /dev/shm, so the appliance does not use it); the GPU must be in
+EXCLUSIVE_PROCESS compute mode, or a client that avoids MPS gets a context with no limit;
+and the daemon's PIDs must be this server's (a daemon in another container reports PIDs of
+its own namespace, which never match a run's). Any of these makes the layer "not enforcing"
+on that device, with the exact reasons in /readyz and `appliance_gpu_mps_blocked` in
+/metrics; the watchdog alone then guards GPU memory. With the real daemon the first always
+holds today, so layer (b) reads "not enforcing" on real GPUs.
+
+Nothing else is assumed: at startup each device is probed with a real jail (arm a small budget,
 allocate under and over it, try to raise the limit from inside, read it back) and the layer
 reports `enforcing` only where the probe proved it. SANDBOX_GPU_MPS=require refuses to start
 otherwise. A control command failing mid-run refuses the run (`internal`), never runs it
@@ -78,6 +89,31 @@ class DeviceMps:
     enforcing: bool = False
     note: str = "not probed yet"
     broken: str | None = None  # a control command failed; runs are refused until it works again
+    blocked: tuple[str, ...] = ()  # jail_blockers' codes: why a jailed client cannot be limited
+
+
+# What stands in a jailed MPS client's way: code -> reason (the codes label /metrics).
+BLOCK_DEV_SHM = ("dev_shm", "MPS clients need the daemon's shared memory in /dev/shm, and a GPU jail's "
+                 "/dev/shm is private and empty (firejail --private-dev); --keep-dev-shm would give every "
+                 "run the host's writable /dev/shm, so the appliance does not use it")
+BLOCK_COMPUTE_MODE = ("compute_mode", "the GPU is not in EXCLUSIVE_PROCESS compute mode, so a client that "
+                      "avoids MPS would get a context with no limit (nvidia-smi -i <index> -c EXCLUSIVE_PROCESS)")
+BLOCK_PID_NAMESPACE = "pid_namespace"
+
+
+def jail_blockers(needs_dev_shm: bool, exclusive: bool, pid_problem: str | None) -> list[tuple[str, str]]:
+    """Why a GPU jail's CUDA client cannot be held to a daemon-side limit, as (code, reason) (pure).
+
+    Empty when nothing known stands in the way (the startup probe must still prove it).
+    """
+    found = []
+    if needs_dev_shm:
+        found.append(BLOCK_DEV_SHM)
+    if not exclusive:
+        found.append(BLOCK_COMPUTE_MODE)
+    if pid_problem:
+        found.append((BLOCK_PID_NAMESPACE, pid_problem))
+    return found
 
 
 class MpsLimiter:
@@ -112,7 +148,8 @@ class MpsLimiter:
         return {"available": True, "enforcing": self.enforcing, "note": note, "daemon": self.control.name,
                 "pipe_dir": str(self.control.pipe_dir), "resting_mb": self.resting_mb,
                 "armed": self.armed, "intruders": self.intruders,
-                "devices": {uuid: {"enforcing": d.enforcing and not d.broken, "note": d.broken or d.note}
+                "devices": {uuid: {"enforcing": d.enforcing and not d.broken, "note": d.broken or d.note,
+                                   "blocked": list(d.blocked)}
                             for uuid, d in self.devices.items()}}
 
     # -- per run -----------------------------------------------------------------------------
@@ -183,7 +220,19 @@ class MpsLimiter:
     def _lock(self, uuid: str) -> asyncio.Lock:
         return self._locks.setdefault(uuid, asyncio.Lock())
 
-    # -- startup probe -----------------------------------------------------------------------
+    # -- startup: what stands in the way, then the probe -------------------------------------
+    def check_blockers(self, uuid: str, exclusive: bool) -> DeviceMps | None:
+        """Record the device as not enforcing when `jail_blockers` finds anything; None when nothing
+        stands in the way. Called before the device's jails are made: a blocked device's jails
+        do not join MPS (no pipe directory), since a jailed client could not connect anyway."""
+        blockers = jail_blockers(self.control.needs_dev_shm(), exclusive, self.control.pid_namespace_problem())
+        if not blockers:
+            return None
+        device = self.devices[uuid] = DeviceMps(
+            enforcing=False, note="not enforcing: " + "; ".join(reason for _, reason in blockers),
+            blocked=tuple(code for code, _ in blockers))
+        return device
+
     async def probe(self, uuid: str, factory: JailFactory, exclusive: bool, total_mb: int) -> DeviceMps:
         """Prove, with a real jail on this device, that a run cannot pass its MPS limit.
 
@@ -200,11 +249,13 @@ class MpsLimiter:
         return device
 
     async def _probe(self, uuid: str, factory: JailFactory, exclusive: bool) -> DeviceMps:
+        known = self.devices.get(uuid)
+        if known is not None and known.blocked:
+            return known
+        blocked = await asyncio.to_thread(self.check_blockers, uuid, exclusive)
+        if blocked is not None:
+            return blocked
         device = self.devices[uuid] = DeviceMps(enforcing=False, note="probing")
-        if not exclusive:
-            device.note = ("the GPU is not in EXCLUSIVE_PROCESS compute mode, so a client that avoids "
-                           "MPS would get a context with no limit (nvidia-smi -c EXCLUSIVE_PROCESS)")
-            return device
         try:
             server = await self.set_resting(uuid)
             jail = await factory.launch()

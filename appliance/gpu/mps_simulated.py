@@ -7,8 +7,21 @@ are real processes (in real jails): they connect to the unix socket `<pipe_dir>/
 and the daemon learns their host PID and uid from SO_PEERCRED, as the real one does. Line
 protocol, one request and one answer a line:
 
-    hello <device uuid>   -> "ok <limit MiB | none>"     (the connection is the client)
+    hello <device uuid>   -> "shm <path>"                (the daemon's shared memory: map it)
+    attach <inode>        -> "ok <limit MiB | none>"     (the connection is now the client)
+                           | "error"                     (that is not the daemon's memory)
     alloc <bytes>         -> "ok" | "oom"                (CUDA_ERROR_OUT_OF_MEMORY)
+
+As unkind as the real daemon where a jail is concerned (the backend's control file sets it):
+
+- `"mps_shm"`: where the daemon's shared memory lives. `"dev_shm"` (the default, as the real
+  daemon) puts it in /dev/shm, which a GPU jail does not see (`--private-dev`): a jailed client
+  cannot attach, and its context fails (the stub's CUDA_ERROR_MPS_CONNECTION_FAILED).
+  `"pipe_dir"` puts it in the pipe directory GPU jails whitelist: a daemon no real one is
+  today, kept so the limiter's own mechanics stay tested.
+- `"mps_pid_namespace": "other"`: the daemon runs in another PID namespace (another
+  container) and reports its clients under PIDs of its own, which never match a run's.
+- compute mode is the backend's (`"compute_mode"`; DEFAULT unless set).
 
 Allocations are refused past the client's limit and past the device's size (what a full
 GPU does), and reported to the simulated GPU backend as the client PID's usage, so the
@@ -31,6 +44,8 @@ from appliance.gpu.mps import MpsControl, MpsError
 from appliance.gpu.simulated import SimulatedBackend
 
 SOCKET_NAME = "sim-client"
+SHM_NAME = "sim-shm"
+FOREIGN_PID_OFFSET = 5_000_000  # "PIDs" of another namespace: above any pid_max, never a real one here
 SERVER_PID_BASE = 4_000_000  # simulated server "PIDs": above any real pid_max default
 MIB = 1024 * 1024
 
@@ -66,10 +81,26 @@ class SimulatedMps(MpsControl):
         self._sock.bind(str(path))
         os.chmod(path, 0o666)  # like the real control socket: every uid may connect
         self._sock.listen(64)
+        # The daemon's "shared memory": one file in /dev/shm (the real daemon's place) and one
+        # in the pipe directory; the control file says which a client must attach to.
+        self._shm = {"dev_shm": Path("/dev/shm") / f"appliance-sim-mps-{os.getpid()}-{id(self):x}",
+                     "pipe_dir": pipe_dir / SHM_NAME}
+        for shm in self._shm.values():
+            shm.write_bytes(b"\0" * 64)
+            os.chmod(shm, 0o666)
         self._closed = False
         threading.Thread(target=self._accept, name="sim-mps", daemon=True).start()
 
     # -- MpsControl --------------------------------------------------------------------------
+    def needs_dev_shm(self) -> bool:
+        return self._shm_place() == "dev_shm"
+
+    def pid_namespace_problem(self) -> str | None:
+        if self.backend.control_state().get("mps_pid_namespace") == "other":
+            return ("the simulated MPS daemon runs in another PID namespace: the client PIDs it reports "
+                    "are not this server's")
+        return None
+
     def server_for(self, uid: int) -> int:
         self._check_fault()
         with self._lock:
@@ -109,6 +140,9 @@ class SimulatedMps(MpsControl):
                 self._sock.close()
             with contextlib.suppress(OSError):
                 (self.pipe_dir / SOCKET_NAME).unlink()
+            for shm in self._shm.values():
+                with contextlib.suppress(OSError):
+                    shm.unlink()
 
     # -- test hooks --------------------------------------------------------------------------
     def client_limits(self) -> dict[int, int | None]:
@@ -126,6 +160,15 @@ class SimulatedMps(MpsControl):
         fault = self.backend.control_state().get("mps_fault")
         if fault:
             raise MpsError(f"simulated MPS fault: {fault}")
+
+    def _shm_place(self) -> str:
+        return "pipe_dir" if self.backend.control_state().get("mps_shm") == "pipe_dir" else "dev_shm"
+
+    def _reported(self, pid: int) -> int:
+        """A client's PID as this daemon reports it (its own namespace's, when that differs)."""
+        if self.backend.control_state().get("mps_pid_namespace") == "other":
+            return pid + FOREIGN_PID_OFFSET
+        return pid
 
     def _server(self, uid: int) -> int:
         server = self._servers.get(uid)
@@ -153,15 +196,29 @@ class SimulatedMps(MpsControl):
                                                           struct.calcsize("3i")))
         client: _Client | None = None
         server = 0
+        reported = self._reported(pid)
+        device = ""
+        shm: Path | None = None
         try:
             with conn, conn.makefile("rw", encoding="ascii", newline="\n") as stream:
                 for line in stream:
                     verb, _, arg = line.strip().partition(" ")
-                    if verb == "hello" and client is None:
+                    if verb == "hello" and client is None and shm is None:
+                        device, shm = arg, self._shm[self._shm_place()]
+                        stream.write(f"shm {shm}\n")
+                    elif verb == "attach" and client is None and shm is not None:
+                        try:
+                            ok = arg.isdigit() and int(arg) == os.stat(shm).st_ino
+                        except OSError:
+                            ok = False
+                        if not ok:  # the client mapped something else, or nothing
+                            stream.write("error\n")
+                            stream.flush()
+                            return
                         with self._lock:
                             server = self._server(uid)
-                            client = _Client(pid, uid, arg, self._limits[server].get(arg))
-                            self._clients[server][pid] = client
+                            client = _Client(pid, uid, device, self._limits[server].get(device))
+                            self._clients[server][reported] = client
                         stream.write(f"ok {client.limit_mb if client.limit_mb is not None else 'none'}\n")
                     elif verb == "alloc" and client is not None and arg.isdigit():
                         stream.write("ok\n" if self._alloc(server, client, int(arg)) else "oom\n")
@@ -173,13 +230,13 @@ class SimulatedMps(MpsControl):
         finally:
             if client is not None:
                 with self._lock:
-                    self._clients.get(server, {}).pop(pid, None)
+                    self._clients.get(server, {}).pop(reported, None)
                 self.backend.set_usage(pid, _index(client.uuid), 0)
 
     def _alloc(self, server: int, client: _Client, size: int) -> bool:
         total = next((d.total_mb for d in self.backend.devices() if d.uuid == client.uuid), 0) * MIB
         with self._lock:
-            if server not in self._clients or client.pid not in self._clients[server]:
+            if not any(c is client for c in self._clients.get(server, {}).values()):
                 return False  # terminated by the daemon
             ceiling = client.limit_mb * MIB if self.enforce and client.limit_mb is not None else total
             on_device = sum(c.used_bytes for cs in self._clients.values() for c in cs.values()

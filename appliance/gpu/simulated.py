@@ -22,6 +22,9 @@ two places, both optional:
 `"report_tids": true` reports each live process's usage under the ID of its newest
 thread other than the main one (where it has one), as NVML does when a worker thread
 created the CUDA context. `"mig": [0]` puts those device indexes in MIG mode (read when devices are listed).
+Every device is in DEFAULT compute mode, as a GPU is out of the box, unless
+`"compute_mode": {"0": "EXCLUSIVE_PROCESS"}` says otherwise. The simulated MPS daemon
+(`mps_simulated.py`) reads `"mps_shm"` and `"mps_pid_namespace"` here too.
 
 Device `i` has UUID `GPU-SIM-<i>` and device node minor `i`.
 """
@@ -103,7 +106,12 @@ class SimulatedBackend(GpuBackend):
         return self._mps
 
     def exclusive_process(self, uuid: str) -> bool:
-        return self._mps  # a simulated MPS host is set up as MPS hosts should be
+        # A GPU out of the box is in DEFAULT compute mode; only the control file's
+        # "compute_mode": {"<index>": "EXCLUSIVE_PROCESS"} says otherwise.
+        with self._lock:
+            modes = self._read_control().get("compute_mode") or {}
+        index = uuid.rsplit("-", 1)[-1]
+        return isinstance(modes, dict) and modes.get(index) == "EXCLUSIVE_PROCESS"
 
     def control_state(self) -> dict[str, Any]:
         """The control file's current content (the simulated MPS daemon reads its faults here)."""

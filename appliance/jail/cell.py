@@ -97,6 +97,8 @@ async def run_cell(
                 process.stop(OutputLimit(f"an output object exceeded {item.nbytes} bytes"))
                 continue
             if isinstance(item, Exited):
+                if stopping is None:  # the disk as at "done" below: never over the quota and ok
+                    stopping = await asyncio.to_thread(disk_violation, jail, max_disk_mb)
                 if stopping is not None:
                     return ended(stopping)
                 code = await _exit_code(jail)
@@ -108,6 +110,10 @@ async def run_cell(
                 outcome = CellOutcome("ok" if body["exit_code"] == 0 else "error", exit_code=body["exit_code"],
                                       cpu_ms=body["cpu_ms"], max_rss_mb=body["max_rss_mb"], output_bytes=sent,
                                       import_ms=body["import_ms"])
+                if stopping is None:
+                    # A cell can write past the quota and end between two of the watchdog's
+                    # checks: look once more, so that it never ends ok over the quota.
+                    stopping = await asyncio.to_thread(disk_violation, jail, max_disk_mb)
                 if stopping is not None:
                     outcome.status, outcome.message = stopping.status, stopping.message
                 elif memory_error:

@@ -188,9 +188,14 @@ class Magics:
         if not manifest:
             return False
         chosen: dict[str, dict[str, Any]] = {}
-        todo = list(reqs)
+        todo: list[Any] = list(reqs)
         while todo:
-            name, rest = split_requirement(todo.pop())
+            item = todo.pop()
+            if isinstance(item, dict):  # a cached wheel's own requirement, judged by the server
+                if item.get("specifier") and not item.get("cached"):
+                    return False  # a version range the cache cannot meet: pip decides
+                item = str(item.get("name", ""))
+            name, rest = split_requirement(str(item))
             if name in chosen:
                 continue
             entry = manifest.get(name)
@@ -201,7 +206,7 @@ class Magics:
             if rest and rest != f"=={entry['version']}":
                 return False  # a version range: pip decides
             chosen[name] = entry
-            todo += [str(r) for r in entry.get("requires", [])]
+            todo += list(entry.get("requires", []))
         for entry in chosen.values():
             self._add_path(os.path.join(str(self.cache), str(entry["path"])))
         done = ", ".join(f"{e['name']}-{e['version']}" for e in chosen.values())

@@ -6,6 +6,12 @@ Layout, under SANDBOX_TMP_ROOT:
         manifest.json                name -> {name, version, path, requires, cacheable}
         <name>-<version>/            a pure wheel (py3-none-any), unpacked: importable from sys.path
 
+`requires` lists a cached wheel's unconditional requirements as {name, specifier, cached}:
+`cached` is true when the cache holds that name at a version its specifier allows (judged
+here with packaging's SpecifierSet, since the jail's side has only the standard library). A
+requirement with a version range the cache cannot satisfy sends the install to pip, which
+then decides from the wheelhouse.
+
 Only pure wheels are unpacked: an unpacked pure wheel is exactly what pip would install
 (modules, data, .dist-info), while platform wheels and sdists need pip's judgement; those, and
 names with several versions or with requirements that carry environment markers, are marked
@@ -26,11 +32,16 @@ import zipfile
 from email.parser import HeaderParser
 from pathlib import Path
 
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 from appliance.errors import StartupError
 from appliance.jail.workdir import staged
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_UNPACKED_BYTES = 512 * 1024 * 1024  # per wheel: a zip bomb in the wheelhouse stays a pip matter
+MANIFEST_FORMAT = 2  # part of the cache's name: a cache of an older layout is never reused
 
 
 def normalize(name: str) -> str:
@@ -52,7 +63,7 @@ def stage_wheel_cache(wheelhouse: Path, tmp_root: Path) -> Path:
     """Unpack the wheelhouse's pure wheels once per wheelhouse content; returns the cache."""
     check_wheelhouse(wheelhouse)
     wheels = sorted(p for p in wheelhouse.iterdir() if p.name.endswith(".whl") and p.is_file())
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(f"manifest {MANIFEST_FORMAT}\n".encode())
     for wheel in wheels:
         info = wheel.stat()
         digest.update(f"{wheel.name}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
@@ -86,12 +97,30 @@ def _unpack_all(wheels: list[Path], staging: Path) -> dict[str, dict[str, object
     for name, seen in versions.items():
         if len(seen) > 1:  # which one a request means is pip's decision
             manifest[name]["cacheable"] = False
+    for entry in manifest.values():
+        listed = entry["requires"]
+        for req in listed if isinstance(listed, list) else ():  # always a list: made above
+            req["cached"] = satisfied_by(manifest.get(str(req["name"])), str(req["specifier"]))
     return manifest
 
 
-def _unpack(wheel: Path, dest: Path) -> list[str] | None:
-    """Unpack one wheel safely; its unconditional requirements' names, or None when it
-    cannot be cached (a bad archive, an unsafe member, a marker only pip can judge)."""
+def satisfied_by(entry: dict[str, object] | None, specifier: str) -> bool:
+    """Whether a cached manifest entry's version is one `specifier` allows (pure).
+
+    Pre-releases count only where the specifier names one, as pip's default; a version
+    packaging cannot read is never taken as allowed."""
+    if entry is None or not entry.get("cacheable"):
+        return False
+    try:
+        return SpecifierSet(specifier).contains(Version(str(entry["version"])))
+    except InvalidVersion:
+        return False
+
+
+def _unpack(wheel: Path, dest: Path) -> list[dict[str, object]] | None:
+    """Unpack one wheel safely; its unconditional requirements ({name, specifier}), or None
+    when it cannot be cached (a bad archive, an unsafe member, a marker only pip can judge, a
+    requirement packaging cannot read, or one asking for a dependency's extras)."""
     try:
         with zipfile.ZipFile(wheel) as archive:
             members = archive.infolist()
@@ -107,16 +136,19 @@ def _unpack(wheel: Path, dest: Path) -> list[str] | None:
             if metadata is None:
                 return None
             headers = HeaderParser().parsestr(archive.read(metadata).decode("utf-8", "replace"))
-            requires: list[str] = []
-            for req in headers.get_all("Requires-Dist") or []:
-                spec, _, marker = str(req).partition(";")
-                if marker.strip():
-                    if "extra" in marker:
+            requires: list[dict[str, object]] = []
+            for line in headers.get_all("Requires-Dist") or []:
+                try:
+                    req = Requirement(str(line))
+                except InvalidRequirement:
+                    return None
+                if req.marker is not None:
+                    if "extra" in str(req.marker):
                         continue  # an optional extra: not needed by a plain install
                     return None
-                match = _NAME.match(spec.strip())
-                if match:
-                    requires.append(normalize(match.group(0)))
+                if req.extras or req.url:
+                    return None  # a dependency's extras or a direct URL: pip's judgement
+                requires.append({"name": normalize(req.name), "specifier": str(req.specifier)})
             dest.mkdir(parents=True)
             archive.extractall(dest)
             return requires
