@@ -4,6 +4,15 @@ One group per jail, for v1 (one directory per controller: memory, cpu, cpuacct, 
 directory in a delegated subtree). `render_v1` / `render_v2` turn `Limits` into ordered writes and
 hold all the policy; `Hierarchy` only makes directories, writes files, reads counters and removes.
 
+Layout, under the server's own cgroup of each controller (so the host's placement of the server,
+and any limit on it, still holds over its runs):
+
+    appliance/srv-<pid>-<starttime>/<jail id>/     one instance directory per server process
+
+The instance name is the server's record: a group whose server is no longer alive (no process
+with that pid and that start time) is a leftover of a server killed with -9, and `purge_dead`
+removes it at the next start; a live server's groups are never touched.
+
 A process joins its group before it executes anything: `Group.preexec` writes "0" (the writer
 itself) into fds of cgroup.procs opened beforehand, in the forked child, before exec. So the
 jail's first process (firejail) and everything it forks are counted from their first instruction;
@@ -16,27 +25,36 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from appliance.errors import StartupError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-BASE = "appliance"              # our subtree under each controller (v1) or the delegated root (v2)
+BASE = "appliance"              # our subtree under the server's own cgroup of each controller
 CPU_PERIOD_US = 100_000
 V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
 V2_CONTROLLERS = ("memory", "cpu", "pids")
 MODES = ("auto", "require", "off")
+RUN_WEIGHT = 100                # v2 cpu.weight of a run (v1 cpu.shares 1024): equal per run
+IDLE_WEIGHT = 10                # a warm jail waiting (or starting) in the pool: ~ nice 10
+REMOVE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What one group may use: memory (incl. tmpfs and page cache), CPUs, processes."""
+    """What one group may use: memory (incl. tmpfs and page cache), CPUs, processes, CPU weight."""
 
     memory_mb: int
     cpus: float
     max_procs: int
+    weight: int = RUN_WEIGHT
+
+    def idle(self) -> Limits:
+        """The same limits at idle weight: a warm jail must not take CPU from running work."""
+        return replace(self, weight=IDLE_WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,10 @@ class Write:
 
 def _quota_us(cpus: float) -> int:
     return max(1000, int(round(cpus * CPU_PERIOD_US)))
+
+
+def _shares(weight: int) -> int:
+    return max(2, weight * 1024 // RUN_WEIGHT)
 
 
 def render_v1(limits: Limits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
@@ -67,7 +89,7 @@ def render_v1(limits: Limits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
         *memory,
         Write("cpu", "cpu.cfs_period_us", str(CPU_PERIOD_US)),
         Write("cpu", "cpu.cfs_quota_us", str(_quota_us(limits.cpus))),
-        Write("cpu", "cpu.shares", "1024"),       # equal weight per run, whatever its process count
+        Write("cpu", "cpu.shares", str(_shares(limits.weight))),  # equal per run, whatever its processes
         Write("pids", "pids.max", str(limits.max_procs)),
     )
 
@@ -79,17 +101,29 @@ def render_v2(limits: Limits) -> tuple[Write, ...]:
         Write("", "memory.swap.max", "0"),
         Write("", "memory.oom.group", "1"),       # an OOM kill takes the whole run, not one child
         Write("", "cpu.max", f"{_quota_us(limits.cpus)} {CPU_PERIOD_US}"),
-        Write("", "cpu.weight", "100"),
+        Write("", "cpu.weight", str(limits.weight)),
         Write("", "pids.max", str(limits.max_procs)),
     )
 
 
-@dataclass(frozen=True)
-class Usage:
-    """A group's counters: CPU time, peak memory, OOM kills, processes refused at pids.max."""
+def render(version: int, limits: Limits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
+    """render_v1 or render_v2 by version."""
+    return render_v1(limits, memsw, lowering) if version == 1 else render_v2(limits)
 
-    cpu_ms: int
-    max_rss_mb: int
+
+def changes(version: int, old: Limits, new: Limits, memsw: bool) -> tuple[Write, ...]:
+    """Only the writes that differ between `old` and `new`, in the order `new` needs: what a
+    warm jail's handout costs (idle -> run limits differ in the CPU weight: one write)."""
+    lowering = new.memory_mb < old.memory_mb
+    before = set(render(version, old, memsw, lowering))
+    return tuple(w for w in render(version, new, memsw, lowering) if w not in before)
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A group's counters at one moment: CPU time (ns), OOM kills, processes refused."""
+
+    cpu_ns: int
     oom_kills: int
     pids_refused: int
 
@@ -104,88 +138,190 @@ def parse_keyed(text: str) -> dict[str, int]:
     return out
 
 
-def usage_v1(read: Callable[[str, str], str]) -> Usage:
-    """Usage from v1 files; read(controller, file) returns the file's text."""
-    oom = parse_keyed(read("memory", "memory.oom_control"))
-    return Usage(
-        cpu_ms=int(read("cpuacct", "cpuacct.usage")) // 1_000_000,
-        max_rss_mb=int(read("memory", "memory.max_usage_in_bytes")) // (1024 * 1024),
-        oom_kills=oom.get("oom_kill", 0),
+def counters_v1(read: Callable[[str, str], str]) -> Counters:
+    """Counters from v1 files; read(controller, file) returns the file's text."""
+    return Counters(
+        cpu_ns=int(read("cpuacct", "cpuacct.usage")),
+        oom_kills=parse_keyed(read("memory", "memory.oom_control")).get("oom_kill", 0),
         pids_refused=parse_keyed(read("pids", "pids.events")).get("max", 0),
     )
 
 
-def usage_v2(read: Callable[[str, str], str]) -> Usage:
-    """Usage from v2 files; read("", file) returns the file's text."""
-    peak = read("", "memory.peak").strip()
-    return Usage(
-        cpu_ms=parse_keyed(read("", "cpu.stat")).get("usage_usec", 0) // 1000,
-        max_rss_mb=int(peak) // (1024 * 1024) if peak.isdigit() else 0,
+def counters_v2(read: Callable[[str, str], str]) -> Counters:
+    """Counters from v2 files; read("", file) returns the file's text."""
+    return Counters(
+        cpu_ns=parse_keyed(read("", "cpu.stat")).get("usage_usec", 0) * 1000,
         oom_kills=parse_keyed(read("", "memory.events")).get("oom_kill", 0),
         pids_refused=parse_keyed(read("", "pids.events")).get("max", 0),
     )
 
 
-class Hierarchy:
-    """A writable cgroup tree (v1 or v2) under which the appliance makes its runs' groups."""
+def owned_kb_of_stat(version: int, stat: str) -> int:
+    """Anonymous + shmem (tmpfs, /dev/shm) memory of a group from its memory.stat, in KiB: what
+    a run owns, leaving out file pages the kernel can drop (a mmapped model, libraries)."""
+    k = parse_keyed(stat)
+    if version == 1:
+        total = k.get("total_rss", k.get("rss", 0)) + k.get("total_shmem", k.get("shmem", 0))
+    else:
+        total = k.get("anon", 0) + k.get("shmem", 0)
+    return total // 1024
 
-    def __init__(self, version: int, dirs: Mapping[str, Path], memsw: bool = False) -> None:
+
+def instance_name(pid: int, start: int) -> str:
+    """The instance directory's name: the server's pid and its start time (clock ticks since boot)."""
+    return f"srv-{pid}-{start}"
+
+
+def parse_instance(name: str) -> tuple[int, int] | None:
+    """(pid, start time) of an instance directory's name, or None for a name that is not one."""
+    parts = name.split("-")
+    if len(parts) != 3 or parts[0] != "srv" or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return int(parts[1]), int(parts[2])
+
+
+def start_time(pid: int) -> int | None:
+    """A process's start time (field 22 of /proc/PID/stat), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Hierarchy:
+    """A writable cgroup tree (v1 or v2); this server's runs get groups in its instance directory."""
+
+    def __init__(self, version: int, dirs: Mapping[str, Path], memsw: bool = False,
+                 instance: str | None = None) -> None:
         self.version = version
-        self.dirs = dict(dirs)          # controller -> our base directory ("" -> base on v2)
+        self.base = dict(dirs)          # controller -> our base directory ("" -> base on v2)
         self.memsw = memsw
+        me = os.getpid()
+        self.instance = instance or instance_name(me, start_time(me) or 0)
+        self.dirs = {c: d / self.instance for c, d in self.base.items()}
+        self.label = f"cgroup-v{version}"
+
+    def prepare(self) -> None:
+        """Make this instance's directories (v2: and let its groups use the controllers)."""
+        for d in self.dirs.values():
+            d.mkdir(exist_ok=True)
+        if self.version == 2:
+            _enable_v2(self.dirs[""])
 
     def group(self, name: str, limits: Limits) -> Group:
         """Make group `name` with `limits`; it is empty until a process joins via preexec."""
         paths = {c: d / name for c, d in self.dirs.items()}
-        for p in paths.values():
-            p.mkdir()
-        g = Group(self, name, paths)
+        made: list[Path] = []
         try:
-            g.set_limits(limits, lowering=True)
+            for p in paths.values():
+                p.mkdir()
+                made.append(p)
+            g = Group(self, name, paths, limits)
+            for w in render(self.version, limits, self.memsw, lowering=True):
+                g._write(w)
         except BaseException:
-            g.remove()
+            for p in made:
+                with contextlib.suppress(OSError):
+                    p.rmdir()
             raise
         return g
 
-    def purge(self) -> int:
-        """Remove leftover groups (a server killed with -9 left them); returns how many."""
-        names: set[str] = set()
-        for d in self.dirs.values():
+    def purge_dead(self) -> list[str]:
+        """Remove the instance directories of servers that are gone (killed with -9), their groups
+        and whatever still runs in them; returns the instances removed. Live servers' are kept."""
+        dead: set[str] = set()
+        for d in self.base.values():
+            with contextlib.suppress(FileNotFoundError):
+                for entry in d.iterdir():
+                    owner = parse_instance(entry.name)
+                    if owner is None or entry.name == self.instance or not entry.is_dir():
+                        continue
+                    pid, start = owner
+                    if start_time(pid) != start:
+                        dead.add(entry.name)
+        for name in sorted(dead):
+            _remove_instance({c: d / name for c, d in self.base.items()})
+        return sorted(dead)
+
+    def close(self) -> None:
+        """At shutdown: remove this instance's groups (and anything left in them) and its directories."""
+        _remove_instance(self.dirs)
+
+
+def _remove_instance(dirs: Mapping[str, Path]) -> None:
+    names: set[str] = set()
+    for d in dirs.values():
+        with contextlib.suppress(FileNotFoundError):
             names |= {p.name for p in d.iterdir() if p.is_dir()}
-        for n in names:
-            Group(self, n, {c: d / n for c, d in self.dirs.items() if (d / n).is_dir()}).remove()
-        return len(names)
+    for n in names:
+        remove_paths({c: d / n for c, d in dirs.items()})
+    for d in dirs.values():
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def remove_paths(paths: Mapping[str, Path]) -> None:
+    """Kill every process in these group directories, then remove them (waits for the kernel to
+    let go of the dead: a directory with a dying task in it cannot be removed yet)."""
+    deadline = time.monotonic() + REMOVE_WAIT_S
+    left = dict(paths)
+    while left:
+        for c, p in list(left.items()):
+            try:
+                pids = (p / "cgroup.procs").read_text().split()
+            except FileNotFoundError:
+                del left[c]
+                continue
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            try:
+                p.rmdir()
+                del left[c]
+            except FileNotFoundError:
+                del left[c]
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+        if left:
+            time.sleep(0.005)
 
 
 class Group:
     """One run's group: limits, joining, counters, removal."""
 
-    def __init__(self, tree: Hierarchy, name: str, paths: Mapping[str, Path]) -> None:
+    def __init__(self, tree: Hierarchy, name: str, paths: Mapping[str, Path], limits: Limits) -> None:
         self.tree = tree
         self.name = name
         self.paths = dict(paths)
+        self.limits = limits
         self._fds: list[int] = []
+        self._removed = False
 
     def _write(self, w: Write) -> None:
-        (self.paths[w.controller] / w.file).write_text(w.value)
+        with open(self.paths[w.controller] / w.file, "w") as fh:
+            fh.write(w.value)
 
     def _read(self, controller: str, file: str) -> str:
-        return (self.paths[controller] / file).read_text()
+        with open(self.paths[controller] / file) as fh:
+            return fh.read()
 
-    def set_limits(self, limits: Limits, lowering: bool) -> None:
-        """Apply `limits` (a warm jail's idle limits, then the run's when handed out)."""
-        writes = (render_v1(limits, self.tree.memsw, lowering) if self.tree.version == 1
-                  else render_v2(limits))
-        for w in writes:
+    def set_limits(self, limits: Limits) -> None:
+        """Move to `limits` writing only what changes (a warm jail handed out: one write)."""
+        for w in changes(self.tree.version, self.limits, limits, self.tree.memsw):
             self._write(w)
+        self.limits = limits
 
     def open_join(self) -> None:
         """Open cgroup.procs of every controller now, so preexec only has to write."""
         self.close_join()
-        self._fds = [os.open(p / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for p in self.paths.values()]
+        for p in self.paths.values():
+            self._fds.append(os.open(p / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
 
     def preexec(self) -> None:
-        """In the forked child before exec: join the group (writing 0 moves the writer)."""
+        """In the forked child before exec: join the group (writing 0 moves the writer). An
+        error here makes the spawn fail: the jail's first process never runs outside its group."""
         for fd in self._fds:
             os.write(fd, b"0")
 
@@ -195,9 +331,32 @@ class Group:
             os.close(fd)
         self._fds = []
 
-    def usage(self) -> Usage:
-        """The group's counters, for done.cpu_ms / done.max_rss_mb / the memory_limit status."""
-        return usage_v1(self._read) if self.tree.version == 1 else usage_v2(self._read)
+    def counters(self) -> Counters:
+        """CPU time, OOM kills and refused forks, now."""
+        return counters_v1(self._read) if self.tree.version == 1 else counters_v2(self._read)
+
+    def oom_kills(self) -> int:
+        """OOM kills in the group so far (one file read: the watchdog polls it)."""
+        if self.tree.version == 1:
+            return parse_keyed(self._read("memory", "memory.oom_control")).get("oom_kill", 0)
+        return parse_keyed(self._read("", "memory.events")).get("oom_kill", 0)
+
+    def reset_peak(self) -> None:
+        """Start a new peak-memory reading (v1: memory.max_usage_in_bytes; v2 keeps memory.peak
+        over the group's life, which a reset would need the reading's own fd for)."""
+        if self.tree.version == 1:
+            self._write(Write("memory", "memory.max_usage_in_bytes", "0"))
+
+    def peak_mb(self) -> float:
+        """Peak memory of the group (every process, tmpfs, page cache) since reset_peak, in MiB."""
+        raw = (self._read("memory", "memory.max_usage_in_bytes") if self.tree.version == 1
+               else self._read("", "memory.peak")).strip()
+        return round(int(raw) / (1024 * 1024), 1) if raw.isdigit() else 0.0
+
+    def owned_mb(self) -> int:
+        """Anonymous + shmem memory of the group, in MiB (what the GPU watchdog caps)."""
+        key = "memory" if self.tree.version == 1 else ""
+        return owned_kb_of_stat(self.tree.version, self._read(key, "memory.stat")) // 1024
 
     def pids(self) -> list[int]:
         """Every process in the group."""
@@ -208,19 +367,24 @@ class Group:
         return sorted(out)
 
     def remove(self) -> None:
-        """Kill what is left in the group and remove its directories."""
+        """Kill what is left in the group and remove its directories (blocking: a thread)."""
         self.close_join()
-        for _ in range(100):
-            left = self.pids()
-            if not left:
-                break
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            os.sched_yield()
-        for p in self.paths.values():
-            with contextlib.suppress(FileNotFoundError):
-                p.rmdir()
+        if not self._removed:
+            remove_paths(self.paths)
+            self._removed = True
+
+
+def _own_path(controller: str, text: str) -> str:
+    """The server's own cgroup path for a v1 controller ("" -> the v2 line) from /proc/self/cgroup."""
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and (controller in parts[1].split(",") if controller else parts[1] == ""):
+            return parts[2].lstrip("/")
+    return ""
+
+
+def _enable_v2(d: Path) -> None:
+    (d / "cgroup.subtree_control").write_text(" ".join("+" + c for c in V2_CONTROLLERS))
 
 
 def _writable_base(d: Path) -> str | None:
@@ -235,31 +399,55 @@ def _writable_base(d: Path) -> str | None:
     return None
 
 
-def detect(root: Path = CGROUP_ROOT) -> tuple[Hierarchy | None, list[str]]:
-    """Find a writable hierarchy under root: v2 when root is cgroup2, else v1 controllers.
+def _detect_v2(root: Path, own: str) -> tuple[Hierarchy | None, list[str]]:
+    top = root / own
+    have = set((top / "cgroup.controllers").read_text().split())
+    lacking = [c for c in V2_CONTROLLERS if c not in have]
+    if lacking:
+        return None, [f"cgroup v2 controllers not delegated to {top}: {', '.join(lacking)}"]
+    try:
+        # v2 lets no cgroup both hold processes and hand controllers to children: the server's
+        # own processes move to a leaf (as a container's init or a Delegate=yes unit needs).
+        procs = (top / "cgroup.procs").read_text().split()
+        if procs:
+            leaf = top / "server"
+            leaf.mkdir(exist_ok=True)
+            for pid in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    (leaf / "cgroup.procs").write_text(pid)
+        _enable_v2(top)
+    except OSError as e:
+        return None, [f"{top}: cannot delegate controllers to the runs' groups: {e.strerror or e}"]
+    why = _writable_base(top)
+    if why:
+        return None, [why]
+    try:
+        _enable_v2(top / BASE)
+    except OSError as e:
+        return None, [f"{top / BASE}/cgroup.subtree_control: {e.strerror or e}"]
+    return Hierarchy(2, {"": top / BASE}), []
 
-    Returns (hierarchy or None, what is missing)."""
-    missing: list[str] = []
-    if (root / "cgroup.controllers").is_file():
-        have = set((root / "cgroup.controllers").read_text().split())
-        lacking = [c for c in V2_CONTROLLERS if c not in have]
-        if lacking:
-            return None, [f"cgroup v2 controllers not delegated: {', '.join(lacking)}"]
-        why = _writable_base(root)
-        if why:
-            return None, [why]
-        base = root / BASE
+
+def detect(root: Path = CGROUP_ROOT, self_cgroup: str | None = None) -> tuple[Hierarchy | None, list[str]]:
+    """Find a writable hierarchy under root, nested in the server's own cgroups: v2 when root is
+    cgroup2, else the v1 controllers. Returns (hierarchy or None, what is missing)."""
+    if self_cgroup is None:
         try:
-            (base / "cgroup.subtree_control").write_text("+memory +cpu +pids")
-        except OSError as e:
-            return None, [f"{base}/cgroup.subtree_control: {e.strerror or e}"]
-        return Hierarchy(2, {"": base}), []
+            self_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            self_cgroup = ""
+    if (root / "cgroup.controllers").is_file():
+        return _detect_v2(root, _own_path("", self_cgroup))
+    missing: list[str] = []
     dirs: dict[str, Path] = {}
     for c in V1_CONTROLLERS:
-        d = root / c
-        if not (d / "cgroup.procs").is_file():
-            missing.append(f"cgroup v1 controller {c} not mounted at {d}")
+        mount = root / c
+        if not (mount / "cgroup.procs").is_file():
+            missing.append(f"cgroup v1 controller {c} not mounted at {mount}")
             continue
+        d = mount / _own_path(c, self_cgroup)
+        if not d.is_dir():  # our own group is not visible here (another cgroup namespace): the mount's root
+            d = mount
         why = _writable_base(d)
         if why:
             missing.append(why)
@@ -267,21 +455,29 @@ def detect(root: Path = CGROUP_ROOT) -> tuple[Hierarchy | None, list[str]]:
             dirs[c] = d / BASE
     if missing:
         return None, missing
-    memsw = (dirs["memory"] / "memory.memsw.limit_in_bytes").exists()
+    memsw = (dirs["memory"].parent / "memory.memsw.limit_in_bytes").exists()
     return Hierarchy(1, dirs, memsw=memsw), []
 
 
-def open_hierarchy(mode: str, root: Path = CGROUP_ROOT) -> tuple[Hierarchy | None, str]:
-    """The hierarchy for SANDBOX_CGROUPS=mode, and a line for /readyz saying who enforces limits.
+def open_hierarchy(mode: str, root: Path = CGROUP_ROOT) -> tuple[Hierarchy | None, list[str]]:
+    """The hierarchy for SANDBOX_CGROUPS=mode and what is missing when there is none.
 
     off: None. auto: None when nothing is writable (rlimits stay). require: StartupError naming
-    what is missing. A found hierarchy is purged of leftovers first."""
+    what is missing. A found hierarchy gets this server's instance directory, and dead servers'
+    leftovers are purged."""
     if mode == "off":
-        return None, "cgroups off: memory and processes limited by rlimits only; no CPU limit"
+        return None, ["SANDBOX_CGROUPS=off"]
     tree, missing = detect(root)
+    if tree is not None:
+        try:
+            tree.prepare()
+        except OSError as e:
+            missing = [f"{', '.join(map(str, tree.dirs.values()))}: {e.strerror or e}"]
+            tree = None
     if tree is None:
         if mode == "require":
-            raise StartupError("SANDBOX_CGROUPS=require: " + "; ".join(missing))
-        return None, "cgroups unavailable (" + "; ".join(missing) + "): rlimits only"
-    tree.purge()
-    return tree, f"cgroup v{tree.version} enforces memory, cpu and pids per run"
+            raise StartupError("SANDBOX_CGROUPS=require but no cgroup hierarchy can be used: "
+                               + "; ".join(missing))
+        return None, missing
+    tree.purge_dead()
+    return tree, []

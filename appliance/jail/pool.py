@@ -97,7 +97,7 @@ class JailPool:
         while self.ready:
             jail = self.ready.popleft()
             if jail.alive:
-                jail.process.renice(0)  # refills were started nice'd; the run is not
+                jail.to_run(self.factory.run_limits)
                 return jail
             await jail.destroy()
         self.cold_starts += 1
