@@ -63,7 +63,7 @@ async def run_cell(
     base: Counters | None = None
     if group is not None:
         with contextlib.suppress(OSError):
-            base = group.counters()
+            base = group.counters(pids=False)
             group.reset_peak()
     outcome = await _run_cell(jail, req, emit, timeout_ms=timeout_ms, max_output_bytes=max_output_bytes,
                               max_disk_mb=max_disk_mb, keep_alive=keep_alive, started=started, base=base)
@@ -82,7 +82,7 @@ def _account(group: Group, base: Counters, outcome: CellOutcome) -> None:
     """The group's counters into the outcome: CPU and peak memory of the whole run, and an OOM
     kill anywhere in it (a child, the driver) makes an ok/error run `memory_limit`."""
     try:
-        now = group.counters()
+        now = group.counters(pids=False)
         peak = group.peak_mb()
     except OSError:
         return

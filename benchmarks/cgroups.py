@@ -1,0 +1,143 @@
+"""The cost of a cgroup per jail, side by side in one run (issue 13; target: under 5 ms a jail).
+
+    python -m benchmarks.cgroups [--quick] [--out DIR]
+
+Measured here, interleaved so the machine's load falls on both sides alike:
+
+- spawn: `JailFactory.launch()` + `Jail.destroy()` of the same jail, alternately without and
+  with its cgroup (made, limited, joined before firejail's first instruction, removed after);
+- the cgroup's own part of that, without a jail around it: make + limit + open the join fds
+  + remove an empty group (what every jail adds);
+- the take path: a warm jail handed out (idle -> run limits: one write);
+- the cell path: the counters read at a cell's start and end (and the peak reset).
+
+Writes cgroups.json and cgroups.md (quick: cgroups_quick.*) into --out (default
+benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from appliance.jail import cgroups
+from appliance.jail.jail import JailFactory
+from benchmarks.appliance_server import REPO, BenchError
+from benchmarks.jails import open_factory
+from benchmarks.stats import summarize
+
+RESULTS = REPO / "benchmarks" / "results"
+TARGET_MS = 5.0
+
+
+def _micro(fn: Any, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def group_costs(tree: cgroups.Hierarchy, limits: cgroups.Limits, n: int) -> dict[str, list[float]]:
+    """Per-jail cgroup work without a jail: the group's life, a handout, one cell's reads."""
+    def life() -> None:
+        g = tree.group("b-" + secrets.token_hex(6), limits.idle())
+        g.open_join()
+        g.close_join()
+        g.remove()
+
+    g = tree.group("b-" + secrets.token_hex(6), limits.idle())
+    try:
+        flip = [limits.idle(), limits]
+
+        def handout() -> None:
+            g.set_limits(flip[1])
+            flip.reverse()
+
+        def cell() -> None:
+            base = g.counters(pids=False)  # as appliance.jail.cell does
+            g.reset_peak()
+            g.counters(pids=False), g.peak_mb(), base
+        return {"group_life": _micro(life, n), "handout": _micro(handout, n), "cell": _micro(cell, n)}
+    finally:
+        g.remove()
+
+
+async def spawn_side_by_side(plain: JailFactory, grouped: JailFactory, reps: int) -> dict[str, list[float]]:
+    """launch + destroy, alternating without / with the cgroup."""
+    out: dict[str, list[float]] = {"without": [], "with": []}
+    for i in range(2 * reps):
+        key, factory = ("without", plain) if i % 2 == 0 else ("with", grouped)
+        t0 = time.perf_counter()
+        jail = await factory.launch()
+        await jail.destroy()
+        out[key].append((time.perf_counter() - t0) * 1000)
+        if key == "with" and jail.cgroup is None:
+            raise BenchError("the grouped factory made a jail without a cgroup")
+    return out
+
+
+async def main_async(quick: bool, out_dir: Path) -> dict[str, Any]:
+    tree, missing = cgroups.detect()
+    if tree is None:
+        raise BenchError("no writable cgroup hierarchy: " + "; ".join(missing))
+    tree.prepare()
+    jails = await asyncio.to_thread(open_factory, {"SANDBOX_PRELOAD": ""})
+    try:
+        f = jails.factory
+        grouped = JailFactory(f.settings, f.host, f.runtime, f.dirs, cgroups=tree)
+        costs = group_costs(tree, grouped.run_limits, 30 if quick else 300)
+        spawn = await spawn_side_by_side(f, grouped, 2 if quick else 8)
+    finally:
+        jails.close()
+        tree.close()
+    s = {k: summarize(v) for k, v in {**costs, **{f"spawn_{k}": v for k, v in spawn.items()}}.items()}
+    doc: dict[str, Any] = {
+        "quick": quick, "machine": platform.node(), "cpus": __import__("os").cpu_count(),
+        "cgroup_version": tree.version, "target_ms": TARGET_MS,
+        "summary": {k: v.__dict__ for k, v in s.items()},
+        "samples": {**costs, **{f"spawn_{k}": v for k, v in spawn.items()}},
+        "spawn_delta_p50_ms": s["spawn_with"].p50_ms - s["spawn_without"].p50_ms,
+        "group_life_p50_ms": s["group_life"].p50_ms,
+        "within_target": s["group_life"].p50_ms < TARGET_MS,
+    }
+    name = "cgroups_quick" if quick else "cgroups"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    rows = [("jail spawn + destroy, without cgroup", s["spawn_without"]), ("jail spawn + destroy, with cgroup", s["spawn_with"]),
+            ("cgroup per jail (make, limit, join fds, remove)", s["group_life"]),
+            ("take path: idle -> run limits", s["handout"]), ("cell path: counters at start and end", s["cell"])]
+    md = [f"# cgroup per jail (cgroup v{tree.version}, {doc['cpus']} CPUs{', quick' if quick else ''})", "",
+          "| what | n | p50 ms | p90 ms |", "| --- | --- | --- | --- |"]
+    md += [f"| {label} | {x.n} | {x.p50_ms:.3f} | {x.p90_ms:.3f} |" for label, x in rows]
+    md += ["", f"Spawn with minus without (p50): {doc['spawn_delta_p50_ms']:.1f} ms; the cgroup's own work "
+               f"per jail: {doc['group_life_p50_ms']:.2f} ms (target < {TARGET_MS} ms: "
+               f"{'met' if doc['within_target'] else 'NOT met'})."]
+    (out_dir / f"{name}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    a = p.parse_args(argv)
+    try:
+        asyncio.run(main_async(a.quick, a.out))
+    except BenchError as exc:
+        print(f"benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
