@@ -288,6 +288,26 @@ async def test_a_restart_after_kill_9_purges_the_dead_servers_groups(tmp_path: P
         s2.stop()
 
 
+async def test_a_gpu_jail_gets_the_memory_group_too(tmp_path: Path) -> None:
+    """GPU jails have no RLIMIT_AS, and the GPU watchdog's /proc reading cannot see a /tmp file
+    the run does not map: the group counts it, and the run ends memory_limit (simulated GPUs)."""
+    s = start_server(tmp_path, SANDBOX_GPU="1", SANDBOX_GPU_BACKEND="simulated", SANDBOX_GPU_SIMULATE="1x4096",
+                     SANDBOX_GPU_DEFAULT_MB="256", SANDBOX_MEMORY_MB="384", SANDBOX_MAX_DISK_MB="4096",
+                     SANDBOX_CGROUPS="require")
+    try:
+        code = ("chunk = b'x' * (16 << 20)\n"
+                "for i in range(40):\n"
+                "    with open(f'/tmp/fill{i}', 'wb') as fh:\n"
+                "        fh.write(chunk)\n"
+                "print('wrote it all')\n")
+        async with AsyncClient(s.url) as c:
+            ex = await c.execute(code, gpu={"memory_mb": 256}, timeout_ms=25000)
+        assert ex.status == "memory_limit", (ex.status, ex.message, ex.stdout)
+        assert "wrote it all" not in ex.stdout
+    finally:
+        s.stop()
+
+
 READ_ONLY = ["unshare", "-m", "--propagation", "private", "sh", "-c",
              'mount --rbind /sys/fs/cgroup /sys/fs/cgroup && '
              'for m in $(findmnt -Rrn -o TARGET /sys/fs/cgroup); do mount -o remount,bind,ro "$m" || exit 1; done && '

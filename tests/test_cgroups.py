@@ -171,3 +171,29 @@ def test_a_failing_join_stops_the_child_before_exec(tree: cgroups.Hierarchy) -> 
         subprocess.run(["sh", "-c", "echo ran"], preexec_fn=g.preexec, capture_output=True)
     assert time.monotonic() - started < 30
     g.remove()
+
+
+def test_cgroup_memory_sees_tmpfs_files_that_proc_cannot(tree: cgroups.Hierarchy) -> None:
+    """The GPU watchdog's reading (RunMemory) from the run's group: a tmpfs file the run wrote
+    and closed is memory it owns, which /proc's mappings never show."""
+    from appliance.jail.memory import CgroupMemory, ProcMemory
+
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", Limits(memory_mb=512, cpus=1.0, max_procs=16))
+    shm = f"/dev/shm/cgroup-test-{uuid.uuid4().hex[:8]}"
+    g.open_join()
+    p = subprocess.Popen([sys.executable, "-c", f"open({shm!r}, 'wb').write(b'x' * (120 << 20))\n"
+                          "print('written', flush=True)\nimport time; time.sleep(30)"],
+                         preexec_fn=g.preexec, stdout=subprocess.PIPE)
+    g.close_join()
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"written\n"
+        reading = CgroupMemory(tree)
+        assert reading.group_dir(p.pid) == g.paths["memory" if tree.version == 1 else ""]
+        assert reading.owned_mb(p.pid, {p.pid}) >= 120
+        assert ProcMemory().owned_mb(p.pid, {p.pid}) < 120  # what the watchdog read before
+        assert reading.group_dir(os.getpid()) is None  # not one of ours: /proc is read instead
+    finally:
+        p.kill()
+        p.wait()
+        os.unlink(shm)
+        g.remove()
