@@ -9,7 +9,9 @@ Measured here, interleaved so the machine's load falls on both sides alike:
 - the cgroup's own part of that, without a jail around it: make + limit + open the join fds
   + remove an empty group (what every jail adds);
 - the take path: a warm jail handed out (idle -> run limits: one write);
-- the cell path: the counters read at a cell's start and end (and the peak reset).
+- the cell path: the counters read at a cell's start and end (and the peak reset);
+- a warm `print(2+2)` end to end on two real servers, SANDBOX_CGROUPS=off and =require,
+  alternately (each sample taken with the pool full and idle).
 
 Writes cgroups.json and cgroups.md (quick: cgroups_quick.*) into --out (default
 benchmarks/results).
@@ -20,16 +22,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import secrets
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from appliance.client import AsyncClient
 from appliance.jail import cgroups
 from appliance.jail.jail import JailFactory
-from benchmarks.appliance_server import REPO, BenchError
+from benchmarks.appliance_server import REPO, BenchError, start_appliance, wait_pool_idle
 from benchmarks.jails import open_factory
 from benchmarks.stats import summarize
 
@@ -85,6 +90,28 @@ async def spawn_side_by_side(plain: JailFactory, grouped: JailFactory, reps: int
     return out
 
 
+async def warm_side_by_side(work: Path, reps: int) -> dict[str, list[float]]:
+    """Warm print(2+2), request to done, alternating a server without and one with cgroups."""
+    servers = {k: start_appliance(f"cg-{k}", work / k, SANDBOX_CGROUPS=mode, SANDBOX_PRELOAD="",
+                                  SANDBOX_POOL_SIZE="1")
+               for k, mode in (("warm_without", "off"), ("warm_with", "require"))}
+    out: dict[str, list[float]] = {k: [] for k in servers}
+    try:
+        for _ in range(reps):
+            for key, srv in servers.items():
+                await wait_pool_idle(srv, 1)
+                async with AsyncClient(srv.url) as c:
+                    t0 = time.perf_counter()
+                    ex = await c.execute("print(2+2)")
+                    out[key].append((time.perf_counter() - t0) * 1000)
+                if ex.stdout != "4\n":
+                    raise BenchError(f"{key}: print(2+2) gave {ex.status} {ex.stdout!r}")
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    return out
+
+
 async def main_async(quick: bool, out_dir: Path) -> dict[str, Any]:
     tree, missing = cgroups.detect()
     if tree is None:
@@ -99,12 +126,16 @@ async def main_async(quick: bool, out_dir: Path) -> dict[str, Any]:
     finally:
         jails.close()
         tree.close()
-    s = {k: summarize(v) for k, v in {**costs, **{f"spawn_{k}": v for k, v in spawn.items()}}.items()}
+    with tempfile.TemporaryDirectory(prefix="bench-cgroups-") as work:
+        spawn.update(await warm_side_by_side(Path(work), 3 if quick else 20))
+    spawn = {k if k.startswith("warm") else f"spawn_{k}": v for k, v in spawn.items()}
+    s = {k: summarize(v) for k, v in {**costs, **spawn}.items()}
     doc: dict[str, Any] = {
-        "quick": quick, "machine": platform.node(), "cpus": __import__("os").cpu_count(),
+        "quick": quick, "machine": platform.node(), "cpus": os.cpu_count(),
         "cgroup_version": tree.version, "target_ms": TARGET_MS,
         "summary": {k: v.__dict__ for k, v in s.items()},
-        "samples": {**costs, **{f"spawn_{k}": v for k, v in spawn.items()}},
+        "samples": {**costs, **spawn},
+        "warm_delta_p50_ms": s["warm_with"].p50_ms - s["warm_without"].p50_ms,
         "spawn_delta_p50_ms": s["spawn_with"].p50_ms - s["spawn_without"].p50_ms,
         "group_life_p50_ms": s["group_life"].p50_ms,
         "within_target": s["group_life"].p50_ms < TARGET_MS,
@@ -114,13 +145,16 @@ async def main_async(quick: bool, out_dir: Path) -> dict[str, Any]:
     (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1))
     rows = [("jail spawn + destroy, without cgroup", s["spawn_without"]), ("jail spawn + destroy, with cgroup", s["spawn_with"]),
             ("cgroup per jail (make, limit, join fds, remove)", s["group_life"]),
-            ("take path: idle -> run limits", s["handout"]), ("cell path: counters at start and end", s["cell"])]
+            ("take path: idle -> run limits", s["handout"]), ("cell path: counters at start and end", s["cell"]),
+            ("warm print(2+2), SANDBOX_CGROUPS=off", s["warm_without"]),
+            ("warm print(2+2), SANDBOX_CGROUPS=require", s["warm_with"])]
     md = [f"# cgroup per jail (cgroup v{tree.version}, {doc['cpus']} CPUs{', quick' if quick else ''})", "",
           "| what | n | p50 ms | p90 ms |", "| --- | --- | --- | --- |"]
     md += [f"| {label} | {x.n} | {x.p50_ms:.3f} | {x.p90_ms:.3f} |" for label, x in rows]
     md += ["", f"Spawn with minus without (p50): {doc['spawn_delta_p50_ms']:.1f} ms; the cgroup's own work "
                f"per jail: {doc['group_life_p50_ms']:.2f} ms (target < {TARGET_MS} ms: "
-               f"{'met' if doc['within_target'] else 'NOT met'})."]
+               f"{'met' if doc['within_target'] else 'NOT met'}); warm print(2+2) with minus without "
+               f"(p50): {doc['warm_delta_p50_ms']:.2f} ms."]
     (out_dir / f"{name}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return doc

@@ -174,6 +174,8 @@ def test_the_cgroup_benchmark_measures_spawn_with_and_without_side_by_side(tmp_p
     doc = json.loads((tmp_path / "cgroups_quick.json").read_text())
     s = doc["summary"]
     assert s["spawn_with"]["n"] == s["spawn_without"]["n"] == 2
-    assert all(s[k]["p50_ms"] > 0 for k in ("spawn_with", "spawn_without", "group_life", "handout", "cell"))
+    assert s["warm_with"]["n"] == s["warm_without"]["n"] == 3
+    assert all(s[k]["p50_ms"] > 0 for k in ("spawn_with", "spawn_without", "group_life", "handout", "cell",
+                                            "warm_with", "warm_without"))
     assert isinstance(doc["within_target"], bool) and doc["target_ms"] == 5.0
     assert "with cgroup" in (tmp_path / "cgroups_quick.md").read_text()
