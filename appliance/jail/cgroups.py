@@ -284,8 +284,8 @@ def remove_paths(paths: Mapping[str, Path]) -> None:
             except OSError:
                 if time.monotonic() > deadline:
                     raise
-        if left:
-            time.sleep(0.005)
+        if left:  # the killed are still leaving (PID-namespace teardown): a short wait
+            time.sleep(0.001)
 
 
 class Group:
