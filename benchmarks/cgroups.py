@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +41,12 @@ from benchmarks.stats import summarize
 
 RESULTS = REPO / "benchmarks" / "results"
 TARGET_MS = 5.0
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                         check=False)
+    return out.stdout.strip() or "unknown"
 
 
 def _micro(fn: Any, n: int) -> list[float]:
@@ -135,7 +142,8 @@ async def main_async(quick: bool, out_dir: Path) -> dict[str, Any]:
     spawn = {k if k.startswith("warm") else f"spawn_{k}": v for k, v in spawn.items()}
     s = {k: summarize(v) for k, v in {**costs, **spawn}.items()}
     doc: dict[str, Any] = {
-        "quick": quick, "machine": platform.node(), "cpus": os.cpu_count(),
+        "quick": quick, "machine": platform.node(), "cpus": os.cpu_count(), "commit": _commit(),
+        "load_average": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
         "cgroup_version": tree.version, "target_ms": TARGET_MS,
         "summary": {k: v.__dict__ for k, v in s.items()},
         "samples": {**costs, **spawn},
@@ -155,7 +163,8 @@ async def main_async(quick: bool, out_dir: Path) -> dict[str, Any]:
             ("take path: idle -> run limits", s["handout"]), ("cell path: counters at start and end", s["cell"]),
             ("warm print(2+2), SANDBOX_CGROUPS=off", s["warm_without"]),
             ("warm print(2+2), SANDBOX_CGROUPS=require", s["warm_with"])]
-    md = [f"# cgroup per jail (cgroup v{tree.version}, {doc['cpus']} CPUs{', quick' if quick else ''})", "",
+    md = [f"# cgroup per jail (cgroup v{tree.version}, {doc['cpus']} CPUs, commit {doc['commit']}"
+          f"{', quick' if quick else ''}; load average {doc['load_average']})", "",
           "| what | n | p50 ms | p90 ms |", "| --- | --- | --- | --- |"]
     md += [f"| {label} | {x.n} | {x.p50_ms:.3f} | {x.p90_ms:.3f} |" for label, x in rows]
     md += ["", f"Launch with minus without (p50): {doc['spawn_delta_p50_ms']:.1f} ms, destroy: "
