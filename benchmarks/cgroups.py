@@ -139,12 +139,18 @@ async def main_async(quick: bool, out_dir: Path) -> dict[str, Any]:
         tree.close()
     with tempfile.TemporaryDirectory(prefix="bench-cgroups-") as work:
         spawn.update(await warm_side_by_side(Path(work), 3 if quick else 20))
+    return await asyncio.to_thread(report, quick, out_dir, tree.version, costs, spawn)
+
+
+def report(quick: bool, out_dir: Path, version: int, costs: dict[str, list[float]],
+           spawn: dict[str, list[float]]) -> dict[str, Any]:
+    """Summaries, cgroups.json and cgroups.md (quick: cgroups_quick.*); printed too."""
     spawn = {k if k.startswith("warm") else f"spawn_{k}": v for k, v in spawn.items()}
     s = {k: summarize(v) for k, v in {**costs, **spawn}.items()}
     doc: dict[str, Any] = {
         "quick": quick, "machine": platform.node(), "cpus": os.cpu_count(), "commit": _commit(),
         "load_average": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
-        "cgroup_version": tree.version, "target_ms": TARGET_MS,
+        "cgroup_version": version, "target_ms": TARGET_MS,
         "summary": {k: v.__dict__ for k, v in s.items()},
         "samples": {**costs, **spawn},
         "warm_delta_p50_ms": s["warm_with"].p50_ms - s["warm_without"].p50_ms,
@@ -163,7 +169,7 @@ async def main_async(quick: bool, out_dir: Path) -> dict[str, Any]:
             ("take path: idle -> run limits", s["handout"]), ("cell path: counters at start and end", s["cell"]),
             ("warm print(2+2), SANDBOX_CGROUPS=off", s["warm_without"]),
             ("warm print(2+2), SANDBOX_CGROUPS=require", s["warm_with"])]
-    md = [f"# cgroup per jail (cgroup v{tree.version}, {doc['cpus']} CPUs, commit {doc['commit']}"
+    md = [f"# cgroup per jail (cgroup v{version}, {doc['cpus']} CPUs, commit {doc['commit']}"
           f"{', quick' if quick else ''}; load average {doc['load_average']})", "",
           "| what | n | p50 ms | p90 ms |", "| --- | --- | --- | --- |"]
     md += [f"| {label} | {x.n} | {x.p50_ms:.3f} | {x.p90_ms:.3f} |" for label, x in rows]

@@ -278,7 +278,7 @@ async def test_a_restart_after_kill_9_purges_the_dead_servers_groups(tmp_path: P
     s2 = start_server(tmp_path / "two", SANDBOX_CGROUPS="require")
     try:
         assert not any(d.exists() for d in dirs.values()), "the dead server's groups were not purged"
-        time.sleep(0.2)
+        await asyncio.sleep(0.2)
         alive = [p for p in held if Path(f"/proc/{p}").exists() and
                  "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]]
         assert alive == [], f"processes of the dead server's runs survived the purge: {alive}"

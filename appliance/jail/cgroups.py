@@ -67,7 +67,7 @@ class Write:
 
 
 def _quota_us(cpus: float) -> int:
-    return max(1000, int(round(cpus * CPU_PERIOD_US)))
+    return max(1000, round(cpus * CPU_PERIOD_US))
 
 
 def _shares(weight: int) -> int:
