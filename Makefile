@@ -42,6 +42,7 @@ check: lint test
 bench: setup
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks.inference
+	$(PY) -m benchmarks.cgroups
 
 # The adversarial suite, and its report in security/ (make test runs the attacks, writes nothing).
 audit: setup

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from appliance import canary, toolprobe
 from appliance.errors import StartupError
+from appliance.jail import cgroups
 from appliance.jail.cell import run_cell
 from appliance.jail.host import HostFacts, import_problem, inspect, readable_ancestors_problem
 from appliance.jail.jail import JailFactory, python_roots
 from appliance.jail.lease import LeaseSource, PoolLeases
+from appliance.jail.memory import CgroupMemory
 from appliance.jail.network import EgressNetwork, check_prerequisites
 from appliance.jail.pool import ProfilePools
 from appliance.jail.profiles import Profile
@@ -54,6 +56,9 @@ class Lifecycle:
         self.ready_problems: list[str] = ["starting"]
         self.canary_port = 0
         self.tools: toolprobe.ToolProbe | None = None   # what llama.cpp / whisper.cpp can do here
+        self.cgroups: cgroups.Hierarchy | None = None    # per-run groups, where they can be made
+        self.cgroups_missing: list[str] = []             # why not (SANDBOX_CGROUPS=auto falls back)
+        self._cgroups_checked = False
         self._task: asyncio.Task[None] | None = None
         self._counted: dict[str, Counter[str]] = {k: Counter() for k in ("cold", "runs", "imported", "spawned")}
 
@@ -73,6 +78,12 @@ class Lifecycle:
     def check_host(self) -> HostFacts:
         """Fail-closed startup checks; raises StartupError with what to fix."""
         s = self.settings
+        if not self._cgroups_checked:  # require: refuse to start, naming what is missing
+            self.cgroups, self.cgroups_missing = cgroups.open_hierarchy(s.cgroups)
+            self._cgroups_checked = True
+            if self.cgroups is None and s.cgroups == "auto":
+                log.warning("cgroups unavailable; memory and processes are limited by rlimits only, "
+                            "CPU not at all", extra={"missing": self.cgroups_missing})
         if s.open_ports:
             check_prerequisites()  # before inspect: /run/netns must exist when /run is judged
         host = inspect(s.firejail, s.uid, s.python)
@@ -84,6 +95,8 @@ class Lifecycle:
             from appliance.gpu.lease import GpuLeases  # GPU mode only: NVML is never loaded otherwise
 
             self.gpu = GpuLeases.open(s)  # no driver / no GPU: StartupError, startup stops
+            if self.cgroups is not None:  # the watchdog's host-memory reading: the run's group
+                self.gpu.watchdog.memory = CgroupMemory(self.cgroups)
         if s.gpu:
             # GPU mode's warm jails preload the model tools; a jail that cannot would only say
             # so in a log line, and every run would pay the import (or fail) instead.
@@ -123,24 +136,24 @@ class Lifecycle:
         if s.open_ports:
             self.network = EgressNetwork(s)
             await self.network.start()
-        network, dirs = self.network, self.dirs
+        network, dirs, groups = self.network, self.dirs, self.cgroups
         profiles = tuple(Profile(name, modules) for name, modules in s.preload_profiles)
         pools = ProfilePools.build(
             profiles, lambda p: JailFactory(s, host, runtime, dirs, network, preload=p.modules,
-                                    wheel_cache=cache),
+                                    wheel_cache=cache, cgroups=groups),
             s.pool_size, max_size=s.pool_max)
         pools.start()
         self.cpu = PoolLeases(pools)
         if self.gpu is not None:  # warm pools per GPU (and profile), each jail seeing only its GPU
             self.gpu.start(lambda dev, p: JailFactory(s, host, runtime, dirs, network, gpu=dev, preload=p.modules,
-                                                  wheel_cache=cache),
+                                                  wheel_cache=cache, cgroups=groups),
                            self.cpu)
             await self.gpu.probe_mps()  # layer (b) is reported as enforcing only where proven
         self.canary_port = canary_port
         self.started.set()
         log.info("appliance started", extra={
             "firejail": host.firejail, "firejail_version": host.firejail_version,
-            "jail_uid": host.uid, "memory_cap": "RLIMIT_AS", "pool_size": s.pool_size,
+            "jail_uid": host.uid, "memory_cap": self.limits()["memory"], "pool_size": s.pool_size,
         })
         self._task = asyncio.create_task(self._canary_loop(), name="canary")
 
@@ -158,6 +171,15 @@ class Lifecycle:
             await self.network.close()
         if self.dirs is not None:
             self.dirs.remove_instance()
+        if self.cgroups is not None:
+            await asyncio.to_thread(self.cgroups.close)
+
+    def limits(self) -> dict[str, str]:
+        """Which layer enforces each per-run limit (/readyz "limits")."""
+        if self.cgroups is not None:
+            label = self.cgroups.label
+            return {"memory": label, "cpu": label, "pids": label}
+        return {"memory": "rlimit", "cpu": "none", "pids": "rlimit"}
 
     # -- readiness ---------------------------------------------------------------------------
     async def _canary_loop(self) -> None:
@@ -203,7 +225,10 @@ class Lifecycle:
             "pools": {profile.name: {"modules": list(profile.modules), "ready": len(pool.ready),
                                      "starting": pool.starting, "target": pool.target()}
                       for profile, pool in cpu.pools.items()} if cpu is not None else {},
-            "memory_cap": "RLIMIT_AS",
+            "memory_cap": self.limits()["memory"],
+            "limits": self.limits(),
+            "cgroups": {"mode": self.settings.cgroups, "enforcing": self.cgroups is not None,
+                        "missing": self.cgroups_missing},
             "firejail": self.host.firejail_version if self.host else None,
         }
         if self.tools is not None:  # per binding: does it import, can it offload to a GPU

@@ -23,6 +23,7 @@ GPU_PRELOAD = ("llama_cpp", "pywhispercpp.model", "appliance.tools")
 GPU_BACKENDS = ("nvml", "simulated")
 GPU_MPS_MODES = ("auto", "require", "off")
 GPU_SIMULATE_MPS = ("off", "on", "ignore-limits")
+CGROUP_MODES = ("auto", "require", "off")
 MPS_PIPE_DIR = Path("/tmp/nvidia-mps")  # noqa: S108 (CUDA's own default CUDA_MPS_PIPE_DIRECTORY)
 
 
@@ -85,6 +86,8 @@ class Settings:
     gpu_mps_pipe_dir: Path = MPS_PIPE_DIR  # the MPS daemon's CUDA_MPS_PIPE_DIRECTORY
     gpu_libcuda: str = "libcuda.so.1"     # the CUDA driver library jails load (SANDBOX_GPU_LIBCUDA)
     gpu_simulate_mps: str = "off"         # simulated backend: an MPS daemon (on, ignore-limits)
+    cgroups: str = "auto"                 # per-run cgroups: auto (where writable), require, off
+    cpus: float = 1.0                     # CPU quota per run, in CPUs (SANDBOX_CPUS)
 
     def gpu_budget_mb(self, asked_mb: int | None) -> int:
         """A run's GPU budget: what it asked for, else SANDBOX_GPU_DEFAULT_MB; 0 outside GPU mode."""
@@ -245,6 +248,19 @@ def _dir(env: Mapping[str, str], name: str, default: Path | None) -> Path | None
     return path
 
 
+def _cpus(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}: expected a number of CPUs, got {raw!r}") from None
+    if not 0.01 <= value <= 1024:
+        raise SettingsError(f"{name}: must be between 0.01 and 1024, got {raw!r}")
+    return value
+
+
 def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
     raw = env.get(name, "").strip().lower()
     if not raw:
@@ -363,6 +379,8 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         gpu_mps_pipe_dir=_dir(env, "SANDBOX_GPU_MPS_PIPE_DIR", None) or MPS_PIPE_DIR,
         gpu_libcuda=_libcuda(env, "SANDBOX_GPU_LIBCUDA") or D.gpu_libcuda,
         gpu_simulate_mps=_choice(env, "SANDBOX_GPU_SIMULATE_MPS", GPU_SIMULATE_MPS),
+        cgroups=_choice(env, "SANDBOX_CGROUPS", CGROUP_MODES),
+        cpus=_cpus(env, "SANDBOX_CPUS", D.cpus),
     )
     if settings.pool_max < settings.pool_size:
         raise SettingsError("SANDBOX_POOL_MAX: must be at least SANDBOX_POOL_SIZE")

@@ -184,9 +184,19 @@ check_all() {
     check_ulimits "$(ulimit -Hn)" "$(ulimit -Hu)"
 }
 
+# Per-run cgroups (SANDBOX_CGROUPS, default auto): runtimes mount the container's own cgroup
+# subtree read-only; with CAP_SYS_ADMIN (firejail's already) it is remounted read-write so the
+# appliance can make a group per run inside it. Nothing above the container's group is visible.
+cgroups_rw() {
+    [ "${SANDBOX_CGROUPS:-auto}" = off ] && return 0
+    awk '$5 ~ "^/sys/fs/cgroup" && $0 ~ / - cgroup2? / {print $5}' /proc/self/mountinfo |
+        while read -r m; do mount -o remount,rw,bind "$m" 2>/dev/null || true; done
+}
+
 main() {
     if [ "${1:-}" = serve ]; then
         check_all
+        cgroups_rw
     fi
     exec /opt/appliance/venv/bin/appliance "$@"
 }

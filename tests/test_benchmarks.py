@@ -161,3 +161,21 @@ def test_the_inference_benchmark_runs_end_to_end_and_reports_its_ratios(tmp_path
     md = (tmp_path / "inference_quick.md").read_text()
     assert "session speed-up" in md and "jail overhead, tokens/s" in md
     assert (tmp_path / "inference_quick.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_the_cgroup_benchmark_measures_spawn_with_and_without_side_by_side(tmp_path: Path) -> None:
+    from appliance.jail import cgroups
+
+    if cgroups.detect()[0] is None:
+        pytest.skip("no writable cgroup hierarchy here")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cgroups", "--quick", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=scaled(300))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "cgroups_quick.json").read_text())
+    s = doc["summary"]
+    assert s["spawn_with"]["n"] == s["spawn_without"]["n"] == 2
+    assert s["warm_with"]["n"] == s["warm_without"]["n"] == 3
+    assert all(s[k]["p50_ms"] > 0 for k in ("spawn_with", "spawn_without", "group_life", "handout", "cell",
+                                            "warm_with", "warm_without"))
+    assert isinstance(doc["within_target"], bool) and doc["target_ms"] == 5.0
+    assert "with cgroup" in (tmp_path / "cgroups_quick.md").read_text()

@@ -99,3 +99,14 @@ def test_the_gpu_reclaim_bound_defaults_to_ten_seconds_and_rejects_nonsense() ->
     for bad in ("-1", "5s", "1.5"):
         with pytest.raises(SettingsError, match="SANDBOX_GPU_RECLAIM_MS"):
             from_env({"SANDBOX_GPU_RECLAIM_MS": bad})
+
+
+def test_cgroups_mode_and_cpus_default_and_reject_nonsense() -> None:
+    s = from_env({})
+    assert s.cgroups == "auto" and s.cpus == 1.0
+    assert from_env({"SANDBOX_CGROUPS": "require", "SANDBOX_CPUS": "0.5"}).cpus == 0.5
+    assert from_env({"SANDBOX_CGROUPS": "OFF"}).cgroups == "off"
+    for name, bad in (("SANDBOX_CGROUPS", "maybe"), ("SANDBOX_CPUS", "x"), ("SANDBOX_CPUS", "0"),
+                      ("SANDBOX_CPUS", "2000")):
+        with pytest.raises(SettingsError, match=name):
+            from_env({name: bad})

@@ -4,7 +4,10 @@ Limits enforced here, by the server (never by the code's goodwill): wall clock, 
 bytes, disk quota. The wall clock holds whatever the client does: a frame the client does
 not take before the run's deadline ends the run (`timeout`) like any other overrun, so a
 client that stops reading cannot keep a jail, a slot or the server's memory.
-Memory, processes and file size are limits of the jail itself.
+Memory, processes and file size are limits of the jail itself: its cgroup (memory counting
+every process, /tmp and page cache; CPU; pids) where cgroups are enforcing, else rlimits. With
+a cgroup, an OOM kill anywhere in it ends the run `memory_limit`, and `done.cpu_ms` /
+`done.max_rss_mb` are the group's (every process of the run, not the driver alone).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from appliance import fstree, protocol
-from appliance.errors import Cancelled, OutputLimit, RunLimit, RunTimeout
+from appliance.errors import Cancelled, MemoryLimit, OutputLimit, RunLimit, RunTimeout
 from appliance.jail import channel, proctree
+from appliance.jail.cgroups import Counters, Group
 from appliance.jail.held import held_bytes
 from appliance.jail.jail import Jail
 from appliance.jail.process import Event, Exited, InterruptRequest, Overflow, Stream, Violation
@@ -55,6 +59,44 @@ async def run_cell(
     `started` is called once the code is on its way to the driver: stdin written after
     that belongs to this cell.
     """
+    group = jail.cgroup
+    base: Counters | None = None
+    if group is not None:
+        with contextlib.suppress(OSError):
+            base = group.counters(pids=False)
+            group.reset_peak()
+    outcome = await _run_cell(jail, req, emit, timeout_ms=timeout_ms, max_output_bytes=max_output_bytes,
+                              max_disk_mb=max_disk_mb, keep_alive=keep_alive, started=started, base=base)
+    if group is not None and base is not None:
+        _account(group, base, outcome)
+    return outcome
+
+
+def memory_limit(group: Group) -> MemoryLimit:
+    """What a run whose group hit its memory limit is told."""
+    return MemoryLimit(f"the run hit its memory limit: SANDBOX_MEMORY_MB ({group.limits.memory_mb} MiB) "
+                       "for all its processes, /tmp and page cache together; the kernel killed a process of it")
+
+
+def _account(group: Group, base: Counters, outcome: CellOutcome) -> None:
+    """The group's counters into the outcome: CPU and peak memory of the whole run, and an OOM
+    kill anywhere in it (a child, the driver) makes an ok/error run `memory_limit`."""
+    try:
+        now = group.counters(pids=False)
+        peak = group.peak_mb()
+    except OSError:
+        return
+    outcome.cpu_ms = max(0, now.cpu_ns - base.cpu_ns) // 1_000_000
+    outcome.max_rss_mb = peak
+    if now.oom_kills > base.oom_kills and outcome.status in ("ok", "error"):
+        error = memory_limit(group)
+        outcome.status, outcome.message = error.status, error.message
+
+
+async def _run_cell(
+    jail: Jail, req: ExecuteRequest, emit: Emit, *, timeout_ms: int, max_output_bytes: int,
+    max_disk_mb: int, keep_alive: bool, started: Callable[[], None] | None, base: Counters | None,
+) -> CellOutcome:
     loop = asyncio.get_running_loop()
     process = jail.process
     rid = req.id
@@ -64,7 +106,7 @@ async def run_cell(
     process.write(channel.run_op(req.code, [(f.path, f.data) for f in req.files], req.stdin_eof))
     if started is not None:
         started()
-    watchdog = asyncio.create_task(_disk_watchdog(jail, max_disk_mb))
+    watchdog = asyncio.create_task(_disk_watchdog(jail, max_disk_mb, base.oom_kills if base else None))
     sent = 0
     memory_error = False
     stopping: RunLimit | None = None
@@ -189,10 +231,19 @@ def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
     return None
 
 
-async def _disk_watchdog(jail: Jail, max_disk_mb: int) -> None:
+def _violation(jail: Jail, max_disk_mb: int, oom_base: int | None) -> RunLimit | None:
+    group = jail.cgroup
+    if group is not None and oom_base is not None:
+        with contextlib.suppress(OSError):
+            if group.oom_kills() > oom_base:  # v1 kills one process; the run ends, as on v2
+                return memory_limit(group)
+    return disk_violation(jail, max_disk_mb)
+
+
+async def _disk_watchdog(jail: Jail, max_disk_mb: int, oom_base: int | None) -> None:
     while True:
         await asyncio.sleep(DISK_CHECK_S)
-        found = await asyncio.to_thread(disk_violation, jail, max_disk_mb)
+        found = await asyncio.to_thread(_violation, jail, max_disk_mb, oom_base)
         if found is not None:
             jail.process.stop(found)
             return

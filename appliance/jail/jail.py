@@ -14,12 +14,14 @@ import asyncio
 import dataclasses
 import logging
 import secrets
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.errors import JailExited, JailFailure, JailStartFailed
 from appliance.jail import checks, proctree
+from appliance.jail.cgroups import Group, Hierarchy, Limits
 from appliance.jail.devices import GpuDevice
 from appliance.jail.firejail import accounts_argv, drop_argv, launcher_env, render_argv
 from appliance.jail.host import HostFacts
@@ -45,6 +47,7 @@ class Jail:
     created: float = field(default_factory=time.monotonic)
     link: JailLink | None = None           # egress mode: the jail's own network namespace
     network: EgressNetwork | None = None
+    cgroup: Group | None = None            # the jail's own cgroup (memory, cpu, pids), when enforcing
     _destroyed: bool = False
 
     @property
@@ -57,8 +60,15 @@ class Jail:
         inner = proctree.children(self.process.pid)
         return Path(f"/proc/{inner[0]}/root/tmp") if inner else None
 
+    def to_run(self, limits: Limits | None) -> None:
+        """A pooled jail is handed to a run: normal priority, and the run's cgroup limits (the
+        idle ones differ in CPU weight only: one file write)."""
+        self.process.renice(0)  # refills were started nice'd; the run is not
+        if self.cgroup is not None and limits is not None:
+            self.cgroup.set_limits(limits)
+
     async def destroy(self) -> None:
-        """Kill every process of the jail, reap them, and remove the run directory."""
+        """Kill every process of the jail, reap them, remove the run directory and the cgroup."""
         if self._destroyed:
             return
         self._destroyed = True
@@ -66,10 +76,17 @@ class Jail:
             await self.process.kill()
         finally:
             try:
-                await asyncio.to_thread(self.dirs.remove, self.workdir)
+                await asyncio.to_thread(self._remove)
             finally:
                 if self.network is not None and self.link is not None:
                     await self.network.release(self.link)
+
+    def _remove(self) -> None:
+        try:
+            self.dirs.remove(self.workdir)
+        finally:
+            if self.cgroup is not None:  # also kills anything of the jail still in it
+                self.cgroup.remove()
 
 
 class JailFactory:
@@ -77,8 +94,11 @@ class JailFactory:
 
     def __init__(self, settings: Settings, host: HostFacts, runtime: Path, dirs: RunDirs,
                  network: EgressNetwork | None = None, gpu: GpuDevice | None = None,
-                 preload: tuple[str, ...] | None = None, wheel_cache: Path | None = None) -> None:
+                 preload: tuple[str, ...] | None = None, wheel_cache: Path | None = None,
+                 cgroups: Hierarchy | None = None) -> None:
         self.settings = settings
+        self.cgroups = cgroups  # enforcing: every jail gets its own group before it starts
+        self.run_limits = Limits(memory_mb=settings.memory_mb, cpus=settings.cpus, max_procs=settings.max_procs)
         self.preload = settings.preload if preload is None else preload  # this factory's profile
         self.gpu = gpu  # GPU mode: every jail made here sees only this device
         self.host = host
@@ -129,10 +149,28 @@ class JailFactory:
     async def launch(self, nice: int = 0) -> Jail:
         """Start and verify a new jail, or raise JailFailure (and leave nothing behind).
 
-        nice > 0 starts it at lower CPU priority (pool refills); `Jail.process.renice(0)`
-        restores normal priority when it is handed to a run.
+        nice > 0 starts it at lower CPU priority (pool refills) and, with cgroups, at idle CPU
+        weight; `Jail.to_run` restores both when it is handed to a run.
         """
         jail_id = secrets.token_hex(8)
+        group = None
+        if self.cgroups is not None:  # fail closed: no group, no jail
+            limits = self.run_limits.idle() if nice > 0 else self.run_limits
+            try:
+                group = self.cgroups.group(jail_id, limits)
+                group.open_join()
+            except OSError as exc:
+                if group is not None:
+                    await asyncio.to_thread(group.remove)
+                raise JailFailure(f"could not make the jail's cgroup: {exc}") from exc
+        try:
+            return await self._launch(jail_id, nice, group)
+        except BaseException:
+            if group is not None:
+                await asyncio.to_thread(group.remove)
+            raise
+
+    async def _launch(self, jail_id: str, nice: int, group: Group | None) -> Jail:
         workdir = await asyncio.to_thread(self.dirs.create, jail_id)
         link: JailLink | None = None
         if self.network is not None:  # egress mode: the filtered namespace first, firejail inside it
@@ -157,15 +195,19 @@ class JailFactory:
                 lambda fd: prefix + render_argv(spec, fd, self.host.firejail),
                 uid=run_as, gid=self.host.gid if run_as is not None else None,
                 env=launcher_env(), max_event_bytes=self.settings.max_output_bytes + 65536,
+                preexec=group.preexec if group is not None else None,
             )
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: joining the group failed
             await asyncio.to_thread(self.dirs.remove, workdir)
             if link is not None and self.network is not None:
                 await self.network.release(link)
             raise JailFailure(f"could not start firejail: {exc}") from exc
+        finally:
+            if group is not None:
+                group.close_join()
         self.spawned += 1
         jail = Jail(id=jail_id, workdir=workdir, process=process, dirs=self.dirs, link=link,
-                    network=self.network)
+                    network=self.network, cgroup=group)
         try:
             ready = await jail.process.wait_event("ready", READY_TIMEOUT_S)
         except JailExited as exc:

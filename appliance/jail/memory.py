@@ -8,15 +8,18 @@ and count in RSS (statm) but not here.
 `RunMemory` is the seam: `ProcMemory` (today's, from /proc) sums, over every process of
 the run, the proportional share of anonymous and shared-memory (shmem/tmpfs mapped)
 pages from /proc/PID/smaps_rollup (Pss_Anon + Pss_Shmem: pages shared by a fork are
-counted once across the run). A per-run memory cgroup reading can implement the same
-interface; it would also see tmpfs files the run wrote but does not map, which /proc
-cannot.
+counted once across the run). `CgroupMemory`, used where per-run cgroups are enforcing,
+reads the same two kinds of pages from the run's memory cgroup; it also sees tmpfs files
+the run wrote but does not map, which /proc cannot.
 """
 
 from __future__ import annotations
 
 import abc
 import os
+from pathlib import Path, PurePosixPath
+
+from appliance.jail.cgroups import Hierarchy, owned_kb_of_stat
 
 PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 OWNED_FIELDS = ("Pss_Anon:", "Pss_Shmem:")
@@ -57,3 +60,40 @@ def owned_kb(pid: int) -> int:
         return max(0, int(fields[1]) - int(fields[2])) * PAGE_KB
     except (OSError, ValueError, IndexError):
         return 0
+
+
+class CgroupMemory(RunMemory):
+    """The run's own memory cgroup (appliance.jail.cgroups): anonymous + shmem pages of every
+    process of the run, and tmpfs files it wrote but does not map, which /proc cannot see. A
+    process not in one of this server's groups is read from /proc instead."""
+
+    def __init__(self, tree: Hierarchy) -> None:
+        self.tree = tree
+        self.controller = "memory" if tree.version == 1 else ""
+        self._fallback = ProcMemory()
+
+    def group_dir(self, pid: int) -> Path | None:
+        """The directory of the group of ours that pid is in, or None."""
+        try:
+            with open(f"/proc/{pid}/cgroup") as fh:
+                text = fh.read()
+        except OSError:
+            return None
+        for line in text.splitlines():
+            parts = line.split(":", 2)
+            if len(parts) != 3 or (parts[1] != "" if self.controller == "" else "memory" not in parts[1].split(",")):
+                continue
+            path = PurePosixPath(parts[2])
+            if path.parent.name == self.tree.instance and path.name:
+                return self.tree.dirs[self.controller] / path.name
+        return None
+
+    def owned_mb(self, root: int, pids: set[int]) -> int:
+        group = self.group_dir(root)
+        if group is None:
+            return self._fallback.owned_mb(root, pids)
+        try:
+            stat = (group / "memory.stat").read_text()
+        except OSError:
+            return self._fallback.owned_mb(root, pids)
+        return owned_kb_of_stat(self.tree.version, stat) // 1024

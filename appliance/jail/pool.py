@@ -97,7 +97,11 @@ class JailPool:
         while self.ready:
             jail = self.ready.popleft()
             if jail.alive:
-                jail.process.renice(0)  # refills were started nice'd; the run is not
+                try:
+                    jail.to_run(self.factory.run_limits)
+                except OSError as exc:  # fail closed: no code runs under the idle limits
+                    await jail.destroy()
+                    raise JailFailure(f"could not give the jail its run's cgroup limits: {exc}") from exc
                 return jail
             await jail.destroy()
         self.cold_starts += 1

@@ -23,7 +23,7 @@ import errno
 import os
 import signal
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,9 +122,11 @@ class JailProcess:
     @classmethod
     async def spawn(
         cls, argv_for_fd: Any, *, uid: int | None, gid: int | None, env: Mapping[str, str],
-        max_event_bytes: int,
+        max_event_bytes: int, preexec: Callable[[], None] | None = None,
     ) -> JailProcess:
-        """Start firejail. `argv_for_fd(events_fd)` renders the argv once the fd number is known."""
+        """Start firejail. `argv_for_fd(events_fd)` renders the argv once the fd number is known.
+        `preexec` runs in the forked child before exec (joining the jail's cgroup); if it fails,
+        nothing is executed and this raises (subprocess.SubprocessError)."""
         ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -137,7 +139,7 @@ class JailProcess:
                 extra = {"user": uid, "group": gid, "extra_groups": []}
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=ctl_r, stdout=out_w, stderr=err_w, pass_fds=(ev_w,),
-                env=dict(env), cwd="/", start_new_session=True, **extra,
+                env=dict(env), cwd="/", start_new_session=True, preexec_fn=preexec, **extra,
             )
         except BaseException:
             for fd in (*child_ends, ctl_w, out_r, err_r, ev_r):

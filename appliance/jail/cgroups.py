@@ -1,0 +1,494 @@
+"""Per-run cgroups: a run's limits rendered as file writes (pure), and thin I/O that applies them.
+
+One group per jail, for v1 (one directory per controller: memory, cpu, cpuacct, pids) or v2 (one
+directory in a delegated subtree). `render_v1` / `render_v2` turn `Limits` into ordered writes and
+hold all the policy; `Hierarchy` only makes directories, writes files, reads counters and removes.
+
+Layout, under the server's own cgroup of each controller (so the host's placement of the server,
+and any limit on it, still holds over its runs):
+
+    appliance/srv-<pid>-<starttime>/<jail id>/     one instance directory per server process
+
+The instance name is the server's record: a group whose server is no longer alive (no process
+with that pid and that start time) is a leftover of a server killed with -9, and `purge_dead`
+removes it at the next start; a live server's groups are never touched.
+
+A process joins its group before it executes anything: `Group.preexec` writes "0" (the writer
+itself) into fds of cgroup.procs opened beforehand, in the forked child, before exec. So the
+jail's first process (firejail) and everything it forks are counted from their first instruction;
+no window exists in which a child could fork outside the group, which moving a pid in after
+spawn would leave open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from appliance.errors import StartupError
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+BASE = "appliance"              # our subtree under the server's own cgroup of each controller
+CPU_PERIOD_US = 100_000
+V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
+V2_CONTROLLERS = ("memory", "cpu", "pids")
+MODES = ("auto", "require", "off")
+RUN_WEIGHT = 100                # v2 cpu.weight of a run (v1 cpu.shares 1024): equal per run
+IDLE_WEIGHT = 10                # a warm jail waiting (or starting) in the pool: ~ nice 10
+REMOVE_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one group may use: memory (incl. tmpfs and page cache), CPUs, processes, CPU weight."""
+
+    memory_mb: int
+    cpus: float
+    max_procs: int
+    weight: int = RUN_WEIGHT
+
+    def idle(self) -> Limits:
+        """The same limits at idle weight: a warm jail must not take CPU from running work."""
+        return replace(self, weight=IDLE_WEIGHT)
+
+
+@dataclass(frozen=True)
+class Write:
+    """One file write into a group: controller (v1 directory; "" on v2), file name, value."""
+
+    controller: str
+    file: str
+    value: str
+
+
+def _quota_us(cpus: float) -> int:
+    return max(1000, round(cpus * CPU_PERIOD_US))
+
+
+def _shares(weight: int) -> int:
+    return max(2, weight * 1024 // RUN_WEIGHT)
+
+
+def render_v1(limits: Limits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
+    """The writes that give a v1 group `limits`; memsw: swap accounting exists (swap then off).
+
+    v1 refuses memory.memsw.limit_in_bytes below memory.limit_in_bytes, so when the memory limit
+    goes down (`lowering`) memory goes first, and when it goes up memsw goes first."""
+    mem = str(limits.memory_mb * 1024 * 1024)
+    memory = [Write("memory", "memory.limit_in_bytes", mem)]
+    if memsw:
+        swap = [Write("memory", "memory.memsw.limit_in_bytes", mem)]
+        memory = memory + swap if lowering else swap + memory
+    return (
+        Write("memory", "memory.swappiness", "0"),
+        *memory,
+        Write("cpu", "cpu.cfs_period_us", str(CPU_PERIOD_US)),
+        Write("cpu", "cpu.cfs_quota_us", str(_quota_us(limits.cpus))),
+        Write("cpu", "cpu.shares", str(_shares(limits.weight))),  # equal per run, whatever its processes
+        Write("pids", "pids.max", str(limits.max_procs)),
+    )
+
+
+def render_v2(limits: Limits) -> tuple[Write, ...]:
+    """The writes that give a v2 group `limits` (memory.max counts tmpfs and page cache)."""
+    return (
+        Write("", "memory.max", str(limits.memory_mb * 1024 * 1024)),
+        Write("", "memory.swap.max", "0"),
+        Write("", "memory.oom.group", "1"),       # an OOM kill takes the whole run, not one child
+        Write("", "cpu.max", f"{_quota_us(limits.cpus)} {CPU_PERIOD_US}"),
+        Write("", "cpu.weight", str(limits.weight)),
+        Write("", "pids.max", str(limits.max_procs)),
+    )
+
+
+def render(version: int, limits: Limits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
+    """render_v1 or render_v2 by version."""
+    return render_v1(limits, memsw, lowering) if version == 1 else render_v2(limits)
+
+
+def changes(version: int, old: Limits, new: Limits, memsw: bool) -> tuple[Write, ...]:
+    """Only the writes that differ between `old` and `new`, in the order `new` needs: what a
+    warm jail's handout costs (idle -> run limits differ in the CPU weight: one write)."""
+    lowering = new.memory_mb < old.memory_mb
+    before = set(render(version, old, memsw, lowering))
+    return tuple(w for w in render(version, new, memsw, lowering) if w not in before)
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A group's counters at one moment: CPU time (ns), OOM kills, processes refused."""
+
+    cpu_ns: int
+    oom_kills: int
+    pids_refused: int
+
+
+def parse_keyed(text: str) -> dict[str, int]:
+    """Parse a "key value" per line file (memory.events, cpu.stat, memory.oom_control)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+def counters_v1(read: Callable[[str, str], str]) -> Counters:
+    """Counters from v1 files; read(controller, file) returns the file's text."""
+    return Counters(
+        cpu_ns=int(read("cpuacct", "cpuacct.usage")),
+        oom_kills=parse_keyed(read("memory", "memory.oom_control")).get("oom_kill", 0),
+        pids_refused=parse_keyed(read("pids", "pids.events")).get("max", 0),
+    )
+
+
+def counters_v2(read: Callable[[str, str], str]) -> Counters:
+    """Counters from v2 files; read("", file) returns the file's text."""
+    return Counters(
+        cpu_ns=parse_keyed(read("", "cpu.stat")).get("usage_usec", 0) * 1000,
+        oom_kills=parse_keyed(read("", "memory.events")).get("oom_kill", 0),
+        pids_refused=parse_keyed(read("", "pids.events")).get("max", 0),
+    )
+
+
+def owned_kb_of_stat(version: int, stat: str) -> int:
+    """Anonymous + shmem (tmpfs, /dev/shm) memory of a group from its memory.stat, in KiB: what
+    a run owns, leaving out file pages the kernel can drop (a mmapped model, libraries)."""
+    k = parse_keyed(stat)
+    if version == 1:
+        total = k.get("total_rss", k.get("rss", 0)) + k.get("total_shmem", k.get("shmem", 0))
+    else:
+        total = k.get("anon", 0) + k.get("shmem", 0)
+    return total // 1024
+
+
+def instance_name(pid: int, start: int) -> str:
+    """The instance directory's name: the server's pid and its start time (clock ticks since boot)."""
+    return f"srv-{pid}-{start}"
+
+
+def parse_instance(name: str) -> tuple[int, int] | None:
+    """(pid, start time) of an instance directory's name, or None for a name that is not one."""
+    parts = name.split("-")
+    if len(parts) != 3 or parts[0] != "srv" or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return int(parts[1]), int(parts[2])
+
+
+def start_time(pid: int) -> int | None:
+    """A process's start time (field 22 of /proc/PID/stat), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Hierarchy:
+    """A writable cgroup tree (v1 or v2); this server's runs get groups in its instance directory."""
+
+    def __init__(self, version: int, dirs: Mapping[str, Path], memsw: bool = False,
+                 instance: str | None = None) -> None:
+        self.version = version
+        self.base = dict(dirs)          # controller -> our base directory ("" -> base on v2)
+        self.memsw = memsw
+        me = os.getpid()
+        self.instance = instance or instance_name(me, start_time(me) or 0)
+        self.dirs = {c: d / self.instance for c, d in self.base.items()}
+        self.label = f"cgroup-v{version}"
+
+    def prepare(self) -> None:
+        """Make this instance's directories (v2: and let its groups use the controllers)."""
+        for d in self.dirs.values():
+            d.mkdir(exist_ok=True)
+        if self.version == 2:
+            _enable_v2(self.dirs[""])
+
+    def group(self, name: str, limits: Limits) -> Group:
+        """Make group `name` with `limits`; it is empty until a process joins via preexec."""
+        paths = {c: d / name for c, d in self.dirs.items()}
+        made: list[Path] = []
+        try:
+            for p in paths.values():
+                p.mkdir()
+                made.append(p)
+            g = Group(self, name, paths, limits)
+            for w in render(self.version, limits, self.memsw, lowering=True):
+                g._write(w)
+        except BaseException:
+            for p in made:
+                with contextlib.suppress(OSError):
+                    p.rmdir()
+            raise
+        return g
+
+    def purge_dead(self) -> list[str]:
+        """Remove the instance directories of servers that are gone (killed with -9), their groups
+        and whatever still runs in them; returns the instances removed. Live servers' are kept."""
+        dead: set[str] = set()
+        for d in self.base.values():
+            with contextlib.suppress(FileNotFoundError):
+                for entry in d.iterdir():
+                    owner = parse_instance(entry.name)
+                    if owner is None or entry.name == self.instance or not entry.is_dir():
+                        continue
+                    pid, start = owner
+                    if start_time(pid) != start:
+                        dead.add(entry.name)
+        for name in sorted(dead):
+            _remove_instance({c: d / name for c, d in self.base.items()})
+        return sorted(dead)
+
+    def close(self) -> None:
+        """At shutdown: remove this instance's groups (and anything left in them) and its directories."""
+        _remove_instance(self.dirs)
+
+
+def _remove_instance(dirs: Mapping[str, Path]) -> None:
+    names: set[str] = set()
+    for d in dirs.values():
+        with contextlib.suppress(FileNotFoundError):
+            names |= {p.name for p in d.iterdir() if p.is_dir()}
+    for n in names:
+        remove_paths({c: d / n for c, d in dirs.items()})
+    for d in dirs.values():
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def remove_paths(paths: Mapping[str, Path]) -> None:
+    """Kill every process in these group directories, then remove them (waits for the kernel to
+    let go of the dead: a directory with a dying task in it cannot be removed yet)."""
+    deadline = time.monotonic() + REMOVE_WAIT_S
+    left = dict(paths)
+    while left:
+        for c, p in list(left.items()):
+            try:
+                pids = (p / "cgroup.procs").read_text().split()
+            except FileNotFoundError:
+                del left[c]
+                continue
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+            try:
+                p.rmdir()
+                del left[c]
+            except FileNotFoundError:
+                del left[c]
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+        if left:  # the killed are still leaving (PID-namespace teardown): a short wait
+            time.sleep(0.001)
+
+
+class Group:
+    """One run's group: limits, joining, counters, removal."""
+
+    def __init__(self, tree: Hierarchy, name: str, paths: Mapping[str, Path], limits: Limits) -> None:
+        self.tree = tree
+        self.name = name
+        self.paths = dict(paths)
+        self.limits = limits
+        self._fds: list[int] = []
+        self._removed = False
+
+    # Raw descriptors, not open(): these run on a run's path (handout, cell start and end).
+    def _write(self, w: Write) -> None:
+        fd = os.open(self.paths[w.controller] / w.file, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, w.value.encode())
+        finally:
+            os.close(fd)
+
+    def _read(self, controller: str, file: str) -> str:
+        fd = os.open(self.paths[controller] / file, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.read(fd, 65536).decode()
+        finally:
+            os.close(fd)
+
+    def set_limits(self, limits: Limits) -> None:
+        """Move to `limits` writing only what changes (a warm jail handed out: one write)."""
+        for w in changes(self.tree.version, self.limits, limits, self.tree.memsw):
+            self._write(w)
+        self.limits = limits
+
+    def open_join(self) -> None:
+        """Open cgroup.procs of every controller now, so preexec only has to write."""
+        self.close_join()
+        for p in self.paths.values():
+            self._fds.append(os.open(p / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
+
+    def preexec(self) -> None:
+        """In the forked child before exec: join the group (writing 0 moves the writer). An
+        error here makes the spawn fail: the jail's first process never runs outside its group."""
+        for fd in self._fds:
+            os.write(fd, b"0")
+
+    def close_join(self) -> None:
+        """Close the fds open_join opened (in the parent, after spawn)."""
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def counters(self, pids: bool = True) -> Counters:
+        """CPU time, OOM kills and (unless pids=False: a cell needs only the first two) refused forks."""
+        read = self._read if pids else self._read_no_pids
+        return counters_v1(read) if self.tree.version == 1 else counters_v2(read)
+
+    def _read_no_pids(self, controller: str, file: str) -> str:
+        return "" if file == "pids.events" else self._read(controller, file)
+
+    def oom_kills(self) -> int:
+        """OOM kills in the group so far (one file read: the watchdog polls it)."""
+        if self.tree.version == 1:
+            return parse_keyed(self._read("memory", "memory.oom_control")).get("oom_kill", 0)
+        return parse_keyed(self._read("", "memory.events")).get("oom_kill", 0)
+
+    def reset_peak(self) -> None:
+        """Start a new peak-memory reading (v1: memory.max_usage_in_bytes; v2 keeps memory.peak
+        over the group's life, which a reset would need the reading's own fd for)."""
+        if self.tree.version == 1:
+            self._write(Write("memory", "memory.max_usage_in_bytes", "0"))
+
+    def peak_mb(self) -> float:
+        """Peak memory of the group (every process, tmpfs, page cache) since reset_peak, in MiB."""
+        raw = (self._read("memory", "memory.max_usage_in_bytes") if self.tree.version == 1
+               else self._read("", "memory.peak")).strip()
+        return round(int(raw) / (1024 * 1024), 1) if raw.isdigit() else 0.0
+
+    def owned_mb(self) -> int:
+        """Anonymous + shmem memory of the group, in MiB (what the GPU watchdog caps)."""
+        key = "memory" if self.tree.version == 1 else ""
+        return owned_kb_of_stat(self.tree.version, self._read(key, "memory.stat")) // 1024
+
+    def pids(self) -> list[int]:
+        """Every process in the group."""
+        out: set[int] = set()
+        for p in self.paths.values():
+            with contextlib.suppress(FileNotFoundError):
+                out |= {int(x) for x in (p / "cgroup.procs").read_text().split()}
+        return sorted(out)
+
+    def remove(self) -> None:
+        """Kill what is left in the group and remove its directories (blocking: a thread)."""
+        self.close_join()
+        if not self._removed:
+            remove_paths(self.paths)
+            self._removed = True
+
+
+def _own_path(controller: str, text: str) -> str:
+    """The server's own cgroup path for a v1 controller ("" -> the v2 line) from /proc/self/cgroup."""
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and (controller in parts[1].split(",") if controller else parts[1] == ""):
+            return parts[2].lstrip("/")
+    return ""
+
+
+def _enable_v2(d: Path) -> None:
+    (d / "cgroup.subtree_control").write_text(" ".join("+" + c for c in V2_CONTROLLERS))
+
+
+def _writable_base(d: Path) -> str | None:
+    """Make our base directory under d; None when done, else why not."""
+    try:
+        (d / BASE).mkdir(exist_ok=True)
+        probe = d / BASE / f".probe-{os.getpid()}"
+        probe.mkdir(exist_ok=True)
+        probe.rmdir()
+    except OSError as e:
+        return f"{d}: {e.strerror or e}"
+    return None
+
+
+def _detect_v2(root: Path, own: str) -> tuple[Hierarchy | None, list[str]]:
+    top = root / own
+    have = set((top / "cgroup.controllers").read_text().split())
+    lacking = [c for c in V2_CONTROLLERS if c not in have]
+    if lacking:
+        return None, [f"cgroup v2 controllers not delegated to {top}: {', '.join(lacking)}"]
+    try:
+        # v2 lets no cgroup both hold processes and hand controllers to children: the server's
+        # own processes move to a leaf (as a container's init or a Delegate=yes unit needs).
+        procs = (top / "cgroup.procs").read_text().split()
+        if procs:
+            leaf = top / "server"
+            leaf.mkdir(exist_ok=True)
+            for pid in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    (leaf / "cgroup.procs").write_text(pid)
+        _enable_v2(top)
+    except OSError as e:
+        return None, [f"{top}: cannot delegate controllers to the runs' groups: {e.strerror or e}"]
+    why = _writable_base(top)
+    if why:
+        return None, [why]
+    try:
+        _enable_v2(top / BASE)
+    except OSError as e:
+        return None, [f"{top / BASE}/cgroup.subtree_control: {e.strerror or e}"]
+    return Hierarchy(2, {"": top / BASE}), []
+
+
+def detect(root: Path = CGROUP_ROOT, self_cgroup: str | None = None) -> tuple[Hierarchy | None, list[str]]:
+    """Find a writable hierarchy under root, nested in the server's own cgroups: v2 when root is
+    cgroup2, else the v1 controllers. Returns (hierarchy or None, what is missing)."""
+    if self_cgroup is None:
+        try:
+            self_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            self_cgroup = ""
+    if (root / "cgroup.controllers").is_file():
+        return _detect_v2(root, _own_path("", self_cgroup))
+    missing: list[str] = []
+    dirs: dict[str, Path] = {}
+    for c in V1_CONTROLLERS:
+        mount = root / c
+        if not (mount / "cgroup.procs").is_file():
+            missing.append(f"cgroup v1 controller {c} not mounted at {mount}")
+            continue
+        d = mount / _own_path(c, self_cgroup)
+        if not d.is_dir():  # our own group is not visible here (another cgroup namespace): the mount's root
+            d = mount
+        why = _writable_base(d)
+        if why:
+            missing.append(why)
+        else:
+            dirs[c] = d / BASE
+    if missing:
+        return None, missing
+    memsw = (dirs["memory"].parent / "memory.memsw.limit_in_bytes").exists()
+    return Hierarchy(1, dirs, memsw=memsw), []
+
+
+def open_hierarchy(mode: str, root: Path = CGROUP_ROOT) -> tuple[Hierarchy | None, list[str]]:
+    """The hierarchy for SANDBOX_CGROUPS=mode and what is missing when there is none.
+
+    off: None. auto: None when nothing is writable (rlimits stay). require: StartupError naming
+    what is missing. A found hierarchy gets this server's instance directory, and dead servers'
+    leftovers are purged."""
+    if mode == "off":
+        return None, ["SANDBOX_CGROUPS=off"]
+    tree, missing = detect(root)
+    if tree is not None:
+        try:
+            tree.prepare()
+        except OSError as e:
+            missing = [f"{', '.join(map(str, tree.dirs.values()))}: {e.strerror or e}"]
+            tree = None
+    if tree is None:
+        if mode == "require":
+            raise StartupError("SANDBOX_CGROUPS=require but no cgroup hierarchy can be used: "
+                               + "; ".join(missing))
+        return None, missing
+    tree.purge_dead()
+    return tree, []

@@ -1,0 +1,188 @@
+"""Per-run cgroups: rendering of limits (pure), and real v1/v2 groups where this host has them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from appliance.jail import cgroups
+from appliance.jail.cgroups import Limits, Write, changes, render_v1, render_v2
+
+L = Limits(memory_mb=1024, cpus=1.5, max_procs=64)
+
+
+def test_v2_rendering_turns_swap_off_and_quotas_cpu() -> None:
+    w = {x.file: x.value for x in render_v2(L)}
+    assert w["memory.max"] == str(1024 << 20) and w["memory.swap.max"] == "0"
+    assert w["cpu.max"] == "150000 100000" and w["pids.max"] == "64" and w["memory.oom.group"] == "1"
+    assert w["cpu.weight"] == "100" and {x.file: x.value for x in render_v2(L.idle())}["cpu.weight"] == "10"
+
+
+def test_v1_memsw_order_follows_direction() -> None:
+    files = [x.file for x in render_v1(L, memsw=True, lowering=True)]
+    assert files.index("memory.limit_in_bytes") < files.index("memory.memsw.limit_in_bytes")
+    files = [x.file for x in render_v1(L, memsw=True, lowering=False)]
+    assert files.index("memory.memsw.limit_in_bytes") < files.index("memory.limit_in_bytes")
+    assert Write("cpu", "cpu.cfs_quota_us", "150000") in render_v1(L, memsw=False, lowering=True)
+    assert Write("cpu", "cpu.shares", "1024") in render_v1(L, memsw=False, lowering=True)
+
+
+def test_a_handout_writes_only_the_cpu_weight() -> None:
+    """Idle -> run limits is the take path's cost: one file write, on either version."""
+    assert changes(1, L.idle(), L, memsw=True) == (Write("cpu", "cpu.shares", "1024"),)
+    assert changes(2, L.idle(), L, memsw=False) == (Write("", "cpu.weight", "100"),)
+    assert changes(1, L, L, memsw=True) == ()
+    bigger = Limits(memory_mb=2048, cpus=1.5, max_procs=64)
+    assert [w.file for w in changes(1, L, bigger, memsw=True)] == [
+        "memory.memsw.limit_in_bytes", "memory.limit_in_bytes"]
+
+
+def test_counters_and_owned_memory_parse_both_versions() -> None:
+    files = {("cpuacct", "cpuacct.usage"): "2500000000\n",
+             ("memory", "memory.oom_control"): "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",
+             ("pids", "pids.events"): "max 7\n"}
+    c = cgroups.counters_v1(lambda c, f: files[(c, f)])
+    assert (c.cpu_ns, c.oom_kills, c.pids_refused) == (2_500_000_000, 3, 7)
+    v2 = {"cpu.stat": "usage_usec 1500\nuser_usec 1000\n", "memory.events": "low 0\noom 1\noom_kill 1\n",
+          "pids.events": "max 0\n"}
+    c = cgroups.counters_v2(lambda _, f: v2[f])
+    assert (c.cpu_ns, c.oom_kills, c.pids_refused) == (1_500_000, 1, 0)
+    stat1 = "cache 999999999\nrss 1048576\nshmem 1\ntotal_rss 4194304\ntotal_shmem 2097152\nmapped_file 5\n"
+    assert cgroups.owned_kb_of_stat(1, stat1) == 6 * 1024  # file pages (cache, mapped) left out
+    assert cgroups.owned_kb_of_stat(2, "anon 1048576\nfile 99999999\nshmem 1048576\n") == 2048
+
+
+def test_instance_names_round_trip_and_reject_strangers() -> None:
+    assert cgroups.parse_instance(cgroups.instance_name(42, 123456)) == (42, 123456)
+    for name in ("srv-42", "srv-x-1", "other-1-2", "srv-1-2-3", ".probe-9"):
+        assert cgroups.parse_instance(name) is None
+    assert cgroups.start_time(os.getpid()) is not None
+
+
+@pytest.fixture
+def tree() -> Iterator[cgroups.Hierarchy]:
+    found, missing = cgroups.detect()
+    if found is None:
+        pytest.skip("no writable cgroup hierarchy: " + "; ".join(missing))
+    found.prepare()
+    yield found
+    found.close()
+    assert not any(d.exists() for d in found.dirs.values())
+
+
+def test_real_group_oom_kills_a_process_over_the_memory_limit(tree: cgroups.Hierarchy) -> None:
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", Limits(memory_mb=64, cpus=1.0, max_procs=16))
+    try:
+        g.open_join()
+        p = subprocess.run([sys.executable, "-c", "b = bytearray(200 << 20)"],
+                           preexec_fn=g.preexec, capture_output=True)
+        g.close_join()
+        assert p.returncode == -9
+        c = g.counters()
+        assert c.oom_kills >= 1 and g.oom_kills() == c.oom_kills
+        assert 0 < g.peak_mb() <= 64 and c.cpu_ns > 0
+    finally:
+        g.remove()
+    assert not any(p.exists() for p in g.paths.values())
+
+
+def test_real_group_pids_limit_stops_a_fork_bomb(tree: cgroups.Hierarchy) -> None:
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", Limits(memory_mb=256, cpus=1.0, max_procs=8))
+    g.open_join()
+    code = ("import os, time\ntry:\n  for _ in range(50):\n    if os.fork() == 0:\n      time.sleep(30)\n"
+            "      os._exit(0)\nexcept OSError:\n  print('refused', flush=True)")
+    p = subprocess.Popen([sys.executable, "-c", code], preexec_fn=g.preexec, stdout=subprocess.PIPE)
+    g.close_join()
+    out = p.stdout.readline() if p.stdout else b""
+    assert b"refused" in out and len(g.pids()) <= 8 and g.counters().pids_refused >= 1
+    g.remove()  # kills the sleeping children too
+    assert not any(x.exists() for x in g.paths.values())
+    p.wait()
+    assert p.returncode == -9
+
+
+def test_a_handout_moves_a_group_from_idle_to_run_weight(tree: cgroups.Hierarchy) -> None:
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", L.idle())
+    try:
+        key = "cpu" if tree.version == 1 else ""
+        name = "cpu.shares" if tree.version == 1 else "cpu.weight"
+        idle = (g.paths[key] / name).read_text().strip()
+        g.set_limits(L)
+        assert (idle, (g.paths[key] / name).read_text().strip()) in (("102", "1024"), ("10", "100"))
+    finally:
+        g.remove()
+
+
+def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None:
+    """A server killed with -9 leaves its instance directory; the next start removes it, and the
+    processes still in it, but never the directory of a server that is still alive."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone = cgroups.Hierarchy(tree.version, tree.base, tree.memsw,
+                             instance=cgroups.instance_name(dead.pid, 1))  # no such process (start time)
+    alive_pid = os.getppid()
+    alive = cgroups.Hierarchy(tree.version, tree.base, tree.memsw,
+                              instance=cgroups.instance_name(alive_pid, cgroups.start_time(alive_pid) or 0))
+    for h in (gone, alive):
+        h.prepare()
+    leftover = gone.group("j1", L)
+    leftover.open_join()
+    sleeper = subprocess.Popen(["sleep", "60"], preexec_fn=leftover.preexec)
+    leftover.close_join()
+    keep = alive.group("j2", L)
+    try:
+        assert tree.purge_dead() == [gone.instance]
+        assert sleeper.wait(timeout=10) == -9
+        assert not any(d.exists() for d in gone.dirs.values())
+        assert all(p.exists() for p in keep.paths.values())
+    finally:
+        alive.close()
+        gone.close()
+        if sleeper.poll() is None:
+            sleeper.kill()
+
+
+def test_a_failing_join_stops_the_child_before_exec(tree: cgroups.Hierarchy) -> None:
+    """Fail closed: when the child cannot join its group, nothing is executed."""
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", L)
+    g.open_join()
+    for fd in g._fds:  # a join that cannot be written (the fd no longer refers to cgroup.procs)
+        os.close(fd)
+    g._fds = [os.open("/dev/null", os.O_RDONLY)]
+    started = time.monotonic()
+    with pytest.raises(subprocess.SubprocessError):
+        subprocess.run(["sh", "-c", "echo ran"], preexec_fn=g.preexec, capture_output=True)
+    assert time.monotonic() - started < 30
+    g.remove()
+
+
+def test_cgroup_memory_sees_tmpfs_files_that_proc_cannot(tree: cgroups.Hierarchy) -> None:
+    """The GPU watchdog's reading (RunMemory) from the run's group: a tmpfs file the run wrote
+    and closed is memory it owns, which /proc's mappings never show."""
+    from appliance.jail.memory import CgroupMemory, ProcMemory
+
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", Limits(memory_mb=512, cpus=1.0, max_procs=16))
+    shm = f"/dev/shm/cgroup-test-{uuid.uuid4().hex[:8]}"
+    g.open_join()
+    p = subprocess.Popen([sys.executable, "-c", f"open({shm!r}, 'wb').write(b'x' * (120 << 20))\n"
+                          "print('written', flush=True)\nimport time; time.sleep(30)"],
+                         preexec_fn=g.preexec, stdout=subprocess.PIPE)
+    g.close_join()
+    try:
+        assert p.stdout is not None and p.stdout.readline() == b"written\n"
+        reading = CgroupMemory(tree)
+        assert reading.group_dir(p.pid) == g.paths["memory" if tree.version == 1 else ""]
+        assert reading.owned_mb(p.pid, {p.pid}) >= 120
+        assert ProcMemory().owned_mb(p.pid, {p.pid}) < 120  # what the watchdog read before
+        assert reading.group_dir(os.getpid()) is None  # not one of ours: /proc is read instead
+    finally:
+        p.kill()
+        p.wait()
+        os.unlink(shm)
+        g.remove()
