@@ -12,6 +12,7 @@
 #     substitutions docs/deploy.md lists) and its token form of websocat prints 4
 #   - podman stop with a run in flight ends it done, exit 0
 #   - the manifests run under podman kube play (scripts/ci-kube-play.sh)
+#   - per-run cgroups enforced in the container with the documented settings (scripts/ci-cgroups.sh)
 #   - without each privilege the entrypoint refuses (exit 78), naming the flag
 #   - with firejail's container hint gone (entrypoint bypassed), nothing runs unjailed: every
 #     jail fails its self-check, runs end `internal`, /readyz stays 503
@@ -78,7 +79,7 @@ PY="$TOOLS/bin/python"
 log "hadolint $("$TOOLS/bin/hadolint" --version)"
 "$TOOLS/bin/hadolint" images/cpu/Dockerfile images/cuda12/Dockerfile || die "hadolint found problems"
 log "hadolint: images/cpu/Dockerfile images/cuda12/Dockerfile clean"
-"$TOOLS/bin/shellcheck" images/entrypoint.sh scripts/ci-images.sh scripts/ci-cuda-packaging.sh scripts/ci-kube-play.sh \
+"$TOOLS/bin/shellcheck" images/entrypoint.sh scripts/ci-images.sh scripts/ci-cuda-packaging.sh scripts/ci-kube-play.sh scripts/ci-cgroups.sh \
     || die "shellcheck found problems"
 log "shellcheck: images/entrypoint.sh scripts/ci-*.sh clean"
 # deploy/kubernetes is a kustomize base with overlays: validate what `kubectl apply -k` gets,
@@ -318,6 +319,9 @@ run_doc_block docs/deploy.md "docker run" ci-deploy-doc
 # ---- the Kubernetes manifests, run for real with podman kube play ----------------------------------
 CI_IMAGES_WORK="$WORK" IMAGE="$IMAGE" PORT="$PORT" NOFILE="$NOFILE" NPROC="$NPROC" bash scripts/ci-kube-play.sh \
     || die "the manifests did not run under podman kube play"
+
+# ---- per-run cgroups in the container, as docs/deploy.md runs it (issue 13) ----------------------
+bash scripts/ci-cgroups.sh "$IMAGE" || die "the image does not enforce per-run cgroups with the documented settings"
 
 # ---- the entrypoint refuses, naming the missing flag --------------------------------------------
 run_refused ci-no-sys-admin "--cap-add SYS_ADMIN" "${DOCKER_CAPS[@]}" --cap-add=NET_ADMIN "${SECCOMP[@]}"
