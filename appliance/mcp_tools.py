@@ -74,7 +74,7 @@ async def list_models(executor: agents.Executor) -> types.CallToolResult:
     """The catalogue as one text block of JSON (an error result, saying why, if it cannot be read)."""
     try:
         models = await executor.models()
-    except Exception as exc:  # a transport or HTTP failure: the model reads why
+    except Exception as exc:  # noqa: BLE001 (Executor is a protocol: whatever its transport raises, the model reads why)
         return types.CallToolResult(content=[types.TextContent(
             type="text", text=f"the model catalogue could not be read: {exc}")], isError=True)
     if not models:
