@@ -22,6 +22,7 @@
 #define CUDA_ERROR_OUT_OF_MEMORY 2
 #define CUDA_ERROR_NOT_INITIALIZED 3
 #define CUDA_ERROR_DEVICES_UNAVAILABLE 46
+#define CUDA_ERROR_INVALID_DEVICE 101
 #define CUDA_ERROR_INVALID_CONTEXT 201
 #define CUDA_ERROR_MPS_CONNECTION_FAILED 805
 
@@ -48,6 +49,52 @@ int cuDeviceGet(int *device, int ordinal) {
     *device = ordinal;
     return CUDA_SUCCESS;
 }
+
+/* The devices a process may use are those CUDA_VISIBLE_DEVICES names (comma-separated UUIDs,
+ * as the appliance sets it); unset, every device of the simulated host (STUB_CUDA_DEVICES,
+ * default 8), as the real driver shows every GPU when the variable is unset. */
+static int visible(int ordinal, char *uuid, size_t size) {
+    const char *list = getenv("CUDA_VISIBLE_DEVICES");
+    int n = 0;
+    if (list == NULL) {
+        const char *all = getenv("STUB_CUDA_DEVICES");
+        n = all ? atoi(all) : 8;
+        if (uuid != NULL && ordinal < n) snprintf(uuid, size, "GPU-SIM-%d", ordinal);
+        return n;
+    }
+    for (const char *p = list; *p; ) {
+        const char *end = strchr(p, ',');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (len > 0) {
+            if (uuid != NULL && n == ordinal) snprintf(uuid, size, "%.*s", (int)len, p);
+            n++;
+        }
+        if (!end) break;
+        p = end + 1;
+    }
+    return n;
+}
+
+int cuDeviceGetCount(int *count) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    *count = visible(-1, NULL, 0);
+    return CUDA_SUCCESS;
+}
+
+/* The device's 16-byte UUID. A real one is the hex of "GPU-xxxxxxxx-xxxx-..."; a simulated
+ * UUID ("GPU-SIM-0") is not hex, so its bytes are the text after "GPU-", NUL-padded (the
+ * acceptance kit's uuid_bytes() reads both forms). */
+int cuDeviceGetUuid(unsigned char *bytes, int device) {
+    char uuid[128] = "";
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (device < 0 || device >= visible(-1, NULL, 0)) return CUDA_ERROR_INVALID_DEVICE;
+    visible(device, uuid, sizeof uuid);
+    memset(bytes, 0, 16);
+    strncpy((char *)bytes, strncmp(uuid, "GPU-", 4) == 0 ? uuid + 4 : uuid, 16);
+    return CUDA_SUCCESS;
+}
+
+int cuDeviceGetUuid_v2(unsigned char *bytes, int device) { return cuDeviceGetUuid(bytes, device); }
 
 int cuDevicePrimaryCtxRetain(void **ctx, int device) {
     (void)device;

@@ -27,7 +27,9 @@ Allocations are refused past the client's limit and past the device's size (what
 GPU does), and reported to the simulated GPU backend as the client PID's usage, so the
 watchdog and the ledger see them. `enforce=False` makes a daemon that accepts limits but
 ignores them (the startup probe must notice); a `mps_fault` string in the backend's control
-file makes every control command fail, like a daemon that went away.
+file makes every control command fail, like a daemon that went away. `"free_delay_ms": N` in
+that file frees a client's memory N ms after it disconnects (exits or is killed), as a real GPU
+frees asynchronously: until then it stays on the device and in the backend's process list.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.gpu.backend import GpuBackendError
 from appliance.gpu.mps import MpsControl, MpsError
 from appliance.gpu.simulated import SimulatedBackend
 
@@ -73,6 +76,7 @@ class SimulatedMps(MpsControl):
         self._limits: dict[int, dict[str, int]] = {}        # server -> uuid -> MiB
         self._servers: dict[int, int] = {}                  # uid -> server
         self._clients: dict[int, dict[int, _Client]] = {}   # server -> pid -> client
+        self._freeing: list[_Client] = []                   # gone, memory not yet freed
         pipe_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(pipe_dir, 0o755)
         path = pipe_dir / SOCKET_NAME
@@ -229,9 +233,31 @@ class SimulatedMps(MpsControl):
             pass
         finally:
             if client is not None:
-                with self._lock:
-                    self._clients.get(server, {}).pop(reported, None)
-                self.backend.set_usage(pid, _index(client.uuid), 0)
+                self._release(server, client, reported)
+
+    def _release(self, server: int, client: _Client, reported: int) -> None:
+        """The client is gone: free its memory now, or after free_delay_ms (late frees)."""
+        try:
+            delay_ms = int(self.backend.control_state().get("free_delay_ms") or 0)
+        except (TypeError, ValueError, GpuBackendError):
+            delay_ms = 0
+        with self._lock:
+            self._clients.get(server, {}).pop(reported, None)
+            if delay_ms > 0 and client.used_bytes:
+                self._freeing.append(client)
+
+        def free() -> None:
+            with self._lock:
+                if client in self._freeing:
+                    self._freeing.remove(client)
+            self.backend.set_usage(client.pid, _index(client.uuid), 0)
+
+        if delay_ms > 0 and client.used_bytes:
+            timer = threading.Timer(delay_ms / 1000, free)
+            timer.daemon = True
+            timer.start()
+        else:
+            free()
 
     def _alloc(self, server: int, client: _Client, size: int) -> bool:
         total = next((d.total_mb for d in self.backend.devices() if d.uuid == client.uuid), 0) * MIB
@@ -239,8 +265,8 @@ class SimulatedMps(MpsControl):
             if not any(c is client for c in self._clients.get(server, {}).values()):
                 return False  # terminated by the daemon
             ceiling = client.limit_mb * MIB if self.enforce and client.limit_mb is not None else total
-            on_device = sum(c.used_bytes for cs in self._clients.values() for c in cs.values()
-                            if c.uuid == client.uuid)
+            live = [c for cs in self._clients.values() for c in cs.values()]
+            on_device = sum(c.used_bytes for c in (*live, *self._freeing) if c.uuid == client.uuid)
             if client.used_bytes + size > ceiling or on_device + size > total:
                 return False  # over its own limit, or the device is full (a real OOM)
             client.used_bytes += size
