@@ -1,0 +1,598 @@
+"""The real-GPU acceptance checks: one unattended run, PASS/FAIL/SKIP per check, JSON + Markdown.
+
+Run by `gpu-acceptance.sh` from the kit `make gpu-kit` builds (docs/gpu.md, "The acceptance
+kit"), on a GPU machine as root:
+
+    python -m benchmarks.gpu_acceptance --out DIR [--mps] [--gguf MODEL.gguf]
+
+and, in `make test`, against simulated devices (`--simulate`: the simulated NVML backend, the
+simulated MPS daemon standing in for the GPU's memory, the stand-in libcuda built from
+tests/stub_libcuda.c and a stand-in nvidia-smi), so that only the hardware is left unknown.
+
+Every check runs real requests against a real appliance (`appliance serve`, real firejail
+jails); GPU memory is allocated inside the jails through the CUDA driver API (ctypes against
+libcuda: cuInit, cuDevicePrimaryCtxRetain, cuMemAlloc), no torch. A check that cannot run on
+this machine is SKIP with its reason, never PASS. The checks, in order:
+
+  preflight.driver / .mig / .compute_mode / .nvidia_uvm   what nvidia-smi and /dev say
+  readyz          /readyz: backend, device UUIDs and totals equal to nvidia-smi's
+  jail.visible_device   in a jail, one CUDA device, whose UUID is the grant's
+  jail.device_nodes     in a jail, exactly the granted /dev/nvidia* nodes
+  watchdog.main_thread / .thread / .subprocess   an over-budget run is stopped (kill latency
+                  recorded) while a neighbour run ends ok
+  host_memory     a GPU run mapping more file-backed memory than SANDBOX_MEMORY_MB is not killed
+  reclaim         a large run queued behind a killed one never hits CUDA out-of-memory
+  contention      N = 1, 4, 16 of benchmarks/gpu_contention.py's mix, no out-of-memory
+  llama_offload   llama.cpp offloads to the GPU (only where a CUDA build and a model are at hand)
+  mps.enforcing / mps.restored   (--mps) daemon-side limits, and the compute mode put back
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+MIN_DRIVER = 550
+MIB = 1 << 20
+SMI_FIELDS = ("index", "uuid", "name", "memory.total", "driver_version", "mig.mode.current", "compute_mode")
+
+# Inside a jail: the CUDA driver API through ctypes, as llama.cpp's runtime would use it.
+CUDA = """
+import ctypes, json, os, subprocess, sys, threading, time
+cu = ctypes.CDLL(os.environ.get('APPLIANCE_LIBCUDA', 'libcuda.so.1'))
+def ctx():
+    dev, c = ctypes.c_int(), ctypes.c_void_p()
+    for name, rc in (('cuInit', cu.cuInit(0)), ('cuDeviceGet', cu.cuDeviceGet(ctypes.byref(dev), 0)),
+                     ('cuDevicePrimaryCtxRetain', cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev)),
+                     ('cuCtxSetCurrent', cu.cuCtxSetCurrent(c))):
+        if rc != 0:
+            raise RuntimeError(f'{name} failed with CUDA error {rc}')
+def alloc(mb):
+    ptr = ctypes.c_uint64()
+    rc = cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(mb << 20))
+    if rc != 0:
+        raise MemoryError(f'cuMemAlloc of {mb} MiB failed with CUDA error {rc} (out of memory)')
+def allocated():
+    print('ALLOCATED', time.time(), flush=True)
+"""
+VISIBLE = CUDA + """
+n, raw = ctypes.c_int(), ctypes.create_string_buffer(16)
+assert cu.cuInit(0) == 0 and cu.cuDeviceGetCount(ctypes.byref(n)) == 0
+uuids = []
+for i in range(n.value):
+    assert cu.cuDeviceGetUuid(raw, i) == 0
+    uuids.append(raw.raw.hex())
+print(json.dumps({'count': n.value, 'uuids': uuids, 'env': os.environ.get('CUDA_VISIBLE_DEVICES')}))
+"""
+NODES = """
+import json, os, re, stat
+seen = {}
+for name in sorted(os.listdir('/dev')):
+    if re.match(r'^(nvidia.*|dri|kfd)$', name):
+        mode = os.lstat('/dev/' + name).st_mode
+        seen[name] = 'char' if stat.S_ISCHR(mode) else 'dir' if stat.S_ISDIR(mode) else 'other'
+print(json.dumps(seen))
+"""
+# The three ways a run's CUDA context can be created: what NVML reports differs for each.
+OVERRUN = {
+    "main_thread": "ctx(); alloc(MB); allocated(); time.sleep(60)",
+    "thread": ("def work():\n    ctx(); alloc(MB); allocated(); time.sleep(60)\n"
+               "t = threading.Thread(target=work); t.start(); t.join()"),
+    "subprocess": ("child = CUDA_SRC + 'ctx(); alloc(MB); allocated(); time.sleep(60)'\n"
+                   "subprocess.run([sys.executable, '-c', child])"),
+}
+NEIGHBOUR = "ctx(); alloc(MB); time.sleep(SECS); print('neighbour ok', flush=True)"
+HOST_MEMORY = """
+import mmap
+ctx(); alloc(GPU_MB)
+size = FILE_MB << 20
+with open('mapped.bin', 'wb') as fh:
+    block = b'\\1' * (1 << 20)
+    for _ in range(FILE_MB):
+        fh.write(block)
+with open('mapped.bin', 'rb') as fh:
+    m = mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ)
+    total = sum(m[i] for i in range(0, size, 4096))
+    time.sleep(HOLD_S)
+    status = dict(line.split(':', 1) for line in open('/proc/self/status') if line.startswith(('VmRSS', 'RssFile', 'RssAnon')))
+    print(json.dumps({k: int(v.split()[0]) // 1024 for k, v in status.items()} | {'touched': total}))
+"""
+
+
+@dataclass
+class Check:
+    """One check's outcome."""
+
+    name: str
+    status: str
+    detail: str
+    seconds: float = 0.0
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def uuid_bytes(uuid: str) -> str:
+    """A device UUID as the 16 bytes (hex) cuDeviceGetUuid returns.
+
+    A real UUID is "GPU-" and 32 hex digits in groups; a simulated one ("GPU-SIM-0") is not hex,
+    and its bytes are its text after "GPU-", NUL-padded (tests/stub_libcuda.c)."""
+    body = uuid.removeprefix("GPU-").removeprefix("MIG-")
+    digits = body.replace("-", "")
+    if re.fullmatch(r"[0-9a-fA-F]{32}", digits):
+        return digits.lower()
+    return body.encode()[:16].ljust(16, b"\0").hex()
+
+
+def why(ex: Any) -> str:
+    """What a run that did not end ok said: its exception, its message or its stderr's tail."""
+    if ex.error is not None:
+        return f"{ex.error.name}: {ex.error.value}"[-300:]
+    return str(ex.message or ex.stderr or "")[-300:]
+
+
+def nvidia_smi(cmd: list[str]) -> list[dict[str, str]]:
+    """One dict per GPU from `nvidia-smi --query-gpu` (values as nvidia-smi writes them)."""
+    out = subprocess.run([*cmd, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"nvidia-smi failed ({out.returncode}): {(out.stderr or out.stdout).strip()[:300]}")
+    rows = [dict(zip(SMI_FIELDS, (v.strip() for v in line.split(",")), strict=True))
+            for line in out.stdout.splitlines() if line.strip()]
+    if not rows:
+        raise RuntimeError("nvidia-smi lists no GPU")
+    return rows
+
+
+class Kit:
+    """The checks, one appliance at a time; results in order."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.sim = bool(args.simulate)
+        self.smi_cmd = args.nvidia_smi.split()
+        self.out = Path(args.out)
+        self.work = Path(tempfile.mkdtemp(prefix="gpu-acceptance-", dir=args.tmp))
+        os.chmod(self.work, 0o755)  # the sandbox uid reads the stand-in libcuda and the MPS pipes here
+        self.results: list[Check] = []
+        self.deadline = time.monotonic() + args.budget_s
+        self.gpus: list[dict[str, str]] = []
+        self.server: Any = None
+        self.margin = 128 if self.sim else 256
+        self.memory_mb = 256 if self.sim else 2048  # SANDBOX_MEMORY_MB of the kit's server
+        self.total_mb = 0
+
+    # -- the server --------------------------------------------------------------------------
+    def settings(self, mps: bool = False) -> dict[str, str]:
+        env = {"SANDBOX_GPU": "1", "SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "2",
+               "SANDBOX_MAX_CONCURRENCY": "16", "SANDBOX_MEMORY_MB": str(self.memory_mb),
+               "SANDBOX_MAX_DISK_MB": str(4 * self.memory_mb), "SANDBOX_MAX_FILE_MB": str(2 * self.memory_mb),
+               "SANDBOX_GPU_MARGIN_MB": str(self.margin),
+               "SANDBOX_MAX_EXEC_MS": "120000", "SANDBOX_GPU_QUEUE_MS": "120000",
+               "SANDBOX_GPU_POLL_MS": "100", "SANDBOX_GPU_MPS": "require" if mps else "off",
+               "SANDBOX_FIREJAIL": self.args.firejail}
+        if self.args.gguf:
+            env["SANDBOX_MODELS_DIR"] = str(Path(self.args.gguf).resolve().parent)
+        pipe = self.work / ("mps" if mps else "sim-gpu")
+        if self.sim:
+            # The simulated MPS daemon stands in for the GPU's memory: the stand-in libcuda's
+            # allocations go to it, and it reports them to the simulated NVML backend. Without
+            # --mps it ignores limits (a plain GPU); it frees late and NVML reports thread IDs.
+            control = self.work / "sim.json"
+            control.write_text(json.dumps({"report_tids": True, "free_delay_ms": 1500}))
+            pipe.mkdir(exist_ok=True)
+            os.chmod(pipe, 0o755)
+            env |= {"SANDBOX_GPU_BACKEND": "simulated", "SANDBOX_GPU_SIMULATE": str(self.args.sim_mb),
+                    "SANDBOX_GPU_SIMULATE_FILE": str(control), "SANDBOX_GPU_MPS": "require" if mps else "auto",
+                    "SANDBOX_GPU_SIMULATE_MPS": "on" if mps else "ignore-limits",
+                    "SANDBOX_GPU_MPS_PIPE_DIR": str(pipe), "SANDBOX_GPU_LIBCUDA": self.args.libcuda}
+        elif mps:
+            env["SANDBOX_GPU_MPS_PIPE_DIR"] = str(pipe)
+        for item in self.args.server_env:
+            key, _, value = item.partition("=")
+            env[key] = value
+        return env
+
+    def start(self, mps: bool = False) -> Any:
+        from appliance import local
+
+        return local.start(self.work / ("srv-mps" if mps else "srv"), self.settings(mps), timeout_s=180)
+
+    def readyz(self, server: Any) -> dict[str, Any]:
+        status, body = server.get("/readyz")
+        data: dict[str, Any] = json.loads(body)
+        data["_status"] = status
+        return data
+
+    async def execute(self, code: str, budget_mb: int | None, server: Any = None) -> tuple[Any, float]:
+        """Run code in a jail with this GPU budget; (Execution, wall time when done arrived)."""
+        from appliance.client import AsyncClient
+
+        fields: dict[str, Any] = {"gpu": {"memory_mb": budget_mb}} if budget_mb else {}
+        async with AsyncClient((server or self.server).url) as c:
+            ex = await c.execute(code, **fields)
+        return ex, time.time()
+
+    # -- running checks ----------------------------------------------------------------------
+    async def check(self, name: str, body: Callable[[], Awaitable[Check]], timeout_s: float) -> Check:
+        """Run one check under its time limit; an exception is that check's FAIL."""
+        if not self.selected(name):
+            result = Check(name, SKIP, "not selected (--only)")
+            self.results.append(result)
+            return result
+        left = self.deadline - time.monotonic()
+        started = time.monotonic()
+        if left < 5:
+            result = Check(name, FAIL, "not run: the kit's time budget (--budget-s) was spent")
+        else:
+            try:
+                result = await asyncio.wait_for(body(), min(timeout_s, left))
+            except TimeoutError:
+                result = Check(name, FAIL, f"did not finish within {min(timeout_s, left):.0f} s")
+            except Exception as exc:  # noqa: BLE001 (any failure of a check is its FAIL, with the reason)
+                result = Check(name, FAIL, f"{type(exc).__name__}: {exc}")
+        result.name = result.name or name
+        result.seconds = round(time.monotonic() - started, 2)
+        self.results.append(result)
+        print(f"[{result.status}] {result.name}: {result.detail}", flush=True)
+        return result
+
+    def selected(self, name: str) -> bool:
+        """Whether --only asks for this check (all do without it; the driver query and the server
+        always run, as the others need them)."""
+        wanted = self.args.only
+        return not wanted or name in ("preflight.driver", "server") or any(
+            name == w or name.startswith(w + ".") for w in wanted)
+
+    async def run(self) -> None:
+        await self.check("preflight.driver", self.preflight_driver, 60)
+        await self.check("preflight.mig", self.preflight_mig, 10)
+        await self.check("preflight.compute_mode", self.preflight_compute_mode, 10)
+        await self.check("preflight.nvidia_uvm", self.preflight_uvm, 30)
+        started = await self.check("server", self.start_server, 200)
+        names = ["readyz", "jail.visible_device", "jail.device_nodes", "watchdog.main_thread", "watchdog.thread",
+                 "watchdog.subprocess", "host_memory", "reclaim", "contention", "llama_offload"]
+        if started.status != PASS:
+            for name in filter(self.selected, names):
+                self.results.append(Check(name, FAIL, "not run: the appliance did not start"))
+        else:
+            try:
+                await self.check("readyz", self.check_readyz, 30)
+                await self.check("jail.visible_device", self.check_visible, 90)
+                await self.check("jail.device_nodes", self.check_nodes, 90)
+                for how in OVERRUN:
+                    await self.check(f"watchdog.{how}", lambda how=how: self.check_watchdog(how), 120)  # type: ignore[misc]
+                await self.check("host_memory", self.check_host_memory, 150)
+                await self.check("reclaim", self.check_reclaim, 150)
+                await self.check("contention", self.check_contention, 240)
+                await self.check("llama_offload", self.check_llama, 120)
+            finally:
+                self.server.stop()
+        if self.args.mps:
+            await self.check("mps", self.check_mps, 180)
+        else:
+            self.results.append(Check("mps", SKIP, "optional section not asked for (--mps)"))
+
+    # -- preflight ---------------------------------------------------------------------------
+    async def preflight_driver(self) -> Check:
+        self.gpus = await asyncio.to_thread(nvidia_smi, self.smi_cmd)
+        versions = sorted({g["driver_version"] for g in self.gpus})
+        major = min(int(v.split(".")[0]) for v in versions)
+        self.total_mb = int(self.gpus[0]["memory.total"])
+        data = {"gpus": self.gpus, "driver": versions}
+        if major < MIN_DRIVER:
+            return Check("", FAIL, f"driver {versions} is older than {MIN_DRIVER}", data=data)
+        return Check("", PASS, f"driver {', '.join(versions)}; {len(self.gpus)} GPU(s): "
+                     + "; ".join(f"{g['name']} {g['memory.total']} MiB" for g in self.gpus), data=data)
+
+    async def preflight_mig(self) -> Check:
+        if not self.gpus:
+            return Check("", FAIL, "no nvidia-smi answer (see preflight.driver)")
+        on = [g["index"] for g in self.gpus if g["mig.mode.current"].lower() == "enabled"]
+        if on:
+            return Check("", FAIL, f"MIG is enabled on GPU {', '.join(on)}: the appliance refuses MIG GPUs; "
+                         "`nvidia-smi -i N -mig 0` and a GPU reset")
+        return Check("", PASS, "MIG " + ", ".join(sorted({g["mig.mode.current"] for g in self.gpus})))
+
+    async def preflight_compute_mode(self) -> Check:
+        if not self.gpus:
+            return Check("", FAIL, "no nvidia-smi answer (see preflight.driver)")
+        modes = {g["index"]: g["compute_mode"] for g in self.gpus}
+        if any(m.lower() == "prohibited" for m in modes.values()):
+            return Check("", FAIL, f"compute mode Prohibited: no run can create a context ({modes})", data=modes)
+        return Check("", PASS, "compute mode " + ", ".join(f"GPU {i}: {m}" for i, m in modes.items()), data=modes)
+
+    async def preflight_uvm(self) -> Check:
+        if self.sim:
+            return Check("", SKIP, "hardware-only: a simulated host has no /dev/nvidia-uvm")
+        if not Path("/dev/nvidia-uvm").exists():
+            # Jails cannot run the setuid helper that creates it on first use: create it now.
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run(["nvidia-modprobe", "-u", "-c=0"], timeout=30, check=False)
+        try:
+            mode = os.stat("/dev/nvidia-uvm").st_mode
+        except OSError as exc:
+            return Check("", FAIL, f"/dev/nvidia-uvm missing ({exc}); load nvidia-uvm (nvidia-modprobe -u -c=0)")
+        if not stat.S_ISCHR(mode):
+            return Check("", FAIL, "/dev/nvidia-uvm is not a character device")
+        return Check("", PASS, "/dev/nvidia-uvm present")
+
+    async def start_server(self) -> Check:
+        self.server = await asyncio.to_thread(self.start)
+        return Check("", PASS, f"appliance ready on {self.server.http}")
+
+    # -- the appliance -----------------------------------------------------------------------
+    async def check_readyz(self) -> Check:
+        body = await asyncio.to_thread(self.readyz, self.server)
+        gpu = body.get("gpu") or {}
+        want_backend = "simulated" if self.sim else "nvml"
+        ours = sorted((d["uuid"], int(d["total_mb"])) for d in gpu.get("devices", []))
+        theirs = sorted((g["uuid"], int(g["memory.total"])) for g in self.gpus)
+        data = {"backend": gpu.get("backend"), "readyz": ours, "nvidia_smi": theirs, "status": body["_status"]}
+        if body["_status"] != 200:
+            return Check("", FAIL, f"/readyz answered {body['_status']}", data=data)
+        if gpu.get("backend") != want_backend:
+            return Check("", FAIL, f"backend {gpu.get('backend')!r}, not {want_backend!r}", data=data)
+        if [u for u, _ in ours] != [u for u, _ in theirs] or any(
+                abs(a - b) > 1 for (_, a), (_, b) in zip(ours, theirs, strict=True)):
+            return Check("", FAIL, f"/readyz devices {ours} differ from nvidia-smi's {theirs}", data=data)
+        return Check("", PASS, f"backend {want_backend}; " + ", ".join(f"{u} {t} MiB" for u, t in ours), data=data)
+
+    async def check_visible(self) -> Check:
+        ex, _ = await self.execute(VISIBLE, 256)
+        start = ex.frames[0] if ex.frames else {}
+        grant = (start.get("gpu") or {}).get("uuid")
+        if ex.status != "ok":
+            return Check("", FAIL, f"run ended {ex.status}: {why(ex)}")
+        seen = json.loads(ex.stdout.strip().splitlines()[-1])
+        data = {"grant": grant, **seen}
+        if seen["count"] != 1:
+            return Check("", FAIL, f"{seen['count']} CUDA devices visible in the jail, not 1", data=data)
+        if seen["uuids"][0] != uuid_bytes(str(grant)) or seen["env"] != grant:
+            return Check("", FAIL, f"the jail's device {seen['uuids'][0]} is not the grant's {grant}", data=data)
+        return Check("", PASS, f"one CUDA device, the grant's {grant}", data=data)
+
+    async def check_nodes(self) -> Check:
+        host = {n for n in os.listdir("/dev") if re.match(r"^nvidia", n) and stat.S_ISCHR(os.lstat(f"/dev/{n}").st_mode)}
+        if not host:
+            return Check("", SKIP, "hardware-only: this host has no /dev/nvidia* nodes (simulated devices)")
+        ex, _ = await self.execute(NODES, 256)
+        if ex.status != "ok":
+            return Check("", FAIL, f"run ended {ex.status}: {why(ex)}")
+        grant = ex.frames[0]["gpu"]
+        minor = next(int(g["index"]) for g in self.gpus if g["uuid"] == grant["uuid"])  # minor == index here
+        want = {"nvidiactl", "nvidia-uvm", f"nvidia{minor}"} & host
+        seen = json.loads(ex.stdout.strip().splitlines()[-1])
+        chars = {n for n, kind in seen.items() if kind == "char"}
+        data = {"host": sorted(host), "jail": seen, "expected": sorted(want)}
+        if chars != want:
+            return Check("", FAIL, f"jail has device nodes {sorted(chars)}, expected exactly {sorted(want)}", data=data)
+        return Check("", PASS, f"exactly {sorted(want)} (others: {sorted(set(seen) - chars) or 'none'})", data=data)
+
+    async def check_watchdog(self, how: str) -> Check:
+        budget = 1024 if self.sim else 2048
+        over = budget + self.margin + 512
+        code = OVERRUN[how].replace("MB", str(over)).replace("CUDA_SRC", repr(CUDA))
+        hog = asyncio.create_task(self.execute(CUDA + code, budget))
+        await asyncio.sleep(0.5)
+        neighbour = asyncio.create_task(self.execute(
+            CUDA + NEIGHBOUR.replace("MB", "256").replace("SECS", "6"), 1024))
+        (hog_ex, hog_done), (nb_ex, _) = await asyncio.gather(hog, neighbour)
+        stamp = re.search(r"ALLOCATED ([0-9.]+)", hog_ex.stdout)
+        latency = round(hog_done - float(stamp.group(1)), 3) if stamp else None
+        data = {"budget_mb": budget, "allocated_mb": over, "status": hog_ex.status, "message": hog_ex.message,
+                "kill_latency_s": latency, "neighbour": nb_ex.status}
+        if stamp is None:
+            return Check("", FAIL, f"the over-budget run never allocated (ended {hog_ex.status}: "
+                         f"{why(hog_ex)})", data=data)
+        if hog_ex.status != "gpu_memory_limit":
+            return Check("", FAIL, f"an allocation of {over} MiB on a {budget} MiB budget ended "
+                         f"{hog_ex.status!r}, not gpu_memory_limit", data=data)
+        if nb_ex.status != "ok" or "neighbour ok" not in nb_ex.stdout:
+            return Check("", FAIL, f"the neighbour ended {nb_ex.status}: {why(nb_ex)}",
+                         data=data)
+        return Check("", PASS, f"stopped {latency} s after allocating {over} MiB on {budget}; neighbour ok", data=data)
+
+    async def check_host_memory(self) -> Check:
+        file_mb = self.memory_mb + 256
+        code = CUDA + HOST_MEMORY.replace("GPU_MB", "256").replace("FILE_MB", str(file_mb)).replace("HOLD_S", "3")
+        ex, _ = await self.execute(code, 1024)
+        data: dict[str, Any] = {"memory_mb": self.memory_mb, "file_mb": file_mb, "status": ex.status}
+        if ex.status != "ok":
+            return Check("", FAIL, f"a GPU run mapping {file_mb} MiB of a file under SANDBOX_MEMORY_MB="
+                         f"{self.memory_mb} ended {ex.status}: {why(ex)}", data=data)
+        seen = json.loads(ex.stdout.strip().splitlines()[-1])
+        data |= seen
+        if seen.get("RssFile", 0) <= self.memory_mb:
+            return Check("", FAIL, f"the mapping was not resident (RssFile {seen.get('RssFile')} MiB): "
+                         "the check did not test anything", data=data)
+        return Check("", PASS, f"ok with RssFile {seen['RssFile']} MiB, RssAnon {seen.get('RssAnon')} MiB "
+                     f"under SANDBOX_MEMORY_MB={self.memory_mb}", data=data)
+
+    async def check_reclaim(self) -> Check:
+        total = self.total_mb
+        first, big = int(total * 0.3), int(total * 0.72)
+        over = first + self.margin + 512
+        killed = asyncio.create_task(self.execute(
+            CUDA + OVERRUN["main_thread"].replace("MB", str(over)), first))
+        await asyncio.sleep(1.0)
+        queued = asyncio.create_task(self.execute(CUDA + f"ctx(); alloc({big}); print('big ok')", big))
+        (k_ex, _), (q_ex, _) = await asyncio.gather(killed, queued)
+        queued_ms = q_ex.frames[0].get("queued_ms") if q_ex.frames else None
+        data = {"first_budget_mb": first, "first_allocated_mb": over, "first": k_ex.status,
+                "big_budget_mb": big, "big": q_ex.status, "big_queued_ms": queued_ms,
+                "big_error": q_ex.error.value if q_ex.error else None}
+        if k_ex.status != "gpu_memory_limit":
+            return Check("", FAIL, f"the first run ended {k_ex.status}, not gpu_memory_limit", data=data)
+        if q_ex.error is not None and q_ex.error.name == "MemoryError":
+            return Check("", FAIL, f"the queued {big} MiB run hit CUDA out-of-memory: {q_ex.error.value}", data=data)
+        if q_ex.status != "ok":
+            return Check("", FAIL, f"the queued run ended {q_ex.status}: {why(q_ex)}", data=data)
+        if not queued_ms:
+            return Check("", FAIL, "the big run did not queue behind the killed one: nothing was tested", data=data)
+        return Check("", PASS, f"{big} MiB run queued {queued_ms} ms behind a killed {over} MiB one, then ok", data=data)
+
+    async def check_contention(self) -> Check:
+        from benchmarks import gpu_contention as gc
+
+        scale = self.total_mb / gc.DEVICE_MB
+        samples: list[dict[str, Any]] = []
+        sampler = gc.readyz_sampler(self.server.http) if self.sim else gc.nvml_sampler
+        records: list[Any] = []
+        for n in (1, 4, 16):
+            records += await gc.server_level(self.server.url, n, samples, scale, sampler=sampler)
+        rows = gc.summarise(records)
+        bad = [r for r in records if r.outcome not in ("ok", "gpu_memory_limit", "rejected")]
+        data = {"summary": rows, "scale": round(scale, 3)}
+        text = "; ".join(f"N={r['n']}: {gc.outcomes_text(r)}, queue p95 {r['queue_p95_ms']} ms" for r in rows)
+        if bad:
+            return Check("", FAIL, f"{len(bad)} run(s) ended {sorted({r.outcome for r in bad})}: {text}", data=data)
+        if not any(r.outcome == "gpu_memory_limit" for r in records):
+            return Check("", FAIL, f"no overrunner was stopped: {text}", data=data)
+        return Check("", PASS, text, data=data)
+
+    async def check_llama(self) -> Check:
+        body = await asyncio.to_thread(self.readyz, self.server)
+        llama = (body.get("tools") or {}).get("llama_cpp") or {}
+        if not llama.get("available"):
+            return Check("", SKIP, "llama-cpp-python is not installed for the appliance (the kit carries no CUDA "
+                         "build of it: one is far over 64 MiB)", data=llama)
+        if not llama.get("gpu_offload"):
+            return Check("", SKIP, f"llama-cpp-python {llama.get('version')} is a CPU build (no GPU offload)", data=llama)
+        if not self.args.gguf:
+            return Check("", SKIP, "a CUDA llama.cpp is present, but no model was given (--gguf PATH)", data=llama)
+        code = ("from appliance.tools import load_llm\n"
+                f"llm = load_llm({Path(self.args.gguf).name!r}, n_gpu_layers=-1)\n"
+                "print(repr(llm('Hello', max_tokens=4)))")
+        ex, _ = await self.execute(code, 2048)
+        if ex.status != "ok":
+            return Check("", FAIL, f"load_llm with all layers offloaded ended {ex.status}: "
+                         f"{why(ex)}", data=llama)
+        return Check("", PASS, "a model loaded with every layer offloaded and generated", data=llama)
+
+    # -- MPS (optional) ----------------------------------------------------------------------
+    async def check_mps(self) -> Check:
+        before = {g["index"]: g["compute_mode"] for g in await asyncio.to_thread(nvidia_smi, self.smi_cmd)}
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "compute-mode.orig").write_text(json.dumps(before))  # the shell's trap restores from it
+        daemon = not self.sim
+        try:
+            for index in before:
+                subprocess.run([*self.smi_cmd, "-i", index, "-c", "EXCLUSIVE_PROCESS"], check=True, timeout=60)
+            if daemon:
+                env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(self.work / "mps"),
+                       "CUDA_MPS_LOG_DIRECTORY": str(self.work / "mps-log")}
+                (self.work / "mps").mkdir(exist_ok=True)
+                (self.work / "mps-log").mkdir(exist_ok=True)
+                os.chmod(self.work / "mps", 0o755)
+                subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, check=True, timeout=60)
+                (self.out / "mps-started").write_text(env["CUDA_MPS_PIPE_DIRECTORY"])  # for the shell's trap
+            server = await asyncio.to_thread(self.start, True)
+            try:
+                mps = (await asyncio.to_thread(self.readyz, server)).get("gpu", {}).get("mps", {})
+                budget = 1024
+                ex, _ = await self.execute(CUDA + f"ctx(); alloc({budget + self.margin + 512})", budget, server)
+                nb, _ = await self.execute(CUDA + NEIGHBOUR.replace("MB", "512").replace("SECS", "1"), 1024, server)
+            finally:
+                server.stop()
+        finally:
+            if daemon:
+                subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=env, timeout=60, check=False)
+                (self.out / "mps-started").unlink(missing_ok=True)
+            for index, mode in before.items():
+                subprocess.run([*self.smi_cmd, "-i", index, "-c", mode.upper()], timeout=60, check=False)
+            after = {g["index"]: g["compute_mode"] for g in await asyncio.to_thread(nvidia_smi, self.smi_cmd)}
+            if after == before:
+                (self.out / "compute-mode.orig").unlink(missing_ok=True)
+            self.results.append(Check(
+                "mps.restored", PASS if after == before else FAIL,
+                f"compute mode {'restored to' if after == before else 'NOT restored:'} {after}",
+                data={"before": before, "after": after}))
+        data = {"readyz_mps": mps, "overrun": ex.status, "error": ex.error.value if ex.error else None,
+                "neighbour": nb.status}
+        refused = ex.error is not None and ex.error.name == "MemoryError"
+        if not mps.get("enforcing"):
+            return Check("mps.enforcing", FAIL, f"MPS limits not enforcing: {mps.get('note')}", data=data)
+        if not refused or nb.status != "ok":
+            return Check("mps.enforcing", FAIL, f"over-budget allocation ended {ex.status} (refused: {refused}), "
+                         f"neighbour {nb.status}", data=data)
+        return Check("mps.enforcing", PASS, "daemon-side limit refused the over-budget allocation; neighbour ok",
+                     data=data)
+
+    # -- the report --------------------------------------------------------------------------
+    def write(self, seconds: float) -> dict[str, Any]:
+        self.out.mkdir(parents=True, exist_ok=True)
+        counts = {s: sum(1 for r in self.results if r.status == s) for s in (PASS, FAIL, SKIP)}
+        meta: dict[str, Any] = {"mode": "simulated" if self.sim else "real-gpu", "host": platform.node(),
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "python": platform.python_version(),
+                "kit": _kit_meta(), "gpus": self.gpus, "seconds": round(seconds, 1),
+                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "counts": counts}
+        report = {"meta": meta, "checks": [asdict(r) for r in self.results]}
+        (self.out / "gpu-acceptance.json").write_text(json.dumps(report, indent=1))
+        gpus = "; ".join(f"{g['name']} ({g['uuid']}, {g['memory.total']} MiB, driver {g['driver_version']})"
+                         for g in self.gpus) or "unknown"
+        lines = [f"# GPU acceptance ({meta['mode']})", "",
+                 f"{meta['when']}, {meta['machine']}, Python {meta['python']}, kit {meta['kit'].get('commit', '?')}; "
+                 f"{seconds:.0f} s. GPUs: {gpus}.", "",
+                 f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}.", "",
+                 "| check | result | detail | s |", "|---|---|---|---|"]
+        lines += [f"| {r.name} | {r.status} | {r.detail.replace('|', '/')} | {r.seconds} |" for r in self.results]
+        (self.out / "gpu-acceptance.md").write_text("\n".join(lines) + "\n")
+        return report
+
+
+def _kit_meta() -> dict[str, Any]:
+    """kit.json of the kit this runs from (absent when run from a checkout)."""
+    for candidate in (Path(__file__).resolve().parent.parent / "kit.json",):
+        with contextlib.suppress(OSError, ValueError):
+            return dict(json.loads(candidate.read_text()))
+    return {}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="where gpu-acceptance.json and .md go")
+    p.add_argument("--simulate", action="store_true", help="simulated devices (make test), not a GPU")
+    p.add_argument("--sim-mb", type=int, default=16384, help="--simulate: the simulated device's MiB")
+    p.add_argument("--libcuda", default="libcuda.so.1", help="--simulate: the stand-in libcuda jails load")
+    p.add_argument("--nvidia-smi", default="nvidia-smi", help="the nvidia-smi command (a stand-in in simulation)")
+    p.add_argument("--firejail", default="firejail", help="the firejail binary (the kit's own)")
+    p.add_argument("--mps", action="store_true", help="also the MPS section (sets and restores the compute mode)")
+    p.add_argument("--gguf", help="a GGUF model for the llama.cpp offload check")
+    p.add_argument("--only", action="append", default=[], help="run only this check (or prefix); repeatable")
+    p.add_argument("--server-env", action="append", default=[], metavar="SANDBOX_X=V",
+                   help="a setting for the appliance under test (overrides the kit's)")
+    p.add_argument("--budget-s", type=float, default=450, help="stop starting checks after this long")
+    p.add_argument("--tmp", default="/tmp", help="where the servers' scratch folders go")
+    return p.parse_args(argv)
+
+
+async def amain(argv: list[str] | None = None) -> int:
+    """Run the checks, write the report; 0 when nothing FAILed."""
+    args = parse(argv)
+    kit = Kit(args)
+    started = time.monotonic()
+    try:
+        await kit.run()
+    finally:
+        report = kit.write(time.monotonic() - started)
+    counts = report["meta"]["counts"]
+    print(f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}; report: {kit.out}/gpu-acceptance.md")
+    return 1 if counts[FAIL] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(amain()))
