@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 9100
 PYTEST_ARGS ?=
 
-.PHONY: setup system venv run test lint check bench audit clean
+.PHONY: setup system venv run test lint check bench audit gpu-kit clean
 
 setup: system venv
 
@@ -47,6 +47,11 @@ bench: setup
 # The adversarial suite, and its report in security/ (make test runs the attacks, writes nothing).
 audit: setup
 	$(PY) -m appliance audit
+
+# The offline real-GPU acceptance kit: build/gpu-kit/ and build/gpu-kit.tar.gz, at most 64 MiB
+# (docs/gpu.md, "The acceptance kit"); on the GPU machine: sudo ./gpu-acceptance.sh.
+gpu-kit: venv
+	PY=$(PY) scripts/gpu-kit.sh build/gpu-kit
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache
