@@ -11,7 +11,9 @@
 # KIT_VENV (default /opt/appliance-gpu-kit/venv: a place the sandbox uid can read, which a
 # kit under /root is not), KIT_OUT (default ./report), KIT_TIMEOUT (default 470 s for the
 # checks), FIREJAIL (an installed firejail instead of the kit's). Other arguments go to
-# `python -m benchmarks.gpu_acceptance` (see --help there).
+# `python -m benchmarks.gpu_acceptance` (see --help there). KIT_RUN="cmd" runs cmd instead of
+# the checks, with the kit's firejail (SANDBOX_FIREJAIL) and venv (VENV), e.g.
+# KIT_RUN="cd ~/appliance && bash benchmarks/gpu_real.sh" for the contention benchmark.
 #
 # The kit's firejail is run from this folder: it finds its helpers and seccomp filters only
 # under the paths compiled into it (/usr/lib/x86_64-linux-gnu/firejail, /etc/firejail), so
@@ -35,6 +37,10 @@ if [ "${KIT_INNER:-}" = 1 ]; then  # inside the private mount namespace
   if ! "$FIREJAIL" --quiet --noprofile --private-dev -- /bin/true; then
     echo "gpu-acceptance: firejail ($FIREJAIL) cannot start a jail here" >&2
     exit 1
+  fi
+  if [ -n "${KIT_RUN:-}" ]; then  # another command with the kit's firejail and venv (the GPU CI's benchmark)
+    export SANDBOX_FIREJAIL=$FIREJAIL VENV=$KIT_VENV
+    exec bash -c "$KIT_RUN"
   fi
   cd "$KIT"
   exec env PYTHONPATH="$KIT" timeout "${KIT_TIMEOUT:-470}" "$KIT_VENV/bin/python" -m benchmarks.gpu_acceptance \
