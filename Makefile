@@ -36,6 +36,7 @@ test: setup
 lint: venv
 	$(VENV)/bin/ruff check appliance tests benchmarks examples
 	$(VENV)/bin/mypy
+	scripts/actionlint.sh $(VENV)   # .github/workflows (gpu.yml)
 
 check: lint test
 
