@@ -90,10 +90,10 @@ print(json.dumps(seen))
 """
 # The three ways a run's CUDA context can be created: what NVML reports differs for each.
 OVERRUN = {
-    "main_thread": "ctx(); alloc(MB); allocated(); time.sleep(60)",
-    "thread": ("def work():\n    ctx(); alloc(MB); allocated(); time.sleep(60)\n"
+    "main_thread": "ctx(); alloc(MB); allocated(); time.sleep(20)",
+    "thread": ("def work():\n    ctx(); alloc(MB); allocated(); time.sleep(20)\n"
                "t = threading.Thread(target=work); t.start(); t.join()"),
-    "subprocess": ("child = CUDA_SRC + 'ctx(); alloc(MB); allocated(); time.sleep(60)'\n"
+    "subprocess": ("child = CUDA_SRC + 'ctx(); alloc(MB); allocated(); time.sleep(20)'\n"
                    "subprocess.run([sys.executable, '-c', child])"),
 }
 NEIGHBOUR = "ctx(); alloc(MB); time.sleep(SECS); print('neighbour ok', flush=True)"
@@ -389,7 +389,7 @@ class Kit:
         hog = asyncio.create_task(self.execute(CUDA + code, budget))
         await asyncio.sleep(0.5)
         neighbour = asyncio.create_task(self.execute(
-            CUDA + NEIGHBOUR.replace("MB", "256").replace("SECS", "6"), 1024))
+            CUDA + NEIGHBOUR.replace("MB", "256").replace("SECS", str(self.args.neighbour_s)), 1024))
         (hog_ex, hog_done), (nb_ex, _) = await asyncio.gather(hog, neighbour)
         stamp = re.search(r"ALLOCATED ([0-9.]+)", hog_ex.stdout)
         latency = round(hog_done - float(stamp.group(1)), 3) if stamp else None
@@ -575,6 +575,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", action="append", default=[], help="run only this check (or prefix); repeatable")
     p.add_argument("--server-env", action="append", default=[], metavar="SANDBOX_X=V",
                    help="a setting for the appliance under test (overrides the kit's)")
+    p.add_argument("--neighbour-s", type=float, default=6, help="how long the watchdog checks' neighbour runs")
     p.add_argument("--budget-s", type=float, default=450, help="stop starting checks after this long")
     p.add_argument("--tmp", default="/tmp", help="where the servers' scratch folders go")
     return p.parse_args(argv)

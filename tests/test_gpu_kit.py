@@ -1,0 +1,143 @@
+"""The real-GPU acceptance kit end to end, against simulated devices.
+
+`scripts/gpu-kit.sh` (what `make gpu-kit` runs) builds the kit as it would travel to a GPU
+machine; the kit's own `gpu-acceptance.sh` then installs the appliance from the kit's wheels
+into a fresh virtualenv, runs the kit's unpacked firejail (bound over its compiled-in paths in
+a private mount namespace) and every check against a real appliance whose GPU is simulated:
+the simulated NVML backend, the simulated MPS daemon standing in for device memory (late
+frees, thread IDs), the stand-in libcuda (tests/stub_libcuda.c) and nvidia-smi
+(tests/stub_nvidia_smi.py). Only the hardware is left unknown: the checks that need it are
+listed in HARDWARE_ONLY and must SKIP with their reason, never PASS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import REPO, scaled
+
+pytestmark = pytest.mark.slow
+
+LIMIT_MB = 64
+# Checks that cannot run without the hardware, and why (the reason must say so).
+HARDWARE_ONLY = {
+    "preflight.nvidia_uvm": "hardware-only",
+    "jail.device_nodes": "hardware-only",
+    "llama_offload": "llama-cpp-python",  # no CUDA build of llama.cpp here (nor in the kit)
+}
+EVERY_CHECK = ("preflight.driver", "preflight.mig", "preflight.compute_mode", "preflight.nvidia_uvm", "server",
+               "readyz", "jail.visible_device", "jail.device_nodes", "watchdog.main_thread", "watchdog.thread",
+               "watchdog.subprocess", "host_memory", "reclaim", "contention", "llama_offload",
+               "mps.enforcing", "mps.restored")
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Iterator[Path]:
+    """A folder the sandbox uid can read (the stand-in libcuda and the kit's venv live here)."""
+    root = Path(tempfile.mkdtemp(prefix="appliance-gpu-kit-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def kit(scratch: Path) -> Path:
+    """The kit, built as `make gpu-kit` builds it (downloads cached in ~/.cache/appliance-gpu-kit)."""
+    out = scratch / "gpu-kit"
+    proc = subprocess.run(["scripts/gpu-kit.sh", str(out)], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PY": sys.executable}, timeout=scaled(600))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def libcuda(scratch: Path) -> Path:
+    if shutil.which("gcc") is None:
+        pytest.fail("gcc is needed to build tests/stub_libcuda.c (apt-get install gcc)")
+    path = scratch / "cuda" / "libcuda.so.1"
+    path.parent.mkdir()
+    os.chmod(path.parent, 0o755)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(path), str(REPO / "tests" / "stub_libcuda.c")],
+                   check=True)
+    return path
+
+
+def run_kit(kit: Path, scratch: Path, libcuda: Path, name: str, *args: str) -> tuple[int, dict[str, Any], Path]:
+    """The kit's gpu-acceptance.sh in simulation; (exit status, JSON report, report folder)."""
+    out = scratch / f"report-{name}"
+    env = {**os.environ, "KIT_VENV": str(scratch / "venv"), "KIT_OUT": str(out),
+           "STUB_SMI_STATE": str(scratch / f"smi-{name}.json")}
+    proc = subprocess.run([str(kit / "gpu-acceptance.sh"), "--simulate", "--libcuda", str(libcuda),
+                           "--nvidia-smi", str(REPO / "tests" / "stub_nvidia_smi.py"), *args],
+                          env=env, capture_output=True, text=True, timeout=scaled(900))
+    report = out / "gpu-acceptance.json"
+    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.returncode, json.loads(report.read_text()), out
+
+
+def test_the_kit_is_small_and_carries_what_a_bare_gpu_machine_lacks(kit: Path) -> None:
+    size = sum(p.stat().st_size for p in kit.rglob("*") if p.is_file())
+    archive = kit.with_name(kit.name + ".tar.gz")
+    assert size <= LIMIT_MB << 20 and archive.stat().st_size <= LIMIT_MB << 20
+    fj = kit / "firejail"
+    assert os.access(fj / "usr/bin/firejail", os.X_OK)
+    assert (fj / "etc/firejail/firejail.config").is_file()
+    assert (fj / "usr/lib/x86_64-linux-gnu/firejail/fseccomp").is_file()
+    wheels = sorted(p.name for p in (kit / "wheels").glob("*.whl"))
+    for binary in ("pydantic_core", "aiohttp"):  # compiled: one wheel per Python
+        for tag in ("cp311", "cp312"):
+            assert any(w.startswith(binary + "-") and f"-{tag}-" in w for w in wheels), (binary, tag, wheels)
+    for needed in ("appliance-", "nvidia_ml_py-", "pip-", "mcp-"):
+        assert any(w.startswith(needed) for w in wheels), needed
+    assert not any(w.startswith(("numpy-", "matplotlib-", "torch-", "llama_cpp")) for w in wheels), wheels
+    with zipfile.ZipFile(next((kit / "wheels").glob("appliance-*.whl"))) as whl:
+        assert "appliance/gpu/watchdog.py" in whl.namelist()
+    assert (kit / "benchmarks" / "gpu_acceptance.py").is_file() and os.access(kit / "gpu-acceptance.sh", os.X_OK)
+    assert json.loads((kit / "kit.json").read_text())["pythons"] == ["3.11", "3.12"]
+
+
+def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
+        kit: Path, scratch: Path, libcuda: Path) -> None:
+    rc, report, out = run_kit(kit, scratch, libcuda, "all", "--mps")
+    checks = {c["name"]: c for c in report["checks"]}
+    assert sorted(checks) == sorted(EVERY_CHECK)
+    for name, check in checks.items():
+        if name in HARDWARE_ONLY:
+            assert check["status"] == "SKIP" and HARDWARE_ONLY[name] in check["detail"], check
+        else:
+            assert check["status"] == "PASS", check
+    assert rc == 0
+    assert report["meta"]["mode"] == "simulated" and report["meta"]["counts"]["FAIL"] == 0
+    for how in ("main_thread", "thread", "subprocess"):
+        assert checks[f"watchdog.{how}"]["data"]["kill_latency_s"] is not None
+    assert checks["reclaim"]["data"]["big_queued_ms"] > 0       # it did wait behind the killed run
+    assert checks["host_memory"]["data"]["RssFile"] > checks["host_memory"]["data"]["memory_mb"]
+    assert [row["n"] for row in checks["contention"]["data"]["summary"]] == [1, 4, 16]
+    md = (out / "gpu-acceptance.md").read_text()
+    assert all(f"| {name} | {checks[name]['status']} |" in md for name in EVERY_CHECK)
+    smi = json.loads((scratch / "smi-all.json").read_text())
+    assert smi["compute_mode"] == {"0": "Default"}            # the MPS section put it back
+    assert not (out / "compute-mode.orig").exists()
+
+
+def test_a_disabled_watchdog_fails_the_watchdog_check(kit: Path, scratch: Path, libcuda: Path) -> None:
+    # A poll interval of an hour: the watchdog never looks while the over-budget run holds its
+    # memory. The neighbour outlives the hog, since a run's end makes the server read NVML anyway.
+    rc, report, _ = run_kit(kit, scratch, libcuda, "nowatchdog", "--only", "watchdog.main_thread",
+                            "--server-env", "SANDBOX_GPU_POLL_MS=3600000", "--neighbour-s", "30")
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["watchdog.main_thread"]["status"] == "FAIL", checks["watchdog.main_thread"]
+    assert "not gpu_memory_limit" in checks["watchdog.main_thread"]["detail"]
+    assert checks["readyz"]["status"] == "SKIP" and "not selected" in checks["readyz"]["detail"]
+    assert rc == 1 and report["meta"]["counts"]["FAIL"] == 1
