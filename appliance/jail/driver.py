@@ -345,8 +345,9 @@ class Driver:
         try:
             self.in_user_code = True
             try:
-                # S102: running the cell is the driver's job; the jail is the boundary
-                exec(compile(tree, filename, "exec"), self.namespace)  # noqa: S102
+                if tree.body:  # a cell of one expression (`print(2+2)`) has nothing before it
+                    # S102: running the cell is the driver's job; the jail is the boundary
+                    exec(compile(tree, filename, "exec"), self.namespace)  # noqa: S102
                 # S307: the cell's last expression, as above
                 value = eval(compile(last, filename, "eval"), self.namespace) if last else None  # noqa: S307
             finally:
