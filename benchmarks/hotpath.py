@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import shutil
@@ -61,6 +62,18 @@ class Target:
         return int((self.cgroup / "cpuacct.usage").read_text())
 
 
+def remove_group(cgroup: Path) -> None:
+    """Move what is left in the cgroup to the root, then remove it and what the server made
+    under it (its per-run groups), deepest first."""
+    below = sorted((p for p in cgroup.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
+    for group in [*below, cgroup]:
+        with contextlib.suppress(OSError):
+            for pid in (group / "cgroup.procs").read_text().split():
+                (CPUACCT / "cgroup.procs").write_text(pid)
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
 def start(name: str, tree: Path, work: Path) -> Target:
     cgroup = CPUACCT / f"appliance-hotpath-{os.getpid()}-{name}"
     cgroup.mkdir()
@@ -69,7 +82,7 @@ def start(name: str, tree: Path, work: Path) -> Target:
     try:
         server = local.start(work / name, {}, name=name, wrap=wrap, timeout_s=120, cwd=tree)
     except local.ServerStartError as exc:
-        cgroup.rmdir()
+        remove_group(cgroup)
         raise BenchError(str(exc)) from exc
     return Target(name, ApplianceServer(server.proc, server.port, server.log, server.env, name), cgroup)
 
@@ -129,11 +142,8 @@ def main() -> None:
     finally:
         for t in targets:
             t.server.stop()
-            with open(CPUACCT / "cgroup.procs", "w") as fh:  # anything left goes back to the root
-                for pid in (t.cgroup / "cgroup.procs").read_text().split():
-                    fh.write(pid)
-                    fh.flush()
-            t.cgroup.rmdir()
+        for t in targets:
+            remove_group(t.cgroup)
         shutil.rmtree(work, ignore_errors=True)
     print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)")
     print(report(targets))
