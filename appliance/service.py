@@ -298,12 +298,13 @@ class RunService:
         limit = self.settings.max_exec_ms
         return min(req.timeout_ms, limit) if req.timeout_ms else limit
 
-    async def _cell(self, jail: Jail, req: ExecuteRequest, emit: Emit, run: Run, keep_alive: bool) -> CellOutcome:
+    async def _cell(self, jail: Jail, req: ExecuteRequest, emit: Emit, run: Run, keep_alive: bool,
+                    start: Frame) -> CellOutcome:
         s = self.settings
         try:
             return await run_cell(
                 jail, req, emit, timeout_ms=self._timeout_ms(req), max_output_bytes=s.max_output_bytes,
-                max_disk_mb=s.max_disk_mb, keep_alive=keep_alive, started=lambda: run._attach(jail),
+                max_disk_mb=s.max_disk_mb, keep_alive=keep_alive, started=lambda: run._attach(jail), first=start,
             )
         finally:
             run._detach()
@@ -311,8 +312,8 @@ class RunService:
     async def _one_shot(self, jail: Jail, lease: Lease, req: ExecuteRequest, emit: Emit, run: Run,
                         queued_ms: int) -> CellOutcome:
         run_id = secrets.token_hex(8)
-        await emit(protocol.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req), lease.gpu))
-        outcome = await self._cell(jail, req, emit, run, keep_alive=False)
+        start = protocol.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req), lease.gpu)
+        outcome = await self._cell(jail, req, emit, run, keep_alive=False, start=start)
         # SIGKILL goes to every process of the run now: none runs another instruction of
         # its code. Files are read only once all are gone.
         jail.process.signal_kill()
@@ -328,11 +329,11 @@ class RunService:
         if not jail.alive:
             await self.sessions.close(session.id, reason="its interpreter is gone")
             raise RequestRejected(f"session {session.id} has ended (its interpreter is gone)")
-        await emit(protocol.start_frame(req.id, run_id, session.id, queued_ms, self._timeout_ms(req),
-                                        session.lease.gpu))
+        start = protocol.start_frame(req.id, run_id, session.id, queued_ms, self._timeout_ms(req),
+                                     session.lease.gpu)
         before = await asyncio.to_thread(outputs.snapshot, jail.workdir, self.lifecycle.uid)
         try:
-            outcome = await self._cell(jail, req, emit, run, keep_alive=True)
+            outcome = await self._cell(jail, req, emit, run, keep_alive=True, start=start)
         except BaseException:
             await self.sessions.close(session.id, reason="a cell was cut off mid-way")
             raise

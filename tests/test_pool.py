@@ -67,6 +67,17 @@ async def test_nothing_one_pooled_run_leaves_is_visible_to_the_next(pooled: Serv
         assert ex.stdout == "False False False False False\n[]\n", ex.stdout
 
 
+async def test_a_pooled_run_is_not_nice_though_its_jail_started_nice(pooled: Server) -> None:
+    await wait_pool_ready(pooled, 2)
+    # Every thread of the driver (a bare jail: main and control), and a process it starts.
+    code = ("import os, subprocess\n"
+            "print(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))\n"
+            "print(subprocess.run(['nice'], capture_output=True, text=True).stdout.strip())")
+    for _ in range(3):  # whichever jail of the pool serves it
+        ex = await run(pooled, code)
+        assert ex.status == "ok" and ex.stdout == "[0]\n0\n", ex.stdout
+
+
 async def test_a_jail_killed_while_idle_is_replaced(pooled: Server) -> None:
     await wait_pool_ready(pooled, 2)
     replaced_before = metric(pooled, "appliance_jails_spawned_total")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import time
@@ -33,6 +34,15 @@ class TestTheScan:
         assert imports_of("import pandas\nthis is not python(") == {"pandas"}
         huge = "x = 1\n" * (MAX_PARSE_CHARS // 6 + 1) + "    from numpy import array\nimport a.b, c as d\n"
         assert imports_of(huge) == {"numpy", "a", "c"}
+
+    def test_code_without_the_word_import_imports_nothing_and_look_alike_keywords_do_not_parse(self) -> None:
+        # The scan skips the parse when "import" is not in the code: that is only right
+        # while no import statement can be spelt without it.
+        for code in ("print(2+2)", "x = __builtins__\nprint(x)", ""):
+            assert imports_of(code) == frozenset()
+        for code in ("\uff49\uff4d\uff50\uff4f\uff52\uff54 os", "from os \uff49\uff4d\uff50\uff4f\uff52\uff54 path"):
+            with pytest.raises(SyntaxError):
+                ast.parse(code)
 
     def test_stdlib_code_gets_a_bare_jail_and_pandas_code_the_smallest_with_pandas(self) -> None:
         assert choose(PROFILES, imports_of("import json\nprint(json.dumps(1))")) is BARE

@@ -50,14 +50,15 @@ class CellOutcome:
 
 async def run_cell(
     jail: Jail, req: ExecuteRequest, emit: Emit, *, timeout_ms: int, max_output_bytes: int,
-    max_disk_mb: int, keep_alive: bool, started: Callable[[], None] | None = None,
+    max_disk_mb: int, keep_alive: bool, started: Callable[[], None] | None = None, first: Frame | None = None,
 ) -> CellOutcome:
     """Run req.code in jail and stream its frames; returns how the cell ended.
 
     keep_alive (sessions): on a limit, first try to stop only the cell (KeyboardInterrupt);
     otherwise the caller kills the jail, so here the cell is simply abandoned.
     `started` is called once the code is on its way to the driver: stdin written after
-    that belongs to this cell.
+    that belongs to this cell. `first` (the run's `start` frame) is sent then, before any
+    frame of the cell's: the jail starts on the code while the frame goes out.
     """
     group = jail.cgroup
     base: Counters | None = None
@@ -66,7 +67,8 @@ async def run_cell(
             base = group.counters(pids=False)
             group.reset_peak()
     outcome = await _run_cell(jail, req, emit, timeout_ms=timeout_ms, max_output_bytes=max_output_bytes,
-                              max_disk_mb=max_disk_mb, keep_alive=keep_alive, started=started, base=base)
+                              max_disk_mb=max_disk_mb, keep_alive=keep_alive, started=started, base=base,
+                              first=first)
     if group is not None and base is not None:
         _account(group, base, outcome)
     return outcome
@@ -96,6 +98,7 @@ def _account(group: Group, base: Counters, outcome: CellOutcome) -> None:
 async def _run_cell(
     jail: Jail, req: ExecuteRequest, emit: Emit, *, timeout_ms: int, max_output_bytes: int,
     max_disk_mb: int, keep_alive: bool, started: Callable[[], None] | None, base: Counters | None,
+    first: Frame | None,
 ) -> CellOutcome:
     loop = asyncio.get_running_loop()
     process = jail.process
@@ -115,6 +118,12 @@ async def _run_cell(
         return CellOutcome(error.status, message=error.message, interpreter_alive=False, output_bytes=sent)
 
     try:
+        if first is not None:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await emit(first)
+            except TimeoutError:
+                process.stop(timed_out)  # the client did not take it in the run's time
         while True:
             try:
                 async with asyncio.timeout_at(deadline):

@@ -61,9 +61,8 @@ class Jail:
         return Path(f"/proc/{inner[0]}/root/tmp") if inner else None
 
     def to_run(self, limits: Limits | None) -> None:
-        """A pooled jail is handed to a run: normal priority, and the run's cgroup limits (the
-        idle ones differ in CPU weight only: one file write)."""
-        self.process.renice(0)  # refills were started nice'd; the run is not
+        """A pooled jail is handed to a run: the run's cgroup limits (the idle ones differ in CPU
+        weight only: one file write). Its niceness was set back to 0 when it became ready."""
         if self.cgroup is not None and limits is not None:
             self.cgroup.set_limits(limits)
 
@@ -150,7 +149,8 @@ class JailFactory:
         """Start and verify a new jail, or raise JailFailure (and leave nothing behind).
 
         nice > 0 starts it at lower CPU priority (pool refills) and, with cgroups, at idle CPU
-        weight; `Jail.to_run` restores both when it is handed to a run.
+        weight; the pool sets it back to nice 0 once it is ready, and `Jail.to_run` restores
+        the weight when it is handed to a run.
         """
         jail_id = secrets.token_hex(8)
         group = None

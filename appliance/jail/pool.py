@@ -8,7 +8,8 @@ dropped and replaced.
 Sizing: `size` is the floor. The target grows with the arrival rate (Little's law:
 jails consumed while one is being started, with 50% headroom) up to `max_size`, and
 never past what the host's available memory affords at the measured PSS per jail.
-Refills run at nice 10 and at most two at a time, so they never starve running work.
+Refills start at nice 10 and at most two at a time, so they never starve running work;
+a jail is set back to nice 0 once it is ready (and idle), before any run can take it.
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ class JailPool:
             await jail.destroy()
             return
         self.jail_pss_kb = await asyncio.to_thread(jail.process.pss_kb) or self.jail_pss_kb
+        # Started nice'd so that its startup never competes with running work; ready, it is
+        # idle and waits at normal priority, so that taking it costs a run nothing more.
+        jail.process.renice(0)
         self.ready.append(jail)
         watcher = asyncio.create_task(self._watch(jail))
         self._watchers.add(watcher)

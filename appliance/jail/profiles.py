@@ -36,6 +36,11 @@ class Profile:
 
 def imports_of(code: str) -> frozenset[str]:
     """Top-level names of the modules the code imports anywhere (functions, branches included)."""
+    if "import" not in code:
+        # Every import statement spells the keyword in ASCII (a look-alike such as a
+        # full-width one is a syntax error), so this code imports nothing: no parse needed.
+        # It is what most one-shot runs look like, and the scan runs on the event loop.
+        return frozenset()
     if len(code) > MAX_PARSE_CHARS:
         return _imports_by_pattern(code)
     try:

@@ -1,0 +1,153 @@
+"""A probe of the warm hot path: `print(2+2)` round trips, with the CPU each one costs.
+
+    python -m benchmarks.hotpath [--runs 200] [--tree DIR ...] [--code 'print(2+2)']
+
+Starts one appliance per `--tree` (a checkout; default: this one), each in its own cpuacct
+cgroup, and sends one-shot runs to them in turn (interleaved, so a load that comes and goes
+on the machine falls on every tree alike), each after the pool is idle and SETTLE_S of
+quiet, as `python -m benchmarks` does. For each tree it reports the wall time from the
+frame sent to the `done` received (p50/p90), and what each run cost in CPU time within
+that window: the server process's own (its threads' schedstat run time, nanoseconds) and
+the whole cgroup's (server, firejail and the jail: cpuacct.usage). CPU time is far less
+sensitive than wall time to other work on the machine, so it is the figure to compare
+changes by on a busy host. Needs root (cgroups).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance import local
+from benchmarks.appliance_server import REPO, ApplianceServer, BenchError, execute, open_ws, wait_pool_idle
+from benchmarks.stats import percentile
+
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+SETTLE_S = 0.1  # as benchmarks.suite: a warm jail has idled before its run
+POOL_FLOOR = 2
+
+
+def thread_ns(pid: int) -> int:
+    """Run time of every thread of process pid so far, in nanoseconds (schedstat)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+@dataclass
+class Target:
+    """One tree's server and what its runs measured."""
+
+    name: str
+    server: ApplianceServer
+    cgroup: Path
+    wall_ms: list[float] = field(default_factory=list)
+    server_us: list[float] = field(default_factory=list)
+    group_us: list[float] = field(default_factory=list)
+
+    def usage_ns(self) -> int:
+        return int((self.cgroup / "cpuacct.usage").read_text())
+
+
+def remove_group(cgroup: Path) -> None:
+    """Move what is left in the cgroup to the root, then remove it and what the server made
+    under it (its per-run groups), deepest first."""
+    below = sorted((p for p in cgroup.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True)
+    for group in [*below, cgroup]:
+        with contextlib.suppress(OSError):
+            for pid in (group / "cgroup.procs").read_text().split():
+                (CPUACCT / "cgroup.procs").write_text(pid)
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
+def start(name: str, tree: Path, work: Path) -> Target:
+    cgroup = CPUACCT / f"appliance-hotpath-{os.getpid()}-{name}"
+    cgroup.mkdir()
+    # The server joins its cgroup before it starts, so every jail it makes is counted there.
+    wrap = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"]
+    try:
+        server = local.start(work / name, {}, name=name, wrap=wrap, timeout_s=120, cwd=tree)
+    except local.ServerStartError as exc:
+        remove_group(cgroup)
+        raise BenchError(str(exc)) from exc
+    return Target(name, ApplianceServer(server.proc, server.port, server.log, server.env, name), cgroup)
+
+
+async def probe(targets: list[Target], runs: int, code: str, expect: str | None) -> None:
+    sockets = {t.name: await open_ws(t.server.url) for t in targets}
+    for t in targets:  # one unmeasured run each: the first round trip of a connection is not warm
+        await execute(sockets[t.name], "warmup", code)
+    for i in range(runs):
+        order = list(targets)
+        random.shuffle(order)
+        for t in order:
+            await wait_pool_idle(t.server, POOL_FLOOR)
+            await asyncio.sleep(SETTLE_S)
+            cpu0, grp0 = thread_ns(t.server.proc.pid), t.usage_ns()
+            t0 = time.perf_counter()
+            reply = await execute(sockets[t.name], f"p{i}", code)
+            t1 = time.perf_counter()
+            cpu1, grp1 = thread_ns(t.server.proc.pid), t.usage_ns()
+            if reply.status != "ok" or (expect is not None and reply.stdout != expect):
+                raise BenchError(f"{t.name}: run {i} ended {reply.status} with {reply.stdout!r}")
+            t.wall_ms.append((t1 - t0) * 1000)
+            t.server_us.append((cpu1 - cpu0) / 1000)
+            t.group_us.append((grp1 - grp0) / 1000)
+    for ws in sockets.values():
+        await ws.close()
+
+
+def report(targets: list[Target]) -> str:
+    rows = ["| tree | runs | wall p50 ms | wall p90 ms | server CPU µs p50 / mean | cgroup CPU µs p50 / mean |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for t in targets:
+        rows.append(
+            f"| {t.name} | {len(t.wall_ms)} | {percentile(t.wall_ms, 50):.2f} | {percentile(t.wall_ms, 90):.2f} "
+            f"| {percentile(t.server_us, 50):.0f} / {sum(t.server_us) / len(t.server_us):.0f} "
+            f"| {percentile(t.group_us, 50):.0f} / {sum(t.group_us) / len(t.group_us):.0f} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--tree", type=Path, action="append",
+                        help="a checkout to start a server from (repeat to compare; default: this one)")
+    parser.add_argument("--code", default="print(2+2)")
+    parser.add_argument("--expect", default="4\n", help="the stdout every run must print ('' for any)")
+    args = parser.parse_args()
+    trees: list[Path] = [tree.resolve() for tree in args.tree or [REPO]]
+    names = [tree.name if [p.name for p in trees].count(tree.name) == 1 else f"{tree.name}{i}"
+             for i, tree in enumerate(trees)]
+    work = Path(tempfile.mkdtemp(prefix="appliance-hotpath-"))
+    targets: list[Target] = []
+    try:
+        for name, tree in zip(names, trees, strict=True):
+            targets.append(start(name, tree, work))
+        asyncio.run(probe(targets, args.runs, args.code, args.expect or None))
+    finally:
+        for t in targets:
+            t.server.stop()
+        for t in targets:
+            remove_group(t.cgroup)
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)")
+    print(report(targets))
+
+
+if __name__ == "__main__":
+    main()
