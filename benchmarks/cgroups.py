@@ -58,7 +58,7 @@ def _micro(fn: Any, n: int) -> list[float]:
     return out
 
 
-def group_costs(tree: cgroups.Hierarchy, limits: cgroups.Limits, n: int) -> dict[str, list[float]]:
+def group_costs(tree: cgroups.Hierarchy, limits: cgroups.GroupLimits, n: int) -> dict[str, list[float]]:
     """Per-jail cgroup work without a jail: the group's life, a handout, one cell's reads."""
     def life() -> None:
         g = tree.group("b-" + secrets.token_hex(6), limits.idle())

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 
 from appliance.jail import cgroups
-from appliance.jail.cgroups import Limits, Write, changes, render_v1, render_v2
+from appliance.jail.cgroups import GroupLimits, Write, changes, render_v1, render_v2
 
-L = Limits(memory_mb=1024, cpus=1.5, max_procs=64)
+L = GroupLimits(memory_mb=1024, cpus=1.5, max_procs=64)
 
 
 def test_v2_rendering_turns_swap_off_and_quotas_cpu() -> None:
@@ -38,7 +38,7 @@ def test_a_handout_writes_only_the_cpu_weight() -> None:
     assert changes(1, L.idle(), L, memsw=True) == (Write("cpu", "cpu.shares", "1024"),)
     assert changes(2, L.idle(), L, memsw=False) == (Write("", "cpu.weight", "100"),)
     assert changes(1, L, L, memsw=True) == ()
-    bigger = Limits(memory_mb=2048, cpus=1.5, max_procs=64)
+    bigger = GroupLimits(memory_mb=2048, cpus=1.5, max_procs=64)
     assert [w.file for w in changes(1, L, bigger, memsw=True)] == [
         "memory.memsw.limit_in_bytes", "memory.limit_in_bytes"]
 
@@ -77,7 +77,7 @@ def tree() -> Iterator[cgroups.Hierarchy]:
 
 
 def test_real_group_oom_kills_a_process_over_the_memory_limit(tree: cgroups.Hierarchy) -> None:
-    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", Limits(memory_mb=64, cpus=1.0, max_procs=16))
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", GroupLimits(memory_mb=64, cpus=1.0, max_procs=16))
     try:
         g.open_join()
         p = subprocess.run([sys.executable, "-c", "b = bytearray(200 << 20)"],
@@ -93,7 +93,7 @@ def test_real_group_oom_kills_a_process_over_the_memory_limit(tree: cgroups.Hier
 
 
 def test_real_group_pids_limit_stops_a_fork_bomb(tree: cgroups.Hierarchy) -> None:
-    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", Limits(memory_mb=256, cpus=1.0, max_procs=8))
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", GroupLimits(memory_mb=256, cpus=1.0, max_procs=8))
     g.open_join()
     code = ("import os, time\ntry:\n  for _ in range(50):\n    if os.fork() == 0:\n      time.sleep(30)\n"
             "      os._exit(0)\nexcept OSError:\n  print('refused', flush=True)")
@@ -167,7 +167,7 @@ def test_cgroup_memory_sees_tmpfs_files_that_proc_cannot(tree: cgroups.Hierarchy
     and closed is memory it owns, which /proc's mappings never show."""
     from appliance.jail.memory import CgroupMemory, ProcMemory
 
-    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", Limits(memory_mb=512, cpus=1.0, max_procs=16))
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", GroupLimits(memory_mb=512, cpus=1.0, max_procs=16))
     shm = f"/dev/shm/cgroup-test-{uuid.uuid4().hex[:8]}"
     g.open_join()
     p = subprocess.Popen([sys.executable, "-c", f"open({shm!r}, 'wb').write(b'x' * (120 << 20))\n"

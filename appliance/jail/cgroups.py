@@ -1,7 +1,7 @@
 """Per-run cgroups: a run's limits rendered as file writes (pure), and thin I/O that applies them.
 
 One group per jail, for v1 (one directory per controller: memory, cpu, cpuacct, pids) or v2 (one
-directory in a delegated subtree). `render_v1` / `render_v2` turn `Limits` into ordered writes and
+directory in a delegated subtree). `render_v1` / `render_v2` turn `GroupLimits` into ordered writes and
 hold all the policy; `Hierarchy` only makes directories, writes files, reads counters and removes.
 
 Layout, under the server's own cgroup of each controller (so the host's placement of the server,
@@ -44,7 +44,7 @@ REMOVE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
-class Limits:
+class GroupLimits:
     """What one group may use: memory (incl. tmpfs and page cache), CPUs, processes, CPU weight."""
 
     memory_mb: int
@@ -52,7 +52,7 @@ class Limits:
     max_procs: int
     weight: int = RUN_WEIGHT
 
-    def idle(self) -> Limits:
+    def idle(self) -> GroupLimits:
         """The same limits at idle weight: a warm jail must not take CPU from running work."""
         return replace(self, weight=IDLE_WEIGHT)
 
@@ -74,7 +74,7 @@ def _shares(weight: int) -> int:
     return max(2, weight * 1024 // RUN_WEIGHT)
 
 
-def render_v1(limits: Limits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
+def render_v1(limits: GroupLimits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
     """The writes that give a v1 group `limits`; memsw: swap accounting exists (swap then off).
 
     v1 refuses memory.memsw.limit_in_bytes below memory.limit_in_bytes, so when the memory limit
@@ -94,7 +94,7 @@ def render_v1(limits: Limits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
     )
 
 
-def render_v2(limits: Limits) -> tuple[Write, ...]:
+def render_v2(limits: GroupLimits) -> tuple[Write, ...]:
     """The writes that give a v2 group `limits` (memory.max counts tmpfs and page cache)."""
     return (
         Write("", "memory.max", str(limits.memory_mb * 1024 * 1024)),
@@ -106,12 +106,12 @@ def render_v2(limits: Limits) -> tuple[Write, ...]:
     )
 
 
-def render(version: int, limits: Limits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
+def render(version: int, limits: GroupLimits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
     """render_v1 or render_v2 by version."""
     return render_v1(limits, memsw, lowering) if version == 1 else render_v2(limits)
 
 
-def changes(version: int, old: Limits, new: Limits, memsw: bool) -> tuple[Write, ...]:
+def changes(version: int, old: GroupLimits, new: GroupLimits, memsw: bool) -> tuple[Write, ...]:
     """Only the writes that differ between `old` and `new`, in the order `new` needs: what a
     warm jail's handout costs (idle -> run limits differ in the CPU weight: one write)."""
     lowering = new.memory_mb < old.memory_mb
@@ -209,7 +209,7 @@ class Hierarchy:
         if self.version == 2:
             _enable_v2(self.dirs[""])
 
-    def group(self, name: str, limits: Limits) -> Group:
+    def group(self, name: str, limits: GroupLimits) -> Group:
         """Make group `name` with `limits`; it is empty until a process joins via preexec."""
         paths = {c: d / name for c, d in self.dirs.items()}
         made: list[Path] = []
@@ -291,7 +291,7 @@ def remove_paths(paths: Mapping[str, Path]) -> None:
 class Group:
     """One run's group: limits, joining, counters, removal."""
 
-    def __init__(self, tree: Hierarchy, name: str, paths: Mapping[str, Path], limits: Limits) -> None:
+    def __init__(self, tree: Hierarchy, name: str, paths: Mapping[str, Path], limits: GroupLimits) -> None:
         self.tree = tree
         self.name = name
         self.paths = dict(paths)
@@ -314,7 +314,7 @@ class Group:
         finally:
             os.close(fd)
 
-    def set_limits(self, limits: Limits) -> None:
+    def set_limits(self, limits: GroupLimits) -> None:
         """Move to `limits` writing only what changes (a warm jail handed out: one write)."""
         for w in changes(self.tree.version, self.limits, limits, self.tree.memsw):
             self._write(w)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from appliance.errors import JailExited, JailFailure, JailStartFailed
 from appliance.jail import checks, proctree
-from appliance.jail.cgroups import Group, Hierarchy, Limits
+from appliance.jail.cgroups import Group, GroupLimits, Hierarchy
 from appliance.jail.devices import GpuDevice
 from appliance.jail.firejail import accounts_argv, drop_argv, launcher_env, render_argv
 from appliance.jail.host import HostFacts
@@ -60,7 +60,7 @@ class Jail:
         inner = proctree.children(self.process.pid)
         return Path(f"/proc/{inner[0]}/root/tmp") if inner else None
 
-    def to_run(self, limits: Limits | None) -> None:
+    def to_run(self, limits: GroupLimits | None) -> None:
         """A pooled jail is handed to a run: the run's cgroup limits (the idle ones differ in CPU
         weight only: one file write). Its niceness was set back to 0 when it became ready."""
         if self.cgroup is not None and limits is not None:
@@ -97,7 +97,7 @@ class JailFactory:
                  cgroups: Hierarchy | None = None) -> None:
         self.settings = settings
         self.cgroups = cgroups  # enforcing: every jail gets its own group before it starts
-        self.run_limits = Limits(memory_mb=settings.memory_mb, cpus=settings.cpus, max_procs=settings.max_procs)
+        self.run_limits = GroupLimits(memory_mb=settings.memory_mb, cpus=settings.cpus, max_procs=settings.max_procs)
         self.preload = settings.preload if preload is None else preload  # this factory's profile
         self.gpu = gpu  # GPU mode: every jail made here sees only this device
         self.host = host
