@@ -67,8 +67,10 @@ def alloc(mb):
     rc = cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(mb << 20))
     if rc != 0:
         raise MemoryError(f'cuMemAlloc of {mb} MiB failed with CUDA error {rc} (out of memory)')
-def allocated():
-    print('ALLOCATED', time.time(), flush=True)
+def alloc_over(mb):
+    # The stamp goes out first: the watchdog may stop the run as soon as the memory is held.
+    print('ALLOCATING', time.time(), flush=True)
+    alloc(mb)
 """
 VISIBLE = CUDA + """
 n, raw = ctypes.c_int(), ctypes.create_string_buffer(16)
@@ -90,10 +92,10 @@ print(json.dumps(seen))
 """
 # The three ways a run's CUDA context can be created: what NVML reports differs for each.
 OVERRUN = {
-    "main_thread": "ctx(); alloc(MB); allocated(); time.sleep(20)",
-    "thread": ("def work():\n    ctx(); alloc(MB); allocated(); time.sleep(20)\n"
+    "main_thread": "ctx(); alloc_over(MB); time.sleep(20)",
+    "thread": ("def work():\n    ctx(); alloc_over(MB); time.sleep(20)\n"
                "t = threading.Thread(target=work); t.start(); t.join()"),
-    "subprocess": ("child = CUDA_SRC + 'ctx(); alloc(MB); allocated(); time.sleep(20)'\n"
+    "subprocess": ("child = CUDA_SRC + 'ctx(); alloc_over(MB); time.sleep(20)'\n"
                    "subprocess.run([sys.executable, '-c', child])"),
 }
 NEIGHBOUR = "ctx(); alloc(MB); time.sleep(SECS); print('neighbour ok', flush=True)"
@@ -112,6 +114,95 @@ with open('mapped.bin', 'rb') as fh:
     status = dict(line.split(':', 1) for line in open('/proc/self/status') if line.startswith(('VmRSS', 'RssFile', 'RssAnon')))
     print(json.dumps({k: int(v.split()[0]) // 1024 for k, v in status.items()} | {'touched': total}))
 """
+
+
+class SimulatedGpuMemory:
+    """--simulate: a plain GPU's memory, for the stand-in libcuda (tests/stub_libcuda.c).
+
+    Jails' contexts connect to the unix socket `sim-gpu` next to the stand-in library; each
+    allocation is granted up to the device's size (a full device is CUDA out-of-memory) and
+    written, per host PID (SO_PEERCRED), into the simulated NVML backend's control file. Like
+    a real GPU it frees late: a gone process's memory stays for free_delay_s; and NVML reports
+    thread IDs (report_tids)."""
+
+    def __init__(self, libcuda: Path, control: Path, total_mb: int, free_delay_s: float = 1.5) -> None:
+        import socket
+        import threading
+
+        self.control, self.total = control, total_mb << 20
+        self.free_delay_s = free_delay_s
+        self.used: dict[int, int] = {}  # pid -> bytes (live, and freeing)
+        self.lock = threading.Lock()
+        path = libcuda.parent / "sim-gpu"
+        path.unlink(missing_ok=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        os.chmod(path, 0o666)
+        self.sock.listen(64)
+        self.path = path
+        self.write()
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def write(self) -> None:
+        with self.lock:
+            procs = [{"pid": pid, "gpu": 0, "used_mb": -(-b // MIB)} for pid, b in self.used.items() if b]
+        tmp = self.control.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"report_tids": True, "processes": procs}))
+        tmp.replace(self.control)
+
+    def accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
+
+    def serve(self, conn: Any) -> None:
+        import socket
+        import struct
+        import threading
+
+        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        mine = 0
+        try:
+            with conn, conn.makefile("rw", encoding="ascii", newline="\n") as stream:
+                for line in stream:
+                    verb, _, arg = line.strip().partition(" ")
+                    if verb == "gpu":
+                        stream.write("ok none\n")
+                    elif verb == "alloc" and arg.isdigit():
+                        with self.lock:
+                            ok = sum(self.used.values()) + int(arg) <= self.total
+                            if ok:
+                                mine += int(arg)
+                                self.used[pid] = self.used.get(pid, 0) + int(arg)
+                        self.write()
+                        stream.write("ok\n" if ok else "oom\n")
+                    else:
+                        stream.write("error\n")
+                    stream.flush()
+        except (OSError, ValueError):
+            pass
+        finally:
+            def free() -> None:
+                with self.lock:
+                    left = self.used.get(pid, 0) - mine
+                    if left > 0:
+                        self.used[pid] = left
+                    else:
+                        self.used.pop(pid, None)
+                self.write()
+            timer = threading.Timer(self.free_delay_s, free)
+            timer.daemon = True
+            timer.start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.path.unlink(missing_ok=True)
 
 
 @dataclass
@@ -135,6 +226,14 @@ def uuid_bytes(uuid: str) -> str:
     if re.fullmatch(r"[0-9a-fA-F]{32}", digits):
         return digits.lower()
     return body.encode()[:16].ljust(16, b"\0").hex()
+
+
+async def run_cmd(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
+    """subprocess.run in a thread (the event loop keeps serving the clients), 60 s at most."""
+    def go() -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(cmd, timeout=60, check=bool(kwargs.pop("check", False)), **kwargs)
+
+    return await asyncio.to_thread(go)
 
 
 def why(ex: Any) -> str:
@@ -174,6 +273,7 @@ class Kit:
         self.margin = 128 if self.sim else 256
         self.memory_mb = 256 if self.sim else 2048  # SANDBOX_MEMORY_MB of the kit's server
         self.total_mb = 0
+        self.gpu_memory: SimulatedGpuMemory | None = None
 
     # -- the server --------------------------------------------------------------------------
     def settings(self, mps: bool = False) -> dict[str, str]:
@@ -182,23 +282,22 @@ class Kit:
                "SANDBOX_MAX_DISK_MB": str(4 * self.memory_mb), "SANDBOX_MAX_FILE_MB": str(2 * self.memory_mb),
                "SANDBOX_GPU_MARGIN_MB": str(self.margin),
                "SANDBOX_MAX_EXEC_MS": "120000", "SANDBOX_GPU_QUEUE_MS": "120000",
-               "SANDBOX_GPU_POLL_MS": "100", "SANDBOX_GPU_MPS": "require" if mps else "off",
+               "SANDBOX_GPU_POLL_MS": "100", "SANDBOX_GPU_MPS": "auto" if mps else "off",
                "SANDBOX_FIREJAIL": self.args.firejail}
         if self.args.gguf:
             env["SANDBOX_MODELS_DIR"] = str(Path(self.args.gguf).resolve().parent)
         pipe = self.work / ("mps" if mps else "sim-gpu")
         if self.sim:
-            # The simulated MPS daemon stands in for the GPU's memory: the stand-in libcuda's
-            # allocations go to it, and it reports them to the simulated NVML backend. Without
-            # --mps it ignores limits (a plain GPU); it frees late and NVML reports thread IDs.
+            # SimulatedGpuMemory stands in for the device's memory (it writes the control file);
+            # with --mps the simulated MPS daemon serves the contexts instead.
             control = self.work / "sim.json"
-            control.write_text(json.dumps({"report_tids": True, "free_delay_ms": 1500}))
-            pipe.mkdir(exist_ok=True)
-            os.chmod(pipe, 0o755)
             env |= {"SANDBOX_GPU_BACKEND": "simulated", "SANDBOX_GPU_SIMULATE": str(self.args.sim_mb),
-                    "SANDBOX_GPU_SIMULATE_FILE": str(control), "SANDBOX_GPU_MPS": "require" if mps else "auto",
-                    "SANDBOX_GPU_SIMULATE_MPS": "on" if mps else "ignore-limits",
-                    "SANDBOX_GPU_MPS_PIPE_DIR": str(pipe), "SANDBOX_GPU_LIBCUDA": self.args.libcuda}
+                    "SANDBOX_GPU_SIMULATE_FILE": str(control), "SANDBOX_GPU_LIBCUDA": self.args.libcuda}
+            if mps:
+                pipe.mkdir(exist_ok=True)
+                os.chmod(pipe, 0o755)
+                env |= {"SANDBOX_GPU_MPS": "auto", "SANDBOX_GPU_SIMULATE_MPS": "on",
+                        "SANDBOX_GPU_MPS_PIPE_DIR": str(pipe)}
         elif mps:
             env["SANDBOX_GPU_MPS_PIPE_DIR"] = str(pipe)
         for item in self.args.server_env:
@@ -281,6 +380,8 @@ class Kit:
                 await self.check("llama_offload", self.check_llama, 120)
             finally:
                 self.server.stop()
+        if self.gpu_memory is not None:  # a GPU under an MPS daemon takes no plain contexts
+            self.gpu_memory.close()
         if self.args.mps:
             await self.check("mps", self.check_mps, 180)
         else:
@@ -318,12 +419,12 @@ class Kit:
     async def preflight_uvm(self) -> Check:
         if self.sim:
             return Check("", SKIP, "hardware-only: a simulated host has no /dev/nvidia-uvm")
-        if not Path("/dev/nvidia-uvm").exists():
+        if not await asyncio.to_thread(os.path.exists, "/dev/nvidia-uvm"):
             # Jails cannot run the setuid helper that creates it on first use: create it now.
             with contextlib.suppress(OSError, subprocess.SubprocessError):
-                subprocess.run(["nvidia-modprobe", "-u", "-c=0"], timeout=30, check=False)
+                await run_cmd(["nvidia-modprobe", "-u", "-c=0"])
         try:
-            mode = os.stat("/dev/nvidia-uvm").st_mode
+            mode = (await asyncio.to_thread(os.stat, "/dev/nvidia-uvm")).st_mode
         except OSError as exc:
             return Check("", FAIL, f"/dev/nvidia-uvm missing ({exc}); load nvidia-uvm (nvidia-modprobe -u -c=0)")
         if not stat.S_ISCHR(mode):
@@ -331,6 +432,8 @@ class Kit:
         return Check("", PASS, "/dev/nvidia-uvm present")
 
     async def start_server(self) -> Check:
+        if self.sim:
+            self.gpu_memory = SimulatedGpuMemory(Path(self.args.libcuda), self.work / "sim.json", self.args.sim_mb)
         self.server = await asyncio.to_thread(self.start)
         return Check("", PASS, f"appliance ready on {self.server.http}")
 
@@ -391,12 +494,12 @@ class Kit:
         neighbour = asyncio.create_task(self.execute(
             CUDA + NEIGHBOUR.replace("MB", "256").replace("SECS", str(self.args.neighbour_s)), 1024))
         (hog_ex, hog_done), (nb_ex, _) = await asyncio.gather(hog, neighbour)
-        stamp = re.search(r"ALLOCATED ([0-9.]+)", hog_ex.stdout)
+        stamp = re.search(r"ALLOCATING ([0-9.]+)", hog_ex.stdout)
         latency = round(hog_done - float(stamp.group(1)), 3) if stamp else None
         data = {"budget_mb": budget, "allocated_mb": over, "status": hog_ex.status, "message": hog_ex.message,
                 "kill_latency_s": latency, "neighbour": nb_ex.status}
         if stamp is None:
-            return Check("", FAIL, f"the over-budget run never allocated (ended {hog_ex.status}: "
+            return Check("", FAIL, f"the over-budget run never reached its allocation (ended {hog_ex.status}: "
                          f"{why(hog_ex)})", data=data)
         if hog_ex.status != "gpu_memory_limit":
             return Check("", FAIL, f"an allocation of {over} MiB on a {budget} MiB budget ended "
@@ -416,11 +519,14 @@ class Kit:
                          f"{self.memory_mb} ended {ex.status}: {why(ex)}", data=data)
         seen = json.loads(ex.stdout.strip().splitlines()[-1])
         data |= seen
-        if seen.get("RssFile", 0) <= self.memory_mb:
-            return Check("", FAIL, f"the mapping was not resident (RssFile {seen.get('RssFile')} MiB): "
-                         "the check did not test anything", data=data)
-        return Check("", PASS, f"ok with RssFile {seen['RssFile']} MiB, RssAnon {seen.get('RssAnon')} MiB "
-                     f"under SANDBOX_MEMORY_MB={self.memory_mb}", data=data)
+        if seen.get("touched", 0) != file_mb << 8:  # one byte of value 1 per 4 KiB page
+            return Check("", FAIL, f"the run did not read its whole mapping ({seen})", data=data)
+        # Resident above the limit: the watchdog ignored file-backed pages. At or under it: the
+        # run's memory cgroup reclaimed page cache (SANDBOX_CGROUPS), which is no kill either.
+        how = ("resident above the limit" if seen.get("RssFile", 0) > self.memory_mb
+               else "page cache reclaimed within the run's memory cgroup")
+        return Check("", PASS, f"ok after reading {file_mb} MiB of a mapped file (RssFile {seen.get('RssFile')} MiB, "
+                     f"{how}; RssAnon {seen.get('RssAnon')} MiB) under SANDBOX_MEMORY_MB={self.memory_mb}", data=data)
 
     async def check_reclaim(self) -> Check:
         total = self.total_mb
@@ -491,14 +597,14 @@ class Kit:
         daemon = not self.sim
         try:
             for index in before:
-                subprocess.run([*self.smi_cmd, "-i", index, "-c", "EXCLUSIVE_PROCESS"], check=True, timeout=60)
+                await run_cmd([*self.smi_cmd, "-i", index, "-c", "EXCLUSIVE_PROCESS"], check=True)
             if daemon:
                 env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(self.work / "mps"),
                        "CUDA_MPS_LOG_DIRECTORY": str(self.work / "mps-log")}
                 (self.work / "mps").mkdir(exist_ok=True)
                 (self.work / "mps-log").mkdir(exist_ok=True)
                 os.chmod(self.work / "mps", 0o755)
-                subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, check=True, timeout=60)
+                await run_cmd(["nvidia-cuda-mps-control", "-d"], env=env, check=True)
                 (self.out / "mps-started").write_text(env["CUDA_MPS_PIPE_DIRECTORY"])  # for the shell's trap
             server = await asyncio.to_thread(self.start, True)
             try:
@@ -510,10 +616,10 @@ class Kit:
                 server.stop()
         finally:
             if daemon:
-                subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=env, timeout=60, check=False)
+                await run_cmd(["nvidia-cuda-mps-control"], input=b"quit\n", env=env)
                 (self.out / "mps-started").unlink(missing_ok=True)
             for index, mode in before.items():
-                subprocess.run([*self.smi_cmd, "-i", index, "-c", mode.upper()], timeout=60, check=False)
+                await run_cmd([*self.smi_cmd, "-i", index, "-c", mode.upper()])
             after = {g["index"]: g["compute_mode"] for g in await asyncio.to_thread(nvidia_smi, self.smi_cmd)}
             if after == before:
                 (self.out / "compute-mode.orig").unlink(missing_ok=True)
@@ -521,16 +627,22 @@ class Kit:
                 "mps.restored", PASS if after == before else FAIL,
                 f"compute mode {'restored to' if after == before else 'NOT restored:'} {after}",
                 data={"before": before, "after": after}))
-        data = {"readyz_mps": mps, "overrun": ex.status, "error": ex.error.value if ex.error else None,
-                "neighbour": nb.status}
+        data = {"readyz_mps": mps, "overrun": ex.status, "error": why(ex), "neighbour": nb.status}
         refused = ex.error is not None and ex.error.name == "MemoryError"
-        if not mps.get("enforcing"):
-            return Check("mps.enforcing", FAIL, f"MPS limits not enforcing: {mps.get('note')}", data=data)
-        if not refused or nb.status != "ok":
-            return Check("mps.enforcing", FAIL, f"over-budget allocation ended {ex.status} (refused: {refused}), "
-                         f"neighbour {nb.status}", data=data)
-        return Check("mps.enforcing", PASS, "daemon-side limit refused the over-budget allocation; neighbour ok",
-                     data=data)
+        if nb.status != "ok":
+            return Check("mps.enforcing", FAIL, f"with MPS the neighbour ended {nb.status}: {why(nb)}", data=data)
+        if mps.get("enforcing"):  # the appliance claims daemon-side limits: the allocation must be refused
+            if refused:
+                return Check("mps.enforcing", PASS, "MPS limits enforced: the over-budget allocation was refused",
+                             data=data)
+            return Check("mps.enforcing", FAIL, f"/readyz claims MPS limits, but the over-budget run ended "
+                         f"{ex.status} ({why(ex)})", data=data)
+        # Not claimed: the claim is true if the watchdog still stops the overrun.
+        if ex.status == "gpu_memory_limit":
+            return Check("mps.enforcing", PASS, f"MPS reported not enforcing ({mps.get('note')}); the watchdog "
+                         "stopped the over-budget run", data=data)
+        return Check("mps.enforcing", FAIL, f"MPS reported not enforcing and the over-budget run ended "
+                     f"{ex.status} ({why(ex)}), not gpu_memory_limit", data=data)
 
     # -- the report --------------------------------------------------------------------------
     def write(self, seconds: float) -> dict[str, Any]:
@@ -577,7 +689,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a setting for the appliance under test (overrides the kit's)")
     p.add_argument("--neighbour-s", type=float, default=6, help="how long the watchdog checks' neighbour runs")
     p.add_argument("--budget-s", type=float, default=450, help="stop starting checks after this long")
-    p.add_argument("--tmp", default="/tmp", help="where the servers' scratch folders go")
+    p.add_argument("--tmp", default=None, help="where the servers' scratch folders go (default: $TMPDIR or /tmp)")
     return p.parse_args(argv)
 
 

@@ -8,7 +8,15 @@
  * must map the daemon's shared memory (the daemon names the file; the real one keeps it in
  * /dev/shm): where the file cannot be opened (a jail's private, empty /dev/shm) the context
  * fails with CUDA_ERROR_MPS_CONNECTION_FAILED.
+ *
+ * Without an MPS daemon (no $CUDA_MPS_PIPE_DIRECTORY/sim-client), the context is a plain GPU's:
+ * it connects to the socket `sim-gpu` next to this library, where the acceptance kit's
+ * simulated device memory (benchmarks/gpu_acceptance.py, SimulatedGpuMemory) grants
+ * allocations up to the device's size and reports them to the simulated NVML backend.
  */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <libgen.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -96,10 +104,43 @@ int cuDeviceGetUuid(unsigned char *bytes, int device) {
 
 int cuDeviceGetUuid_v2(unsigned char *bytes, int device) { return cuDeviceGetUuid(bytes, device); }
 
+/* A plain GPU's context: the simulated device memory next to this library. */
+static int plain_context(const char *uuid) {
+    Dl_info info;
+    char path[512], line[256], reply[64];
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if (dladdr((void *)plain_context, &info) == 0 || info.dli_fname == NULL) return CUDA_ERROR_DEVICES_UNAVAILABLE;
+    snprintf(path, sizeof path, "%s", info.dli_fname);
+    snprintf(addr.sun_path, sizeof addr.sun_path, "%s/sim-gpu", dirname(path));
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&addr, sizeof addr) != 0) {
+        if (fd >= 0) close(fd);
+        return CUDA_ERROR_DEVICES_UNAVAILABLE;
+    }
+    client = fd;
+    snprintf(line, sizeof line, "gpu %s\n", uuid ? uuid : "");
+    if (ask(line, reply, sizeof reply) != 0 || strncmp(reply, "ok", 2) != 0) {
+        close(client);
+        client = -1;
+        return CUDA_ERROR_DEVICES_UNAVAILABLE;
+    }
+    return CUDA_SUCCESS;
+}
+
 int cuDevicePrimaryCtxRetain(void **ctx, int device) {
     (void)device;
     if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
     if (client < 0) {
+        const char *pipe = getenv("CUDA_MPS_PIPE_DIRECTORY");
+        char sock[512];
+        struct stat sst;
+        snprintf(sock, sizeof sock, "%s/sim-client", pipe ? pipe : "/tmp/nvidia-mps");
+        if (stat(sock, &sst) != 0) {  /* no MPS daemon: a plain GPU */
+            int rc = plain_context(getenv("CUDA_VISIBLE_DEVICES"));
+            if (rc != CUDA_SUCCESS) return rc;
+            *ctx = (void *)&client;
+            return CUDA_SUCCESS;
+        }
         const char *dir = getenv("CUDA_MPS_PIPE_DIRECTORY");
         const char *uuid = getenv("CUDA_VISIBLE_DEVICES");
         struct sockaddr_un addr = {.sun_family = AF_UNIX};

@@ -35,11 +35,11 @@ HARDWARE_ONLY = {
     "preflight.nvidia_uvm": "hardware-only",
     "jail.device_nodes": "hardware-only",
     "llama_offload": "llama-cpp-python",  # no CUDA build of llama.cpp here (nor in the kit)
+    "mps": "--mps",                       # optional: its own test below
 }
 EVERY_CHECK = ("preflight.driver", "preflight.mig", "preflight.compute_mode", "preflight.nvidia_uvm", "server",
                "readyz", "jail.visible_device", "jail.device_nodes", "watchdog.main_thread", "watchdog.thread",
-               "watchdog.subprocess", "host_memory", "reclaim", "contention", "llama_offload",
-               "mps.enforcing", "mps.restored")
+               "watchdog.subprocess", "host_memory", "reclaim", "contention", "llama_offload", "mps")
 
 
 @pytest.fixture(scope="module")
@@ -109,26 +109,51 @@ def test_the_kit_is_small_and_carries_what_a_bare_gpu_machine_lacks(kit: Path) -
 
 def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
         kit: Path, scratch: Path, libcuda: Path) -> None:
-    rc, report, out = run_kit(kit, scratch, libcuda, "all", "--mps")
+    rc, report, out = run_kit(kit, scratch, libcuda, "all")
     checks = {c["name"]: c for c in report["checks"]}
     assert sorted(checks) == sorted(EVERY_CHECK)
+    contention = checks.pop("contention")
     for name, check in checks.items():
         if name in HARDWARE_ONLY:
             assert check["status"] == "SKIP" and HARDWARE_ONLY[name] in check["detail"], check
         else:
             assert check["status"] == "PASS", check
-    assert rc == 0
-    assert report["meta"]["mode"] == "simulated" and report["meta"]["counts"]["FAIL"] == 0
+    # A known gap, reported, not hidden: without daemon-side limits, the mix's overrunner (its
+    # budget + margin + 512 MiB) can fill the device before the next watchdog poll, and a
+    # neighbour's allocation then fails (the simulated MPS benchmark shows the same). At N=16
+    # the kit therefore PASSes or FAILs with 'oom'; at N=1 and 4 nothing can collide.
+    rows = {row["n"]: row for row in contention["data"]["summary"]}
+    assert "oom" not in rows[1]["outcomes"] and "oom" not in rows[4]["outcomes"], contention
+    if contention["status"] == "FAIL":
+        assert "['oom']" in contention["detail"], contention
+        assert rc == 1 and report["meta"]["counts"]["FAIL"] == 1
+    else:
+        assert contention["status"] == "PASS" and rc == 0 and report["meta"]["counts"]["FAIL"] == 0
+    checks["contention"] = contention
+    assert report["meta"]["mode"] == "simulated"
     for how in ("main_thread", "thread", "subprocess"):
         assert checks[f"watchdog.{how}"]["data"]["kill_latency_s"] is not None
     assert checks["reclaim"]["data"]["big_queued_ms"] > 0       # it did wait behind the killed run
-    assert checks["host_memory"]["data"]["RssFile"] > checks["host_memory"]["data"]["memory_mb"]
+    assert checks["host_memory"]["data"]["file_mb"] > checks["host_memory"]["data"]["memory_mb"]
     assert [row["n"] for row in checks["contention"]["data"]["summary"]] == [1, 4, 16]
     md = (out / "gpu-acceptance.md").read_text()
     assert all(f"| {name} | {checks[name]['status']} |" in md for name in EVERY_CHECK)
-    smi = json.loads((scratch / "smi-all.json").read_text())
-    assert smi["compute_mode"] == {"0": "Default"}            # the MPS section put it back
+
+
+def test_the_mps_section_reports_what_a_jail_gets_and_restores_the_compute_mode(
+        kit: Path, scratch: Path, libcuda: Path) -> None:
+    rc, report, out = run_kit(kit, scratch, libcuda, "mps", "--only", "mps", "--mps")
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["mps.restored"]["status"] == "PASS", checks["mps.restored"]
+    smi = json.loads((scratch / "smi-mps.json").read_text())
+    assert smi["compute_mode"] == {"0": "Default"}            # set to EXCLUSIVE_PROCESS, then put back
     assert not (out / "compute-mode.orig").exists()
+    # Today a GPU jail cannot join an MPS daemon (issue 14 defect 6: its /dev/shm is private) and,
+    # on an EXCLUSIVE_PROCESS GPU, gets no context at all: the kit must say so, not pass.
+    # When jails can use MPS, this becomes PASS (limits refused, or the watchdog stopping the run).
+    enforcing = checks["mps.enforcing"]
+    assert enforcing["status"] == "FAIL" and "CUDA error 46" in enforcing["detail"], enforcing
+    assert rc == 1
 
 
 def test_a_disabled_watchdog_fails_the_watchdog_check(kit: Path, scratch: Path, libcuda: Path) -> None:
