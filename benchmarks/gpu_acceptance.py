@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -709,6 +710,12 @@ async def amain(argv: list[str] | None = None) -> int:
         await kit.run()
     finally:
         report = kit.write(time.monotonic() - started)
+        if kit.gpu_memory is not None:
+            kit.gpu_memory.close()
+        # The servers' logs go with the report; the scratch folder (workspaces, pipes) does not stay.
+        for log in kit.work.glob("srv*/server.log"):
+            shutil.copyfile(log, kit.out / f"{log.parent.name}.log")
+        shutil.rmtree(kit.work, ignore_errors=True)
     counts = report["meta"]["counts"]
     print(f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}; report: {kit.out}/gpu-acceptance.md")
     return 1 if counts[FAIL] else 0
