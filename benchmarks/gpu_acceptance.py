@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -122,8 +123,8 @@ class SimulatedGpuMemory:
     Jails' contexts connect to the unix socket `sim-gpu` next to the stand-in library; each
     allocation is granted up to the device's size (a full device is CUDA out-of-memory) and
     written, per host PID (SO_PEERCRED), into the simulated NVML backend's control file. Like
-    a real GPU it frees late: a gone process's memory stays for free_delay_s; and NVML reports
-    thread IDs (report_tids)."""
+    a real GPU it frees late: a gone process's memory stays for free_delay_s, listed under the
+    ID NVML gave it (the thread that connected, where not the main one)."""
 
     def __init__(self, libcuda: Path, control: Path, total_mb: int, free_delay_s: float = 1.5) -> None:
         import socket
@@ -147,7 +148,7 @@ class SimulatedGpuMemory:
         with self.lock:
             procs = [{"pid": pid, "gpu": 0, "used_mb": -(-b // MIB)} for pid, b in self.used.items() if b]
         tmp = self.control.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"report_tids": True, "processes": procs}))
+        tmp.write_text(json.dumps({"processes": procs}))
         tmp.replace(self.control)
 
     def accept(self) -> None:
@@ -166,6 +167,13 @@ class SimulatedGpuMemory:
         import threading
 
         pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        # NVML lists a context under the task that created it (a worker thread's ID where one
+        # did), and keeps that ID until the memory is freed, after the process is gone.
+        try:
+            tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        except (OSError, ValueError):
+            tids = []
+        pid = tids[-1] if tids else pid
         mine = 0
         try:
             with conn, conn.makefile("rw", encoding="ascii", newline="\n") as stream:
@@ -702,6 +710,12 @@ async def amain(argv: list[str] | None = None) -> int:
         await kit.run()
     finally:
         report = kit.write(time.monotonic() - started)
+        if kit.gpu_memory is not None:
+            kit.gpu_memory.close()
+        # The servers' logs go with the report; the scratch folder (workspaces, pipes) does not stay.
+        for log in kit.work.glob("srv*/server.log"):
+            shutil.copyfile(log, kit.out / f"{log.parent.name}.log")
+        shutil.rmtree(kit.work, ignore_errors=True)
     counts = report["meta"]["counts"]
     print(f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}; report: {kit.out}/gpu-acceptance.md")
     return 1 if counts[FAIL] else 0
