@@ -105,6 +105,24 @@ async def test_usage_of_our_own_runs_is_not_counted_twice() -> None:
     ledger.release(grant)
 
 
+async def test_what_our_runs_hold_beyond_their_grants_admits_nobody() -> None:
+    # An overrunner between two polls: its grant covers 2000 MiB, it holds 7000. Counted as
+    # covered, the books showed 14000 MiB of room on a device with 9000 free, and a 10000 MiB
+    # run was admitted into memory that was not there (the acceptance kit's out-of-memory).
+    backend = SimulatedBackend((16384,))
+    ledger = ledger_for(backend, margin_mb=256, max_wait_ms=200)
+    over = await ledger.acquire(2000)
+    backend.set_usage(pid=4242, index=0, used_mb=7000)
+    ledger.load(backend.devices(), backend.processes(), ours={4242})
+    book = ledger.snapshot()[0]
+    assert (book["reserved_mb"], book["foreign_mb"]) == (2000, 5000)
+    with pytest.raises(Busy):
+        await ledger.acquire(10000)               # 2000 + 5000 + 10000 + 256 > 16384
+    fits = await ledger.acquire(9000)             # what is really free, less the margin
+    ledger.release(fits)
+    ledger.release(over)
+
+
 async def test_queued_runs_that_can_no_longer_fit_are_rejected_when_a_device_vanishes() -> None:
     big, small = SimulatedBackend((16384, 8192)), SimulatedBackend((8192,))
     ledger = ledger_for(big)

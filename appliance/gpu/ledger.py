@@ -102,8 +102,8 @@ class GpuLedger:
              taken_at: float | None = None) -> None:
         """Reconcile with what the backend reports: totals, and memory used by non-runs.
 
-        `ours` are the host PIDs of running runs: their usage is covered by their grants;
-        everything else a device reports as used is foreign.
+        `ours` are the host PIDs of running runs: their usage is covered by their grants, up to
+        the grants' sum; everything else a device reports as used is foreign.
         """
         ours_set = set(ours)
         ours_used: dict[str, int] = {}
@@ -120,7 +120,11 @@ class GpuLedger:
             if book is None:
                 book = self.books[dev.uuid] = DeviceBook(dev.index, dev.uuid, dev.minor, dev.total_mb)
             book.index, book.minor, book.total_mb = dev.index, dev.minor, dev.total_mb
-            book.foreign_mb = max(0, dev.used_mb - ours_used.get(dev.uuid, 0))
+            # Our runs' usage is covered by their grants only up to the grants: what they hold
+            # beyond (an overrunner between polls, until the watchdog stops it) is memory no
+            # grant reserves, so it counts like foreign memory and admits nobody into it.
+            covered = min(ours_used.get(dev.uuid, 0), sum(book.grants.values()))
+            book.foreign_mb = max(0, dev.used_mb - covered)
         for uuid in list(self.books):
             if uuid not in seen and not self.books[uuid].grants and not self.books[uuid].reclaiming:
                 del self.books[uuid]  # a device that vanished takes no new runs
