@@ -115,7 +115,7 @@ async def test_what_our_runs_hold_beyond_their_grants_admits_nobody() -> None:
     backend.set_usage(pid=4242, index=0, used_mb=7000)
     ledger.load(backend.devices(), backend.processes(), ours={4242})
     book = ledger.snapshot()[0]
-    assert (book["reserved_mb"], book["foreign_mb"]) == (2000, 5000)
+    assert (book["reserved_mb"], book["foreign_mb"], book["over_grant_mb"]) == (2000, 0, 5000)
     with pytest.raises(Busy):
         await ledger.acquire(10000)               # 2000 + 5000 + 10000 + 256 > 16384
     fits = await ledger.acquire(9000)             # what is really free, less the margin

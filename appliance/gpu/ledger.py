@@ -57,6 +57,7 @@ class DeviceBook:
     minor: int
     total_mb: int
     foreign_mb: int = 0
+    over_grant_mb: int = 0  # what running runs hold beyond their grants (until the watchdog stops them)
     grants: dict[int, int] = field(default_factory=dict)  # ticket -> MiB
     # Released grants still held until NVML no longer lists their run's IDs (frees are late).
     reclaiming: dict[int, _Reclaim] = field(default_factory=dict)
@@ -68,7 +69,7 @@ class DeviceBook:
         return sum(self.grants.values()) + sum(r.memory_mb for r in self.reclaiming.values())
 
     def room_mb(self, margin_mb: int) -> int:
-        return self.total_mb - self.reserved_mb - self.foreign_mb - margin_mb
+        return self.total_mb - self.reserved_mb - self.foreign_mb - self.over_grant_mb - margin_mb
 
 
 @dataclass
@@ -122,9 +123,10 @@ class GpuLedger:
             book.index, book.minor, book.total_mb = dev.index, dev.minor, dev.total_mb
             # Our runs' usage is covered by their grants only up to the grants: what they hold
             # beyond (an overrunner between polls, until the watchdog stops it) is memory no
-            # grant reserves, so it counts like foreign memory and admits nobody into it.
-            covered = min(ours_used.get(dev.uuid, 0), sum(book.grants.values()))
-            book.foreign_mb = max(0, dev.used_mb - covered)
+            # grant reserves, so it admits nobody, though it is not foreign.
+            ours_mb = ours_used.get(dev.uuid, 0)
+            book.foreign_mb = max(0, dev.used_mb - ours_mb)
+            book.over_grant_mb = max(0, ours_mb - sum(book.grants.values()))
         for uuid in list(self.books):
             if uuid not in seen and not self.books[uuid].grants and not self.books[uuid].reclaiming:
                 del self.books[uuid]  # a device that vanished takes no new runs
@@ -137,7 +139,8 @@ class GpuLedger:
         """Per-device totals for /metrics, /readyz and the benchmark."""
         return [{"index": b.index, "uuid": b.uuid, "total_mb": b.total_mb, "reserved_mb": b.reserved_mb,
                  "foreign_mb": b.foreign_mb, "runs": len(b.grants), "reclaiming": len(b.reclaiming),
-                 "reclaim_timeouts": b.reclaim_timeouts, **({"note": b.reclaim_note} if b.reclaim_note else {})}
+                 "reclaim_timeouts": b.reclaim_timeouts, **({"over_grant_mb": b.over_grant_mb} if b.over_grant_mb else {}),
+                 **({"note": b.reclaim_note} if b.reclaim_note else {})}
                 for b in self._ordered()]
 
     # -- admission ---------------------------------------------------------------------------
