@@ -35,6 +35,7 @@ test: setup
 
 lint: venv
 	$(VENV)/bin/ruff check appliance tests benchmarks examples
+	$(VENV)/bin/ruff format --check appliance tests benchmarks examples
 	$(VENV)/bin/mypy
 	scripts/actionlint.sh $(VENV)   # .github/workflows (gpu.yml)
 
