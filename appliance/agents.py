@@ -81,8 +81,10 @@ _IMAGE_MIMES = ("image/png", "image/jpeg")
 
 def openai_tool() -> dict[str, Any]:
     """run_python as an OpenAI `tools=[...]` entry (Chat Completions function tool)."""
-    return {"type": "function",
-            "function": {"name": TOOL_NAME, "description": TOOL_DESCRIPTION, "parameters": RUN_PYTHON_PARAMETERS}}
+    return {
+        "type": "function",
+        "function": {"name": TOOL_NAME, "description": TOOL_DESCRIPTION, "parameters": RUN_PYTHON_PARAMETERS},
+    }
 
 
 def anthropic_tool() -> dict[str, Any]:
@@ -92,15 +94,29 @@ def anthropic_tool() -> dict[str, Any]:
 
 def openai_tools() -> list[dict[str, Any]]:
     """run_python and close_session, OpenAI format."""
-    return [openai_tool(), {"type": "function", "function": {
-        "name": CLOSE_SESSION_TOOL, "description": CLOSE_SESSION_DESCRIPTION,
-        "parameters": CLOSE_SESSION_PARAMETERS}}]
+    return [
+        openai_tool(),
+        {
+            "type": "function",
+            "function": {
+                "name": CLOSE_SESSION_TOOL,
+                "description": CLOSE_SESSION_DESCRIPTION,
+                "parameters": CLOSE_SESSION_PARAMETERS,
+            },
+        },
+    ]
 
 
 def anthropic_tools() -> list[dict[str, Any]]:
     """run_python and close_session, Anthropic format."""
-    return [anthropic_tool(), {"name": CLOSE_SESSION_TOOL, "description": CLOSE_SESSION_DESCRIPTION,
-                               "input_schema": CLOSE_SESSION_PARAMETERS}]
+    return [
+        anthropic_tool(),
+        {
+            "name": CLOSE_SESSION_TOOL,
+            "description": CLOSE_SESSION_DESCRIPTION,
+            "input_schema": CLOSE_SESSION_PARAMETERS,
+        },
+    ]
 
 
 class ToolArgumentError(ValueError):
@@ -144,8 +160,11 @@ def parse_arguments(arguments: str | Mapping[str, Any]) -> RunArguments:
     if not isinstance(raw_files, list):
         raise ToolArgumentError("'files' must be a list of {path, content}")
     for item in raw_files:
-        if not isinstance(item, Mapping) or not isinstance(item.get("path"), str) \
-                or not isinstance(item.get("content"), str):
+        if (
+            not isinstance(item, Mapping)
+            or not isinstance(item.get("path"), str)
+            or not isinstance(item.get("content"), str)
+        ):
             raise ToolArgumentError("each file must be an object with string 'path' and 'content'")
         encoding = item.get("encoding", "utf-8")
         if encoding == "base64":
@@ -190,20 +209,33 @@ class ToolResult:
     def openai(self, tool_call_id: str) -> list[dict[str, Any]]:
         """Chat Completions messages to append: the `tool` message with the text, then, when
         there are images, a `user` message carrying them (tool messages take text only)."""
-        messages: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": tool_call_id, "content": self.text}]
+        messages: list[dict[str, Any]] = [
+            {"role": "tool", "tool_call_id": tool_call_id, "content": self.text}
+        ]
         if self.images:
-            parts: list[dict[str, Any]] = [{"type": "text", "text": f"Images from the {TOOL_NAME} call above:"}]
-            parts += [{"type": "image_url", "image_url": {"url": f"data:{img.mime};base64,{img.data}"}}
-                      for img in self.images]
+            parts: list[dict[str, Any]] = [
+                {"type": "text", "text": f"Images from the {TOOL_NAME} call above:"}
+            ]
+            parts += [
+                {"type": "image_url", "image_url": {"url": f"data:{img.mime};base64,{img.data}"}}
+                for img in self.images
+            ]
             messages.append({"role": "user", "content": parts})
         return messages
 
     def anthropic(self, tool_use_id: str) -> dict[str, Any]:
         """An Anthropic `tool_result` content block (text and base64 image blocks)."""
         content: list[dict[str, Any]] = [{"type": "text", "text": self.text}]
-        content += [{"type": "image", "source": {"type": "base64", "media_type": img.mime, "data": img.data}}
-                    for img in self.images]
-        return {"type": "tool_result", "tool_use_id": tool_use_id, "content": content, "is_error": self.is_error}
+        content += [
+            {"type": "image", "source": {"type": "base64", "media_type": img.mime, "data": img.data}}
+            for img in self.images
+        ]
+        return {
+            "type": "tool_result",
+            "tool_use_id": tool_use_id,
+            "content": content,
+            "is_error": self.is_error,
+        }
 
 
 def tool_result(execution: Execution, max_chars: int = DEFAULT_MAX_CHARS, images: bool = True) -> ToolResult:
@@ -218,7 +250,9 @@ def tool_result(execution: Execution, max_chars: int = DEFAULT_MAX_CHARS, images
         raise ValueError("max_chars must be at least 200: the status and markers need room")
     found_images: list[Image] = []
     display_notes: list[str] = []
-    for kind, bundle in [("result", r) for r in execution.results] + [("display", d) for d in execution.displays]:
+    for kind, bundle in [("result", r) for r in execution.results] + [
+        ("display", d) for d in execution.displays
+    ]:
         mime = next((m for m in _IMAGE_MIMES if isinstance(bundle.get(m), str)), None)
         if mime is not None and images:
             found_images.append(Image(mime, bundle[mime]))
@@ -229,24 +263,44 @@ def tool_result(execution: Execution, max_chars: int = DEFAULT_MAX_CHARS, images
 
     fixed: list[tuple[str, str]] = [("status", _status_line(execution))]
     if execution.error is not None:
-        fixed.append(("error", _error_text(execution.error.name, execution.error.value,
-                                           execution.error.traceback)))
+        fixed.append(
+            ("error", _error_text(execution.error.name, execution.error.value, execution.error.traceback))
+        )
     if files:
-        fixed.append(("files", "\n".join(f"outputs/{f.path} ({f.size} bytes)" +
-                                         ("" if f.data is not None else " [not sent: too big]") for f in files)))
+        fixed.append(
+            (
+                "files",
+                "\n".join(
+                    f"outputs/{f.path} ({f.size} bytes)"
+                    + ("" if f.data is not None else " [not sent: too big]")
+                    for f in files
+                ),
+            )
+        )
     flexible: list[tuple[str, str]] = []
     if execution.stdout:
         flexible.append(("stdout", execution.stdout))
     if execution.stderr:
         flexible.append(("stderr", execution.stderr))
-    text_result = next((r.text for r in reversed(execution.results)
-                        if r.text is not None and not any(m in r for m in _IMAGE_MIMES if images)), None)
+    text_result = next(
+        (
+            r.text
+            for r in reversed(execution.results)
+            if r.text is not None and not any(m in r for m in _IMAGE_MIMES if images)
+        ),
+        None,
+    )
     if text_result is not None:
         flexible.append(("result", text_result))
     if display_notes:
         flexible.append(("displays", "\n".join(display_notes)))
-    return ToolResult(_layout(fixed, flexible, max_chars), found_images, files,
-                      is_error=execution.status != "ok", run=execution.run)
+    return ToolResult(
+        _layout(fixed, flexible, max_chars),
+        found_images,
+        files,
+        is_error=execution.status != "ok",
+        run=execution.run,
+    )
 
 
 def _status_line(ex: Execution) -> str:
@@ -267,9 +321,15 @@ def _error_text(name: str, value: str, traceback: list[str], max_frames: int = M
     lines = _ANSI.sub("", "\n".join(traceback)).splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith("  File ")]
     if len(starts) > max_frames:
-        head = next((line for line in lines[:starts[0]] if line.strip()), "Traceback (most recent call last):")
+        head = next(
+            (line for line in lines[: starts[0]] if line.strip()), "Traceback (most recent call last):"
+        )
         cut = len(starts) - max_frames
-        lines = [head, f"  [… {cut} earlier frame{'s' if cut != 1 else ''} cut …]", *lines[starts[-max_frames]:]]
+        lines = [
+            head,
+            f"  [… {cut} earlier frame{'s' if cut != 1 else ''} cut …]",
+            *lines[starts[-max_frames] :],
+        ]
     summary = f"{name}: {value}" if value else name
     if not lines or lines[-1].strip() != summary.strip():
         lines.append(summary)
@@ -288,7 +348,7 @@ def cut(text: str, budget: int) -> str:
     head = room * 2 // 5
     tail = room - head
     dropped = len(text) - head - tail
-    return f"{text[:head]}\n[… {dropped} characters cut …]\n{text[len(text) - tail:] if tail else ''}"
+    return f"{text[:head]}\n[… {dropped} characters cut …]\n{text[len(text) - tail :] if tail else ''}"
 
 
 def _section(name: str, body: str) -> str:
@@ -313,7 +373,7 @@ def _layout(fixed: list[tuple[str, str]], flexible: list[tuple[str, str]], max_c
     budgets = _fair_share([s for s in sizes], remaining - sum(overhead))
     for (name, body), budget in zip(flexible, budgets, strict=True):
         if budget <= 0:
-            parts.append(f"--- {name} ---\n[… {len(body)} characters cut …]"[:max(0, remaining)])
+            parts.append(f"--- {name} ---\n[… {len(body)} characters cut …]"[: max(0, remaining)])
         else:
             parts.append(_section(name, cut(body, budget)))
         remaining -= len(parts[-1]) + len(sep)
@@ -355,8 +415,13 @@ class Dispatcher:
     """Runs the tools' calls on an Executor for one conversation: keep_state calls share one
     appliance session, opened on first use and ended by close_session (or `close()`)."""
 
-    def __init__(self, client: Executor, max_chars: int = DEFAULT_MAX_CHARS, images: bool = True,
-                 timeout_ms: int | None = None) -> None:
+    def __init__(
+        self,
+        client: Executor,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        images: bool = True,
+        timeout_ms: int | None = None,
+    ) -> None:
         self.client = client
         self.max_chars = max_chars
         self.images = images
@@ -366,8 +431,9 @@ class Dispatcher:
     async def execute(self, args: RunArguments) -> Execution:
         """Run checked run_python arguments; a keep_state run remembers its session."""
         session = args.session or ((self.session or "new") if args.keep_state else None)
-        ex = await self.client.execute(args.code, session=session, files=args.files or None,
-                                       timeout_ms=self.timeout_ms)
+        ex = await self.client.execute(
+            args.code, session=session, files=args.files or None, timeout_ms=self.timeout_ms
+        )
         if args.keep_state and not args.session and ex.session:
             self.session = ex.session
         return ex
@@ -378,8 +444,9 @@ class Dispatcher:
             closed = await self.close()
             return ToolResult("session closed" if closed else "there was no open session", [], [], False)
         if name != TOOL_NAME:
-            return ToolResult(f"unknown tool {name!r}; the tools are {TOOL_NAME} and {CLOSE_SESSION_TOOL}",
-                              [], [], True)
+            return ToolResult(
+                f"unknown tool {name!r}; the tools are {TOOL_NAME} and {CLOSE_SESSION_TOOL}", [], [], True
+            )
         try:
             args = parse_arguments(arguments)
         except ToolArgumentError as exc:

@@ -21,8 +21,15 @@ REPO = Path(__file__).resolve().parent.parent
 SUITE = REPO / "tests" / "attacks"
 DEFAULT_OUT = REPO / "security"
 REPORT_DIR_ENV = "APPLIANCE_AUDIT_DIR"
-CLASSES = ("escape", "exfiltration", "denial of service", "protocol abuse", "transport and time",
-           "filesystem and IPC", "cross-site requests")
+CLASSES = (
+    "escape",
+    "exfiltration",
+    "denial of service",
+    "protocol abuse",
+    "transport and time",
+    "filesystem and IPC",
+    "cross-site requests",
+)
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,10 @@ def write_report(rows: Sequence[AuditRow], out_dir: Path, meta: dict[str, str]) 
         "|---|---|---|---|---|---|",
     ]
     for i, r in enumerate(rows, 1):
-        lines.append(f"| {i} | {_cell(r.attack)} | {r.cls} | {_cell(r.expected)} | {_cell(r.observed)} | "
-                     f"{'yes' if r.contained else '**NO**'} |")
+        lines.append(
+            f"| {i} | {_cell(r.attack)} | {r.cls} | {_cell(r.expected)} | {_cell(r.observed)} | "
+            f"{'yes' if r.contained else '**NO**'} |"
+        )
     md_path = out_dir / "audit-report.md"
     md_path.write_text("\n".join(lines) + "\n")
     return md_path, json_path
@@ -112,8 +121,10 @@ def default_meta() -> dict[str, str]:
 def run_audit(out_dir: Path = DEFAULT_OUT, pytest_args: Sequence[str] = ()) -> int:
     """Run the adversarial suite with pytest; the report lands in out_dir. Returns pytest's code."""
     if not SUITE.is_dir():
-        print(f"appliance audit: the attack suite is not here ({SUITE}); run it from a source checkout",
-              file=sys.stderr)
+        print(
+            f"appliance audit: the attack suite is not here ({SUITE}); run it from a source checkout",
+            file=sys.stderr,
+        )
         return 2
     env = dict(os.environ)
     env[REPORT_DIR_ENV] = str(out_dir.resolve())

@@ -27,10 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--timeout-ms", type=int)
     ex.add_argument("--json", action="store_true", help="print raw frames as JSON lines")
     mcp = sub.add_parser("mcp", help="serve run_python to a local agent client over MCP (stdio)")
-    mcp.add_argument("--url", default=os.environ.get("APPLIANCE_URL", "ws://127.0.0.1:9100"),
-                     help="the appliance to run code on (default ws://127.0.0.1:9100; env APPLIANCE_URL)")
-    mcp.add_argument("--token", default=os.environ.get("SANDBOX_AUTH_TOKEN"),
-                     help="bearer token (default: env SANDBOX_AUTH_TOKEN)")
+    mcp.add_argument(
+        "--url",
+        default=os.environ.get("APPLIANCE_URL", "ws://127.0.0.1:9100"),
+        help="the appliance to run code on (default ws://127.0.0.1:9100; env APPLIANCE_URL)",
+    )
+    mcp.add_argument(
+        "--token",
+        default=os.environ.get("SANDBOX_AUTH_TOKEN"),
+        help="bearer token (default: env SANDBOX_AUTH_TOKEN)",
+    )
     mcp.add_argument("--max-chars", type=int, default=8000, help="text budget of one tool result")
     # Listed for --help; its arguments (--quick, --out, ...) belong to benchmarks.suite.
     sub.add_parser("bench", help="run the benchmark suite (python -m benchmarks) from a checkout")
@@ -104,8 +110,11 @@ def _bench(argv: list[str]) -> int:
 
     repo = Path(__file__).resolve().parent.parent
     if not (repo / "benchmarks" / "suite.py").is_file():
-        print("appliance bench: the benchmark suite is part of the source checkout (benchmarks/), which this "
-              "installation does not have; run `python -m benchmarks` in a checkout", file=sys.stderr)
+        print(
+            "appliance bench: the benchmark suite is part of the source checkout (benchmarks/), which this "
+            "installation does not have; run `python -m benchmarks` in a checkout",
+            file=sys.stderr,
+        )
         return 2
     # S603: our interpreter; the operator's own arguments
     return subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=repo, check=False).returncode  # noqa: S603

@@ -125,8 +125,12 @@ class ExecutionError(_WireFields):
     @classmethod
     def from_frame(cls, frame: Frame) -> ExecutionError:
         tb = frame.get("traceback")
-        return cls(str(frame.get("ename", "")), str(frame.get("evalue", "")),
-                   [str(line) for line in tb] if isinstance(tb, list) else [], frame)
+        return cls(
+            str(frame.get("ename", "")),
+            str(frame.get("evalue", "")),
+            [str(line) for line in tb] if isinstance(tb, list) else [],
+            frame,
+        )
 
 
 @dataclass(frozen=True)
@@ -146,9 +150,17 @@ class OutputFile(_WireFields):
         try:
             blob = base64.b64decode(data, validate=True) if isinstance(data, str) else None
         except (binascii.Error, ValueError):
-            raise ClientError(f"the server sent file {frame.get('path')!r} with data that is not base64") from None
-        return cls(str(frame.get("path", "")), int(frame.get("size") or 0), blob,
-                   frame.get("url"), frame.get("message"), frame)
+            raise ClientError(
+                f"the server sent file {frame.get('path')!r} with data that is not base64"
+            ) from None
+        return cls(
+            str(frame.get("path", "")),
+            int(frame.get("size") or 0),
+            blob,
+            frame.get("url"),
+            frame.get("message"),
+            frame,
+        )
 
 
 @dataclass
@@ -273,14 +285,20 @@ def _wire_gpu(gpu: object) -> dict[str, Any]:
         return {"memory_mb": gpu.memory_mb}
     if isinstance(gpu, Mapping):
         return dict(gpu)
-    raise TypeError(f"gpu must be a GpuRequest or a mapping like {{'memory_mb': 2048}}, got {type(gpu).__name__}")
+    raise TypeError(
+        f"gpu must be a GpuRequest or a mapping like {{'memory_mb': 2048}}, got {type(gpu).__name__}"
+    )
 
 
 class AsyncClient:
     """One WebSocket connection; use as `async with`."""
 
-    def __init__(self, url: str = "ws://127.0.0.1:9100/exec", token: str | None = None,
-                 max_size: int | None = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        url: str = "ws://127.0.0.1:9100/exec",
+        token: str | None = None,
+        max_size: int | None = 64 * 1024 * 1024,
+    ) -> None:
         self.url = url
         self.token = token
         self.max_size = max_size
@@ -516,7 +534,9 @@ def _get_models(ws_url: str, token: str | None) -> list[dict[str, Any]]:
         with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 (the scheme is http(s) by construction)
             body = json.load(resp)
     except urllib.error.HTTPError as exc:
-        raise ClientError(f"GET /v1/models answered {exc.code}: {exc.read().decode(errors='replace')[:300]}") from None
+        raise ClientError(
+            f"GET /v1/models answered {exc.code}: {exc.read().decode(errors='replace')[:300]}"
+        ) from None
     except OSError as exc:
         raise ClientError(f"GET /v1/models failed: {exc}") from None
     models: list[dict[str, Any]] = body["models"]

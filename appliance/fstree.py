@@ -48,7 +48,7 @@ class Entry:
     `dir_fd` is the open directory holding it, valid only until the walk moves on: open the
     entry with `open_file(entry)` (relative to that descriptor, links refused)."""
 
-    rel: str            # path below the root, "/"-separated
+    rel: str  # path below the root, "/"-separated
     name: str
     dir_fd: int
     stat: os.stat_result

@@ -51,16 +51,18 @@ class Lifecycle:
         self.dirs: RunDirs | None = None
         self.network: EgressNetwork | None = None
         self.cpu: PoolLeases | None = None
-        self.gpu: GpuLeases | None = None   # GPU mode (SANDBOX_GPU=1) only
+        self.gpu: GpuLeases | None = None  # GPU mode (SANDBOX_GPU=1) only
         self.started = asyncio.Event()
         self.ready_problems: list[str] = ["starting"]
         self.canary_port = 0
-        self.tools: toolprobe.ToolProbe | None = None   # what llama.cpp / whisper.cpp can do here
-        self.cgroups: cgroups.Hierarchy | None = None    # per-run groups, where they can be made
-        self.cgroups_missing: list[str] = []             # why not (SANDBOX_CGROUPS=auto falls back)
+        self.tools: toolprobe.ToolProbe | None = None  # what llama.cpp / whisper.cpp can do here
+        self.cgroups: cgroups.Hierarchy | None = None  # per-run groups, where they can be made
+        self.cgroups_missing: list[str] = []  # why not (SANDBOX_CGROUPS=auto falls back)
         self._cgroups_checked = False
         self._task: asyncio.Task[None] | None = None
-        self._counted: dict[str, Counter[str]] = {k: Counter() for k in ("cold", "runs", "imported", "spawned")}
+        self._counted: dict[str, Counter[str]] = {
+            k: Counter() for k in ("cold", "runs", "imported", "spawned")
+        }
 
     @property
     def leases(self) -> LeaseSource:
@@ -82,8 +84,10 @@ class Lifecycle:
             self.cgroups, self.cgroups_missing = cgroups.open_hierarchy(s.cgroups)
             self._cgroups_checked = True
             if self.cgroups is None and s.cgroups == "auto":
-                log.warning("cgroups unavailable; memory and processes are limited by rlimits only, "
-                            "CPU not at all", extra={"missing": self.cgroups_missing})
+                log.warning(
+                    "cgroups unavailable; memory and processes are limited by rlimits only, CPU not at all",
+                    extra={"missing": self.cgroups_missing},
+                )
         if s.open_ports:
             check_prerequisites()  # before inspect: /run/netns must exist when /run is judged
         host = inspect(s.firejail, s.uid, s.python)
@@ -106,7 +110,8 @@ class Lifecycle:
                 raise StartupError(
                     f"GPU mode preloads {', '.join(tools)} (SANDBOX_PRELOAD) but SANDBOX_PYTHON ({s.python}) "
                     f"cannot import them: {problem}; install the gpu extra (pip install '.[gpu]') into it, "
-                    f"or leave them out of SANDBOX_PRELOAD")
+                    f"or leave them out of SANDBOX_PRELOAD"
+                )
         problem = readable_ancestors_problem(s.tmp_root, host.uid)
         if problem:  # firejail, running as the sandbox uid, must reach the run directories
             raise StartupError(f"SANDBOX_TMP_ROOT is not reachable by the sandbox uid: {problem}")
@@ -139,22 +144,43 @@ class Lifecycle:
         network, dirs, groups = self.network, self.dirs, self.cgroups
         profiles = tuple(Profile(name, modules) for name, modules in s.preload_profiles)
         pools = ProfilePools.build(
-            profiles, lambda p: JailFactory(s, host, runtime, dirs, network, preload=p.modules,
-                                    wheel_cache=cache, cgroups=groups),
-            s.pool_size, max_size=s.pool_max)
+            profiles,
+            lambda p: JailFactory(
+                s, host, runtime, dirs, network, preload=p.modules, wheel_cache=cache, cgroups=groups
+            ),
+            s.pool_size,
+            max_size=s.pool_max,
+        )
         pools.start()
         self.cpu = PoolLeases(pools)
         if self.gpu is not None:  # warm pools per GPU (and profile), each jail seeing only its GPU
-            self.gpu.start(lambda dev, p: JailFactory(s, host, runtime, dirs, network, gpu=dev, preload=p.modules,
-                                                  wheel_cache=cache, cgroups=groups),
-                           self.cpu)
+            self.gpu.start(
+                lambda dev, p: JailFactory(
+                    s,
+                    host,
+                    runtime,
+                    dirs,
+                    network,
+                    gpu=dev,
+                    preload=p.modules,
+                    wheel_cache=cache,
+                    cgroups=groups,
+                ),
+                self.cpu,
+            )
             await self.gpu.probe_mps()  # layer (b) is reported as enforcing only where proven
         self.canary_port = canary_port
         self.started.set()
-        log.info("appliance started", extra={
-            "firejail": host.firejail, "firejail_version": host.firejail_version,
-            "jail_uid": host.uid, "memory_cap": self.limits()["memory"], "pool_size": s.pool_size,
-        })
+        log.info(
+            "appliance started",
+            extra={
+                "firejail": host.firejail,
+                "firejail_version": host.firejail_version,
+                "jail_uid": host.uid,
+                "memory_cap": self.limits()["memory"],
+                "pool_size": s.pool_size,
+            },
+        )
         self._task = asyncio.create_task(self._canary_loop(), name="canary")
 
     async def close(self) -> None:
@@ -200,17 +226,26 @@ class Lifecycle:
 
         policy = self.network.policy if self.network is not None else None
         hosts = [str(a) for a in policy.host_addresses] if policy is not None else []
-        req = ExecuteRequest(id="canary", code=canary.CANARY_CODE,
-                             files=(canary.params_file(self.canary_port or 9100, hosts),))
+        req = ExecuteRequest(
+            id="canary", code=canary.CANARY_CODE, files=(canary.params_file(self.canary_port or 9100, hosts),)
+        )
         try:
             async with self.cpu.lease(req) as lease:
                 jail = await lease.take()
-                outcome = await run_cell(jail, req, collect, timeout_ms=CANARY_TIMEOUT_MS,
-                                         max_output_bytes=self.settings.max_output_bytes,
-                                         max_disk_mb=self.settings.max_disk_mb, keep_alive=False)
+                outcome = await run_cell(
+                    jail,
+                    req,
+                    collect,
+                    timeout_ms=CANARY_TIMEOUT_MS,
+                    max_output_bytes=self.settings.max_output_bytes,
+                    max_disk_mb=self.settings.max_disk_mb,
+                    keep_alive=False,
+                )
         except Exception as exc:  # noqa: BLE001 (any failure to run the probe is itself the finding: fail closed)
             return [f"canary could not run: {type(exc).__name__}: {exc}"]
-        stdout = "".join(str(f["text"]) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout")
+        stdout = "".join(
+            str(f["text"]) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout"
+        )
         found = canary.judge(outcome.status, stdout, {self.uid})
         if found and outcome.message:
             found[0] += f": {outcome.message}"
@@ -222,13 +257,24 @@ class Lifecycle:
         cpu = self.cpu.pools if self.cpu is not None else None
         body: dict[str, Any] = {
             "pool_ready": sum(len(p.ready) for p in cpu.pools.values()) if cpu is not None else 0,
-            "pools": {profile.name: {"modules": list(profile.modules), "ready": len(pool.ready),
-                                     "starting": pool.starting, "target": pool.target()}
-                      for profile, pool in cpu.pools.items()} if cpu is not None else {},
+            "pools": {
+                profile.name: {
+                    "modules": list(profile.modules),
+                    "ready": len(pool.ready),
+                    "starting": pool.starting,
+                    "target": pool.target(),
+                }
+                for profile, pool in cpu.pools.items()
+            }
+            if cpu is not None
+            else {},
             "memory_cap": self.limits()["memory"],
             "limits": self.limits(),
-            "cgroups": {"mode": self.settings.cgroups, "enforcing": self.cgroups is not None,
-                        "missing": self.cgroups_missing},
+            "cgroups": {
+                "mode": self.settings.cgroups,
+                "enforcing": self.cgroups is not None,
+                "missing": self.cgroups_missing,
+            },
             "firejail": self.host.firejail_version if self.host else None,
         }
         if self.tools is not None:  # per binding: does it import, can it offload to a GPU
@@ -259,7 +305,8 @@ class Lifecycle:
             for uuid in self.gpu.devices:
                 device = mps.devices.get(uuid) if mps is not None else None
                 m.gpu_mps_enforcing.labels(device=uuid).set(
-                    1 if device is not None and device.enforcing and not device.broken else 0)
+                    1 if device is not None and device.enforcing and not device.broken else 0
+                )
                 for reason in device.blocked if device is not None else ():
                     m.gpu_mps_blocked.labels(device=uuid, reason=reason).set(1)
         sets = self._pool_sets()

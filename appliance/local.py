@@ -47,8 +47,15 @@ class LocalServer:
         """(status, body text) of a GET; HTTP errors included, not raised."""
         return self.request("GET", path, token)
 
-    def request(self, method: str, path: str, token: str | None = None, body: object = None,
-                timeout: float = 10, headers: Mapping[str, str] | None = None) -> tuple[int, str]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        token: str | None = None,
+        body: object = None,
+        timeout: float = 10,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, str]:
         """(status, body text) of a plain HTTP call; a JSON body is sent as application/json."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(self.http + path, data=data, method=method)  # noqa: S310 (http:// by construction)
@@ -80,9 +87,19 @@ class LocalServer:
         return self.proc.returncode
 
 
-def start(workdir: Path, env: Mapping[str, str], *, name: str = "server", host: str = "127.0.0.1",
-          port: int = 0, wrap: Sequence[str] = (), wait_ready: bool = True, wait_started: bool = True,
-          timeout_s: float = 90, cwd: Path | None = None) -> LocalServer:
+def start(
+    workdir: Path,
+    env: Mapping[str, str],
+    *,
+    name: str = "server",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    wrap: Sequence[str] = (),
+    wait_ready: bool = True,
+    wait_started: bool = True,
+    timeout_s: float = 90,
+    cwd: Path | None = None,
+) -> LocalServer:
     """Start `appliance serve` with exactly these SANDBOX_* settings; wait for /readyz.
 
     The caller's own SANDBOX_* variables are dropped; SANDBOX_PYTHON defaults to this
@@ -97,8 +114,19 @@ def start(workdir: Path, env: Mapping[str, str], *, name: str = "server", host: 
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")}
     full_env["SANDBOX_PYTHON"] = sys.executable
     full_env.update(env)
-    cmd = [*wrap, sys.executable, "-m", "appliance", "serve", "--host", host, "--port", str(port),
-           "--ready-file", str(ready)]
+    cmd = [
+        *wrap,
+        sys.executable,
+        "-m",
+        "appliance",
+        "serve",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--ready-file",
+        str(ready),
+    ]
     with open(log, "wb") as log_fh:
         # S603: our interpreter and `appliance serve`
         proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.DEVNULL, stderr=log_fh, cwd=cwd)  # noqa: S603

@@ -61,7 +61,9 @@ class ServiceExecutor:
             result.add(protocol.done_frame(rid, "rejected", message=getattr(exc, "message", str(exc))))
             return result
         if not isinstance(message, ExecuteRequest):  # request_frame builds only execute frames
-            result.add(protocol.done_frame(rid, "rejected", message=f"not an execute request: {message.type}"))
+            result.add(
+                protocol.done_frame(rid, "rejected", message=f"not an execute request: {message.type}")
+            )
             return result
 
         async def emit(out: protocol.Frame) -> None:
@@ -155,8 +157,9 @@ async def handle(request: web.Request, owner: str) -> web.StreamResponse:
     return response
 
 
-def add_routes(app: web.Application, service_key: web.AppKey[Any],
-               owner_for: Callable[[web.Request], str]) -> None:
+def add_routes(
+    app: web.Application, service_key: web.AppKey[Any], owner_for: Callable[[web.Request], str]
+) -> None:
     """Mount /mcp (GET, POST, DELETE) and run the SDK's session manager with the app."""
 
     async def start(app: web.Application) -> None:

@@ -43,7 +43,8 @@ LIST_MODELS_DESCRIPTION = (
     "List the models the appliance holds (its SANDBOX_MODELS_DIR): name, kind (llm: GGUF for "
     "llama.cpp; whisper: whisper.cpp), size, architecture, quantisation, parameters and the GPU "
     "memory a full offload needs. Load one inside run_python with "
-    "`from appliance.tools import load_llm; llm = load_llm(NAME)` or `transcribe(audio, model=NAME)`.")
+    "`from appliance.tools import load_llm; llm = load_llm(NAME)` or `transcribe(audio, model=NAME)`."
+)
 LIST_MODELS_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -62,11 +63,19 @@ ExecutorFor = Callable[[Any], agents.Executor]
 def tools() -> list[types.Tool]:
     """The MCP tool list, from appliance.agents' definitions."""
     return [
-        types.Tool(name=agents.TOOL_NAME, description=agents.TOOL_DESCRIPTION,
-                   inputSchema=agents.RUN_PYTHON_PARAMETERS),
-        types.Tool(name=agents.CLOSE_SESSION_TOOL, description=agents.CLOSE_SESSION_DESCRIPTION,
-                   inputSchema=agents.CLOSE_SESSION_PARAMETERS),
-        types.Tool(name=LIST_MODELS_TOOL, description=LIST_MODELS_DESCRIPTION, inputSchema=LIST_MODELS_PARAMETERS),
+        types.Tool(
+            name=agents.TOOL_NAME,
+            description=agents.TOOL_DESCRIPTION,
+            inputSchema=agents.RUN_PYTHON_PARAMETERS,
+        ),
+        types.Tool(
+            name=agents.CLOSE_SESSION_TOOL,
+            description=agents.CLOSE_SESSION_DESCRIPTION,
+            inputSchema=agents.CLOSE_SESSION_PARAMETERS,
+        ),
+        types.Tool(
+            name=LIST_MODELS_TOOL, description=LIST_MODELS_DESCRIPTION, inputSchema=LIST_MODELS_PARAMETERS
+        ),
     ]
 
 
@@ -75,8 +84,10 @@ async def list_models(executor: agents.Executor) -> types.CallToolResult:
     try:
         models = await executor.models()
     except Exception as exc:  # noqa: BLE001 (Executor is a protocol: whatever its transport raises, the model reads why)
-        return types.CallToolResult(content=[types.TextContent(
-            type="text", text=f"the model catalogue could not be read: {exc}")], isError=True)
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=f"the model catalogue could not be read: {exc}")],
+            isError=True,
+        )
     if not models:
         text = "no models: the appliance's models directory (SANDBOX_MODELS_DIR) is not set or holds none"
     else:
@@ -93,8 +104,14 @@ def to_mcp(result: agents.ToolResult) -> types.CallToolResult:
             continue  # too big to send: the text lists it with its size
         mime = mimetypes.guess_type(item.path)[0] or "application/octet-stream"
         uri = f"appliance://runs/{result.run or 'unknown'}/outputs/{item.path}"
-        content.append(types.EmbeddedResource(type="resource", resource=types.BlobResourceContents(
-            uri=AnyUrl(uri), mimeType=mime, blob=base64.b64encode(item.data).decode())))
+        content.append(
+            types.EmbeddedResource(
+                type="resource",
+                resource=types.BlobResourceContents(
+                    uri=AnyUrl(uri), mimeType=mime, blob=base64.b64encode(item.data).decode()
+                ),
+            )
+        )
     return types.CallToolResult(content=content, isError=result.is_error)
 
 

@@ -105,8 +105,10 @@ def _json(schema: str) -> dict[str, Any]:
 
 
 _UNAUTHORIZED = {"description": "missing or wrong bearer token", "content": _json("HttpError")}
-_NOT_JSON = {"description": "the body was not sent as Content-Type: application/json; nothing ran",
-             "content": _json("DoneFrame")}
+_NOT_JSON = {
+    "description": "the body was not sent as Content-Type: application/json; nothing ran",
+    "content": _json("DoneFrame"),
+}
 
 
 @functools.cache
@@ -129,69 +131,130 @@ def openapi_document() -> dict[str, Any]:
         },
         "security": [{"bearer": []}],
         "paths": {
-            "/exec": {"get": {
-                "summary": "Upgrade to a WebSocket speaking protocol v1",
-                "description": (
-                    "Send ClientFrame objects, receive ServerFrame objects, one JSON object per text "
-                    "frame. Several requests may share a connection, routed by `id`."
-                ),
-                "responses": {"101": {"description": "switching to the WebSocket protocol"},
-                              "401": _UNAUTHORIZED},
-            }},
-            "/v1/exec": {"post": {
-                "summary": "Run code; streams the run's frames as NDJSON, ending with done",
-                "requestBody": {"required": True, "content": _json("ExecuteRequest")},
-                "responses": {
-                    "200": {"description": "one ServerFrame per line, ending with done",
-                            "content": {"application/x-ndjson": {
-                                "schema": {"$ref": "#/components/schemas/ServerFrame"}}}},
-                    "400": {"description": "rejected: nothing ran; `message` says why",
-                            "content": _json("DoneFrame")},
-                    "401": _UNAUTHORIZED,
-                    "415": _NOT_JSON,
-                    "429": {"description": "busy: over the tenant's rate limit", "content": _json("DoneFrame")},
-                }}},
-            "/v1/sessions": {"post": {
-                "summary": "Open a stateful session (optionally running code in it)",
-                "requestBody": {"required": False, "content": _json("ExecuteRequest")},
-                "responses": {
-                    "201": {"description": "the session id and the frames of its first cell",
-                            "content": _json("SessionOpened")},
-                    "400": {"description": "rejected", "content": _json("DoneFrame")},
-                    "429": {"description": "busy: too many sessions", "content": _json("DoneFrame")},
-                    "500": {"description": "the appliance failed", "content": _json("DoneFrame")},
-                    "401": _UNAUTHORIZED,
-                    "415": _NOT_JSON,
-                }}},
-            "/v1/sessions/{session_id}": {"delete": {
-                "summary": "End a session and its jail",
-                "parameters": [{"name": "session_id", "in": "path", "required": True,
-                                "schema": {"type": "string"}}],
-                "responses": {"204": {"description": "closed"},
-                              "404": {"description": "no such session", "content": _json("HttpError")},
-                              "401": _UNAUTHORIZED}}},
-            "/v1/models": {"get": {
-                "summary": "The model catalogue: what SANDBOX_MODELS_DIR holds, read from the headers",
-                "responses": {
-                    "200": {"description": "`models_dir` (null without one) and `models`: name, kind "
-                                           "(llm | whisper), file_bytes, architecture, quantisation, "
-                                           "parameters, gpu_mb_full_offload, error",
-                            "content": {"application/json": {"schema": {"type": "object"}}}},
-                    "401": _UNAUTHORIZED}}},
-            "/healthz": {"get": {"summary": "The process is up", "security": [],
-                                 "responses": {"200": {"description": "ok"}}}},
-            "/readyz": {"get": {"summary": "A canary run proved the jail", "security": [],
-                                "responses": {"200": {"description": "ready"},
-                                              "503": {"description": "not ready; `problems` says why"}}}},
-            "/metrics": {"get": {
-                "summary": "Prometheus metrics",
-                "description": ("Needs a bearer token when tokens are configured; only "
-                                "SANDBOX_METRICS_TOKEN when that is set."),
-                "responses": {"200": {"description": "text exposition format"}, "401": _UNAUTHORIZED}}},
-            "/openapi.json": {"get": {"summary": "This document", "security": [],
-                                      "responses": {"200": {"description": "OpenAPI 3.0.3"}}}},
-            "/docs": {"get": {"summary": "This document, rendered (Swagger UI, served from the package)",
-                              "security": [], "responses": {"200": {"description": "an HTML page"}}}},
+            "/exec": {
+                "get": {
+                    "summary": "Upgrade to a WebSocket speaking protocol v1",
+                    "description": (
+                        "Send ClientFrame objects, receive ServerFrame objects, one JSON object per text "
+                        "frame. Several requests may share a connection, routed by `id`."
+                    ),
+                    "responses": {
+                        "101": {"description": "switching to the WebSocket protocol"},
+                        "401": _UNAUTHORIZED,
+                    },
+                }
+            },
+            "/v1/exec": {
+                "post": {
+                    "summary": "Run code; streams the run's frames as NDJSON, ending with done",
+                    "requestBody": {"required": True, "content": _json("ExecuteRequest")},
+                    "responses": {
+                        "200": {
+                            "description": "one ServerFrame per line, ending with done",
+                            "content": {
+                                "application/x-ndjson": {
+                                    "schema": {"$ref": "#/components/schemas/ServerFrame"}
+                                }
+                            },
+                        },
+                        "400": {
+                            "description": "rejected: nothing ran; `message` says why",
+                            "content": _json("DoneFrame"),
+                        },
+                        "401": _UNAUTHORIZED,
+                        "415": _NOT_JSON,
+                        "429": {
+                            "description": "busy: over the tenant's rate limit",
+                            "content": _json("DoneFrame"),
+                        },
+                    },
+                }
+            },
+            "/v1/sessions": {
+                "post": {
+                    "summary": "Open a stateful session (optionally running code in it)",
+                    "requestBody": {"required": False, "content": _json("ExecuteRequest")},
+                    "responses": {
+                        "201": {
+                            "description": "the session id and the frames of its first cell",
+                            "content": _json("SessionOpened"),
+                        },
+                        "400": {"description": "rejected", "content": _json("DoneFrame")},
+                        "429": {"description": "busy: too many sessions", "content": _json("DoneFrame")},
+                        "500": {"description": "the appliance failed", "content": _json("DoneFrame")},
+                        "401": _UNAUTHORIZED,
+                        "415": _NOT_JSON,
+                    },
+                }
+            },
+            "/v1/sessions/{session_id}": {
+                "delete": {
+                    "summary": "End a session and its jail",
+                    "parameters": [
+                        {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
+                    ],
+                    "responses": {
+                        "204": {"description": "closed"},
+                        "404": {"description": "no such session", "content": _json("HttpError")},
+                        "401": _UNAUTHORIZED,
+                    },
+                }
+            },
+            "/v1/models": {
+                "get": {
+                    "summary": "The model catalogue: what SANDBOX_MODELS_DIR holds, read from the headers",
+                    "responses": {
+                        "200": {
+                            "description": "`models_dir` (null without one) and `models`: name, kind "
+                            "(llm | whisper), file_bytes, architecture, quantisation, "
+                            "parameters, gpu_mb_full_offload, error",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        },
+                        "401": _UNAUTHORIZED,
+                    },
+                }
+            },
+            "/healthz": {
+                "get": {
+                    "summary": "The process is up",
+                    "security": [],
+                    "responses": {"200": {"description": "ok"}},
+                }
+            },
+            "/readyz": {
+                "get": {
+                    "summary": "A canary run proved the jail",
+                    "security": [],
+                    "responses": {
+                        "200": {"description": "ready"},
+                        "503": {"description": "not ready; `problems` says why"},
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "description": (
+                        "Needs a bearer token when tokens are configured; only "
+                        "SANDBOX_METRICS_TOKEN when that is set."
+                    ),
+                    "responses": {"200": {"description": "text exposition format"}, "401": _UNAUTHORIZED},
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "security": [],
+                    "responses": {"200": {"description": "OpenAPI 3.0.3"}},
+                }
+            },
+            "/docs": {
+                "get": {
+                    "summary": "This document, rendered (Swagger UI, served from the package)",
+                    "security": [],
+                    "responses": {"200": {"description": "an HTML page"}},
+                }
+            },
         },
     }
 

@@ -28,9 +28,9 @@ CHUNK = 1 << 20
 
 @dataclass(frozen=True)
 class OutputFile:
-    path: str              # relative to outputs/
+    path: str  # relative to outputs/
     size: int
-    data: bytes | None     # None when over the size cap
+    data: bytes | None  # None when over the size cap
     message: str | None = None
 
 
@@ -40,15 +40,17 @@ class Tally:
 
     budget: int
     sent_bytes: int = 0
-    skipped: int = 0          # files not returned: past the budget
-    too_deep: int = 0         # directories under outputs/ too deep to be read
+    skipped: int = 0  # files not returned: past the budget
+    too_deep: int = 0  # directories under outputs/ too deep to be read
 
     def note(self) -> str | None:
         """Why some files did not come back, for the run's `done`; None when all did."""
         parts = []
         if self.skipped:
-            parts.append(f"{self.skipped} outputs/ file(s) not returned: together they pass "
-                         f"SANDBOX_MAX_OUTPUTS_BYTES ({self.budget} bytes)")
+            parts.append(
+                f"{self.skipped} outputs/ file(s) not returned: together they pass "
+                f"SANDBOX_MAX_OUTPUTS_BYTES ({self.budget} bytes)"
+            )
         if self.too_deep:
             parts.append(f"outputs/ directories nested deeper than {fstree.MAX_DEPTH} levels were not read")
         return "; ".join(parts) or None
@@ -69,12 +71,16 @@ def has_any(workdir: Path) -> bool:
 
 def snapshot(workdir: Path, uid: int) -> Snapshot:
     """What outputs/ holds now, to tell later which files a cell changed."""
-    return {e.rel: (e.stat.st_size, e.stat.st_mtime_ns)
-            for e in fstree.Walk(workdir / "outputs") if _eligible(e.stat, uid)}
+    return {
+        e.rel: (e.stat.st_size, e.stat.st_mtime_ns)
+        for e in fstree.Walk(workdir / "outputs")
+        if _eligible(e.stat, uid)
+    }
 
 
-def stream(workdir: Path, uid: int, before: Snapshot | None, max_file_bytes: int, tally: Tally
-           ) -> Generator[OutputFile, None, None]:
+def stream(
+    workdir: Path, uid: int, before: Snapshot | None, max_file_bytes: int, tally: Tally
+) -> Generator[OutputFile, None, None]:
     """The files under outputs/ that are new or changed since `before` (all, if None), one at
     a time, read only when reached. Once the next file would pass the tally's budget it and
     every later one are skipped (counted in `tally.skipped`). Blocking: advance it in a thread."""
@@ -90,8 +96,9 @@ def stream(workdir: Path, uid: int, before: Snapshot | None, max_file_bytes: int
                 tally.skipped += 1
                 continue
             if st.st_size > max_file_bytes:
-                yield OutputFile(entry.rel, st.st_size, None,
-                                 f"larger than SANDBOX_MAX_FILE_OUT_BYTES ({max_file_bytes})")
+                yield OutputFile(
+                    entry.rel, st.st_size, None, f"larger than SANDBOX_MAX_FILE_OUT_BYTES ({max_file_bytes})"
+                )
                 continue
             if tally.sent_bytes + st.st_size > tally.budget:
                 tally.skipped += 1
@@ -100,8 +107,9 @@ def stream(workdir: Path, uid: int, before: Snapshot | None, max_file_bytes: int
             if data is None:
                 continue
             if len(data) > max_file_bytes:  # it grew since it was listed
-                yield OutputFile(entry.rel, len(data), None,
-                                 f"larger than SANDBOX_MAX_FILE_OUT_BYTES ({max_file_bytes})")
+                yield OutputFile(
+                    entry.rel, len(data), None, f"larger than SANDBOX_MAX_FILE_OUT_BYTES ({max_file_bytes})"
+                )
                 continue
             if tally.sent_bytes + len(data) > tally.budget:
                 tally.skipped += 1
@@ -112,7 +120,9 @@ def stream(workdir: Path, uid: int, before: Snapshot | None, max_file_bytes: int
         tally.too_deep = walk.too_deep
 
 
-def next_batch(files: Iterator[OutputFile], max_bytes: int = 4 * CHUNK, max_items: int = 256) -> list[OutputFile]:
+def next_batch(
+    files: Iterator[OutputFile], max_bytes: int = 4 * CHUNK, max_items: int = 256
+) -> list[OutputFile]:
     """The next few files of `stream` (up to max_bytes of data or max_items); [] at its end.
     Blocking: one thread hop per batch rather than per file."""
     batch: list[OutputFile] = []
@@ -175,8 +185,12 @@ class Persister:
                 nxt = os.open(part, fstree.DIR_FLAGS, dir_fd=dir_fd)
                 os.close(dir_fd)
                 dir_fd = nxt
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o644, dir_fd=dir_fd)
+            fd = os.open(
+                parts[-1],
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+                dir_fd=dir_fd,
+            )
             with os.fdopen(fd, "wb") as fh:
                 fh.write(item.data)
         finally:

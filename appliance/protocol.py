@@ -50,8 +50,16 @@ from appliance.errors import RequestRejected
 MAX_ID_CHARS = 128
 MAX_PATH_CHARS = 1024
 Status = Literal[
-    "ok", "error", "timeout", "memory_limit", "output_limit", "cancelled",
-    "gpu_memory_limit", "rejected", "busy", "internal",
+    "ok",
+    "error",
+    "timeout",
+    "memory_limit",
+    "output_limit",
+    "cancelled",
+    "gpu_memory_limit",
+    "rejected",
+    "busy",
+    "internal",
 ]
 STATUSES: tuple[str, ...] = get_args(Status)
 
@@ -89,8 +97,12 @@ class Limits:
     @classmethod
     def from_settings(cls, settings: LimitSettings) -> "Limits":
         """The one place that turns settings into codec limits (every transport uses it)."""
-        return cls(settings.max_message_bytes, settings.max_upload_bytes, gpu_enabled=settings.gpu,
-                   max_upload_files=settings.max_upload_files)
+        return cls(
+            settings.max_message_bytes,
+            settings.max_upload_bytes,
+            gpu_enabled=settings.gpu,
+            max_upload_files=settings.max_upload_files,
+        )
 
 
 def new_request_id() -> str:
@@ -101,6 +113,7 @@ def new_request_id() -> str:
 # ---- client -> server messages -------------------------------------------------------------
 # Python validators raise PydanticCustomError; `_rejection` turns every error into the
 # protocol's own message, so a client reads the same words whichever check refused it.
+
 
 def _is_id(value: object) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and value.isprintable()
@@ -116,13 +129,22 @@ def _request_id_or_new(value: object) -> str:
     return new_request_id() if value is None else _request_id(value)
 
 
-_ID_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS,
-              "description": "Printable characters; every reply to this request carries it."}
+_ID_SCHEMA = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_ID_CHARS,
+    "description": "Printable characters; every reply to this request carries it.",
+}
 # A run's id as the client chose it (stdin, interrupt: required, since they address a run).
 RequestId = Annotated[str, PlainValidator(_request_id), WithJsonSchema(_ID_SCHEMA)]
 # An id the server makes when the client sends none (or null).
-OptionalRequestId = Annotated[str, PlainValidator(_request_id_or_new), WithJsonSchema(
-    {"anyOf": [_ID_SCHEMA, {"type": "null"}], "description": "Omitted or null: the server makes one."})]
+OptionalRequestId = Annotated[
+    str,
+    PlainValidator(_request_id_or_new),
+    WithJsonSchema(
+        {"anyOf": [_ID_SCHEMA, {"type": "null"}], "description": "Omitted or null: the server makes one."}
+    ),
+]
 
 
 def _safe_path(path: str) -> str:
@@ -151,10 +173,16 @@ _CONFIG = ConfigDict(frozen=True, extra="ignore")
 class UploadFile:
     """A file the client sends into the run's working directory."""
 
-    path: Annotated[StrictStr, AfterValidator(_safe_path), Field(
-        description="Relative to the working directory; absolute paths, '..' and links are refused.")]
-    data: Annotated[bytes, PlainValidator(_upload_data), WithJsonSchema(
-        {"type": "string", "contentEncoding": "base64", "default": ""})] = b""
+    path: Annotated[
+        StrictStr,
+        AfterValidator(_safe_path),
+        Field(description="Relative to the working directory; absolute paths, '..' and links are refused."),
+    ]
+    data: Annotated[
+        bytes,
+        PlainValidator(_upload_data),
+        WithJsonSchema({"type": "string", "contentEncoding": "base64", "default": ""}),
+    ] = b""
 
 
 @model(config=_CONFIG)
@@ -179,12 +207,15 @@ class ExecuteRequest:
     id: OptionalRequestId = Field(default_factory=new_request_id)
     code: StrictStr = Field(description="Python source to run.")
     session: Annotated[StrictStr, Field(min_length=1)] | None = Field(
-        default=None, description='Omit for a one-shot run; "new" opens a session; a session id continues it.')
+        default=None, description='Omit for a one-shot run; "new" opens a session; a session id continues it.'
+    )
     timeout_ms: Annotated[StrictInt, Field(ge=1)] | None = Field(
-        default=None, description="Lowers SANDBOX_MAX_EXEC_MS for this run, never raises it.")
-    files: Annotated[tuple[UploadFile, ...], BeforeValidator(
-        _files_or_empty, json_schema_input_type=list[UploadFile] | None)] = Field(
-        default=(), description="Written into the working directory before the code starts.")
+        default=None, description="Lowers SANDBOX_MAX_EXEC_MS for this run, never raises it."
+    )
+    files: Annotated[
+        tuple[UploadFile, ...],
+        BeforeValidator(_files_or_empty, json_schema_input_type=list[UploadFile] | None),
+    ] = Field(default=(), description="Written into the working directory before the code starts.")
     gpu: GpuRequest | None = Field(default=None, description="Only valid with SANDBOX_GPU=1.")
     stdin_eof: StrictBool = Field(default=False, description="The run's stdin is closed from the start.")
     type: Literal["execute"] = "execute"
@@ -194,7 +225,9 @@ class ExecuteRequest:
     def _gpu_mode(cls, value: object, info: ValidationInfo) -> object:
         limits = info.context
         if value is not None and isinstance(limits, Limits) and not limits.gpu_enabled:
-            raise PydanticCustomError("gpu_off", "'gpu' was requested but this appliance runs without SANDBOX_GPU")
+            raise PydanticCustomError(
+                "gpu_off", "'gpu' was requested but this appliance runs without SANDBOX_GPU"
+            )
         if value is not None and not isinstance(value, (dict, GpuRequest)):
             raise PydanticCustomError("gpu_type", "'gpu' must be an object like {\"memory_mb\": 2048}")
         return value
@@ -208,8 +241,11 @@ class ExecuteRequest:
         for i, item in enumerate(files):
             total += len(item.data)
             if isinstance(limits, Limits) and total > limits.max_upload_bytes:
-                raise PydanticCustomError("rejected", "files total more than SANDBOX_MAX_UPLOAD_BYTES ({n})",
-                                          {"n": limits.max_upload_bytes})
+                raise PydanticCustomError(
+                    "rejected",
+                    "files total more than SANDBOX_MAX_UPLOAD_BYTES ({n})",
+                    {"n": limits.max_upload_bytes},
+                )
             if item.path in seen:
                 raise PydanticCustomError("duplicate", "files[{i}] names a path already given", {"i": i})
             seen.add(item.path)
@@ -245,7 +281,9 @@ class CloseSessionMessage:
 
 ClientMessage = ExecuteRequest | StdinMessage | InterruptMessage | CloseSessionMessage
 CLIENT_MESSAGES: dict[str, type[ClientMessage]] = {
-    "execute": ExecuteRequest, "stdin": StdinMessage, "interrupt": InterruptMessage,
+    "execute": ExecuteRequest,
+    "stdin": StdinMessage,
+    "interrupt": InterruptMessage,
     "close_session": CloseSessionMessage,
 }
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {kind: TypeAdapter(cls) for kind, cls in CLIENT_MESSAGES.items()}
@@ -284,8 +322,10 @@ def parse_client_frame(frame: str | bytes, limits: Limits) -> ClientMessage:
     files = obj.get("files")
     # Counted before any validation: per entry, validation costs far more than decoding did.
     if kind == "execute" and isinstance(files, list) and len(files) > limits.max_upload_files:
-        raise ProtocolError(f"'files' has {len(files)} entries; SANDBOX_MAX_UPLOAD_FILES allows "
-                            f"{limits.max_upload_files}", _optional_id(obj))
+        raise ProtocolError(
+            f"'files' has {len(files)} entries; SANDBOX_MAX_UPLOAD_FILES allows {limits.max_upload_files}",
+            _optional_id(obj),
+        )
     adapter = _ADAPTERS.get(kind) if isinstance(kind, str) else None
     if adapter is None:
         request_id = _optional_id(obj)
@@ -305,7 +345,9 @@ def _rejection(kind: str, exc: ValidationError, obj: dict[str, Any]) -> Protocol
     rid = request_id or new_request_id()
     order = _FIELD_ORDER[kind]
     errors = exc.errors(include_url=False)
-    first = min(errors, key=lambda e: order.index(e["loc"][0]) if e["loc"] and e["loc"][0] in order else len(order))
+    first = min(
+        errors, key=lambda e: order.index(e["loc"][0]) if e["loc"] and e["loc"][0] in order else len(order)
+    )
     return ProtocolError(_message(kind, first, obj), rid)
 
 
@@ -394,8 +436,13 @@ def _optional_id(obj: dict[str, Any]) -> str | None:
 
 def _json_type(value: Any) -> str:
     return {
-        dict: "object", list: "array", str: "string", int: "number", float: "number",
-        bool: "boolean", type(None): "null",
+        dict: "object",
+        list: "array",
+        str: "string",
+        int: "number",
+        float: "number",
+        bool: "boolean",
+        type(None): "null",
     }.get(type(value), type(value).__name__)
 
 
@@ -403,8 +450,12 @@ def _json_type(value: Any) -> str:
 # Frames are plain dicts: that is what the transports and the service pass around. These
 # TypedDicts say their shape, for the schemas, the client and the tests.
 
-MimeBundle = Annotated[dict[str, Any], Field(
-    description="MIME type -> value, as Jupyter shows it: text/plain, text/html, image/png (base64), ...")]
+MimeBundle = Annotated[
+    dict[str, Any],
+    Field(
+        description="MIME type -> value, as Jupyter shows it: text/plain, text/html, image/png (base64), ..."
+    ),
+]
 
 
 class GpuGrant(TypedDict):
@@ -491,8 +542,13 @@ class DoneFrame(TypedDict):
 
 ServerFrame = StartFrame | StreamFrame | DisplayFrame | ResultFrame | ErrorFrame | FileFrame | DoneFrame
 SERVER_FRAMES: dict[str, type[Any]] = {
-    "start": StartFrame, "stream": StreamFrame, "display": DisplayFrame, "result": ResultFrame,
-    "error": ErrorFrame, "file": FileFrame, "done": DoneFrame,
+    "start": StartFrame,
+    "stream": StreamFrame,
+    "display": DisplayFrame,
+    "result": ResultFrame,
+    "error": ErrorFrame,
+    "file": FileFrame,
+    "done": DoneFrame,
 }
 
 
@@ -523,11 +579,22 @@ def encode(frame: Frame) -> str:
 
 
 def start_frame(
-    rid: str, run: str, session: str | None, queued_ms: int, timeout_ms: int,
+    rid: str,
+    run: str,
+    session: str | None,
+    queued_ms: int,
+    timeout_ms: int,
     gpu: dict[str, Any] | None = None,
 ) -> Frame:
-    return {"type": "start", "id": rid, "run": run, "session": session,
-            "queued_ms": queued_ms, "gpu": gpu, "timeout_ms": timeout_ms}
+    return {
+        "type": "start",
+        "id": rid,
+        "run": run,
+        "session": session,
+        "queued_ms": queued_ms,
+        "gpu": gpu,
+        "timeout_ms": timeout_ms,
+    }
 
 
 def stream_frame(rid: str, name: str, text: str) -> Frame:
@@ -554,15 +621,28 @@ def file_frame(rid: str, path: str, size: int, data: str | None, message: str | 
 
 
 def done_frame(
-    rid: str, status: str, *, exit_code: int | None = None, duration_ms: int = 0,
-    cpu_ms: int | None = None, max_rss_mb: float | None = None, message: str | None = None,
-    session: str | None = None, import_ms: int | None = None, files_skipped: int | None = None,
+    rid: str,
+    status: str,
+    *,
+    exit_code: int | None = None,
+    duration_ms: int = 0,
+    cpu_ms: int | None = None,
+    max_rss_mb: float | None = None,
+    message: str | None = None,
+    session: str | None = None,
+    import_ms: int | None = None,
+    files_skipped: int | None = None,
 ) -> Frame:
     if status not in STATUSES:
         raise ValueError(f"unknown done status {status!r}")
     frame: Frame = {
-        "type": "done", "id": rid, "status": status, "exit_code": exit_code,
-        "duration_ms": duration_ms, "cpu_ms": cpu_ms, "max_rss_mb": max_rss_mb,
+        "type": "done",
+        "id": rid,
+        "status": status,
+        "exit_code": exit_code,
+        "duration_ms": duration_ms,
+        "cpu_ms": cpu_ms,
+        "max_rss_mb": max_rss_mb,
         "message": message,
     }
     if session is not None:

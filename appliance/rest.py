@@ -39,8 +39,9 @@ def _rejected(message: str, rid: str | None = None, status: int = 400) -> web.Re
 
 
 def _busy(exc: Busy) -> web.Response:
-    return web.json_response(protocol.done_frame(protocol.new_request_id(), exc.status, message=exc.message),
-                             status=429)
+    return web.json_response(
+        protocol.done_frame(protocol.new_request_id(), exc.status, message=exc.message), status=429
+    )
 
 
 async def _parse(request: web.Request, owner: str, default: str | None = None) -> ExecuteRequest:
@@ -191,7 +192,9 @@ def add_routes(
                 # A browser sends text/plain, form and multipart bodies across origins with no
                 # CORS preflight; application/json it may only send after one, which we never grant.
                 return _rejected(f"a POST body must be sent as Content-Type: {JSON}", status=415)
-            response: web.StreamResponse = await handler(request, request.app[service_key], owner_for(request))
+            response: web.StreamResponse = await handler(
+                request, request.app[service_key], owner_for(request)
+            )
             return response
 
         return wrapped

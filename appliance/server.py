@@ -55,8 +55,9 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     if not origin_allowed(request.headers.getall("Origin", []), service.settings.allowed_origins):
         # A page on another origin may open a WebSocket or send a "simple" POST without any
         # CORS preflight; only the operator's own list of origins may reach the API.
-        return web.json_response({"error": "this request's Origin is not in SANDBOX_ALLOWED_ORIGINS"},
-                                 status=403)
+        return web.json_response(
+            {"error": "this request's Origin is not in SANDBOX_ALLOWED_ORIGINS"}, status=403
+        )
     if request.path == "/metrics":
         if not service.may_read_metrics(bearer_token(request)):
             return _unauthorized()
@@ -70,15 +71,22 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
 
 
 def _unauthorized() -> web.Response:
-    return web.json_response({"error": "missing or wrong bearer token"}, status=401,
-                             headers={"WWW-Authenticate": "Bearer"})
+    return web.json_response(
+        {"error": "missing or wrong bearer token"}, status=401, headers={"WWW-Authenticate": "Bearer"}
+    )
 
 
 class Connection:
     """One WebSocket client: its in-flight requests and a serialised sender."""
 
-    def __init__(self, ws: web.WebSocketResponse, request: web.Request, service: RunService, owner: str,
-                 parser: FrameParser) -> None:
+    def __init__(
+        self,
+        ws: web.WebSocketResponse,
+        request: web.Request,
+        service: RunService,
+        owner: str,
+        parser: FrameParser,
+    ) -> None:
         self.ws = ws
         self.request = request
         self.service = service
@@ -112,7 +120,9 @@ class Connection:
             await self.reject(exc.request_id or protocol.new_request_id(), exc.message)
             return
         except Busy as exc:
-            await self._send_quietly(protocol.done_frame(protocol.new_request_id(), exc.status, message=exc.message))
+            await self._send_quietly(
+                protocol.done_frame(protocol.new_request_id(), exc.status, message=exc.message)
+            )
             return
         if isinstance(message, ExecuteRequest):
             if message.id in self.runs:
@@ -141,8 +151,11 @@ class Connection:
         elif isinstance(message, CloseSessionMessage):
             closed = await service.close_session(message.session, self.owner)
             if closed:
-                await self._send_quietly(protocol.done_frame(
-                    message.id, "ok", message=f"session {message.session} closed", session=message.session))
+                await self._send_quietly(
+                    protocol.done_frame(
+                        message.id, "ok", message=f"session {message.session} closed", session=message.session
+                    )
+                )
             else:
                 await self.reject(message.id, f"no such session {message.session!r}")
 
@@ -187,8 +200,9 @@ async def exec_socket(request: web.Request) -> web.StreamResponse:
     # No permessage-deflate: a new compressor per message cost ~0.4 ms of server CPU for
     # each small frame (measured: a third of a warm run's server time), and the appliance
     # sits next to the API it serves, where bandwidth is cheap and latency is not.
-    ws = web.WebSocketResponse(autoclose=False, compress=False,
-                               max_msg_size=settings.max_message_bytes * 2 + 4096)
+    ws = web.WebSocketResponse(
+        autoclose=False, compress=False, max_msg_size=settings.max_message_bytes * 2 + 4096
+    )
     await ws.prepare(request)
     conn = Connection(ws, request, service, request[OWNER], request.app[PARSER_KEY])
     request.app["connections"].add(conn)
@@ -307,11 +321,15 @@ def _warn_if_exposed(service: RunService, runner: web.AppRunner) -> None:
     hosts = [str(addr[0]) for addr in runner.addresses if isinstance(addr, tuple) and addr]
     exposed = exposed_without_token(hosts)
     if exposed:
-        warning = (f"no SANDBOX_AUTH_TOKEN or SANDBOX_AUTH_TOKENS_FILE, yet listening on "
-                   f"{', '.join(sorted(set(exposed)))}: anyone who can reach this port can run code")
+        warning = (
+            f"no SANDBOX_AUTH_TOKEN or SANDBOX_AUTH_TOKENS_FILE, yet listening on "
+            f"{', '.join(sorted(set(exposed)))}: anyone who can reach this port can run code"
+        )
         service.warnings.append(warning)
-        log.warning(f"UNAUTHENTICATED AND EXPOSED: {warning}",
-                    extra={"addresses": exposed, "fix": "set SANDBOX_AUTH_TOKEN, or --host 127.0.0.1"})
+        log.warning(
+            f"UNAUTHENTICATED AND EXPOSED: {warning}",
+            extra={"addresses": exposed, "fix": "set SANDBOX_AUTH_TOKEN, or --host 127.0.0.1"},
+        )
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:

@@ -71,8 +71,10 @@ class Run:
             self._jail.process.interrupt(reason)
 
     def _over_stdin(self) -> str:
-        return (f"stdin for {self.id!r} is refused: more than SANDBOX_MAX_STDIN_BYTES ({self._max_stdin}) "
-                "would wait for the run to read it")
+        return (
+            f"stdin for {self.id!r} is refused: more than SANDBOX_MAX_STDIN_BYTES ({self._max_stdin}) "
+            "would wait for the run to read it"
+        )
 
     def _attach(self, jail: Jail) -> None:
         """The run's code was handed to the jail: what came early goes after it, in order."""
@@ -101,8 +103,9 @@ class RunService:
         if settings.auth_tokens_file is not None:
             self.tenants = Tenants(load_tenants(settings.auth_tokens_file))
             session_limits = self.tenants.session_limits()
-        self.sessions = SessionRegistry(settings.max_sessions, settings.session_idle_s, self._between_cells,
-                                        session_limits)
+        self.sessions = SessionRegistry(
+            settings.max_sessions, settings.session_idle_s, self._between_cells, session_limits
+        )
         self.limits = protocol.Limits.from_settings(settings)
         self.warnings: list[str] = []  # how this server is exposed less safely than it could be (/readyz)
 
@@ -209,8 +212,12 @@ class RunService:
             if not isinstance(exc, ApplianceError):
                 log.exception("run failed", extra={"request": req.id})
             self._count(status, started)
-            await _safe_emit(emit, protocol.done_frame(
-                req.id, status, duration_ms=_ms_since(started), message=message, session=session_id))
+            await _safe_emit(
+                emit,
+                protocol.done_frame(
+                    req.id, status, duration_ms=_ms_since(started), message=message, session=session_id
+                ),
+            )
             return
         finally:
             gpu_quota.close()
@@ -222,11 +229,21 @@ class RunService:
         self.metrics.bytes_streamed.inc(outcome.output_bytes)
         if outcome.import_ms is not None:
             self.metrics.import_seconds.labels(profile=profile).observe(outcome.import_ms / 1000)
-        await _safe_emit(emit, protocol.done_frame(
-            req.id, outcome.status, exit_code=outcome.exit_code, duration_ms=_ms_since(started),
-            cpu_ms=outcome.cpu_ms, max_rss_mb=outcome.max_rss_mb, message=outcome.message,
-            session=session_id, import_ms=outcome.import_ms, files_skipped=outcome.files_skipped,
-        ))
+        await _safe_emit(
+            emit,
+            protocol.done_frame(
+                req.id,
+                outcome.status,
+                exit_code=outcome.exit_code,
+                duration_ms=_ms_since(started),
+                cpu_ms=outcome.cpu_ms,
+                max_rss_mb=outcome.max_rss_mb,
+                message=outcome.message,
+                session=session_id,
+                import_ms=outcome.import_ms,
+                files_skipped=outcome.files_skipped,
+            ),
+        )
 
     async def open_session(self, req: ExecuteRequest, owner: str) -> list[Frame]:
         """Open a session running req's code first; the frames it sent (the last is `done`)."""
@@ -235,8 +252,15 @@ class RunService:
         async def collect(frame: Frame) -> None:
             frames.append(frame)
 
-        new = ExecuteRequest(id=req.id, code=req.code, session="new", timeout_ms=req.timeout_ms,
-                             files=req.files, gpu=req.gpu, stdin_eof=True)
+        new = ExecuteRequest(
+            id=req.id,
+            code=req.code,
+            session="new",
+            timeout_ms=req.timeout_ms,
+            files=req.files,
+            gpu=req.gpu,
+            stdin_eof=True,
+        )
         await self.execute(new, owner, collect)
         return frames
 
@@ -261,7 +285,11 @@ class RunService:
         body["sessions"] = {"open": len(self.sessions), "gpu": gpu_sessions, "gpu_memory_mb": gpu_mb}
         if self.warnings:  # a warning never makes the server unready: it says what to fix
             body["warning"] = "; ".join(self.warnings)
-        return not problems, {"status": "ready" if not problems else "not ready", "problems": problems, **body}
+        return not problems, {
+            "status": "ready" if not problems else "not ready",
+            "problems": problems,
+            **body,
+        }
 
     def metrics_text(self) -> bytes:
         self.lifecycle.update_gauges()
@@ -282,8 +310,9 @@ class RunService:
             try:
                 await asyncio.wait_for(started.wait(), self._timeout_ms(req) / 1000)
             except TimeoutError:
-                raise Busy("the appliance is still starting (its jail pool is not up yet); try again shortly") \
-                    from None
+                raise Busy(
+                    "the appliance is still starting (its jail pool is not up yet); try again shortly"
+                ) from None
 
     def _admitted(self, queued_ms: int) -> None:
         self.metrics.queue_depth.set(self.admission.waiting)
@@ -298,19 +327,28 @@ class RunService:
         limit = self.settings.max_exec_ms
         return min(req.timeout_ms, limit) if req.timeout_ms else limit
 
-    async def _cell(self, jail: Jail, req: ExecuteRequest, emit: Emit, run: Run, keep_alive: bool,
-                    start: Frame) -> CellOutcome:
+    async def _cell(
+        self, jail: Jail, req: ExecuteRequest, emit: Emit, run: Run, keep_alive: bool, start: Frame
+    ) -> CellOutcome:
         s = self.settings
         try:
             return await run_cell(
-                jail, req, emit, timeout_ms=self._timeout_ms(req), max_output_bytes=s.max_output_bytes,
-                max_disk_mb=s.max_disk_mb, keep_alive=keep_alive, started=lambda: run._attach(jail), first=start,
+                jail,
+                req,
+                emit,
+                timeout_ms=self._timeout_ms(req),
+                max_output_bytes=s.max_output_bytes,
+                max_disk_mb=s.max_disk_mb,
+                keep_alive=keep_alive,
+                started=lambda: run._attach(jail),
+                first=start,
             )
         finally:
             run._detach()
 
-    async def _one_shot(self, jail: Jail, lease: Lease, req: ExecuteRequest, emit: Emit, run: Run,
-                        queued_ms: int) -> CellOutcome:
+    async def _one_shot(
+        self, jail: Jail, lease: Lease, req: ExecuteRequest, emit: Emit, run: Run, queued_ms: int
+    ) -> CellOutcome:
         run_id = secrets.token_hex(8)
         start = protocol.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req), lease.gpu)
         outcome = await self._cell(jail, req, emit, run, keep_alive=False, start=start)
@@ -322,15 +360,17 @@ class RunService:
             await self._send_outputs(jail, req.id, run_id, None, emit, outcome)
         return outcome
 
-    async def _session_cell(self, session: Session, req: ExecuteRequest, emit: Emit, run: Run,
-                            queued_ms: int) -> CellOutcome:
+    async def _session_cell(
+        self, session: Session, req: ExecuteRequest, emit: Emit, run: Run, queued_ms: int
+    ) -> CellOutcome:
         run_id = secrets.token_hex(8)
         jail = session.jail
         if not jail.alive:
             await self.sessions.close(session.id, reason="its interpreter is gone")
             raise RequestRejected(f"session {session.id} has ended (its interpreter is gone)")
-        start = protocol.start_frame(req.id, run_id, session.id, queued_ms, self._timeout_ms(req),
-                                     session.lease.gpu)
+        start = protocol.start_frame(
+            req.id, run_id, session.id, queued_ms, self._timeout_ms(req), session.lease.gpu
+        )
         before = await asyncio.to_thread(outputs.snapshot, jail.workdir, self.lifecycle.uid)
         try:
             outcome = await self._cell(jail, req, emit, run, keep_alive=True, start=start)
@@ -363,8 +403,15 @@ class RunService:
         found = await asyncio.to_thread(disk_violation, session.jail, self.settings.max_disk_mb)
         return f"{found.message} between cells" if found is not None else None
 
-    async def _send_outputs(self, jail: Jail, rid: str, run_id: str, before: outputs.Snapshot | None,
-                            emit: Emit, outcome: CellOutcome) -> None:
+    async def _send_outputs(
+        self,
+        jail: Jail,
+        rid: str,
+        run_id: str,
+        before: outputs.Snapshot | None,
+        emit: Emit,
+        outcome: CellOutcome,
+    ) -> None:
         """Stream outputs/ as `file` frames (and persist them), one batch in memory at a time,
         within SANDBOX_MAX_OUTPUTS_BYTES; what was left out is said in the outcome."""
         s = self.settings
@@ -416,7 +463,8 @@ def _check_session_gpu(session: Session, req: ExecuteRequest) -> None:
     if req.gpu.memory_mb != session.gpu_mb:
         raise RequestRejected(
             f"session {session.id} holds a GPU budget of {session.gpu_mb} MiB for its whole life; a later "
-            f"cell cannot ask for {req.gpu.memory_mb} MiB (omit 'gpu', or open a new session)")
+            f"cell cannot ask for {req.gpu.memory_mb} MiB (omit 'gpu', or open a new session)"
+        )
 
 
 async def _safe_emit(emit: Emit, frame: Frame) -> None:

@@ -51,8 +51,13 @@ Check = Callable[[Session], Awaitable[str | None]]
 class SessionRegistry:
     """Live sessions; at most `limit`; each ends after `idle_s` without a request."""
 
-    def __init__(self, limit: int, idle_s: float, check: Check | None = None,
-                 owner_limits: dict[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        limit: int,
+        idle_s: float,
+        check: Check | None = None,
+        owner_limits: dict[str, int] | None = None,
+    ) -> None:
         self.limit = limit
         self.idle_s = idle_s
         self.owner_limits = owner_limits or {}  # per-tenant max_sessions (appliance.tenants)

@@ -42,9 +42,9 @@ class Settings:
     max_message_bytes: int = 16777216
     max_upload_bytes: int = 8388608
     max_file_out_bytes: int = 8388608
-    max_outputs_bytes: int = 67108864     # all outputs/ files of one run together (SANDBOX_MAX_OUTPUTS_BYTES)
-    max_stdin_bytes: int = 1048576        # stdin a run may have waiting for it to read (SANDBOX_MAX_STDIN_BYTES)
-    client_stall_ms: int = 10000          # a client that takes no frame this long is dropped
+    max_outputs_bytes: int = 67108864  # all outputs/ files of one run together (SANDBOX_MAX_OUTPUTS_BYTES)
+    max_stdin_bytes: int = 1048576  # stdin a run may have waiting for it to read (SANDBOX_MAX_STDIN_BYTES)
+    client_stall_ms: int = 10000  # a client that takes no frame this long is dropped
     max_concurrency: int = 4
     max_queue: int = 100
     uid: int = 1001
@@ -53,12 +53,14 @@ class Settings:
     allowed_origins: tuple[str, ...] = ()
     # The only token /metrics accepts, when set (SANDBOX_METRICS_TOKEN).
     metrics_token: str | None = field(default=None, repr=False)
-    max_upload_files: int = 1000          # file entries one request may carry (SANDBOX_MAX_UPLOAD_FILES)
+    max_upload_files: int = 1000  # file entries one request may carry (SANDBOX_MAX_UPLOAD_FILES)
     open_ports: tuple[int, ...] = ()
-    egress_allow_nets: tuple[str, ...] = ()  # private IPv4 networks runs may reach (SANDBOX_EGRESS_ALLOW_NETS)
-    egress_dns: tuple[str, ...] = ()         # resolvers reachable when 53 is open (SANDBOX_EGRESS_DNS)
-    egress_subnet: str = "10.216.0.0/16"     # jail links are /30s carved from it (SANDBOX_EGRESS_SUBNET)
-    auth_tokens_file: Path | None = None     # several tenants (SANDBOX_AUTH_TOKENS_FILE); see tenants.py
+    egress_allow_nets: tuple[
+        str, ...
+    ] = ()  # private IPv4 networks runs may reach (SANDBOX_EGRESS_ALLOW_NETS)
+    egress_dns: tuple[str, ...] = ()  # resolvers reachable when 53 is open (SANDBOX_EGRESS_DNS)
+    egress_subnet: str = "10.216.0.0/16"  # jail links are /30s carved from it (SANDBOX_EGRESS_SUBNET)
+    auth_tokens_file: Path | None = None  # several tenants (SANDBOX_AUTH_TOKENS_FILE); see tenants.py
     gpu: bool = False
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     # Warm-jail kinds, name -> modules (SANDBOX_PRELOAD_PROFILES); by default from `preload`.
@@ -72,22 +74,22 @@ class Settings:
     shutdown_grace_s: float = 10.0
     jail_threads: int = 1
     firejail: str = "firejail"
-    models_dir: Path | None = None        # read-only models for appliance.tools (SANDBOX_MODELS_DIR)
-    wheelhouse: Path | None = None        # wheels `%pip install` may use, read-only (SANDBOX_WHEELHOUSE)
-    gpu_default_mb: int = 1024            # budget of a run that names none; 0: such runs get no GPU
-    gpu_margin_mb: int = 256              # per-device headroom at admission; slack before a kill
-    gpu_backend: str = "nvml"             # nvml (real) or simulated (tests, no GPU)
+    models_dir: Path | None = None  # read-only models for appliance.tools (SANDBOX_MODELS_DIR)
+    wheelhouse: Path | None = None  # wheels `%pip install` may use, read-only (SANDBOX_WHEELHOUSE)
+    gpu_default_mb: int = 1024  # budget of a run that names none; 0: such runs get no GPU
+    gpu_margin_mb: int = 256  # per-device headroom at admission; slack before a kill
+    gpu_backend: str = "nvml"  # nvml (real) or simulated (tests, no GPU)
     gpu_simulate_mb: tuple[int, ...] = (16384,)  # simulated device totals (SANDBOX_GPU_SIMULATE)
-    gpu_simulate_file: Path | None = None # simulated per-PID usage / faults (SANDBOX_GPU_SIMULATE_FILE)
-    gpu_queue_ms: int = 120000            # longest wait for GPU memory before `busy`
-    gpu_poll_ms: int = 250                # watchdog polling interval
-    gpu_reclaim_ms: int = 10000           # longest hold of a finished run's grant until NVML shows it freed
-    gpu_mps: str = "auto"                 # MPS limits: auto (where proven), require, off
+    gpu_simulate_file: Path | None = None  # simulated per-PID usage / faults (SANDBOX_GPU_SIMULATE_FILE)
+    gpu_queue_ms: int = 120000  # longest wait for GPU memory before `busy`
+    gpu_poll_ms: int = 250  # watchdog polling interval
+    gpu_reclaim_ms: int = 10000  # longest hold of a finished run's grant until NVML shows it freed
+    gpu_mps: str = "auto"  # MPS limits: auto (where proven), require, off
     gpu_mps_pipe_dir: Path = MPS_PIPE_DIR  # the MPS daemon's CUDA_MPS_PIPE_DIRECTORY
-    gpu_libcuda: str = "libcuda.so.1"     # the CUDA driver library jails load (SANDBOX_GPU_LIBCUDA)
-    gpu_simulate_mps: str = "off"         # simulated backend: an MPS daemon (on, ignore-limits)
-    cgroups: str = "auto"                 # per-run cgroups: auto (where writable), require, off
-    cpus: float = 1.0                     # CPU quota per run, in CPUs (SANDBOX_CPUS)
+    gpu_libcuda: str = "libcuda.so.1"  # the CUDA driver library jails load (SANDBOX_GPU_LIBCUDA)
+    gpu_simulate_mps: str = "off"  # simulated backend: an MPS daemon (on, ignore-limits)
+    cgroups: str = "auto"  # per-run cgroups: auto (where writable), require, off
+    cpus: float = 1.0  # CPU quota per run, in CPUs (SANDBOX_CPUS)
 
     def gpu_budget_mb(self, asked_mb: int | None) -> int:
         """A run's GPU budget: what it asked for, else SANDBOX_GPU_DEFAULT_MB; 0 outside GPU mode."""
@@ -160,12 +162,16 @@ def _origins(env: Mapping[str, str], name: str) -> tuple[str, ...]:
         if not part:
             continue
         if part == "*" or "*" in part:
-            raise SettingsError(f"{name}: {part!r}: wildcards are not allowed; list exact origins "
-                                "like https://app.example.com")
+            raise SettingsError(
+                f"{name}: {part!r}: wildcards are not allowed; list exact origins "
+                "like https://app.example.com"
+            )
         match = ORIGIN_RE.match(part)
         if match is None:
-            raise SettingsError(f"{name}: {part!r} is not an origin like https://app.example.com[:port] "
-                                "(lower case, scheme http or https, no path or trailing slash)")
+            raise SettingsError(
+                f"{name}: {part!r} is not an origin like https://app.example.com[:port] "
+                "(lower case, scheme http or https, no path or trailing slash)"
+            )
         scheme, host, port = match.groups()
         if port is not None:
             number = int(port)
@@ -212,8 +218,9 @@ def default_profiles(preload: tuple[str, ...], gpu: bool) -> tuple[tuple[str, tu
     return tuple(profiles)
 
 
-def _profiles(env: Mapping[str, str], name: str, default: tuple[tuple[str, tuple[str, ...]], ...]
-              ) -> tuple[tuple[str, tuple[str, ...]], ...]:
+def _profiles(
+    env: Mapping[str, str], name: str, default: tuple[tuple[str, tuple[str, ...]], ...]
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """`bare=;science=numpy,pandas,matplotlib`: profiles separated by `;`, modules by `,`."""
     raw = env.get(name, "").strip()
     if not raw:
@@ -387,8 +394,10 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
     if settings.auth_token is not None and settings.auth_tokens_file is not None:
         raise SettingsError("SANDBOX_AUTH_TOKENS_FILE: set either it or SANDBOX_AUTH_TOKEN, not both")
     if settings.metrics_token is not None and settings.metrics_token == settings.auth_token:
-        raise SettingsError("SANDBOX_METRICS_TOKEN: must differ from SANDBOX_AUTH_TOKEN (a scraper's token "
-                            "must not be able to run code)")
+        raise SettingsError(
+            "SANDBOX_METRICS_TOKEN: must differ from SANDBOX_AUTH_TOKEN (a scraper's token "
+            "must not be able to run code)"
+        )
     if 53 in settings.open_ports and not settings.egress_dns:
         # Fail closed: DNS goes only to resolvers named on purpose, never to whatever answers.
         raise SettingsError("SANDBOX_OPEN_PORTS: 53 is listed but SANDBOX_EGRESS_DNS names no resolver")

@@ -39,8 +39,16 @@ from appliance.errors import Busy, SettingsError
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 MIN_TOKEN_CHARS = 16
-KEYS = {"name", "token", "token_sha256", "max_concurrency", "max_sessions", "runs_per_minute", "burst",
-        "max_gpu_mb"}
+KEYS = {
+    "name",
+    "token",
+    "token_sha256",
+    "max_concurrency",
+    "max_sessions",
+    "runs_per_minute",
+    "burst",
+    "max_gpu_mb",
+}
 
 
 def owner_of(token: str | None) -> str:
@@ -124,7 +132,9 @@ def parse(text: str, source: str = "SANDBOX_AUTH_TOKENS_FILE") -> tuple[tuple[Te
             raise SettingsError(f"{where}: give exactly one of token or token_sha256")
         if token is not None:
             if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
-                raise SettingsError(f"{where}: token must be at least {MIN_TOKEN_CHARS} characters, no whitespace")
+                raise SettingsError(
+                    f"{where}: token must be at least {MIN_TOKEN_CHARS} characters, no whitespace"
+                )
             owner, plain = owner_of(token), True
         else:
             if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest.lower()):
@@ -136,12 +146,17 @@ def parse(text: str, source: str = "SANDBOX_AUTH_TOKENS_FILE") -> tuple[tuple[Te
         burst = _positive_int(entry, "burst", where)
         if burst is not None and rpm is None:
             raise SettingsError(f"{where}: burst needs runs_per_minute")
-        tenants.append(Tenant(
-            name=name, owner=owner, max_concurrency=_positive_int(entry, "max_concurrency", where),
-            max_sessions=_positive_int(entry, "max_sessions", where),
-            runs_per_minute=float(rpm) if rpm is not None else None, burst=burst,
-            max_gpu_mb=_positive_int(entry, "max_gpu_mb", where),
-        ))
+        tenants.append(
+            Tenant(
+                name=name,
+                owner=owner,
+                max_concurrency=_positive_int(entry, "max_concurrency", where),
+                max_sessions=_positive_int(entry, "max_sessions", where),
+                runs_per_minute=float(rpm) if rpm is not None else None,
+                burst=burst,
+                max_gpu_mb=_positive_int(entry, "max_gpu_mb", where),
+            )
+        )
     names = [t.name for t in tenants]
     if len(set(names)) != len(names):
         raise SettingsError(f"{source}: tenant names must be unique")
@@ -159,8 +174,10 @@ def load(path: Path) -> tuple[Tenant, ...]:
         raise SettingsError(f"SANDBOX_AUTH_TOKENS_FILE: cannot read {path}: {exc.strerror}") from None
     tenants, plain = parse(text)
     if plain and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SettingsError(f"SANDBOX_AUTH_TOKENS_FILE: {path} holds plain tokens and is readable by "
-                            f"group or others (chmod 600 it, or store token_sha256 instead)")
+        raise SettingsError(
+            f"SANDBOX_AUTH_TOKENS_FILE: {path} holds plain tokens and is readable by "
+            f"group or others (chmod 600 it, or store token_sha256 instead)"
+        )
     return tenants
 
 
@@ -201,7 +218,9 @@ class Tenants:
 
     def session_limits(self) -> dict[str, int]:
         """owner -> max_sessions, for the tenants that have one."""
-        return {o: s.tenant.max_sessions for o, s in self._states.items() if s.tenant.max_sessions is not None}
+        return {
+            o: s.tenant.max_sessions for o, s in self._states.items() if s.tenant.max_sessions is not None
+        }
 
     def charge(self, owner: str) -> None:
         """A frame of this owner's was refused: it costs one rate token, like a run (nothing
@@ -230,8 +249,10 @@ class Tenants:
             return
         t = state.tenant
         if t.max_concurrency is not None and state.in_flight >= t.max_concurrency:
-            raise Busy(f"tenant {t.name!r} is at its concurrency quota "
-                       f"(max_concurrency={t.max_concurrency} requests in flight); try again when one ends")
+            raise Busy(
+                f"tenant {t.name!r} is at its concurrency quota "
+                f"(max_concurrency={t.max_concurrency} requests in flight); try again when one ends"
+            )
         if state.bucket is not None:
             wait_s = state.bucket.take()
             if wait_s > 0:
@@ -253,9 +274,11 @@ class Tenants:
             return _nothing
         quota = state.tenant.max_gpu_mb
         if state.gpu_mb + mb > quota:
-            raise Busy(f"tenant {state.tenant.name!r} is at its GPU quota (max_gpu_mb={quota}: "
-                       f"{state.gpu_mb} MiB held by its runs and sessions, {mb} MiB asked); "
-                       f"try again when one ends")
+            raise Busy(
+                f"tenant {state.tenant.name!r} is at its GPU quota (max_gpu_mb={quota}: "
+                f"{state.gpu_mb} MiB held by its runs and sessions, {mb} MiB asked); "
+                f"try again when one ends"
+            )
         state.gpu_mb += mb
         held = [mb]
 
@@ -271,5 +294,7 @@ def _nothing() -> None:
 
 
 def _over_rate(tenant: Tenant, wait_s: float) -> str:
-    return (f"tenant {tenant.name!r} is over its rate limit (runs_per_minute="
-            f"{tenant.runs_per_minute:g}); retry in {wait_s:.1f} s")
+    return (
+        f"tenant {tenant.name!r} is over its rate limit (runs_per_minute="
+        f"{tenant.runs_per_minute:g}); retry in {wait_s:.1f} s"
+    )

@@ -20,8 +20,10 @@ from typing import Any
 log = logging.getLogger("appliance.toolprobe")
 
 PROBE_TIMEOUT_S = 120.0
-_CODE = ("import json, sys; sys.path.insert(0, sys.argv[1]); from appliance.tools.backends import probe; "
-         "print(json.dumps(probe()))")
+_CODE = (
+    "import json, sys; sys.path.insert(0, sys.argv[1]); from appliance.tools.backends import probe; "
+    "print(json.dumps(probe()))"
+)
 
 
 def run_probe(python: Path, runtime: Path, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
@@ -30,16 +32,24 @@ def run_probe(python: Path, runtime: Path, timeout_s: float = PROBE_TIMEOUT_S) -
     try:
         # S603: the jails' python, our probe code
         proc = subprocess.run(  # noqa: S603
-            [str(python), "-I", "-c", _CODE, str(runtime)], env=env, capture_output=True,
-            text=True, timeout=timeout_s, check=False, cwd="/")
+            [str(python), "-I", "-c", _CODE, str(runtime)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+            cwd="/",
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": f"the tools probe could not run: {type(exc).__name__}: {exc}"}
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         # Importing both bindings crashed the process (two ggml builds can do that): say so.
         tail = (proc.stderr or "").strip().splitlines()[-3:]
-        return {"error": f"importing llama_cpp and pywhispercpp in one process failed (exit {proc.returncode}): "
-                         + " | ".join(tail)}
+        return {
+            "error": f"importing llama_cpp and pywhispercpp in one process failed (exit {proc.returncode}): "
+            + " | ".join(tail)
+        }
     try:
         report = json.loads(lines[-1])
     except ValueError:
@@ -58,6 +68,7 @@ class ToolProbe:
 
     def start(self, runtime: Path) -> None:
         """Begin probing (in a thread: the imports take a second or more)."""
+
         async def probe() -> None:
             self.result = await asyncio.to_thread(run_probe, self.python, runtime)
             log.info("model tools probed", extra={"tools": self.result})

@@ -95,8 +95,9 @@ async def send_within(request: web.Request, sending: Awaitable[None], stall_s: f
             await sending
     except TimeoutError:
         abort(request)
-        raise Cancelled(f"the client took no output for {stall_s:g} s (SANDBOX_CLIENT_STALL_MS); "
-                        "it was disconnected") from None
+        raise Cancelled(
+            f"the client took no output for {stall_s:g} s (SANDBOX_CLIENT_STALL_MS); it was disconnected"
+        ) from None
     except (ConnectionError, RuntimeError) as exc:
         raise Cancelled("the client disconnected") from exc
 

@@ -62,8 +62,9 @@ def start_appliance(name: str, workdir: Path, **env: str) -> ApplianceServer:
     return ApplianceServer(server.proc, server.port, server.log, server.env, name)
 
 
-async def wait_pool_idle(server: ApplianceServer, floor: int, timeout_s: float = 60.0,
-                         refills_done: bool = True) -> None:
+async def wait_pool_idle(
+    server: ApplianceServer, floor: int, timeout_s: float = 60.0, refills_done: bool = True
+) -> None:
     """Wait until the pool holds `floor` ready jails, starts none, and no run is active.
 
     Latency samples are taken only then, so no refill competes with the measured run.
@@ -73,8 +74,11 @@ async def wait_pool_idle(server: ApplianceServer, floor: int, timeout_s: float =
     deadline = time.monotonic() + timeout_s
     while True:
         m = await asyncio.to_thread(server.metrics)
-        if (m.get("appliance_pool_ready", 0) >= floor and (m.get("appliance_pool_starting", 0) == 0 or not refills_done)
-                and m.get("appliance_active_runs", 0) == 0):
+        if (
+            m.get("appliance_pool_ready", 0) >= floor
+            and (m.get("appliance_pool_starting", 0) == 0 or not refills_done)
+            and m.get("appliance_active_runs", 0) == 0
+        ):
             return
         if time.monotonic() > deadline:
             raise BenchError(f"{server.name}: the pool did not refill to {floor} in {timeout_s:.0f} s")

@@ -44,8 +44,9 @@ TARGET_MS = 5.0
 
 
 def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                         check=False)
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+    )
     return out.stdout.strip() or "unknown"
 
 
@@ -60,6 +61,7 @@ def _micro(fn: Any, n: int) -> list[float]:
 
 def group_costs(tree: cgroups.Hierarchy, limits: cgroups.GroupLimits, n: int) -> dict[str, list[float]]:
     """Per-jail cgroup work without a jail: the group's life, a handout, one cell's reads."""
+
     def life() -> None:
         g = tree.group("b-" + secrets.token_hex(6), limits.idle())
         g.open_join()
@@ -78,6 +80,7 @@ def group_costs(tree: cgroups.Hierarchy, limits: cgroups.GroupLimits, n: int) ->
             base = g.counters(pids=False)  # as appliance.jail.cell does
             g.reset_peak()
             g.counters(pids=False), g.peak_mb(), base
+
         return {"group_life": _micro(life, n), "handout": _micro(handout, n), "cell": _micro(cell, n)}
     finally:
         g.remove()
@@ -102,9 +105,12 @@ async def spawn_side_by_side(plain: JailFactory, grouped: JailFactory, reps: int
 
 async def warm_side_by_side(work: Path, reps: int) -> dict[str, list[float]]:
     """Warm print(2+2), request to done, alternating a server without and one with cgroups."""
-    servers = {k: start_appliance(f"cg-{k}", work / k, SANDBOX_CGROUPS=mode, SANDBOX_PRELOAD="",
-                                  SANDBOX_POOL_SIZE="1")
-               for k, mode in (("warm_without", "off"), ("warm_with", "require"))}
+    servers = {
+        k: start_appliance(
+            f"cg-{k}", work / k, SANDBOX_CGROUPS=mode, SANDBOX_PRELOAD="", SANDBOX_POOL_SIZE="1"
+        )
+        for k, mode in (("warm_without", "off"), ("warm_with", "require"))
+    }
     out: dict[str, list[float]] = {k: [] for k in servers}
     try:
         for _ in range(reps):
@@ -142,15 +148,20 @@ async def main_async(quick: bool, out_dir: Path) -> dict[str, Any]:
     return await asyncio.to_thread(report, quick, out_dir, tree.version, costs, spawn)
 
 
-def report(quick: bool, out_dir: Path, version: int, costs: dict[str, list[float]],
-           spawn: dict[str, list[float]]) -> dict[str, Any]:
+def report(
+    quick: bool, out_dir: Path, version: int, costs: dict[str, list[float]], spawn: dict[str, list[float]]
+) -> dict[str, Any]:
     """Summaries, cgroups.json and cgroups.md (quick: cgroups_quick.*); printed too."""
     spawn = {k if k.startswith("warm") else f"spawn_{k}": v for k, v in spawn.items()}
     s = {k: summarize(v) for k, v in {**costs, **spawn}.items()}
     doc: dict[str, Any] = {
-        "quick": quick, "machine": platform.node(), "cpus": os.cpu_count(), "commit": _commit(),
+        "quick": quick,
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "commit": _commit(),
         "load_average": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
-        "cgroup_version": version, "target_ms": TARGET_MS,
+        "cgroup_version": version,
+        "target_ms": TARGET_MS,
         "summary": {k: v.__dict__ for k, v in s.items()},
         "samples": {**costs, **spawn},
         "warm_delta_p50_ms": s["warm_with"].p50_ms - s["warm_without"].p50_ms,
@@ -162,22 +173,33 @@ def report(quick: bool, out_dir: Path, version: int, costs: dict[str, list[float
     name = "cgroups_quick" if quick else "cgroups"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1))
-    rows = [("jail launch, without cgroup", s["spawn_without"]), ("jail launch, with cgroup", s["spawn_with"]),
-            ("jail destroy (after done), without cgroup", s["spawn_destroy_without"]),
-            ("jail destroy (after done), with cgroup", s["spawn_destroy_with"]),
-            ("cgroup per jail (make, limit, join fds, remove)", s["group_life"]),
-            ("take path: idle -> run limits", s["handout"]), ("cell path: counters at start and end", s["cell"]),
-            ("warm print(2+2), SANDBOX_CGROUPS=off", s["warm_without"]),
-            ("warm print(2+2), SANDBOX_CGROUPS=require", s["warm_with"])]
-    md = [f"# cgroup per jail (cgroup v{version}, {doc['cpus']} CPUs, commit {doc['commit']}"
-          f"{', quick' if quick else ''}; load average {doc['load_average']})", "",
-          "| what | n | p50 ms | p90 ms |", "| --- | --- | --- | --- |"]
+    rows = [
+        ("jail launch, without cgroup", s["spawn_without"]),
+        ("jail launch, with cgroup", s["spawn_with"]),
+        ("jail destroy (after done), without cgroup", s["spawn_destroy_without"]),
+        ("jail destroy (after done), with cgroup", s["spawn_destroy_with"]),
+        ("cgroup per jail (make, limit, join fds, remove)", s["group_life"]),
+        ("take path: idle -> run limits", s["handout"]),
+        ("cell path: counters at start and end", s["cell"]),
+        ("warm print(2+2), SANDBOX_CGROUPS=off", s["warm_without"]),
+        ("warm print(2+2), SANDBOX_CGROUPS=require", s["warm_with"]),
+    ]
+    md = [
+        f"# cgroup per jail (cgroup v{version}, {doc['cpus']} CPUs, commit {doc['commit']}"
+        f"{', quick' if quick else ''}; load average {doc['load_average']})",
+        "",
+        "| what | n | p50 ms | p90 ms |",
+        "| --- | --- | --- | --- |",
+    ]
     md += [f"| {label} | {x.n} | {x.p50_ms:.3f} | {x.p90_ms:.3f} |" for label, x in rows]
-    md += ["", f"Launch with minus without (p50): {doc['spawn_delta_p50_ms']:.1f} ms, destroy: "
-               f"{doc['destroy_delta_p50_ms']:.1f} ms; the cgroup's own work "
-               f"per jail: {doc['group_life_p50_ms']:.2f} ms (target < {TARGET_MS} ms: "
-               f"{'met' if doc['within_target'] else 'NOT met'}); warm print(2+2) with minus without "
-               f"(p50): {doc['warm_delta_p50_ms']:.2f} ms."]
+    md += [
+        "",
+        f"Launch with minus without (p50): {doc['spawn_delta_p50_ms']:.1f} ms, destroy: "
+        f"{doc['destroy_delta_p50_ms']:.1f} ms; the cgroup's own work "
+        f"per jail: {doc['group_life_p50_ms']:.2f} ms (target < {TARGET_MS} ms: "
+        f"{'met' if doc['within_target'] else 'NOT met'}); warm print(2+2) with minus without "
+        f"(p50): {doc['warm_delta_p50_ms']:.2f} ms.",
+    ]
     (out_dir / f"{name}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return doc

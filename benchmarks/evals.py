@@ -85,10 +85,14 @@ async def eval_throughput(server: ApplianceServer, count: int, clients: int) -> 
             await ws.close()
     seconds = time.perf_counter() - started
     latencies.sort()
-    return {"programs": count, "clients": clients, "seconds": round(seconds, 2),
-            "runs_per_s": round(count / seconds, 2),
-            "p50_ms": round(statistics.median(latencies), 1),
-            "p90_ms": round(latencies[int(len(latencies) * 0.9)], 1)}
+    return {
+        "programs": count,
+        "clients": clients,
+        "seconds": round(seconds, 2),
+        "runs_per_s": round(count / seconds, 2),
+        "p50_ms": round(statistics.median(latencies), 1),
+        "p90_ms": round(latencies[int(len(latencies) * 0.9)], 1),
+    }
 
 
 FLAG_VARIANTS = {
@@ -107,8 +111,11 @@ async def flag_costs(jails: BenchJails, repeats: int) -> dict[str, Any]:
             samples[name].append(await _one_jail(jails, drop))
     out: dict[str, Any] = {}
     for name, values in samples.items():
-        out[name] = {"wall_ms": round(statistics.median(v[0] for v in values), 1),
-                     "cpu_ms": round(statistics.median(v[1] for v in values), 1), "n": len(values)}
+        out[name] = {
+            "wall_ms": round(statistics.median(v[0] for v in values), 1),
+            "cpu_ms": round(statistics.median(v[1] for v in values), 1),
+            "n": len(values),
+        }
     return out
 
 
@@ -118,9 +125,13 @@ async def _one_jail(jails: BenchJails, drop: tuple[str, ...]) -> tuple[float, fl
         argv = [a for a in naive_argv(jails, workdir, "pass") if not a.startswith(drop or ("\0",))]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec(*argv, env=launcher_env(), cwd="/",
-                                                    stdout=asyncio.subprocess.DEVNULL,
-                                                    stderr=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            env=launcher_env(),
+            cwd="/",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
         _, err = await proc.communicate()
         wall = (time.perf_counter() - t0) * 1000
         after = resource.getrusage(resource.RUSAGE_CHILDREN)

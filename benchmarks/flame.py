@@ -65,8 +65,21 @@ def main() -> None:
     server = start_appliance("flame", work, SANDBOX_POOL_SIZE="4")
     try:
         asyncio.run(wait_pool_idle(server, 4))
-        rec = subprocess.Popen([spy, "record", "--pid", str(server.proc.pid), "--rate", "250",
-                                "--format", os.environ.get("FLAME_FORMAT", "flamegraph"), "--output", str(args.out), "--nonblocking"])
+        rec = subprocess.Popen(
+            [
+                spy,
+                "record",
+                "--pid",
+                str(server.proc.pid),
+                "--rate",
+                "250",
+                "--format",
+                os.environ.get("FLAME_FORMAT", "flamegraph"),
+                "--output",
+                str(args.out),
+                "--nonblocking",
+            ]
+        )
         time.sleep(1.0)  # py-spy attaches before the first sample we want
         times = asyncio.run(drive(server, args.runs))
         rec.send_signal(2)  # SIGINT: py-spy writes the graph and exits

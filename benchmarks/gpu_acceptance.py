@@ -73,7 +73,9 @@ def alloc_over(mb):
     print('ALLOCATING', time.time(), flush=True)
     alloc(mb)
 """
-VISIBLE = CUDA + """
+VISIBLE = (
+    CUDA
+    + """
 n, raw = ctypes.c_int(), ctypes.create_string_buffer(16)
 assert cu.cuInit(0) == 0 and cu.cuDeviceGetCount(ctypes.byref(n)) == 0
 uuids = []
@@ -82,6 +84,7 @@ for i in range(n.value):
     uuids.append(raw.raw.hex())
 print(json.dumps({'count': n.value, 'uuids': uuids, 'env': os.environ.get('CUDA_VISIBLE_DEVICES')}))
 """
+)
 NODES = """
 import json, os, re, stat
 seen = {}
@@ -94,10 +97,14 @@ print(json.dumps(seen))
 # The three ways a run's CUDA context can be created: what NVML reports differs for each.
 OVERRUN = {
     "main_thread": "ctx(); alloc_over(MB); time.sleep(20)",
-    "thread": ("def work():\n    ctx(); alloc_over(MB); time.sleep(20)\n"
-               "t = threading.Thread(target=work); t.start(); t.join()"),
-    "subprocess": ("child = CUDA_SRC + 'ctx(); alloc_over(MB); time.sleep(20)'\n"
-                   "subprocess.run([sys.executable, '-c', child])"),
+    "thread": (
+        "def work():\n    ctx(); alloc_over(MB); time.sleep(20)\n"
+        "t = threading.Thread(target=work); t.start(); t.join()"
+    ),
+    "subprocess": (
+        "child = CUDA_SRC + 'ctx(); alloc_over(MB); time.sleep(20)'\n"
+        "subprocess.run([sys.executable, '-c', child])"
+    ),
 }
 NEIGHBOUR = "ctx(); alloc(MB); time.sleep(SECS); print('neighbour ok', flush=True)"
 HOST_MEMORY = """
@@ -195,6 +202,7 @@ class SimulatedGpuMemory:
         except (OSError, ValueError):
             pass
         finally:
+
             def free() -> None:
                 with self.lock:
                     left = self.used.get(pid, 0) - mine
@@ -203,6 +211,7 @@ class SimulatedGpuMemory:
                     else:
                         self.used.pop(pid, None)
                 self.write()
+
             timer = threading.Timer(self.free_delay_s, free)
             timer.daemon = True
             timer.start()
@@ -238,6 +247,7 @@ def uuid_bytes(uuid: str) -> str:
 
 async def run_cmd(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
     """subprocess.run in a thread (the event loop keeps serving the clients), 60 s at most."""
+
     def go() -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(cmd, timeout=60, check=bool(kwargs.pop("check", False)), **kwargs)
 
@@ -253,12 +263,21 @@ def why(ex: Any) -> str:
 
 def nvidia_smi(cmd: list[str]) -> list[dict[str, str]]:
     """One dict per GPU from `nvidia-smi --query-gpu` (values as nvidia-smi writes them)."""
-    out = subprocess.run([*cmd, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [*cmd, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if out.returncode != 0:
-        raise RuntimeError(f"nvidia-smi failed ({out.returncode}): {(out.stderr or out.stdout).strip()[:300]}")
-    rows = [dict(zip(SMI_FIELDS, (v.strip() for v in line.split(",")), strict=True))
-            for line in out.stdout.splitlines() if line.strip()]
+        raise RuntimeError(
+            f"nvidia-smi failed ({out.returncode}): {(out.stderr or out.stdout).strip()[:300]}"
+        )
+    rows = [
+        dict(zip(SMI_FIELDS, (v.strip() for v in line.split(",")), strict=True))
+        for line in out.stdout.splitlines()
+        if line.strip()
+    ]
     if not rows:
         raise RuntimeError("nvidia-smi lists no GPU")
     return rows
@@ -285,13 +304,21 @@ class Kit:
 
     # -- the server --------------------------------------------------------------------------
     def settings(self, mps: bool = False) -> dict[str, str]:
-        env = {"SANDBOX_GPU": "1", "SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "2",
-               "SANDBOX_MAX_CONCURRENCY": "16", "SANDBOX_MEMORY_MB": str(self.memory_mb),
-               "SANDBOX_MAX_DISK_MB": str(4 * self.memory_mb), "SANDBOX_MAX_FILE_MB": str(2 * self.memory_mb),
-               "SANDBOX_GPU_MARGIN_MB": str(self.margin),
-               "SANDBOX_MAX_EXEC_MS": "120000", "SANDBOX_GPU_QUEUE_MS": "120000",
-               "SANDBOX_GPU_POLL_MS": "100", "SANDBOX_GPU_MPS": "auto" if mps else "off",
-               "SANDBOX_FIREJAIL": self.args.firejail}
+        env = {
+            "SANDBOX_GPU": "1",
+            "SANDBOX_PRELOAD": "",
+            "SANDBOX_POOL_SIZE": "2",
+            "SANDBOX_MAX_CONCURRENCY": "16",
+            "SANDBOX_MEMORY_MB": str(self.memory_mb),
+            "SANDBOX_MAX_DISK_MB": str(4 * self.memory_mb),
+            "SANDBOX_MAX_FILE_MB": str(2 * self.memory_mb),
+            "SANDBOX_GPU_MARGIN_MB": str(self.margin),
+            "SANDBOX_MAX_EXEC_MS": "120000",
+            "SANDBOX_GPU_QUEUE_MS": "120000",
+            "SANDBOX_GPU_POLL_MS": "100",
+            "SANDBOX_GPU_MPS": "auto" if mps else "off",
+            "SANDBOX_FIREJAIL": self.args.firejail,
+        }
         if self.args.gguf:
             env["SANDBOX_MODELS_DIR"] = str(Path(self.args.gguf).resolve().parent)
         pipe = self.work / ("mps" if mps else "sim-gpu")
@@ -299,13 +326,20 @@ class Kit:
             # SimulatedGpuMemory stands in for the device's memory (it writes the control file);
             # with --mps the simulated MPS daemon serves the contexts instead.
             control = self.work / "sim.json"
-            env |= {"SANDBOX_GPU_BACKEND": "simulated", "SANDBOX_GPU_SIMULATE": str(self.args.sim_mb),
-                    "SANDBOX_GPU_SIMULATE_FILE": str(control), "SANDBOX_GPU_LIBCUDA": self.args.libcuda}
+            env |= {
+                "SANDBOX_GPU_BACKEND": "simulated",
+                "SANDBOX_GPU_SIMULATE": str(self.args.sim_mb),
+                "SANDBOX_GPU_SIMULATE_FILE": str(control),
+                "SANDBOX_GPU_LIBCUDA": self.args.libcuda,
+            }
             if mps:
                 pipe.mkdir(exist_ok=True)
                 os.chmod(pipe, 0o755)
-                env |= {"SANDBOX_GPU_MPS": "auto", "SANDBOX_GPU_SIMULATE_MPS": "on",
-                        "SANDBOX_GPU_MPS_PIPE_DIR": str(pipe)}
+                env |= {
+                    "SANDBOX_GPU_MPS": "auto",
+                    "SANDBOX_GPU_SIMULATE_MPS": "on",
+                    "SANDBOX_GPU_MPS_PIPE_DIR": str(pipe),
+                }
         elif mps:
             env["SANDBOX_GPU_MPS_PIPE_DIR"] = str(pipe)
         for item in self.args.server_env:
@@ -361,8 +395,11 @@ class Kit:
         """Whether --only asks for this check (all do without it; the driver query and the server
         always run, as the others need them)."""
         wanted = self.args.only
-        return not wanted or name in ("preflight.driver", "server") or any(
-            name == w or name.startswith(w + ".") for w in wanted)
+        return (
+            not wanted
+            or name in ("preflight.driver", "server")
+            or any(name == w or name.startswith(w + ".") for w in wanted)
+        )
 
     async def run(self) -> None:
         await self.check("preflight.driver", self.preflight_driver, 60)
@@ -370,8 +407,18 @@ class Kit:
         await self.check("preflight.compute_mode", self.preflight_compute_mode, 10)
         await self.check("preflight.nvidia_uvm", self.preflight_uvm, 30)
         started = await self.check("server", self.start_server, 200)
-        names = ["readyz", "jail.visible_device", "jail.device_nodes", "watchdog.main_thread", "watchdog.thread",
-                 "watchdog.subprocess", "host_memory", "reclaim", "contention", "llama_offload"]
+        names = [
+            "readyz",
+            "jail.visible_device",
+            "jail.device_nodes",
+            "watchdog.main_thread",
+            "watchdog.thread",
+            "watchdog.subprocess",
+            "host_memory",
+            "reclaim",
+            "contention",
+            "llama_offload",
+        ]
         if started.status != PASS:
             for name in filter(self.selected, names):
                 self.results.append(Check(name, FAIL, "not run: the appliance did not start"))
@@ -404,16 +451,25 @@ class Kit:
         data = {"gpus": self.gpus, "driver": versions}
         if major < MIN_DRIVER:
             return Check("", FAIL, f"driver {versions} is older than {MIN_DRIVER}", data=data)
-        return Check("", PASS, f"driver {', '.join(versions)}; {len(self.gpus)} GPU(s): "
-                     + "; ".join(f"{g['name']} {g['memory.total']} MiB" for g in self.gpus), data=data)
+        return Check(
+            "",
+            PASS,
+            f"driver {', '.join(versions)}; {len(self.gpus)} GPU(s): "
+            + "; ".join(f"{g['name']} {g['memory.total']} MiB" for g in self.gpus),
+            data=data,
+        )
 
     async def preflight_mig(self) -> Check:
         if not self.gpus:
             return Check("", FAIL, "no nvidia-smi answer (see preflight.driver)")
         on = [g["index"] for g in self.gpus if g["mig.mode.current"].lower() == "enabled"]
         if on:
-            return Check("", FAIL, f"MIG is enabled on GPU {', '.join(on)}: the appliance refuses MIG GPUs; "
-                         "`nvidia-smi -i N -mig 0` and a GPU reset")
+            return Check(
+                "",
+                FAIL,
+                f"MIG is enabled on GPU {', '.join(on)}: the appliance refuses MIG GPUs; "
+                "`nvidia-smi -i N -mig 0` and a GPU reset",
+            )
         return Check("", PASS, "MIG " + ", ".join(sorted({g["mig.mode.current"] for g in self.gpus})))
 
     async def preflight_compute_mode(self) -> Check:
@@ -421,8 +477,12 @@ class Kit:
             return Check("", FAIL, "no nvidia-smi answer (see preflight.driver)")
         modes = {g["index"]: g["compute_mode"] for g in self.gpus}
         if any(m.lower() == "prohibited" for m in modes.values()):
-            return Check("", FAIL, f"compute mode Prohibited: no run can create a context ({modes})", data=modes)
-        return Check("", PASS, "compute mode " + ", ".join(f"GPU {i}: {m}" for i, m in modes.items()), data=modes)
+            return Check(
+                "", FAIL, f"compute mode Prohibited: no run can create a context ({modes})", data=modes
+            )
+        return Check(
+            "", PASS, "compute mode " + ", ".join(f"GPU {i}: {m}" for i, m in modes.items()), data=modes
+        )
 
     async def preflight_uvm(self) -> Check:
         if self.sim:
@@ -434,14 +494,18 @@ class Kit:
         try:
             mode = (await asyncio.to_thread(os.stat, "/dev/nvidia-uvm")).st_mode
         except OSError as exc:
-            return Check("", FAIL, f"/dev/nvidia-uvm missing ({exc}); load nvidia-uvm (nvidia-modprobe -u -c=0)")
+            return Check(
+                "", FAIL, f"/dev/nvidia-uvm missing ({exc}); load nvidia-uvm (nvidia-modprobe -u -c=0)"
+            )
         if not stat.S_ISCHR(mode):
             return Check("", FAIL, "/dev/nvidia-uvm is not a character device")
         return Check("", PASS, "/dev/nvidia-uvm present")
 
     async def start_server(self) -> Check:
         if self.sim:
-            self.gpu_memory = SimulatedGpuMemory(Path(self.args.libcuda), self.work / "sim.json", self.args.sim_mb)
+            self.gpu_memory = SimulatedGpuMemory(
+                Path(self.args.libcuda), self.work / "sim.json", self.args.sim_mb
+            )
         self.server = await asyncio.to_thread(self.start)
         return Check("", PASS, f"appliance ready on {self.server.http}")
 
@@ -452,15 +516,23 @@ class Kit:
         want_backend = "simulated" if self.sim else "nvml"
         ours = sorted((d["uuid"], int(d["total_mb"])) for d in gpu.get("devices", []))
         theirs = sorted((g["uuid"], int(g["memory.total"])) for g in self.gpus)
-        data = {"backend": gpu.get("backend"), "readyz": ours, "nvidia_smi": theirs, "status": body["_status"]}
+        data = {
+            "backend": gpu.get("backend"),
+            "readyz": ours,
+            "nvidia_smi": theirs,
+            "status": body["_status"],
+        }
         if body["_status"] != 200:
             return Check("", FAIL, f"/readyz answered {body['_status']}", data=data)
         if gpu.get("backend") != want_backend:
             return Check("", FAIL, f"backend {gpu.get('backend')!r}, not {want_backend!r}", data=data)
         if [u for u, _ in ours] != [u for u, _ in theirs] or any(
-                abs(a - b) > 1 for (_, a), (_, b) in zip(ours, theirs, strict=True)):
+            abs(a - b) > 1 for (_, a), (_, b) in zip(ours, theirs, strict=True)
+        ):
             return Check("", FAIL, f"/readyz devices {ours} differ from nvidia-smi's {theirs}", data=data)
-        return Check("", PASS, f"backend {want_backend}; " + ", ".join(f"{u} {t} MiB" for u, t in ours), data=data)
+        return Check(
+            "", PASS, f"backend {want_backend}; " + ", ".join(f"{u} {t} MiB" for u, t in ours), data=data
+        )
 
     async def check_visible(self) -> Check:
         ex, _ = await self.execute(VISIBLE, 256)
@@ -473,11 +545,17 @@ class Kit:
         if seen["count"] != 1:
             return Check("", FAIL, f"{seen['count']} CUDA devices visible in the jail, not 1", data=data)
         if seen["uuids"][0] != uuid_bytes(str(grant)) or seen["env"] != grant:
-            return Check("", FAIL, f"the jail's device {seen['uuids'][0]} is not the grant's {grant}", data=data)
+            return Check(
+                "", FAIL, f"the jail's device {seen['uuids'][0]} is not the grant's {grant}", data=data
+            )
         return Check("", PASS, f"one CUDA device, the grant's {grant}", data=data)
 
     async def check_nodes(self) -> Check:
-        host = {n for n in os.listdir("/dev") if re.match(r"^nvidia", n) and stat.S_ISCHR(os.lstat(f"/dev/{n}").st_mode)}
+        host = {
+            n
+            for n in os.listdir("/dev")
+            if re.match(r"^nvidia", n) and stat.S_ISCHR(os.lstat(f"/dev/{n}").st_mode)
+        }
         if not host:
             return Check("", SKIP, "hardware-only: this host has no /dev/nvidia* nodes (simulated devices)")
         ex, _ = await self.execute(NODES, 256)
@@ -490,8 +568,12 @@ class Kit:
         chars = {n for n, kind in seen.items() if kind == "char"}
         data = {"host": sorted(host), "jail": seen, "expected": sorted(want)}
         if chars != want:
-            return Check("", FAIL, f"jail has device nodes {sorted(chars)}, expected exactly {sorted(want)}", data=data)
-        return Check("", PASS, f"exactly {sorted(want)} (others: {sorted(set(seen) - chars) or 'none'})", data=data)
+            return Check(
+                "", FAIL, f"jail has device nodes {sorted(chars)}, expected exactly {sorted(want)}", data=data
+            )
+        return Check(
+            "", PASS, f"exactly {sorted(want)} (others: {sorted(set(seen) - chars) or 'none'})", data=data
+        )
 
     async def check_watchdog(self, how: str) -> Check:
         budget = 1024 if self.sim else 2048
@@ -499,65 +581,115 @@ class Kit:
         code = OVERRUN[how].replace("MB", str(over)).replace("CUDA_SRC", repr(CUDA))
         hog = asyncio.create_task(self.execute(CUDA + code, budget))
         await asyncio.sleep(0.5)
-        neighbour = asyncio.create_task(self.execute(
-            CUDA + NEIGHBOUR.replace("MB", "256").replace("SECS", str(self.args.neighbour_s)), 1024))
+        neighbour = asyncio.create_task(
+            self.execute(
+                CUDA + NEIGHBOUR.replace("MB", "256").replace("SECS", str(self.args.neighbour_s)), 1024
+            )
+        )
         (hog_ex, hog_done), (nb_ex, _) = await asyncio.gather(hog, neighbour)
         stamp = re.search(r"ALLOCATING ([0-9.]+)", hog_ex.stdout)
         latency = round(hog_done - float(stamp.group(1)), 3) if stamp else None
-        data = {"budget_mb": budget, "allocated_mb": over, "status": hog_ex.status, "message": hog_ex.message,
-                "kill_latency_s": latency, "neighbour": nb_ex.status}
+        data = {
+            "budget_mb": budget,
+            "allocated_mb": over,
+            "status": hog_ex.status,
+            "message": hog_ex.message,
+            "kill_latency_s": latency,
+            "neighbour": nb_ex.status,
+        }
         if stamp is None:
-            return Check("", FAIL, f"the over-budget run never reached its allocation (ended {hog_ex.status}: "
-                         f"{why(hog_ex)})", data=data)
+            return Check(
+                "",
+                FAIL,
+                f"the over-budget run never reached its allocation (ended {hog_ex.status}: {why(hog_ex)})",
+                data=data,
+            )
         if hog_ex.status != "gpu_memory_limit":
-            return Check("", FAIL, f"an allocation of {over} MiB on a {budget} MiB budget ended "
-                         f"{hog_ex.status!r}, not gpu_memory_limit", data=data)
+            return Check(
+                "",
+                FAIL,
+                f"an allocation of {over} MiB on a {budget} MiB budget ended "
+                f"{hog_ex.status!r}, not gpu_memory_limit",
+                data=data,
+            )
         if nb_ex.status != "ok" or "neighbour ok" not in nb_ex.stdout:
-            return Check("", FAIL, f"the neighbour ended {nb_ex.status}: {why(nb_ex)}",
-                         data=data)
-        return Check("", PASS, f"stopped {latency} s after allocating {over} MiB on {budget}; neighbour ok", data=data)
+            return Check("", FAIL, f"the neighbour ended {nb_ex.status}: {why(nb_ex)}", data=data)
+        return Check(
+            "", PASS, f"stopped {latency} s after allocating {over} MiB on {budget}; neighbour ok", data=data
+        )
 
     async def check_host_memory(self) -> Check:
         file_mb = self.memory_mb + 256
-        code = CUDA + HOST_MEMORY.replace("GPU_MB", "256").replace("FILE_MB", str(file_mb)).replace("HOLD_S", "3")
+        code = CUDA + HOST_MEMORY.replace("GPU_MB", "256").replace("FILE_MB", str(file_mb)).replace(
+            "HOLD_S", "3"
+        )
         ex, _ = await self.execute(code, 1024)
         data: dict[str, Any] = {"memory_mb": self.memory_mb, "file_mb": file_mb, "status": ex.status}
         if ex.status != "ok":
-            return Check("", FAIL, f"a GPU run mapping {file_mb} MiB of a file under SANDBOX_MEMORY_MB="
-                         f"{self.memory_mb} ended {ex.status}: {why(ex)}", data=data)
+            return Check(
+                "",
+                FAIL,
+                f"a GPU run mapping {file_mb} MiB of a file under SANDBOX_MEMORY_MB="
+                f"{self.memory_mb} ended {ex.status}: {why(ex)}",
+                data=data,
+            )
         seen = json.loads(ex.stdout.strip().splitlines()[-1])
         data |= seen
         if seen.get("touched", 0) != file_mb << 8:  # one byte of value 1 per 4 KiB page
             return Check("", FAIL, f"the run did not read its whole mapping ({seen})", data=data)
         # Resident above the limit: the watchdog ignored file-backed pages. At or under it: the
         # run's memory cgroup reclaimed page cache (SANDBOX_CGROUPS), which is no kill either.
-        how = ("resident above the limit" if seen.get("RssFile", 0) > self.memory_mb
-               else "page cache reclaimed within the run's memory cgroup")
-        return Check("", PASS, f"ok after reading {file_mb} MiB of a mapped file (RssFile {seen.get('RssFile')} MiB, "
-                     f"{how}; RssAnon {seen.get('RssAnon')} MiB) under SANDBOX_MEMORY_MB={self.memory_mb}", data=data)
+        how = (
+            "resident above the limit"
+            if seen.get("RssFile", 0) > self.memory_mb
+            else "page cache reclaimed within the run's memory cgroup"
+        )
+        return Check(
+            "",
+            PASS,
+            f"ok after reading {file_mb} MiB of a mapped file (RssFile {seen.get('RssFile')} MiB, "
+            f"{how}; RssAnon {seen.get('RssAnon')} MiB) under SANDBOX_MEMORY_MB={self.memory_mb}",
+            data=data,
+        )
 
     async def check_reclaim(self) -> Check:
         total = self.total_mb
         first, big = int(total * 0.3), int(total * 0.72)
         over = first + self.margin + 512
-        killed = asyncio.create_task(self.execute(
-            CUDA + OVERRUN["main_thread"].replace("MB", str(over)), first))
+        killed = asyncio.create_task(
+            self.execute(CUDA + OVERRUN["main_thread"].replace("MB", str(over)), first)
+        )
         await asyncio.sleep(1.0)
         queued = asyncio.create_task(self.execute(CUDA + f"ctx(); alloc({big}); print('big ok')", big))
         (k_ex, _), (q_ex, _) = await asyncio.gather(killed, queued)
         queued_ms = q_ex.frames[0].get("queued_ms") if q_ex.frames else None
-        data = {"first_budget_mb": first, "first_allocated_mb": over, "first": k_ex.status,
-                "big_budget_mb": big, "big": q_ex.status, "big_queued_ms": queued_ms,
-                "big_error": q_ex.error.value if q_ex.error else None}
+        data = {
+            "first_budget_mb": first,
+            "first_allocated_mb": over,
+            "first": k_ex.status,
+            "big_budget_mb": big,
+            "big": q_ex.status,
+            "big_queued_ms": queued_ms,
+            "big_error": q_ex.error.value if q_ex.error else None,
+        }
         if k_ex.status != "gpu_memory_limit":
             return Check("", FAIL, f"the first run ended {k_ex.status}, not gpu_memory_limit", data=data)
         if q_ex.error is not None and q_ex.error.name == "MemoryError":
-            return Check("", FAIL, f"the queued {big} MiB run hit CUDA out-of-memory: {q_ex.error.value}", data=data)
+            return Check(
+                "", FAIL, f"the queued {big} MiB run hit CUDA out-of-memory: {q_ex.error.value}", data=data
+            )
         if q_ex.status != "ok":
             return Check("", FAIL, f"the queued run ended {q_ex.status}: {why(q_ex)}", data=data)
         if not queued_ms:
-            return Check("", FAIL, "the big run did not queue behind the killed one: nothing was tested", data=data)
-        return Check("", PASS, f"{big} MiB run queued {queued_ms} ms behind a killed {over} MiB one, then ok", data=data)
+            return Check(
+                "", FAIL, "the big run did not queue behind the killed one: nothing was tested", data=data
+            )
+        return Check(
+            "",
+            PASS,
+            f"{big} MiB run queued {queued_ms} ms behind a killed {over} MiB one, then ok",
+            data=data,
+        )
 
     async def check_contention(self) -> Check:
         from benchmarks import gpu_contention as gc
@@ -573,7 +705,9 @@ class Kit:
         data = {"summary": rows, "scale": round(scale, 3)}
         text = "; ".join(f"N={r['n']}: {gc.outcomes_text(r)}, queue p95 {r['queue_p95_ms']} ms" for r in rows)
         if bad:
-            return Check("", FAIL, f"{len(bad)} run(s) ended {sorted({r.outcome for r in bad})}: {text}", data=data)
+            return Check(
+                "", FAIL, f"{len(bad)} run(s) ended {sorted({r.outcome for r in bad})}: {text}", data=data
+            )
         if not any(r.outcome == "gpu_memory_limit" for r in records):
             return Check("", FAIL, f"no overrunner was stopped: {text}", data=data)
         return Check("", PASS, text, data=data)
@@ -582,19 +716,34 @@ class Kit:
         body = await asyncio.to_thread(self.readyz, self.server)
         llama = (body.get("tools") or {}).get("llama_cpp") or {}
         if not llama.get("available"):
-            return Check("", SKIP, "llama-cpp-python is not installed for the appliance (the kit carries no CUDA "
-                         "build of it: one is far over 64 MiB)", data=llama)
+            return Check(
+                "",
+                SKIP,
+                "llama-cpp-python is not installed for the appliance (the kit carries no CUDA "
+                "build of it: one is far over 64 MiB)",
+                data=llama,
+            )
         if not llama.get("gpu_offload"):
-            return Check("", SKIP, f"llama-cpp-python {llama.get('version')} is a CPU build (no GPU offload)", data=llama)
+            return Check(
+                "",
+                SKIP,
+                f"llama-cpp-python {llama.get('version')} is a CPU build (no GPU offload)",
+                data=llama,
+            )
         if not self.args.gguf:
-            return Check("", SKIP, "a CUDA llama.cpp is present, but no model was given (--gguf PATH)", data=llama)
-        code = ("from appliance.tools import load_llm\n"
-                f"llm = load_llm({Path(self.args.gguf).name!r}, n_gpu_layers=-1)\n"
-                "print(repr(llm('Hello', max_tokens=4)))")
+            return Check(
+                "", SKIP, "a CUDA llama.cpp is present, but no model was given (--gguf PATH)", data=llama
+            )
+        code = (
+            "from appliance.tools import load_llm\n"
+            f"llm = load_llm({Path(self.args.gguf).name!r}, n_gpu_layers=-1)\n"
+            "print(repr(llm('Hello', max_tokens=4)))"
+        )
         ex, _ = await self.execute(code, 2048)
         if ex.status != "ok":
-            return Check("", FAIL, f"load_llm with all layers offloaded ended {ex.status}: "
-                         f"{why(ex)}", data=llama)
+            return Check(
+                "", FAIL, f"load_llm with all layers offloaded ended {ex.status}: {why(ex)}", data=llama
+            )
         return Check("", PASS, "a model loaded with every layer offloaded and generated", data=llama)
 
     # -- MPS (optional) ----------------------------------------------------------------------
@@ -607,8 +756,11 @@ class Kit:
             for index in before:
                 await run_cmd([*self.smi_cmd, "-i", index, "-c", "EXCLUSIVE_PROCESS"], check=True)
             if daemon:
-                env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(self.work / "mps"),
-                       "CUDA_MPS_LOG_DIRECTORY": str(self.work / "mps-log")}
+                env = {
+                    **os.environ,
+                    "CUDA_MPS_PIPE_DIRECTORY": str(self.work / "mps"),
+                    "CUDA_MPS_LOG_DIRECTORY": str(self.work / "mps-log"),
+                }
                 (self.work / "mps").mkdir(exist_ok=True)
                 (self.work / "mps-log").mkdir(exist_ok=True)
                 os.chmod(self.work / "mps", 0o755)
@@ -618,8 +770,12 @@ class Kit:
             try:
                 mps = (await asyncio.to_thread(self.readyz, server)).get("gpu", {}).get("mps", {})
                 budget = 1024
-                ex, _ = await self.execute(CUDA + f"ctx(); alloc({budget + self.margin + 512})", budget, server)
-                nb, _ = await self.execute(CUDA + NEIGHBOUR.replace("MB", "512").replace("SECS", "1"), 1024, server)
+                ex, _ = await self.execute(
+                    CUDA + f"ctx(); alloc({budget + self.margin + 512})", budget, server
+                )
+                nb, _ = await self.execute(
+                    CUDA + NEIGHBOUR.replace("MB", "512").replace("SECS", "1"), 1024, server
+                )
             finally:
                 server.stop()
         finally:
@@ -631,45 +787,88 @@ class Kit:
             after = {g["index"]: g["compute_mode"] for g in await asyncio.to_thread(nvidia_smi, self.smi_cmd)}
             if after == before:
                 (self.out / "compute-mode.orig").unlink(missing_ok=True)
-            self.results.append(Check(
-                "mps.restored", PASS if after == before else FAIL,
-                f"compute mode {'restored to' if after == before else 'NOT restored:'} {after}",
-                data={"before": before, "after": after}))
+            self.results.append(
+                Check(
+                    "mps.restored",
+                    PASS if after == before else FAIL,
+                    f"compute mode {'restored to' if after == before else 'NOT restored:'} {after}",
+                    data={"before": before, "after": after},
+                )
+            )
         data = {"readyz_mps": mps, "overrun": ex.status, "error": why(ex), "neighbour": nb.status}
         refused = ex.error is not None and ex.error.name == "MemoryError"
         if nb.status != "ok":
-            return Check("mps.enforcing", FAIL, f"with MPS the neighbour ended {nb.status}: {why(nb)}", data=data)
+            return Check(
+                "mps.enforcing", FAIL, f"with MPS the neighbour ended {nb.status}: {why(nb)}", data=data
+            )
         if mps.get("enforcing"):  # the appliance claims daemon-side limits: the allocation must be refused
             if refused:
-                return Check("mps.enforcing", PASS, "MPS limits enforced: the over-budget allocation was refused",
-                             data=data)
-            return Check("mps.enforcing", FAIL, f"/readyz claims MPS limits, but the over-budget run ended "
-                         f"{ex.status} ({why(ex)})", data=data)
+                return Check(
+                    "mps.enforcing",
+                    PASS,
+                    "MPS limits enforced: the over-budget allocation was refused",
+                    data=data,
+                )
+            return Check(
+                "mps.enforcing",
+                FAIL,
+                f"/readyz claims MPS limits, but the over-budget run ended {ex.status} ({why(ex)})",
+                data=data,
+            )
         # Not claimed: the claim is true if the watchdog still stops the overrun.
         if ex.status == "gpu_memory_limit":
-            return Check("mps.enforcing", PASS, f"MPS reported not enforcing ({mps.get('note')}); the watchdog "
-                         "stopped the over-budget run", data=data)
-        return Check("mps.enforcing", FAIL, f"MPS reported not enforcing and the over-budget run ended "
-                     f"{ex.status} ({why(ex)}), not gpu_memory_limit", data=data)
+            return Check(
+                "mps.enforcing",
+                PASS,
+                f"MPS reported not enforcing ({mps.get('note')}); the watchdog stopped the over-budget run",
+                data=data,
+            )
+        return Check(
+            "mps.enforcing",
+            FAIL,
+            f"MPS reported not enforcing and the over-budget run ended "
+            f"{ex.status} ({why(ex)}), not gpu_memory_limit",
+            data=data,
+        )
 
     # -- the report --------------------------------------------------------------------------
     def write(self, seconds: float) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
         counts = {s: sum(1 for r in self.results if r.status == s) for s in (PASS, FAIL, SKIP)}
-        meta: dict[str, Any] = {"mode": "simulated" if self.sim else "real-gpu", "host": platform.node(),
-                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "python": platform.python_version(),
-                "kit": _kit_meta(), "gpus": self.gpus, "seconds": round(seconds, 1),
-                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "counts": counts}
+        meta: dict[str, Any] = {
+            "mode": "simulated" if self.sim else "real-gpu",
+            "host": platform.node(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "python": platform.python_version(),
+            "kit": _kit_meta(),
+            "gpus": self.gpus,
+            "seconds": round(seconds, 1),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "counts": counts,
+        }
         report = {"meta": meta, "checks": [asdict(r) for r in self.results]}
         (self.out / "gpu-acceptance.json").write_text(json.dumps(report, indent=1))
-        gpus = "; ".join(f"{g['name']} ({g['uuid']}, {g['memory.total']} MiB, driver {g['driver_version']})"
-                         for g in self.gpus) or "unknown"
-        lines = [f"# GPU acceptance ({meta['mode']})", "",
-                 f"{meta['when']}, {meta['machine']}, Python {meta['python']}, kit {meta['kit'].get('commit', '?')}; "
-                 f"{seconds:.0f} s. GPUs: {gpus}.", "",
-                 f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}.", "",
-                 "| check | result | detail | s |", "|---|---|---|---|"]
-        lines += [f"| {r.name} | {r.status} | {r.detail.replace('|', '/')} | {r.seconds} |" for r in self.results]
+        gpus = (
+            "; ".join(
+                f"{g['name']} ({g['uuid']}, {g['memory.total']} MiB, driver {g['driver_version']})"
+                for g in self.gpus
+            )
+            or "unknown"
+        )
+        lines = [
+            f"# GPU acceptance ({meta['mode']})",
+            "",
+            f"{meta['when']}, {meta['machine']}, Python {meta['python']}, kit {meta['kit'].get('commit', '?')}; "
+            f"{seconds:.0f} s. GPUs: {gpus}.",
+            "",
+            f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}.",
+            "",
+            "| check | result | detail | s |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r.name} | {r.status} | {r.detail.replace('|', '/')} | {r.seconds} |" for r in self.results
+        ]
         (self.out / "gpu-acceptance.md").write_text("\n".join(lines) + "\n")
         return report
 
@@ -688,16 +887,29 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--simulate", action="store_true", help="simulated devices (make test), not a GPU")
     p.add_argument("--sim-mb", type=int, default=16384, help="--simulate: the simulated device's MiB")
     p.add_argument("--libcuda", default="libcuda.so.1", help="--simulate: the stand-in libcuda jails load")
-    p.add_argument("--nvidia-smi", default="nvidia-smi", help="the nvidia-smi command (a stand-in in simulation)")
+    p.add_argument(
+        "--nvidia-smi", default="nvidia-smi", help="the nvidia-smi command (a stand-in in simulation)"
+    )
     p.add_argument("--firejail", default="firejail", help="the firejail binary (the kit's own)")
-    p.add_argument("--mps", action="store_true", help="also the MPS section (sets and restores the compute mode)")
+    p.add_argument(
+        "--mps", action="store_true", help="also the MPS section (sets and restores the compute mode)"
+    )
     p.add_argument("--gguf", help="a GGUF model for the llama.cpp offload check")
     p.add_argument("--only", action="append", default=[], help="run only this check (or prefix); repeatable")
-    p.add_argument("--server-env", action="append", default=[], metavar="SANDBOX_X=V",
-                   help="a setting for the appliance under test (overrides the kit's)")
-    p.add_argument("--neighbour-s", type=float, default=6, help="how long the watchdog checks' neighbour runs")
+    p.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="SANDBOX_X=V",
+        help="a setting for the appliance under test (overrides the kit's)",
+    )
+    p.add_argument(
+        "--neighbour-s", type=float, default=6, help="how long the watchdog checks' neighbour runs"
+    )
     p.add_argument("--budget-s", type=float, default=450, help="stop starting checks after this long")
-    p.add_argument("--tmp", default=None, help="where the servers' scratch folders go (default: $TMPDIR or /tmp)")
+    p.add_argument(
+        "--tmp", default=None, help="where the servers' scratch folders go (default: $TMPDIR or /tmp)"
+    )
     return p.parse_args(argv)
 
 
@@ -717,7 +929,9 @@ async def amain(argv: list[str] | None = None) -> int:
             shutil.copyfile(log, kit.out / f"{log.parent.name}.log")
         shutil.rmtree(kit.work, ignore_errors=True)
     counts = report["meta"]["counts"]
-    print(f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}; report: {kit.out}/gpu-acceptance.md")
+    print(
+        f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}; report: {kit.out}/gpu-acceptance.md"
+    )
     return 1 if counts[FAIL] else 0
 
 

@@ -37,9 +37,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEVICE_MB = 16384
 MARGIN_MB = 256
 MIX = [  # (kind, budget MiB, uses MiB, seconds)
-    ("llama", 3584, 3072, 2.0), ("whisper", 1024, 800, 1.0), ("llama", 3584, 3072, 2.0),
-    ("cpu", 0, 0, 0.5), ("llama-overrun", 3584, 3584 + MARGIN_MB + 512, 2.0), ("whisper", 1024, 800, 1.0),
-    ("llama", 3584, 3072, 2.0), ("oversized", 20480, 0, 0.5),
+    ("llama", 3584, 3072, 2.0),
+    ("whisper", 1024, 800, 1.0),
+    ("llama", 3584, 3072, 2.0),
+    ("cpu", 0, 0, 0.5),
+    ("llama-overrun", 3584, 3584 + MARGIN_MB + 512, 2.0),
+    ("whisper", 1024, 800, 1.0),
+    ("llama", 3584, 3072, 2.0),
+    ("oversized", 20480, 0, 0.5),
 ]
 LEVELS = (1, 2, 4, 8, 16)
 
@@ -78,8 +83,15 @@ async def simulated_level(n: int, samples: list[dict[str, Any]]) -> list[RunReco
         while True:
             dev = backend.devices()[0]
             snap = ledger.snapshot()[0]
-            samples.append({"n": n, "t": round(time.monotonic() - t0, 3), "used_mb": dev.used_mb,
-                            "reserved_mb": snap["reserved_mb"], "queued": ledger.waiting})
+            samples.append(
+                {
+                    "n": n,
+                    "t": round(time.monotonic() - t0, 3),
+                    "used_mb": dev.used_mb,
+                    "reserved_mb": snap["reserved_mb"],
+                    "queued": ledger.waiting,
+                }
+            )
             await asyncio.sleep(0.25)
 
     async def one(i: int) -> RunRecord:
@@ -151,8 +163,15 @@ async def nvml_sampler(n: int, samples: list[dict[str, Any]]) -> None:
     t0 = time.monotonic()
     while True:
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        samples.append({"n": n, "t": round(time.monotonic() - t0, 3), "used_mb": mem.used // 2**20,
-                        "reserved_mb": None, "queued": None})
+        samples.append(
+            {
+                "n": n,
+                "t": round(time.monotonic() - t0, 3),
+                "used_mb": mem.used // 2**20,
+                "reserved_mb": None,
+                "queued": None,
+            }
+        )
         await asyncio.sleep(0.25)
 
 
@@ -163,17 +182,27 @@ def readyz_sampler(http: str) -> Sampler:
     async def sample(n: int, samples: list[dict[str, Any]]) -> None:
         t0 = time.monotonic()
         while True:
+
             def get() -> dict[str, Any]:
                 with urllib.request.urlopen(f"{http}/readyz", timeout=5) as resp:  # noqa: S310 (http:// built here)
                     return dict(json.loads(resp.read()))
+
             try:
                 gpu = (await asyncio.to_thread(get))["gpu"]
             except (OSError, ValueError, KeyError):
                 gpu = None
             if gpu is not None:
-                samples.append({"n": n, "t": round(time.monotonic() - t0, 3), "used_mb": None,
-                                "reserved_mb": gpu["devices"][0]["reserved_mb"], "queued": gpu["queued"]})
+                samples.append(
+                    {
+                        "n": n,
+                        "t": round(time.monotonic() - t0, 3),
+                        "used_mb": None,
+                        "reserved_mb": gpu["devices"][0]["reserved_mb"],
+                        "queued": gpu["queued"],
+                    }
+                )
             await asyncio.sleep(0.25)
+
     return sample
 
 
@@ -183,9 +212,15 @@ Sampler = Callable[[int, list[dict[str, Any]]], Coroutine[Any, Any, None]]
 OVERRUNNERS = ("llama-overrun", "llama-runaway")  # kinds that use more than their budget
 
 
-async def server_level(url: str, n: int, samples: list[dict[str, Any]], scale: float,
-                       sampler: Sampler = nvml_sampler, mix: list[tuple[str, int, int, float]] = MIX,
-                       limits_enforced: bool = False) -> list[RunRecord]:
+async def server_level(
+    url: str,
+    n: int,
+    samples: list[dict[str, Any]],
+    scale: float,
+    sampler: Sampler = nvml_sampler,
+    mix: list[tuple[str, int, int, float]] = MIX,
+    limits_enforced: bool = False,
+) -> list[RunRecord]:
     """Budgets and uses are scaled to the device (the mix is written for 16 GiB).
 
     limits_enforced: the server enforces MPS limits (/readyz gpu.mps.enforcing), so an
@@ -194,9 +229,15 @@ async def server_level(url: str, n: int, samples: list[dict[str, Any]], scale: f
 
     async def one(c: Any, i: int) -> RunRecord:
         kind, budget, uses, secs = mix[i % len(mix)]
-        budget, uses = int(budget * scale), int(uses * scale) if kind != "llama-overrun" else int(
-            (budget * scale) + MARGIN_MB + 512)
-        code = CUDA_CODE.replace("USES", str(uses)).replace("SECS", str(secs)) if uses else f"import time; time.sleep({secs})"
+        budget, uses = (
+            int(budget * scale),
+            int(uses * scale) if kind != "llama-overrun" else int((budget * scale) + MARGIN_MB + 512),
+        )
+        code = (
+            CUDA_CODE.replace("USES", str(uses)).replace("SECS", str(secs))
+            if uses
+            else f"import time; time.sleep({secs})"
+        )
         fields: dict[str, Any] = {"gpu": {"memory_mb": budget}} if budget else {}
         asked = time.monotonic()
         ex = await c.execute(code, **fields)
@@ -209,7 +250,9 @@ async def server_level(url: str, n: int, samples: list[dict[str, Any]], scale: f
             outcome = "budget_refused" if limits_enforced and kind in OVERRUNNERS else "oom"
         device = start["gpu"]["index"] if start and start.get("gpu") else None
         # done.duration_ms counts from the request, queue included; run time is what follows it.
-        return RunRecord(n, kind, budget, queued, max(0.0, float(ex.duration_ms or 0) - queued), outcome, device)
+        return RunRecord(
+            n, kind, budget, queued, max(0.0, float(ex.duration_ms or 0) - queued), outcome, device
+        )
 
     sample_task = asyncio.create_task(sampler(n, samples))
     try:
@@ -229,21 +272,35 @@ def summarise(records: list[RunRecord]) -> list[dict[str, Any]]:
         outcomes: dict[str, int] = {}
         for r in rs:
             outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
-        rows.append({
-            "n": n, "outcomes": outcomes, "budget_sum_mb": sum(r.budget_mb for r in rs if r.outcome != "rejected"),
-            "queue_p50_ms": round(pct(q, 50)), "queue_p95_ms": round(pct(q, 95)), "queue_p99_ms": round(pct(q, 99)),
-            "run_p50_ms": round(pct(t, 50)), "run_p95_ms": round(pct(t, 95)), "run_p99_ms": round(pct(t, 99)),
-            "mean_run_ms": round(statistics.mean(t)) if t else 0,
-        })
+        rows.append(
+            {
+                "n": n,
+                "outcomes": outcomes,
+                "budget_sum_mb": sum(r.budget_mb for r in rs if r.outcome != "rejected"),
+                "queue_p50_ms": round(pct(q, 50)),
+                "queue_p95_ms": round(pct(q, 95)),
+                "queue_p99_ms": round(pct(q, 99)),
+                "run_p50_ms": round(pct(t, 50)),
+                "run_p95_ms": round(pct(t, 95)),
+                "run_p99_ms": round(pct(t, 99)),
+                "mean_run_ms": round(statistics.mean(t)) if t else 0,
+            }
+        )
     return rows
 
 
 def run_meta(mix: list[tuple[str, int, int, float]], levels: tuple[int, ...], **extra: Any) -> dict[str, Any]:
     """What a report says about its setup: device, mix, levels, machine, time."""
-    return {**extra, "device_mb": DEVICE_MB, "margin_mb": MARGIN_MB, "levels": list(levels),
-            "mix": [dict(zip(("kind", "budget_mb", "uses_mb", "seconds"), m, strict=True)) for m in mix],
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "python": platform.python_version(),
-            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        **extra,
+        "device_mb": DEVICE_MB,
+        "margin_mb": MARGIN_MB,
+        "levels": list(levels),
+        "mix": [dict(zip(("kind", "budget_mb", "uses_mb", "seconds"), m, strict=True)) for m in mix],
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "python": platform.python_version(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def outcomes_text(row: dict[str, Any]) -> str:
@@ -267,23 +324,37 @@ def write_report(name: str, mode: str, records: list[RunRecord], samples: list[d
     RESULTS.mkdir(parents=True, exist_ok=True)
     rows = summarise(records)
     meta = run_meta(MIX, LEVELS, mode=mode)
-    (RESULTS / f"{name}.json").write_text(json.dumps(
-        {"meta": meta, "summary": rows, "runs": [asdict(r) for r in records], "samples": samples}, indent=1))
-    lines = [f"# GPU contention ({mode})", "", f"Device {DEVICE_MB} MiB, margin {MARGIN_MB} MiB; "
-             f"{meta['machine']}; {meta['when']}.", "",
-             "| N | outcomes | budgets admitted (MiB) | queue p50/p95/p99 (ms) | run p50/p95/p99 (ms) |",
-             "|---|---|---|---|---|"]
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps(
+            {"meta": meta, "summary": rows, "runs": [asdict(r) for r in records], "samples": samples},
+            indent=1,
+        )
+    )
+    lines = [
+        f"# GPU contention ({mode})",
+        "",
+        f"Device {DEVICE_MB} MiB, margin {MARGIN_MB} MiB; {meta['machine']}; {meta['when']}.",
+        "",
+        "| N | outcomes | budgets admitted (MiB) | queue p50/p95/p99 (ms) | run p50/p95/p99 (ms) |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['n']} | {outcomes_text(r)} | {r['budget_sum_mb']} | {r['queue_p50_ms']}/{r['queue_p95_ms']}/"
-                     f"{r['queue_p99_ms']} | {r['run_p50_ms']}/{r['run_p95_ms']}/{r['run_p99_ms']} |")
+        lines.append(
+            f"| {r['n']} | {outcomes_text(r)} | {r['budget_sum_mb']} | {r['queue_p50_ms']}/{r['queue_p95_ms']}/"
+            f"{r['queue_p99_ms']} | {r['run_p50_ms']}/{r['run_p95_ms']}/{r['run_p99_ms']} |"
+        )
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     plt = pyplot()
     if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ns = [r["n"] for r in rows]
-    for key, label in (("queue_p50_ms", "queue p50"), ("queue_p95_ms", "queue p95"), ("queue_p99_ms", "queue p99"),
-                       ("run_p50_ms", "run p50")):
+    for key, label in (
+        ("queue_p50_ms", "queue p50"),
+        ("queue_p95_ms", "queue p95"),
+        ("queue_p99_ms", "queue p99"),
+        ("run_p50_ms", "run p50"),
+    ):
         ax1.plot(ns, [r[key] for r in rows], marker="o", label=label)
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("concurrent runs (N)")
@@ -304,7 +375,9 @@ def write_report(name: str, mode: str, records: list[RunRecord], samples: list[d
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--server", help="ws://HOST:PORT/exec of an appliance with SANDBOX_GPU=1 (real GPU)")
     parser.add_argument("--name", help="result file name (default gpu_contention_<mode>)")
     args = parser.parse_args()
@@ -332,8 +405,11 @@ async def main() -> None:
         enforced = bool((await asyncio.to_thread(readyz)).get("gpu", {}).get("mps", {}).get("enforcing"))
         print(f"MPS limits enforced: {enforced}")
     for n in LEVELS:
-        level = await (server_level(args.server, n, samples, scale, limits_enforced=enforced) if args.server
-                       else simulated_level(n, samples))
+        level = await (
+            server_level(args.server, n, samples, scale, limits_enforced=enforced)
+            if args.server
+            else simulated_level(n, samples)
+        )
         records += level
         print(json.dumps(summarise(level)[0]))
     write_report(args.name or f"gpu_contention_{mode}", mode, records, samples)

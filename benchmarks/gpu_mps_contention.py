@@ -68,23 +68,43 @@ def build_stub(root: Path) -> Path:
     if shutil.which("gcc") is None:
         raise BenchError("gcc is needed to build the stand-in libcuda (tests/stub_libcuda.c)")
     lib = root / "libcuda.so.1"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(REPO / "tests" / "stub_libcuda.c")],
-                   check=True)
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(REPO / "tests" / "stub_libcuda.c")], check=True
+    )
     return lib
 
 
-async def run_config(label: str, simulate: str, enforcing: bool, root: Path, lib: Path,
-                     samples: list[dict[str, Any]], levels: tuple[int, ...]) -> list[RunRecord]:
+async def run_config(
+    label: str,
+    simulate: str,
+    enforcing: bool,
+    root: Path,
+    lib: Path,
+    samples: list[dict[str, Any]],
+    levels: tuple[int, ...],
+) -> list[RunRecord]:
     slug = simulate.replace("-", "_")
     host = root / f"host-{slug}.json"  # the simulated host: see the module docstring
     host.write_text(json.dumps({"compute_mode": {"0": "EXCLUSIVE_PROCESS"}, "mps_shm": "pipe_dir"}))
     server = start_appliance(
-        f"mps-{slug}", root / "srv", SANDBOX_GPU="1", SANDBOX_GPU_BACKEND="simulated",
-        SANDBOX_GPU_SIMULATE=str(DEVICE_MB), SANDBOX_GPU_SIMULATE_MPS=simulate, SANDBOX_GPU_SIMULATE_FILE=str(host),
-        SANDBOX_GPU_MPS_PIPE_DIR=str(root / f"pipe-{slug}"), SANDBOX_GPU_LIBCUDA=str(lib),
-        SANDBOX_GPU_MARGIN_MB=str(MARGIN_MB), SANDBOX_GPU_POLL_MS=str(POLL_MS), SANDBOX_PRELOAD="",
-        SANDBOX_POOL_SIZE="2", SANDBOX_MAX_CONCURRENCY="16", SANDBOX_MAX_EXEC_MS="60000",
-        SANDBOX_MEMORY_MB="2048", SANDBOX_GPU_QUEUE_MS="120000")
+        f"mps-{slug}",
+        root / "srv",
+        SANDBOX_GPU="1",
+        SANDBOX_GPU_BACKEND="simulated",
+        SANDBOX_GPU_SIMULATE=str(DEVICE_MB),
+        SANDBOX_GPU_SIMULATE_MPS=simulate,
+        SANDBOX_GPU_SIMULATE_FILE=str(host),
+        SANDBOX_GPU_MPS_PIPE_DIR=str(root / f"pipe-{slug}"),
+        SANDBOX_GPU_LIBCUDA=str(lib),
+        SANDBOX_GPU_MARGIN_MB=str(MARGIN_MB),
+        SANDBOX_GPU_POLL_MS=str(POLL_MS),
+        SANDBOX_PRELOAD="",
+        SANDBOX_POOL_SIZE="2",
+        SANDBOX_MAX_CONCURRENCY="16",
+        SANDBOX_MAX_EXEC_MS="60000",
+        SANDBOX_MEMORY_MB="2048",
+        SANDBOX_GPU_QUEUE_MS="120000",
+    )
     try:
         mps = json.loads(server.get("/readyz")[1])["gpu"]["mps"]
         if mps["enforcing"] is not enforcing:
@@ -92,8 +112,9 @@ async def run_config(label: str, simulate: str, enforcing: bool, root: Path, lib
         records: list[RunRecord] = []
         sampler = readyz_sampler(f"http://127.0.0.1:{server.port}")
         for n in levels:
-            level = await server_level(server.url, n, samples, 1.0, sampler=sampler, mix=MIX_MPS,
-                                       limits_enforced=enforcing)
+            level = await server_level(
+                server.url, n, samples, 1.0, sampler=sampler, mix=MIX_MPS, limits_enforced=enforcing
+            )
             for s in samples:
                 s.setdefault("config", label)
             records += level
@@ -106,25 +127,45 @@ async def run_config(label: str, simulate: str, enforcing: bool, root: Path, lib
 def overrun_ms(records: list[RunRecord]) -> list[float]:
     """How long each overrunner could hold memory past its budget: from its start to the kill
     (an upper bound: it allocates shortly after starting), or never (refused)."""
-    return [r.run_ms if r.outcome == "gpu_memory_limit" else 0.0
-            for r in records if r.kind in OVERRUNNERS]
+    return [r.run_ms if r.outcome == "gpu_memory_limit" else 0.0 for r in records if r.kind in OVERRUNNERS]
 
 
-def write(out: Path, name: str, results: dict[str, list[RunRecord]], samples: list[dict[str, Any]],
-          lines: list[str], levels: tuple[int, ...]) -> None:
+def write(
+    out: Path,
+    name: str,
+    results: dict[str, list[RunRecord]],
+    samples: list[dict[str, Any]],
+    lines: list[str],
+    levels: tuple[int, ...],
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = run_meta(MIX_MPS, levels, poll_ms=POLL_MS)
-    (out / f"{name}.json").write_text(json.dumps(
-        {"meta": meta, "summary": {k: summarise(v) for k, v in results.items()},
-         "runs": {k: [asdict(r) for r in v] for k, v in results.items()}, "samples": samples}, indent=1))
-    md = ["# GPU contention with and without MPS limits (simulated devices, real appliance)", "",
-          f"Device {DEVICE_MB} MiB, margin {MARGIN_MB} MiB, watchdog poll {POLL_MS} ms; {meta['machine']}; "
-          f"{meta['when']}. `python -m benchmarks.gpu_mps_contention`.", "",
-          "| config | N | outcomes | queue p50/p95 (ms) | run p50/p95 (ms) |", "|---|---|---|---|---|"]
+    (out / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "summary": {k: summarise(v) for k, v in results.items()},
+                "runs": {k: [asdict(r) for r in v] for k, v in results.items()},
+                "samples": samples,
+            },
+            indent=1,
+        )
+    )
+    md = [
+        "# GPU contention with and without MPS limits (simulated devices, real appliance)",
+        "",
+        f"Device {DEVICE_MB} MiB, margin {MARGIN_MB} MiB, watchdog poll {POLL_MS} ms; {meta['machine']}; "
+        f"{meta['when']}. `python -m benchmarks.gpu_mps_contention`.",
+        "",
+        "| config | N | outcomes | queue p50/p95 (ms) | run p50/p95 (ms) |",
+        "|---|---|---|---|---|",
+    ]
     for label, records in results.items():
         for row in summarise(records):
-            md.append(f"| {label} | {row['n']} | {outcomes_text(row)} | {row['queue_p50_ms']}/{row['queue_p95_ms']} | "
-                      f"{row['run_p50_ms']}/{row['run_p95_ms']} |")
+            md.append(
+                f"| {label} | {row['n']} | {outcomes_text(row)} | {row['queue_p50_ms']}/{row['queue_p95_ms']} | "
+                f"{row['run_p50_ms']}/{row['run_p95_ms']} |"
+            )
     md += ["", *[f"- {line}" for line in lines]]
     (out / f"{name}.md").write_text("\n".join(md) + "\n")
     plt = pyplot()
@@ -133,9 +174,16 @@ def write(out: Path, name: str, results: dict[str, list[RunRecord]], samples: li
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for label, records in results.items():
         rows = summarise(records)
-        ax1.plot([r["n"] for r in rows], [r["run_p50_ms"] for r in rows], marker="o", label=f"{label}: run p50")
-        ax1.plot([r["n"] for r in rows], [r["queue_p95_ms"] for r in rows], marker="x", linestyle="--",
-                 label=f"{label}: queue p95")
+        ax1.plot(
+            [r["n"] for r in rows], [r["run_p50_ms"] for r in rows], marker="o", label=f"{label}: run p50"
+        )
+        ax1.plot(
+            [r["n"] for r in rows],
+            [r["queue_p95_ms"] for r in rows],
+            marker="x",
+            linestyle="--",
+            label=f"{label}: queue p95",
+        )
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("concurrent runs (N)")
     ax1.set_ylabel("ms")
@@ -153,7 +201,9 @@ def write(out: Path, name: str, results: dict[str, list[RunRecord]], samples: li
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="N = 1 and 4 only (a smoke run, ~10 s)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go")
     args = parser.parse_args()
@@ -164,14 +214,19 @@ async def main() -> None:
     try:
         lib = build_stub(root)
         samples: list[dict[str, Any]] = []
-        results = {label: await run_config(label, sim, enforcing, root, lib, samples, levels)
-                   for label, sim, enforcing in CONFIGS}
+        results = {
+            label: await run_config(label, sim, enforcing, root, lib, samples, levels)
+            for label, sim, enforcing in CONFIGS
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
     (plain, plain_runs), (armed, armed_runs) = results.items()
     neighbours = {label: sum(1 for r in runs if r.outcome == "oom") for label, runs in results.items()}
     over_plain, over_armed = overrun_ms(plain_runs), overrun_ms(armed_runs)
-    gpu_ok = {label: [r.run_ms for r in runs if r.outcome == "ok" and r.budget_mb] for label, runs in results.items()}
+    gpu_ok = {
+        label: [r.run_ms for r in runs if r.outcome == "ok" and r.budget_mb]
+        for label, runs in results.items()
+    }
     p50_plain, p50_armed = pct(gpu_ok[plain], 50), pct(gpu_ok[armed], 50)
     lines = [
         f"overrunning runs held memory past their budget for at most p50 {pct(over_plain, 50):.0f} ms / max "

@@ -112,27 +112,36 @@ async def probe(targets: list[Target], runs: int, code: str, expect: str | None)
 
 
 def report(targets: list[Target]) -> str:
-    rows = ["| tree | runs | wall p50 ms | wall p90 ms | server CPU µs p50 / mean | cgroup CPU µs p50 / mean |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| tree | runs | wall p50 ms | wall p90 ms | server CPU µs p50 / mean | cgroup CPU µs p50 / mean |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for t in targets:
         rows.append(
             f"| {t.name} | {len(t.wall_ms)} | {percentile(t.wall_ms, 50):.2f} | {percentile(t.wall_ms, 90):.2f} "
             f"| {percentile(t.server_us, 50):.0f} / {sum(t.server_us) / len(t.server_us):.0f} "
-            f"| {percentile(t.group_us, 50):.0f} / {sum(t.group_us) / len(t.group_us):.0f} |")
+            f"| {percentile(t.group_us, 50):.0f} / {sum(t.group_us) / len(t.group_us):.0f} |"
+        )
     return "\n".join(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200)
-    parser.add_argument("--tree", type=Path, action="append",
-                        help="a checkout to start a server from (repeat to compare; default: this one)")
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        action="append",
+        help="a checkout to start a server from (repeat to compare; default: this one)",
+    )
     parser.add_argument("--code", default="print(2+2)")
     parser.add_argument("--expect", default="4\n", help="the stdout every run must print ('' for any)")
     args = parser.parse_args()
     trees: list[Path] = [tree.resolve() for tree in args.tree or [REPO]]
-    names = [tree.name if [p.name for p in trees].count(tree.name) == 1 else f"{tree.name}{i}"
-             for i, tree in enumerate(trees)]
+    names = [
+        tree.name if [p.name for p in trees].count(tree.name) == 1 else f"{tree.name}{i}"
+        for i, tree in enumerate(trees)
+    ]
     work = Path(tempfile.mkdtemp(prefix="appliance-hotpath-"))
     targets: list[Target] = []
     try:

@@ -69,11 +69,17 @@ print(json.dumps({{"s": time.perf_counter() - t0}}))
 
 def meta_line(started: float) -> str:
     """When, where, the load and the commit: what a reader needs to weigh the figures."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True, check=False).stdout.strip() or "?"
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+        ).stdout.strip()
+        or "?"
+    )
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    return (f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(started))} · {platform.platform()} · "
-            f"{os.cpu_count()} CPUs · load average after {load} · {time.time() - started:.0f} s · commit {commit}")
+    return (
+        f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(started))} · {platform.platform()} · "
+        f"{os.cpu_count()} CPUs · load average after {load} · {time.time() - started:.0f} s · commit {commit}"
+    )
 
 
 def make_models(models: Path) -> None:
@@ -103,11 +109,22 @@ class Outside:
         from pywhispercpp.model import Model
 
         t0 = time.perf_counter()
-        self.llm = llama_cpp.Llama(model_path=str(models / LLM), n_ctx=n_ctx, n_gpu_layers=0,
-                                   n_threads=threads, seed=0, verbose=False)
+        self.llm = llama_cpp.Llama(
+            model_path=str(models / LLM),
+            n_ctx=n_ctx,
+            n_gpu_layers=0,
+            n_threads=threads,
+            seed=0,
+            verbose=False,
+        )
         self.load_s = time.perf_counter() - t0
-        self.whisper = Model(str(models / WHISPER), redirect_whispercpp_logs_to=None, n_threads=threads,
-                             print_progress=False, print_realtime=False)
+        self.whisper = Model(
+            str(models / WHISPER),
+            redirect_whispercpp_logs_to=None,
+            n_threads=threads,
+            print_progress=False,
+            print_realtime=False,
+        )
         self.audio = np.random.default_rng(0).uniform(-0.1, 0.1, int(16000 * AUDIO_S)).astype(np.float32)
 
     def generate(self, tokens: int) -> dict[str, Any]:
@@ -121,7 +138,9 @@ class Outside:
         return {"s": time.perf_counter() - t1}
 
 
-async def measure(url: str, models: Path, reps: int, tokens: int, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+async def measure(
+    url: str, models: Path, reps: int, tokens: int, quick: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(in the jail, outside): one-shot loads, then session cells and whisper, interleaved."""
     from appliance.client import AsyncClient
 
@@ -183,10 +202,16 @@ def summarise(jail: dict[str, Any], host: dict[str, Any]) -> dict[str, Any]:
         "one_shot_load": p([r["load_s"] for r in jail["one_shot"]]),
         "session_cell": p(session_wall),
         "session_speedup": med(one_shot_wall) / med(session_wall),
-        "tokens_per_s": {"jail_p50": med(tps_jail), "host_p50": med(tps_host),
-                         "jail_overhead_pct": (med(tps_host) / med(tps_jail) - 1) * 100},
-        "whisper_rtf": {"jail_p50": med(rtf_jail), "host_p50": med(rtf_host),
-                        "jail_overhead_pct": (med(rtf_jail) / med(rtf_host) - 1) * 100},
+        "tokens_per_s": {
+            "jail_p50": med(tps_jail),
+            "host_p50": med(tps_host),
+            "jail_overhead_pct": (med(tps_host) / med(tps_jail) - 1) * 100,
+        },
+        "whisper_rtf": {
+            "jail_p50": med(rtf_jail),
+            "host_p50": med(rtf_host),
+            "jail_overhead_pct": (med(rtf_jail) / med(rtf_host) - 1) * 100,
+        },
         "tokens_per_run": jail["session"][0]["tokens"],
     }
 
@@ -195,10 +220,15 @@ def write(out_dir: Path, stem: str, doc: dict[str, Any]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     s = doc["summary"]
     md = [
-        "# Inference in the sandbox", "", doc["meta"], "",
+        "# Inference in the sandbox",
+        "",
+        doc["meta"],
+        "",
         f"Models: {doc['models']}. Threads per run: {doc['threads']}. {s['tokens_per_run']} tokens per "
-        f"generation; whisper on {AUDIO_S:.0f} s of audio. Figures are p50 unless named.", "",
-        "| measure | value |", "|---|---:|",
+        f"generation; whisper on {AUDIO_S:.0f} s of audio. Figures are p50 unless named.",
+        "",
+        "| measure | value |",
+        "|---|---:|",
         f"| one-shot run (load + generate), wall | {s['one_shot_run']['p50_ms']:.1f} ms (p90 "
         f"{s['one_shot_run']['p90_ms']:.1f}) |",
         f"| model load inside the run | {s['one_shot_load']['p50_ms']:.1f} ms |",
@@ -222,15 +252,24 @@ def write(out_dir: Path, stem: str, doc: dict[str, Any]) -> list[Path]:
     if plt is None:
         return paths[:2]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
-    axes[0].bar(["one-shot run", "session cell"], [s["one_shot_run"]["p50_ms"], s["session_cell"]["p50_ms"]],
-                color=["#999", "#2a7"])
+    axes[0].bar(
+        ["one-shot run", "session cell"],
+        [s["one_shot_run"]["p50_ms"], s["session_cell"]["p50_ms"]],
+        color=["#999", "#2a7"],
+    )
     axes[0].set_ylabel("ms (p50)")
     axes[0].set_title(f"load once: {s['session_speedup']:.1f}x")
-    axes[1].bar(["jail", "no jail"], [s["tokens_per_s"]["jail_p50"], s["tokens_per_s"]["host_p50"]],
-                color=["#2a7", "#999"])
+    axes[1].bar(
+        ["jail", "no jail"],
+        [s["tokens_per_s"]["jail_p50"], s["tokens_per_s"]["host_p50"]],
+        color=["#2a7", "#999"],
+    )
     axes[1].set_title("llama.cpp tokens/s")
-    axes[2].bar(["jail", "no jail"], [s["whisper_rtf"]["jail_p50"], s["whisper_rtf"]["host_p50"]],
-                color=["#2a7", "#999"])
+    axes[2].bar(
+        ["jail", "no jail"],
+        [s["whisper_rtf"]["jail_p50"], s["whisper_rtf"]["host_p50"]],
+        color=["#2a7", "#999"],
+    )
     axes[2].set_title("whisper real-time factor")
     fig.tight_layout()
     fig.savefig(paths[2], dpi=110)
@@ -239,7 +278,9 @@ def write(out_dir: Path, stem: str, doc: dict[str, Any]) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.inference", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.inference", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="few samples (CI)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--models-dir", type=Path, default=None)
@@ -254,18 +295,30 @@ def main(argv: list[str] | None = None) -> int:
         make_models(models)
         os.chmod(models, 0o755)
     started = time.time()
-    server = start_appliance("inference", work / "srv", SANDBOX_MODELS_DIR=str(models), SANDBOX_POOL_SIZE="2",
-                             SANDBOX_PRELOAD="numpy,llama_cpp,pywhispercpp.model,appliance.tools",
-                             SANDBOX_PRELOAD_PROFILES="tools=numpy,llama_cpp,pywhispercpp.model,appliance.tools",
-                             SANDBOX_MAX_EXEC_MS="120000", SANDBOX_MEMORY_MB="2048")
+    server = start_appliance(
+        "inference",
+        work / "srv",
+        SANDBOX_MODELS_DIR=str(models),
+        SANDBOX_POOL_SIZE="2",
+        SANDBOX_PRELOAD="numpy,llama_cpp,pywhispercpp.model,appliance.tools",
+        SANDBOX_PRELOAD_PROFILES="tools=numpy,llama_cpp,pywhispercpp.model,appliance.tools",
+        SANDBOX_MAX_EXEC_MS="120000",
+        SANDBOX_MEMORY_MB="2048",
+    )
     try:
         jail, host = asyncio.run(measure(server.url, models, reps, tokens, args.quick))
     finally:
         server.stop()
     first = jail["one_shot"][0]
-    doc = {"meta": meta_line(started), "models": "generated" if args.models_dir is None else str(models),
-           "threads": first["threads"], "reps": reps, "summary": summarise(jail, host), "jail": jail,
-           "host": host}
+    doc = {
+        "meta": meta_line(started),
+        "models": "generated" if args.models_dir is None else str(models),
+        "threads": first["threads"],
+        "reps": reps,
+        "summary": summarise(jail, host),
+        "jail": jail,
+        "host": host,
+    }
     paths = write(args.out, "inference_quick" if args.quick else "inference", doc)
     shutil.rmtree(work, ignore_errors=True)
     print("\n".join(str(p) for p in paths))

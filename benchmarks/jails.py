@@ -62,7 +62,7 @@ def naive_argv(jails: BenchJails, workdir: Path, code: str) -> list[str]:
     spec = factory.spec(workdir)
     argv = render_argv(spec, PLACEHOLDER_FD, factory.host.firejail)
     driver_tail = [str(spec.python), "-I", "-u", str(spec.driver), str(PLACEHOLDER_FD)]
-    if argv[-len(driver_tail):] != driver_tail:
+    if argv[-len(driver_tail) :] != driver_tail:
         raise BenchError("render_argv changed its tail; update benchmarks/jails.py")
     flags = [a for a in argv[: -len(driver_tail)] if not a.startswith("--keep-fd=")]
     host = factory.host
@@ -78,13 +78,20 @@ async def naive_run(jails: BenchJails, code: str) -> str:
     try:
         env = {**launcher_env(), "container": "docker"}
         proc = await asyncio.create_subprocess_exec(
-            *naive_argv(jails, workdir, code), env=env, cwd="/", stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            *naive_argv(jails, workdir, code),
+            env=env,
+            cwd="/",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         out, err = await proc.communicate()
     finally:
         await asyncio.to_thread(shutil.rmtree, workdir, True)
     if proc.returncode != 0:
-        raise BenchError(f"naive firejail run exited {proc.returncode}: {err.decode(errors='replace')[-800:]}")
+        raise BenchError(
+            f"naive firejail run exited {proc.returncode}: {err.decode(errors='replace')[-800:]}"
+        )
     return out.decode(errors="replace")
 
 
@@ -98,8 +105,9 @@ class SpawnCapacity:
     pss_mb: float
 
 
-async def spawn_capacity(jails: BenchJails, parallel: int, seconds: float, minimum: int,
-                         tick: Callable[[], None] | None = None) -> SpawnCapacity:
+async def spawn_capacity(
+    jails: BenchJails, parallel: int, seconds: float, minimum: int, tick: Callable[[], None] | None = None
+) -> SpawnCapacity:
     """Launch and destroy jails `parallel` at a time for `seconds` (and at least `minimum`)."""
     launch_ms: list[float] = []
     finished: list[float] = []

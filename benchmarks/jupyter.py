@@ -69,11 +69,25 @@ class KernelGateway:
             raise BenchError("no kernel connection: open_kernel() first")
         msg_id = uuid.uuid4().hex
         msg = {
-            "header": {"msg_id": msg_id, "username": "bench", "session": self.session,
-                       "msg_type": "execute_request", "version": "5.3"},
-            "parent_header": {}, "metadata": {}, "buffers": [], "channel": "shell",
-            "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
-                        "allow_stdin": False, "stop_on_error": True},
+            "header": {
+                "msg_id": msg_id,
+                "username": "bench",
+                "session": self.session,
+                "msg_type": "execute_request",
+                "version": "5.3",
+            },
+            "parent_header": {},
+            "metadata": {},
+            "buffers": [],
+            "channel": "shell",
+            "content": {
+                "code": code,
+                "silent": False,
+                "store_history": False,
+                "user_expressions": {},
+                "allow_stdin": False,
+                "stop_on_error": True,
+            },
         }
         await self.ws.send(json.dumps(msg))
         stdout: list[str] = []
@@ -126,12 +140,22 @@ async def start_gateway(workdir: Path, nodelay: bool = True) -> KernelGateway:
         raise BenchError("jupyter_kernel_gateway is not installed: pip install -e '.[bench]'") from exc
     port = free_port()
     log = workdir / ("kernel_gateway.log" if nodelay else "kernel_gateway_nagle.log")
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(workdir / "runtime"),
-           "JUPYTER_DATA_DIR": str(workdir / "data"), "JUPYTER_CONFIG_DIR": str(workdir / "config"),
-           "IPYTHONDIR": str(workdir / "ipython"), "MPLBACKEND": "Agg"}
+    env = {
+        **os.environ,
+        "JUPYTER_RUNTIME_DIR": str(workdir / "runtime"),
+        "JUPYTER_DATA_DIR": str(workdir / "data"),
+        "JUPYTER_CONFIG_DIR": str(workdir / "config"),
+        "IPYTHONDIR": str(workdir / "ipython"),
+        "MPLBACKEND": "Agg",
+    }
     module = ["-m", "benchmarks.kg_nodelay"] if nodelay else ["-m", "kernel_gateway"]
-    cmd = [sys.executable, *module, "--KernelGatewayApp.ip=127.0.0.1", f"--KernelGatewayApp.port={port}",
-           "--KernelGatewayApp.port_retries=0"]
+    cmd = [
+        sys.executable,
+        *module,
+        "--KernelGatewayApp.ip=127.0.0.1",
+        f"--KernelGatewayApp.port={port}",
+        "--KernelGatewayApp.port_retries=0",
+    ]
 
     def spawn() -> subprocess.Popen[bytes]:  # file and process calls block: off the event loop
         workdir.mkdir(parents=True, exist_ok=True)

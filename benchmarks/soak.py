@@ -48,21 +48,39 @@ HOSTILE = [
     ("x = bytearray(8 * 1024 ** 3)", 3000),
     ("import subprocess\nsubprocess.Popen(['sleep', '600'], start_new_session=True)", 3000),
     ("import os, time\nif os.fork() == 0:\n    time.sleep(600)\nprint('orphan')", 3000),
-    ("print('{\"type\":\"done\",\"id\":\"x\",\"status\":\"ok\"}')", 3000),
+    ('print(\'{"type":"done","id":"x","status":"ok"}\')', 3000),
     ("import os, signal\nos.killpg(0, signal.SIGSTOP)", 600),
-    ("import os\nfor fd in range(64):\n    try:\n        os.close(fd)\n    except OSError:\n        pass", 3000),
+    (
+        "import os\nfor fd in range(64):\n    try:\n        os.close(fd)\n    except OSError:\n        pass",
+        3000,
+    ),
     ("import os\nos._exit(9)", 3000),
     ("i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'x' * (4 << 20)); i += 1", 3000),
     # A tree deeper than any recursion limit, in the workspace and under outputs/.
-    ("import os\nfor i in range(1200):\n    os.mkdir('d'); os.chdir('d')\nopen('leaf', 'w').write('x')", 5000),
-    ("import os\nos.chdir('outputs')\nfor i in range(1200):\n    os.mkdir('d'); os.chdir('d')\n"
-     "open('leaf', 'w').write('x')", 5000),
+    (
+        "import os\nfor i in range(1200):\n    os.mkdir('d'); os.chdir('d')\nopen('leaf', 'w').write('x')",
+        5000,
+    ),
+    (
+        "import os\nos.chdir('outputs')\nfor i in range(1200):\n    os.mkdir('d'); os.chdir('d')\n"
+        "open('leaf', 'w').write('x')",
+        5000,
+    ),
     # Sparse files: no disk blocks, 800 MiB claimed.
-    ("for i in range(100):\n    with open(f'outputs/s{i:03}.bin', 'wb') as fh:\n        fh.truncate(8 << 20)", 5000),
+    (
+        "for i in range(100):\n    with open(f'outputs/s{i:03}.bin', 'wb') as fh:\n        fh.truncate(8 << 20)",
+        5000,
+    ),
 ]
 # A client that sends this and never reads: the server must neither grow nor keep the run.
 FLOOD = "import os\nb = b'x' * 65536\nwhile True:\n    os.write(1, b)"
-MALFORMED = ["not json", "[1]", '{"code": 5}', '{"type": "nope"}', '{"type": "stdin", "id": "ghost", "data": "x"}']
+MALFORMED = [
+    "not json",
+    "[1]",
+    '{"code": 5}',
+    '{"type": "nope"}',
+    '{"type": "stdin", "id": "ghost", "data": "x"}',
+]
 
 
 class Tally:
@@ -99,21 +117,35 @@ async def worker(url: str, n: int, seq: list[int], total: int, tally: Tally, rng
             rid = f"w{n}-{i}"
             try:
                 if roll < 0.60:
-                    await request(ws, {"id": rid, "code": rng.choice(NORMAL), "stdin_eof": False}, rid, tally, "normal")
+                    await request(
+                        ws, {"id": rid, "code": rng.choice(NORMAL), "stdin_eof": False}, rid, tally, "normal"
+                    )
                 elif roll < 0.85:
                     code, ms = rng.choice(HOSTILE)
                     await request(ws, {"id": rid, "code": code, "timeout_ms": ms}, rid, tally, "hostile")
                 elif roll < 0.95:
-                    first = await request(ws, {"id": rid, "code": "n = 1", "session": "new"}, rid, tally, "session")
+                    first = await request(
+                        ws, {"id": rid, "code": "n = 1", "session": "new"}, rid, tally, "session"
+                    )
                     sid = first.get("session")
                     for j in range(2):
                         seq[0] += 1
-                        await request(ws, {"id": f"{rid}-{j}", "code": "n += 1\nprint(n)", "session": sid},
-                                      f"{rid}-{j}", tally, "session")
+                        await request(
+                            ws,
+                            {"id": f"{rid}-{j}", "code": "n += 1\nprint(n)", "session": sid},
+                            f"{rid}-{j}",
+                            tally,
+                            "session",
+                        )
                     if sid:
                         seq[0] += 1
-                        await request(ws, {"type": "close_session", "id": f"{rid}-c", "session": sid},
-                                      f"{rid}-c", tally, "session")
+                        await request(
+                            ws,
+                            {"type": "close_session", "id": f"{rid}-c", "session": sid},
+                            f"{rid}-c",
+                            tally,
+                            "session",
+                        )
                 else:
                     await request(ws, rng.choice(MALFORMED), rid, tally, "malformed")
             except (TimeoutError, websockets.ConnectionClosed) as exc:
@@ -161,15 +193,20 @@ def settle(server: Server, timeout: float = 30) -> tuple[list[int], list[str]]:
         time.sleep(0.2)
 
 
-async def soak(server: Server, total: int, concurrency: int, seed: int,
-               peak: list[int] | None = None) -> tuple[Tally, float]:
+async def soak(
+    server: Server, total: int, concurrency: int, seed: int, peak: list[int] | None = None
+) -> tuple[Tally, float]:
     tally = Tally()
     seq = [0]
     rng = random.Random(seed)  # noqa: S311 (a reproducible workload mix, not a secret)
     started = time.monotonic()
     sampler = asyncio.create_task(sample_rss(server.proc.pid, peak if peak is not None else [0]))
-    workers = asyncio.gather(*(worker(server.url, n, seq, total, tally, random.Random(rng.random()))  # noqa: S311
-                               for n in range(concurrency)))
+    workers = asyncio.gather(
+        *(
+            worker(server.url, n, seq, total, tally, random.Random(rng.random()))  # noqa: S311
+            for n in range(concurrency)
+        )
+    )
     # Slow readers come and go alongside the workers, one at a time, for as long as they run.
     readers = asyncio.create_task(slow_readers(server.url, max(1, total // 150), tally))
     await workers
@@ -179,7 +216,9 @@ async def soak(server: Server, total: int, concurrency: int, seed: int,
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=10_000)
     parser.add_argument("--quick", action="store_true", help="300 requests, results printed only")
     parser.add_argument("--concurrency", type=int, default=8)
@@ -189,9 +228,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     total = 300 if args.quick else args.runs
     work = Path(tempfile.mkdtemp(prefix="appliance-soak-", dir="/tmp"))
     os.chmod(work, 0o755)
-    server = start_server(work / "server", SANDBOX_POOL_SIZE="0", SANDBOX_TMP_ROOT=str(work),
-                          SANDBOX_MAX_EXEC_MS="5000", SANDBOX_MAX_DISK_MB="32", SANDBOX_MEMORY_MB="512",
-                          SANDBOX_MAX_OUTPUT_BYTES="65536", SANDBOX_MAX_CONCURRENCY="4")
+    server = start_server(
+        work / "server",
+        SANDBOX_POOL_SIZE="0",
+        SANDBOX_TMP_ROOT=str(work),
+        SANDBOX_MAX_EXEC_MS="5000",
+        SANDBOX_MAX_DISK_MB="32",
+        SANDBOX_MEMORY_MB="512",
+        SANDBOX_MAX_OUTPUT_BYTES="65536",
+        SANDBOX_MAX_CONCURRENCY="4",
+    )
     try:
         # Warm up (imports, caches, the first connections) before the baseline is taken.
         asyncio.run(soak(server, 40, 4, args.seed + 1))
@@ -210,8 +256,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     wrong_done = {rid: tally.done[rid] for rid in tally.sent if tally.done[rid] != tally.sent[rid]}
     extra_done = {rid: n for rid, n in tally.done.items() if rid not in tally.sent}
     requests = sum(tally.sent.values())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                            check=False).stdout.strip() or "?"
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+        ).stdout.strip()
+        or "?"
+    )
     result: dict[str, Any] = {
         "requests": requests,
         "kinds": dict(tally.kinds),
@@ -267,15 +317,25 @@ def render(r: dict[str, Any]) -> str:
         ("processes left under the server (pool off)", len(r["leftover_processes"])),
         ("run directories left", len(r["leftover_run_dirs"])),
         ("server open fds before / after", f"{r['server_fds_before']} / {r['server_fds_after']}"),
-        ("server RSS before / peak / after",
-         f"{r['server_rss_mb_before']} MiB / {r.get('server_rss_mb_peak', '?')} MiB / {r['server_rss_mb_after']} MiB"),
+        (
+            "server RSS before / peak / after",
+            f"{r['server_rss_mb_before']} MiB / {r.get('server_rss_mb_peak', '?')} MiB / {r['server_rss_mb_after']} MiB",
+        ),
         ("leaks found", ", ".join(r["leaks"])),
     ]
-    lines = ["# Soak", "", "`python -m benchmarks.soak` against a real server (real firejail jails),",
-             f"on {r['host']['cpus']} CPUs, Python {r['host']['python']}, commit {r.get('commit', '?')}.",
-             "Slow readers (clients that send a flooding run and never read) are not counted as",
-             "requests: they never take their `done`; the leak audit covers them.", "",
-             "| measure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    lines = [
+        "# Soak",
+        "",
+        "`python -m benchmarks.soak` against a real server (real firejail jails),",
+        f"on {r['host']['cpus']} CPUs, Python {r['host']['python']}, commit {r.get('commit', '?')}.",
+        "Slow readers (clients that send a flooding run and never read) are not counted as",
+        "requests: they never take their `done`; the leak audit covers them.",
+        "",
+        "| measure | value |",
+        "|---|---|",
+        *(f"| {k} | {v} |" for k, v in rows),
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -74,9 +74,9 @@ SESSION_CODE = "x += 1\nprint(x)"
 class Plan:
     """How many samples of each kind; `quick` must stay under two minutes on 2 busy cores."""
 
-    print_fast: int      # warm appliance, naive spawn of print(2+2)
-    fast_extra: int      # extra samples for the cheap targets (Jupyter, sessions)
-    cold: int            # pool-off appliance samples per scenario
+    print_fast: int  # warm appliance, naive spawn of print(2+2)
+    fast_extra: int  # extra samples for the cheap targets (Jupyter, sessions)
+    cold: int  # pool-off appliance samples per scenario
     pandas_warm: int
     pandas_naive: int
     mpl_warm: int
@@ -87,20 +87,50 @@ class Plan:
     spawn_s: float
     spawn_min: int
     spawn_parallel: tuple[int, ...]
-    nagle_check: int     # samples of the Jupyter baseline with Nagle left on (0: skip)
-    eval_programs: int   # import-light eval programs per server (issue 18)
+    nagle_check: int  # samples of the Jupyter baseline with Nagle left on (0: skip)
+    eval_programs: int  # import-light eval programs per server (issue 18)
     eval_clients: int
-    flag_repeats: int    # jails per firejail flag variant
+    flag_repeats: int  # jails per firejail flag variant
 
 
-QUICK = Plan(print_fast=10, fast_extra=20, cold=3, pandas_warm=6, pandas_naive=3, mpl_warm=5, session=20,
-             levels=(1, 2, 4, 8, 16), level_warmup_s=2.0, level_s=3.0, spawn_s=3.0, spawn_min=4,
-             spawn_parallel=(2 * (os.cpu_count() or 1),), nagle_check=0, eval_programs=40, eval_clients=4,
-             flag_repeats=3)
-FULL = Plan(print_fast=60, fast_extra=140, cold=15, pandas_warm=40, pandas_naive=12, mpl_warm=25,
-            session=100, levels=(1, 2, 4, 8, 16), level_warmup_s=5.0, level_s=12.0, spawn_s=10.0,
-            spawn_min=12, spawn_parallel=tuple(k * (os.cpu_count() or 1) for k in (1, 2, 3)), nagle_check=20,
-            eval_programs=300, eval_clients=4, flag_repeats=12)
+QUICK = Plan(
+    print_fast=10,
+    fast_extra=20,
+    cold=3,
+    pandas_warm=6,
+    pandas_naive=3,
+    mpl_warm=5,
+    session=20,
+    levels=(1, 2, 4, 8, 16),
+    level_warmup_s=2.0,
+    level_s=3.0,
+    spawn_s=3.0,
+    spawn_min=4,
+    spawn_parallel=(2 * (os.cpu_count() or 1),),
+    nagle_check=0,
+    eval_programs=40,
+    eval_clients=4,
+    flag_repeats=3,
+)
+FULL = Plan(
+    print_fast=60,
+    fast_extra=140,
+    cold=15,
+    pandas_warm=40,
+    pandas_naive=12,
+    mpl_warm=25,
+    session=100,
+    levels=(1, 2, 4, 8, 16),
+    level_warmup_s=5.0,
+    level_s=12.0,
+    spawn_s=10.0,
+    spawn_min=12,
+    spawn_parallel=tuple(k * (os.cpu_count() or 1) for k in (1, 2, 3)),
+    nagle_check=20,
+    eval_programs=300,
+    eval_clients=4,
+    flag_repeats=12,
+)
 
 Sampler = Callable[[], Awaitable[float]]
 
@@ -128,15 +158,29 @@ class Bench:
         self.bare: ApplianceServer | None = None
         self.gateway: KernelGateway | None = None
         self.jails: BenchJails | None = None
-        self.bar = tqdm(total=self._steps(), disable=not progress, unit="run", file=sys.stderr,
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            total=self._steps(), disable=not progress, unit="run", file=sys.stderr, dynamic_ncols=True
+        )
         self.results: dict[str, Any] = {"latency": {}}
 
     def _steps(self) -> int:
         p = self.plan
-        return (2 * p.print_fast + p.print_fast + p.fast_extra + 3 * p.cold + p.pandas_warm
-                + p.pandas_naive + p.print_fast + p.fast_extra + p.mpl_warm + 2 * p.session
-                + p.spawn_min * len(p.spawn_parallel) + len(p.levels) + p.nagle_check + 2)
+        return (
+            2 * p.print_fast
+            + p.print_fast
+            + p.fast_extra
+            + 3 * p.cold
+            + p.pandas_warm
+            + p.pandas_naive
+            + p.print_fast
+            + p.fast_extra
+            + p.mpl_warm
+            + 2 * p.session
+            + p.spawn_min * len(p.spawn_parallel)
+            + len(p.levels)
+            + p.nagle_check
+            + 2
+        )
 
     def phase(self, text: str) -> None:
         self.bar.set_description(text)
@@ -171,8 +215,9 @@ class Bench:
         self.bar.close()
 
     # -- samplers ------------------------------------------------------------------------
-    def appliance_sampler(self, server: ApplianceServer, code: str, stdout: str | None,
-                          png: bool = False) -> Sampler:
+    def appliance_sampler(
+        self, server: ApplianceServer, code: str, stdout: str | None, png: bool = False
+    ) -> Sampler:
         ws_holder: list[Any] = []
 
         async def sample() -> float:
@@ -256,32 +301,44 @@ class Bench:
         if self.warm is None or self.cold is None:
             raise BenchError("the suite is not started")
         p = self.plan
-        await self.interleave("print", {
-            report.WARM: (self.appliance_sampler(self.warm, PRINT_CODE, "4\n"), p.print_fast),
-            report.COLD: (self.appliance_sampler(self.cold, PRINT_CODE, "4\n"), p.cold),
-            report.NAIVE: (self.naive_sampler(PRINT_CODE, "4\n"), p.print_fast),
-            report.JUPYTER: (self.jupyter_sampler(PRINT_CODE, "4\n"), p.print_fast + p.fast_extra),
-        })
+        await self.interleave(
+            "print",
+            {
+                report.WARM: (self.appliance_sampler(self.warm, PRINT_CODE, "4\n"), p.print_fast),
+                report.COLD: (self.appliance_sampler(self.cold, PRINT_CODE, "4\n"), p.cold),
+                report.NAIVE: (self.naive_sampler(PRINT_CODE, "4\n"), p.print_fast),
+                report.JUPYTER: (self.jupyter_sampler(PRINT_CODE, "4\n"), p.print_fast + p.fast_extra),
+            },
+        )
         if self.gateway is None:
             raise BenchError("the suite is not started")
         nodelay = self.gateway.nodelay_state()
         if not all(nodelay.values()):
             raise BenchError(f"TCP_NODELAY is off on the Jupyter baseline's connection: {nodelay}")
         self.results["jupyter_nodelay"] = dict(nodelay)
-        await self.interleave("pandas", {
-            report.WARM: (self.appliance_sampler(self.warm, PANDAS_CODE, PANDAS_OUT), p.pandas_warm),
-            report.COLD: (self.appliance_sampler(self.cold, PANDAS_CODE, PANDAS_OUT), p.cold),
-            report.NAIVE: (self.naive_sampler(PANDAS_CODE, PANDAS_OUT), p.pandas_naive),
-            report.JUPYTER: (self.jupyter_sampler(PANDAS_CODE, PANDAS_OUT), p.print_fast + p.fast_extra),
-        })
-        await self.interleave("matplotlib", {
-            report.WARM: (self.appliance_sampler(self.warm, MPL_CODE, "", png=True), p.mpl_warm),
-            report.COLD: (self.appliance_sampler(self.cold, MPL_CODE, "", png=True), p.cold),
-        })
-        await self.interleave("session", {
-            report.SESSION: (await self.session_sampler(), p.session),
-            report.JUPYTER: (await self.jupyter_session_sampler(), p.session),
-        })
+        await self.interleave(
+            "pandas",
+            {
+                report.WARM: (self.appliance_sampler(self.warm, PANDAS_CODE, PANDAS_OUT), p.pandas_warm),
+                report.COLD: (self.appliance_sampler(self.cold, PANDAS_CODE, PANDAS_OUT), p.cold),
+                report.NAIVE: (self.naive_sampler(PANDAS_CODE, PANDAS_OUT), p.pandas_naive),
+                report.JUPYTER: (self.jupyter_sampler(PANDAS_CODE, PANDAS_OUT), p.print_fast + p.fast_extra),
+            },
+        )
+        await self.interleave(
+            "matplotlib",
+            {
+                report.WARM: (self.appliance_sampler(self.warm, MPL_CODE, "", png=True), p.mpl_warm),
+                report.COLD: (self.appliance_sampler(self.cold, MPL_CODE, "", png=True), p.cold),
+            },
+        )
+        await self.interleave(
+            "session",
+            {
+                report.SESSION: (await self.session_sampler(), p.session),
+                report.JUPYTER: (await self.jupyter_session_sampler(), p.session),
+            },
+        )
 
     async def session_sampler(self) -> Sampler:
         if self.warm is None:
@@ -335,11 +392,21 @@ class Bench:
         for parallel in self.plan.spawn_parallel:
             self.phase(f"jail-spawn capacity ({parallel} at a time)")
             await wait_pool_idle(self.warm, POOL_FLOOR)
-            cap = await spawn_capacity(self.jails, parallel, self.plan.spawn_s, self.plan.spawn_min,
-                                       _ticker(self.bar, self.plan.spawn_min))
-            entry = {"spawns_per_s": round(cap.spawns_per_s, 3), "parallel": cap.parallel,
-                     "spawns": cap.spawns, "seconds": round(cap.seconds, 2),
-                     "launch_p50_ms": round(summarize(cap.launch_ms).p50_ms, 1), "pss_mb": round(cap.pss_mb, 1)}
+            cap = await spawn_capacity(
+                self.jails,
+                parallel,
+                self.plan.spawn_s,
+                self.plan.spawn_min,
+                _ticker(self.bar, self.plan.spawn_min),
+            )
+            entry = {
+                "spawns_per_s": round(cap.spawns_per_s, 3),
+                "parallel": cap.parallel,
+                "spawns": cap.spawns,
+                "seconds": round(cap.seconds, 2),
+                "launch_p50_ms": round(summarize(cap.launch_ms).p50_ms, 1),
+                "pss_mb": round(cap.pss_mb, 1),
+            }
             self.results.setdefault("spawn_capacity_runs", []).append(entry)
             if best is None or entry["spawns_per_s"] > best["spawns_per_s"]:
                 best = entry
@@ -401,10 +468,16 @@ class Bench:
         if not latencies:
             raise BenchError(f"no run finished at {clients} clients in {self.plan.level_s} s")
         s = summarize(latencies)
-        return {"clients": clients, "runs_per_s": round(len(inside) / self.plan.level_s, 3),
-                "runs": len(inside), "window_s": self.plan.level_s,
-                "cold_starts": int(server.metrics().get("appliance_cold_starts_total", 0.0) - cold_before),
-                "p50_ms": round(s.p50_ms, 2), "p90_ms": round(s.p90_ms, 2), "p99_ms": round(s.p99_ms, 2)}
+        return {
+            "clients": clients,
+            "runs_per_s": round(len(inside) / self.plan.level_s, 3),
+            "runs": len(inside),
+            "window_s": self.plan.level_s,
+            "cold_starts": int(server.metrics().get("appliance_cold_starts_total", 0.0) - cold_before),
+            "p50_ms": round(s.p50_ms, 2),
+            "p90_ms": round(s.p90_ms, 2),
+            "p99_ms": round(s.p99_ms, 2),
+        }
 
     async def evals(self) -> None:
         """Import-light eval load at default settings vs SANDBOX_PRELOAD='' (issue 18), and
@@ -493,8 +566,12 @@ def _loadavg() -> str:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "?"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "?"
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "?"
 
@@ -514,18 +591,29 @@ async def run(plan: Plan, quick: bool, progress: bool) -> dict[str, Any]:
             await bench.evals()
             await bench.nagle()
         except BenchError as exc:
-            logs = "".join(f"\n--- {srv.name} server log (tail) ---\n{srv.tail()}"
-                           for srv in (bench.warm, bench.cold, bench.bare) if srv is not None)
+            logs = "".join(
+                f"\n--- {srv.name} server log (tail) ---\n{srv.tail()}"
+                for srv in (bench.warm, bench.cold, bench.bare)
+                if srv is not None
+            )
             raise BenchError(f"{exc}{logs}") from exc
         finally:
             await bench.close()
     results = bench.results
     results["meta"] = {
-        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": quick, "machine": platform.platform(),
-        "cpus": os.cpu_count(), "python": platform.python_version(), "commit": _commit(),
-        "loadavg_before": load_before, "loadavg_after": _loadavg(),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "quick": quick,
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "commit": _commit(),
+        "loadavg_before": load_before,
+        "loadavg_after": _loadavg(),
         "seconds": round(time.monotonic() - started, 1),
-        "warm_server": {"SANDBOX_POOL_SIZE": "default (2)", "SANDBOX_PRELOAD": "default (numpy,pandas,matplotlib)"},
+        "warm_server": {
+            "SANDBOX_POOL_SIZE": "default (2)",
+            "SANDBOX_PRELOAD": "default (numpy,pandas,matplotlib)",
+        },
         "cold_server": {"SANDBOX_POOL_SIZE": "0"},
         "plan": plan.__dict__,
     }
@@ -537,17 +625,23 @@ def print_summary(results: dict[str, Any], paths: list[Path]) -> None:
     print("p50 / p99 round trip (ms):")
     for scenario, by_target in results["latency"].items():
         for name, s in by_target.items():
-            print(f"  {scenario:<10} {report.LABELS[name]:<40} {s['p50_ms']:9.2f} / {s['p99_ms']:9.2f}"
-                  f"   (n={s['n']})")
+            print(
+                f"  {scenario:<10} {report.LABELS[name]:<40} {s['p50_ms']:9.2f} / {s['p99_ms']:9.2f}"
+                f"   (n={s['n']})"
+            )
     tp = results["throughput"]
     print(f"jail-spawn capacity: {tp['spawn_capacity']['spawns_per_s']:.2f} spawns/s")
     for lvl in tp["levels"]:
-        print(f"  {lvl['clients']:>2} clients: {lvl['runs_per_s']:6.2f} runs/s   p50 {lvl['p50_ms']:8.1f} ms"
-              f"   p99 {lvl['p99_ms']:8.1f} ms   cold starts {lvl['cold_starts']}")
+        print(
+            f"  {lvl['clients']:>2} clients: {lvl['runs_per_s']:6.2f} runs/s   p50 {lvl['p50_ms']:8.1f} ms"
+            f"   p99 {lvl['p99_ms']:8.1f} ms   cold starts {lvl['cold_starts']}"
+        )
     print(f"idle PSS per warm jail: {results['memory']['pss_mb_per_warm_jail']} MB")
     ev = results["eval"]
-    print(f"import-light eval load: {ev['default']['runs_per_s']:.2f} runs/s at default settings, "
-          f"{ev['no_preload']['runs_per_s']:.2f} with SANDBOX_PRELOAD='' (ratio {ev['ratio']:.2f})")
+    print(
+        f"import-light eval load: {ev['default']['runs_per_s']:.2f} runs/s at default settings, "
+        f"{ev['no_preload']['runs_per_s']:.2f} with SANDBOX_PRELOAD='' (ratio {ev['ratio']:.2f})"
+    )
     for name, cost in results["flags"].items():
         print(f"  firejail {name:<36} wall {cost['wall_ms']:7.1f} ms   cpu {cost['cpu_ms']:6.1f} ms per jail")
     print("\nratios (baseline / appliance):")

@@ -45,8 +45,11 @@ class ScriptedModel:
         step = self.steps[min(self.calls, len(self.steps) - 1)]
         self.calls += 1
         if isinstance(step, str):
-            call = {"id": f"call_{self.calls}", "type": "function",
-                    "function": {"name": agents.TOOL_NAME, "arguments": json.dumps({"code": step})}}
+            call = {
+                "id": f"call_{self.calls}",
+                "type": "function",
+                "function": {"name": agents.TOOL_NAME, "arguments": json.dumps({"code": step})},
+            }
             return {"role": "assistant", "content": None, "tool_calls": [call]}
         return {"role": "assistant", "content": step(messages)}
 
@@ -63,8 +66,9 @@ class LlamaModel:
 
         models = os.environ.get("SANDBOX_MODELS_DIR", "")
         path = self.path if os.path.isabs(self.path) or not models else os.path.join(models, self.path)
-        self.llm = llama_cpp.Llama(model_path=path, n_ctx=4096, chat_format="chatml-function-calling",
-                                   verbose=False)
+        self.llm = llama_cpp.Llama(
+            model_path=path, n_ctx=4096, chat_format="chatml-function-calling", verbose=False
+        )
 
     def complete(self, messages: list[Message], tools: list[dict[str, Any]]) -> Message:
         reply = self.llm.create_chat_completion(messages=messages, tools=tools, tool_choice="auto")
@@ -81,13 +85,16 @@ class Transcript:
     results: list[agents.ToolResult]
 
 
-async def run_agent(model: ChatModel, client: AsyncClient, question: str, max_turns: int = 6,
-                    max_chars: int = 4000) -> Transcript:
+async def run_agent(
+    model: ChatModel, client: AsyncClient, question: str, max_turns: int = 6, max_chars: int = 4000
+) -> Transcript:
     """Ask, run the model's tool calls on the appliance, and return once it answers."""
     tools = agents.openai_tools()
     messages: list[Message] = [
-        {"role": "system", "content": "Answer the user's question. Use run_python to compute; "
-                                      "then answer in one sentence."},
+        {
+            "role": "system",
+            "content": "Answer the user's question. Use run_python to compute; then answer in one sentence.",
+        },
         {"role": "user", "content": question},
     ]
     dispatcher = agents.Dispatcher(client, max_chars=max_chars)

@@ -22,8 +22,16 @@ WHISPER_N_AUDIO_CTX = 1500
 WORDS = ("hello", "world", "the", "sandbox", "runs", "code", "gpu", "model", "tiny", "test")
 
 
-def write_tiny_llama(path: Path, *, n_embd: int = 64, n_layer: int = 2, n_head: int = 4,
-                     n_ff: int = 128, n_ctx: int = 256, seed: int = 0) -> Path:
+def write_tiny_llama(
+    path: Path,
+    *,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_ff: int = 128,
+    n_ctx: int = 256,
+    seed: int = 0,
+) -> Path:
     """Write a random llama GGUF to path (about 0.3 MiB) and return path."""
     import gguf
 
@@ -89,23 +97,23 @@ def write_tiny_llama(path: Path, *, n_embd: int = 64, n_layer: int = 2, n_head: 
 def write_tiny_whisper(path: Path, *, n_mels: int = 80) -> Path:
     """Write a tensor-less whisper ggml file (whisper.cpp's layout) to path and return path."""
     hparams = (
-        WHISPER_N_VOCAB,      # n_vocab
+        WHISPER_N_VOCAB,  # n_vocab
         WHISPER_N_AUDIO_CTX,  # n_audio_ctx
-        384,                  # n_audio_state
-        6,                    # n_audio_head
-        4,                    # n_audio_layer
-        448,                  # n_text_ctx
-        384,                  # n_text_state
-        6,                    # n_text_head
-        4,                    # n_text_layer
-        n_mels,               # n_mels
-        1,                    # ftype: f16
+        384,  # n_audio_state
+        6,  # n_audio_head
+        4,  # n_audio_layer
+        448,  # n_text_ctx
+        384,  # n_text_state
+        6,  # n_text_head
+        4,  # n_text_layer
+        n_mels,  # n_mels
+        1,  # ftype: f16
     )
     n_fft = 201
     filters = np.zeros((n_mels, n_fft), dtype=np.float32)
     for m in range(n_mels):  # a crude triangular filter bank; values only need to be finite
         centre = int((m + 1) * (n_fft - 1) / (n_mels + 1))
-        filters[m, max(centre - 1, 0):centre + 2] = (0.5, 1.0, 0.5)[: min(3, n_fft - max(centre - 1, 0))]
+        filters[m, max(centre - 1, 0) : centre + 2] = (0.5, 1.0, 0.5)[: min(3, n_fft - max(centre - 1, 0))]
     with open(path, "wb") as fh:
         fh.write(struct.pack("<I", GGML_MAGIC))
         fh.write(struct.pack("<11i", *hparams))

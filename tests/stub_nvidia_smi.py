@@ -11,8 +11,14 @@ import json
 import os
 import sys
 
-MODES = {"0": "Default", "DEFAULT": "Default", "3": "Exclusive_Process", "EXCLUSIVE_PROCESS": "Exclusive_Process",
-         "2": "Prohibited", "PROHIBITED": "Prohibited"}
+MODES = {
+    "0": "Default",
+    "DEFAULT": "Default",
+    "3": "Exclusive_Process",
+    "EXCLUSIVE_PROCESS": "Exclusive_Process",
+    "2": "Prohibited",
+    "PROHIBITED": "Prohibited",
+}
 
 
 def main(argv: list[str]) -> int:
@@ -39,9 +45,15 @@ def main(argv: list[str]) -> int:
         print("stub nvidia-smi: only --query-gpu and -i N -c MODE", file=sys.stderr)
         return 2
     for i, total in enumerate(totals):
-        values = {"index": str(i), "uuid": f"GPU-SIM-{i}", "name": "Simulated GPU", "memory.total": str(total),
-                  "driver_version": state.get("driver", "580.95.05"), "mig.mode.current": "Disabled",
-                  "compute_mode": modes.get(str(i), "Default")}
+        values = {
+            "index": str(i),
+            "uuid": f"GPU-SIM-{i}",
+            "name": "Simulated GPU",
+            "memory.total": str(total),
+            "driver_version": state.get("driver", "580.95.05"),
+            "mig.mode.current": "Disabled",
+            "compute_mode": modes.get(str(i), "Default"),
+        }
         print(", ".join(values[f] for f in query.split(",")))
     return 0
 

@@ -30,16 +30,32 @@ def scaled(seconds: float) -> float:
 Server = LocalServer
 
 
-def start_server(tmp: Path, wrap: list[str] | None = None, wait_ready: bool = True,
-                 host: str = "127.0.0.1", port: int = 0, wait_started: bool = True,
-                 settings: Mapping[str, str] | None = None, **env: str) -> Server:
+def start_server(
+    tmp: Path,
+    wrap: list[str] | None = None,
+    wait_ready: bool = True,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    wait_started: bool = True,
+    settings: Mapping[str, str] | None = None,
+    **env: str,
+) -> Server:
     """Start `appliance serve` on a free port with SANDBOX_* overrides (`settings`, then `env`);
     wait for /readyz.
 
     wait_started=False (a fixed `port` only) returns at once, while the server still starts."""
     merged = {"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "1", **(settings or {}), **env}
-    return local.start(tmp, merged, host=host, port=port, wrap=wrap or (), wait_ready=wait_ready,
-                       wait_started=wait_started, timeout_s=scaled(90), cwd=REPO)
+    return local.start(
+        tmp,
+        merged,
+        host=host,
+        port=port,
+        wrap=wrap or (),
+        wait_ready=wait_ready,
+        wait_started=wait_started,
+        timeout_s=scaled(90),
+        cwd=REPO,
+    )
 
 
 def processes_of_uid(uid: int = SANDBOX_UID) -> list[tuple[int, str]]:

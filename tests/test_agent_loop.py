@@ -29,7 +29,11 @@ async def test_a_figure_reaches_the_model_as_an_image_and_an_error_as_an_error(s
         transcript = await run_agent(model, client, "Plot something, then divide by zero.")
     first, second = transcript.results
     assert len(first.images) == 1 and first.images[0].mime == "image/png" and not first.is_error
-    image_messages = [m for m in transcript.messages if m["role"] == "user" and isinstance(m["content"], list)]
-    assert image_messages and image_messages[0]["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+    image_messages = [
+        m for m in transcript.messages if m["role"] == "user" and isinstance(m["content"], list)
+    ]
+    assert image_messages and image_messages[0]["content"][1]["image_url"]["url"].startswith(
+        "data:image/png;base64,"
+    )
     assert second.is_error and "ZeroDivisionError" in second.text
     assert transcript.answer is not None and "ZeroDivisionError" in transcript.answer

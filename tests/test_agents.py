@@ -41,20 +41,32 @@ class TestToolDefinitions:
         assert [t["name"] for t in agents.anthropic_tools()] == ["run_python", "close_session"]
 
     def test_arguments_from_a_json_string_or_a_mapping_are_checked(self) -> None:
-        args = agents.parse_arguments(json.dumps({"code": "1", "files": [
-            {"path": "a.txt", "content": "hé"}, {"path": "b.bin", "content": "AAE=", "encoding": "base64"}]}))
+        args = agents.parse_arguments(
+            json.dumps(
+                {
+                    "code": "1",
+                    "files": [
+                        {"path": "a.txt", "content": "hé"},
+                        {"path": "b.bin", "content": "AAE=", "encoding": "base64"},
+                    ],
+                }
+            )
+        )
         assert args.files == {"a.txt": "hé".encode(), "b.bin": b"\x00\x01"} and not args.keep_state
         assert agents.parse_arguments({"code": "x", "keep_state": True}).keep_state
 
-    @pytest.mark.parametrize(("arguments", "problem"), [
-        ("{not json", "not valid JSON"),
-        ({}, "'code' is required"),
-        ({"code": 1}, "'code' is required"),
-        ({"code": "", "keep_state": "yes"}, "'keep_state' must be true or false"),
-        ({"code": "", "colour": 1}, "unknown argument"),
-        ({"code": "", "files": [{"path": "a"}]}, "string 'path' and 'content'"),
-        ({"code": "", "files": [{"path": "a", "content": "!!", "encoding": "base64"}]}, "not base64"),
-    ])
+    @pytest.mark.parametrize(
+        ("arguments", "problem"),
+        [
+            ("{not json", "not valid JSON"),
+            ({}, "'code' is required"),
+            ({"code": 1}, "'code' is required"),
+            ({"code": "", "keep_state": "yes"}, "'keep_state' must be true or false"),
+            ({"code": "", "colour": 1}, "unknown argument"),
+            ({"code": "", "files": [{"path": "a"}]}, "string 'path' and 'content'"),
+            ({"code": "", "files": [{"path": "a", "content": "!!", "encoding": "base64"}]}, "not base64"),
+        ],
+    )
     def test_bad_arguments_get_a_message_for_the_model(self, arguments: object, problem: str) -> None:
         with pytest.raises(agents.ToolArgumentError, match=problem):
             agents.parse_arguments(arguments)  # type: ignore[arg-type]
@@ -77,9 +89,14 @@ class TestBudget:
 
 
 class TestOnRealRuns:
-    async def test_a_run_that_printed_a_lot_stays_inside_the_budget_with_a_marker(self, science: Server) -> None:
-        ex = await run(science, "print('first line')\nfor i in range(20000): print(i)\n"
-                                "import sys; print('the end', file=sys.stderr)\n'value'")
+    async def test_a_run_that_printed_a_lot_stays_inside_the_budget_with_a_marker(
+        self, science: Server
+    ) -> None:
+        ex = await run(
+            science,
+            "print('first line')\nfor i in range(20000): print(i)\n"
+            "import sys; print('the end', file=sys.stderr)\n'value'",
+        )
         assert ex.status == "ok" and len(ex.stdout) > 100_000
         for budget in (300, 2000, 8000):
             result = agents.tool_result(ex, max_chars=budget)
@@ -114,8 +131,10 @@ class TestOnRealRuns:
         assert "image #1 attached" in result.text and result.images[0].data not in result.text
         block = result.anthropic("toolu_1")
         assert block["type"] == "tool_result" and block["tool_use_id"] == "toolu_1"
-        assert block["content"][1] == {"type": "image", "source": {
-            "type": "base64", "media_type": "image/png", "data": result.images[0].data}}
+        assert block["content"][1] == {
+            "type": "image",
+            "source": {"type": "base64", "media_type": "image/png", "data": result.images[0].data},
+        }
         tool_msg, user_msg = result.openai("call_1")
         assert tool_msg == {"role": "tool", "tool_call_id": "call_1", "content": result.text}
         assert user_msg["content"][1]["image_url"]["url"] == "data:image/png;base64," + result.images[0].data
@@ -126,8 +145,12 @@ class TestOnRealRuns:
         assert result.images == [] and "Figure" in result.text and len(result.openai("c")) == 1
 
     async def test_files_are_listed_with_names_and_sizes(self, science: Server) -> None:
-        ex = await run(science, "import os\nos.makedirs('outputs', exist_ok=True)\n"
-                                "open('outputs/a.csv', 'w').write('x,y\\n' * 10)", files={"in.txt": b"data"})
+        ex = await run(
+            science,
+            "import os\nos.makedirs('outputs', exist_ok=True)\n"
+            "open('outputs/a.csv', 'w').write('x,y\\n' * 10)",
+            files={"in.txt": b"data"},
+        )
         result = agents.tool_result(ex)
         assert "--- files ---\noutputs/a.csv (40 bytes)" in result.text
         assert [(f.path, f.size, f.data) for f in result.files] == [("a.csv", 40, b"x,y\n" * 10)]

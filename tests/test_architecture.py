@@ -23,13 +23,33 @@ LAYERS: dict[str, set[str]] = {
     "transport": {"base", "service", "transport"},
     "cli": {"base", "jail", "gpu", "service", "transport", "cli"},
 }
-BASE = {"errors", "protocol", "settings", "logs", "metrics", "canary", "admission", "tenants", "outputs", "fstree",
-        "openapi", "client", "schema", "agents", "mcp_tools"}
+BASE = {
+    "errors",
+    "protocol",
+    "settings",
+    "logs",
+    "metrics",
+    "canary",
+    "admission",
+    "tenants",
+    "outputs",
+    "fstree",
+    "openapi",
+    "client",
+    "schema",
+    "agents",
+    "mcp_tools",
+}
 SERVICE = {"lifecycle", "service", "sessions", "toolprobe"}
 TRANSPORT = {"server", "rest", "transport", "mcp_http"}
 CLI = {"cli", "__main__", "audit", "local", "__init__"}
-IN_JAIL = {"appliance.jail.driver", "appliance.jail.channel", "appliance.jail.appliance_mpl",
-           "appliance.jail.notebook", "appliance.jail.magics"}
+IN_JAIL = {
+    "appliance.jail.driver",
+    "appliance.jail.channel",
+    "appliance.jail.appliance_mpl",
+    "appliance.jail.notebook",
+    "appliance.jail.magics",
+}
 # Pure, standard-library-only tool modules the run service may share with the jail, so that
 # one reading of a model file gives the same answer inside (appliance.tools.models()) and
 # outside (GET /v1/models).
@@ -68,7 +88,9 @@ def imports_of(path: Path, module: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if not base.startswith("appliance"):
                 continue
             for alias in node.names:
@@ -86,7 +108,9 @@ def violations(module: str, targets: set[str]) -> list[str]:
     found = []
     for target in sorted(targets - {"appliance"}):
         if module in IN_JAIL or mine == "tools":
-            if not (target in IN_JAIL_IMPORTABLE or (mine == "tools" and target.startswith("appliance.tools"))):
+            if not (
+                target in IN_JAIL_IMPORTABLE or (mine == "tools" and target.startswith("appliance.tools"))
+            ):
                 found.append(f"{module} runs in the jail and may not import {target}")
             continue
         theirs = layer_of(target)
@@ -120,7 +144,9 @@ def test_the_checker_finds_an_upward_or_in_jail_import(tmp_path: Path) -> None:
     fake = tmp_path / "fake.py"
     fake.write_text("def f():\n    from appliance.server import serve\n    from appliance.jail import pool\n")
     assert violations("appliance.jail.cell", imports_of(fake, "appliance.jail.cell")) == [
-        "appliance.jail.cell (jail) imports appliance.server (transport): an upward import"]
+        "appliance.jail.cell (jail) imports appliance.server (transport): an upward import"
+    ]
     assert violations("appliance.jail.driver", imports_of(fake, "appliance.jail.driver")) == [
         "appliance.jail.driver runs in the jail and may not import appliance.jail.pool",
-        "appliance.jail.driver runs in the jail and may not import appliance.server"]
+        "appliance.jail.driver runs in the jail and may not import appliance.server",
+    ]

@@ -17,8 +17,12 @@ TOKEN = "s3cret-token-for-tests"
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("bad"), SANDBOX_AUTH_TOKEN=TOKEN,
-                       SANDBOX_MAX_MESSAGE_BYTES="65536", SANDBOX_MAX_UPLOAD_BYTES="1024")
+    srv = start_server(
+        tmp_path_factory.mktemp("bad"),
+        SANDBOX_AUTH_TOKEN=TOKEN,
+        SANDBOX_MAX_MESSAGE_BYTES="65536",
+        SANDBOX_MAX_UPLOAD_BYTES="1024",
+    )
     yield srv
     srv.stop()
 
@@ -111,7 +115,9 @@ async def test_a_duplicate_id_while_the_first_runs_is_rejected_without_disturbin
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token-value"])
-async def test_a_missing_or_wrong_token_gets_401_before_the_upgrade(guarded: Server, token: str | None) -> None:
+async def test_a_missing_or_wrong_token_gets_401_before_the_upgrade(
+    guarded: Server, token: str | None
+) -> None:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with aiohttp.ClientSession() as http:
         async with http.get(guarded.http + "/exec", headers=headers) as resp:

@@ -34,19 +34,37 @@ def test_summary_orders_its_percentiles() -> None:
     assert s.p50_ms == pytest.approx(50.5)
 
 
-def _results(warm: float, naive: float, jupyter: float, pandas_warm: float, pandas_naive: float,
-             runs_per_s: float, capacity: float, pss: float, eval_ratio: float = 0.9) -> dict[str, object]:
+def _results(
+    warm: float,
+    naive: float,
+    jupyter: float,
+    pandas_warm: float,
+    pandas_naive: float,
+    runs_per_s: float,
+    capacity: float,
+    pss: float,
+    eval_ratio: float = 0.9,
+) -> dict[str, object]:
     def entry(p50: float) -> dict[str, float]:
-        return {"n": 10, "p50_ms": p50, "p90_ms": p50 * 2, "p99_ms": p50 * 3, "mean_ms": p50,
-                "min_ms": p50, "max_ms": p50 * 3}
+        return {
+            "n": 10,
+            "p50_ms": p50,
+            "p90_ms": p50 * 2,
+            "p99_ms": p50 * 3,
+            "mean_ms": p50,
+            "min_ms": p50,
+            "max_ms": p50 * 3,
+        }
 
     return {
         "latency": {
             "print": {report.WARM: entry(warm), report.NAIVE: entry(naive), report.JUPYTER: entry(jupyter)},
             "pandas": {report.WARM: entry(pandas_warm), report.NAIVE: entry(pandas_naive)},
         },
-        "throughput": {"spawn_capacity": {"spawns_per_s": capacity},
-                       "levels": [{"clients": 1, "runs_per_s": runs_per_s}]},
+        "throughput": {
+            "spawn_capacity": {"spawns_per_s": capacity},
+            "levels": [{"clients": 1, "runs_per_s": runs_per_s}],
+        },
         "memory": {"pss_mb_per_warm_jail": pss},
         "eval": {"ratio": eval_ratio},
     }
@@ -70,8 +88,13 @@ def test_missed_targets_are_reported_not_raised() -> None:
 
 
 def test_appliance_bench_hands_its_arguments_to_the_suite() -> None:
-    proc = subprocess.run([sys.executable, "-m", "appliance", "bench", "--help"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "appliance", "bench", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "--quick" in proc.stdout and "python -m benchmarks" in proc.stdout
 
@@ -81,7 +104,11 @@ def test_appliance_bench_hands_its_arguments_to_the_suite() -> None:
 def test_quick_benchmark_runs_end_to_end_and_writes_sane_outputs(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--no-progress", "--out", str(tmp_path)],
-        cwd=REPO, capture_output=True, text=True, timeout=scaled(840))
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(840),
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     for name in ("bench_quick.json", "bench_quick.md", "bench_quick.png"):
         assert (tmp_path / name).stat().st_size > 0, name
@@ -117,10 +144,16 @@ def test_quick_benchmark_runs_end_to_end_and_writes_sane_outputs(tmp_path: Path)
 
     ev = results["eval"]
     assert ev["default"]["programs"] == ev["no_preload"]["programs"] > 0
-    assert ev["ratio"] == pytest.approx(ev["default"]["runs_per_s"] / ev["no_preload"]["runs_per_s"], rel=0.01)
+    assert ev["ratio"] == pytest.approx(
+        ev["default"]["runs_per_s"] / ev["no_preload"]["runs_per_s"], rel=0.01
+    )
     flags = results["flags"]
-    assert set(flags) == {"all flags", "without --private-etc", "without --deterministic-shutdown",
-                          "without --seccomp"}
+    assert set(flags) == {
+        "all flags",
+        "without --private-etc",
+        "without --deterministic-shutdown",
+        "without --seccomp",
+    }
     assert all(c["wall_ms"] > 0 and c["cpu_ms"] >= 0 for c in flags.values())
 
     verdicts = {t["verdict"] for t in results["targets"]}
@@ -134,27 +167,43 @@ def test_quick_benchmark_runs_end_to_end_and_writes_sane_outputs(tmp_path: Path)
 @pytest.mark.slow
 @pytest.mark.timeout(int(scaled(300)))
 def test_mps_contention_benchmark_contains_a_runaway_by_kill_without_mps_and_by_refusal_with_it(
-        tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_mps_contention", "--quick", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=scaled(240))
+    tmp_path: Path,
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_mps_contention", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(240),
+    )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     results = json.loads((tmp_path / "gpu_mps_contention_simulated_quick.json").read_text())
-    runaway = {config: [r["outcome"] for r in runs if r["kind"] == "llama-runaway"]
-               for config, runs in results["runs"].items()}
+    runaway = {
+        config: [r["outcome"] for r in runs if r["kind"] == "llama-runaway"]
+        for config, runs in results["runs"].items()
+    }
     assert runaway == {"watchdog only": ["gpu_memory_limit"], "watchdog + MPS": ["budget_refused"]}
     assert (tmp_path / "gpu_mps_contention_simulated_quick.png").read_bytes()[:8] == PNG_MAGIC
-    assert any(line.startswith("GPU run time p50") and line.endswith("x") for line in proc.stdout.splitlines()), \
-        "the side-by-side ratio is printed"
+    assert any(
+        line.startswith("GPU run time p50") and line.endswith("x") for line in proc.stdout.splitlines()
+    ), "the side-by-side ratio is printed"
 
 
 @pytest.mark.slow
 def test_the_inference_benchmark_runs_end_to_end_and_reports_its_ratios(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.inference", "--quick", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=scaled(600))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.inference", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(600),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "inference_quick.json").read_text())
     s = doc["summary"]
-    assert s["session_speedup"] > 0 and s["tokens_per_s"]["jail_p50"] > 0 and s["tokens_per_s"]["host_p50"] > 0
+    assert (
+        s["session_speedup"] > 0 and s["tokens_per_s"]["jail_p50"] > 0 and s["tokens_per_s"]["host_p50"] > 0
+    )
     assert s["whisper_rtf"]["jail_p50"] > 0 and s["whisper_rtf"]["host_p50"] > 0
     assert s["tokens_per_run"] == 16, "every generation ran its full count (EOS held off)"
     assert len(doc["jail"]["session"]) == doc["reps"] and len(doc["host"]["llm"]) == doc["reps"]
@@ -168,14 +217,21 @@ def test_the_cgroup_benchmark_measures_spawn_with_and_without_side_by_side(tmp_p
 
     if cgroups.detect()[0] is None:
         pytest.skip("no writable cgroup hierarchy here")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.cgroups", "--quick", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=scaled(300))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cgroups", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "cgroups_quick.json").read_text())
     s = doc["summary"]
     assert s["spawn_with"]["n"] == s["spawn_without"]["n"] == 2
     assert s["warm_with"]["n"] == s["warm_without"]["n"] == 3
-    assert all(s[k]["p50_ms"] > 0 for k in ("spawn_with", "spawn_without", "group_life", "handout", "cell",
-                                            "warm_with", "warm_without"))
+    assert all(
+        s[k]["p50_ms"] > 0
+        for k in ("spawn_with", "spawn_without", "group_life", "handout", "cell", "warm_with", "warm_without")
+    )
     assert isinstance(doc["within_target"], bool) and doc["target_ms"] == 5.0
     assert "with cgroup" in (tmp_path / "cgroups_quick.md").read_text()

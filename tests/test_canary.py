@@ -6,8 +6,15 @@ import json
 
 from appliance.canary import ALLOWED_JAIL_ENV, CANARY_CODE, judge, params_file
 
-GOOD = {"uid": 1001, "env": ["HOME", "PATH"], "shadow": "denied", "loopback": "refused", "reached": [],
-        "NoNewPrivs": "1", "Seccomp": "2"}
+GOOD = {
+    "uid": 1001,
+    "env": ["HOME", "PATH"],
+    "shadow": "denied",
+    "loopback": "refused",
+    "reached": [],
+    "NoNewPrivs": "1",
+    "Seccomp": "2",
+}
 
 
 def test_a_confined_report_passes() -> None:

@@ -27,8 +27,8 @@ def fill(models: Path, outside: Path) -> None:
     write_corrupt_model(models / "broken.gguf")
     (models / "README.txt").write_text("not a model")
     write_tiny_llama(outside / "secret.gguf")
-    (models / "escape.gguf").symlink_to(outside / "secret.gguf")   # leads out: not listed
-    (models / "alias.gguf").symlink_to(models / "tiny.gguf")       # stays inside: listed
+    (models / "escape.gguf").symlink_to(outside / "secret.gguf")  # leads out: not listed
+    (models / "alias.gguf").symlink_to(models / "tiny.gguf")  # stays inside: listed
 
 
 def elements(path: Path) -> int:
@@ -63,8 +63,9 @@ def models_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Se
         fill(models, outside)
         for path in (models, models / "sub"):
             os.chmod(path, 0o755)
-        srv = start_server(tmp_path_factory.mktemp("catalogue"), SANDBOX_MODELS_DIR=str(models),
-                           SANDBOX_AUTH_TOKEN=TOKEN)
+        srv = start_server(
+            tmp_path_factory.mktemp("catalogue"), SANDBOX_MODELS_DIR=str(models), SANDBOX_AUTH_TOKEN=TOKEN
+        )
         yield srv, models
         srv.stop()
 
@@ -89,23 +90,30 @@ def test_the_sync_client_lists_the_same_models(models_server: tuple[Server, Path
         assert client.models() == json.loads(srv.get("/v1/models", TOKEN)[1])["models"]
 
 
-async def test_jailed_code_gets_the_same_list_from_appliance_tools(models_server: tuple[Server, Path]) -> None:
+async def test_jailed_code_gets_the_same_list_from_appliance_tools(
+    models_server: tuple[Server, Path],
+) -> None:
     srv, _ = models_server
-    code = ("import json\nfrom appliance.tools import models\n"
-            "print(json.dumps([m.as_dict() for m in models()]))")
+    code = (
+        "import json\nfrom appliance.tools import models\nprint(json.dumps([m.as_dict() for m in models()]))"
+    )
     async with AsyncClient(srv.url, TOKEN) as client:
         ex = await client.execute(code)
     assert ex.status == "ok", (ex.stderr, ex.error)
     assert json.loads(ex.stdout) == json.loads(srv.get("/v1/models", TOKEN)[1])["models"]
 
 
-async def test_a_model_outside_the_directory_is_refused_by_name_and_by_link(models_server: tuple[Server, Path]) -> None:
+async def test_a_model_outside_the_directory_is_refused_by_name_and_by_link(
+    models_server: tuple[Server, Path],
+) -> None:
     srv, models = models_server
     outside = models.parent / "outside" / "secret.gguf"
-    code = ("from appliance.tools import load_llm, ModelError\n"
-            f"for path in ({str(outside)!r}, 'escape.gguf', '../outside/secret.gguf'):\n"
-            "    try:\n        load_llm(path)\n        print('loaded', path)\n"
-            "    except ModelError as exc:\n        print('refused', 'outside the models directory' in str(exc))\n")
+    code = (
+        "from appliance.tools import load_llm, ModelError\n"
+        f"for path in ({str(outside)!r}, 'escape.gguf', '../outside/secret.gguf'):\n"
+        "    try:\n        load_llm(path)\n        print('loaded', path)\n"
+        "    except ModelError as exc:\n        print('refused', 'outside the models directory' in str(exc))\n"
+    )
     async with AsyncClient(srv.url, TOKEN) as client:
         ex = await client.execute(code)
     assert ex.status == "ok", (ex.stderr, ex.error)

@@ -54,9 +54,15 @@ def done(ex: Execution) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     _tree()
-    s = start_server(tmp_path_factory.mktemp("cgroups"), SANDBOX_MEMORY_MB=str(MEMORY_MB),
-                     SANDBOX_MAX_PROCS="64", SANDBOX_CPUS="1.0", SANDBOX_MAX_DISK_MB="4096",
-                     SANDBOX_MAX_EXEC_MS="30000", SANDBOX_CGROUPS="require")
+    s = start_server(
+        tmp_path_factory.mktemp("cgroups"),
+        SANDBOX_MEMORY_MB=str(MEMORY_MB),
+        SANDBOX_MAX_PROCS="64",
+        SANDBOX_CPUS="1.0",
+        SANDBOX_MAX_DISK_MB="4096",
+        SANDBOX_MAX_EXEC_MS="30000",
+        SANDBOX_CGROUPS="require",
+    )
     yield s
     s.stop()
     assert not any(d.exists() for d in instance_dirs(s).values()), "a stopped server left its groups"
@@ -98,17 +104,24 @@ async def test_a_run_gets_its_own_group_at_run_weight_and_it_is_gone_after(srv: 
     assert len(ran) == 1 and ran[0] in {g.name for g in warm}, (seen, warm)  # a warm jail, handed out
     left = [g.name for g in groups_of(srv, cpu)]
     assert ran[0] not in left, "the run's group outlived its run"
-    assert all((g / "memory.limit_in_bytes").read_text().strip() == str(MEMORY_MB << 20)
-               for g in groups_of(srv, "memory")) or cpu == ""
+    assert (
+        all(
+            (g / "memory.limit_in_bytes").read_text().strip() == str(MEMORY_MB << 20)
+            for g in groups_of(srv, "memory")
+        )
+        or cpu == ""
+    )
 
 
 async def test_five_children_of_700_mib_end_memory_limit(srv: Server) -> None:
     """Issue 13's case: each child is under RLIMIT_AS (per process), their sum is over the run's
     memory; before cgroups this held 3.9 GiB with status ok."""
-    code = ("import subprocess, sys\n"
-            "child = 'b = bytearray(700 << 20); import time; time.sleep(20)'\n"
-            "ps = [subprocess.Popen([sys.executable, '-c', child]) for _ in range(5)]\n"
-            "print([p.wait() for p in ps])\n")
+    code = (
+        "import subprocess, sys\n"
+        "child = 'b = bytearray(700 << 20); import time; time.sleep(20)'\n"
+        "ps = [subprocess.Popen([sys.executable, '-c', child]) for _ in range(5)]\n"
+        "print([p.wait() for p in ps])\n"
+    )
     ex = await run(srv, code, timeout_ms=25000)
     d = done(ex)
     assert ex.status == "memory_limit", (ex.status, ex.message, ex.stdout, ex.stderr[-500:])
@@ -118,11 +131,13 @@ async def test_five_children_of_700_mib_end_memory_limit(srv: Server) -> None:
 
 async def test_filling_tmp_past_the_memory_budget_ends_memory_limit(srv: Server) -> None:
     """/tmp is a tmpfs of host memory, which RLIMIT_AS never sees; the group counts it."""
-    code = ("chunk = b'x' * (16 << 20)\n"  # files under SANDBOX_MAX_FILE_MB, many of them
-            "for i in range(200):\n"
-            "    with open(f'/tmp/fill{i}', 'wb') as fh:\n"
-            "        fh.write(chunk)\n"
-            "print('wrote it all')\n")
+    code = (
+        "chunk = b'x' * (16 << 20)\n"  # files under SANDBOX_MAX_FILE_MB, many of them
+        "for i in range(200):\n"
+        "    with open(f'/tmp/fill{i}', 'wb') as fh:\n"
+        "        fh.write(chunk)\n"
+        "print('wrote it all')\n"
+    )
     ex = await run(srv, code, timeout_ms=25000)
     assert ex.status == "memory_limit", (ex.status, ex.message, ex.stdout, ex.error)
     assert "wrote it all" not in ex.stdout and "/tmp" in (ex.message or "")
@@ -130,11 +145,13 @@ async def test_filling_tmp_past_the_memory_budget_ends_memory_limit(srv: Server)
 
 async def test_done_counts_cpu_and_memory_of_every_process_of_the_run(srv: Server) -> None:
     """done.cpu_ms and done.max_rss_mb are the group's: children count, not only the driver."""
-    code = ("import subprocess, sys\n"
-            "child = 'import time\\nb = bytearray(150 << 20)\\nfor i in range(0, len(b), 4096): b[i] = 1\\n"
-            "end = time.process_time() + 0.4\\nwhile time.process_time() < end: pass\\ntime.sleep(1)'\n"
-            "ps = [subprocess.Popen([sys.executable, '-c', child]) for _ in range(3)]\n"
-            "print([p.wait() for p in ps])\n")
+    code = (
+        "import subprocess, sys\n"
+        "child = 'import time\\nb = bytearray(150 << 20)\\nfor i in range(0, len(b), 4096): b[i] = 1\\n"
+        "end = time.process_time() + 0.4\\nwhile time.process_time() < end: pass\\ntime.sleep(1)'\n"
+        "ps = [subprocess.Popen([sys.executable, '-c', child]) for _ in range(3)]\n"
+        "print([p.wait() for p in ps])\n"
+    )
     ex = await run(srv, code, timeout_ms=25000)
     d = done(ex)
     assert ex.status == "ok", (ex.message, ex.stderr[-500:])
@@ -143,15 +160,17 @@ async def test_done_counts_cpu_and_memory_of_every_process_of_the_run(srv: Serve
 
 
 async def test_a_thread_bomb_stops_at_the_runs_pids_limit(srv: Server) -> None:
-    code = ("import threading, time\n"
-            "threading.stack_size(1 << 16)\n"  # small stacks: RLIMIT_AS (per process) is not what stops it
-            "stop = threading.Event(); n = 0\n"
-            "try:\n"
-            "    while n < 5000:\n"
-            "        threading.Thread(target=stop.wait, daemon=True).start(); n += 1\n"
-            "except RuntimeError as e:\n"
-            "    print('refused after', n, e, flush=True)\n"
-            "time.sleep(2); stop.set()\n")
+    code = (
+        "import threading, time\n"
+        "threading.stack_size(1 << 16)\n"  # small stacks: RLIMIT_AS (per process) is not what stops it
+        "stop = threading.Event(); n = 0\n"
+        "try:\n"
+        "    while n < 5000:\n"
+        "        threading.Thread(target=stop.wait, daemon=True).start(); n += 1\n"
+        "except RuntimeError as e:\n"
+        "    print('refused after', n, e, flush=True)\n"
+        "time.sleep(2); stop.set()\n"
+    )
     pids = "pids" if _tree().version == 1 else ""
     task = asyncio.create_task(run(srv, code, timeout_ms=20000))
     refused = 0
@@ -189,28 +208,40 @@ def weighty_parent() -> Iterator[list[str]]:
     cgroups.remove_paths({"cpu": parent})
 
 
-BURN = ("import time\n"
-        "end = time.monotonic() + {w}\n"
-        "t0 = time.process_time()\n"
-        "while time.monotonic() < end: pass\n"
-        "print(round((time.process_time() - t0) / {w}, 3))\n")
-HOG = ("import os, time\n"
-       "end = time.monotonic() + {w}\n"
-       "for _ in range(39):\n"
-       "    if os.fork() == 0:\n"
-       "        while time.monotonic() < end: pass\n"
-       "        os._exit(0)\n"
-       "while time.monotonic() < end: pass\n"
-       "for _ in range(39): os.wait()\n")
+BURN = (
+    "import time\n"
+    "end = time.monotonic() + {w}\n"
+    "t0 = time.process_time()\n"
+    "while time.monotonic() < end: pass\n"
+    "print(round((time.process_time() - t0) / {w}, 3))\n"
+)
+HOG = (
+    "import os, time\n"
+    "end = time.monotonic() + {w}\n"
+    "for _ in range(39):\n"
+    "    if os.fork() == 0:\n"
+    "        while time.monotonic() < end: pass\n"
+    "        os._exit(0)\n"
+    "while time.monotonic() < end: pass\n"
+    "for _ in range(39): os.wait()\n"
+)
 
 
 async def test_a_40_process_hog_gets_its_quota_and_a_neighbour_keeps_its_cpu(
-        tmp_path: Path, weighty_parent: list[str]) -> None:
+    tmp_path: Path, weighty_parent: list[str]
+) -> None:
     """SANDBOX_CPUS=1.0: the hog's group (40 processes) gets at most 1 CPU by the group's own
     accounting (and is throttled), and a neighbour's CPU-bound cell, run alone and then next to
     the hog in the same test, obtains at least 75% of the CPU time it got alone."""
-    s = start_server(tmp_path, wrap=weighty_parent, SANDBOX_CPUS="1.0", SANDBOX_CGROUPS="require",
-                     SANDBOX_POOL_SIZE="2", SANDBOX_MAX_EXEC_MS="60000", SANDBOX_MAX_CONCURRENCY="4")
+    s = start_server(
+        tmp_path,
+        wrap=weighty_parent,
+        SANDBOX_CPUS="1.0",
+        SANDBOX_CGROUPS="require",
+        SANDBOX_POOL_SIZE="2",
+        SANDBOX_MAX_EXEC_MS="60000",
+        SANDBOX_MAX_CONCURRENCY="4",
+    )
     try:
         w = 3.0
         pairs: list[tuple[float, float]] = []
@@ -228,7 +259,9 @@ async def test_a_40_process_hog_gets_its_quota_and_a_neighbour_keeps_its_cpu(
             # At most SANDBOX_CPUS of CPU over the cell (5% for the period's granularity).
             assert cpu_ms <= 1.05 * 1.0 * (w + 3) * 1000, d
             pairs.append((float(alone.stdout), float(near.stdout)))
-            print(f"hog: {cpu_ms} ms CPU in {wall_ms} ms; neighbour CPU/s alone, next to the hog: {pairs[-1]}")
+            print(
+                f"hog: {cpu_ms} ms CPU in {wall_ms} ms; neighbour CPU/s alone, next to the hog: {pairs[-1]}"
+            )
             if pairs[-1][1] >= 0.75 * pairs[-1][0]:
                 break
         assert pairs[-1][1] >= 0.75 * pairs[-1][0], f"neighbour CPU share (alone, next to the hog): {pairs}"
@@ -247,9 +280,12 @@ async def test_what_a_session_cell_leaves_counts_against_the_session_between_cel
         assert first.status == "ok" and first.stdout == "held\n", (first.status, first.message)
         sid = first.session
         assert sid
-        left = await c.execute("chunk = b'x' * (50 << 20)\nfor i in range(14):\n"
-                               "    open(f'/tmp/keep{i}', 'wb').write(chunk)\nprint('left')",
-                               session=sid, timeout_ms=20000)
+        left = await c.execute(
+            "chunk = b'x' * (50 << 20)\nfor i in range(14):\n"
+            "    open(f'/tmp/keep{i}', 'wb').write(chunk)\nprint('left')",
+            session=sid,
+            timeout_ms=20000,
+        )
         assert left.status == "ok" and left.stdout == "left\n", (left.status, left.message)
         again = await c.execute(take, session=sid, timeout_ms=20000)
         assert again.status == "memory_limit", (again.status, again.message, again.stdout)
@@ -264,11 +300,17 @@ async def test_a_restart_after_kill_9_purges_the_dead_servers_groups(tmp_path: P
     s1 = start_server(tmp_path / "one", SANDBOX_CGROUPS="require")
     dirs = instance_dirs(s1)
     async with AsyncClient(s1.url) as c:
-        ex = await c.execute("import subprocess\nsubprocess.Popen(['sleep', '300'])\nprint('bg')",
-                             session="new", timeout_ms=20000)
+        ex = await c.execute(
+            "import subprocess\nsubprocess.Popen(['sleep', '300'])\nprint('bg')",
+            session="new",
+            timeout_ms=20000,
+        )
         assert ex.status == "ok"
-    held = [p for g in groups_of(s1, "pids" if _tree().version == 1 else "") for p in
-            (g / "cgroup.procs").read_text().split()]
+    held = [
+        p
+        for g in groups_of(s1, "pids" if _tree().version == 1 else "")
+        for p in (g / "cgroup.procs").read_text().split()
+    ]
     assert held
     os.kill(s1.proc.pid, signal.SIGKILL)
     s1.proc.wait()
@@ -279,8 +321,12 @@ async def test_a_restart_after_kill_9_purges_the_dead_servers_groups(tmp_path: P
     try:
         assert not any(d.exists() for d in dirs.values()), "the dead server's groups were not purged"
         await asyncio.sleep(0.2)
-        alive = [p for p in held if Path(f"/proc/{p}").exists() and
-                 "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+        alive = [
+            p
+            for p in held
+            if Path(f"/proc/{p}").exists()
+            and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        ]
         assert alive == [], f"processes of the dead server's runs survived the purge: {alive}"
         assert all(d.exists() for d in live.values())
         assert all(g.exists() for g in live_groups if g.name in {x.name for x in groups_of(srv)})
@@ -291,15 +337,24 @@ async def test_a_restart_after_kill_9_purges_the_dead_servers_groups(tmp_path: P
 async def test_a_gpu_jail_gets_the_memory_group_too(tmp_path: Path) -> None:
     """GPU jails have no RLIMIT_AS, and the GPU watchdog's /proc reading cannot see a /tmp file
     the run does not map: the group counts it, and the run ends memory_limit (simulated GPUs)."""
-    s = start_server(tmp_path, SANDBOX_GPU="1", SANDBOX_GPU_BACKEND="simulated", SANDBOX_GPU_SIMULATE="1x4096",
-                     SANDBOX_GPU_DEFAULT_MB="256", SANDBOX_MEMORY_MB="384", SANDBOX_MAX_DISK_MB="4096",
-                     SANDBOX_CGROUPS="require")
+    s = start_server(
+        tmp_path,
+        SANDBOX_GPU="1",
+        SANDBOX_GPU_BACKEND="simulated",
+        SANDBOX_GPU_SIMULATE="1x4096",
+        SANDBOX_GPU_DEFAULT_MB="256",
+        SANDBOX_MEMORY_MB="384",
+        SANDBOX_MAX_DISK_MB="4096",
+        SANDBOX_CGROUPS="require",
+    )
     try:
-        code = ("chunk = b'x' * (16 << 20)\n"
-                "for i in range(40):\n"
-                "    with open(f'/tmp/fill{i}', 'wb') as fh:\n"
-                "        fh.write(chunk)\n"
-                "print('wrote it all')\n")
+        code = (
+            "chunk = b'x' * (16 << 20)\n"
+            "for i in range(40):\n"
+            "    with open(f'/tmp/fill{i}', 'wb') as fh:\n"
+            "        fh.write(chunk)\n"
+            "print('wrote it all')\n"
+        )
         async with AsyncClient(s.url) as c:
             ex = await c.execute(code, gpu={"memory_mb": 256}, timeout_ms=25000)
         assert ex.status == "memory_limit", (ex.status, ex.message, ex.stdout)
@@ -308,15 +363,24 @@ async def test_a_gpu_jail_gets_the_memory_group_too(tmp_path: Path) -> None:
         s.stop()
 
 
-READ_ONLY = ["unshare", "-m", "--propagation", "private", "sh", "-c",
-             'mount --rbind /sys/fs/cgroup /sys/fs/cgroup && '
-             'for m in $(findmnt -Rrn -o TARGET /sys/fs/cgroup); do mount -o remount,bind,ro "$m" || exit 1; done && '
-             'exec "$@"', "sh"]
+READ_ONLY = [
+    "unshare",
+    "-m",
+    "--propagation",
+    "private",
+    "sh",
+    "-c",
+    "mount --rbind /sys/fs/cgroup /sys/fs/cgroup && "
+    'for m in $(findmnt -Rrn -o TARGET /sys/fs/cgroup); do mount -o remount,bind,ro "$m" || exit 1; done && '
+    'exec "$@"',
+    "sh",
+]
 
 
 def test_auto_falls_back_to_rlimits_where_the_hierarchy_is_read_only(tmp_path: Path) -> None:
-    probe = subprocess.run([*READ_ONLY, "sh", "-c", "mkdir /sys/fs/cgroup/pids/x-ro-probe"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [*READ_ONLY, "sh", "-c", "mkdir /sys/fs/cgroup/pids/x-ro-probe"], capture_output=True, text=True
+    )
     assert probe.returncode != 0 and "Read-only" in probe.stderr, probe.stderr
     s = start_server(tmp_path, wrap=READ_ONLY, SANDBOX_CGROUPS="auto")
     try:

@@ -40,17 +40,24 @@ def test_a_handout_writes_only_the_cpu_weight() -> None:
     assert changes(1, L, L, memsw=True) == ()
     bigger = GroupLimits(memory_mb=2048, cpus=1.5, max_procs=64)
     assert [w.file for w in changes(1, L, bigger, memsw=True)] == [
-        "memory.memsw.limit_in_bytes", "memory.limit_in_bytes"]
+        "memory.memsw.limit_in_bytes",
+        "memory.limit_in_bytes",
+    ]
 
 
 def test_counters_and_owned_memory_parse_both_versions() -> None:
-    files = {("cpuacct", "cpuacct.usage"): "2500000000\n",
-             ("memory", "memory.oom_control"): "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",
-             ("pids", "pids.events"): "max 7\n"}
+    files = {
+        ("cpuacct", "cpuacct.usage"): "2500000000\n",
+        ("memory", "memory.oom_control"): "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",
+        ("pids", "pids.events"): "max 7\n",
+    }
     c = cgroups.counters_v1(lambda c, f: files[(c, f)])
     assert (c.cpu_ns, c.oom_kills, c.pids_refused) == (2_500_000_000, 3, 7)
-    v2 = {"cpu.stat": "usage_usec 1500\nuser_usec 1000\n", "memory.events": "low 0\noom 1\noom_kill 1\n",
-          "pids.events": "max 0\n"}
+    v2 = {
+        "cpu.stat": "usage_usec 1500\nuser_usec 1000\n",
+        "memory.events": "low 0\noom 1\noom_kill 1\n",
+        "pids.events": "max 0\n",
+    }
     c = cgroups.counters_v2(lambda _, f: v2[f])
     assert (c.cpu_ns, c.oom_kills, c.pids_refused) == (1_500_000, 1, 0)
     stat1 = "cache 999999999\nrss 1048576\nshmem 1\ntotal_rss 4194304\ntotal_shmem 2097152\nmapped_file 5\n"
@@ -80,8 +87,9 @@ def test_real_group_oom_kills_a_process_over_the_memory_limit(tree: cgroups.Hier
     g = tree.group(f"t-{uuid.uuid4().hex[:8]}", GroupLimits(memory_mb=64, cpus=1.0, max_procs=16))
     try:
         g.open_join()
-        p = subprocess.run([sys.executable, "-c", "b = bytearray(200 << 20)"],
-                           preexec_fn=g.preexec, capture_output=True)
+        p = subprocess.run(
+            [sys.executable, "-c", "b = bytearray(200 << 20)"], preexec_fn=g.preexec, capture_output=True
+        )
         g.close_join()
         assert p.returncode == -9
         c = g.counters()
@@ -95,8 +103,10 @@ def test_real_group_oom_kills_a_process_over_the_memory_limit(tree: cgroups.Hier
 def test_real_group_pids_limit_stops_a_fork_bomb(tree: cgroups.Hierarchy) -> None:
     g = tree.group(f"t-{uuid.uuid4().hex[:8]}", GroupLimits(memory_mb=256, cpus=1.0, max_procs=8))
     g.open_join()
-    code = ("import os, time\ntry:\n  for _ in range(50):\n    if os.fork() == 0:\n      time.sleep(30)\n"
-            "      os._exit(0)\nexcept OSError:\n  print('refused', flush=True)")
+    code = (
+        "import os, time\ntry:\n  for _ in range(50):\n    if os.fork() == 0:\n      time.sleep(30)\n"
+        "      os._exit(0)\nexcept OSError:\n  print('refused', flush=True)"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], preexec_fn=g.preexec, stdout=subprocess.PIPE)
     g.close_join()
     out = p.stdout.readline() if p.stdout else b""
@@ -124,11 +134,16 @@ def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None
     processes still in it, but never the directory of a server that is still alive."""
     dead = subprocess.Popen(["true"])
     dead.wait()
-    gone = cgroups.Hierarchy(tree.version, tree.base, tree.memsw,
-                             instance=cgroups.instance_name(dead.pid, 1))  # no such process (start time)
+    gone = cgroups.Hierarchy(
+        tree.version, tree.base, tree.memsw, instance=cgroups.instance_name(dead.pid, 1)
+    )  # no such process (start time)
     alive_pid = os.getppid()
-    alive = cgroups.Hierarchy(tree.version, tree.base, tree.memsw,
-                              instance=cgroups.instance_name(alive_pid, cgroups.start_time(alive_pid) or 0))
+    alive = cgroups.Hierarchy(
+        tree.version,
+        tree.base,
+        tree.memsw,
+        instance=cgroups.instance_name(alive_pid, cgroups.start_time(alive_pid) or 0),
+    )
     for h in (gone, alive):
         h.prepare()
     leftover = gone.group("j1", L)
@@ -170,9 +185,16 @@ def test_cgroup_memory_sees_tmpfs_files_that_proc_cannot(tree: cgroups.Hierarchy
     g = tree.group(f"t-{uuid.uuid4().hex[:8]}", GroupLimits(memory_mb=512, cpus=1.0, max_procs=16))
     shm = f"/dev/shm/cgroup-test-{uuid.uuid4().hex[:8]}"
     g.open_join()
-    p = subprocess.Popen([sys.executable, "-c", f"open({shm!r}, 'wb').write(b'x' * (120 << 20))\n"
-                          "print('written', flush=True)\nimport time; time.sleep(30)"],
-                         preexec_fn=g.preexec, stdout=subprocess.PIPE)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"open({shm!r}, 'wb').write(b'x' * (120 << 20))\n"
+            "print('written', flush=True)\nimport time; time.sleep(30)",
+        ],
+        preexec_fn=g.preexec,
+        stdout=subprocess.PIPE,
+    )
     g.close_join()
     try:
         assert p.stdout is not None and p.stdout.readline() == b"written\n"

@@ -34,8 +34,12 @@ def chaos_root() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, chaos_root: Path) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("chaos"), SANDBOX_POOL_SIZE="0", SANDBOX_TMP_ROOT=str(chaos_root),
-                       SANDBOX_MAX_EXEC_MS="8000")
+    srv = start_server(
+        tmp_path_factory.mktemp("chaos"),
+        SANDBOX_POOL_SIZE="0",
+        SANDBOX_TMP_ROOT=str(chaos_root),
+        SANDBOX_MAX_EXEC_MS="8000",
+    )
     yield srv
     srv.stop()
 
@@ -106,8 +110,11 @@ async def test_a_sigstopped_jail_is_still_ended_by_the_wall_clock(server: Server
 @pytest.fixture
 def small_tmpfs() -> Iterator[Path]:
     mount = Path(tempfile.mkdtemp(prefix="appliance-tmpfs-", dir="/tmp"))
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=755", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m,mode=755", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.fail(f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {done.stderr}")
     yield mount
@@ -115,12 +122,19 @@ def small_tmpfs() -> Iterator[Path]:
     os.rmdir(mount)
 
 
-async def test_a_full_temp_root_fails_runs_cleanly_and_the_server_recovers(tmp_path: Path, small_tmpfs: Path) -> None:
-    srv = start_server(tmp_path / "srv", SANDBOX_POOL_SIZE="0", SANDBOX_TMP_ROOT=str(small_tmpfs),
-                       SANDBOX_MAX_DISK_MB="256")
+async def test_a_full_temp_root_fails_runs_cleanly_and_the_server_recovers(
+    tmp_path: Path, small_tmpfs: Path
+) -> None:
+    srv = start_server(
+        tmp_path / "srv", SANDBOX_POOL_SIZE="0", SANDBOX_TMP_ROOT=str(small_tmpfs), SANDBOX_MAX_DISK_MB="256"
+    )
     try:
         # The run itself fills the temp root: ENOSPC inside the jail, a clean error.
-        flood = await run(srv, "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * (1 << 20))", token=None)
+        flood = await run(
+            srv,
+            "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * (1 << 20))",
+            token=None,
+        )
         assert flood.status == "error" and flood.error and "No space left" in flood.error["evalue"], flood
         assert (await run(srv, "print('recovered')", token=None)).stdout == "recovered\n"
         # The host fills it: runs fail with a done, never hang or crash the server.
@@ -160,7 +174,9 @@ def living(pids: dict[str, int]) -> list[int]:
     return [p for p in pids.values() if os.path.exists(f"/proc/{p}") and cmdline(p)]
 
 
-async def test_a_server_killed_mid_run_takes_its_running_jail_with_it(tmp_path: Path, chaos_root: Path) -> None:
+async def test_a_server_killed_mid_run_takes_its_running_jail_with_it(
+    tmp_path: Path, chaos_root: Path
+) -> None:
     server = start_server(tmp_path / "srv", SANDBOX_POOL_SIZE="0", SANDBOX_TMP_ROOT=str(chaos_root))
     procs = await start_and_kill_9(server, SLEEPER)
     # The driver sees its control pipe close mid-cell and kills its whole PID namespace.
@@ -197,8 +213,14 @@ async def test_a_restart_purges_jails_that_outlived_a_killed_server(tmp_path: Pa
 def serve_with(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")}
     full.update({"SANDBOX_PYTHON": sys.executable, "SANDBOX_PRELOAD": ""}, **env)
-    return subprocess.run([sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", "0"],
-                          env=full, capture_output=True, text=True, timeout=60, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "appliance", "serve", "--host", "127.0.0.1", "--port", "0"],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
 
 
 def test_startup_refuses_a_missing_firejail() -> None:

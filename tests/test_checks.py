@@ -8,8 +8,17 @@ from appliance.jail.checks import Expected, problems
 
 EXPECTED = Expected(uid=1001, host_pid_ns="pid:[1]", host_net_ns="net:[2]")
 GOOD: dict[str, Any] = {
-    "uid": 1001, "euid": 1001, "gid": 1001, "no_new_privs": 1, "seccomp": 2, "cap_eff": "0000000000000000",
-    "pid_ns": "pid:[9]", "net_ns": "net:[8]", "interfaces": ["lo"], "cwd": "/workspace", "home": "/workspace",
+    "uid": 1001,
+    "euid": 1001,
+    "gid": 1001,
+    "no_new_privs": 1,
+    "seccomp": 2,
+    "cap_eff": "0000000000000000",
+    "pid_ns": "pid:[9]",
+    "net_ns": "net:[8]",
+    "interfaces": ["lo"],
+    "cwd": "/workspace",
+    "home": "/workspace",
 }
 
 
@@ -18,8 +27,14 @@ def test_a_properly_jailed_report_has_no_problems() -> None:
 
 
 def test_an_unjailed_report_is_refused_for_every_missing_layer() -> None:
-    unjailed = {**GOOD, "no_new_privs": 0, "seccomp": 0, "pid_ns": "pid:[1]", "net_ns": "net:[2]",
-                "interfaces": ["eth0", "lo"]}
+    unjailed = {
+        **GOOD,
+        "no_new_privs": 0,
+        "seccomp": 0,
+        "pid_ns": "pid:[1]",
+        "net_ns": "net:[2]",
+        "interfaces": ["eth0", "lo"],
+    }
     found = " | ".join(problems(unjailed, EXPECTED))
     for fragment in ("NoNewPrivs", "Seccomp", "PID namespace", "network namespace", "interfaces"):
         assert fragment in found

@@ -27,8 +27,10 @@ PNG = b"\x89PNG\r\n\x1a\n fake"
 class TestArguments:
     def test_files_are_a_mapping_of_path_to_bytes_or_text_sent_as_base64(self) -> None:
         frame = request_frame("1", "r1", files={"a.bin": b"\x00\x01", "b.txt": "hé"}, timeout_ms=500)
-        assert frame["files"] == [{"path": "a.bin", "data": "AAE="},
-                                  {"path": "b.txt", "data": base64.b64encode("hé".encode()).decode()}]
+        assert frame["files"] == [
+            {"path": "a.bin", "data": "AAE="},
+            {"path": "b.txt", "data": base64.b64encode("hé".encode()).decode()},
+        ]
         assert frame["timeout_ms"] == 500 and frame["type"] == "execute" and frame["id"] == "r1"
 
     async def test_a_client_used_outside_async_with_says_so(self) -> None:
@@ -41,16 +43,19 @@ class TestArguments:
         with pytest.raises(TypeError, match=r"files must be a mapping of path -> bytes or str.*got list"):
             request_frame("1", "r1", files=wire)  # type: ignore[arg-type]
 
-    @pytest.mark.parametrize(("options", "problem"), [
-        ({"files": {"a": 5}}, "files\\['a'\\] must be bytes or str, got int"),
-        ({"files": {7: b""}}, "a path must be a str, got int"),
-        ({"timeout_ms": True}, "timeout_ms must be an int"),
-        ({"timeout_ms": "15s"}, "timeout_ms must be an int"),
-        ({"session": 3}, "session must be str, got int"),
-        ({"gpu": 2048}, "gpu must be a GpuRequest or a mapping"),
-        ({"stdin_eof": "yes"}, "stdin_eof must be bool"),
-        ({"timeuot_ms": 5}, "unexpected keyword argument\\(s\\): timeuot_ms"),
-    ])
+    @pytest.mark.parametrize(
+        ("options", "problem"),
+        [
+            ({"files": {"a": 5}}, "files\\['a'\\] must be bytes or str, got int"),
+            ({"files": {7: b""}}, "a path must be a str, got int"),
+            ({"timeout_ms": True}, "timeout_ms must be an int"),
+            ({"timeout_ms": "15s"}, "timeout_ms must be an int"),
+            ({"session": 3}, "session must be str, got int"),
+            ({"gpu": 2048}, "gpu must be a GpuRequest or a mapping"),
+            ({"stdin_eof": "yes"}, "stdin_eof must be bool"),
+            ({"timeuot_ms": 5}, "unexpected keyword argument\\(s\\): timeuot_ms"),
+        ],
+    )
     def test_a_wrong_argument_is_a_type_error_naming_it(self, options: dict[str, Any], problem: str) -> None:
         with pytest.raises(TypeError, match=problem):
             request_frame("1", "r1", **options)
@@ -65,7 +70,10 @@ class TestArguments:
 
     def test_unset_options_stay_off_the_wire(self) -> None:
         assert request_frame("1", "r1", session=None, timeout_ms=None, files={}, stdin_eof=False) == {
-            "type": "execute", "id": "r1", "code": "1"}
+            "type": "execute",
+            "id": "r1",
+            "code": "1",
+        }
         assert request_frame("1", "r1", stdin_eof=True)["stdin_eof"] is True
 
 
@@ -79,28 +87,50 @@ def gathered(*frames: dict[str, Any]) -> Execution:
 class TestExecution:
     def test_results_and_displays_are_mime_bundles_with_typed_views(self) -> None:
         ex = gathered(
-            {"type": "display", "data": {"text/plain": "<Figure>", "image/png": base64.b64encode(PNG).decode()}},
-            {"type": "result", "data": {"text/plain": "42", "text/html": "<b>42</b>", "application/json": {"v": 42}}},
+            {
+                "type": "display",
+                "data": {"text/plain": "<Figure>", "image/png": base64.b64encode(PNG).decode()},
+            },
+            {
+                "type": "result",
+                "data": {"text/plain": "42", "text/html": "<b>42</b>", "application/json": {"v": 42}},
+            },
         )
         shown, result = ex.displays[0], ex.results[0]
-        assert isinstance(shown, Output) and shown.png == PNG and shown.text == "<Figure>" and shown.html is None
-        assert result.text == "42" and result.html == "<b>42</b>" and result.json == {"v": 42} and result.png is None
+        assert (
+            isinstance(shown, Output) and shown.png == PNG and shown.text == "<Figure>" and shown.html is None
+        )
+        assert (
+            result.text == "42"
+            and result.html == "<b>42</b>"
+            and result.json == {"v": 42}
+            and result.png is None
+        )
         assert ex.text == "42"
         assert ex.results == [{"text/plain": "42", "text/html": "<b>42</b>", "application/json": {"v": 42}}]
 
     def test_the_error_is_typed_and_still_reads_as_its_frame(self) -> None:
-        ex = gathered({"type": "error", "ename": "ZeroDivisionError", "evalue": "division by zero",
-                       "traceback": ["Traceback", "ZeroDivisionError: division by zero"]},
-                      {"type": "done", "status": "error", "exit_code": 1})
-        assert ex.error == ExecutionError("ZeroDivisionError", "division by zero",
-                                          ["Traceback", "ZeroDivisionError: division by zero"], {})
+        ex = gathered(
+            {
+                "type": "error",
+                "ename": "ZeroDivisionError",
+                "evalue": "division by zero",
+                "traceback": ["Traceback", "ZeroDivisionError: division by zero"],
+            },
+            {"type": "done", "status": "error", "exit_code": 1},
+        )
+        assert ex.error == ExecutionError(
+            "ZeroDivisionError", "division by zero", ["Traceback", "ZeroDivisionError: division by zero"], {}
+        )
         assert ex.error.name == "ZeroDivisionError" and ex.error.value == "division by zero"
         assert ex.error["ename"] == "ZeroDivisionError" and ex.error.get("evalue") == "division by zero"
         assert ex.status == "error" and ex.exit_code == 1
 
     def test_files_are_typed_with_their_bytes_decoded(self) -> None:
-        ex = gathered({"type": "file", "path": "r.txt", "size": 6, "data": base64.b64encode(b"result").decode()},
-                      {"type": "file", "path": "big.bin", "size": 10**6, "data": None, "message": "too big"})
+        ex = gathered(
+            {"type": "file", "path": "r.txt", "size": 6, "data": base64.b64encode(b"result").decode()},
+            {"type": "file", "path": "big.bin", "size": 10**6, "data": None, "message": "too big"},
+        )
         small, big = ex.files
         assert isinstance(small, OutputFile) and small.path == "r.txt" and small.bytes == b"result"
         assert small.size == 6 and small["size"] == 6 and ex.file("r.txt") is small
@@ -143,7 +173,11 @@ async def test_a_real_run_comes_back_as_typed_parts(typed: Server) -> None:
         ex = await c.execute(RICH, files={"in.txt": "uploaded"}, timeout_ms=20000)
     assert ex.status == "ok", ex.frames
     assert ex.stdout == "printed\n" and ex.text == "Rich()"
-    assert ex.displays[0].png == PNG and ex.displays[0].html == "<i>rich</i>" and ex.results[0].html == "<i>rich</i>"
+    assert (
+        ex.displays[0].png == PNG
+        and ex.displays[0].html == "<i>rich</i>"
+        and ex.results[0].html == "<i>rich</i>"
+    )
     files = {f.path: f for f in ex.files}
     assert files["small.txt"].bytes == b"UPLOADED" and files["small.txt"].size == 8
     assert files["big.bin"].bytes is None and files["big.bin"].size == 5000 and files["big.bin"].message

@@ -68,8 +68,9 @@ def kube_docs(rendered: dict[str, Path], *names: str) -> dict[tuple[str, str], d
     return {(d["kind"], d["metadata"]["name"]): d for n in names for d in load_all(rendered[n])}
 
 
-def entrypoint(script: str, env: dict[str, str] | None = None,
-               wrap: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+def entrypoint(
+    script: str, env: dict[str, str] | None = None, wrap: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Source the entrypoint as a library, then run `script` (bash) with its functions."""
     full_env = {"PATH": os.environ["PATH"], "APPLIANCE_ENTRYPOINT_LIB": "1", **(env or {})}
     cmd = (wrap or []) + ["bash", "-c", f'source "{ENTRYPOINT}"; {script}']
@@ -78,8 +79,9 @@ def entrypoint(script: str, env: dict[str, str] | None = None,
 
 class TestDockerfiles:
     def test_hadolint_finds_nothing_in_either_dockerfile(self) -> None:
-        out = subprocess.run([str(BIN / "hadolint"), *map(str, DOCKERFILES)],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [str(BIN / "hadolint"), *map(str, DOCKERFILES)], capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stdout + out.stderr
 
     def test_hadolint_does_fail_on_a_bad_dockerfile(self, tmp_path: Path) -> None:
@@ -91,11 +93,24 @@ class TestDockerfiles:
     def test_cpu_image_serves_as_root_with_the_jail_contract(self) -> None:
         text = DOCKERFILES[0].read_text()
         assert "ARG BASE=python:3.11-slim" in text
-        for needed in ("ENV container=docker", "EXPOSE 9100", "HEALTHCHECK", "/readyz", "USER 0",
-                       'useradd -l -u "${SANDBOX_UID}"', "-d /workspace", "ARG SANDBOX_UID=1001",
-                       "firejail", "SANDBOX_OUTPUTS_DIR=/workspace/outputs",
-                       "SANDBOX_MODELS_DIR=/srv/models", "llama-cpp-python", "pywhispercpp",
-                       "/tmp/src[science]", "-DGGML_NATIVE=OFF", "appliance-entrypoint"):
+        for needed in (
+            "ENV container=docker",
+            "EXPOSE 9100",
+            "HEALTHCHECK",
+            "/readyz",
+            "USER 0",
+            'useradd -l -u "${SANDBOX_UID}"',
+            "-d /workspace",
+            "ARG SANDBOX_UID=1001",
+            "firejail",
+            "SANDBOX_OUTPUTS_DIR=/workspace/outputs",
+            "SANDBOX_MODELS_DIR=/srv/models",
+            "llama-cpp-python",
+            "pywhispercpp",
+            "/tmp/src[science]",
+            "-DGGML_NATIVE=OFF",
+            "appliance-entrypoint",
+        ):
             assert needed in text, needed
         assert "seaborn" not in text
 
@@ -105,9 +120,17 @@ class TestDockerfiles:
         assert "nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU}" in froms
         assert froms[-1] == "nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU}"
         assert "ARG CUDA_VERSION=12." in text
-        for needed in ("-DGGML_CUDA=on", "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}",
-                       'CUDA_ARCHITECTURES="75;80;86;89;90"', "GGML_CUDA=1", "SANDBOX_GPU=1",
-                       "PYTHON_VERSION=3.11", "ENV container=docker", "HEALTHCHECK", "EXPOSE 9100"):
+        for needed in (
+            "-DGGML_CUDA=on",
+            "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES}",
+            'CUDA_ARCHITECTURES="75;80;86;89;90"',
+            "GGML_CUDA=1",
+            "SANDBOX_GPU=1",
+            "PYTHON_VERSION=3.11",
+            "ENV container=docker",
+            "HEALTHCHECK",
+            "EXPOSE 9100",
+        ):
             assert needed in text, needed
         lowered = text.lower()
         assert "cudnn" not in lowered.replace("no cudnn", "")
@@ -115,9 +138,15 @@ class TestDockerfiles:
 
 
 class TestKubernetes:
-    def test_every_rendered_manifest_is_valid_against_the_bundled_schemas(self, rendered: dict[str, Path]) -> None:
-        out = subprocess.run([str(BIN / "kubernetes-validate"), "--strict", *map(str, rendered.values())],
-                             capture_output=True, text=True, timeout=300)
+    def test_every_rendered_manifest_is_valid_against_the_bundled_schemas(
+        self, rendered: dict[str, Path]
+    ) -> None:
+        out = subprocess.run(
+            [str(BIN / "kubernetes-validate"), "--strict", *map(str, rendered.values())],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         assert out.stdout.count("passed for resource") >= 18
 
@@ -126,8 +155,12 @@ class TestKubernetes:
         doc["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilites"] = {}
         bad = tmp_path / "bad.yaml"
         bad.write_text(yaml.safe_dump(doc))
-        out = subprocess.run([str(BIN / "kubernetes-validate"), "--strict", str(bad)],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [str(BIN / "kubernetes-validate"), "--strict", str(bad)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode != 0
 
     def test_the_gpu_pool_is_an_overlay_of_the_base_not_a_copy(self) -> None:
@@ -140,10 +173,12 @@ class TestKubernetes:
                 if doc.get("kind") == "Deployment":
                     assert "selector" not in doc["spec"] and "securityContext" not in str(doc), path
 
-    @pytest.mark.parametrize(("pool", "name"), [("base", "appliance"), ("gpu", "appliance-gpu"),
-                                                ("podman", "appliance")])
-    def test_deployment_grants_exactly_what_the_jail_needs(self, rendered: dict[str, Path], pool: str,
-                                                           name: str) -> None:
+    @pytest.mark.parametrize(
+        ("pool", "name"), [("base", "appliance"), ("gpu", "appliance-gpu"), ("podman", "appliance")]
+    )
+    def test_deployment_grants_exactly_what_the_jail_needs(
+        self, rendered: dict[str, Path], pool: str, name: str
+    ) -> None:
         docs = kube_docs(rendered, pool)
         pod = docs[("Deployment", name)]["spec"]["template"]["spec"]
         (container,) = pod["containers"]
@@ -169,7 +204,8 @@ class TestKubernetes:
             assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
 
     def test_gpu_overlay_requests_a_gpu_turns_gpu_mode_on_and_selects_only_gpu_pods(
-            self, rendered: dict[str, Path]) -> None:
+        self, rendered: dict[str, Path]
+    ) -> None:
         docs = kube_docs(rendered, "gpu")
         deployment = docs[("Deployment", "appliance-gpu")]
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
@@ -192,7 +228,8 @@ class TestKubernetes:
         assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "api"}}}]
 
     def test_many_pods_sit_behind_one_service_with_a_headless_twin_for_sessions(
-            self, rendered: dict[str, Path]) -> None:
+        self, rendered: dict[str, Path]
+    ) -> None:
         docs = kube_docs(rendered, "base")
         assert docs[("Service", "appliance")]["spec"]["ports"][0]["port"] == 9100
         assert docs[("Service", "appliance-pods")]["spec"]["clusterIP"] == "None"
@@ -205,9 +242,14 @@ class TestKubernetes:
         for pool, name in (("base", "appliance"), ("overlays/gpu", "appliance-gpu")):
             overlay = tmp_path / pool.replace("/", "-")
             overlay.mkdir()
-            (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-                "resources": [os.path.relpath(K8S / pool, overlay)],
-                "components": [os.path.relpath(component, overlay)]}))
+            (overlay / "kustomization.yaml").write_text(
+                yaml.safe_dump(
+                    {
+                        "resources": [os.path.relpath(K8S / pool, overlay)],
+                        "components": [os.path.relpath(component, overlay)],
+                    }
+                )
+            )
             (hpa,) = [d for d in kustomize(overlay) if d["kind"] == "HorizontalPodAutoscaler"]
             assert hpa["metadata"]["name"] == name
             metrics = hpa["spec"]["metrics"]
@@ -215,7 +257,8 @@ class TestKubernetes:
             assert metrics[1]["pods"]["metric"]["name"] == "appliance_queue_depth"
 
     def test_podman_overlay_keeps_what_kube_play_runs_and_publishes_the_service_port(
-            self, rendered: dict[str, Path]) -> None:
+        self, rendered: dict[str, Path]
+    ) -> None:
         docs = kube_docs(rendered, "podman")
         assert {kind for kind, _ in docs} == {"ConfigMap", "Service", "PersistentVolumeClaim", "Deployment"}
         base = kube_docs(rendered, "base")[("Deployment", "appliance")]["spec"]["template"]["spec"]
@@ -231,10 +274,15 @@ class TestKubernetes:
         (port,) = container["ports"]
         assert port["name"] == service["targetPort"] and port["hostPort"] == service["port"] == 9100
         assert port["hostIP"] == "127.0.0.1"
-        assert container["livenessProbe"]["exec"]["command"] == ["/usr/local/bin/appliance-healthcheck", "/healthz"]
+        assert container["livenessProbe"]["exec"]["command"] == [
+            "/usr/local/bin/appliance-healthcheck",
+            "/healthz",
+        ]
         assert container["image"] == "localhost/appliance:cpu-ci"
 
-    def test_network_policy_admits_only_the_api_on_9100_and_no_egress(self, rendered: dict[str, Path]) -> None:
+    def test_network_policy_admits_only_the_api_on_9100_and_no_egress(
+        self, rendered: dict[str, Path]
+    ) -> None:
         spec = kube_docs(rendered, "base")[("NetworkPolicy", "appliance")]["spec"]
         assert spec["policyTypes"] == ["Ingress", "Egress"]
         (rule,) = spec["ingress"]
@@ -252,25 +300,34 @@ class TestReadmeBlocksThatCiRuns:
         start = next(i for i, line in enumerate(lines) if line.startswith(f"<!-- ci-images: {marker}"))
         assert lines[start + 1] == "```sh"
         end = lines.index("```", start + 2)
-        return lines[start + 2:end]
+        return lines[start + 2 : end]
 
     def test_the_container_block_builds_runs_waits_and_uses_the_token_form(self) -> None:
         text = "\n".join(self.block("container commands"))
         assert text.startswith("docker build -f images/cpu/Dockerfile -t appliance:cpu .")
         assert "mkdir -p outputs models" in text  # podman refuses missing bind-mount sources
-        run = text[text.index("docker run "):text.index("appliance:cpu\n", text.index("docker run ")) + 13]
-        for flag in ("--cap-add SYS_ADMIN", "--cap-add NET_ADMIN", "--cap-add MKNOD", "-p 127.0.0.1:9100:9100",
-                     "--security-opt seccomp=images/seccomp.json", "--name sandbox",
-                     "-e SANDBOX_AUTH_TOKEN=change-me-long-token"):
+        run = text[text.index("docker run ") : text.index("appliance:cpu\n", text.index("docker run ")) + 13]
+        for flag in (
+            "--cap-add SYS_ADMIN",
+            "--cap-add NET_ADMIN",
+            "--cap-add MKNOD",
+            "-p 127.0.0.1:9100:9100",
+            "--security-opt seccomp=images/seccomp.json",
+            "--name sandbox",
+            "-e SANDBOX_AUTH_TOKEN=change-me-long-token",
+        ):
             assert flag in run, flag
         assert "until curl -fsS http://127.0.0.1:9100/readyz" in text
         # websocat 1.13: -H=VALUE (with =); `-H VALUE` swallows the URL.
-        assert ("| websocat -H='Authorization: Bearer change-me-long-token' ws://127.0.0.1:9100/exec"
-                in text.splitlines()[-1])
+        assert (
+            "| websocat -H='Authorization: Bearer change-me-long-token' ws://127.0.0.1:9100/exec"
+            in text.splitlines()[-1]
+        )
 
     def test_the_seed_block_starts_with_the_seed_one_liner(self) -> None:
         assert self.block("seed one-liner")[0] == (
-            """echo '{"code":"print(2+2)"}' | .venv/bin/websocat ws://localhost:9100/exec""")
+            """echo '{"code":"print(2+2)"}' | .venv/bin/websocat ws://localhost:9100/exec"""
+        )
 
 
 class TestCompose:
@@ -310,10 +367,24 @@ class TestSeccompProfile:
     def test_profile_denies_by_default_and_never_unconditionally_allows_kernel_escape_hatches(self) -> None:
         profile = json.loads((REPO / "images" / "seccomp.json").read_text())
         assert profile["defaultAction"] == "SCMP_ACT_ERRNO"
-        unconditional = {n for r in profile["syscalls"] if r["action"] == "SCMP_ACT_ALLOW"
-                         and not r.get("includes") and not r.get("args") for n in r["names"]}
-        for name in ("keyctl", "add_key", "bpf", "init_module", "kexec_load", "setns", "pivot_root",
-                     "ptrace", "open_by_handle_at", "reboot"):
+        unconditional = {
+            n
+            for r in profile["syscalls"]
+            if r["action"] == "SCMP_ACT_ALLOW" and not r.get("includes") and not r.get("args")
+            for n in r["names"]
+        }
+        for name in (
+            "keyctl",
+            "add_key",
+            "bpf",
+            "init_module",
+            "kexec_load",
+            "setns",
+            "pivot_root",
+            "ptrace",
+            "open_by_handle_at",
+            "reboot",
+        ):
             assert name not in unconditional, name
 
 
@@ -329,36 +400,66 @@ class TestEntrypoint:
         out = entrypoint(f"missing_caps {PODMAN_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN:x}")
         assert out.stdout.split() == ["CAP_MKNOD"]
 
-    @pytest.mark.parametrize(("call", "message", "fix"), [
-        (f"check_caps {DOCKER_DEFAULT_CAPS | NET_ADMIN:x}", "missing capability: CAP_SYS_ADMIN", "--cap-add SYS_ADMIN"),
-        (f"check_caps {DOCKER_DEFAULT_CAPS | SYS_ADMIN:x}", "missing capability: CAP_NET_ADMIN", "--cap-add NET_ADMIN"),
-        (f"check_caps {DOCKER_DEFAULT_CAPS:x}", "CAP_SYS_ADMIN CAP_NET_ADMIN", "--cap-add SYS_ADMIN --cap-add NET_ADMIN"),
-        ("check_container_env ''", "container is '', not 'docker'", "remove -e container="),
-        ("check_container_env podman", "container is 'podman'", "ENV container=docker"),
-        ("check_no_new_privs 1", "no_new_privs is set", "allowPrivilegeEscalation: true"),
-        ("check_uid 1001", "runs as uid 1001", "remove --user"),
-        (f"check_caps {(DOCKER_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN) & ~MKNOD:x}", "missing capability: CAP_MKNOD",
-         "--cap-add MKNOD"),
-        (f"check_caps {(DOCKER_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN) & ~SETPCAP:x}", "missing capability: CAP_SETPCAP",
-         "--cap-add SETPCAP"),
-        ("check_ulimits 512 100000", "hard limit of open files is 512", "--ulimit nofile=1024:1024"),
-        ("check_ulimits unlimited 32", "hard limit of processes is 32", "--ulimit nproc=64:64"),
-        ("check_namespaces_with_failing_unshare 2", "seccomp profile forbids creating namespaces",
-         "seccomp=/path/to/images/seccomp.json"),
-        ("check_mount_with_failing_mount 'docker-default (enforce)'", "AppArmor profile",
-         "apparmor=unconfined"),
-    ])
-    def test_each_refusal_exits_78_and_names_the_missing_flag(self, call: str, message: str, fix: str) -> None:
+    @pytest.mark.parametrize(
+        ("call", "message", "fix"),
+        [
+            (
+                f"check_caps {DOCKER_DEFAULT_CAPS | NET_ADMIN:x}",
+                "missing capability: CAP_SYS_ADMIN",
+                "--cap-add SYS_ADMIN",
+            ),
+            (
+                f"check_caps {DOCKER_DEFAULT_CAPS | SYS_ADMIN:x}",
+                "missing capability: CAP_NET_ADMIN",
+                "--cap-add NET_ADMIN",
+            ),
+            (
+                f"check_caps {DOCKER_DEFAULT_CAPS:x}",
+                "CAP_SYS_ADMIN CAP_NET_ADMIN",
+                "--cap-add SYS_ADMIN --cap-add NET_ADMIN",
+            ),
+            ("check_container_env ''", "container is '', not 'docker'", "remove -e container="),
+            ("check_container_env podman", "container is 'podman'", "ENV container=docker"),
+            ("check_no_new_privs 1", "no_new_privs is set", "allowPrivilegeEscalation: true"),
+            ("check_uid 1001", "runs as uid 1001", "remove --user"),
+            (
+                f"check_caps {(DOCKER_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN) & ~MKNOD:x}",
+                "missing capability: CAP_MKNOD",
+                "--cap-add MKNOD",
+            ),
+            (
+                f"check_caps {(DOCKER_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN) & ~SETPCAP:x}",
+                "missing capability: CAP_SETPCAP",
+                "--cap-add SETPCAP",
+            ),
+            ("check_ulimits 512 100000", "hard limit of open files is 512", "--ulimit nofile=1024:1024"),
+            ("check_ulimits unlimited 32", "hard limit of processes is 32", "--ulimit nproc=64:64"),
+            (
+                "check_namespaces_with_failing_unshare 2",
+                "seccomp profile forbids creating namespaces",
+                "seccomp=/path/to/images/seccomp.json",
+            ),
+            (
+                "check_mount_with_failing_mount 'docker-default (enforce)'",
+                "AppArmor profile",
+                "apparmor=unconfined",
+            ),
+        ],
+    )
+    def test_each_refusal_exits_78_and_names_the_missing_flag(
+        self, call: str, message: str, fix: str
+    ) -> None:
         # Namespace and mount failures are provoked with stand-ins for unshare/mount that fail
         # like a seccomp or AppArmor denial does (EPERM), since this host permits both.
         fakes = (
             "unshare() { echo 'unshare: unshare failed: Operation not permitted' >&2; return 1; }; "
-            "check_namespaces_with_failing_unshare() { check_namespaces \"$1\"; }; "
-            "check_mount_with_failing_mount() { check_mount \"$1\"; }; "
+            'check_namespaces_with_failing_unshare() { check_namespaces "$1"; }; '
+            'check_mount_with_failing_mount() { check_mount "$1"; }; '
         )
         if "failing_mount" in call:
             fakes = fakes.replace("unshare() {", "unshare_real() {") + (
-                "unshare() { echo 'mount: /mnt: permission denied.' >&2; return 1; }; ")
+                "unshare() { echo 'mount: /mnt: permission denied.' >&2; return 1; }; "
+            )
         out = entrypoint(fakes + call)
         assert out.returncode == EX_CONFIG, out
         assert "appliance: cannot start:" in out.stderr and message in out.stderr, out.stderr
@@ -366,8 +467,10 @@ class TestEntrypoint:
 
     def test_accepted_values_pass_silently(self) -> None:
         full = DOCKER_DEFAULT_CAPS | SYS_ADMIN | NET_ADMIN
-        out = entrypoint(f"check_caps {full:x} && check_container_env docker && check_no_new_privs 0 "
-                         "&& check_uid 0 && echo passed")
+        out = entrypoint(
+            f"check_caps {full:x} && check_container_env docker && check_no_new_privs 0 "
+            "&& check_uid 0 && echo passed"
+        )
         assert out.returncode == 0 and out.stdout.strip() == "passed" and out.stderr == ""
 
     def test_status_field_reads_proc_status_lines(self, tmp_path: Path) -> None:
@@ -387,22 +490,35 @@ class TestEntrypointOnThisHost:
         out = entrypoint("check_all && echo passed", env={"container": "docker"})
         assert out.returncode == 0 and out.stdout.strip() == "passed", out.stderr
 
-    @pytest.mark.parametrize(("cap", "flag"), [("cap_sys_admin", "--cap-add SYS_ADMIN"),
-                                               ("cap_net_admin", "--cap-add NET_ADMIN"),
-                                               ("cap_mknod", "--cap-add MKNOD"),
-                                               ("cap_setpcap", "--cap-add SETPCAP")])
+    @pytest.mark.parametrize(
+        ("cap", "flag"),
+        [
+            ("cap_sys_admin", "--cap-add SYS_ADMIN"),
+            ("cap_net_admin", "--cap-add NET_ADMIN"),
+            ("cap_mknod", "--cap-add MKNOD"),
+            ("cap_setpcap", "--cap-add SETPCAP"),
+        ],
+    )
     def test_a_process_without_the_capability_is_refused_naming_it(self, cap: str, flag: str) -> None:
         capsh = shutil.which("capsh") or "/usr/sbin/capsh"
-        out = entrypoint("check_all", env={"container": "docker"}, wrap=[capsh, f"--drop={cap}", "--", "-c", 'exec "$@"', "capsh"])
+        out = entrypoint(
+            "check_all",
+            env={"container": "docker"},
+            wrap=[capsh, f"--drop={cap}", "--", "-c", 'exec "$@"', "capsh"],
+        )
         assert out.returncode == EX_CONFIG, out
         assert cap.upper() in out.stderr and flag in out.stderr, out.stderr
 
-    @pytest.mark.parametrize(("cap", "check", "message", "flag"), [
-        ("cap_mknod", "check_mknod", "cannot create /dev/zero device", "--cap-add MKNOD"),
-        ("cap_setpcap", "check_capbset_drop", "PR_CAPBSET_DROP", "--cap-add SETPCAP"),
-    ])
+    @pytest.mark.parametrize(
+        ("cap", "check", "message", "flag"),
+        [
+            ("cap_mknod", "check_mknod", "cannot create /dev/zero device", "--cap-add MKNOD"),
+            ("cap_setpcap", "check_capbset_drop", "PR_CAPBSET_DROP", "--cap-add SETPCAP"),
+        ],
+    )
     def test_the_trial_of_what_firejail_does_fails_without_the_capability(
-            self, cap: str, check: str, message: str, flag: str) -> None:
+        self, cap: str, check: str, message: str, flag: str
+    ) -> None:
         # The trial itself, not the mask check: it must fail for real when the kernel refuses.
         capsh = shutil.which("capsh") or "/usr/sbin/capsh"
         wrap = [capsh, f"--drop={cap}", "--", "-c", 'exec "$@"', "capsh"]
@@ -421,26 +537,45 @@ class TestWheelUnbundle:
 
     def test_top_level_libraries_leave_the_wheel_and_its_record(self, tmp_path: Path) -> None:
         src = tmp_path / "pkg-1.0-cp311-cp311-linux_x86_64.whl"
-        names = ["_pkg.cpython-311-x86_64-linux-gnu.so", "libggml.so.0", "libwhisper.so.1.8.5",
-                 "pkg/__init__.py", "pkg/libkept.so", "pkg-1.0.dist-info/METADATA"]
+        names = [
+            "_pkg.cpython-311-x86_64-linux-gnu.so",
+            "libggml.so.0",
+            "libwhisper.so.1.8.5",
+            "pkg/__init__.py",
+            "pkg/libkept.so",
+            "pkg-1.0.dist-info/METADATA",
+        ]
         with zipfile.ZipFile(src, "w") as z:
             for name in names:
                 z.writestr(name, b"x")
             z.writestr("pkg-1.0.dist-info/RECORD", "".join(f"{n},sha256=x,1\n" for n in names))
-        out = subprocess.run([sys.executable, str(REPO / "images" / "wheel_unbundle.py"), str(src),
-                              str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, str(REPO / "images" / "wheel_unbundle.py"), str(src), str(tmp_path / "out")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         with zipfile.ZipFile(tmp_path / "out" / src.name) as z:
             kept = set(z.namelist())
             record = z.read("pkg-1.0.dist-info/RECORD").decode()
-        assert kept == {"_pkg.cpython-311-x86_64-linux-gnu.so", "pkg/__init__.py", "pkg/libkept.so",
-                        "pkg-1.0.dist-info/METADATA", "pkg-1.0.dist-info/RECORD"}
+        assert kept == {
+            "_pkg.cpython-311-x86_64-linux-gnu.so",
+            "pkg/__init__.py",
+            "pkg/libkept.so",
+            "pkg-1.0.dist-info/METADATA",
+            "pkg-1.0.dist-info/RECORD",
+        }
         assert "libggml.so.0" not in record and "libwhisper" not in record and "pkg/libkept.so" in record
 
     def test_a_wheel_without_top_level_libraries_is_an_error(self, tmp_path: Path) -> None:
         src = tmp_path / "pkg-1.0-py3-none-any.whl"
         with zipfile.ZipFile(src, "w") as z:
             z.writestr("pkg/__init__.py", b"")
-        out = subprocess.run([sys.executable, str(REPO / "images" / "wheel_unbundle.py"), str(src),
-                              str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, str(REPO / "images" / "wheel_unbundle.py"), str(src), str(tmp_path / "out")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 1 and "no top-level shared library" in out.stderr

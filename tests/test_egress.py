@@ -93,8 +93,8 @@ def free_port() -> int:
 class Remote:
     ns: str
     k: int
-    port_open: int      # A: listed in SANDBOX_OPEN_PORTS
-    port_closed: int    # B: not listed
+    port_open: int  # A: listed in SANDBOX_OPEN_PORTS
+    port_closed: int  # B: not listed
     host_listener: socket.socket  # the host itself listening on 0.0.0.0:A
 
     @property
@@ -156,8 +156,21 @@ def remote() -> Iterator[Remote]:
         for address in (f"198.18.{k}.2", f"198.18.{k}.3", f"10.77.{k}.2", "169.254.169.254"):
             assert _routed_via(address, hv), f"{address} does not route via {hv}"
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-c", REMOTE_SERVER, str(port_open), str(port_closed)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-c",
+                REMOTE_SERVER,
+                str(port_open),
+                str(port_closed),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
         yield Remote(ns=ns, k=k, port_open=port_open, port_closed=port_closed, host_listener=listener)
     finally:
@@ -183,9 +196,14 @@ def host_connect(host: str, port: int) -> str:
 def egress_server(tmp: Path, remote: Remote, subnet_octet: int, **env: str) -> tuple[Server, int]:
     """A server on 0.0.0.0:P (token-protected) whose own port P is open too: the jail must still not reach it."""
     port = free_port()
-    srv = start_server(tmp, host="0.0.0.0", port=port, SANDBOX_AUTH_TOKEN=TOKEN,
-                       SANDBOX_EGRESS_SUBNET=f"10.216.{subnet_octet}.0/24",
-                       settings={"SANDBOX_OPEN_PORTS": f"{remote.port_open},{port}", **env})
+    srv = start_server(
+        tmp,
+        host="0.0.0.0",
+        port=port,
+        SANDBOX_AUTH_TOKEN=TOKEN,
+        SANDBOX_EGRESS_SUBNET=f"10.216.{subnet_octet}.0/24",
+        settings={"SANDBOX_OPEN_PORTS": f"{remote.port_open},{port}", **env},
+    )
     return srv, port
 
 
@@ -208,15 +226,17 @@ def open_server(tmp_path_factory: pytest.TempPathFactory, remote: Remote) -> Ite
     srv.stop()
 
 
-async def test_a_jailed_run_reaches_an_open_port_on_a_test_host(open_server: tuple[Server, int],
-                                                                remote: Remote) -> None:
+async def test_a_jailed_run_reaches_an_open_port_on_a_test_host(
+    open_server: tuple[Server, int], remote: Remote
+) -> None:
     srv, _ = open_server
     got = await probe(srv, [("tcp", remote.public, remote.port_open)])
     assert got[f"tcp:{remote.public}:{remote.port_open}"] == f"hello {remote.public}:{remote.port_open}"
 
 
 async def test_a_port_not_listed_is_refused_though_the_host_answers_on_it(
-        open_server: tuple[Server, int], remote: Remote) -> None:
+    open_server: tuple[Server, int], remote: Remote
+) -> None:
     srv, _ = open_server
     assert host_connect(remote.public, remote.port_closed).startswith("hello")
     got = await probe(srv, [("tcp", remote.public, remote.port_closed)])
@@ -224,18 +244,25 @@ async def test_a_port_not_listed_is_refused_though_the_host_answers_on_it(
 
 
 async def test_private_and_metadata_addresses_are_refused_on_an_open_port(
-        open_server: tuple[Server, int], remote: Remote) -> None:
+    open_server: tuple[Server, int], remote: Remote
+) -> None:
     srv, _ = open_server
     for target in (remote.private, "169.254.169.254"):
         assert host_connect(target, remote.port_open).startswith("hello"), target
-    got = await probe(srv, [("tcp", remote.private, remote.port_open),
-                            ("tcp", "169.254.169.254", remote.port_open),
-                            ("tcp", "169.254.169.254", 80)])
+    got = await probe(
+        srv,
+        [
+            ("tcp", remote.private, remote.port_open),
+            ("tcp", "169.254.169.254", remote.port_open),
+            ("tcp", "169.254.169.254", 80),
+        ],
+    )
     assert not any(reached(v) for v in got.values()), got
 
 
 async def test_the_host_and_the_appliances_own_port_are_unreachable_though_open(
-        open_server: tuple[Server, int], remote: Remote) -> None:
+    open_server: tuple[Server, int], remote: Remote
+) -> None:
     srv, port = open_server
     # Controls: the host answers on the open port A and serves the appliance on P.
     assert host_connect(remote.host_side, remote.port_open) == "connected"
@@ -249,16 +276,19 @@ async def test_the_host_and_the_appliances_own_port_are_unreachable_though_open(
     assert srv.get("/readyz")[0] == 200  # the canary proves the same before every /readyz
 
 
-async def test_ipv6_and_dns_are_closed_when_53_is_not_listed(open_server: tuple[Server, int],
-                                                            remote: Remote) -> None:
+async def test_ipv6_and_dns_are_closed_when_53_is_not_listed(
+    open_server: tuple[Server, int], remote: Remote
+) -> None:
     srv, _ = open_server
     got = await probe(srv, [("udp", remote.public, 53)])
     assert not reached(got[f"udp:{remote.public}:53"]), got
-    code = ("import socket, os\nprint(sorted(n for _, n in socket.if_nameindex()))\n"
-            "print(os.path.exists('/etc/resolv.conf'))\n"
-            "s = socket.socket(socket.AF_INET6); s.settimeout(2)\n"
-            "try:\n    s.connect(('fe80::1%eth0', 80)); print('v6 connected')\n"
-            "except OSError as e:\n    print('v6', type(e).__name__)\n")
+    code = (
+        "import socket, os\nprint(sorted(n for _, n in socket.if_nameindex()))\n"
+        "print(os.path.exists('/etc/resolv.conf'))\n"
+        "s = socket.socket(socket.AF_INET6); s.settimeout(2)\n"
+        "try:\n    s.connect(('fe80::1%eth0', 80)); print('v6 connected')\n"
+        "except OSError as e:\n    print('v6', type(e).__name__)\n"
+    )
     async with AsyncClient(srv.url, token=TOKEN) as c:
         ex = await c.execute(code)
     lines = ex.stdout.splitlines()
@@ -267,12 +297,14 @@ async def test_ipv6_and_dns_are_closed_when_53_is_not_listed(open_server: tuple[
 
 async def test_jailed_code_cannot_flush_its_filter(open_server: tuple[Server, int], remote: Remote) -> None:
     srv, _ = open_server
-    flush = ("import subprocess\n"
-             "for argv in (['/usr/sbin/nft', 'flush', 'ruleset'], ['/usr/sbin/iptables', '-F']):\n"
-             "    try:\n"
-             "        subprocess.run(argv, capture_output=True)\n"
-             "    except OSError:\n"
-             "        pass\n")
+    flush = (
+        "import subprocess\n"
+        "for argv in (['/usr/sbin/nft', 'flush', 'ruleset'], ['/usr/sbin/iptables', '-F']):\n"
+        "    try:\n"
+        "        subprocess.run(argv, capture_output=True)\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
     code = flush + PROBE.replace("TARGETS", json.dumps([("tcp", remote.public, remote.port_closed)]))
     async with AsyncClient(srv.url, token=TOKEN) as c:
         ex = await c.execute(code)
@@ -281,18 +313,27 @@ async def test_jailed_code_cannot_flush_its_filter(open_server: tuple[Server, in
 
 
 async def test_an_allowed_private_network_and_a_named_resolver_open_exactly_that(
-        tmp_path: Path, remote: Remote) -> None:
-    srv, _ = egress_server(tmp_path, remote, (remote.k + 101) % 250 + 1,
-                           SANDBOX_OPEN_PORTS=f"{remote.port_open},53",
-                           SANDBOX_EGRESS_ALLOW_NETS=remote.private_net, SANDBOX_EGRESS_DNS=remote.public)
+    tmp_path: Path, remote: Remote
+) -> None:
+    srv, _ = egress_server(
+        tmp_path,
+        remote,
+        (remote.k + 101) % 250 + 1,
+        SANDBOX_OPEN_PORTS=f"{remote.port_open},53",
+        SANDBOX_EGRESS_ALLOW_NETS=remote.private_net,
+        SANDBOX_EGRESS_DNS=remote.public,
+    )
     try:
-        got = await probe(srv, [
-            ("tcp", remote.private, remote.port_open),     # allowed network, open port
-            ("tcp", remote.private, remote.port_closed),   # allowed network, closed port
-            ("udp", remote.public, 53),                    # the named resolver
-            ("udp", remote.public2, 53),                   # any other DNS server
-            ("tcp", "169.254.169.254", remote.port_open),  # still not allowed
-        ])
+        got = await probe(
+            srv,
+            [
+                ("tcp", remote.private, remote.port_open),  # allowed network, open port
+                ("tcp", remote.private, remote.port_closed),  # allowed network, closed port
+                ("udp", remote.public, 53),  # the named resolver
+                ("udp", remote.public2, 53),  # any other DNS server
+                ("tcp", "169.254.169.254", remote.port_open),  # still not allowed
+            ],
+        )
         assert got[f"tcp:{remote.private}:{remote.port_open}"].startswith("hello"), got
         assert not reached(got[f"tcp:{remote.private}:{remote.port_closed}"]), got
         assert got[f"udp:{remote.public}:53"] == "echo q", got
@@ -307,8 +348,11 @@ async def test_an_allowed_private_network_and_a_named_resolver_open_exactly_that
 
 def test_shutdown_removes_every_namespace_link_and_table(tmp_path: Path, remote: Remote) -> None:
     srv, _ = egress_server(tmp_path, remote, (remote.k + 51) % 250 + 1)
-    table = next(line.split()[-1] for line in sh("nft", "list", "tables").stdout.splitlines()
-                 if "appliance_0ad8" in line and f"{(remote.k + 51) % 250 + 1:02x}00" in line)
+    table = next(
+        line.split()[-1]
+        for line in sh("nft", "list", "tables").stdout.splitlines()
+        if "appliance_0ad8" in line and f"{(remote.k + 51) % 250 + 1:02x}00" in line
+    )
     prefix = f"sbx-{table.removeprefix('appliance_')}-"
     assert any(n.startswith(prefix) for n in sh("ip", "netns", "list").stdout.split())
     assert srv.stop() == 0
@@ -322,5 +366,8 @@ def test_shutdown_removes_every_namespace_link_and_table(tmp_path: Path, remote:
 
 def test_startup_refuses_a_subnet_that_overlaps_a_host_route(tmp_path: Path, remote: Remote) -> None:
     with pytest.raises(RuntimeError, match="overlaps"):
-        start_server(tmp_path, SANDBOX_OPEN_PORTS=str(remote.port_open),
-                     SANDBOX_EGRESS_SUBNET=f"198.18.{remote.k}.0/24")
+        start_server(
+            tmp_path,
+            SANDBOX_OPEN_PORTS=str(remote.port_open),
+            SANDBOX_EGRESS_SUBNET=f"198.18.{remote.k}.0/24",
+        )

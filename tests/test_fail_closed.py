@@ -67,16 +67,23 @@ def test_firejail_that_would_run_code_unjailed_is_refused() -> None:
         asyncio.run(main())
         """
     )
-    out = subprocess.run([*UNSHARE, sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [*UNSHARE, sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert "REFUSED: the jail failed its self-check" in out.stdout, out.stdout + out.stderr
     assert "Seccomp is 0" in out.stderr and "shares the server's PID namespace" in out.stderr
 
 
 def serve_once(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     full = {"PATH": "/usr/bin:/bin", "SANDBOX_PYTHON": sys.executable, "SANDBOX_PRELOAD": "", **env}
-    return subprocess.run([sys.executable, "-m", "appliance", "serve", "--port", "0"], env=full,
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "appliance", "serve", "--port", "0"],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,9 @@ from tests.support import Server, start_server
 @pytest.fixture(scope="module")
 def filesrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
     outdir = tmp_path_factory.mktemp("persisted")
-    srv = start_server(tmp_path_factory.mktemp("files"), SANDBOX_OUTPUTS_DIR=str(outdir),
-                       SANDBOX_MAX_FILE_OUT_BYTES="100000")
+    srv = start_server(
+        tmp_path_factory.mktemp("files"), SANDBOX_OUTPUTS_DIR=str(outdir), SANDBOX_MAX_FILE_OUT_BYTES="100000"
+    )
     yield srv, outdir
     srv.stop()
 
@@ -24,8 +25,10 @@ def filesrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
 async def test_uploaded_files_are_readable_by_the_code(filesrv: tuple[Server, Path]) -> None:
     server, _ = filesrv
     async with AsyncClient(server.url) as c:
-        ex = await c.execute("print(open('data.csv').read(), end='')\nprint(open('sub/dir/b.bin','rb').read())",
-                             files={"data.csv": "a,b\n1,2\n", "sub/dir/b.bin": b"\x00\x01"})
+        ex = await c.execute(
+            "print(open('data.csv').read(), end='')\nprint(open('sub/dir/b.bin','rb').read())",
+            files={"data.csv": "a,b\n1,2\n", "sub/dir/b.bin": b"\x00\x01"},
+        )
     assert ex.status == "ok" and ex.stdout == "a,b\n1,2\nb'\\x00\\x01'\n"
 
 
@@ -44,9 +47,11 @@ async def test_an_outputs_file_comes_back_and_persists_per_run(filesrv: tuple[Se
 
 async def test_links_in_outputs_are_never_followed(filesrv: tuple[Server, Path]) -> None:
     server, outdir = filesrv
-    code = ("import os\nos.symlink('/etc/passwd', 'outputs/passwd')\nos.symlink('/etc', 'outputs/etcdir')\n"
-            "try:\n    os.link('/etc/hostname', 'outputs/hard')\nexcept OSError as e:\n    print('hardlink', e.errno)\n"
-            "open('outputs/real.txt', 'w').write('ok')")
+    code = (
+        "import os\nos.symlink('/etc/passwd', 'outputs/passwd')\nos.symlink('/etc', 'outputs/etcdir')\n"
+        "try:\n    os.link('/etc/hostname', 'outputs/hard')\nexcept OSError as e:\n    print('hardlink', e.errno)\n"
+        "open('outputs/real.txt', 'w').write('ok')"
+    )
     async with AsyncClient(server.url) as c:
         ex = await c.execute(code)
     assert [f["path"] for f in ex.files] == ["real.txt"]

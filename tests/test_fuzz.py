@@ -21,24 +21,40 @@ LIMITS = protocol.Limits(max_message_bytes=65536, max_upload_bytes=4096)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
     max_leaves=12,
 )
 FIELDS = ("type", "id", "code", "session", "timeout_ms", "files", "gpu", "stdin_eof", "data", "eof", "path")
 TYPES = ("execute", "stdin", "interrupt", "close_session", "", "EXECUTE", "done")
-frames_like = st.fixed_dictionaries({}, optional={
-    "type": st.sampled_from(TYPES) | json_values,
-    "id": st.text(max_size=200) | json_values,
-    "code": st.text() | json_values,
-    "session": st.sampled_from(["new", ""]) | st.text(max_size=40) | json_values,
-    "timeout_ms": st.integers() | json_values,
-    "files": st.lists(st.fixed_dictionaries({}, optional={
-        "path": st.text(max_size=40) | st.sampled_from(["../x", "/etc/p", "a/../../b", "a//b/./c", "."]) | json_values,
-        "data": st.text(max_size=40) | st.sampled_from(["aGk=", "!!", ""]) | json_values,
-    }), max_size=3) | json_values,
-    "gpu": st.fixed_dictionaries({}, optional={"memory_mb": json_values}) | json_values,
-    "stdin_eof": json_values, "data": json_values, "eof": json_values,
-})
+frames_like = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(TYPES) | json_values,
+        "id": st.text(max_size=200) | json_values,
+        "code": st.text() | json_values,
+        "session": st.sampled_from(["new", ""]) | st.text(max_size=40) | json_values,
+        "timeout_ms": st.integers() | json_values,
+        "files": st.lists(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "path": st.text(max_size=40)
+                    | st.sampled_from(["../x", "/etc/p", "a/../../b", "a//b/./c", "."])
+                    | json_values,
+                    "data": st.text(max_size=40) | st.sampled_from(["aGk=", "!!", ""]) | json_values,
+                },
+            ),
+            max_size=3,
+        )
+        | json_values,
+        "gpu": st.fixed_dictionaries({}, optional={"memory_mb": json_values}) | json_values,
+        "stdin_eof": json_values,
+        "data": json_values,
+        "eof": json_values,
+    },
+)
 
 
 def parse(frame: str | bytes) -> None:
@@ -47,8 +63,15 @@ def parse(frame: str | bytes) -> None:
     except ProtocolError as exc:  # either outcome is valid: a refusal must carry its reason
         assert exc.message and isinstance(exc.message, str)  # noqa: PT017
         return
-    assert isinstance(message, (protocol.ExecuteRequest, protocol.StdinMessage, protocol.InterruptMessage,
-                                protocol.CloseSessionMessage))
+    assert isinstance(
+        message,
+        (
+            protocol.ExecuteRequest,
+            protocol.StdinMessage,
+            protocol.InterruptMessage,
+            protocol.CloseSessionMessage,
+        ),
+    )
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -64,7 +87,7 @@ def test_the_codec_only_ever_raises_protocol_error_on_arbitrary_bytes_and_text(f
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(min_value=1, max_value=200_000), st.sampled_from(["[", "{\"a\":", "[{\"x\":"]))
+@given(st.integers(min_value=1, max_value=200_000), st.sampled_from(["[", '{"a":', '[{"x":']))
 def test_the_codec_survives_deep_nesting(depth: int, opener: str) -> None:
     parse(opener * depth)
 
@@ -80,8 +103,12 @@ def test_upload_path_checks_never_crash_and_refuse_climbing(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("fuzz-server"), SANDBOX_POOL_SIZE="0",
-                       SANDBOX_MAX_MESSAGE_BYTES="65536", SANDBOX_MAX_UPLOAD_BYTES="4096")
+    srv = start_server(
+        tmp_path_factory.mktemp("fuzz-server"),
+        SANDBOX_POOL_SIZE="0",
+        SANDBOX_MAX_MESSAGE_BYTES="65536",
+        SANDBOX_MAX_UPLOAD_BYTES="4096",
+    )
     yield srv
     srv.stop()
 

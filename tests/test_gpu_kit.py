@@ -35,11 +35,26 @@ HARDWARE_ONLY = {
     "preflight.nvidia_uvm": "hardware-only",
     "jail.device_nodes": "hardware-only",
     "llama_offload": "llama-cpp-python",  # no CUDA build of llama.cpp here (nor in the kit)
-    "mps": "--mps",                       # optional: its own test below
+    "mps": "--mps",  # optional: its own test below
 }
-EVERY_CHECK = ("preflight.driver", "preflight.mig", "preflight.compute_mode", "preflight.nvidia_uvm", "server",
-               "readyz", "jail.visible_device", "jail.device_nodes", "watchdog.main_thread", "watchdog.thread",
-               "watchdog.subprocess", "host_memory", "reclaim", "contention", "llama_offload", "mps")
+EVERY_CHECK = (
+    "preflight.driver",
+    "preflight.mig",
+    "preflight.compute_mode",
+    "preflight.nvidia_uvm",
+    "server",
+    "readyz",
+    "jail.visible_device",
+    "jail.device_nodes",
+    "watchdog.main_thread",
+    "watchdog.thread",
+    "watchdog.subprocess",
+    "host_memory",
+    "reclaim",
+    "contention",
+    "llama_offload",
+    "mps",
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +70,14 @@ def scratch() -> Iterator[Path]:
 def kit(scratch: Path) -> Path:
     """The kit, built as `make gpu-kit` builds it (downloads cached in ~/.cache/appliance-gpu-kit)."""
     out = scratch / "gpu-kit"
-    proc = subprocess.run(["scripts/gpu-kit.sh", str(out)], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PY": sys.executable}, timeout=scaled(600))
+    proc = subprocess.run(
+        ["scripts/gpu-kit.sh", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PY": sys.executable},
+        timeout=scaled(600),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 
@@ -68,19 +89,39 @@ def libcuda(scratch: Path) -> Path:
     path = scratch / "cuda" / "libcuda.so.1"
     path.parent.mkdir()
     os.chmod(path.parent, 0o755)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(path), str(REPO / "tests" / "stub_libcuda.c")],
-                   check=True)
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O1", "-o", str(path), str(REPO / "tests" / "stub_libcuda.c")],
+        check=True,
+    )
     return path
 
 
-def run_kit(kit: Path, scratch: Path, libcuda: Path, name: str, *args: str) -> tuple[int, dict[str, Any], Path]:
+def run_kit(
+    kit: Path, scratch: Path, libcuda: Path, name: str, *args: str
+) -> tuple[int, dict[str, Any], Path]:
     """The kit's gpu-acceptance.sh in simulation; (exit status, JSON report, report folder)."""
     out = scratch / f"report-{name}"
-    env = {**os.environ, "KIT_VENV": str(scratch / "venv"), "KIT_OUT": str(out),
-           "STUB_SMI_STATE": str(scratch / f"smi-{name}.json")}
-    proc = subprocess.run([str(kit / "gpu-acceptance.sh"), "--simulate", "--libcuda", str(libcuda),
-                           "--nvidia-smi", str(REPO / "tests" / "stub_nvidia_smi.py"), *args],
-                          env=env, capture_output=True, text=True, timeout=scaled(900))
+    env = {
+        **os.environ,
+        "KIT_VENV": str(scratch / "venv"),
+        "KIT_OUT": str(out),
+        "STUB_SMI_STATE": str(scratch / f"smi-{name}.json"),
+    }
+    proc = subprocess.run(
+        [
+            str(kit / "gpu-acceptance.sh"),
+            "--simulate",
+            "--libcuda",
+            str(libcuda),
+            "--nvidia-smi",
+            str(REPO / "tests" / "stub_nvidia_smi.py"),
+            *args,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(900),
+    )
     report = out / "gpu-acceptance.json"
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.returncode, json.loads(report.read_text()), out
@@ -103,12 +144,15 @@ def test_the_kit_is_small_and_carries_what_a_bare_gpu_machine_lacks(kit: Path) -
     assert not any(w.startswith(("numpy-", "matplotlib-", "torch-", "llama_cpp")) for w in wheels), wheels
     with zipfile.ZipFile(next((kit / "wheels").glob("appliance-*.whl"))) as whl:
         assert "appliance/gpu/watchdog.py" in whl.namelist()
-    assert (kit / "benchmarks" / "gpu_acceptance.py").is_file() and os.access(kit / "gpu-acceptance.sh", os.X_OK)
+    assert (kit / "benchmarks" / "gpu_acceptance.py").is_file() and os.access(
+        kit / "gpu-acceptance.sh", os.X_OK
+    )
     assert json.loads((kit / "kit.json").read_text())["pythons"] == ["3.11", "3.12"]
 
 
 def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
-        kit: Path, scratch: Path, libcuda: Path) -> None:
+    kit: Path, scratch: Path, libcuda: Path
+) -> None:
     rc, report, out = run_kit(kit, scratch, libcuda, "all")
     checks = {c["name"]: c for c in report["checks"]}
     assert sorted(checks) == sorted(EVERY_CHECK)
@@ -133,7 +177,7 @@ def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
     assert report["meta"]["mode"] == "simulated"
     for how in ("main_thread", "thread", "subprocess"):
         assert checks[f"watchdog.{how}"]["data"]["kill_latency_s"] is not None
-    assert checks["reclaim"]["data"]["big_queued_ms"] > 0       # it did wait behind the killed run
+    assert checks["reclaim"]["data"]["big_queued_ms"] > 0  # it did wait behind the killed run
     assert checks["host_memory"]["data"]["file_mb"] > checks["host_memory"]["data"]["memory_mb"]
     assert [row["n"] for row in checks["contention"]["data"]["summary"]] == [1, 4, 16]
     md = (out / "gpu-acceptance.md").read_text()
@@ -141,12 +185,13 @@ def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
 
 
 def test_the_mps_section_reports_what_a_jail_gets_and_restores_the_compute_mode(
-        kit: Path, scratch: Path, libcuda: Path) -> None:
+    kit: Path, scratch: Path, libcuda: Path
+) -> None:
     rc, report, out = run_kit(kit, scratch, libcuda, "mps", "--only", "mps", "--mps")
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["mps.restored"]["status"] == "PASS", checks["mps.restored"]
     smi = json.loads((scratch / "smi-mps.json").read_text())
-    assert smi["compute_mode"] == {"0": "Default"}            # set to EXCLUSIVE_PROCESS, then put back
+    assert smi["compute_mode"] == {"0": "Default"}  # set to EXCLUSIVE_PROCESS, then put back
     assert not (out / "compute-mode.orig").exists()
     # Today a GPU jail cannot join an MPS daemon (issue 14 defect 6: its /dev/shm is private) and,
     # on an EXCLUSIVE_PROCESS GPU, gets no context at all: the kit must say so, not pass.
@@ -159,8 +204,18 @@ def test_the_mps_section_reports_what_a_jail_gets_and_restores_the_compute_mode(
 def test_a_disabled_watchdog_fails_the_watchdog_check(kit: Path, scratch: Path, libcuda: Path) -> None:
     # A poll interval of an hour: the watchdog never looks while the over-budget run holds its
     # memory. The neighbour outlives the hog, since a run's end makes the server read NVML anyway.
-    rc, report, _ = run_kit(kit, scratch, libcuda, "nowatchdog", "--only", "watchdog.main_thread",
-                            "--server-env", "SANDBOX_GPU_POLL_MS=3600000", "--neighbour-s", "30")
+    rc, report, _ = run_kit(
+        kit,
+        scratch,
+        libcuda,
+        "nowatchdog",
+        "--only",
+        "watchdog.main_thread",
+        "--server-env",
+        "SANDBOX_GPU_POLL_MS=3600000",
+        "--neighbour-s",
+        "30",
+    )
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["watchdog.main_thread"]["status"] == "FAIL", checks["watchdog.main_thread"]
     assert "not gpu_memory_limit" in checks["watchdog.main_thread"]["detail"]

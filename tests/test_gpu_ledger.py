@@ -39,11 +39,11 @@ async def test_a_run_is_admitted_to_the_device_with_the_most_room() -> None:
 async def test_reserved_plus_margin_plus_foreign_must_fit() -> None:
     backend = SimulatedBackend((10000,))
     ledger = ledger_for(backend, margin_mb=1000, max_wait_ms=200)
-    first = await ledger.acquire(8000)            # 8000 + 1000 margin <= 10000
+    first = await ledger.acquire(8000)  # 8000 + 1000 margin <= 10000
     with pytest.raises(Busy):
-        await ledger.acquire(1001)                # 8000 + 1001 + 1000 > 10000: waits, then busy
+        await ledger.acquire(1001)  # 8000 + 1001 + 1000 > 10000: waits, then busy
     ledger.release(first)
-    second = await ledger.acquire(9000)           # exactly total - margin
+    second = await ledger.acquire(9000)  # exactly total - margin
     assert second.memory_mb == 9000
 
 
@@ -82,7 +82,7 @@ async def test_a_budget_larger_than_any_device_is_rejected_at_once_not_queued() 
 async def test_reconciliation_counts_memory_of_non_runs_and_frees_it_when_it_goes() -> None:
     backend = SimulatedBackend((16384,))
     ledger = ledger_for(backend)
-    backend.set_usage(pid=999_999, index=0, used_mb=10000)   # a process that is not one of our runs
+    backend.set_usage(pid=999_999, index=0, used_mb=10000)  # a process that is not one of our runs
     ledger.load(backend.devices(), backend.processes(), ours=())
     assert ledger.snapshot()[0]["foreign_mb"] == 10000
     waiter = asyncio.create_task(ledger.acquire(8000))
@@ -100,8 +100,16 @@ async def test_usage_of_our_own_runs_is_not_counted_twice() -> None:
     grant = await ledger.acquire(6000)
     backend.set_usage(pid=4242, index=0, used_mb=5500)
     ledger.load(backend.devices(), backend.processes(), ours={4242})
-    assert ledger.snapshot()[0] == {"index": 0, "uuid": "GPU-SIM-0", "total_mb": 16384, "reserved_mb": 6000,
-                                    "foreign_mb": 0, "runs": 1, "reclaiming": 0, "reclaim_timeouts": 0}
+    assert ledger.snapshot()[0] == {
+        "index": 0,
+        "uuid": "GPU-SIM-0",
+        "total_mb": 16384,
+        "reserved_mb": 6000,
+        "foreign_mb": 0,
+        "runs": 1,
+        "reclaiming": 0,
+        "reclaim_timeouts": 0,
+    }
     ledger.release(grant)
 
 
@@ -117,8 +125,8 @@ async def test_what_our_runs_hold_beyond_their_grants_admits_nobody() -> None:
     book = ledger.snapshot()[0]
     assert (book["reserved_mb"], book["foreign_mb"], book["over_grant_mb"]) == (2000, 0, 5000)
     with pytest.raises(Busy):
-        await ledger.acquire(10000)               # 2000 + 5000 + 10000 + 256 > 16384
-    fits = await ledger.acquire(9000)             # what is really free, less the margin
+        await ledger.acquire(10000)  # 2000 + 5000 + 10000 + 256 > 16384
+    fits = await ledger.acquire(9000)  # what is really free, less the margin
     ledger.release(fits)
     ledger.release(over)
 
@@ -176,5 +184,9 @@ async def test_a_reclaim_that_outlasts_its_bound_marks_the_device_and_the_memory
     await asyncio.sleep(0.01)
     ledger.load(backend.devices(), backend.processes(), ours=(), taken_at=time.monotonic())
     book = ledger.snapshot()[0]
-    assert book["reclaiming"] == 0 and book["reclaim_timeouts"] == 1 and "SANDBOX_GPU_RECLAIM_MS" in str(book["note"])
+    assert (
+        book["reclaiming"] == 0
+        and book["reclaim_timeouts"] == 1
+        and "SANDBOX_GPU_RECLAIM_MS" in str(book["note"])
+    )
     assert book["foreign_mb"] == 2900, "what NVML still shows keeps the next run off that memory"

@@ -52,6 +52,8 @@ REACHABLE = {"compute_mode": {"0": "EXCLUSIVE_PROCESS"}, "mps_shm": "pipe_dir"}
 def simulate(control: Path, **state: object) -> None:
     """The simulated host's state, on the REACHABLE host unless the state says otherwise."""
     simulate_file(control, **{**REACHABLE, **state})
+
+
 ALLOC = textwrap.dedent("""\
     import ctypes, os
     cu = ctypes.CDLL(os.environ["APPLIANCE_LIBCUDA"])
@@ -70,8 +72,18 @@ def cuda_dir() -> Iterator[Path]:
         pytest.fail("gcc is needed to build tests/stub_libcuda.c (apt-get install gcc)")
     root = Path(tempfile.mkdtemp(prefix="appliance-cuda-", dir="/tmp"))
     os.chmod(root, 0o755)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(root / "libcuda.so.1"),
-                    str(REPO / "tests" / "stub_libcuda.c")], check=True)
+    subprocess.run(
+        [
+            "gcc",
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-o",
+            str(root / "libcuda.so.1"),
+            str(REPO / "tests" / "stub_libcuda.c"),
+        ],
+        check=True,
+    )
     (root / "mps").mkdir()
     yield root
     shutil.rmtree(root, ignore_errors=True)
@@ -81,10 +93,19 @@ def mps_env(cuda_dir: Path, pipe: str = "mps", **extra: str) -> dict[str, str]:
     if "SANDBOX_GPU_SIMULATE_FILE" not in extra:  # the REACHABLE host unless the test gives its own
         simulate(cuda_dir / f"{pipe}.json")
         extra["SANDBOX_GPU_SIMULATE_FILE"] = str(cuda_dir / f"{pipe}.json")
-    return {"SANDBOX_GPU": "1", "SANDBOX_GPU_BACKEND": "simulated", "SANDBOX_GPU_SIMULATE": "4096",
-            "SANDBOX_GPU_SIMULATE_MPS": "on", "SANDBOX_GPU_MPS_PIPE_DIR": str(cuda_dir / pipe),
-            "SANDBOX_GPU_LIBCUDA": str(cuda_dir / "libcuda.so.1"), "SANDBOX_GPU_MARGIN_MB": str(MARGIN_MB),
-            "SANDBOX_GPU_DEFAULT_MB": "512", "SANDBOX_GPU_POLL_MS": "100", "SANDBOX_PRELOAD": "", **extra}
+    return {
+        "SANDBOX_GPU": "1",
+        "SANDBOX_GPU_BACKEND": "simulated",
+        "SANDBOX_GPU_SIMULATE": "4096",
+        "SANDBOX_GPU_SIMULATE_MPS": "on",
+        "SANDBOX_GPU_MPS_PIPE_DIR": str(cuda_dir / pipe),
+        "SANDBOX_GPU_LIBCUDA": str(cuda_dir / "libcuda.so.1"),
+        "SANDBOX_GPU_MARGIN_MB": str(MARGIN_MB),
+        "SANDBOX_GPU_DEFAULT_MB": "512",
+        "SANDBOX_GPU_POLL_MS": "100",
+        "SANDBOX_PRELOAD": "",
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +124,7 @@ def results(ex: Execution) -> list[Any]:
 
 
 # -- end to end -------------------------------------------------------------------------------
+
 
 def test_readiness_reports_mps_limits_proven_by_the_startup_probe(mps_server: tuple[Server, Path]) -> None:
     status, body = mps_server[0].get("/readyz")
@@ -127,22 +149,26 @@ async def test_concurrent_runs_on_one_gpu_each_get_their_own_limit(mps_server: t
     async with AsyncClient(mps_server[0].url) as c:
         big, small = await asyncio.gather(
             c.execute(code.format(1900), gpu={"memory_mb": 2000}),
-            c.execute(code.format(250), gpu={"memory_mb": 300}))
+            c.execute(code.format(250), gpu={"memory_mb": 300}),
+        )
     assert big.frames[0]["gpu"]["uuid"] == small.frames[0]["gpu"]["uuid"] == "GPU-SIM-0"
     assert results(big) == [0, 2] and results(small) == [0, 2]
 
 
 async def test_a_child_process_gets_only_the_resting_limit(mps_server: tuple[Server, Path]) -> None:
     child = ALLOC + f"print(alloc({MARGIN_MB + 1}))" + "\nprint(alloc(64))"
-    code = (ALLOC + "import subprocess, sys\nprint(alloc(800))\n"
-            f"subprocess.run([sys.executable, '-c', {child!r}], check=True)")
+    code = (
+        ALLOC + "import subprocess, sys\nprint(alloc(800))\n"
+        f"subprocess.run([sys.executable, '-c', {child!r}], check=True)"
+    )
     async with AsyncClient(mps_server[0].url) as c:
         ex = await c.execute(code, gpu={"memory_mb": 1000})
     assert results(ex) == [0, 2, 0], "the child's own client is limited to SANDBOX_GPU_MARGIN_MB"
 
 
 async def test_an_mps_fault_refuses_the_run_before_any_code_and_readiness_says_so(
-        mps_server: tuple[Server, Path]) -> None:
+    mps_server: tuple[Server, Path],
+) -> None:
     srv, control = mps_server
     async with AsyncClient(srv.url) as c:
         simulate(control, mps_fault="control daemon went away")
@@ -159,25 +185,37 @@ async def test_an_mps_fault_refuses_the_run_before_any_code_and_readiness_says_s
     assert srv.get("/readyz")[0] == 200
 
 
-NEEDLES = {"dev_shm": "/dev/shm is private and empty", "compute_mode": "not in EXCLUSIVE_PROCESS compute mode",
-           "pid_namespace": "another PID namespace"}
+NEEDLES = {
+    "dev_shm": "/dev/shm is private and empty",
+    "compute_mode": "not in EXCLUSIVE_PROCESS compute mode",
+    "pid_namespace": "another PID namespace",
+}
 
 
-@pytest.mark.parametrize(("host", "blocked"), [
-    ({}, ["dev_shm", "compute_mode"]),                                  # a real daemon, a GPU out of the box
-    ({"compute_mode": {"0": "EXCLUSIVE_PROCESS"}}, ["dev_shm"]),        # a real daemon, set up for MPS
-    ({**REACHABLE, "mps_pid_namespace": "other"}, ["pid_namespace"]),   # a daemon in another container
-], ids=["real-default-mode", "real-exclusive", "other-pid-namespace"])
+@pytest.mark.parametrize(
+    ("host", "blocked"),
+    [
+        ({}, ["dev_shm", "compute_mode"]),  # a real daemon, a GPU out of the box
+        ({"compute_mode": {"0": "EXCLUSIVE_PROCESS"}}, ["dev_shm"]),  # a real daemon, set up for MPS
+        ({**REACHABLE, "mps_pid_namespace": "other"}, ["pid_namespace"]),  # a daemon in another container
+    ],
+    ids=["real-default-mode", "real-exclusive", "other-pid-namespace"],
+)
 def test_mps_that_cannot_hold_a_jailed_run_reads_not_enforcing_with_the_exact_reasons(
-        tmp_path: Path, cuda_dir: Path, host: dict[str, object], blocked: list[str]) -> None:
+    tmp_path: Path, cuda_dir: Path, host: dict[str, object], blocked: list[str]
+) -> None:
     # Issue 14, defect 6: the simulated daemon read "enforcing" where the real one could not hold a
     # jailed run (its clients need /dev/shm; compute mode; a daemon's PIDs in another namespace).
     control = tmp_path / "sim.json"
     simulate_file(control, **host)
     pipe = Path(tempfile.mkdtemp(prefix="appliance-mps-", dir="/tmp"))  # apart from libcuda's (readable) dir
     os.chmod(pipe, 0o755)
-    srv = start_server(tmp_path / "srv", settings=mps_env(cuda_dir, SANDBOX_GPU_SIMULATE_FILE=str(control),
-                                                          SANDBOX_GPU_MPS_PIPE_DIR=str(pipe)))
+    srv = start_server(
+        tmp_path / "srv",
+        settings=mps_env(
+            cuda_dir, SANDBOX_GPU_SIMULATE_FILE=str(control), SANDBOX_GPU_MPS_PIPE_DIR=str(pipe)
+        ),
+    )
     try:
         status, body = srv.get("/readyz")
         mps = json.loads(body)["gpu"]["mps"]
@@ -191,7 +229,7 @@ def test_mps_that_cannot_hold_a_jailed_run_reads_not_enforcing_with_the_exact_re
         for code in blocked:
             assert f'appliance_gpu_mps_blocked{{device="GPU-SIM-0",reason="{code}"}} 1.0' in metrics
         # The device's jails do not join MPS, whose clients they could not be: no pipe directory.
-        code = (f"import os\nprint(os.path.exists({str(pipe)!r}), 'CUDA_MPS_PIPE_DIRECTORY' in os.environ)")
+        code = f"import os\nprint(os.path.exists({str(pipe)!r}), 'CUDA_MPS_PIPE_DIRECTORY' in os.environ)"
         with Client(srv.url) as c:
             ex = c.execute(code, gpu={"memory_mb": 500})
         assert ex.status == "ok" and ex.stdout == "False False\n", ex.frames
@@ -202,7 +240,8 @@ def test_mps_that_cannot_hold_a_jailed_run_reads_not_enforcing_with_the_exact_re
 
 
 async def test_a_jailed_client_cannot_attach_to_a_daemon_whose_memory_is_in_dev_shm(
-        mps_server: tuple[Server, Path]) -> None:
+    mps_server: tuple[Server, Path],
+) -> None:
     # The simulated daemon is as unkind as the real one: its client must map the daemon's
     # shared memory, and a GPU jail's /dev/shm is empty. Moved there after the startup checks,
     # the next run's CUDA context fails to connect, and the run is refused before any code.
@@ -215,13 +254,16 @@ async def test_a_jailed_client_cannot_attach_to_a_daemon_whose_memory_is_in_dev_
         simulate(control)
     assert ex.status == "internal" and ex.stdout == "", ex.frames
     assert not any(f["type"] == "start" for f in ex.frames), "nothing started"
-    assert "cuDevicePrimaryCtxRetain returned CUDA error 805" in (ex.message or ""), ex.message  # MPS_CONNECTION_FAILED
+    assert "cuDevicePrimaryCtxRetain returned CUDA error 805" in (ex.message or ""), (
+        ex.message
+    )  # MPS_CONNECTION_FAILED
 
 
-def test_a_daemon_that_ignores_limits_is_reported_as_not_enforcing(
-        tmp_path: Path, cuda_dir: Path) -> None:
-    srv = start_server(tmp_path / "srv", settings=mps_env(cuda_dir, pipe="mps-ignore",
-                                                          SANDBOX_GPU_SIMULATE_MPS="ignore-limits"))
+def test_a_daemon_that_ignores_limits_is_reported_as_not_enforcing(tmp_path: Path, cuda_dir: Path) -> None:
+    srv = start_server(
+        tmp_path / "srv",
+        settings=mps_env(cuda_dir, pipe="mps-ignore", SANDBOX_GPU_SIMULATE_MPS="ignore-limits"),
+    )
     try:
         status, body = srv.get("/readyz")
         mps = json.loads(body)["gpu"]["mps"]
@@ -229,7 +271,10 @@ def test_a_daemon_that_ignores_limits_is_reported_as_not_enforcing(
         assert "was not refused" in mps["devices"]["GPU-SIM-0"]["note"]
         assert mps["note"].startswith("GPU-SIM-0: ") and "was not refused" in mps["note"]
         assert json.loads(body)["gpu"]["watchdog"]["available"] is True, "the watchdog still guards runs"
-        code = ALLOC + "print(alloc(64))\ncu.simClientLimitMB.restype = ctypes.c_longlong\nprint(cu.simClientLimitMB())"
+        code = (
+            ALLOC
+            + "print(alloc(64))\ncu.simClientLimitMB.restype = ctypes.c_longlong\nprint(cu.simClientLimitMB())"
+        )
         with Client(srv.url) as c:
             ex = c.execute(code, gpu={"memory_mb": 500})
         assert results(ex) == [0, 4096], "an unproven device leaves runs unlimited, not at the resting limit"
@@ -237,20 +282,27 @@ def test_a_daemon_that_ignores_limits_is_reported_as_not_enforcing(
         srv.stop()
 
 
-@pytest.mark.parametrize(("env", "reason"), [
-    ({"SANDBOX_GPU_SIMULATE_MPS": "ignore-limits"}, "the daemon does not enforce the limit"),
-    ({"SANDBOX_GPU_SIMULATE_MPS": "off"}, "no CUDA MPS control daemon"),
-    ({"SANDBOX_GPU_LIBCUDA": "libcuda-missing.so.1"}, "could not create its CUDA context"),
-])
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [
+        ({"SANDBOX_GPU_SIMULATE_MPS": "ignore-limits"}, "the daemon does not enforce the limit"),
+        ({"SANDBOX_GPU_SIMULATE_MPS": "off"}, "no CUDA MPS control daemon"),
+        ({"SANDBOX_GPU_LIBCUDA": "libcuda-missing.so.1"}, "could not create its CUDA context"),
+    ],
+)
 def test_required_mps_limits_that_cannot_be_proven_stop_startup(
-        tmp_path: Path, cuda_dir: Path, env: dict[str, str], reason: str) -> None:
+    tmp_path: Path, cuda_dir: Path, env: dict[str, str], reason: str
+) -> None:
     with pytest.raises(RuntimeError) as err:
-        start_server(tmp_path / "srv", settings=mps_env(cuda_dir, pipe="mps-require", SANDBOX_GPU_MPS="require", **env))
+        start_server(
+            tmp_path / "srv", settings=mps_env(cuda_dir, pipe="mps-require", SANDBOX_GPU_MPS="require", **env)
+        )
     assert "server exited 2" in str(err.value) and "SANDBOX_GPU_MPS=require" in str(err.value)
     assert reason in str(err.value)
 
 
 # -- the limiter on its own: a neighbour's client inside another run's window -------------------
+
 
 class _Process:
     """A stand-in for a jail's process whose 'CUDA context' is a real client process."""
@@ -301,8 +353,12 @@ def limiter(cuda_dir: Path) -> Iterator[tuple[MpsLimiter, SimulatedMps, dict[str
     evicted: list[int] = []
     lim = MpsLimiter(daemon, os.getuid(), MARGIN_MB, str(cuda_dir / "libcuda.so.1"), evicted.append)
     lim.devices["GPU-SIM-0"] = DeviceMps(enforcing=True, note="test")
-    env = {"PATH": os.environ["PATH"], "APPLIANCE_LIBCUDA": str(cuda_dir / "libcuda.so.1"),
-           "CUDA_MPS_PIPE_DIRECTORY": str(cuda_dir / "mps-unit"), "CUDA_VISIBLE_DEVICES": "GPU-SIM-0"}
+    env = {
+        "PATH": os.environ["PATH"],
+        "APPLIANCE_LIBCUDA": str(cuda_dir / "libcuda.so.1"),
+        "CUDA_MPS_PIPE_DIRECTORY": str(cuda_dir / "mps-unit"),
+        "CUDA_VISIBLE_DEVICES": "GPU-SIM-0",
+    }
     yield lim, daemon, env, evicted
     daemon.close()
 
@@ -311,7 +367,8 @@ GRANT = Grant(ticket=1, index=0, uuid="GPU-SIM-0", minor=0, memory_mb=700, queue
 
 
 async def test_a_client_that_connects_inside_another_runs_window_is_terminated(
-        limiter: tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]]) -> None:
+    limiter: tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]],
+) -> None:
     lim, daemon, env, evicted = limiter
     process = _Process(env, intruder=True)
     try:
@@ -326,7 +383,8 @@ async def test_a_client_that_connects_inside_another_runs_window_is_terminated(
 
 
 async def test_a_run_whose_client_existed_before_arming_is_refused(
-        limiter: tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]]) -> None:
+    limiter: tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]],
+) -> None:
     lim, daemon, env, _ = limiter
     await lim.set_resting("GPU-SIM-0")
     process = _Process(env, intruder=False)
@@ -346,7 +404,8 @@ async def test_a_run_whose_client_existed_before_arming_is_refused(
 
 
 async def test_a_device_the_probe_did_not_prove_is_not_armed(
-        limiter: tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]]) -> None:
+    limiter: tuple[MpsLimiter, SimulatedMps, dict[str, str], list[int]],
+) -> None:
     lim, _daemon, env, _ = limiter
     lim.devices["GPU-SIM-0"] = DeviceMps(enforcing=False, note="not proved")
     process = _Process(env, intruder=False)
@@ -359,6 +418,7 @@ async def test_a_device_the_probe_did_not_prove_is_not_armed(
 
 
 # -- pure: commands, replies, the probe's verdict ---------------------------------------------
+
 
 def test_control_commands_are_rendered_with_device_uuids_and_mib() -> None:
     assert cmd_set_limit(1234, "GPU-0a1b", 900) == "set_device_pinned_mem_limit 1234 GPU-0a1b 900M"
@@ -378,19 +438,25 @@ def test_control_replies_are_parsed_strictly() -> None:
         parse_limit_mb("N/A: server not found")
 
 
-@pytest.mark.parametrize(("result", "after", "enforcing", "phrase"), [
-    ({"small": 0, "big": 2}, MARGIN_MB, True, "proved"),
-    ({"small": 2, "big": 2}, MARGIN_MB, False, "preloaded module"),
-    ({"small": 0, "big": 0}, MARGIN_MB, False, "does not enforce"),
-    ({"small": 0, "big": 2, "tamper": "accepted"}, 4096, False, "jailed code could change it"),
-])
-def test_the_probe_is_judged_on_every_property(result: dict[str, Any], after: int, enforcing: bool,
-                                                phrase: str) -> None:
+@pytest.mark.parametrize(
+    ("result", "after", "enforcing", "phrase"),
+    [
+        ({"small": 0, "big": 2}, MARGIN_MB, True, "proved"),
+        ({"small": 2, "big": 2}, MARGIN_MB, False, "preloaded module"),
+        ({"small": 0, "big": 0}, MARGIN_MB, False, "does not enforce"),
+        ({"small": 0, "big": 2, "tamper": "accepted"}, 4096, False, "jailed code could change it"),
+    ],
+)
+def test_the_probe_is_judged_on_every_property(
+    result: dict[str, Any], after: int, enforcing: bool, phrase: str
+) -> None:
     ok, note = judge_probe(result, after, MARGIN_MB)
     assert ok is enforcing and phrase in note
 
 
-def test_a_host_daemon_is_joined_only_when_its_pipe_directory_is_usable(tmp_path: Path, cuda_dir: Path) -> None:
+def test_a_host_daemon_is_joined_only_when_its_pipe_directory_is_usable(
+    tmp_path: Path, cuda_dir: Path
+) -> None:
     import socket
 
     from appliance.gpu.lease import open_mps
@@ -401,9 +467,11 @@ def test_a_host_daemon_is_joined_only_when_its_pipe_directory_is_usable(tmp_path
     hidden.mkdir()
     reachable = cuda_dir / "host-pipe"
     reachable.mkdir()
-    cases = [(Settings(gpu=True, gpu_mps="off"), "SANDBOX_GPU_MPS=off"),
-             (Settings(gpu=True, gpu_mps_pipe_dir=hidden), "not reachable by the sandbox uid"),
-             (Settings(gpu=True, gpu_mps_pipe_dir=reachable), "holds no control socket")]
+    cases = [
+        (Settings(gpu=True, gpu_mps="off"), "SANDBOX_GPU_MPS=off"),
+        (Settings(gpu=True, gpu_mps_pipe_dir=hidden), "not reachable by the sandbox uid"),
+        (Settings(gpu=True, gpu_mps_pipe_dir=reachable), "holds no control socket"),
+    ]
     for settings, why in cases:
         control, note = open_mps(settings, backend)
         assert control is None and why in note, note
@@ -416,7 +484,10 @@ def test_a_host_daemon_is_joined_only_when_its_pipe_directory_is_usable(tmp_path
         finally:
             os.environ["PATH"] = env_path
     assert control is None and "nvidia-cuda-mps-control was not found" in note
-    assert open_mps(Settings(gpu=True), SimulatedBackend((4096,)))[1] == "no CUDA MPS control daemon on this host"
+    assert (
+        open_mps(Settings(gpu=True), SimulatedBackend((4096,)))[1]
+        == "no CUDA MPS control daemon on this host"
+    )
 
 
 FAKE_CONTROL = """#!/bin/bash
@@ -464,18 +535,28 @@ def test_the_daemon_client_speaks_nvidia_cuda_mps_control_line_by_line(tmp_path:
         server.kill()
         server.wait()
     assert (pipe / "commands").read_text().splitlines() == [
-        "get_server_list", "start_server -uid 1001", "get_server_list", f"get_client_list {server.pid}",
-        f"set_device_pinned_mem_limit {server.pid} GPU-abc 700M", "set_default_device_pinned_mem_limit GPU-abc 256M",
-        f"get_device_pinned_mem_limit {server.pid} GPU-abc", f"set_device_pinned_mem_limit {server.pid} GPU-abc 700M",
-        "quit"]
+        "get_server_list",
+        "start_server -uid 1001",
+        "get_server_list",
+        f"get_client_list {server.pid}",
+        f"set_device_pinned_mem_limit {server.pid} GPU-abc 700M",
+        "set_default_device_pinned_mem_limit GPU-abc 256M",
+        f"get_device_pinned_mem_limit {server.pid} GPU-abc",
+        f"set_device_pinned_mem_limit {server.pid} GPU-abc 700M",
+        "quit",
+    ]
 
 
 def test_what_stands_in_a_jailed_clients_way_is_listed_with_every_reason() -> None:
     assert [c for c, _ in jail_blockers(needs_dev_shm=True, exclusive=False, pid_problem="elsewhere")] == [
-        "dev_shm", "compute_mode", "pid_namespace"]
+        "dev_shm",
+        "compute_mode",
+        "pid_namespace",
+    ]
     assert jail_blockers(needs_dev_shm=False, exclusive=True, pid_problem=None) == []
     assert jail_blockers(needs_dev_shm=False, exclusive=True, pid_problem="elsewhere") == [
-        ("pid_namespace", "elsewhere")]
+        ("pid_namespace", "elsewhere")
+    ]
 
 
 def test_a_real_daemon_is_checked_for_being_in_this_pid_namespace(tmp_path: Path) -> None:

@@ -17,8 +17,12 @@ SYSTEM_PYTHON = Path("/usr/bin/python3")
 
 
 def system_python_lacks_llama_cpp() -> bool:
-    return subprocess.run([str(SYSTEM_PYTHON), "-I", "-c", "import llama_cpp"], capture_output=True,
-                          check=False).returncode != 0
+    return (
+        subprocess.run(
+            [str(SYSTEM_PYTHON), "-I", "-c", "import llama_cpp"], capture_output=True, check=False
+        ).returncode
+        != 0
+    )
 
 
 def test_gpu_mode_refuses_to_start_when_the_jails_python_cannot_import_the_tools(tmp_path: Path) -> None:

@@ -25,10 +25,18 @@ MARGIN_MB = 128
 def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
     tmp = tmp_path_factory.mktemp("gpu")
     control = tmp / "sim.json"
-    srv = start_server(tmp / "srv", SANDBOX_GPU="1", SANDBOX_GPU_BACKEND="simulated",
-                       SANDBOX_GPU_SIMULATE="2x4096", SANDBOX_GPU_SIMULATE_FILE=str(control),
-                       SANDBOX_GPU_MARGIN_MB=str(MARGIN_MB), SANDBOX_GPU_DEFAULT_MB="512",
-                       SANDBOX_GPU_POLL_MS="100", SANDBOX_GPU_QUEUE_MS="60000", SANDBOX_PRELOAD="")
+    srv = start_server(
+        tmp / "srv",
+        SANDBOX_GPU="1",
+        SANDBOX_GPU_BACKEND="simulated",
+        SANDBOX_GPU_SIMULATE="2x4096",
+        SANDBOX_GPU_SIMULATE_FILE=str(control),
+        SANDBOX_GPU_MARGIN_MB=str(MARGIN_MB),
+        SANDBOX_GPU_DEFAULT_MB="512",
+        SANDBOX_GPU_POLL_MS="100",
+        SANDBOX_GPU_QUEUE_MS="60000",
+        SANDBOX_PRELOAD="",
+    )
     yield srv, control
     srv.stop()
 
@@ -53,14 +61,18 @@ def host_pid_of(server: Server, marker: str, timeout: float = 10) -> int:
     raise AssertionError(f"no process with {marker!r} under the server")
 
 
-async def test_a_gpu_run_starts_with_its_device_and_sees_only_that_device(gpu_server: tuple[Server, Path]) -> None:
+async def test_a_gpu_run_starts_with_its_device_and_sees_only_that_device(
+    gpu_server: tuple[Server, Path],
+) -> None:
     srv, _ = gpu_server
-    code = ("import os, resource\nprint(os.environ['CUDA_VISIBLE_DEVICES'])\n"
-            "print(resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY)\n"
-            "print(sorted(n for n in os.listdir('/dev') if n.startswith('nvidia') or n == 'dri'))\n"
-            "try:\n    os.listdir('/sys/module/kvm'); print('modules readable')\n"
-            "except OSError:\n    print('modules hidden')\n"
-            "print(open(os.path.expanduser('~/.appliance-gpu.json')).read())")
+    code = (
+        "import os, resource\nprint(os.environ['CUDA_VISIBLE_DEVICES'])\n"
+        "print(resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY)\n"
+        "print(sorted(n for n in os.listdir('/dev') if n.startswith('nvidia') or n == 'dri'))\n"
+        "try:\n    os.listdir('/sys/module/kvm'); print('modules readable')\n"
+        "except OSError:\n    print('modules hidden')\n"
+        "print(open(os.path.expanduser('~/.appliance-gpu.json')).read())"
+    )
     async with AsyncClient(srv.url) as c:
         ex = await c.execute(code, gpu={"memory_mb": 1000})
     start = ex.frames[0]
@@ -85,17 +97,20 @@ async def test_bad_budgets_are_rejected_and_nothing_runs(gpu_server: tuple[Serve
             ex = await c.execute("print('ran')", gpu={"memory_mb": budget})  # type: ignore[dict-item]
             assert ex.status == "rejected" and ex.stdout == "" and "memory_mb" in (ex.message or "")
         started = time.monotonic()
-        ex = await c.execute("print('ran')", gpu={"memory_mb": 4096})   # + margin exceeds every device
+        ex = await c.execute("print('ran')", gpu={"memory_mb": 4096})  # + margin exceeds every device
         assert ex.status == "rejected" and "can never fit" in (ex.message or "")
         assert time.monotonic() - started < scaled(2), "rejected at once, not queued"
 
 
 async def test_runs_that_do_not_fit_wait_in_line_and_report_their_queue_time(
-        gpu_server: tuple[Server, Path]) -> None:
+    gpu_server: tuple[Server, Path],
+) -> None:
     big = 4096 - MARGIN_MB
     async with AsyncClient(gpu_server[0].url) as c:
-        holders = [asyncio.create_task(c.execute("import time; time.sleep(2)", gpu={"memory_mb": big}))
-                   for _ in range(2)]
+        holders = [
+            asyncio.create_task(c.execute("import time; time.sleep(2)", gpu={"memory_mb": big}))
+            for _ in range(2)
+        ]
         await asyncio.sleep(0.5)
         waiter = await c.execute("print('late')", gpu={"memory_mb": 1000})
         done = await asyncio.gather(*holders)
@@ -104,14 +119,18 @@ async def test_runs_that_do_not_fit_wait_in_line_and_report_their_queue_time(
 
 
 async def test_the_watchdog_stops_an_over_budget_run_while_its_neighbour_keeps_running(
-        gpu_server: tuple[Server, Path]) -> None:
+    gpu_server: tuple[Server, Path],
+) -> None:
     srv, control = gpu_server
-    hog_code = ("import subprocess, time\nsubprocess.Popen(['sleep', '77.5'])\nprint('up', flush=True)\n"
-                "time.sleep(30)")
+    hog_code = (
+        "import subprocess, time\nsubprocess.Popen(['sleep', '77.5'])\nprint('up', flush=True)\n"
+        "time.sleep(30)"
+    )
     async with AsyncClient(srv.url) as c:
         hog = asyncio.create_task(c.execute(hog_code, gpu={"memory_mb": 1000}))
-        neighbour = asyncio.create_task(c.execute(
-            "import time; time.sleep(4); print('neighbour done')", gpu={"memory_mb": 1000}))
+        neighbour = asyncio.create_task(
+            c.execute("import time; time.sleep(4); print('neighbour done')", gpu={"memory_mb": 1000})
+        )
         pid = await asyncio.to_thread(host_pid_of, srv, "sleep 77.5")
         simulate(control, processes=[{"pid": pid, "gpu": 0, "used_mb": 1000 + MARGIN_MB + 1}])
         try:
@@ -126,7 +145,8 @@ async def test_the_watchdog_stops_an_over_budget_run_while_its_neighbour_keeps_r
 
 @pytest.mark.parametrize("kind", ["nvml", "plain"])
 async def test_an_nvml_fault_mid_run_stops_the_run_cleanly_and_readiness_reflects_it(
-        gpu_server: tuple[Server, Path], kind: str) -> None:
+    gpu_server: tuple[Server, Path], kind: str
+) -> None:
     # "plain": the backend raises a bare Exception (as pynvml's NVMLLibraryMismatchError is).
     srv, control = gpu_server
     async with AsyncClient(srv.url) as c:
@@ -171,25 +191,44 @@ def test_a_mig_enabled_gpu_stops_startup_with_the_fix(tmp_path: Path) -> None:
     control = tmp_path / "sim.json"
     simulate(control, mig=[1])
     with pytest.raises(RuntimeError) as err:
-        start_server(tmp_path / "srv", SANDBOX_GPU="1", SANDBOX_GPU_BACKEND="simulated",
-                     SANDBOX_GPU_SIMULATE="2x4096", SANDBOX_GPU_SIMULATE_FILE=str(control), SANDBOX_PRELOAD="")
+        start_server(
+            tmp_path / "srv",
+            SANDBOX_GPU="1",
+            SANDBOX_GPU_BACKEND="simulated",
+            SANDBOX_GPU_SIMULATE="2x4096",
+            SANDBOX_GPU_SIMULATE_FILE=str(control),
+            SANDBOX_PRELOAD="",
+        )
     text = str(err.value)
     assert "server exited 2" in text and "MIG mode is enabled on GPU 1 (GPU-SIM-1)" in text
     assert "nvidia-smi -i <index> -mig 0" in text and "not supported yet" in text
 
 
 async def test_a_queued_run_never_starts_while_the_previous_run_s_memory_still_shows_in_nvml(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     # NVML frees late: the simulator keeps listing the finished run's process until told otherwise.
     control = tmp_path / "sim.json"
-    srv = start_server(tmp_path / "srv", SANDBOX_GPU="1", SANDBOX_GPU_BACKEND="simulated",
-                       SANDBOX_GPU_SIMULATE="4096", SANDBOX_GPU_SIMULATE_FILE=str(control),
-                       SANDBOX_GPU_MARGIN_MB=str(MARGIN_MB), SANDBOX_GPU_POLL_MS="100",
-                       SANDBOX_GPU_RECLAIM_MS="600000", SANDBOX_GPU_QUEUE_MS="600000", SANDBOX_PRELOAD="")
+    srv = start_server(
+        tmp_path / "srv",
+        SANDBOX_GPU="1",
+        SANDBOX_GPU_BACKEND="simulated",
+        SANDBOX_GPU_SIMULATE="4096",
+        SANDBOX_GPU_SIMULATE_FILE=str(control),
+        SANDBOX_GPU_MARGIN_MB=str(MARGIN_MB),
+        SANDBOX_GPU_POLL_MS="100",
+        SANDBOX_GPU_RECLAIM_MS="600000",
+        SANDBOX_GPU_QUEUE_MS="600000",
+        SANDBOX_PRELOAD="",
+    )
     try:
         async with AsyncClient(srv.url) as c:
-            first = asyncio.create_task(c.execute(
-                "import subprocess, time\nsubprocess.Popen(['sleep', '77.7'])\ntime.sleep(2)", gpu={"memory_mb": 3000}))
+            first = asyncio.create_task(
+                c.execute(
+                    "import subprocess, time\nsubprocess.Popen(['sleep', '77.7'])\ntime.sleep(2)",
+                    gpu={"memory_mb": 3000},
+                )
+            )
             pid = await asyncio.to_thread(host_pid_of, srv, "sleep 77.7")
             simulate(control, processes=[{"pid": pid, "gpu": 0, "used_mb": 2900}])
             await asyncio.sleep(0.5)  # a poll sees the memory as the first run's

@@ -40,10 +40,17 @@ token = "{BOB}"
 
 
 def gpu_env(control: Path) -> dict[str, str]:
-    return {"SANDBOX_GPU": "1", "SANDBOX_GPU_BACKEND": "simulated", "SANDBOX_GPU_SIMULATE": "1x4096",
-            "SANDBOX_GPU_SIMULATE_FILE": str(control), "SANDBOX_GPU_MARGIN_MB": str(MARGIN_MB),
-            "SANDBOX_GPU_DEFAULT_MB": "512", "SANDBOX_GPU_POLL_MS": "100", "SANDBOX_GPU_QUEUE_MS": "60000",
-            "SANDBOX_PRELOAD": ""}
+    return {
+        "SANDBOX_GPU": "1",
+        "SANDBOX_GPU_BACKEND": "simulated",
+        "SANDBOX_GPU_SIMULATE": "1x4096",
+        "SANDBOX_GPU_SIMULATE_FILE": str(control),
+        "SANDBOX_GPU_MARGIN_MB": str(MARGIN_MB),
+        "SANDBOX_GPU_DEFAULT_MB": "512",
+        "SANDBOX_GPU_POLL_MS": "100",
+        "SANDBOX_GPU_QUEUE_MS": "60000",
+        "SANDBOX_PRELOAD": "",
+    }
 
 
 IDLE_S = 5  # the session server's SANDBOX_SESSION_IDLE_S: each test's cells come well within it
@@ -55,8 +62,12 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
     control = tmp / "sim.json"
     with reachable_tmp_root("appliance-gpu-models-") as models:
         write_tiny_llama(models / "tiny.gguf")
-        srv = start_server(tmp / "srv", SANDBOX_MODELS_DIR=str(models), SANDBOX_SESSION_IDLE_S=str(IDLE_S),
-                           settings=gpu_env(control))
+        srv = start_server(
+            tmp / "srv",
+            SANDBOX_MODELS_DIR=str(models),
+            SANDBOX_SESSION_IDLE_S=str(IDLE_S),
+            settings=gpu_env(control),
+        )
         yield srv, control
         srv.stop()
 
@@ -98,11 +109,16 @@ def pid_named(server: Server, comm: str, timeout: float = 10) -> int:
 RENAME = "import ctypes\nctypes.CDLL(None).prctl(15, b'{name}', 0, 0, 0)\n"
 
 
-async def test_a_gpu_session_keeps_its_state_and_its_grant_across_cells(gpu_server: tuple[Server, Path]) -> None:
+async def test_a_gpu_session_keeps_its_state_and_its_grant_across_cells(
+    gpu_server: tuple[Server, Path],
+) -> None:
     srv, _ = gpu_server
     async with AsyncClient(srv.url) as c:
-        first = await c.execute("import os\nx = 41\nprint(os.environ['CUDA_VISIBLE_DEVICES'])",
-                                session="new", gpu={"memory_mb": 1000})
+        first = await c.execute(
+            "import os\nx = 41\nprint(os.environ['CUDA_VISIBLE_DEVICES'])",
+            session="new",
+            gpu={"memory_mb": 1000},
+        )
         assert first.status == "ok", first.frames
         sid = str(first.session)
         assert first.frames[0]["gpu"]["memory_mb"] == 1000
@@ -113,8 +129,10 @@ async def test_a_gpu_session_keeps_its_state_and_its_grant_across_cells(gpu_serv
         samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
         assert float(samples["appliance_gpu_sessions_active"]) == 1
         assert float(samples["appliance_gpu_session_memory_bytes"]) == 1000 * 1024 * 1024
-        later = [await c.execute("x += 1\nprint(x, os.environ['CUDA_VISIBLE_DEVICES'])", session=sid)
-                 for _ in range(3)]
+        later = [
+            await c.execute("x += 1\nprint(x, os.environ['CUDA_VISIBLE_DEVICES'])", session=sid)
+            for _ in range(3)
+        ]
         assert [e.status for e in later] == ["ok"] * 3, [e.frames for e in later]
         device = first.stdout.strip()
         assert [e.stdout for e in later] == [f"{n} {device}\n" for n in (42, 43, 44)]
@@ -129,7 +147,8 @@ async def test_a_gpu_session_keeps_its_state_and_its_grant_across_cells(gpu_serv
 
 
 async def test_a_run_queued_behind_a_gpu_session_starts_once_the_session_closes(
-        gpu_server: tuple[Server, Path]) -> None:
+    gpu_server: tuple[Server, Path],
+) -> None:
     srv, _ = gpu_server
     big = 4096 - MARGIN_MB - 100
     async with AsyncClient(srv.url) as c:
@@ -145,11 +164,13 @@ async def test_a_run_queued_behind_a_gpu_session_starts_once_the_session_closes(
 
 
 async def test_a_gpu_session_over_its_budget_between_cells_ends_with_a_clear_message(
-        gpu_server: tuple[Server, Path]) -> None:
+    gpu_server: tuple[Server, Path],
+) -> None:
     srv, control = gpu_server
     async with AsyncClient(srv.url) as c:
-        opened = await c.execute(RENAME.format(name="gpusess77") + "z = 1", session="new",
-                                 gpu={"memory_mb": 1000})
+        opened = await c.execute(
+            RENAME.format(name="gpusess77") + "z = 1", session="new", gpu={"memory_mb": 1000}
+        )
         assert opened.status == "ok", opened.frames
         sid = str(opened.session)
         pid = await asyncio.to_thread(pid_named, srv, "gpusess77")
@@ -176,11 +197,14 @@ async def test_a_gpu_session_over_its_budget_between_cells_ends_with_a_clear_mes
 async def test_a_gpu_session_whose_cell_goes_over_budget_ends(gpu_server: tuple[Server, Path]) -> None:
     srv, control = gpu_server
     async with AsyncClient(srv.url) as c:
-        opened = await c.execute(RENAME.format(name="gpucell66") + "w = 1", session="new",
-                                 gpu={"memory_mb": 700})
+        opened = await c.execute(
+            RENAME.format(name="gpucell66") + "w = 1", session="new", gpu={"memory_mb": 700}
+        )
         sid = str(opened.session)
         pid = await asyncio.to_thread(pid_named, srv, "gpucell66")
-        cell = asyncio.create_task(c.execute("import time\nprint('up', flush=True)\ntime.sleep(30)", session=sid))
+        cell = asyncio.create_task(
+            c.execute("import time\nprint('up', flush=True)\ntime.sleep(30)", session=sid)
+        )
         await asyncio.sleep(1.0)
         simulate(control, processes=[{"pid": pid, "gpu": 0, "used_mb": 700 + MARGIN_MB + 1}])
         try:
@@ -194,12 +218,15 @@ async def test_a_gpu_session_whose_cell_goes_over_budget_ends(gpu_server: tuple[
     assert await until_reclaimed(srv) == 0
 
 
-LOAD = ("import json\nfrom appliance.tools import load_llm, cache_info\nllm = load_llm('tiny.gguf')\n"
-        "text = llm('hello', max_tokens=4)\nprint(json.dumps(cache_info()['llm']))")
+LOAD = (
+    "import json\nfrom appliance.tools import load_llm, cache_info\nllm = load_llm('tiny.gguf')\n"
+    "text = llm('hello', max_tokens=4)\nprint(json.dumps(cache_info()['llm']))"
+)
 
 
 async def test_a_gpu_session_loads_its_model_once_and_later_cells_reuse_it(
-        gpu_server: tuple[Server, Path]) -> None:
+    gpu_server: tuple[Server, Path],
+) -> None:
     srv, _ = gpu_server
     async with AsyncClient(srv.url) as c:
         first = await c.execute(LOAD, session="new", gpu={"memory_mb": 800})
@@ -214,7 +241,9 @@ async def test_a_gpu_session_loads_its_model_once_and_later_cells_reuse_it(
     assert [c["hits"] for c in counts] == [0, 1, 2, 3], counts
 
 
-async def test_an_idle_gpu_session_expires_and_a_queued_run_then_starts(gpu_server: tuple[Server, Path]) -> None:
+async def test_an_idle_gpu_session_expires_and_a_queued_run_then_starts(
+    gpu_server: tuple[Server, Path],
+) -> None:
     srv, _ = gpu_server
     big = 4096 - MARGIN_MB - 100
     async with AsyncClient(srv.url) as c:
@@ -230,6 +259,7 @@ async def test_an_idle_gpu_session_expires_and_a_queued_run_then_starts(gpu_serv
 
 
 # -- per-tenant GPU quota ------------------------------------------------------------------------
+
 
 def test_max_gpu_mb_is_parsed_and_held_until_released() -> None:
     found, _ = tenants.parse(TOKENS)

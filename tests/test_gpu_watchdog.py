@@ -42,8 +42,9 @@ def make(backend: SimulatedBackend, host_memory_mb: int | None = None) -> tuple[
     return GpuWatchdog(backend, ledger, margin_mb=100, host_memory_mb=host_memory_mb, interval_s=0.05), ledger
 
 
-async def watch_both(trees: list[subprocess.Popen[bytes]]
-                     ) -> tuple[SimulatedBackend, GpuWatchdog, GpuLedger, dict[str, RunLimit]]:
+async def watch_both(
+    trees: list[subprocess.Popen[bytes]],
+) -> tuple[SimulatedBackend, GpuWatchdog, GpuLedger, dict[str, RunLimit]]:
     """Runs "a" and "b" (1000 MiB each) watched on the two trees; `stopped` collects their stops."""
     backend = SimulatedBackend((16384,))
     watchdog, ledger = make(backend)
@@ -53,6 +54,7 @@ async def watch_both(trees: list[subprocess.Popen[bytes]]
     def keep_first(key: str) -> Callable[[RunLimit], None]:
         def stop(error: RunLimit) -> None:
             stopped.setdefault(key, error)
+
         return stop
 
     watchdog.watch("a", trees[0].pid, a, keep_first("a"))
@@ -73,10 +75,11 @@ def test_descendants_follow_every_thread_s_children() -> None:
 
 
 async def test_an_over_budget_run_is_stopped_while_its_neighbour_keeps_running(
-        trees: list[subprocess.Popen[bytes]]) -> None:
+    trees: list[subprocess.Popen[bytes]],
+) -> None:
     backend, watchdog, _ledger, stopped = await watch_both(trees)
-    backend.set_usage(grandchild(trees[0].pid), 0, 1101)   # budget 1000 + margin 100 exceeded
-    backend.set_usage(grandchild(trees[1].pid), 0, 1100)   # exactly at the limit: allowed
+    backend.set_usage(grandchild(trees[0].pid), 0, 1101)  # budget 1000 + margin 100 exceeded
+    backend.set_usage(grandchild(trees[1].pid), 0, 1100)  # exactly at the limit: allowed
     result = await watchdog.check()
     assert result is not None and result.gpu_mb == {"a": 1101, "b": 1100}
     assert set(stopped) == {"a"} and isinstance(stopped["a"], GpuMemoryLimit)
@@ -95,7 +98,11 @@ async def test_a_backend_fault_mid_run_stops_watched_runs_after_the_grace_and_re
         assert await watchdog.check() is None
     assert not stopped and not watchdog.healthy and "GPU is lost" in (watchdog.last_error or "")
     await watchdog.check()
-    assert len(stopped) == 1 and stopped[0].status == "internal" and "could not be measured" in stopped[0].message
+    assert (
+        len(stopped) == 1
+        and stopped[0].status == "internal"
+        and "could not be measured" in stopped[0].message
+    )
     backend.inject_fault(None)
     assert await watchdog.check() is not None
     assert watchdog.healthy and watchdog.last_error is None
@@ -106,8 +113,8 @@ async def test_each_poll_reconciles_the_ledger(trees: list[subprocess.Popen[byte
     watchdog, ledger = make(backend)
     grant = await ledger.acquire(4000)
     watchdog.watch("a", trees[0].pid, grant, lambda e: None)
-    backend.set_usage(grandchild(trees[0].pid), 0, 3000)   # ours: covered by the grant
-    backend.set_usage(999_999, 0, 2000)                    # someone else's
+    backend.set_usage(grandchild(trees[0].pid), 0, 3000)  # ours: covered by the grant
+    backend.set_usage(999_999, 0, 2000)  # someone else's
     await watchdog.check()
     assert ledger.snapshot()[0]["foreign_mb"] == 2000
 
@@ -153,13 +160,22 @@ async def test_a_plain_exception_from_the_backend_fails_closed_at_once_and_the_l
 async def test_gpu_memory_nvml_reports_under_a_thread_id_is_the_run_s_and_is_enforced(tmp_path: Path) -> None:
     # The allocating context was created by a worker thread: NVML names that thread, not the process.
     control = tmp_path / "sim.json"
-    proc = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
-                             "threading.Thread(target=time.sleep, args=(60,)).start()\nprint('up', flush=True)\n"
-                             "time.sleep(60)"], stdout=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import threading, time\n"
+            "threading.Thread(target=time.sleep, args=(60,)).start()\nprint('up', flush=True)\n"
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
-        control.write_text(json.dumps({"report_tids": True,
-                                       "processes": [{"pid": proc.pid, "gpu": 0, "used_mb": 1101}]}))
+        control.write_text(
+            json.dumps({"report_tids": True, "processes": [{"pid": proc.pid, "gpu": 0, "used_mb": 1101}]})
+        )
         backend = SimulatedBackend((16384,), control_file=control)
         reported = backend.processes()[0].pid
         assert reported != proc.pid and reported in {int(t) for t in os.listdir(f"/proc/{proc.pid}/task")}
@@ -191,14 +207,18 @@ time.sleep(60)
 
 @pytest.mark.parametrize(("kind", "stopped_expected"), [("file", False), ("anon", True)])
 async def test_host_memory_counts_what_the_run_owns_not_the_files_it_maps(
-        tmp_path: Path, kind: str, stopped_expected: bool) -> None:
+    tmp_path: Path, kind: str, stopped_expected: bool
+) -> None:
     model = tmp_path / "model.bin"
     with open(model, "wb") as fh:
         fh.truncate(300 << 20)
         fh.seek(0)
         fh.write(b"\x07" * (300 << 20))  # real pages, so that reading them makes them resident
-    proc = subprocess.Popen([sys.executable, "-c", MAP_AND_HOLD, kind, "300", str(model)],
-                            stdout=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MAP_AND_HOLD, kind, "300", str(model)],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
         watchdog, ledger = make(SimulatedBackend((16384,)), host_memory_mb=200)
@@ -209,7 +229,9 @@ async def test_host_memory_counts_what_the_run_owns_not_the_files_it_maps(
         if stopped_expected:
             assert len(stopped) == 1 and isinstance(stopped[0], MemoryLimit) and result.host_mb["a"] >= 300
         else:
-            statm_mb = int(Path(f"/proc/{proc.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+            statm_mb = (
+                int(Path(f"/proc/{proc.pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+            )
             assert statm_mb >= 300, "the mapped file is resident (what the old statm reading counted)"
             assert not stopped and result.host_mb["a"] < 200
     finally:

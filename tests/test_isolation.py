@@ -19,8 +19,9 @@ SECRET = "AKIAFAKESECRET0123456789"
 
 @pytest.fixture(scope="module")
 def secretive(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("iso"), AWS_SECRET_ACCESS_KEY=SECRET,
-                       SANDBOX_AUTH_TOKEN="token-" + SECRET)
+    srv = start_server(
+        tmp_path_factory.mktemp("iso"), AWS_SECRET_ACCESS_KEY=SECRET, SANDBOX_AUTH_TOKEN="token-" + SECRET
+    )
     yield srv
     srv.stop()
 
@@ -31,7 +32,9 @@ async def run(server: Server, code: str) -> Execution:
 
 
 async def test_the_servers_environment_does_not_reach_the_code(secretive: Server) -> None:
-    ex = await run(secretive, "import os\nprint(sorted(os.environ))\nprint(open('/proc/1/environ','rb').read())")
+    ex = await run(
+        secretive, "import os\nprint(sorted(os.environ))\nprint(open('/proc/1/environ','rb').read())"
+    )
     assert SECRET not in ex.stdout + ex.stderr
     assert "AWS_SECRET_ACCESS_KEY" not in ex.stdout and "SANDBOX_AUTH_TOKEN" not in ex.stdout
 
@@ -44,27 +47,38 @@ async def test_a_run_cannot_read_etc_shadow(secretive: Server) -> None:
 
 async def test_a_run_cannot_see_another_runs_files(secretive: Server) -> None:
     async with AsyncClient(secretive.url, token="token-" + SECRET) as c:
-        writer = asyncio.create_task(c.execute(
-            "import os, time\nopen('private.txt','w').write('run A secret')\n"
-            "print(os.path.realpath('.'), flush=True)\ntime.sleep(2)"))
+        writer = asyncio.create_task(
+            c.execute(
+                "import os, time\nopen('private.txt','w').write('run A secret')\n"
+                "print(os.path.realpath('.'), flush=True)\ntime.sleep(2)"
+            )
+        )
         await asyncio.sleep(1.0)
         reader = await c.execute(
             "import os\nfound = []\n"
             "for root, dirs, files in os.walk('/'):\n"
             "    if root.startswith(('/proc', '/sys')):\n        dirs[:] = []; continue\n"
             "    found += [os.path.join(root, f) for f in files if f == 'private.txt']\n"
-            "print(found)\nprint(os.listdir('/tmp'))")
+            "print(found)\nprint(os.listdir('/tmp'))"
+        )
         await writer
-    assert reader.stdout.splitlines()[:1] == ["[]"], (reader.status, reader.message, reader.stdout, reader.error)
+    assert reader.stdout.splitlines()[:1] == ["[]"], (
+        reader.status,
+        reader.message,
+        reader.stdout,
+        reader.error,
+    )
     assert "run A secret" not in reader.stdout
 
 
 async def test_a_run_cannot_reach_the_server_or_any_host_port_on_loopback(secretive: Server) -> None:
-    code = (f"import socket\nfor port in ({secretive.port}, 22, 80):\n"
-            "    s = socket.socket(); s.settimeout(1)\n"
-            "    try:\n        s.connect(('127.0.0.1', port)); print('reached', port)\n"
-            "    except OSError as e:\n        print('refused', port, e.errno)\n"
-            "print(socket.if_nameindex())")
+    code = (
+        f"import socket\nfor port in ({secretive.port}, 22, 80):\n"
+        "    s = socket.socket(); s.settimeout(1)\n"
+        "    try:\n        s.connect(('127.0.0.1', port)); print('reached', port)\n"
+        "    except OSError as e:\n        print('refused', port, e.errno)\n"
+        "print(socket.if_nameindex())"
+    )
     ex = await run(secretive, code)
     assert "reached" not in ex.stdout
     assert ex.stdout.count("refused") == 3
@@ -72,19 +86,23 @@ async def test_a_run_cannot_reach_the_server_or_any_host_port_on_loopback(secret
 
 
 async def test_a_run_has_no_route_to_any_outside_address(secretive: Server) -> None:
-    code = ("import socket\ns = socket.socket(); s.settimeout(1)\n"
-            "try:\n    s.connect(('169.254.169.254', 80)); print('reached')\n"
-            "except OSError as e:\n    print('unreachable', e.errno)")
+    code = (
+        "import socket\ns = socket.socket(); s.settimeout(1)\n"
+        "try:\n    s.connect(('169.254.169.254', 80)); print('reached')\n"
+        "except OSError as e:\n    print('unreachable', e.errno)"
+    )
     ex = await run(secretive, code)
     assert ex.stdout.startswith("unreachable"), ex.stdout
 
 
 async def test_the_host_filesystem_is_hidden_except_system_dirs(secretive: Server) -> None:
-    code = ("import os\nprint(sorted(os.listdir('/')))\n"
-            f"print(os.path.exists({str(REPO)!r} + '/appliance'))\n"
-            "for path in ('/root', '/home', '/var', '/opt', '/run/user'):\n"
-            "    try:\n        print(path, os.listdir(path))\n"
-            "    except OSError as e:\n        print(path, 'denied', e.errno)")
+    code = (
+        "import os\nprint(sorted(os.listdir('/')))\n"
+        f"print(os.path.exists({str(REPO)!r} + '/appliance'))\n"
+        "for path in ('/root', '/home', '/var', '/opt', '/run/user'):\n"
+        "    try:\n        print(path, os.listdir(path))\n"
+        "    except OSError as e:\n        print(path, 'denied', e.errno)"
+    )
     ex = await run(secretive, code)
     lines = ex.stdout.splitlines()
     assert lines[1] == "False", "the repository must not be visible in the jail"
@@ -108,8 +126,22 @@ async def test_no_gpu_or_other_device_nodes_in_cpu_mode(secretive: Server) -> No
     ex = await run(secretive, "import os\nprint(sorted(os.listdir('/dev')))")
     devices = ast.literal_eval(ex.stdout)  # the run's own listing
     assert not [d for d in devices if d.startswith("nvidia")]
-    assert set(devices) <= {"full", "null", "random", "urandom", "zero", "tty", "pts", "ptmx", "shm",
-                            "stdin", "stdout", "stderr", "fd", "log"}
+    assert set(devices) <= {
+        "full",
+        "null",
+        "random",
+        "urandom",
+        "zero",
+        "tty",
+        "pts",
+        "ptmx",
+        "shm",
+        "stdin",
+        "stdout",
+        "stderr",
+        "fd",
+        "log",
+    }
 
 
 def test_a_port_the_server_does_not_listen_on_is_really_closed_on_the_host() -> None:

@@ -13,7 +13,10 @@ SETTINGS = Settings(python=Path("/srv/venv/bin/python"))
 
 def make_spec(**over: object) -> JailSpec:
     fields: dict[str, object] = dict(
-        workdir=Path("/tmp/appliance/srv-1/abc"), uid=1001, gid=1001, python=Path("/srv/venv/bin/python"),
+        workdir=Path("/tmp/appliance/srv-1/abc"),
+        uid=1001,
+        gid=1001,
+        python=Path("/srv/venv/bin/python"),
         driver=Path("/tmp/appliance/runtime-x/driver.py"),
         limits=JailLimits(memory_mb=1024, max_procs=64, file_mb=100, open_files=1024),
         readable=(Path("/srv/venv"), Path("/tmp/appliance/runtime-x")),
@@ -27,11 +30,22 @@ def make_spec(**over: object) -> JailSpec:
 
 def test_the_argv_drops_every_privilege_and_the_network() -> None:
     argv = render_argv(make_spec(), events_fd=7)
-    for flag in ("--noprofile", "--noroot", "--caps.drop=all", "--nonewprivs", "--net=none",
-                 "--private-dev", "--private-tmp", "--restrict-namespaces", "--ipc-namespace"):
+    for flag in (
+        "--noprofile",
+        "--noroot",
+        "--caps.drop=all",
+        "--nonewprivs",
+        "--net=none",
+        "--private-dev",
+        "--private-tmp",
+        "--restrict-namespaces",
+        "--ipc-namespace",
+    ):
         assert flag in argv
     seccomp = [a for a in argv if a.startswith("--seccomp=")]
-    assert seccomp == ["--seccomp=io_uring_setup,io_uring_enter,io_uring_register"]  # on top of the default list
+    assert seccomp == [
+        "--seccomp=io_uring_setup,io_uring_enter,io_uring_register"
+    ]  # on top of the default list
 
 
 def test_the_minimal_accounts_are_mounted_before_the_uid_is_dropped() -> None:
@@ -40,7 +54,14 @@ def test_the_minimal_accounts_are_mounted_before_the_uid_is_dropped() -> None:
     script = prefix[6]
     assert script.index("/etc/passwd") < script.index("/etc/group") < script.index('exec env -u PWD "$@"')
     assert prefix[8:10] == ["/t/passwd", "/t/group"]
-    assert prefix[10:] == ["setpriv", "--reuid=1001", "--regid=1001", "--clear-groups", "--inh-caps=-all", "--"]
+    assert prefix[10:] == [
+        "setpriv",
+        "--reuid=1001",
+        "--regid=1001",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--",
+    ]
 
 
 def test_the_run_directory_becomes_workspace_and_cwd() -> None:
@@ -52,7 +73,9 @@ def test_the_run_directory_becomes_workspace_and_cwd() -> None:
 def test_limits_render_with_their_units() -> None:
     argv = render_argv(make_spec(), events_fd=7)
     assert "--rlimit-as=1073741824" in argv
-    assert "--rlimit-nproc=64" in argv and "--rlimit-fsize=104857600" in argv and "--rlimit-nofile=1024" in argv
+    assert (
+        "--rlimit-nproc=64" in argv and "--rlimit-fsize=104857600" in argv and "--rlimit-nofile=1024" in argv
+    )
     no_as = render_argv(make_spec(limits=JailLimits(None, 64, 100, 1024)), events_fd=7)
     assert not [a for a in no_as if a.startswith("--rlimit-as")]
 
@@ -69,7 +92,7 @@ def test_everything_at_the_top_level_but_system_dirs_is_hidden() -> None:
 
 def test_the_environment_is_built_from_scratch() -> None:
     argv = render_argv(make_spec(), events_fd=7)
-    env = dict(a[len("--env="):].split("=", 1) for a in argv if a.startswith("--env="))
+    env = dict(a[len("--env=") :].split("=", 1) for a in argv if a.startswith("--env="))
     assert env["HOME"] == "/workspace" and env["PATH"].startswith("/srv/venv/bin:")
     assert not {k for k in env if "TOKEN" in k or "SECRET" in k or k.startswith("AWS")}
     assert env["APPLIANCE_PRELOAD"] == "numpy"  # the jail's preload profile
@@ -88,8 +111,11 @@ def test_rendering_is_deterministic() -> None:
 
 
 def test_a_given_path_in_run_keeps_only_its_own_entry_visible() -> None:
-    mps = make_spec(run_entries=("firejail", "nvidia-mps", "secrets", "user"), gpu=True,
-                    gpu_shared=(Path("/run/nvidia-mps"),))
+    mps = make_spec(
+        run_entries=("firejail", "nvidia-mps", "secrets", "user"),
+        gpu=True,
+        gpu_shared=(Path("/run/nvidia-mps"),),
+    )
     hidden = {str(p) for p in mps.hidden}
     assert "/run/secrets" in hidden and "/run/user" in hidden
     assert "/run/nvidia-mps" not in hidden and "/run/firejail" not in hidden

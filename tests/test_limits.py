@@ -16,9 +16,14 @@ from tests.support import Server, jail_processes, start_server
 def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """No pool (so any process of the sandbox uid under the server is a leftover), small limits."""
     srv = start_server(
-        tmp_path_factory.mktemp("limits"), SANDBOX_POOL_SIZE="0", SANDBOX_MAX_EXEC_MS="4000",
-        SANDBOX_MEMORY_MB="256", SANDBOX_MAX_PROCS="32", SANDBOX_MAX_FILE_MB="8",
-        SANDBOX_MAX_DISK_MB="24", SANDBOX_MAX_OUTPUT_BYTES="200000",
+        tmp_path_factory.mktemp("limits"),
+        SANDBOX_POOL_SIZE="0",
+        SANDBOX_MAX_EXEC_MS="4000",
+        SANDBOX_MEMORY_MB="256",
+        SANDBOX_MAX_PROCS="32",
+        SANDBOX_MAX_FILE_MB="8",
+        SANDBOX_MAX_DISK_MB="24",
+        SANDBOX_MAX_OUTPUT_BYTES="200000",
     )
     yield srv
     srv.stop()
@@ -50,8 +55,11 @@ async def test_a_silent_sleep_ends_with_timeout_too(tight: Server) -> None:
 
 
 async def test_a_loop_that_keeps_printing_still_times_out(tight: Server) -> None:
-    ex = await run(tight, "import time\nwhile True:\n    print('.', end='', flush=True); time.sleep(0.05)",
-                   timeout_ms=1500)
+    ex = await run(
+        tight,
+        "import time\nwhile True:\n    print('.', end='', flush=True); time.sleep(0.05)",
+        timeout_ms=1500,
+    )
     assert ex.status == "timeout" and ex.stdout.startswith(".")
     await assert_contained(tight)
 
@@ -97,8 +105,10 @@ async def test_a_file_larger_than_the_file_limit_fails_with_efbig(tight: Server)
 
 
 async def test_filling_the_disk_with_many_files_ends_with_output_limit(tight: Server) -> None:
-    code = ("import os\nfor i in range(10000):\n    with open(f'f{i}', 'wb') as f:\n"
-            "        f.write(os.urandom(4 * 1024 * 1024))")
+    code = (
+        "import os\nfor i in range(10000):\n    with open(f'f{i}', 'wb') as f:\n"
+        "        f.write(os.urandom(4 * 1024 * 1024))"
+    )
     ex = await run(tight, code, timeout_ms=4000)
     assert ex.status == "output_limit" and "SANDBOX_MAX_DISK_MB" in (ex.message or ""), ex
     await assert_contained(tight)
@@ -106,7 +116,8 @@ async def test_filling_the_disk_with_many_files_ends_with_output_limit(tight: Se
 
 @pytest.mark.parametrize("end", ["", "\nimport os\nos._exit(0)"], ids=["returns", "exits"])
 async def test_a_cell_that_writes_past_the_disk_quota_and_ends_at_once_ends_with_output_limit(
-        tight: Server, end: str) -> None:
+    tight: Server, end: str
+) -> None:
     # 28 MiB in four files under the 8 MiB file limit, then done, well inside one disk check
     # interval: the quota is checked once more when the cell ends (it used to end ok).
     code = "for i in range(4):\n    open(f'f{i}', 'wb').write(b'0' * (7 << 20))" + end
@@ -129,10 +140,12 @@ async def test_a_stderr_flood_from_a_child_process_ends_with_output_limit(tight:
 
 
 async def test_background_daemons_do_not_outlive_the_run(tight: Server) -> None:
-    code = ("import subprocess, os\n"
-            "subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
-            "if os.fork() == 0:\n    os.setsid()\n    import time; time.sleep(300)\n"
-            "print('left them running')")
+    code = (
+        "import subprocess, os\n"
+        "subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        "if os.fork() == 0:\n    os.setsid()\n    import time; time.sleep(300)\n"
+        "print('left them running')"
+    )
     ex = await run(tight, code)
     assert ex.status == "ok" and ex.stdout == "left them running\n"
     await assert_contained(tight)

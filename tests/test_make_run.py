@@ -23,11 +23,15 @@ def fakes(tmp_path: Path) -> tuple[Path, Path, Path]:
     (venv / "bin").mkdir(parents=True)
     dump = tmp_path / "started.json"
     appliance = venv / "bin" / "appliance"
-    appliance.write_text("#!/usr/bin/python3\nimport json, os, sys\n"
-                         f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({str(dump)!r}, 'w'))\n")
+    appliance.write_text(
+        "#!/usr/bin/python3\nimport json, os, sys\n"
+        f"json.dump({{'argv': sys.argv[1:], 'env': dict(os.environ)}}, open({str(dump)!r}, 'w'))\n"
+    )
     sudo = tmp_path / "sudo"
-    sudo.write_text('#!/bin/sh\n# env_reset: the command gets PATH and nothing else of the caller\n'
-                    'exec /usr/bin/env -i PATH=/usr/bin:/bin "$@"\n')
+    sudo.write_text(
+        "#!/bin/sh\n# env_reset: the command gets PATH and nothing else of the caller\n"
+        'exec /usr/bin/env -i PATH=/usr/bin:/bin "$@"\n'
+    )
     for f in (appliance, sudo):
         f.chmod(0o755)
     return venv, sudo, dump
@@ -39,8 +43,21 @@ def test_make_run_passes_every_sandbox_setting_through_sudo(tmp_path: Path, wher
     settings = {"SANDBOX_GPU": "1", "SANDBOX_MEMORY_MB": "2048", "SANDBOX_MODELS_DIR": ODD}
     env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")}
     env["NOT_A_SETTING"] = "x"
-    args = ["make", "-s", "-o", "setup", "-o", "system", "-o", "venv", "run", f"VENV={venv}", f"SUDO={sudo}",
-            "HOST=10.0.0.9", "PORT=9123"]
+    args = [
+        "make",
+        "-s",
+        "-o",
+        "setup",
+        "-o",
+        "system",
+        "-o",
+        "venv",
+        "run",
+        f"VENV={venv}",
+        f"SUDO={sudo}",
+        "HOST=10.0.0.9",
+        "PORT=9123",
+    ]
     if where == "environment":
         env.update(settings)
     else:  # make itself expands `$` in command-line values, as for any make variable
@@ -59,8 +76,13 @@ def test_as_root_without_sudo_the_settings_are_passed_directly(tmp_path: Path) -
     venv, _, dump = fakes(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")}
     env.update({"SANDBOX_GPU": "1", "SANDBOX_PYTHON": "/opt/py/bin/python", "SUDO": ""})
-    proc = subprocess.run([str(REPO / "scripts" / "serve.sh"), str(venv), "--port", "1"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "serve.sh"), str(venv), "--port", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     got = {k: v for k, v in json.loads(dump.read_text())["env"].items() if k.startswith("SANDBOX_")}
     assert got == {"SANDBOX_GPU": "1", "SANDBOX_PYTHON": "/opt/py/bin/python"}
@@ -73,11 +95,13 @@ def cuda_fakes(tmp_path: Path, offload_after_build: bool = True) -> tuple[Path, 
     log = tmp_path / "calls"
     state = tmp_path / "built"
     py = bin_dir / "python"
-    py.write_text("#!/bin/sh\n"
-                  f'echo "CMAKE_ARGS=$CMAKE_ARGS $*" >> {log}\n'
-                  f'case "$*" in *"-m pip install"*) {"touch " + str(state) if offload_after_build else ":"};;\n'
-                  '  *llama_supports_gpu_offload*) [ -e ' + str(state) + ' ] && exit 0 || exit 1;;\n'
-                  '  *importlib.metadata*) echo 0.3.36;;\nesac\n')
+    py.write_text(
+        "#!/bin/sh\n"
+        f'echo "CMAKE_ARGS=$CMAKE_ARGS $*" >> {log}\n'
+        f'case "$*" in *"-m pip install"*) {"touch " + str(state) if offload_after_build else ":"};;\n'
+        "  *llama_supports_gpu_offload*) [ -e " + str(state) + " ] && exit 0 || exit 1;;\n"
+        "  *importlib.metadata*) echo 0.3.36;;\nesac\n"
+    )
     nvcc = bin_dir / "nvcc"
     nvcc.write_text("#!/bin/sh\nexit 0\n")
     for f in (py, nvcc):
@@ -85,31 +109,47 @@ def cuda_fakes(tmp_path: Path, offload_after_build: bool = True) -> tuple[Path, 
     return py, bin_dir, log
 
 
-@pytest.mark.parametrize(("opt_in", "with_nvcc", "rc", "built", "says"), [
-    ("0", True, 0, False, "APPLIANCE_CUDA_BUILD=1 make venv"),   # never a long build unasked
-    ("1", False, 1, False, "needs nvcc"),
-    ("1", True, 0, True, "offloads to the GPU"),
-])
-def test_the_cuda_build_is_opt_in_and_passes_cmake_args(tmp_path: Path, opt_in: str, with_nvcc: bool, rc: int,
-                                                        built: bool, says: str) -> None:
+@pytest.mark.parametrize(
+    ("opt_in", "with_nvcc", "rc", "built", "says"),
+    [
+        ("0", True, 0, False, "APPLIANCE_CUDA_BUILD=1 make venv"),  # never a long build unasked
+        ("1", False, 1, False, "needs nvcc"),
+        ("1", True, 0, True, "offloads to the GPU"),
+    ],
+)
+def test_the_cuda_build_is_opt_in_and_passes_cmake_args(
+    tmp_path: Path, opt_in: str, with_nvcc: bool, rc: int, built: bool, says: str
+) -> None:
     py, bin_dir, log = cuda_fakes(tmp_path)
     if not with_nvcc:
         (bin_dir / "nvcc").unlink()
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "APPLIANCE_CUDA_BUILD": opt_in, "CUDA_ARCHS": "90"}
-    proc = subprocess.run([str(REPO / "scripts" / "cuda-build.sh"), str(py)], env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "cuda-build.sh"), str(py)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == rc and says in proc.stderr, proc.stderr
     calls = log.read_text() if log.exists() else ""
     pip = [c for c in calls.splitlines() if "-m pip install" in c]
     if built:
-        assert pip == ["CMAKE_ARGS=-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -m pip install -q --force-reinstall "
-                       "--no-cache-dir --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36"]
+        assert pip == [
+            "CMAKE_ARGS=-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -m pip install -q --force-reinstall "
+            "--no-cache-dir --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36"
+        ]
     else:
         assert pip == []
 
 
 def test_a_cuda_build_that_still_cannot_offload_fails(tmp_path: Path) -> None:
     py, bin_dir, _ = cuda_fakes(tmp_path, offload_after_build=False)
-    proc = subprocess.run([str(REPO / "scripts" / "cuda-build.sh"), str(py)], capture_output=True, text=True,
-                          env={"PATH": f"{bin_dir}:/usr/bin:/bin", "APPLIANCE_CUDA_BUILD": "1"}, timeout=60)
+    proc = subprocess.run(
+        [str(REPO / "scripts" / "cuda-build.sh"), str(py)],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "APPLIANCE_CUDA_BUILD": "1"},
+        timeout=60,
+    )
     assert proc.returncode == 1 and "still false" in proc.stderr

@@ -39,8 +39,12 @@ async def over_stdio(server: Server, token: str | None = TOKEN) -> AsyncIterator
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)}
     if token:
         env["SANDBOX_AUTH_TOKEN"] = token
-    params = StdioServerParameters(command=sys.executable, cwd=str(REPO), env=env,
-                                   args=["-m", "appliance", "mcp", "--url", f"ws://127.0.0.1:{server.port}"])
+    params = StdioServerParameters(
+        command=sys.executable,
+        cwd=str(REPO),
+        env=env,
+        args=["-m", "appliance", "mcp", "--url", f"ws://127.0.0.1:{server.port}"],
+    )
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         yield session
@@ -49,9 +53,11 @@ async def over_stdio(server: Server, token: str | None = TOKEN) -> AsyncIterator
 @asynccontextmanager
 async def over_http(server: Server, token: str = TOKEN) -> AsyncIterator[ClientSession]:
     headers = {"Authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(60, read=300)) as http, \
-            streamable_http_client(server.http + "/mcp", http_client=http) as (read, write, _), \
-            ClientSession(read, write) as session:
+    async with (
+        httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(60, read=300)) as http,
+        streamable_http_client(server.http + "/mcp", http_client=http) as (read, write, _),
+        ClientSession(read, write) as session,
+    ):
         await session.initialize()
         yield session
 
@@ -71,7 +77,9 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 
 class TestBothTransports:
-    async def test_the_tools_are_run_python_close_session_and_list_models(self, authed: Server, transport: str) -> None:
+    async def test_the_tools_are_run_python_close_session_and_list_models(
+        self, authed: Server, transport: str
+    ) -> None:
         async with TRANSPORTS[transport](authed) as mcp:
             listed = await mcp.list_tools()
             assert [t.name for t in listed.tools] == ["run_python", "close_session", "list_models"]
@@ -86,7 +94,9 @@ class TestBothTransports:
             assert base64.b64decode(images[0].data).startswith(b"\x89PNG")
             assert "image #1 attached" in text_of(result)
 
-    async def test_a_session_keeps_state_and_one_shot_calls_do_not(self, authed: Server, transport: str) -> None:
+    async def test_a_session_keeps_state_and_one_shot_calls_do_not(
+        self, authed: Server, transport: str
+    ) -> None:
         async with TRANSPORTS[transport](authed) as mcp:
             first = await mcp.call_tool("run_python", {"code": "x = 41", "keep_state": True})
             assert not first.isError, text_of(first)
@@ -100,12 +110,16 @@ class TestBothTransports:
             assert after.isError and "NameError" in text_of(after)
 
     async def test_files_go_in_and_outputs_come_back_as_embedded_resources(
-            self, authed: Server, transport: str) -> None:
-        code = ("import os\nos.makedirs('outputs', exist_ok=True)\n"
-                "open('outputs/upper.txt', 'w').write(open('in.txt').read().upper())")
+        self, authed: Server, transport: str
+    ) -> None:
+        code = (
+            "import os\nos.makedirs('outputs', exist_ok=True)\n"
+            "open('outputs/upper.txt', 'w').write(open('in.txt').read().upper())"
+        )
         async with TRANSPORTS[transport](authed) as mcp:
-            result = await mcp.call_tool("run_python", {"code": code,
-                                                        "files": [{"path": "in.txt", "content": "hello"}]})
+            result = await mcp.call_tool(
+                "run_python", {"code": code, "files": [{"path": "in.txt", "content": "hello"}]}
+            )
             assert not result.isError, text_of(result)
             resources = [c for c in result.content if isinstance(c, types.EmbeddedResource)]
             assert len(resources) == 1
@@ -115,7 +129,9 @@ class TestBothTransports:
             assert base64.b64decode(blob.blob) == b"HELLO"
             assert "outputs/upper.txt (5 bytes)" in text_of(result)
 
-    async def test_bad_arguments_are_an_error_result_naming_the_problem(self, authed: Server, transport: str) -> None:
+    async def test_bad_arguments_are_an_error_result_naming_the_problem(
+        self, authed: Server, transport: str
+    ) -> None:
         async with TRANSPORTS[transport](authed) as mcp:
             result = await mcp.call_tool("run_python", {"code": 5})
             assert result.isError and "'code' is required and must be a string" in text_of(result)
@@ -127,23 +143,31 @@ def with_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     os.chmod(root, 0o755)
     write_tiny_llama(root / "tiny-llama.gguf")
     write_tiny_whisper(root / "tiny-whisper.bin")
-    srv = start_server(tmp_path_factory.mktemp("mcp-models-srv"), SANDBOX_AUTH_TOKEN=TOKEN,
-                       SANDBOX_MODELS_DIR=str(root))
+    srv = start_server(
+        tmp_path_factory.mktemp("mcp-models-srv"), SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_MODELS_DIR=str(root)
+    )
     yield srv
     srv.stop()
 
 
 class TestListModels:
-    async def test_list_models_gives_the_catalogue_of_get_v1_models(self, with_models: Server, transport: str) -> None:
+    async def test_list_models_gives_the_catalogue_of_get_v1_models(
+        self, with_models: Server, transport: str
+    ) -> None:
         async with TRANSPORTS[transport](with_models) as mcp, AsyncClient(with_models.url, TOKEN) as client:
             result = await mcp.call_tool("list_models", {})
             assert not result.isError, text_of(result)
             listed = json.loads(text_of(result))["models"]
             assert listed == await client.models()  # one catalogue, whichever way it is asked
-        assert [(m["name"], m["kind"]) for m in listed] == [("tiny-llama.gguf", "llm"), ("tiny-whisper.bin", "whisper")]
+        assert [(m["name"], m["kind"]) for m in listed] == [
+            ("tiny-llama.gguf", "llm"),
+            ("tiny-whisper.bin", "whisper"),
+        ]
         assert listed[0]["architecture"] == "llama" and listed[0]["error"] is None
 
-    async def test_without_a_models_directory_list_models_says_so(self, authed: Server, transport: str) -> None:
+    async def test_without_a_models_directory_list_models_says_so(
+        self, authed: Server, transport: str
+    ) -> None:
         async with TRANSPORTS[transport](authed) as mcp:
             result = await mcp.call_tool("list_models", {})
         assert not result.isError and "SANDBOX_MODELS_DIR" in text_of(result)
@@ -152,10 +176,21 @@ class TestListModels:
 class TestHttpAuth:
     @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
     def test_mcp_without_the_token_is_401(self, authed: Server, headers: dict[str, str]) -> None:
-        body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-            "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}}
-        reply = httpx.post(authed.http + "/mcp", json=body, headers={
-            **headers, "Accept": "application/json, text/event-stream"})
+        body = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "0"},
+            },
+        }
+        reply = httpx.post(
+            authed.http + "/mcp",
+            json=body,
+            headers={**headers, "Accept": "application/json, text/event-stream"},
+        )
         assert reply.status_code == 401 and reply.headers["WWW-Authenticate"] == "Bearer"
 
     async def test_the_sdk_client_with_a_wrong_token_cannot_connect(self, authed: Server) -> None:
@@ -167,7 +202,9 @@ class TestHttpAuth:
 
 
 class TestSessionLifetime:
-    async def test_a_keep_state_session_ends_with_its_mcp_session(self, authed: Server, transport: str) -> None:
+    async def test_a_keep_state_session_ends_with_its_mcp_session(
+        self, authed: Server, transport: str
+    ) -> None:
         async with TRANSPORTS[transport](authed) as mcp:
             opened = await mcp.call_tool("run_python", {"code": "y = 1", "keep_state": True})
             session = re.search(r"session ([0-9a-f]{16,})", text_of(opened))
@@ -185,8 +222,14 @@ class TestSessionLifetime:
 class TestStdioCli:
     def test_a_wrong_token_ends_the_stdio_server_with_a_message(self, authed: Server) -> None:
         env = {"PATH": os.environ.get("PATH", ""), "SANDBOX_AUTH_TOKEN": "wrong"}
-        proc = subprocess.run([sys.executable, "-m", "appliance", "mcp", "--url", f"ws://127.0.0.1:{authed.port}"],
-                              cwd=REPO, env=env, input=b"", capture_output=True, timeout=scaled(60))
+        proc = subprocess.run(
+            [sys.executable, "-m", "appliance", "mcp", "--url", f"ws://127.0.0.1:{authed.port}"],
+            cwd=REPO,
+            env=env,
+            input=b"",
+            capture_output=True,
+            timeout=scaled(60),
+        )
         assert proc.returncode == 1 and proc.stdout == b""
         assert b"cannot reach the appliance" in proc.stderr and b"401" in proc.stderr
 

@@ -31,32 +31,45 @@ def output_chain(ruleset: str) -> list[str]:
     lines = ruleset.splitlines()
     start = lines.index("  chain output {")
     end = lines.index("  }", start)
-    return [line.strip() for line in lines[start + 1:end]]
+    return [line.strip() for line in lines[start + 1 : end]]
 
 
 def nft_check(ruleset: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["nft", "--check", "-f", "-"], input=ruleset, capture_output=True, text=True,
-                          timeout=20)
+    return subprocess.run(
+        ["nft", "--check", "-f", "-"], input=ruleset, capture_output=True, text=True, timeout=20
+    )
 
 
 def test_settings_parse_ports_networks_resolvers_and_subnet() -> None:
-    s = from_env({"SANDBOX_OPEN_PORTS": "443, 53,443", "SANDBOX_EGRESS_ALLOW_NETS": "10.1.2.0/24",
-                  "SANDBOX_EGRESS_DNS": "198.18.0.53", "SANDBOX_EGRESS_SUBNET": "10.99.0.0/20"})
+    s = from_env(
+        {
+            "SANDBOX_OPEN_PORTS": "443, 53,443",
+            "SANDBOX_EGRESS_ALLOW_NETS": "10.1.2.0/24",
+            "SANDBOX_EGRESS_DNS": "198.18.0.53",
+            "SANDBOX_EGRESS_SUBNET": "10.99.0.0/20",
+        }
+    )
     assert s.open_ports == (53, 443) and s.egress_allow_nets == ("10.1.2.0/24",)
     assert s.egress_dns == ("198.18.0.53",) and s.egress_subnet == "10.99.0.0/20"
     policy = network.policy_of(s, [IPv4Address("192.0.2.2")])
     assert policy.tcp_ports == (443,) and policy.tag == "0a630000"
 
 
-@pytest.mark.parametrize(("env", "complaint"), [
-    ({"SANDBOX_OPEN_PORTS": "53"}, "SANDBOX_EGRESS_DNS names no resolver"),
-    ({"SANDBOX_EGRESS_DNS": "198.18.0.53"}, "does not list 53"),
-    ({"SANDBOX_OPEN_PORTS": "80", "SANDBOX_EGRESS_ALLOW_NETS": "10.1.2.3/24"}, "SANDBOX_EGRESS_ALLOW_NETS"),
-    ({"SANDBOX_OPEN_PORTS": "80", "SANDBOX_EGRESS_ALLOW_NETS": "fc00::/7"}, "IPv6"),
-    ({"SANDBOX_OPEN_PORTS": "53", "SANDBOX_EGRESS_DNS": "resolver"}, "SANDBOX_EGRESS_DNS"),
-    ({"SANDBOX_OPEN_PORTS": "80", "SANDBOX_EGRESS_SUBNET": "10.9.9.0/30"}, "too small"),
-    ({"SANDBOX_OPEN_PORTS": "80,70000"}, "SANDBOX_OPEN_PORTS"),
-])
+@pytest.mark.parametrize(
+    ("env", "complaint"),
+    [
+        ({"SANDBOX_OPEN_PORTS": "53"}, "SANDBOX_EGRESS_DNS names no resolver"),
+        ({"SANDBOX_EGRESS_DNS": "198.18.0.53"}, "does not list 53"),
+        (
+            {"SANDBOX_OPEN_PORTS": "80", "SANDBOX_EGRESS_ALLOW_NETS": "10.1.2.3/24"},
+            "SANDBOX_EGRESS_ALLOW_NETS",
+        ),
+        ({"SANDBOX_OPEN_PORTS": "80", "SANDBOX_EGRESS_ALLOW_NETS": "fc00::/7"}, "IPv6"),
+        ({"SANDBOX_OPEN_PORTS": "53", "SANDBOX_EGRESS_DNS": "resolver"}, "SANDBOX_EGRESS_DNS"),
+        ({"SANDBOX_OPEN_PORTS": "80", "SANDBOX_EGRESS_SUBNET": "10.9.9.0/30"}, "too small"),
+        ({"SANDBOX_OPEN_PORTS": "80,70000"}, "SANDBOX_OPEN_PORTS"),
+    ],
+)
 def test_bad_egress_settings_stop_startup_naming_the_variable(env: dict[str, str], complaint: str) -> None:
     with pytest.raises(SettingsError, match=complaint):
         from_env(env)
@@ -76,26 +89,41 @@ def test_the_host_and_the_links_are_refused_before_any_allowance() -> None:
 def test_port_53_goes_only_to_the_resolvers_and_never_as_a_general_port() -> None:
     rules = output_chain(network.jail_ruleset(POLICY))
     dns = [r for r in rules if "dport 53" in r]
-    assert dns == ["ip daddr { 198.18.0.53 } udp dport 53 accept", "ip daddr { 198.18.0.53 } tcp dport 53 accept"]
+    assert dns == [
+        "ip daddr { 198.18.0.53 } udp dport 53 accept",
+        "ip daddr { 198.18.0.53 } tcp dport 53 accept",
+    ]
     assert "meta nfproto ipv4 tcp dport { 443, 8080 } accept" in rules
 
 
 def test_every_private_loopback_link_local_and_metadata_range_is_blocked() -> None:
     blocked = {str(n) for n in network.BLOCKED_V4}
-    for net in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "169.254.0.0/16",
-                "100.64.0.0/10", "0.0.0.0/8", "224.0.0.0/4"):
+    for net in (
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "100.64.0.0/10",
+        "0.0.0.0/8",
+        "224.0.0.0/4",
+    ):
         assert net in blocked
     assert any(IPv4Address("169.254.169.254") in n for n in network.BLOCKED_V4)
     assert "meta nfproto ipv6 jump refuse" in output_chain(network.jail_ruleset(POLICY))
 
 
 def test_without_allowances_no_rule_opens_a_private_network() -> None:
-    bare = network.EgressPolicy(ports=(443,), allow_nets=(), dns=(), subnet=IPv4Network("10.216.0.0/16"),
-                                host_addresses=())
+    bare = network.EgressPolicy(
+        ports=(443,), allow_nets=(), dns=(), subnet=IPv4Network("10.216.0.0/16"), host_addresses=()
+    )
     rules = output_chain(network.jail_ruleset(bare))
     accepts = [r for r in rules if r.endswith("accept")]
-    assert accepts == ['oifname "lo" accept', "ct state established,related accept",
-                       "meta nfproto ipv4 tcp dport { 443 } accept"]
+    assert accepts == [
+        'oifname "lo" accept',
+        "ct state established,related accept",
+        "meta nfproto ipv4 tcp dport { 443 } accept",
+    ]
 
 
 def test_both_rulesets_are_valid_nftables() -> None:
@@ -107,8 +135,11 @@ def test_both_rulesets_are_valid_nftables() -> None:
 def test_the_host_table_replaces_a_stale_copy_in_one_transaction_and_masquerades_only_jails() -> None:
     text = network.host_ruleset(POLICY)
     lines = text.splitlines()
-    assert lines[:3] == ["table inet appliance_0ad80000 {}", "delete table inet appliance_0ad80000",
-                         "table inet appliance_0ad80000 {"]
+    assert lines[:3] == [
+        "table inet appliance_0ad80000 {}",
+        "delete table inet appliance_0ad80000",
+        "table inet appliance_0ad80000 {",
+    ]
     assert 'iifname "sx0ad80000*" drop' in text  # nothing from a jail reaches the host itself
     assert 'ip saddr 10.216.0.0/16 oifname != "sx0ad80000*" masquerade' in text
 
@@ -134,9 +165,18 @@ def test_link_commands_make_the_namespace_before_anything_inside_it() -> None:
 
 def _spec(netns: str | None, dns: tuple[str, ...] = ()) -> JailSpec:
     return JailSpec(
-        workdir=Path("/tmp/w"), uid=1001, gid=1001, python=Path("/usr/bin/python3"), driver=Path("/rt/driver.py"),
-        limits=JailLimits(memory_mb=512, max_procs=64, file_mb=10, open_files=256), readable=(),
-        root_entries=(), run_entries=(), env=(), netns=netns, dns=dns,
+        workdir=Path("/tmp/w"),
+        uid=1001,
+        gid=1001,
+        python=Path("/usr/bin/python3"),
+        driver=Path("/rt/driver.py"),
+        limits=JailLimits(memory_mb=512, max_procs=64, file_mb=10, open_files=256),
+        readable=(),
+        root_entries=(),
+        run_entries=(),
+        env=(),
+        netns=netns,
+        dns=dns,
     )
 
 
@@ -151,20 +191,41 @@ def test_firejail_makes_no_network_namespace_of_its_own_in_egress_mode() -> None
 def test_the_jail_is_entered_as_the_sandbox_uid_with_no_groups_or_capabilities() -> None:
     link = network.link_for(POLICY, 0, "ff")
     argv = network.enter_argv(link, 1001, 1002)
-    assert argv == ["nsenter", "--net=/run/netns/sbx-0ad80000-ff", "--", "setpriv", "--reuid=1001",
-                    "--regid=1002", "--clear-groups", "--inh-caps=-all", "--"]
+    assert argv == [
+        "nsenter",
+        "--net=/run/netns/sbx-0ad80000-ff",
+        "--",
+        "setpriv",
+        "--reuid=1001",
+        "--regid=1002",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--",
+    ]
 
 
 def test_the_self_check_accepts_the_link_only_in_egress_mode() -> None:
-    report = {"uid": 1001, "euid": 1001, "no_new_privs": 1, "seccomp": 2, "cap_eff": "0000000000000000",
-              "pid_ns": "pid:[2]", "net_ns": "net:[2]", "interfaces": ["eth0", "lo"],
-              "cwd": "/workspace", "home": "/workspace"}
+    report = {
+        "uid": 1001,
+        "euid": 1001,
+        "no_new_privs": 1,
+        "seccomp": 2,
+        "cap_eff": "0000000000000000",
+        "pid_ns": "pid:[2]",
+        "net_ns": "net:[2]",
+        "interfaces": ["eth0", "lo"],
+        "cwd": "/workspace",
+        "home": "/workspace",
+    }
     plain = checks.Expected(uid=1001, host_pid_ns="pid:[1]", host_net_ns="net:[1]")
-    egress = checks.Expected(uid=1001, host_pid_ns="pid:[1]", host_net_ns="net:[1]",
-                             interfaces=network.expected_interfaces(True))
+    egress = checks.Expected(
+        uid=1001, host_pid_ns="pid:[1]", host_net_ns="net:[1]", interfaces=network.expected_interfaces(True)
+    )
     assert checks.problems(report, egress) == []
     assert any("eth0" in p for p in checks.problems(report, plain))
-    assert any("wlan0" in p for p in checks.problems({**report, "interfaces": ["eth0", "lo", "wlan0"]}, egress))
+    assert any(
+        "wlan0" in p for p in checks.problems({**report, "interfaces": ["eth0", "lo", "wlan0"]}, egress)
+    )
 
 
 def test_the_default_settings_open_nothing() -> None:

@@ -18,8 +18,13 @@ class TestTranslation:
         assert translate("!ls -l '/tmp'") == f"{HOOK}.shell(\"ls -l '/tmp'\")\n"
 
     def test_pip_in_both_spellings_goes_to_pip(self) -> None:
-        for line in ("%pip install a b==1", "!pip install a b==1", "!python -m pip install a b==1",
-                     "%pip3 install a b==1", "!pip3 install a b==1"):
+        for line in (
+            "%pip install a b==1",
+            "!pip install a b==1",
+            "!python -m pip install a b==1",
+            "%pip3 install a b==1",
+            "!pip3 install a b==1",
+        ):
             assert translate(line) == f"{HOOK}.pip('install a b==1')\n", line
 
     def test_indentation_and_line_numbers_are_kept(self) -> None:
@@ -54,8 +59,12 @@ class TestTranslation:
     def test_matplotlib_inline_is_accepted_and_does_nothing(self) -> None:
         assert translate("%matplotlib inline\nx = 1") == "pass\nx = 1"
 
-    @pytest.mark.parametrize(("code", "lineno"), [("%timeit 1+1", 1), ("%%time\nx = 1", 1), ("x = 1\n%cd /tmp", 2)])
-    def test_an_unknown_magic_is_a_syntax_error_naming_the_supported_ones(self, code: str, lineno: int) -> None:
+    @pytest.mark.parametrize(
+        ("code", "lineno"), [("%timeit 1+1", 1), ("%%time\nx = 1", 1), ("x = 1\n%cd /tmp", 2)]
+    )
+    def test_an_unknown_magic_is_a_syntax_error_naming_the_supported_ones(
+        self, code: str, lineno: int
+    ) -> None:
         with pytest.raises(SyntaxError) as caught:
             translate(code, "<cell-1>")
         assert "unsupported magic %" in caught.value.msg and SUPPORTED in caught.value.msg
@@ -91,7 +100,10 @@ class TestInTheJail:
         assert order == "one\ntwo\nthree\nfour\nfive\n"
 
     async def test_the_command_runs_in_the_same_jail_as_the_cell(self, plain: Server) -> None:
-        ex = await run(plain, "open('made_by_python.txt', 'w').write('x')\n!id -u; pwd; ls made_by_python.txt; echo $HOME")
+        ex = await run(
+            plain,
+            "open('made_by_python.txt', 'w').write('x')\n!id -u; pwd; ls made_by_python.txt; echo $HOME",
+        )
         assert ex.stdout.split() == ["1001", "/workspace", "made_by_python.txt", "/workspace"], ex.frames
 
     async def test_a_failing_command_shows_its_exit_status_and_the_cell_goes_on(self, plain: Server) -> None:

@@ -19,8 +19,13 @@ from tests.test_fuzz import frames_like
 SCHEMA_FILE = REPO / "docs" / "protocol.schema.json"
 LIMITS = protocol.Limits(max_message_bytes=65536, max_upload_bytes=4096, gpu_enabled=True)
 # What the codec refuses that no JSON Schema can say (paths, base64, budgets, GPU mode).
-BEYOND_THE_SCHEMA = ("is refused", "not valid base64", "SANDBOX_MAX_UPLOAD_BYTES", "appears twice",
-                     "'id' must be a printable string")
+BEYOND_THE_SCHEMA = (
+    "is refused",
+    "not valid base64",
+    "SANDBOX_MAX_UPLOAD_BYTES",
+    "appears twice",
+    "'id' must be a printable string",
+)
 
 
 @functools.cache
@@ -34,7 +39,8 @@ def validator(definition: str) -> jsonschema.protocols.Validator:
 
 def test_the_committed_frame_schema_is_the_generated_one() -> None:
     assert SCHEMA_FILE.read_text() == openapi.render_frames_schema(), (
-        "docs/protocol.schema.json is stale: python -m appliance.openapi > docs/protocol.schema.json")
+        "docs/protocol.schema.json is stale: python -m appliance.openapi > docs/protocol.schema.json"
+    )
 
 
 def test_the_frame_schema_is_valid_json_schema_2020_12() -> None:
@@ -79,15 +85,29 @@ def test_the_schema_refuses_what_a_client_could_not_rely_on() -> None:
 
 ids = st.text(st.characters(codec="utf-8"), min_size=1, max_size=130)
 well_formed = st.one_of(
-    st.fixed_dictionaries({"code": st.text()}, optional={
-        "type": st.just("execute"), "id": ids | st.none(), "session": st.none() | st.just("new") | st.text(),
-        "timeout_ms": st.none() | st.integers(min_value=-2, max_value=10**12), "stdin_eof": st.booleans(),
-        "gpu": st.none() | st.fixed_dictionaries({"memory_mb": st.integers(min_value=0, max_value=10**6)}),
-        "files": st.none() | st.lists(st.fixed_dictionaries(
-            {"path": st.sampled_from(["a.txt", "d/b.bin", "./c", "../x", "/abs", "a//b"])},
-            optional={"data": st.binary(max_size=64).map(lambda b: base64.b64encode(b).decode())}), max_size=3),
-    }),
-    st.fixed_dictionaries({"type": st.just("stdin"), "id": ids}, optional={"data": st.text(), "eof": st.booleans()}),
+    st.fixed_dictionaries(
+        {"code": st.text()},
+        optional={
+            "type": st.just("execute"),
+            "id": ids | st.none(),
+            "session": st.none() | st.just("new") | st.text(),
+            "timeout_ms": st.none() | st.integers(min_value=-2, max_value=10**12),
+            "stdin_eof": st.booleans(),
+            "gpu": st.none()
+            | st.fixed_dictionaries({"memory_mb": st.integers(min_value=0, max_value=10**6)}),
+            "files": st.none()
+            | st.lists(
+                st.fixed_dictionaries(
+                    {"path": st.sampled_from(["a.txt", "d/b.bin", "./c", "../x", "/abs", "a//b"])},
+                    optional={"data": st.binary(max_size=64).map(lambda b: base64.b64encode(b).decode())},
+                ),
+                max_size=3,
+            ),
+        },
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("stdin"), "id": ids}, optional={"data": st.text(), "eof": st.booleans()}
+    ),
     st.fixed_dictionaries({"type": st.just("interrupt"), "id": ids}),
     st.fixed_dictionaries({"type": st.just("close_session"), "session": st.text()}, optional={"id": ids}),
 )
@@ -130,7 +150,9 @@ def test_the_openapi_document_speaks_openapi_3_0_and_every_ref_resolves() -> Non
             assert set(node) == {"$ref"}, f"3.0 ignores siblings of a $ref: {node}"
             assert node["$ref"].removeprefix("#/components/schemas/") in schemas, node["$ref"]
     files = schemas["UploadFile"]["properties"]["data"]
-    assert files["format"] == "byte" and schemas["ExecuteRequest"]["properties"]["session"]["nullable"] is True
+    assert (
+        files["format"] == "byte" and schemas["ExecuteRequest"]["properties"]["session"]["nullable"] is True
+    )
 
 
 def test_the_openapi_schemas_are_the_frame_schemas_in_openapis_words() -> None:

@@ -54,14 +54,18 @@ async def wait_pool_ready(server: Server, count: int) -> None:
 
 async def test_nothing_one_pooled_run_leaves_is_visible_to_the_next(pooled: Server) -> None:
     await wait_pool_ready(pooled, 2)
-    leave = ("import os, subprocess, builtins, sys\nopen('left.txt','w').write('x')\n"
-             "os.environ['LEFT'] = '1'\nbuiltins.LEFT = 1\nsys.modules['json'].LEFT = 1\n"
-             "subprocess.Popen(['sleep', '300'])\nglobal_left = 1")
+    leave = (
+        "import os, subprocess, builtins, sys\nopen('left.txt','w').write('x')\n"
+        "os.environ['LEFT'] = '1'\nbuiltins.LEFT = 1\nsys.modules['json'].LEFT = 1\n"
+        "subprocess.Popen(['sleep', '300'])\nglobal_left = 1"
+    )
     assert (await run(pooled, leave)).status == "ok"
-    look = ("import os, json, builtins\n"
-            "print(os.path.exists('left.txt'), 'LEFT' in os.environ, hasattr(builtins, 'LEFT'),\n"
-            "      hasattr(json, 'LEFT'), 'global_left' in globals())\n"
-            "print([p for p in os.listdir('/proc') if p.isdigit() and 'sleep' in open(f'/proc/{p}/cmdline').read()])")
+    look = (
+        "import os, json, builtins\n"
+        "print(os.path.exists('left.txt'), 'LEFT' in os.environ, hasattr(builtins, 'LEFT'),\n"
+        "      hasattr(json, 'LEFT'), 'global_left' in globals())\n"
+        "print([p for p in os.listdir('/proc') if p.isdigit() and 'sleep' in open(f'/proc/{p}/cmdline').read()])"
+    )
     for _ in range(3):  # whichever jail of the pool serves it
         ex = await run(pooled, look)
         assert ex.stdout == "False False False False False\n[]\n", ex.stdout
@@ -70,9 +74,11 @@ async def test_nothing_one_pooled_run_leaves_is_visible_to_the_next(pooled: Serv
 async def test_a_pooled_run_is_not_nice_though_its_jail_started_nice(pooled: Server) -> None:
     await wait_pool_ready(pooled, 2)
     # Every thread of the driver (a bare jail: main and control), and a process it starts.
-    code = ("import os, subprocess\n"
-            "print(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))\n"
-            "print(subprocess.run(['nice'], capture_output=True, text=True).stdout.strip())")
+    code = (
+        "import os, subprocess\n"
+        "print(sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')}))\n"
+        "print(subprocess.run(['nice'], capture_output=True, text=True).stdout.strip())"
+    )
     for _ in range(3):  # whichever jail of the pool serves it
         ex = await run(pooled, code)
         assert ex.status == "ok" and ex.stdout == "[0]\n0\n", ex.stdout
@@ -93,7 +99,9 @@ async def test_a_jail_killed_while_idle_is_replaced(pooled: Server) -> None:
     assert metric(pooled, "appliance_jails_spawned_total") >= replaced_before
 
 
-async def test_an_empty_pool_still_serves_runs_with_cold_jails(tmp_path_factory: pytest.TempPathFactory) -> None:
+async def test_an_empty_pool_still_serves_runs_with_cold_jails(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     srv = start_server(tmp_path_factory.mktemp("nopool"), SANDBOX_POOL_SIZE="0")
     try:
         results = await asyncio.gather(*(run(srv, f"print({i})") for i in range(6)))
@@ -115,10 +123,18 @@ async def test_a_burst_drains_the_pool_and_falls_back_to_cold_starts(pooled: Ser
 async def test_metrics_report_runs_pool_and_memory(pooled: Server) -> None:
     await run(pooled, "print(1)")
     _, body = pooled.get("/metrics")
-    for name in ("appliance_runs_total{status=\"ok\"}", "appliance_run_duration_seconds_bucket",
-                 "appliance_queue_wait_seconds_bucket", "appliance_pool_ready", "appliance_pool_starting",
-                 "appliance_cold_starts_total", "appliance_jails_spawned_total", "appliance_sessions_active",
-                 "appliance_bytes_streamed_total", "appliance_jail_pss_bytes"):
+    for name in (
+        'appliance_runs_total{status="ok"}',
+        "appliance_run_duration_seconds_bucket",
+        "appliance_queue_wait_seconds_bucket",
+        "appliance_pool_ready",
+        "appliance_pool_starting",
+        "appliance_cold_starts_total",
+        "appliance_jails_spawned_total",
+        "appliance_sessions_active",
+        "appliance_bytes_streamed_total",
+        "appliance_jail_pss_bytes",
+    ):
         assert name in body, name
     assert metric(pooled, "appliance_jail_pss_bytes") > 1_000_000
 
@@ -126,10 +142,12 @@ async def test_metrics_report_runs_pool_and_memory(pooled: Server) -> None:
 def test_the_pool_target_grows_with_the_arrival_rate_within_its_bounds() -> None:
     from appliance.jail.pool import pool_target
 
-    base: dict[str, Any] = dict(floor=2, ceiling=8, start_s=0.8, have=2, jail_pss_kb=80_000, mem_available_kb=16_000_000)
-    assert pool_target(arrivals_per_s=0.0, **base) == 2          # idle: the floor
-    assert pool_target(arrivals_per_s=4.0, **base) == 5          # 4/s * 0.8 s * 1.5 = 4.8
-    assert pool_target(arrivals_per_s=100.0, **base) == 8        # never past the ceiling
+    base: dict[str, Any] = dict(
+        floor=2, ceiling=8, start_s=0.8, have=2, jail_pss_kb=80_000, mem_available_kb=16_000_000
+    )
+    assert pool_target(arrivals_per_s=0.0, **base) == 2  # idle: the floor
+    assert pool_target(arrivals_per_s=4.0, **base) == 5  # 4/s * 0.8 s * 1.5 = 4.8
+    assert pool_target(arrivals_per_s=100.0, **base) == 8  # never past the ceiling
     assert pool_target(arrivals_per_s=100.0, **{**base, "floor": 0}) == 0  # pooling off stays off
 
 
@@ -137,10 +155,30 @@ def test_the_pool_target_never_grows_past_what_memory_affords() -> None:
     from appliance.jail.pool import MEMORY_RESERVE_KB, pool_target
 
     tight = MEMORY_RESERVE_KB + 2 * 80_000  # room for two more jails
-    assert pool_target(floor=2, ceiling=16, arrivals_per_s=50.0, start_s=1.0, have=3,
-                       jail_pss_kb=80_000, mem_available_kb=tight) == 5
-    assert pool_target(floor=2, ceiling=16, arrivals_per_s=50.0, start_s=1.0, have=2,
-                       jail_pss_kb=80_000, mem_available_kb=MEMORY_RESERVE_KB) == 2
+    assert (
+        pool_target(
+            floor=2,
+            ceiling=16,
+            arrivals_per_s=50.0,
+            start_s=1.0,
+            have=3,
+            jail_pss_kb=80_000,
+            mem_available_kb=tight,
+        )
+        == 5
+    )
+    assert (
+        pool_target(
+            floor=2,
+            ceiling=16,
+            arrivals_per_s=50.0,
+            start_s=1.0,
+            have=2,
+            jail_pss_kb=80_000,
+            mem_available_kb=MEMORY_RESERVE_KB,
+        )
+        == 2
+    )
 
 
 async def test_runs_go_on_when_the_servers_temp_directory_is_removed_under_it(

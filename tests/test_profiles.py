@@ -19,15 +19,19 @@ from tests.support import Server, scaled, start_server
 
 BARE = Profile("bare", ())
 SCIENCE = Profile("science", ("numpy", "pandas", "matplotlib"))
-TOOLS = Profile("full", ("numpy", "pandas", "matplotlib", "llama_cpp", "pywhispercpp.model", "appliance.tools"))
+TOOLS = Profile(
+    "full", ("numpy", "pandas", "matplotlib", "llama_cpp", "pywhispercpp.model", "appliance.tools")
+)
 PROFILES = (BARE, SCIENCE, TOOLS)
 
 
 class TestTheScan:
     def test_it_finds_imports_anywhere_in_the_code_by_their_top_level_package(self) -> None:
-        code = ("import os, json as j\nfrom matplotlib import pyplot\n"
-                "def f():\n    import pandas as pd\n    from numpy.linalg import norm\n"
-                "if False:\n    import llama_cpp\nfrom . import sibling\n")
+        code = (
+            "import os, json as j\nfrom matplotlib import pyplot\n"
+            "def f():\n    import pandas as pd\n    from numpy.linalg import norm\n"
+            "if False:\n    import llama_cpp\nfrom . import sibling\n"
+        )
         assert imports_of(code) == {"os", "json", "matplotlib", "pandas", "numpy", "llama_cpp"}
 
     def test_code_that_does_not_parse_or_is_huge_is_scanned_by_pattern(self) -> None:
@@ -40,7 +44,10 @@ class TestTheScan:
         # while no import statement can be spelt without it.
         for code in ("print(2+2)", "x = __builtins__\nprint(x)", ""):
             assert imports_of(code) == frozenset()
-        for code in ("\uff49\uff4d\uff50\uff4f\uff52\uff54 os", "from os \uff49\uff4d\uff50\uff4f\uff52\uff54 path"):
+        for code in (
+            "\uff49\uff4d\uff50\uff4f\uff52\uff54 os",
+            "from os \uff49\uff4d\uff50\uff4f\uff52\uff54 path",
+        ):
             with pytest.raises(SyntaxError):
                 ast.parse(code)
 
@@ -57,7 +64,9 @@ class TestTheScan:
 
     def test_profiles_are_configurable_and_bad_ones_name_the_variable(self) -> None:
         assert from_env({"SANDBOX_PRELOAD_PROFILES": "bare=;np=numpy"}).preload_profiles == (
-            ("bare", ()), ("np", ("numpy",)))
+            ("bare", ()),
+            ("np", ("numpy",)),
+        )
         assert from_env({}).preload_profiles == (("bare", ()), ("full", ("numpy", "pandas", "matplotlib")))
         assert from_env({"SANDBOX_PRELOAD": ""}).preload_profiles == (("bare", ()),)
         for bad in ("np", "Bad=numpy", "a=;a=os", "np=not-a-module"):
@@ -67,8 +76,9 @@ class TestTheScan:
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("profiles"), SANDBOX_POOL_SIZE="1",
-                       SANDBOX_PRELOAD_PROFILES="bare=;np=numpy")
+    srv = start_server(
+        tmp_path_factory.mktemp("profiles"), SANDBOX_POOL_SIZE="1", SANDBOX_PRELOAD_PROFILES="bare=;np=numpy"
+    )
     yield srv
     srv.stop()
 
@@ -157,5 +167,6 @@ async def test_each_profiles_pool_refills_on_its_own(profiled: Server) -> None:
             break
         assert time.monotonic() < deadline, now
         await asyncio.sleep(0.05)
-    assert min(seen_bare) >= min(full["bare"]["ready"], full["bare"]["target"]), \
+    assert min(seen_bare) >= min(full["bare"]["ready"], full["bare"]["target"]), (
         "the bare pool was drawn on for a numpy run"
+    )

@@ -60,7 +60,11 @@ async def test_exec_frames_arrive_while_the_code_runs(restsrv: Server) -> None:
 
 async def test_a_bad_request_is_a_400_with_a_rejected_done(restsrv: Server) -> None:
     status, _, frames = await post_exec(restsrv, {"code": 1})
-    assert status == 400 and frames[0]["status"] == "rejected" and "'code' must be a string" in frames[0]["message"]
+    assert (
+        status == 400
+        and frames[0]["status"] == "rejected"
+        and "'code' must be a string" in frames[0]["message"]
+    )
 
 
 async def test_rest_needs_the_token(restsrv: Server) -> None:
@@ -89,7 +93,11 @@ async def test_openapi_and_docs_are_served(restsrv: Server) -> None:
             spec = await resp.json()
         async with http.get(restsrv.http + "/docs") as resp:
             page = await resp.text()
-    assert spec["openapi"].startswith("3.") and "/v1/exec" in spec["paths"] and "/v1/sessions/{session_id}" in spec["paths"]
+    assert (
+        spec["openapi"].startswith("3.")
+        and "/v1/exec" in spec["paths"]
+        and "/v1/sessions/{session_id}" in spec["paths"]
+    )
     assert "swagger-ui" in page and "<title>Appliance API</title>" in page
 
 
@@ -138,7 +146,9 @@ async def test_every_documented_route_exists_on_the_real_server(restsrv: Server)
         for path, methods in spec["paths"].items():
             for method in methods:
                 url = restsrv.http + path.replace("{session_id}", "0" * 32)
-                async with http.request(method.upper(), url, json={"code": 5}) as resp:  # rejected: runs nothing
+                async with http.request(
+                    method.upper(), url, json={"code": 5}
+                ) as resp:  # rejected: runs nothing
                     body = await resp.text()
                 # aiohttp's own "no such route" answers, not ours:
                 assert resp.status != 405 and body != "404: Not Found", (method, path, resp.status)
@@ -147,7 +157,9 @@ async def test_every_documented_route_exists_on_the_real_server(restsrv: Server)
 def test_every_rest_route_is_documented() -> None:
     app = web.Application()
     rest.add_routes(app, web.AppKey("appliance", object), lambda request: "owner")
-    documented = {(path, method.upper()) for path, ops in openapi_document()["paths"].items() for method in ops}
+    documented = {
+        (path, method.upper()) for path, ops in openapi_document()["paths"].items() for method in ops
+    }
     routed = {(r.resource.canonical, r.method) for r in app.router.routes() if r.resource is not None}
     undocumented = {(p, m) for p, m in routed if m != "HEAD" and p != "/docs/{name}"} - documented
     assert not undocumented

@@ -15,7 +15,9 @@ from appliance.tenants import owner_of
 
 @pytest.fixture
 async def appliance() -> AsyncIterator[RunService]:
-    app = RunService(from_env({"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "0", "SANDBOX_PYTHON": sys.executable}))
+    app = RunService(
+        from_env({"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "0", "SANDBOX_PYTHON": sys.executable})
+    )
     await app.start(canary_port=0)
     yield app
     await app.close()

@@ -15,8 +15,12 @@ from tests.support import Server, jail_processes, start_server
 
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("sess"), SANDBOX_SESSION_IDLE_S="3", SANDBOX_MAX_SESSIONS="3",
-                       SANDBOX_MAX_EXEC_MS="5000")
+    srv = start_server(
+        tmp_path_factory.mktemp("sess"),
+        SANDBOX_SESSION_IDLE_S="3",
+        SANDBOX_MAX_SESSIONS="3",
+        SANDBOX_MAX_EXEC_MS="5000",
+    )
     yield srv
     srv.stop()
 
@@ -26,7 +30,9 @@ async def test_a_session_keeps_variables_across_two_connections(sessions: Server
         first = await c.execute("x = 21\nimport math\nopen('notes.txt', 'w').write('kept')", session="new")
     assert first.status == "ok" and first.session and len(first.session) == 32  # 128 bits, hex
     async with AsyncClient(sessions.url) as c:
-        second = await c.execute("print(open('notes.txt').read())\nmath.floor(x * 2.5)", session=first.session)
+        second = await c.execute(
+            "print(open('notes.txt').read())\nmath.floor(x * 2.5)", session=first.session
+        )
         await c.close_session(first.session)
     assert second.status == "ok" and second.stdout == "kept\n" and second.text == "52"
 
@@ -100,8 +106,9 @@ async def test_a_timeout_stops_the_cell_but_keeps_the_session(sessions: Server) 
 async def test_a_cell_that_ignores_interrupts_ends_the_session_and_says_so(sessions: Server) -> None:
     async with AsyncClient(sessions.url) as c:
         sid = (await c.execute("import signal", session="new")).session
-        stuck = await c.execute("signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass",
-                                session=sid, timeout_ms=1000)
+        stuck = await c.execute(
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass", session=sid, timeout_ms=1000
+        )
         assert stuck.status == "timeout" and "session has ended" in (stuck.message or "")
         after = await c.execute("1", session=sid)
         assert after.status == "rejected"
@@ -111,7 +118,9 @@ async def test_sessions_leave_no_process_behind_once_closed(tmp_path_factory: py
     srv = start_server(tmp_path_factory.mktemp("sessgone"), SANDBOX_POOL_SIZE="0")
     try:
         async with AsyncClient(srv.url) as c:
-            sid = (await c.execute("import subprocess\nsubprocess.Popen(['sleep', '300'])", session="new")).session
+            sid = (
+                await c.execute("import subprocess\nsubprocess.Popen(['sleep', '300'])", session="new")
+            ).session
             assert sid and jail_processes(srv)
             await c.close_session(sid)
         assert jail_processes(srv) == []

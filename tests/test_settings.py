@@ -27,8 +27,14 @@ def test_concurrency_defaults_to_twice_the_cpus() -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("SANDBOX_MAX_EXEC_MS", "x"), ("SANDBOX_MEMORY_MB", "-1"), ("SANDBOX_MAX_QUEUE", "1.5"),
-     ("SANDBOX_GPU", "perhaps"), ("SANDBOX_PRELOAD", "numpy,os;rm"), ("SANDBOX_TMP_ROOT", "tmp")],
+    [
+        ("SANDBOX_MAX_EXEC_MS", "x"),
+        ("SANDBOX_MEMORY_MB", "-1"),
+        ("SANDBOX_MAX_QUEUE", "1.5"),
+        ("SANDBOX_GPU", "perhaps"),
+        ("SANDBOX_PRELOAD", "numpy,os;rm"),
+        ("SANDBOX_TMP_ROOT", "tmp"),
+    ],
 )
 def test_an_invalid_value_names_its_variable(name: str, value: str) -> None:
     with pytest.raises(SettingsError, match=name):
@@ -43,26 +49,43 @@ def test_the_auth_token_is_never_in_the_repr() -> None:
 def test_mps_settings_default_to_joining_a_proven_daemon_and_reject_nonsense() -> None:
     s = from_env({})
     assert (s.gpu_mps, s.gpu_mps_pipe_dir, s.gpu_libcuda, s.gpu_simulate_mps) == (
-        "auto", Path("/tmp/nvidia-mps"), "libcuda.so.1", "off")
+        "auto",
+        Path("/tmp/nvidia-mps"),
+        "libcuda.so.1",
+        "off",
+    )
     assert from_env({"SANDBOX_GPU_LIBCUDA": "/opt/cuda/libcuda.so.1"}).gpu_libcuda == "/opt/cuda/libcuda.so.1"
-    for env, name in (({"SANDBOX_GPU_MPS": "sometimes"}, "SANDBOX_GPU_MPS"),
-                      ({"SANDBOX_GPU_MPS_PIPE_DIR": "nvidia-mps"}, "SANDBOX_GPU_MPS_PIPE_DIR"),
-                      ({"SANDBOX_GPU_LIBCUDA": "lib/libcuda.so.1"}, "SANDBOX_GPU_LIBCUDA"),
-                      ({"SANDBOX_GPU": "1", "SANDBOX_GPU_SIMULATE_MPS": "on"}, "SANDBOX_GPU_SIMULATE_MPS")):
+    for env, name in (
+        ({"SANDBOX_GPU_MPS": "sometimes"}, "SANDBOX_GPU_MPS"),
+        ({"SANDBOX_GPU_MPS_PIPE_DIR": "nvidia-mps"}, "SANDBOX_GPU_MPS_PIPE_DIR"),
+        ({"SANDBOX_GPU_LIBCUDA": "lib/libcuda.so.1"}, "SANDBOX_GPU_LIBCUDA"),
+        ({"SANDBOX_GPU": "1", "SANDBOX_GPU_SIMULATE_MPS": "on"}, "SANDBOX_GPU_SIMULATE_MPS"),
+    ):
         with pytest.raises(SettingsError, match=name):
             from_env(env)
 
 
 def test_allowed_origins_are_exact_browser_origins_and_none_by_default() -> None:
     assert from_env({}).allowed_origins == ()
-    s = from_env({"SANDBOX_ALLOWED_ORIGINS": " https://app.example.com, http://localhost:3000,,http://[::1]:8080"})
+    s = from_env(
+        {"SANDBOX_ALLOWED_ORIGINS": " https://app.example.com, http://localhost:3000,,http://[::1]:8080"}
+    )
     assert s.allowed_origins == ("https://app.example.com", "http://localhost:3000", "http://[::1]:8080")
     # Each refused form names the variable: a wildcard, a path, upper case, another scheme,
     # and ports a browser never sends (so the entry could never match).
-    for bad in ("*", "https://*.example.com", "https://app.example.com/", "HTTPS://app.example.com",
-                "ftp://app.example.com", "app.example.com", "https://app.example.com:443",
-                "http://app.example.com:80", "http://app.example.com:0080", "http://app.example.com:70000",
-                "null"):
+    for bad in (
+        "*",
+        "https://*.example.com",
+        "https://app.example.com/",
+        "HTTPS://app.example.com",
+        "ftp://app.example.com",
+        "app.example.com",
+        "https://app.example.com:443",
+        "http://app.example.com:80",
+        "http://app.example.com:0080",
+        "http://app.example.com:70000",
+        "null",
+    ):
         with pytest.raises(SettingsError, match="SANDBOX_ALLOWED_ORIGINS"):
             from_env({"SANDBOX_ALLOWED_ORIGINS": bad})
 
@@ -71,8 +94,11 @@ def test_the_metrics_token_is_checked_hidden_and_separate_from_the_auth_token() 
     assert from_env({}).metrics_token is None
     s = from_env({"SANDBOX_METRICS_TOKEN": "scrape-secret-1"})
     assert s.metrics_token == "scrape-secret-1" and "scrape-secret" not in repr(s)
-    for env in ({"SANDBOX_METRICS_TOKEN": "short"}, {"SANDBOX_METRICS_TOKEN": "has white space"},
-                {"SANDBOX_METRICS_TOKEN": "same-token-1", "SANDBOX_AUTH_TOKEN": "same-token-1"}):
+    for env in (
+        {"SANDBOX_METRICS_TOKEN": "short"},
+        {"SANDBOX_METRICS_TOKEN": "has white space"},
+        {"SANDBOX_METRICS_TOKEN": "same-token-1", "SANDBOX_AUTH_TOKEN": "same-token-1"},
+    ):
         with pytest.raises(SettingsError, match="SANDBOX_METRICS_TOKEN"):
             from_env(env)
 
@@ -106,7 +132,11 @@ def test_cgroups_mode_and_cpus_default_and_reject_nonsense() -> None:
     assert s.cgroups == "auto" and s.cpus == 1.0
     assert from_env({"SANDBOX_CGROUPS": "require", "SANDBOX_CPUS": "0.5"}).cpus == 0.5
     assert from_env({"SANDBOX_CGROUPS": "OFF"}).cgroups == "off"
-    for name, bad in (("SANDBOX_CGROUPS", "maybe"), ("SANDBOX_CPUS", "x"), ("SANDBOX_CPUS", "0"),
-                      ("SANDBOX_CPUS", "2000")):
+    for name, bad in (
+        ("SANDBOX_CGROUPS", "maybe"),
+        ("SANDBOX_CPUS", "x"),
+        ("SANDBOX_CPUS", "0"),
+        ("SANDBOX_CPUS", "2000"),
+    ):
         with pytest.raises(SettingsError, match=name):
             from_env({name: bad})

@@ -48,7 +48,9 @@ async def test_stdin_for_a_finished_run_is_rejected(server: Server) -> None:
 
 async def test_interrupt_stops_a_sleeping_cell_within_a_second(server: Server) -> None:
     async with AsyncClient(server.url) as c:
-        task = asyncio.create_task(c.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(60)", id="zz"))
+        task = asyncio.create_task(
+            c.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(60)", id="zz")
+        )
         await asyncio.sleep(0.5)
         sent = time.monotonic()
         await c.interrupt("zz")

@@ -44,32 +44,39 @@ burst = 2
 
 # -- pure: parsing --------------------------------------------------------------------------
 
+
 def test_a_tokens_file_gives_each_tenant_its_quotas_and_hashes_plain_tokens() -> None:
     found, plain = tenants.parse(TOKENS_FILE)
     by_name = {t.name: t for t in found}
     assert plain is True
     assert by_name["alice"].owner == hashlib.sha256(ALICE.encode()).hexdigest()
     assert by_name["alice"].max_concurrency == 1 and by_name["alice"].max_sessions == 1
-    assert by_name["bob"].owner == hashlib.sha256(BOB.encode()).hexdigest() and by_name["bob"].max_sessions is None
+    assert (
+        by_name["bob"].owner == hashlib.sha256(BOB.encode()).hexdigest()
+        and by_name["bob"].max_sessions is None
+    )
     assert by_name["carol"].runs_per_minute == 1.0 and by_name["carol"].burst == 2
     assert ALICE not in repr(found)  # the owner hash is kept out of repr too
 
 
-@pytest.mark.parametrize(("text", "complaint"), [
-    ("", "no \\[\\[tenant"),
-    ("[[tenant]]\nname='a'\ntoken='x'*20", "not valid TOML"),
-    (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\nmax_sesions=1", "unknown keys"),
-    (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\ntoken_sha256='{'0' * 64}'", "exactly one"),
-    ("[[tenant]]\nname='a'\ntoken='short'", "at least 16"),
-    ("[[tenant]]\nname='a'\ntoken_sha256='xyz'", "64 hex"),
-    ("[[tenant]]\nname='a b'\ntoken_sha256='" + "0" * 64 + "'", "name must be"),
-    (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\nmax_concurrency=0", "at least 1"),
-    (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\nruns_per_minute=-1", "above 0"),
-    (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\nburst=3", "burst needs runs_per_minute"),
-    (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\n[[tenant]]\nname='a'\ntoken='{BOB}'", "unique"),
-    (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\n[[tenant]]\nname='b'\ntoken='{ALICE}'", "share a token"),
-    ("[other]\nx=1", "unknown top-level"),
-])
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("", "no \\[\\[tenant"),
+        ("[[tenant]]\nname='a'\ntoken='x'*20", "not valid TOML"),
+        (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\nmax_sesions=1", "unknown keys"),
+        (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\ntoken_sha256='{'0' * 64}'", "exactly one"),
+        ("[[tenant]]\nname='a'\ntoken='short'", "at least 16"),
+        ("[[tenant]]\nname='a'\ntoken_sha256='xyz'", "64 hex"),
+        ("[[tenant]]\nname='a b'\ntoken_sha256='" + "0" * 64 + "'", "name must be"),
+        (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\nmax_concurrency=0", "at least 1"),
+        (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\nruns_per_minute=-1", "above 0"),
+        (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\nburst=3", "burst needs runs_per_minute"),
+        (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\n[[tenant]]\nname='a'\ntoken='{BOB}'", "unique"),
+        (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\n[[tenant]]\nname='b'\ntoken='{ALICE}'", "share a token"),
+        ("[other]\nx=1", "unknown top-level"),
+    ],
+)
 def test_a_bad_tokens_file_is_refused_with_a_message_naming_the_problem(text: str, complaint: str) -> None:
     with pytest.raises(SettingsError, match=complaint):
         tenants.parse(text)
@@ -97,6 +104,7 @@ def test_the_tokens_file_and_the_single_token_are_exclusive(tmp_path: Path) -> N
 
 
 # -- pure: identify and limits ----------------------------------------------------------------
+
 
 class Clock:
     def __init__(self) -> None:
@@ -175,6 +183,7 @@ def test_an_owner_that_is_no_tenant_passes_untouched() -> None:
 
 # -- a real server ----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tenant_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("tenants")
@@ -206,8 +215,10 @@ async def test_a_wrong_or_missing_token_gets_401_before_the_upgrade(tenant_serve
 
 
 async def test_each_tenant_sees_only_its_own_sessions(tenant_server: Server) -> None:
-    async with AsyncClient(tenant_server.url, token=ALICE) as alice, \
-            AsyncClient(tenant_server.url, token=BOB) as bob:
+    async with (
+        AsyncClient(tenant_server.url, token=ALICE) as alice,
+        AsyncClient(tenant_server.url, token=BOB) as bob,
+    ):
         opened = await alice.execute("secret = 'alice-only'", session="new")
         assert opened.status == "ok" and opened.session
         stolen = await bob.execute("print(secret)", session=opened.session)
@@ -225,8 +236,10 @@ async def test_each_tenant_sees_only_its_own_sessions(tenant_server: Server) -> 
 
 
 async def test_a_tenant_over_its_session_quota_gets_busy_naming_the_quota(tenant_server: Server) -> None:
-    async with AsyncClient(tenant_server.url, token=ALICE) as alice, \
-            AsyncClient(tenant_server.url, token=BOB) as bob:
+    async with (
+        AsyncClient(tenant_server.url, token=ALICE) as alice,
+        AsyncClient(tenant_server.url, token=BOB) as bob,
+    ):
         first = await alice.execute("pass", session="new")
         assert first.status == "ok"
         second = await alice.execute("pass", session="new")
@@ -246,8 +259,10 @@ async def test_a_tenant_over_its_session_quota_gets_busy_naming_the_quota(tenant
 
 
 async def test_a_tenant_over_its_concurrency_quota_gets_busy_while_others_run(tenant_server: Server) -> None:
-    async with AsyncClient(tenant_server.url, token=ALICE) as alice, \
-            AsyncClient(tenant_server.url, token=BOB) as bob:
+    async with (
+        AsyncClient(tenant_server.url, token=ALICE) as alice,
+        AsyncClient(tenant_server.url, token=BOB) as bob,
+    ):
         slow = asyncio.create_task(alice.execute("import time\nprint('a', flush=True)\ntime.sleep(3)"))
         await asyncio.sleep(1.0)
         over = await alice.execute("print('second')")

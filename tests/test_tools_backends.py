@@ -34,11 +34,18 @@ BOTH = textwrap.dedent("""\
 
 
 @pytest.mark.parametrize("order", ["llama_cpp,pywhispercpp.model", "pywhispercpp.model,llama_cpp"])
-def test_llama_and_whisper_load_and_run_in_one_process_each_on_its_own_ggml(tmp_path: Path, order: str) -> None:
+def test_llama_and_whisper_load_and_run_in_one_process_each_on_its_own_ggml(
+    tmp_path: Path, order: str
+) -> None:
     llama = write_tiny_llama(tmp_path / "tiny.gguf")
     whisper = write_tiny_whisper(tmp_path / "tiny-whisper.bin")
-    proc = subprocess.run([sys.executable, "-c", BOTH, order, str(llama), str(whisper)], cwd=REPO,
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", BOTH, order, str(llama), str(whisper)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["text"] is True and out["segments"] is True
@@ -59,17 +66,41 @@ def test_a_ggml_soname_taken_by_another_build_is_reported(tmp_path: Path) -> Non
         (tmp_path / side).mkdir()
         src = tmp_path / side / "ggml.c"
         src.write_text(f'const char *ggml_build(void) {{ return "{side}"; }}\n')
-        subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libggml-base.so.0", "-o",
-                        str(tmp_path / side / "libggml-base.so.0"), str(src)], check=True)
+        subprocess.run(
+            [
+                "gcc",
+                "-shared",
+                "-fPIC",
+                "-Wl,-soname,libggml-base.so.0",
+                "-o",
+                str(tmp_path / side / "libggml-base.so.0"),
+                str(src),
+            ],
+            check=True,
+        )
     native = tmp_path / "whisper" / "_binding.so"
     (tmp_path / "whisper" / "binding.c").write_text(
-        "const char *ggml_build(void);\nconst char *which(void) { return ggml_build(); }\n")
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(native), str(tmp_path / "whisper" / "binding.c"),
-                    "-L", str(tmp_path / "whisper"), "-l:libggml-base.so.0", "-Wl,-rpath,$ORIGIN"], check=True)
+        "const char *ggml_build(void);\nconst char *which(void) { return ggml_build(); }\n"
+    )
+    subprocess.run(
+        [
+            "gcc",
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(native),
+            str(tmp_path / "whisper" / "binding.c"),
+            "-L",
+            str(tmp_path / "whisper"),
+            "-l:libggml-base.so.0",
+            "-Wl,-rpath,$ORIGIN",
+        ],
+        check=True,
+    )
     code = textwrap.dedent(f"""\
         import ctypes, json
         from appliance.tools import backends
-        ctypes.CDLL({str(tmp_path / 'llama' / 'libggml-base.so.0')!r}, mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL({str(tmp_path / "llama" / "libggml-base.so.0")!r}, mode=ctypes.RTLD_GLOBAL)
         lib = ctypes.CDLL({str(native)!r}); lib.which.restype = ctypes.c_char_p
         expected = backends.expected_libraries({str(native)!r})
         print(json.dumps({{"runs_on": lib.which().decode(), "expected": expected,
@@ -89,17 +120,33 @@ def test_wheel_repaired_names_never_collide_with_plain_ones() -> None:
     assert backends.soname_key("libggml-base-319ad4fb.so.0.13.1") == "libggml-base-319ad4fb.so"
     assert backends.soname_key("libstdc++.so.6") is None
     mapped = ["/a/llama_cpp/lib/libggml-base.so.0", "/a/pywhispercpp.libs/libggml-base-319ad4fb.so.0.13.1"]
-    assert backends.ggml_conflicts(mapped, {"whisper": ["/a/pywhispercpp.libs/libggml-base-319ad4fb.so.0.13.1"],
-                                            "llama_cpp": ["/a/llama_cpp/lib/libggml-base.so.0"]}) == []
+    assert (
+        backends.ggml_conflicts(
+            mapped,
+            {
+                "whisper": ["/a/pywhispercpp.libs/libggml-base-319ad4fb.so.0.13.1"],
+                "llama_cpp": ["/a/llama_cpp/lib/libggml-base.so.0"],
+            },
+        )
+        == []
+    )
 
 
-@pytest.mark.parametrize(("info", "backends_", "offload"), [
-    ("WHISPER : COREML = 0 | OPENVINO = 0 | CPU : SSE3 = 1 | AVX2 = 1 | OPENMP = 1 | ", ["CPU"], False),
-    ("WHISPER : COREML = 0 | OPENVINO = 0 | CUDA : ARCHS = 900 | USE_GRAPHS = 1 | CPU : AVX2 = 1 | ",
-     ["CUDA", "CPU"], True),
-    ("", [], False),
-])
-def test_whispers_ggml_backends_are_read_from_its_system_info(info: str, backends_: list[str], offload: bool) -> None:
+@pytest.mark.parametrize(
+    ("info", "backends_", "offload"),
+    [
+        ("WHISPER : COREML = 0 | OPENVINO = 0 | CPU : SSE3 = 1 | AVX2 = 1 | OPENMP = 1 | ", ["CPU"], False),
+        (
+            "WHISPER : COREML = 0 | OPENVINO = 0 | CUDA : ARCHS = 900 | USE_GRAPHS = 1 | CPU : AVX2 = 1 | ",
+            ["CUDA", "CPU"],
+            True,
+        ),
+        ("", [], False),
+    ],
+)
+def test_whispers_ggml_backends_are_read_from_its_system_info(
+    info: str, backends_: list[str], offload: bool
+) -> None:
     names = backends.whisper_backends(info)
     assert names == backends_
     assert any(n in backends.GPU_BACKENDS for n in names) is offload
@@ -122,7 +169,11 @@ def test_whisper_runs_on_the_gpu_only_when_granted_capable_and_within_budget() -
     mib = 1 << 20
     assert place_whisper(148 * mib, 2048, True, 4).use_gpu is True
     assert place_whisper(148 * mib, 2048, True, 4).n_threads == 4
-    for budget, capable, wanted, reason in [(None, True, None, "no GPU granted"), (2048, False, None, "no GPU backend"),
-                                            (600, True, None, "the budget is 600"), (2048, True, False, "use_gpu=False")]:
+    for budget, capable, wanted, reason in [
+        (None, True, None, "no GPU granted"),
+        (2048, False, None, "no GPU backend"),
+        (600, True, None, "the budget is 600"),
+        (2048, True, False, "use_gpu=False"),
+    ]:
         placed = place_whisper(148 * mib, budget, capable, 2, wanted)
         assert placed.use_gpu is False and reason in placed.reason and placed.n_threads == 2

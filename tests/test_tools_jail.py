@@ -41,10 +41,12 @@ def tools_server(tmp_path_factory: pytest.TempPathFactory, models: Path) -> Iter
 
 
 async def test_llama_generates_text_inside_the_jail(tools_server: Server) -> None:
-    code = ("from appliance.tools import load_llm\nllm = load_llm('tiny-llama.gguf')\n"
-            "text = llm('hello world', max_tokens=8)\n"
-            "print(type(text).__name__, llm.shape.n_gpu_layers, llm.shape.n_ctx)\n"
-            "print(llm.model.n_tokens > 2)")
+    code = (
+        "from appliance.tools import load_llm\nllm = load_llm('tiny-llama.gguf')\n"
+        "text = llm('hello world', max_tokens=8)\n"
+        "print(type(text).__name__, llm.shape.n_gpu_layers, llm.shape.n_ctx)\n"
+        "print(llm.model.n_tokens > 2)"
+    )
     async with AsyncClient(tools_server.url) as c:
         ex = await c.execute(code)
     assert ex.status == "ok", (ex.error, ex.stderr)
@@ -52,28 +54,34 @@ async def test_llama_generates_text_inside_the_jail(tools_server: Server) -> Non
 
 
 async def test_whisper_transcribes_an_array_and_a_file_inside_the_jail(tools_server: Server) -> None:
-    code = ("import numpy as np, wave\nfrom appliance.tools import transcribe\n"
-            "t = transcribe(np.zeros(16000, dtype=np.float32), model='tiny-whisper.bin')\n"
-            "print(type(t).__name__, isinstance(t.text, str), isinstance(t.segments, tuple))\n"
-            "with wave.open('a.wav', 'wb') as w:\n"
-            "    w.setnchannels(1); w.setsampwidth(2); w.setframerate(16000); w.writeframes(b'\\0\\0' * 8000)\n"
-            "print(type(transcribe('a.wav', model='tiny-whisper.bin').text).__name__)")
+    code = (
+        "import numpy as np, wave\nfrom appliance.tools import transcribe\n"
+        "t = transcribe(np.zeros(16000, dtype=np.float32), model='tiny-whisper.bin')\n"
+        "print(type(t).__name__, isinstance(t.text, str), isinstance(t.segments, tuple))\n"
+        "with wave.open('a.wav', 'wb') as w:\n"
+        "    w.setnchannels(1); w.setsampwidth(2); w.setframerate(16000); w.writeframes(b'\\0\\0' * 8000)\n"
+        "print(type(transcribe('a.wav', model='tiny-whisper.bin').text).__name__)"
+    )
     async with AsyncClient(tools_server.url) as c:
         ex = await c.execute(code, timeout_ms=15000)
     assert ex.status == "ok", (ex.error, ex.stderr)
     assert ex.stdout.splitlines() == ["Transcript True True", "str"]
 
 
-@pytest.mark.parametrize(("call", "needle"), [
-    ("load_llm('/etc/passwd')", "outside the models directory"),
-    ("load_llm('../../etc/passwd')", "outside the models directory"),
-    ("load_llm('missing.gguf')", "no model file"),
-    ("load_llm('corrupt.gguf')", "corrupt.gguf"),
-    ("transcribe('a.wav', model='corrupt-whisper.bin')", "not a whisper ggml model"),
-    ("transcribe('a.wav', model='tiny-llama.gguf')", "not a whisper ggml model"),
-])
+@pytest.mark.parametrize(
+    ("call", "needle"),
+    [
+        ("load_llm('/etc/passwd')", "outside the models directory"),
+        ("load_llm('../../etc/passwd')", "outside the models directory"),
+        ("load_llm('missing.gguf')", "no model file"),
+        ("load_llm('corrupt.gguf')", "corrupt.gguf"),
+        ("transcribe('a.wav', model='corrupt-whisper.bin')", "not a whisper ggml model"),
+        ("transcribe('a.wav', model='tiny-llama.gguf')", "not a whisper ggml model"),
+    ],
+)
 async def test_bad_model_paths_and_corrupt_models_end_with_a_clear_error(
-        tools_server: Server, call: str, needle: str) -> None:
+    tools_server: Server, call: str, needle: str
+) -> None:
     async with AsyncClient(tools_server.url) as c:
         ex = await c.execute(f"from appliance.tools import load_llm, transcribe\n{call}")
         after = await c.execute("print('still fine')")
@@ -83,8 +91,10 @@ async def test_bad_model_paths_and_corrupt_models_end_with_a_clear_error(
 
 
 async def test_the_models_directory_is_read_only_in_the_jail(tools_server: Server, models: Path) -> None:
-    code = (f"import os\ntry:\n    open({str(models / 'x')!r}, 'w')\nexcept OSError as e:\n    print(type(e).__name__)\n"
-            f"print(sorted(os.listdir({str(models)!r})))")
+    code = (
+        f"import os\ntry:\n    open({str(models / 'x')!r}, 'w')\nexcept OSError as e:\n    print(type(e).__name__)\n"
+        f"print(sorted(os.listdir({str(models)!r})))"
+    )
     async with AsyncClient(tools_server.url) as c:
         ex = await c.execute(code)
     assert ex.status == "ok" and ex.stdout.splitlines()[0] in ("OSError", "PermissionError")
@@ -92,17 +102,24 @@ async def test_the_models_directory_is_read_only_in_the_jail(tools_server: Serve
 
 
 async def test_the_tools_package_is_the_only_part_of_the_appliance_the_jail_can_import(
-        tools_server: Server) -> None:
+    tools_server: Server,
+) -> None:
     # The driver's channel is staged as appliance.jail.channel: it and the tools are all the jail sees.
-    code = ("import appliance, appliance.tools, appliance.jail.channel\n"
-            "print(sorted(n for n in dir(appliance) if not n.startswith('_')))\n"
-            "for m in ('appliance.service', 'appliance.jail.jail', 'appliance.settings'):\n"
-            "    try:\n        __import__(m)\n    except ImportError:\n        print('no', m)")
+    code = (
+        "import appliance, appliance.tools, appliance.jail.channel\n"
+        "print(sorted(n for n in dir(appliance) if not n.startswith('_')))\n"
+        "for m in ('appliance.service', 'appliance.jail.jail', 'appliance.settings'):\n"
+        "    try:\n        __import__(m)\n    except ImportError:\n        print('no', m)"
+    )
     async with AsyncClient(tools_server.url) as c:
         ex = await c.execute(code)
     assert ex.status == "ok", ex
-    assert ex.stdout.splitlines() == ["['jail', 'tools']", "no appliance.service", "no appliance.jail.jail",
-                                      "no appliance.settings"]
+    assert ex.stdout.splitlines() == [
+        "['jail', 'tools']",
+        "no appliance.service",
+        "no appliance.jail.jail",
+        "no appliance.settings",
+    ]
 
 
 async def test_without_a_models_directory_the_tools_say_so(server: Server) -> None:
@@ -111,18 +128,22 @@ async def test_without_a_models_directory_the_tools_say_so(server: Server) -> No
     assert ex.status == "error" and ex.error is not None and "SANDBOX_MODELS_DIR" in ex.error["evalue"]
 
 
-async def test_transcribe_reuses_its_model_and_runs_with_the_runs_threads_on_the_cpu(tools_server: Server) -> None:
-    code = ("import json, os, numpy as np\nfrom appliance import tools\n"
-            "a = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin')\n"
-            "b = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin')\n"
-            "m = tools.load_whisper('tiny-whisper.bin')\n"
-            "print(json.dumps({'cache': tools.cache_info()['whisper'], 'gpu': a.placement.use_gpu,\n"
-            "  'threads': a.placement.n_threads, 'omp': os.environ['OMP_NUM_THREADS'],\n"
-            "  'lib_use_gpu': m._context_params.use_gpu, 'lib_threads': m.get_params()['n_threads']}))\n"
-            "del m  # the cache drops its old model; nothing else may hold it (one whisper fits RLIMIT_AS)\n"
-            "c = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin',\n"
-            "    n_threads=int(os.environ['OMP_NUM_THREADS']) + 1)\n"
-            "print(json.dumps(tools.cache_info()['whisper']))")
+async def test_transcribe_reuses_its_model_and_runs_with_the_runs_threads_on_the_cpu(
+    tools_server: Server,
+) -> None:
+    code = (
+        "import json, os, numpy as np\nfrom appliance import tools\n"
+        "a = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin')\n"
+        "b = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin')\n"
+        "m = tools.load_whisper('tiny-whisper.bin')\n"
+        "print(json.dumps({'cache': tools.cache_info()['whisper'], 'gpu': a.placement.use_gpu,\n"
+        "  'threads': a.placement.n_threads, 'omp': os.environ['OMP_NUM_THREADS'],\n"
+        "  'lib_use_gpu': m._context_params.use_gpu, 'lib_threads': m.get_params()['n_threads']}))\n"
+        "del m  # the cache drops its old model; nothing else may hold it (one whisper fits RLIMIT_AS)\n"
+        "c = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin',\n"
+        "    n_threads=int(os.environ['OMP_NUM_THREADS']) + 1)\n"
+        "print(json.dumps(tools.cache_info()['whisper']))"
+    )
     async with AsyncClient(tools_server.url) as c:
         ex = await c.execute(code, timeout_ms=30000)
     assert ex.status == "ok", (ex.error, ex.stderr)
@@ -135,8 +156,10 @@ async def test_transcribe_reuses_its_model_and_runs_with_the_runs_threads_on_the
 
 
 async def test_load_llm_reuses_its_model_for_the_same_parameters(tools_server: Server) -> None:
-    code = ("from appliance import tools\na = tools.load_llm('tiny-llama.gguf')\nb = tools.load_llm('tiny-llama.gguf')\n"
-            "c = tools.load_llm('tiny-llama.gguf', n_ctx=128)\nprint(a is b, a is c, tools.cache_info()['llm'])")
+    code = (
+        "from appliance import tools\na = tools.load_llm('tiny-llama.gguf')\nb = tools.load_llm('tiny-llama.gguf')\n"
+        "c = tools.load_llm('tiny-llama.gguf', n_ctx=128)\nprint(a is b, a is c, tools.cache_info()['llm'])"
+    )
     async with AsyncClient(tools_server.url) as c:
         ex = await c.execute(code, timeout_ms=30000)
     assert ex.status == "ok", (ex.error, ex.stderr)
@@ -160,22 +183,29 @@ async def test_readyz_reports_what_each_model_binding_can_do(tools_server: Serve
 @pytest.fixture(scope="module")
 def gpu_tools_server(tmp_path_factory: pytest.TempPathFactory, models: Path) -> Iterator[Server]:
     """GPU mode (simulated devices) with the GPU preload: warm jails import llama.cpp and whisper.cpp."""
-    srv = start_server(tmp_path_factory.mktemp("gpu-tools"), SANDBOX_MODELS_DIR=str(models), SANDBOX_GPU="1",
-                       SANDBOX_GPU_BACKEND="simulated", SANDBOX_GPU_SIMULATE="8192",
-                       SANDBOX_PRELOAD="llama_cpp,pywhispercpp.model,appliance.tools")
+    srv = start_server(
+        tmp_path_factory.mktemp("gpu-tools"),
+        SANDBOX_MODELS_DIR=str(models),
+        SANDBOX_GPU="1",
+        SANDBOX_GPU_BACKEND="simulated",
+        SANDBOX_GPU_SIMULATE="8192",
+        SANDBOX_PRELOAD="llama_cpp,pywhispercpp.model,appliance.tools",
+    )
     yield srv
     srv.stop()
 
 
 async def test_a_warm_gpu_jail_runs_llama_and_whisper_in_one_process(gpu_tools_server: Server) -> None:
-    code = ("import sys, json, warnings, numpy as np\npreloaded = 'llama_cpp' in sys.modules and "
-            "'pywhispercpp.model' in sys.modules\nfrom appliance import tools\nfrom appliance.tools import backends\n"
-            "with warnings.catch_warnings(record=True) as seen:\n    warnings.simplefilter('always')\n"
-            "    llm = tools.load_llm('tiny-llama.gguf')\n"
-            "text = llm('hello', max_tokens=4)\nt = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin')\n"
-            "print(json.dumps({'preloaded': preloaded, 'layers': llm.shape.n_gpu_layers, 'text': isinstance(text, str),\n"
-            "  'warned': [str(w.message) for w in seen], 'whisper_gpu': t.placement.use_gpu, 'why': t.placement.reason,\n"
-            "  'conflicts': backends.probe()['ggml_conflicts']}))")
+    code = (
+        "import sys, json, warnings, numpy as np\npreloaded = 'llama_cpp' in sys.modules and "
+        "'pywhispercpp.model' in sys.modules\nfrom appliance import tools\nfrom appliance.tools import backends\n"
+        "with warnings.catch_warnings(record=True) as seen:\n    warnings.simplefilter('always')\n"
+        "    llm = tools.load_llm('tiny-llama.gguf')\n"
+        "text = llm('hello', max_tokens=4)\nt = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin')\n"
+        "print(json.dumps({'preloaded': preloaded, 'layers': llm.shape.n_gpu_layers, 'text': isinstance(text, str),\n"
+        "  'warned': [str(w.message) for w in seen], 'whisper_gpu': t.placement.use_gpu, 'why': t.placement.reason,\n"
+        "  'conflicts': backends.probe()['ggml_conflicts']}))"
+    )
     async with AsyncClient(gpu_tools_server.url) as c:
         ex = await c.execute(code, gpu={"memory_mb": 2048}, timeout_ms=30000)
     assert ex.status == "ok", (ex.error, ex.stderr)
@@ -186,16 +216,25 @@ async def test_a_warm_gpu_jail_runs_llama_and_whisper_in_one_process(gpu_tools_s
     assert out["whisper_gpu"] is False and "no GPU backend" in out["why"]
 
 
-@pytest.mark.parametrize("call", ["load_llm('tiny-llama.gguf', n_gpu_layers=-1)",
-                                  "load_llm('tiny-llama.gguf', n_gpu_layers=2)",
-                                  "transcribe('a.wav', model='tiny-whisper.bin', use_gpu=True)"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        "load_llm('tiny-llama.gguf', n_gpu_layers=-1)",
+        "load_llm('tiny-llama.gguf', n_gpu_layers=2)",
+        "transcribe('a.wav', model='tiny-whisper.bin', use_gpu=True)",
+    ],
+)
 async def test_asking_a_cpu_build_for_gpu_work_is_a_clear_error_naming_the_fix(
-        gpu_tools_server: Server, call: str) -> None:
+    gpu_tools_server: Server, call: str
+) -> None:
     async with AsyncClient(gpu_tools_server.url) as c:
-        ex = await c.execute(f"from appliance.tools import load_llm, transcribe\n{call}", gpu={"memory_mb": 2048})
+        ex = await c.execute(
+            f"from appliance.tools import load_llm, transcribe\n{call}", gpu={"memory_mb": 2048}
+        )
     assert ex.status == "error" and ex.error is not None and ex.error["ename"] == "ModelError", ex.frames
-    assert ('CMAKE_ARGS="-DGGML_CUDA=on"' in ex.error["evalue"] and "cannot offload" in ex.error["evalue"]) \
-        or "no GPU backend" in ex.error["evalue"]
+    assert (
+        'CMAKE_ARGS="-DGGML_CUDA=on"' in ex.error["evalue"] and "cannot offload" in ex.error["evalue"]
+    ) or "no GPU backend" in ex.error["evalue"]
 
 
 async def test_gpu_readyz_says_whether_shaping_can_offload(gpu_tools_server: Server) -> None:
@@ -207,7 +246,10 @@ async def test_gpu_readyz_says_whether_shaping_can_offload(gpu_tools_server: Ser
             break
         await asyncio.sleep(0.2)
     assert status == 200, body
-    assert ready["gpu"]["shaping"]["gpu_offload"] is False and ready["tools"]["llama_cpp"]["gpu_offload"] is False
+    assert (
+        ready["gpu"]["shaping"]["gpu_offload"] is False
+        and ready["tools"]["llama_cpp"]["gpu_offload"] is False
+    )
 
 
 BIG_MODEL_MB = 226  # write_tiny_llama(n_embd=1024, n_layer=8, n_ff=1024): F32 weights, mmapped by llama.cpp
@@ -222,23 +264,33 @@ def big_model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve
     model = write_tiny_llama(root / "big-llama.gguf", n_embd=1024, n_layer=8, n_head=8, n_ff=1024)
     os.chmod(model, 0o644)
     assert model.stat().st_size > BIG_MODEL_MB * 2**20 > SMALL_MEMORY_MB * 2**20
-    srv = start_server(tmp_path_factory.mktemp("big-model"), SANDBOX_MODELS_DIR=str(root), SANDBOX_GPU="1",
-                       SANDBOX_GPU_BACKEND="simulated", SANDBOX_GPU_SIMULATE="8192", SANDBOX_GPU_POLL_MS="50",
-                       SANDBOX_MEMORY_MB=str(SMALL_MEMORY_MB))
+    srv = start_server(
+        tmp_path_factory.mktemp("big-model"),
+        SANDBOX_MODELS_DIR=str(root),
+        SANDBOX_GPU="1",
+        SANDBOX_GPU_BACKEND="simulated",
+        SANDBOX_GPU_SIMULATE="8192",
+        SANDBOX_GPU_POLL_MS="50",
+        SANDBOX_MEMORY_MB=str(SMALL_MEMORY_MB),
+    )
     yield srv
     srv.stop()
     shutil.rmtree(root, ignore_errors=True)
 
 
-async def test_a_gpu_run_loading_a_model_larger_than_its_host_memory_cap_ends_ok(big_model_server: Server) -> None:
+async def test_a_gpu_run_loading_a_model_larger_than_its_host_memory_cap_ends_ok(
+    big_model_server: Server,
+) -> None:
     # Issue 14, defect 1: the watchdog capped resident memory (statm), which counts the mmapped
     # GGUF, so loading a real model in a GPU jail ended memory_limit. It caps what the run owns.
-    code = ("import time, warnings\nfrom appliance.tools import load_llm\n"
-            "warnings.simplefilter('ignore')  # a CPU build with a GPU budget: on the CPU, and warned\n"
-            "llm = load_llm('big-llama.gguf')\ntext = llm('hello world', max_tokens=4)\n"
-            "time.sleep(1.0)  # the model stays mapped and resident across many watchdog polls\n"
-            "page = 4096\nrss = int(open('/proc/self/statm').read().split()[1]) * page // 2**20\n"
-            "print(isinstance(text, str), llm.shape.n_gpu_layers, rss)")
+    code = (
+        "import time, warnings\nfrom appliance.tools import load_llm\n"
+        "warnings.simplefilter('ignore')  # a CPU build with a GPU budget: on the CPU, and warned\n"
+        "llm = load_llm('big-llama.gguf')\ntext = llm('hello world', max_tokens=4)\n"
+        "time.sleep(1.0)  # the model stays mapped and resident across many watchdog polls\n"
+        "page = 4096\nrss = int(open('/proc/self/statm').read().split()[1]) * page // 2**20\n"
+        "print(isinstance(text, str), llm.shape.n_gpu_layers, rss)"
+    )
     async with AsyncClient(big_model_server.url) as c:
         ex = await c.execute(code, gpu={"memory_mb": 2048}, timeout_ms=120000)
     assert ex.status == "ok", (ex.status, ex.error, ex.stderr)

@@ -31,7 +31,7 @@ def test_a_tight_budget_drops_layers_first_then_shortens_the_context(tmp_path: P
     info = read_gguf(str(write_tiny_llama(tmp_path / "m.gguf", n_layer=4, n_embd=512, n_ctx=4096)))
     full = choose(info, 10_000)
     partial = choose(info, estimate_mb(info, 2, 4096))
-    tiny = choose(info, estimate_mb(info, 1, 512))      # not even one layer fits at 4096 tokens
+    tiny = choose(info, estimate_mb(info, 1, 512))  # not even one layer fits at 4096 tokens
     assert (full.n_gpu_layers, full.n_ctx) == (info.n_layer + 1, 4096)
     assert (partial.n_gpu_layers, partial.n_ctx) == (2, 4096)
     assert tiny.n_gpu_layers >= 1 and tiny.n_ctx < 4096

@@ -20,14 +20,25 @@ from appliance.jail.wheels import stage_wheel_cache
 from tests.support import Server, start_server
 
 
-def build_wheel(folder: Path, name: str, version: str, module: str, requires: tuple[str, ...] = (),
-                tag: str = "py3-none-any", extra: dict[str, str] | None = None) -> Path:
+def build_wheel(
+    folder: Path,
+    name: str,
+    version: str,
+    module: str,
+    requires: tuple[str, ...] = (),
+    tag: str = "py3-none-any",
+    extra: dict[str, str] | None = None,
+) -> Path:
     """A minimal valid wheel: one module, METADATA, WHEEL and RECORD (what pip checks)."""
     dist = f"{name}-{version}.dist-info"
-    files = {f"{name}.py": module, **(extra or {}),
-             f"{dist}/METADATA": "Metadata-Version: 2.1\nName: {n}\nVersion: {v}\n{r}\n".format(
-                 n=name, v=version, r="".join(f"Requires-Dist: {r}\n" for r in requires)),
-             f"{dist}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n"}
+    files = {
+        f"{name}.py": module,
+        **(extra or {}),
+        f"{dist}/METADATA": "Metadata-Version: 2.1\nName: {n}\nVersion: {v}\n{r}\n".format(
+            n=name, v=version, r="".join(f"Requires-Dist: {r}\n" for r in requires)
+        ),
+        f"{dist}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n",
+    }
     record = []
     for path, text in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
@@ -48,7 +59,9 @@ def wheelhouse() -> Iterator[Path]:
     root = Path(tempfile.mkdtemp(prefix="appliance-wheels-", dir="/tmp"))
     os.chmod(root, 0o755)
     build_wheel(root, "tinydep", "1.0", "WORD = 'dep'\n")
-    build_wheel(root, "tinypkg", "2.0", "import tinydep\nVALUE = 'pkg+' + tinydep.WORD\n", requires=("tinydep",))
+    build_wheel(
+        root, "tinypkg", "2.0", "import tinydep\nVALUE = 'pkg+' + tinydep.WORD\n", requires=("tinydep",)
+    )
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -73,8 +86,10 @@ class TestInstall:
         assert "tinypkg-2.0" in ex.stdout and "tinydep-1.0" in ex.stdout
 
     async def test_a_second_run_takes_the_shared_cache_and_installs_nothing(self, served: Server) -> None:
-        code = ("%pip install tinypkg\nimport os, tinypkg\nprint(tinypkg.__file__.startswith(os.environ['APPLIANCE_WHEEL_CACHE']))\n"
-                "print(os.path.exists('.appliance/site-packages'))")
+        code = (
+            "%pip install tinypkg\nimport os, tinypkg\nprint(tinypkg.__file__.startswith(os.environ['APPLIANCE_WHEEL_CACHE']))\n"
+            "print(os.path.exists('.appliance/site-packages'))"
+        )
         for _ in range(2):
             ex = await run(served, code)
             assert ex.status == "ok", ex.frames
@@ -82,22 +97,31 @@ class TestInstall:
             assert ex.stdout.splitlines()[-2:] == ["True", "False"]  # imported from the cache, nothing copied
 
     async def test_real_pip_installs_offline_into_the_runs_own_site_dir(self, served: Server) -> None:
-        ex = await run(served, "!pip install --force-reinstall tinypkg\nimport tinypkg, os\n"
-                               "print(tinypkg.__file__)\nprint(sorted(os.listdir('.appliance/site-packages')))")
+        ex = await run(
+            served,
+            "!pip install --force-reinstall tinypkg\nimport tinypkg, os\n"
+            "print(tinypkg.__file__)\nprint(sorted(os.listdir('.appliance/site-packages')))",
+        )
         assert ex.status == "ok", (ex.stdout, ex.stderr)
         assert "Successfully installed tinydep-1.0 tinypkg-2.0" in ex.stdout
         lines = ex.stdout.splitlines()
         assert lines[-2] == "/workspace/.appliance/site-packages/tinypkg.py"
         assert "tinypkg.py" in lines[-1] and "tinydep.py" in lines[-1]
 
-    async def test_a_session_keeps_what_was_installed_for_later_cells_and_commands(self, served: Server) -> None:
+    async def test_a_session_keeps_what_was_installed_for_later_cells_and_commands(
+        self, served: Server
+    ) -> None:
         async with AsyncClient(served.url) as c, c.session() as session:
             first = await session.execute("!pip install --no-deps tinydep")
             assert first.status == "ok" and "Successfully installed tinydep-1.0" in first.stdout, first.stderr
-            later = await session.execute("import tinydep\nprint(tinydep.WORD)\n!python -c 'import tinydep; print(1)'")
+            later = await session.execute(
+                "import tinydep\nprint(tinydep.WORD)\n!python -c 'import tinydep; print(1)'"
+            )
             assert later.status == "ok" and later.stdout == "dep\n1\n", (later.stdout, later.stderr)
 
-    async def test_a_package_missing_from_the_wheelhouse_gets_a_list_of_what_is_there(self, served: Server) -> None:
+    async def test_a_package_missing_from_the_wheelhouse_gets_a_list_of_what_is_there(
+        self, served: Server
+    ) -> None:
         ex = await run(served, "%pip install requests tinypkg\nprint(_exit_code)")
         assert ex.status == "ok" and ex.stdout == "1\n"
         assert "not in the appliance's wheelhouse: requests" in ex.stderr
@@ -109,17 +133,21 @@ class TestInstall:
 
 
 class TestNeverWritableByAJail:
-    async def test_the_jail_cannot_write_the_cache_or_the_wheelhouse(self, served: Server, wheelhouse: Path) -> None:
-        code = ("import os, json\ncache = os.environ['APPLIANCE_WHEEL_CACHE']\nresults = {}\n"
-                f"targets = [cache, os.path.join(cache, 'tinydep-1.0'), {str(wheelhouse)!r}]\n"
-                "for d in targets:\n"
-                "    try:\n        open(os.path.join(d, 'planted.py'), 'w').write('x')\n"
-                "        results[d] = 'written'\n"
-                "    except OSError as exc:\n        results[d] = exc.strerror\n"
-                "for f in [os.path.join(cache, 'manifest.json'), os.path.join(cache, 'tinydep-1.0', 'tinydep.py')]:\n"
-                "    try:\n        open(f, 'a').write('#')\n        results[f] = 'written'\n"
-                "    except OSError as exc:\n        results[f] = exc.strerror\n"
-                "print(json.dumps(results))")
+    async def test_the_jail_cannot_write_the_cache_or_the_wheelhouse(
+        self, served: Server, wheelhouse: Path
+    ) -> None:
+        code = (
+            "import os, json\ncache = os.environ['APPLIANCE_WHEEL_CACHE']\nresults = {}\n"
+            f"targets = [cache, os.path.join(cache, 'tinydep-1.0'), {str(wheelhouse)!r}]\n"
+            "for d in targets:\n"
+            "    try:\n        open(os.path.join(d, 'planted.py'), 'w').write('x')\n"
+            "        results[d] = 'written'\n"
+            "    except OSError as exc:\n        results[d] = exc.strerror\n"
+            "for f in [os.path.join(cache, 'manifest.json'), os.path.join(cache, 'tinydep-1.0', 'tinydep.py')]:\n"
+            "    try:\n        open(f, 'a').write('#')\n        results[f] = 'written'\n"
+            "    except OSError as exc:\n        results[f] = exc.strerror\n"
+            "print(json.dumps(results))"
+        )
         ex = await run(served, code)
         assert ex.status == "ok", ex.frames
         results = json.loads(ex.stdout)
@@ -127,7 +155,8 @@ class TestNeverWritableByAJail:
         assert set(results.values()) <= {"Read-only file system", "Permission denied"}
 
     def test_the_cache_is_owned_by_the_server_and_not_group_or_world_writable(
-            self, served: Server, wheelhouse: Path) -> None:
+        self, served: Server, wheelhouse: Path
+    ) -> None:
         caches = list((Path(served.env.get("SANDBOX_TMP_ROOT", "/tmp")) / "appliance").glob("wheels-*"))
         assert caches
         for cache in caches:
@@ -147,9 +176,13 @@ class TestStaging:
         build_wheel(house, "marked", "1.0", "M = 1\n", requires=("alpha; python_version < '4'",))
         first = stage_wheel_cache(house, tmp_path / "root")
         manifest = json.loads((first / "manifest.json").read_text())["packages"]
-        assert manifest["alpha"] == {"name": "alpha", "version": "1.0", "path": "alpha-1.0",
-                                     "requires": [{"name": "beta", "specifier": ">=1", "cached": False}],
-                                     "cacheable": True}  # beta has two versions: not cached
+        assert manifest["alpha"] == {
+            "name": "alpha",
+            "version": "1.0",
+            "path": "alpha-1.0",
+            "requires": [{"name": "beta", "specifier": ">=1", "cached": False}],
+            "cacheable": True,
+        }  # beta has two versions: not cached
         assert (first / "alpha-1.0" / "alpha.py").read_text() == "A = 1\n"
         assert not manifest["beta"]["cacheable"]  # two versions: pip chooses
         assert not manifest["native"]["cacheable"] and not manifest["marked"]["cacheable"]
@@ -165,7 +198,9 @@ class TestStaging:
         build_wheel(house, "wants_new", "1.0", "B = 1\n", requires=("Lib>=2",))
         build_wheel(house, "legacy", "1.0", "C = 1\n", requires=("lib (==1.5)",))
         build_wheel(house, "extras", "1.0", "D = 1\n", requires=("lib[fast]",))
-        manifest = json.loads((stage_wheel_cache(house, tmp_path / "root") / "manifest.json").read_text())["packages"]
+        manifest = json.loads((stage_wheel_cache(house, tmp_path / "root") / "manifest.json").read_text())[
+            "packages"
+        ]
         assert manifest["old-ok"]["requires"] == [{"name": "lib", "specifier": "<2,>=1", "cached": True}]
         assert manifest["wants-new"]["requires"] == [{"name": "lib", "specifier": ">=2", "cached": False}]
         assert manifest["legacy"]["requires"] == [{"name": "lib", "specifier": "==1.5", "cached": True}]
@@ -198,8 +233,14 @@ def bounded() -> Iterator[Server]:
     megabyte = "0" * 2**20
     # A platform wheel (not cacheable): real pip installs it. 24 files of 1 MiB, each under
     # SANDBOX_MAX_FILE_MB, 24 MiB in all: three times SANDBOX_MAX_DISK_MB.
-    build_wheel(root, "bigpkg", "1.0", "BIG = 1\n", tag="py3-none-linux_x86_64",
-                extra={f"bigpkg_data/blob{i}.txt": megabyte for i in range(24)})
+    build_wheel(
+        root,
+        "bigpkg",
+        "1.0",
+        "BIG = 1\n",
+        tag="py3-none-linux_x86_64",
+        extra={f"bigpkg_data/blob{i}.txt": megabyte for i in range(24)},
+    )
     os.mkfifo(root / "slowpkg-1.0-py3-none-any.whl", 0o644)
     tmp = Path(tempfile.mkdtemp(prefix="appliance-bounded-"))
     srv = start_server(tmp, SANDBOX_WHEELHOUSE=str(root), SANDBOX_MAX_DISK_MB=str(SMALL_DISK_MB))
@@ -217,7 +258,9 @@ class TestBoundedByTheRunsLimits:
         after = await run(bounded, "print('next run fine')")
         assert after.status == "ok" and after.stdout == "next run fine\n"
 
-    async def test_an_install_that_does_not_finish_is_stopped_at_the_runs_time_limit(self, bounded: Server) -> None:
+    async def test_an_install_that_does_not_finish_is_stopped_at_the_runs_time_limit(
+        self, bounded: Server
+    ) -> None:
         ex = await run(bounded, "%pip install slowpkg\nprint('AFTER-INSTALL')", timeout_ms=4000)
         assert ex.status == "timeout", (ex.status, ex.stdout, ex.stderr)
         assert "Looking in links" in ex.stdout, "pip itself was running when the time ran out"

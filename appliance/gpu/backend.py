@@ -19,12 +19,12 @@ class GpuBackendError(Exception):
 class Device:
     """One GPU as the backend sees it; memory in MiB."""
 
-    index: int      # NVML index == /dev/nvidia<minor> on ordinary hosts (see `minor`)
+    index: int  # NVML index == /dev/nvidia<minor> on ordinary hosts (see `minor`)
     uuid: str
     name: str
     total_mb: int
     used_mb: int
-    minor: int      # the /dev/nvidia<minor> node of this device
+    minor: int  # the /dev/nvidia<minor> node of this device
     mig: bool = False  # MIG mode enabled: the whole GPU is not one schedulable device
 
 

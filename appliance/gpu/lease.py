@@ -48,8 +48,9 @@ def open_backend(settings: Settings) -> GpuBackend:
     if settings.gpu_backend == "simulated":
         from appliance.gpu.simulated import SimulatedBackend
 
-        return SimulatedBackend(settings.gpu_simulate_mb, settings.gpu_simulate_file,
-                                mps=settings.gpu_simulate_mps != "off")
+        return SimulatedBackend(
+            settings.gpu_simulate_mb, settings.gpu_simulate_file, mps=settings.gpu_simulate_mps != "off"
+        )
     from appliance.gpu.nvml import NvmlBackend  # the only import of NVML, and only here
 
     try:
@@ -75,8 +76,10 @@ def open_mps(settings: Settings, backend: GpuBackend) -> tuple[MpsControl | None
     if problem:
         return None, f"the MPS pipe directory is not reachable by the sandbox uid: {problem}"
     if not control_socket_present(settings.gpu_mps_pipe_dir):
-        return None, (f"an MPS control daemon runs, but {settings.gpu_mps_pipe_dir} holds no control socket "
-                      "(set SANDBOX_GPU_MPS_PIPE_DIR to its CUDA_MPS_PIPE_DIRECTORY)")
+        return None, (
+            f"an MPS control daemon runs, but {settings.gpu_mps_pipe_dir} holds no control socket "
+            "(set SANDBOX_GPU_MPS_PIPE_DIR to its CUDA_MPS_PIPE_DIRECTORY)"
+        )
     try:
         return DaemonControl(settings.gpu_mps_pipe_dir), ""
     except GpuBackendError as exc:
@@ -94,9 +97,11 @@ def mig_problem(devices: list[Device]) -> str | None:
     if not mig:
         return None
     names = ", ".join(f"{d.index} ({d.uuid})" for d in mig)
-    return (f"SANDBOX_GPU=1 but MIG mode is enabled on GPU {names}: the appliance schedules whole GPUs "
-            "and cannot schedule MIG instances. Disable MIG (nvidia-smi -i <index> -mig 0, then reset the "
-            "GPU or reboot); running on MIG instances by UUID is not supported yet")
+    return (
+        f"SANDBOX_GPU=1 but MIG mode is enabled on GPU {names}: the appliance schedules whole GPUs "
+        "and cannot schedule MIG instances. Disable MIG (nvidia-smi -i <index> -mig 0, then reset the "
+        "GPU or reboot); running on MIG instances by UUID is not supported yet"
+    )
 
 
 class GpuLeases(LeaseSource):
@@ -115,21 +120,30 @@ class GpuLeases(LeaseSource):
         problem = mig_problem(devices)
         if problem:
             raise StartupError(problem)
-        self.ledger = GpuLedger(devices, settings.gpu_margin_mb, settings.gpu_queue_ms, settings.gpu_reclaim_ms)
+        self.ledger = GpuLedger(
+            devices, settings.gpu_margin_mb, settings.gpu_queue_ms, settings.gpu_reclaim_ms
+        )
         self.ledger.load(devices, processes, ours=())  # startup reconciliation: all in use is foreign
         self.devices = {d.uuid: d for d in devices}
         self.watchdog = GpuWatchdog(
-            backend, self.ledger, margin_mb=settings.gpu_margin_mb, host_memory_mb=settings.memory_mb,
-            interval_s=settings.gpu_poll_ms / 1000)
+            backend,
+            self.ledger,
+            margin_mb=settings.gpu_margin_mb,
+            host_memory_mb=settings.memory_mb,
+            interval_s=settings.gpu_poll_ms / 1000,
+        )
         self.profiles = tuple(Profile(name, mods) for name, mods in settings.preload_profiles)
-        self.pools: dict[str, ProfilePools] = {}     # device UUID -> its pools, one per profile
+        self.pools: dict[str, ProfilePools] = {}  # device UUID -> its pools, one per profile
         self.factories: dict[str, JailFactory] = {}  # device UUID -> the fullest profile's (MPS probe)
         self.cpu: PoolLeases | None = None  # runs that ask for no GPU
         control, self.mps_note = open_mps(settings, backend)
         if control is None and settings.gpu_mps == "require":
             raise StartupError(f"SANDBOX_GPU_MPS=require but MPS cannot be used: {self.mps_note}")
-        self.mps = None if control is None else MpsLimiter(
-            control, settings.uid, settings.gpu_margin_mb, settings.gpu_libcuda, self._evict)
+        self.mps = (
+            None
+            if control is None
+            else MpsLimiter(control, settings.uid, settings.gpu_margin_mb, settings.gpu_libcuda, self._evict)
+        )
 
     @classmethod
     def open(cls, settings: Settings) -> GpuLeases:
@@ -149,7 +163,9 @@ class GpuLeases(LeaseSource):
             if self.mps is not None and self.mps.check_blockers(dev.uuid, self._exclusive(dev.uuid)) is None:
                 pipe_dir = self.mps.control.pipe_dir  # only jails that can be limited join MPS
             device = gpu_device(dev.index, dev.uuid, dev.minor, mps_pipe_dir=pipe_dir)
-            pools = ProfilePools.build(self.profiles, functools.partial(make_factory, device), self.settings.pool_size)
+            pools = ProfilePools.build(
+                self.profiles, functools.partial(make_factory, device), self.settings.pool_size
+            )
             pools.start()
             self.pools[dev.uuid] = pools
             self.factories[dev.uuid] = pools.pools[fullest].factory
@@ -165,8 +181,9 @@ class GpuLeases(LeaseSource):
             device = await self.mps.probe(uuid, factory, exclusive, self.devices[uuid].total_mb)
             log.info("MPS probe", extra={"device": uuid, "enforcing": device.enforcing, "note": device.note})
             if self.settings.gpu_mps == "require" and not device.enforcing:
-                raise StartupError(f"SANDBOX_GPU_MPS=require but MPS limits are not enforced on {uuid}: "
-                                   f"{device.note}")
+                raise StartupError(
+                    f"SANDBOX_GPU_MPS=require but MPS limits are not enforced on {uuid}: {device.note}"
+                )
 
     def _exclusive(self, uuid: str) -> bool:
         """Whether the device is in EXCLUSIVE_PROCESS compute mode (unreadable: taken as not)."""
@@ -237,9 +254,13 @@ class GpuLeases(LeaseSource):
 
     def _evict(self, pid: int) -> None:
         """A process that got another run's MPS limit: stop the run it belongs to."""
-        self.watchdog.stop_owner(pid, GpuMemoryLimit(
-            "the run opened a CUDA client while another run's GPU memory limit was being set; "
-            "that client was terminated"))
+        self.watchdog.stop_owner(
+            pid,
+            GpuMemoryLimit(
+                "the run opened a CUDA client while another run's GPU memory limit was being set; "
+                "that client was terminated"
+            ),
+        )
 
     # -- readiness -------------------------------------------------------------------------
     def layers(self) -> dict[str, Any]:
@@ -251,10 +272,14 @@ class GpuLeases(LeaseSource):
             "backend": self.backend.name,
             "devices": self.ledger.snapshot(),
             "queued": self.ledger.waiting,
-            "watchdog": {"available": self.watchdog.healthy, "polls": self.watchdog.polls,
-                         "error": self.watchdog.last_error},
-            "mps": self.mps.layer() if self.mps is not None else {
-                "available": mps, "enforcing": False, "note": self.mps_note},
+            "watchdog": {
+                "available": self.watchdog.healthy,
+                "polls": self.watchdog.polls,
+                "error": self.watchdog.last_error,
+            },
+            "mps": self.mps.layer()
+            if self.mps is not None
+            else {"available": mps, "enforcing": False, "note": self.mps_note},
             "shaping": {"available": importlib.util.find_spec("llama_cpp") is not None},
         }
 

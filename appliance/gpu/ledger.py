@@ -45,8 +45,8 @@ class Grant:
 @dataclass
 class _Reclaim:
     memory_mb: int
-    ids: frozenset[int]   # the run's process and thread IDs, as last seen
-    released: float       # monotonic time of the release
+    ids: frozenset[int]  # the run's process and thread IDs, as last seen
+    released: float  # monotonic time of the release
     deadline: float
 
 
@@ -83,7 +83,9 @@ class _Waiter:
 class GpuLedger:
     """Reservations for every device; all methods run on the event loop (no locking needed)."""
 
-    def __init__(self, devices: Iterable[Device], margin_mb: int, max_wait_ms: int, reclaim_ms: int = 0) -> None:
+    def __init__(
+        self, devices: Iterable[Device], margin_mb: int, max_wait_ms: int, reclaim_ms: int = 0
+    ) -> None:
         self.margin_mb = margin_mb
         self.reclaim_ms = reclaim_ms
         self.reclaim_waits_s: list[float] = []  # finished reclaim waits, drained by /metrics
@@ -99,8 +101,13 @@ class GpuLedger:
     def waiting(self) -> int:
         return len(self._queue)
 
-    def load(self, devices: Iterable[Device], processes: Iterable[ProcessUsage], ours: Iterable[int],
-             taken_at: float | None = None) -> None:
+    def load(
+        self,
+        devices: Iterable[Device],
+        processes: Iterable[ProcessUsage],
+        ours: Iterable[int],
+        taken_at: float | None = None,
+    ) -> None:
         """Reconcile with what the backend reports: totals, and memory used by non-runs.
 
         `ours` are the host PIDs of running runs: their usage is covered by their grants, up to
@@ -137,11 +144,21 @@ class GpuLedger:
 
     def snapshot(self) -> list[dict[str, int | str]]:
         """Per-device totals for /metrics, /readyz and the benchmark."""
-        return [{"index": b.index, "uuid": b.uuid, "total_mb": b.total_mb, "reserved_mb": b.reserved_mb,
-                 "foreign_mb": b.foreign_mb, "runs": len(b.grants), "reclaiming": len(b.reclaiming),
-                 "reclaim_timeouts": b.reclaim_timeouts, **({"over_grant_mb": b.over_grant_mb} if b.over_grant_mb else {}),
-                 **({"note": b.reclaim_note} if b.reclaim_note else {})}
-                for b in self._ordered()]
+        return [
+            {
+                "index": b.index,
+                "uuid": b.uuid,
+                "total_mb": b.total_mb,
+                "reserved_mb": b.reserved_mb,
+                "foreign_mb": b.foreign_mb,
+                "runs": len(b.grants),
+                "reclaiming": len(b.reclaiming),
+                "reclaim_timeouts": b.reclaim_timeouts,
+                **({"over_grant_mb": b.over_grant_mb} if b.over_grant_mb else {}),
+                **({"note": b.reclaim_note} if b.reclaim_note else {}),
+            }
+            for b in self._ordered()
+        ]
 
     # -- admission ---------------------------------------------------------------------------
     async def acquire(self, memory_mb: int) -> Grant:
@@ -152,17 +169,21 @@ class GpuLedger:
         if memory_mb + self.margin_mb > largest:
             raise RequestRejected(
                 f"gpu.memory_mb={memory_mb} can never fit: the largest GPU has {largest} MiB "
-                f"and {self.margin_mb} MiB are kept as margin (SANDBOX_GPU_MARGIN_MB)")
-        waiter = _Waiter(next(self._tickets), memory_mb, time.monotonic(),
-                         asyncio.get_running_loop().create_future())
+                f"and {self.margin_mb} MiB are kept as margin (SANDBOX_GPU_MARGIN_MB)"
+            )
+        waiter = _Waiter(
+            next(self._tickets), memory_mb, time.monotonic(), asyncio.get_running_loop().create_future()
+        )
         self._queue.append(waiter)
         self._pump()
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), self.max_wait_ms / 1000)
         except TimeoutError:
             self._abandon(waiter)
-            raise Busy(f"no GPU had {memory_mb} MiB free within {self.max_wait_ms} ms "
-                       f"(SANDBOX_GPU_QUEUE_MS); try again later") from None
+            raise Busy(
+                f"no GPU had {memory_mb} MiB free within {self.max_wait_ms} ms "
+                f"(SANDBOX_GPU_QUEUE_MS); try again later"
+            ) from None
         except BaseException:
             self._abandon(waiter)
             raise
@@ -198,8 +219,10 @@ class GpuLedger:
                 elif now >= r.deadline:
                     del book.reclaiming[ticket]
                     book.reclaim_timeouts += 1
-                    book.reclaim_note = (f"{r.memory_mb} MiB of a finished run still listed by NVML after "
-                                         f"{self.reclaim_ms} ms (SANDBOX_GPU_RECLAIM_MS); counted as foreign")
+                    book.reclaim_note = (
+                        f"{r.memory_mb} MiB of a finished run still listed by NVML after "
+                        f"{self.reclaim_ms} ms (SANDBOX_GPU_RECLAIM_MS); counted as foreign"
+                    )
                     self.reclaim_waits_s.append(now - r.released)
 
     def _abandon(self, waiter: _Waiter) -> None:
@@ -221,17 +244,25 @@ class GpuLedger:
                 continue
             if head.memory_mb + self.margin_mb > largest:  # devices shrank or vanished
                 self._queue.popleft()
-                head.future.set_exception(RequestRejected(
-                    f"gpu.memory_mb={head.memory_mb} can no longer fit on any GPU"))
+                head.future.set_exception(
+                    RequestRejected(f"gpu.memory_mb={head.memory_mb} can no longer fit on any GPU")
+                )
                 continue
             book = self._best_fit(head.memory_mb)
             if book is None:
                 return
             self._queue.popleft()
             book.grants[head.ticket] = head.memory_mb
-            head.future.set_result(Grant(
-                ticket=head.ticket, index=book.index, uuid=book.uuid, minor=book.minor,
-                memory_mb=head.memory_mb, queued_ms=int((time.monotonic() - head.started) * 1000)))
+            head.future.set_result(
+                Grant(
+                    ticket=head.ticket,
+                    index=book.index,
+                    uuid=book.uuid,
+                    minor=book.minor,
+                    memory_mb=head.memory_mb,
+                    queued_ms=int((time.monotonic() - head.started) * 1000),
+                )
+            )
 
     def _best_fit(self, memory_mb: int) -> DeviceBook | None:
         fitting = [b for b in self._ordered() if b.room_mb(self.margin_mb) >= memory_mb]

@@ -39,6 +39,7 @@ class MpsControl(abc.ABC):
 
     name: str = "abstract"
     pipe_dir: Path
+
     def needs_dev_shm(self) -> bool:
         """Whether clients must map the daemon's shared memory in /dev/shm (the real daemon's do;
         a GPU jail's /dev/shm is private and empty, see mps_limits.jail_blockers)."""
@@ -77,6 +78,7 @@ class MpsControl(abc.ABC):
 
 
 # -- the commands and their replies (pure) ------------------------------------------------------
+
 
 def cmd_set_limit(server: int, uuid: str, memory_mb: int) -> str:
     """The control command limiting each new client of `server` on device `uuid`."""
@@ -124,6 +126,7 @@ def _check_uuid(uuid: str) -> None:
 
 # -- the real daemon ----------------------------------------------------------------------------
 
+
 class DaemonControl(MpsControl):
     """`nvidia-cuda-mps-control` as a command-line client, one process per command.
 
@@ -145,13 +148,21 @@ class DaemonControl(MpsControl):
         try:
             # S603: the control binary from settings; commands are ours
             done = subprocess.run(  # noqa: S603
-                [self.binary], input=command + "\n", capture_output=True, text=True,
-                env=env, timeout=COMMAND_TIMEOUT_S, check=False)
+                [self.binary],
+                input=command + "\n",
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=COMMAND_TIMEOUT_S,
+                check=False,
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise MpsError(f"{command.split()[0]}: {exc}") from exc
         if done.returncode != 0:
-            raise MpsError(f"{command.split()[0]} failed ({done.returncode}): "
-                           f"{(done.stdout + done.stderr).strip()[:300]}")
+            raise MpsError(
+                f"{command.split()[0]} failed ({done.returncode}): "
+                f"{(done.stdout + done.stderr).strip()[:300]}"
+            )
         return done.stdout
 
     def _set(self, command: str) -> None:
@@ -219,11 +230,15 @@ def daemon_pid_namespace_problem(proc: Path = Path("/proc")) -> str | None:
         except OSError:
             continue
         if theirs != ours:
-            return (f"the MPS control daemon (PID {entry}) runs in another PID namespace ({theirs}, ours "
-                    f"{ours}): the client PIDs it reports are not this server's")
+            return (
+                f"the MPS control daemon (PID {entry}) runs in another PID namespace ({theirs}, ours "
+                f"{ours}): the client PIDs it reports are not this server's"
+            )
         return None
-    return ("no MPS control daemon process is visible in this PID namespace (a daemon in another "
-            "container or on the host): the client PIDs it reports are not this server's")
+    return (
+        "no MPS control daemon process is visible in this PID namespace (a daemon in another "
+        "container or on the host): the client PIDs it reports are not this server's"
+    )
 
 
 def control_socket_present(pipe_dir: Path) -> bool:

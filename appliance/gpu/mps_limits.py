@@ -57,8 +57,8 @@ log = logging.getLogger("appliance.gpu")
 
 CONTEXT_TIMEOUT_S = 30.0
 PROBE_BUDGET_MB = 256
-PROBE_SMALL_MB = 64     # must fit under the probe budget
-PROBE_BIG_MB = 1024     # must not
+PROBE_SMALL_MB = 64  # must fit under the probe budget
+PROBE_BIG_MB = 1024  # must not
 CUDA_SUCCESS, CUDA_ERROR_OUT_OF_MEMORY = 0, 2
 
 # Runs in the probe jail. Parameters arrive in a file, never spliced into the source.
@@ -93,11 +93,17 @@ class DeviceMps:
 
 
 # What stands in a jailed MPS client's way: code -> reason (the codes label /metrics).
-BLOCK_DEV_SHM = ("dev_shm", "MPS clients need the daemon's shared memory in /dev/shm, and a GPU jail's "
-                 "/dev/shm is private and empty (firejail --private-dev); --keep-dev-shm would give every "
-                 "run the host's writable /dev/shm, so the appliance does not use it")
-BLOCK_COMPUTE_MODE = ("compute_mode", "the GPU is not in EXCLUSIVE_PROCESS compute mode, so a client that "
-                      "avoids MPS would get a context with no limit (nvidia-smi -i <index> -c EXCLUSIVE_PROCESS)")
+BLOCK_DEV_SHM = (
+    "dev_shm",
+    "MPS clients need the daemon's shared memory in /dev/shm, and a GPU jail's "
+    "/dev/shm is private and empty (firejail --private-dev); --keep-dev-shm would give every "
+    "run the host's writable /dev/shm, so the appliance does not use it",
+)
+BLOCK_COMPUTE_MODE = (
+    "compute_mode",
+    "the GPU is not in EXCLUSIVE_PROCESS compute mode, so a client that "
+    "avoids MPS would get a context with no limit (nvidia-smi -i <index> -c EXCLUSIVE_PROCESS)",
+)
 BLOCK_PID_NAMESPACE = "pid_namespace"
 
 
@@ -119,8 +125,9 @@ def jail_blockers(needs_dev_shm: bool, exclusive: bool, pid_problem: str | None)
 class MpsLimiter:
     """Arms each GPU run's MPS client with its budget; one instance per server."""
 
-    def __init__(self, control: MpsControl, uid: int, resting_mb: int, libcuda: str,
-                 on_intruder: Callable[[int], None]) -> None:
+    def __init__(
+        self, control: MpsControl, uid: int, resting_mb: int, libcuda: str, on_intruder: Callable[[int], None]
+    ) -> None:
         self.control = control
         self.uid = uid
         self.resting_mb = max(1, resting_mb)
@@ -138,19 +145,34 @@ class MpsLimiter:
 
     def problems(self) -> list[str]:
         """Devices whose limits are unknown now (a control command failed): /readyz is 503."""
-        return [f"MPS limits on {uuid} are unknown: {d.broken}" for uuid, d in self.devices.items() if d.broken]
+        return [
+            f"MPS limits on {uuid} are unknown: {d.broken}" for uuid, d in self.devices.items() if d.broken
+        ]
 
     def layer(self) -> dict[str, Any]:
         """Layer (b) for /readyz: whether it enforces, why (per device), and what it did."""
-        unproven = [f"{uuid}: {d.broken or d.note}" for uuid, d in self.devices.items()
-                    if d.broken or not d.enforcing]
+        unproven = [
+            f"{uuid}: {d.broken or d.note}" for uuid, d in self.devices.items() if d.broken or not d.enforcing
+        ]
         note = "; ".join(unproven) if unproven else "proved on every device by the startup probe"
-        return {"available": True, "enforcing": self.enforcing, "note": note, "daemon": self.control.name,
-                "pipe_dir": str(self.control.pipe_dir), "resting_mb": self.resting_mb,
-                "armed": self.armed, "intruders": self.intruders,
-                "devices": {uuid: {"enforcing": d.enforcing and not d.broken, "note": d.broken or d.note,
-                                   "blocked": list(d.blocked)}
-                            for uuid, d in self.devices.items()}}
+        return {
+            "available": True,
+            "enforcing": self.enforcing,
+            "note": note,
+            "daemon": self.control.name,
+            "pipe_dir": str(self.control.pipe_dir),
+            "resting_mb": self.resting_mb,
+            "armed": self.armed,
+            "intruders": self.intruders,
+            "devices": {
+                uuid: {
+                    "enforcing": d.enforcing and not d.broken,
+                    "note": d.broken or d.note,
+                    "blocked": list(d.blocked),
+                }
+                for uuid, d in self.devices.items()
+            },
+        }
 
     # -- per run -----------------------------------------------------------------------------
     async def arm(self, jail: Jail, grant: Grant) -> None:
@@ -171,14 +193,16 @@ class MpsLimiter:
                 device.broken = str(exc)
                 log.error("MPS limit could not be set", extra={"device": grant.uuid, "error": str(exc)})
                 raise GpuLimitUnavailable(
-                    "the run's GPU memory limit could not be set on the MPS daemon; nothing ran") from exc
+                    "the run's GPU memory limit could not be set on the MPS daemon; nothing ran"
+                ) from exc
         ours = set(proctree.tree(jail.process.pid))
         for pid in sorted(new - ours):
             await self._evict(server, pid)
         if not new & ours:
             raise GpuLimitUnavailable(
                 "the run's CUDA client did not appear on the MPS server while its limit was set "
-                "(it existed before, or did not use MPS); nothing ran")
+                "(it existed before, or did not use MPS); nothing ran"
+            )
         self.armed += 1
 
     async def _window(self, jail: Jail, grant: Grant) -> tuple[int, set[int]]:
@@ -207,7 +231,8 @@ class MpsLimiter:
         except GpuBackendError as exc:
             device.broken = str(exc)
             raise GpuLimitUnavailable(
-                f"GPU runs on {uuid} are paused: the MPS daemon does not answer ({exc})") from exc
+                f"GPU runs on {uuid} are paused: the MPS daemon does not answer ({exc})"
+            ) from exc
         device.broken = None
 
     async def set_resting(self, uuid: str) -> int:
@@ -225,12 +250,16 @@ class MpsLimiter:
         """Record the device as not enforcing when `jail_blockers` finds anything; None when nothing
         stands in the way. Called before the device's jails are made: a blocked device's jails
         do not join MPS (no pipe directory), since a jailed client could not connect anyway."""
-        blockers = jail_blockers(self.control.needs_dev_shm(), exclusive, self.control.pid_namespace_problem())
+        blockers = jail_blockers(
+            self.control.needs_dev_shm(), exclusive, self.control.pid_namespace_problem()
+        )
         if not blockers:
             return None
         device = self.devices[uuid] = DeviceMps(
-            enforcing=False, note="not enforcing: " + "; ".join(reason for _, reason in blockers),
-            blocked=tuple(code for code, _ in blockers))
+            enforcing=False,
+            note="not enforcing: " + "; ".join(reason for _, reason in blockers),
+            blocked=tuple(code for code, _ in blockers),
+        )
         return device
 
     async def probe(self, uuid: str, factory: JailFactory, exclusive: bool, total_mb: int) -> DeviceMps:
@@ -264,10 +293,12 @@ class MpsLimiter:
             return device
         try:
             device.enforcing = True  # so that arm() arms the probe jail
-            await self.arm(jail, Grant(ticket=0, index=0, uuid=uuid, minor=0, memory_mb=PROBE_BUDGET_MB,
-                                       queued_ms=0))
-            result = await _run_probe(jail, {"small_mb": PROBE_SMALL_MB, "big_mb": PROBE_BIG_MB,
-                                             "server": server, "uuid": uuid})
+            await self.arm(
+                jail, Grant(ticket=0, index=0, uuid=uuid, minor=0, memory_mb=PROBE_BUDGET_MB, queued_ms=0)
+            )
+            result = await _run_probe(
+                jail, {"small_mb": PROBE_SMALL_MB, "big_mb": PROBE_BIG_MB, "server": server, "uuid": uuid}
+            )
             after = await asyncio.to_thread(self.control.limit, server, uuid)
         except (GpuBackendError, ApplianceError, ValueError) as exc:
             device.enforcing, device.note = False, f"probe failed: {exc}"
@@ -281,17 +312,25 @@ class MpsLimiter:
 def judge_probe(result: dict[str, Any], limit_after: int | None, resting_mb: int) -> tuple[bool, str]:
     """Whether the probe proved the limit (pure). Returns (enforcing, note)."""
     if result.get("small") != CUDA_SUCCESS:
-        return False, (f"an allocation of {PROBE_SMALL_MB} MiB under a {PROBE_BUDGET_MB} MiB limit failed "
-                       f"(CUDA error {result.get('small')}): a preloaded module may create the CUDA context "
-                       "before the limit is set")
+        return False, (
+            f"an allocation of {PROBE_SMALL_MB} MiB under a {PROBE_BUDGET_MB} MiB limit failed "
+            f"(CUDA error {result.get('small')}): a preloaded module may create the CUDA context "
+            "before the limit is set"
+        )
     if result.get("big") != CUDA_ERROR_OUT_OF_MEMORY:
-        return False, (f"an allocation of {PROBE_BIG_MB} MiB over a {PROBE_BUDGET_MB} MiB limit was not refused "
-                       f"(CUDA result {result.get('big')}): the daemon does not enforce the limit")
+        return False, (
+            f"an allocation of {PROBE_BIG_MB} MiB over a {PROBE_BUDGET_MB} MiB limit was not refused "
+            f"(CUDA result {result.get('big')}): the daemon does not enforce the limit"
+        )
     if limit_after != resting_mb:
-        return False, (f"the server's limit was {limit_after} MiB after the probe, not the resting "
-                       f"{resting_mb} MiB: jailed code could change it ({result.get('tamper')})")
-    return True, (f"proved: {PROBE_SMALL_MB} MiB allowed and {PROBE_BIG_MB} MiB refused under a "
-                  f"{PROBE_BUDGET_MB} MiB limit; the limit could not be raised from the jail")
+        return False, (
+            f"the server's limit was {limit_after} MiB after the probe, not the resting "
+            f"{resting_mb} MiB: jailed code could change it ({result.get('tamper')})"
+        )
+    return True, (
+        f"proved: {PROBE_SMALL_MB} MiB allowed and {PROBE_BIG_MB} MiB refused under a "
+        f"{PROBE_BUDGET_MB} MiB limit; the limit could not be raised from the jail"
+    )
 
 
 async def open_cuda_context(jail: Jail, libcuda: str) -> None:
@@ -313,11 +352,15 @@ async def _run_probe(jail: Jail, params: dict[str, Any]) -> dict[str, Any]:
     async def collect(frame: Frame) -> None:
         frames.append(frame)
 
-    req = ExecuteRequest(id="mps-probe", code=PROBE_CODE,
-                         files=(UploadFile("mps-probe.json", json.dumps(params).encode()),))
-    outcome = await run_cell(jail, req, collect, timeout_ms=30000, max_output_bytes=65536, max_disk_mb=16,
-                             keep_alive=False)
-    stdout = "".join(str(f.get("text", "")) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout")
+    req = ExecuteRequest(
+        id="mps-probe", code=PROBE_CODE, files=(UploadFile("mps-probe.json", json.dumps(params).encode()),)
+    )
+    outcome = await run_cell(
+        jail, req, collect, timeout_ms=30000, max_output_bytes=65536, max_disk_mb=16, keep_alive=False
+    )
+    stdout = "".join(
+        str(f.get("text", "")) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout"
+    )
     if outcome.status != "ok":
         errors = [f for f in frames if f.get("type") == "error"]
         detail = f"{errors[0].get('ename')}: {errors[0].get('evalue')}" if errors else outcome.message

@@ -72,11 +72,11 @@ class SimulatedMps(MpsControl):
         self.backend = backend
         self.enforce = enforce
         self._lock = threading.Lock()
-        self._defaults: dict[str, int] = {}                 # uuid -> MiB for new servers
-        self._limits: dict[int, dict[str, int]] = {}        # server -> uuid -> MiB
-        self._servers: dict[int, int] = {}                  # uid -> server
-        self._clients: dict[int, dict[int, _Client]] = {}   # server -> pid -> client
-        self._freeing: list[_Client] = []                   # gone, memory not yet freed
+        self._defaults: dict[str, int] = {}  # uuid -> MiB for new servers
+        self._limits: dict[int, dict[str, int]] = {}  # server -> uuid -> MiB
+        self._servers: dict[int, int] = {}  # uid -> server
+        self._clients: dict[int, dict[int, _Client]] = {}  # server -> pid -> client
+        self._freeing: list[_Client] = []  # gone, memory not yet freed
         pipe_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(pipe_dir, 0o755)
         path = pipe_dir / SOCKET_NAME
@@ -87,8 +87,10 @@ class SimulatedMps(MpsControl):
         self._sock.listen(64)
         # The daemon's "shared memory": one file in /dev/shm (the real daemon's place) and one
         # in the pipe directory; the control file says which a client must attach to.
-        self._shm = {"dev_shm": Path("/dev/shm") / f"appliance-sim-mps-{os.getpid()}-{id(self):x}",
-                     "pipe_dir": pipe_dir / SHM_NAME}
+        self._shm = {
+            "dev_shm": Path("/dev/shm") / f"appliance-sim-mps-{os.getpid()}-{id(self):x}",
+            "pipe_dir": pipe_dir / SHM_NAME,
+        }
         for shm in self._shm.values():
             shm.write_bytes(b"\0" * 64)
             os.chmod(shm, 0o666)
@@ -101,8 +103,10 @@ class SimulatedMps(MpsControl):
 
     def pid_namespace_problem(self) -> str | None:
         if self.backend.control_state().get("mps_pid_namespace") == "other":
-            return ("the simulated MPS daemon runs in another PID namespace: the client PIDs it reports "
-                    "are not this server's")
+            return (
+                "the simulated MPS daemon runs in another PID namespace: the client PIDs it reports "
+                "are not this server's"
+            )
         return None
 
     def server_for(self, uid: int) -> int:
@@ -196,8 +200,9 @@ class SimulatedMps(MpsControl):
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                          struct.calcsize("3i")))
+        pid, uid, _ = struct.unpack(
+            "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )
         client: _Client | None = None
         server = 0
         reported = self._reported(pid)

@@ -54,12 +54,17 @@ class NvmlBackend(GpuBackend):
                 for i in range(nv.nvmlDeviceGetCount()):
                     handle = nv.nvmlDeviceGetHandleByIndex(i)
                     mem = nv.nvmlDeviceGetMemoryInfo(handle)
-                    out.append(Device(
-                        index=i, uuid=_text(nv.nvmlDeviceGetUUID(handle)),
-                        name=_text(nv.nvmlDeviceGetName(handle)),
-                        total_mb=int(mem.total // MIB), used_mb=int(mem.used // MIB),
-                        minor=int(nv.nvmlDeviceGetMinorNumber(handle)), mig=_mig_enabled(nv, handle),
-                    ))
+                    out.append(
+                        Device(
+                            index=i,
+                            uuid=_text(nv.nvmlDeviceGetUUID(handle)),
+                            name=_text(nv.nvmlDeviceGetName(handle)),
+                            total_mb=int(mem.total // MIB),
+                            used_mb=int(mem.used // MIB),
+                            minor=int(nv.nvmlDeviceGetMinorNumber(handle)),
+                            mig=_mig_enabled(nv, handle),
+                        )
+                    )
                 return out
             except nv.NVMLError as exc:
                 raise GpuBackendError(f"NVML failed listing devices: {exc}") from exc

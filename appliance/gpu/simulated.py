@@ -45,13 +45,14 @@ class SimulatedBackend(GpuBackend):
 
     name = "simulated"
 
-    def __init__(self, totals_mb: tuple[int, ...], control_file: Path | None = None,
-                 mps: bool = False) -> None:
+    def __init__(
+        self, totals_mb: tuple[int, ...], control_file: Path | None = None, mps: bool = False
+    ) -> None:
         self._totals = totals_mb
         self._control = control_file
         self._mps = mps
         self._lock = threading.Lock()
-        self._usage: dict[int, tuple[int, int]] = {}   # pid -> (device index, MiB)
+        self._usage: dict[int, tuple[int, int]] = {}  # pid -> (device index, MiB)
         self._foreign: dict[int, int] = {}
         self._fault: str | None = None
         self._fault_plain = False
@@ -91,16 +92,28 @@ class SimulatedBackend(GpuBackend):
         out = []
         for i, total in enumerate(self._totals):
             used = foreign.get(i, 0) + sum(mb for dev, mb in usage.values() if dev == i)
-            out.append(Device(index=i, uuid=f"GPU-SIM-{i}", name="Simulated GPU", total_mb=total,
-                              used_mb=min(used, total), minor=i, mig=i in mig))
+            out.append(
+                Device(
+                    index=i,
+                    uuid=f"GPU-SIM-{i}",
+                    name="Simulated GPU",
+                    total_mb=total,
+                    used_mb=min(used, total),
+                    minor=i,
+                    mig=i in mig,
+                )
+            )
         return out
 
     def processes(self) -> list[ProcessUsage]:
         usage, _ = self._state()
         with self._lock:
             tids = bool(self._read_control().get("report_tids"))
-        return [ProcessUsage(pid=_context_thread(pid) if tids else pid, uuid=f"GPU-SIM-{dev}", used_mb=mb)
-                for pid, (dev, mb) in sorted(usage.items()) if 0 <= dev < len(self._totals)]
+        return [
+            ProcessUsage(pid=_context_thread(pid) if tids else pid, uuid=f"GPU-SIM-{dev}", used_mb=mb)
+            for pid, (dev, mb) in sorted(usage.items())
+            if 0 <= dev < len(self._totals)
+        ]
 
     def mps_active(self) -> bool:
         return self._mps

@@ -58,7 +58,7 @@ class WatchedRun:
     key: str
     root_pid: int
     grant: Grant
-    stop: Callable[[RunLimit], None]   # called once, on the event loop, to end the run
+    stop: Callable[[RunLimit], None]  # called once, on the event loop, to end the run
     peak_mb: int = 0
     stopped: bool = False
     ids: set[int] = field(default_factory=set)  # every process/thread ID seen: what a reclaim waits on
@@ -68,17 +68,26 @@ class WatchedRun:
 class PollResult:
     devices: list[Device]
     processes: list[ProcessUsage]
-    taken_at: float = 0.0                                        # monotonic time the reading began
-    pids: dict[str, set[int]] = field(default_factory=dict)      # run key -> its host PIDs and TIDs
-    gpu_mb: dict[str, int] = field(default_factory=dict)         # run key -> GPU MiB in use
-    host_mb: dict[str, int] = field(default_factory=dict)        # run key -> resident MiB
+    taken_at: float = 0.0  # monotonic time the reading began
+    pids: dict[str, set[int]] = field(default_factory=dict)  # run key -> its host PIDs and TIDs
+    gpu_mb: dict[str, int] = field(default_factory=dict)  # run key -> GPU MiB in use
+    host_mb: dict[str, int] = field(default_factory=dict)  # run key -> resident MiB
 
 
 class GpuWatchdog:
     """Polls the backend every `interval_s`; one instance per server."""
 
-    def __init__(self, backend: GpuBackend, ledger: GpuLedger, *, margin_mb: int, host_memory_mb: int | None,
-                 interval_s: float, fault_grace: int = 3, memory: RunMemory | None = None) -> None:
+    def __init__(
+        self,
+        backend: GpuBackend,
+        ledger: GpuLedger,
+        *,
+        margin_mb: int,
+        host_memory_mb: int | None,
+        interval_s: float,
+        fault_grace: int = 3,
+        memory: RunMemory | None = None,
+    ) -> None:
         self.backend = backend
         self.ledger = ledger
         self.margin_mb = margin_mb
@@ -177,16 +186,24 @@ class GpuWatchdog:
             run.peak_mb = max(run.peak_mb, used)
             limit = run.grant.memory_mb + self.margin_mb
             if used > limit:
-                self._stop(run, GpuMemoryLimit(
-                    f"the run used {used} MiB of GPU memory; its budget is {run.grant.memory_mb} MiB "
-                    f"(+{self.margin_mb} MiB margin)"))
+                self._stop(
+                    run,
+                    GpuMemoryLimit(
+                        f"the run used {used} MiB of GPU memory; its budget is {run.grant.memory_mb} MiB "
+                        f"(+{self.margin_mb} MiB margin)"
+                    ),
+                )
         if self.host_memory_mb is not None:
             for key, used in result.host_mb.items():
                 run = self.runs.get(key)
                 if run is not None and not run.stopped and used > self.host_memory_mb:
-                    self._stop(run, MemoryLimit(
-                        f"the run used {used} MiB of host memory (anonymous and shared memory; "
-                        f"SANDBOX_MEMORY_MB={self.host_memory_mb})"))
+                    self._stop(
+                        run,
+                        MemoryLimit(
+                            f"the run used {used} MiB of host memory (anonymous and shared memory; "
+                            f"SANDBOX_MEMORY_MB={self.host_memory_mb})"
+                        ),
+                    )
         return result
 
     def measure(self, roots: dict[str, int]) -> PollResult:
@@ -211,14 +228,20 @@ class GpuWatchdog:
         """A poll failed. Backend errors get `fault_grace` tries; anything else stops runs at once."""
         self.faults = max(self.faults + 1, self.fault_grace if unexpected else 0)
         self.last_error = message
-        log.error("GPU watchdog poll failed", extra={"error": message, "consecutive": self.faults,
-                                                     "unexpected": unexpected})
+        log.error(
+            "GPU watchdog poll failed",
+            extra={"error": message, "consecutive": self.faults, "unexpected": unexpected},
+        )
         if self.faults >= self.fault_grace:
             for run in list(self.runs.values()):
                 if not run.stopped:
-                    self._stop(run, GpuMonitorFailed(
-                        f"GPU memory could not be measured (the GPU watchdog failed: {message}), so the "
-                        "run's budget could not be enforced; it was stopped"))
+                    self._stop(
+                        run,
+                        GpuMonitorFailed(
+                            f"GPU memory could not be measured (the GPU watchdog failed: {message}), so the "
+                            "run's budget could not be enforced; it was stopped"
+                        ),
+                    )
 
     def _stop(self, run: WatchedRun, error: RunLimit) -> None:
         run.stopped = True

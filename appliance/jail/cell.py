@@ -49,8 +49,16 @@ class CellOutcome:
 
 
 async def run_cell(
-    jail: Jail, req: ExecuteRequest, emit: Emit, *, timeout_ms: int, max_output_bytes: int,
-    max_disk_mb: int, keep_alive: bool, started: Callable[[], None] | None = None, first: Frame | None = None,
+    jail: Jail,
+    req: ExecuteRequest,
+    emit: Emit,
+    *,
+    timeout_ms: int,
+    max_output_bytes: int,
+    max_disk_mb: int,
+    keep_alive: bool,
+    started: Callable[[], None] | None = None,
+    first: Frame | None = None,
 ) -> CellOutcome:
     """Run req.code in jail and stream its frames; returns how the cell ended.
 
@@ -66,9 +74,18 @@ async def run_cell(
         with contextlib.suppress(OSError):
             base = group.counters(pids=False)
             group.reset_peak()
-    outcome = await _run_cell(jail, req, emit, timeout_ms=timeout_ms, max_output_bytes=max_output_bytes,
-                              max_disk_mb=max_disk_mb, keep_alive=keep_alive, started=started, base=base,
-                              first=first)
+    outcome = await _run_cell(
+        jail,
+        req,
+        emit,
+        timeout_ms=timeout_ms,
+        max_output_bytes=max_output_bytes,
+        max_disk_mb=max_disk_mb,
+        keep_alive=keep_alive,
+        started=started,
+        base=base,
+        first=first,
+    )
     if group is not None and base is not None:
         _account(group, base, outcome)
     return outcome
@@ -76,8 +93,10 @@ async def run_cell(
 
 def memory_limit(group: Group) -> MemoryLimit:
     """What a run whose group hit its memory limit is told."""
-    return MemoryLimit(f"the run hit its memory limit: SANDBOX_MEMORY_MB ({group.limits.memory_mb} MiB) "
-                       "for all its processes, /tmp and page cache together; the kernel killed a process of it")
+    return MemoryLimit(
+        f"the run hit its memory limit: SANDBOX_MEMORY_MB ({group.limits.memory_mb} MiB) "
+        "for all its processes, /tmp and page cache together; the kernel killed a process of it"
+    )
 
 
 def _account(group: Group, base: Counters, outcome: CellOutcome) -> None:
@@ -96,8 +115,16 @@ def _account(group: Group, base: Counters, outcome: CellOutcome) -> None:
 
 
 async def _run_cell(
-    jail: Jail, req: ExecuteRequest, emit: Emit, *, timeout_ms: int, max_output_bytes: int,
-    max_disk_mb: int, keep_alive: bool, started: Callable[[], None] | None, base: Counters | None,
+    jail: Jail,
+    req: ExecuteRequest,
+    emit: Emit,
+    *,
+    timeout_ms: int,
+    max_output_bytes: int,
+    max_disk_mb: int,
+    keep_alive: bool,
+    started: Callable[[], None] | None,
+    base: Counters | None,
     first: Frame | None,
 ) -> CellOutcome:
     loop = asyncio.get_running_loop()
@@ -153,14 +180,23 @@ async def _run_cell(
                 if stopping is not None:
                     return ended(stopping)
                 code = await _exit_code(jail)
-                return CellOutcome("ok" if code == 0 else "error", exit_code=code, interpreter_alive=False,
-                                   output_bytes=sent,
-                                   message=None if code == 0 else f"the interpreter exited with code {code}")
+                return CellOutcome(
+                    "ok" if code == 0 else "error",
+                    exit_code=code,
+                    interpreter_alive=False,
+                    output_bytes=sent,
+                    message=None if code == 0 else f"the interpreter exited with code {code}",
+                )
             if isinstance(item, Event) and item.body["ev"] == "done":
                 body = item.body
-                outcome = CellOutcome("ok" if body["exit_code"] == 0 else "error", exit_code=body["exit_code"],
-                                      cpu_ms=body["cpu_ms"], max_rss_mb=body["max_rss_mb"], output_bytes=sent,
-                                      import_ms=body["import_ms"])
+                outcome = CellOutcome(
+                    "ok" if body["exit_code"] == 0 else "error",
+                    exit_code=body["exit_code"],
+                    cpu_ms=body["cpu_ms"],
+                    max_rss_mb=body["max_rss_mb"],
+                    output_bytes=sent,
+                    import_ms=body["import_ms"],
+                )
                 if stopping is None:
                     # A cell can write past the quota and end between two of the watchdog's
                     # checks: look once more, so that it never ends ok over the quota.
@@ -229,8 +265,10 @@ def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
         b, n, d = fstree.usage(root, max_entries)
         used, entries, too_deep = used + b, entries + n, too_deep + d
     if too_deep:
-        return OutputLimit(f"the run nested directories deeper than {fstree.MAX_DEPTH} levels "
-                           "(its disk use cannot be measured past that)")
+        return OutputLimit(
+            f"the run nested directories deeper than {fstree.MAX_DEPTH} levels "
+            "(its disk use cannot be measured past that)"
+        )
     if entries > max_entries:
         return OutputLimit(f"the run created more than {max_entries} files and directories")
     if used <= limit:

@@ -33,13 +33,13 @@ from pathlib import Path
 from appliance.errors import StartupError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-BASE = "appliance"              # our subtree under the server's own cgroup of each controller
+BASE = "appliance"  # our subtree under the server's own cgroup of each controller
 CPU_PERIOD_US = 100_000
 V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
 V2_CONTROLLERS = ("memory", "cpu", "pids")
 MODES = ("auto", "require", "off")
-RUN_WEIGHT = 100                # v2 cpu.weight of a run (v1 cpu.shares 1024): equal per run
-IDLE_WEIGHT = 10                # a warm jail waiting (or starting) in the pool: ~ nice 10
+RUN_WEIGHT = 100  # v2 cpu.weight of a run (v1 cpu.shares 1024): equal per run
+IDLE_WEIGHT = 10  # a warm jail waiting (or starting) in the pool: ~ nice 10
 REMOVE_WAIT_S = 5.0
 
 
@@ -99,7 +99,7 @@ def render_v2(limits: GroupLimits) -> tuple[Write, ...]:
     return (
         Write("", "memory.max", str(limits.memory_mb * 1024 * 1024)),
         Write("", "memory.swap.max", "0"),
-        Write("", "memory.oom.group", "1"),       # an OOM kill takes the whole run, not one child
+        Write("", "memory.oom.group", "1"),  # an OOM kill takes the whole run, not one child
         Write("", "cpu.max", f"{_quota_us(limits.cpus)} {CPU_PERIOD_US}"),
         Write("", "cpu.weight", str(limits.weight)),
         Write("", "pids.max", str(limits.max_procs)),
@@ -192,10 +192,11 @@ def start_time(pid: int) -> int | None:
 class Hierarchy:
     """A writable cgroup tree (v1 or v2); this server's runs get groups in its instance directory."""
 
-    def __init__(self, version: int, dirs: Mapping[str, Path], memsw: bool = False,
-                 instance: str | None = None) -> None:
+    def __init__(
+        self, version: int, dirs: Mapping[str, Path], memsw: bool = False, instance: str | None = None
+    ) -> None:
         self.version = version
-        self.base = dict(dirs)          # controller -> our base directory ("" -> base on v2)
+        self.base = dict(dirs)  # controller -> our base directory ("" -> base on v2)
         self.memsw = memsw
         me = os.getpid()
         self.instance = instance or instance_name(me, start_time(me) or 0)
@@ -360,8 +361,11 @@ class Group:
 
     def peak_mb(self) -> float:
         """Peak memory of the group (every process, tmpfs, page cache) since reset_peak, in MiB."""
-        raw = (self._read("memory", "memory.max_usage_in_bytes") if self.tree.version == 1
-               else self._read("", "memory.peak")).strip()
+        raw = (
+            self._read("memory", "memory.max_usage_in_bytes")
+            if self.tree.version == 1
+            else self._read("", "memory.peak")
+        ).strip()
         return round(int(raw) / (1024 * 1024), 1) if raw.isdigit() else 0.0
 
     def owned_mb(self) -> int:
@@ -487,8 +491,9 @@ def open_hierarchy(mode: str, root: Path = CGROUP_ROOT) -> tuple[Hierarchy | Non
             tree = None
     if tree is None:
         if mode == "require":
-            raise StartupError("SANDBOX_CGROUPS=require but no cgroup hierarchy can be used: "
-                               + "; ".join(missing))
+            raise StartupError(
+                "SANDBOX_CGROUPS=require but no cgroup hierarchy can be used: " + "; ".join(missing)
+            )
         return None, missing
     tree.purge_dead()
     return tree, []

@@ -27,6 +27,7 @@ GRANT_FILE = ".appliance-gpu.json"
 
 # -- ops: server -> driver ---------------------------------------------------------------
 
+
 class FileHeader(TypedDict):
     path: str
     size: int
@@ -62,8 +63,12 @@ Op = RunOp | StdinOp | StdinEofOp | InterruptOp | CudaContextOp
 
 def run_op(code: str, files: Sequence[tuple[str, bytes]], stdin_eof: bool) -> bytes:
     """A `run` op and the raw bytes of its files, ready to write to the control pipe."""
-    op: RunOp = {"op": "run", "code": code, "stdin_eof": stdin_eof,
-                 "files": [{"path": path, "size": len(data)} for path, data in files]}
+    op: RunOp = {
+        "op": "run",
+        "code": code,
+        "stdin_eof": stdin_eof,
+        "files": [{"path": path, "size": len(data)} for path, data in files],
+    }
     return encode(op) + b"".join(data for _, data in files)
 
 
@@ -98,12 +103,27 @@ def parse_op(line: bytes) -> Op | None:
     op = obj["op"]
     if op == "run":
         files = obj.get("files")
-        if (not isinstance(obj.get("code"), str) or not isinstance(files, list)
-                or not all(isinstance(f, dict) and isinstance(f.get("path"), str)
-                           and _is_int(f.get("size")) and f["size"] >= 0 for f in files)):
+        if (
+            not isinstance(obj.get("code"), str)
+            or not isinstance(files, list)
+            or not all(
+                isinstance(f, dict)
+                and isinstance(f.get("path"), str)
+                and _is_int(f.get("size"))
+                and f["size"] >= 0
+                for f in files
+            )
+        ):
             return None
-        return cast(RunOp, {"op": "run", "code": obj["code"], "stdin_eof": obj.get("stdin_eof") is True,
-                            "files": [{"path": f["path"], "size": f["size"]} for f in files]})
+        return cast(
+            RunOp,
+            {
+                "op": "run",
+                "code": obj["code"],
+                "stdin_eof": obj.get("stdin_eof") is True,
+                "files": [{"path": f["path"], "size": f["size"]} for f in files],
+            },
+        )
     if op == "stdin" and isinstance(obj.get("data"), str):
         return cast(StdinOp, obj)
     if op in ("stdin_eof", "interrupt"):
@@ -115,9 +135,10 @@ def parse_op(line: bytes) -> Op | None:
 
 # -- events: driver -> server ------------------------------------------------------------
 
+
 class ReadyEvent(TypedDict):
     ev: Literal["ready"]
-    check: dict[str, Any]           # the driver's self-check (judged by appliance.jail.checks)
+    check: dict[str, Any]  # the driver's self-check (judged by appliance.jail.checks)
     preload_failed: dict[str, str]  # module -> why it failed to import
     preload_ms: int
 
@@ -140,7 +161,7 @@ class ErrorEvent(TypedDict):
     ename: str
     evalue: str
     traceback: list[str]
-    memory: bool                    # the error was a MemoryError
+    memory: bool  # the error was a MemoryError
 
 
 class DoneEvent(TypedDict):
@@ -148,7 +169,7 @@ class DoneEvent(TypedDict):
     exit_code: int
     cpu_ms: int | None
     max_rss_mb: float | None
-    import_ms: int | None           # time the cell spent loading modules not yet imported
+    import_ms: int | None  # time the cell spent loading modules not yet imported
 
 
 class CudaContextEvent(TypedDict, total=False):
@@ -164,7 +185,8 @@ EventKind = Literal["ready", "stream", "result", "display", "error", "done", "cu
 def encode(message: Op | Event) -> bytes:
     """One message as one line (UTF-8 JSON, no newline inside)."""
     return (json.dumps(message, ensure_ascii=False, separators=(",", ":"), default=str) + "\n").encode(
-        "utf-8", "replace")
+        "utf-8", "replace"
+    )
 
 
 def parse_event(line: bytes) -> Event | None:
@@ -181,30 +203,47 @@ def parse_event(line: bytes) -> Event | None:
             return cast(StreamEvent, {"ev": "stream", "name": obj["name"], "text": obj["text"]})
         return None
     if kind in ("result", "display"):
-        return cast(DataEvent, {"ev": kind, "data": obj["data"]}) if isinstance(obj.get("data"), dict) else None
+        return (
+            cast(DataEvent, {"ev": kind, "data": obj["data"]}) if isinstance(obj.get("data"), dict) else None
+        )
     if kind == "error":
         tb = obj.get("traceback")
-        return cast(ErrorEvent, {
-            "ev": "error", "ename": str(obj.get("ename", "Error")), "evalue": str(obj.get("evalue", "")),
-            "traceback": [str(line) for line in tb] if isinstance(tb, list) else [],
-            "memory": obj.get("memory") is True,
-        })
+        return cast(
+            ErrorEvent,
+            {
+                "ev": "error",
+                "ename": str(obj.get("ename", "Error")),
+                "evalue": str(obj.get("evalue", "")),
+                "traceback": [str(line) for line in tb] if isinstance(tb, list) else [],
+                "memory": obj.get("memory") is True,
+            },
+        )
     if kind == "done":
         if not _is_int(obj.get("exit_code")):
             return None
-        return cast(DoneEvent, {
-            "ev": "done", "exit_code": obj["exit_code"],
-            "cpu_ms": obj["cpu_ms"] if _is_int(obj.get("cpu_ms")) else None,
-            "max_rss_mb": float(obj["max_rss_mb"]) if _is_number(obj.get("max_rss_mb")) else None,
-            "import_ms": obj["import_ms"] if _is_int(obj.get("import_ms")) else None,
-        })
+        return cast(
+            DoneEvent,
+            {
+                "ev": "done",
+                "exit_code": obj["exit_code"],
+                "cpu_ms": obj["cpu_ms"] if _is_int(obj.get("cpu_ms")) else None,
+                "max_rss_mb": float(obj["max_rss_mb"]) if _is_number(obj.get("max_rss_mb")) else None,
+                "import_ms": obj["import_ms"] if _is_int(obj.get("import_ms")) else None,
+            },
+        )
     if kind == "ready":
         check, failed, ms = obj.get("check"), obj.get("preload_failed"), obj.get("preload_ms")
-        return cast(ReadyEvent, {
-            "ev": "ready", "check": check if isinstance(check, dict) else {},
-            "preload_failed": {str(k): str(v) for k, v in failed.items()} if isinstance(failed, dict) else {},
-            "preload_ms": ms if _is_int(ms) else 0,
-        })
+        return cast(
+            ReadyEvent,
+            {
+                "ev": "ready",
+                "check": check if isinstance(check, dict) else {},
+                "preload_failed": {str(k): str(v) for k, v in failed.items()}
+                if isinstance(failed, dict)
+                else {},
+                "preload_ms": ms if _is_int(ms) else 0,
+            },
+        )
     if kind == "cuda_context":
         event: CudaContextEvent = {"ev": "cuda_context", "ok": obj.get("ok") is True}
         if isinstance(obj.get("error"), str):

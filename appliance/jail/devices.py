@@ -22,7 +22,9 @@ DEV = Path("/dev")
 SYS_MODULE = Path("/sys/module")
 CONTROL_NODES = ("nvidiactl", "nvidia-uvm")
 # Every name in /dev that gives access to a GPU (or to GPU-adjacent control), in any mode.
-GPU_NODE_RE = re.compile(r"^(nvidia\d+|nvidiactl|nvidia-uvm|nvidia-uvm-tools|nvidia-modeset|nvidia-caps|dri|kfd)$")
+GPU_NODE_RE = re.compile(
+    r"^(nvidia\d+|nvidiactl|nvidia-uvm|nvidia-uvm-tools|nvidia-modeset|nvidia-caps|dri|kfd)$"
+)
 
 
 def run_devices(minor: int) -> tuple[Path, ...]:
@@ -52,7 +54,9 @@ def _class_without(char: str) -> str:
 
 def hidden_modules(keep_prefix: str = "nvidia") -> tuple[Path, ...]:
     """Glob patterns covering every /sys/module entry whose name does not start with keep_prefix."""
-    patterns = [SYS_MODULE / f"{keep_prefix[:k]}{_class_without(keep_prefix[k])}*" for k in range(len(keep_prefix))]
+    patterns = [
+        SYS_MODULE / f"{keep_prefix[:k]}{_class_without(keep_prefix[k])}*" for k in range(len(keep_prefix))
+    ]
     patterns += [SYS_MODULE / keep_prefix[:k] for k in range(1, len(keep_prefix))]  # "n", "nv", ... exactly
     return tuple(patterns)
 
@@ -73,10 +77,12 @@ class GpuDevice:
     mps_pipe_dir: Path | None = None  # the MPS daemon's sockets, when runs join it
 
 
-def gpu_device(index: int, uuid: str, minor: int, dev_dir: Path = DEV,
-               mps_pipe_dir: Path | None = None) -> GpuDevice:
+def gpu_device(
+    index: int, uuid: str, minor: int, dev_dir: Path = DEV, mps_pipe_dir: Path | None = None
+) -> GpuDevice:
     """Look at the host's /dev once and describe the jail of one device."""
     nodes = run_devices(minor)
     dev_entries = tuple(os.listdir(dev_dir)) if dev_dir.is_dir() else ()
-    return GpuDevice(index=index, uuid=uuid, nodes=nodes, hidden=gpu_hidden(dev_entries, nodes),
-                     mps_pipe_dir=mps_pipe_dir)
+    return GpuDevice(
+        index=index, uuid=uuid, nodes=nodes, hidden=gpu_hidden(dev_entries, nodes), mps_pipe_dir=mps_pipe_dir
+    )

@@ -149,7 +149,11 @@ class EventStream(io.TextIOBase):
             os.write(self._fd, text.encode("utf-8", "backslashreplace"))
             return
         for start in range(0, len(text), self.CHUNK):
-            event: channel.StreamEvent = {"ev": "stream", "name": self._name, "text": text[start:start + self.CHUNK]}
+            event: channel.StreamEvent = {
+                "ev": "stream",
+                "name": self._name,
+                "text": text[start : start + self.CHUNK],
+            }
             self._events.send(event)
 
 
@@ -208,8 +212,14 @@ class ImportClock:
     def install(self) -> None:
         builtins.__import__ = self._import
 
-    def _import(self, name: str, globals: Any = None, locals: Any = None,  # the builtin's parameter names
-                fromlist: Any = (), level: int = 0) -> Any:
+    def _import(
+        self,
+        name: str,
+        globals: Any = None,
+        locals: Any = None,  # the builtin's parameter names
+        fromlist: Any = (),
+        level: int = 0,
+    ) -> Any:
         if self._depth or (level == 0 and name in sys.modules) or threading.get_ident() != self._main:
             return self._real(name, globals, locals, fromlist, level)
         self._depth += 1
@@ -321,13 +331,15 @@ class Driver:
                 os._exit(exit_code)  # a child the code forked fell out of its cell: end it here
             end_leftovers()
             after = _usage()
-            self.events.emit({
-                "ev": "done",
-                "exit_code": exit_code,
-                "cpu_ms": int((after[0] - before[0]) * 1000),
-                "max_rss_mb": round(after[1] / 1024, 1),
-                "import_ms": int(self.imports.seconds * 1000),
-            })
+            self.events.emit(
+                {
+                    "ev": "done",
+                    "exit_code": exit_code,
+                    "cpu_ms": int((after[0] - before[0]) * 1000),
+                    "max_rss_mb": round(after[1] / 1024, 1),
+                    "import_ms": int(self.imports.seconds * 1000),
+                }
+            )
 
     def run_cell(self, code: str) -> int:
         self.cell_count += 1
@@ -372,6 +384,7 @@ class Driver:
 
 
 # -- rich output -------------------------------------------------------------------------
+
 
 def mime_bundle(obj: Any) -> dict[str, Any]:
     """A Jupyter-style MIME bundle for obj; a repr that raises or is huge never breaks it."""
@@ -465,6 +478,7 @@ def flush_figures() -> None:
 
 # -- errors ------------------------------------------------------------------------------
 
+
 def error_event(exc: BaseException, skip_driver: bool) -> channel.ErrorEvent:
     tb = exc.__traceback__
     if skip_driver:
@@ -502,6 +516,7 @@ def exit_code_of(exc: SystemExit) -> int:
 
 
 # -- files in ----------------------------------------------------------------------------
+
 
 def write_uploads(files: list[tuple[str, bytes]]) -> None:
     """Write uploaded files under the cwd, refusing to follow or replace any link."""
@@ -564,7 +579,10 @@ def open_cuda_context(lib: str) -> channel.CudaContextEvent:
         steps: tuple[tuple[str, Callable[[], int]], ...] = (
             ("cuInit", lambda: int(cuda.cuInit(0))),
             ("cuDeviceGet", lambda: int(cuda.cuDeviceGet(ctypes.byref(device), 0))),
-            ("cuDevicePrimaryCtxRetain", lambda: int(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device))),
+            (
+                "cuDevicePrimaryCtxRetain",
+                lambda: int(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device)),
+            ),
             ("cuCtxSetCurrent", lambda: int(cuda.cuCtxSetCurrent(ctx))),
         )
         for step, call in steps:
@@ -578,6 +596,7 @@ def open_cuda_context(lib: str) -> channel.CudaContextEvent:
 
 
 # -- self-check --------------------------------------------------------------------------
+
 
 def self_check() -> dict[str, Any]:
     """What this process can see of its own confinement."""
@@ -664,8 +683,14 @@ def main() -> None:
     started = time.monotonic()
     failures = preload([m for m in os.environ.get("APPLIANCE_PRELOAD", "").split(",") if m])
     driver.imports.install()  # after the preload: what the profile has loaded costs nothing
-    events.emit({"ev": "ready", "check": check, "preload_failed": failures,
-                 "preload_ms": int((time.monotonic() - started) * 1000)})
+    events.emit(
+        {
+            "ev": "ready",
+            "check": check,
+            "preload_failed": failures,
+            "preload_ms": int((time.monotonic() - started) * 1000),
+        }
+    )
     threading.Thread(target=driver.read_control, name="control", daemon=True).start()
     driver.serve()
 

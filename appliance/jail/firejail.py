@@ -24,8 +24,13 @@ def render_argv(spec: JailSpec, events_fd: int, firejail: str = "firejail") -> l
     #    message queues are neither shared with other runs nor left on the host (the
     #    namespace's objects go with its last process).
     argv += [
-        "--noroot", "--caps.drop=all", "--nonewprivs", f"--seccomp={','.join(EXTRA_DENIED_SYSCALLS)}",
-        "--seccomp.block-secondary", "--restrict-namespaces", "--ipc-namespace",
+        "--noroot",
+        "--caps.drop=all",
+        "--nonewprivs",
+        f"--seccomp={','.join(EXTRA_DENIED_SYSCALLS)}",
+        "--seccomp.block-secondary",
+        "--restrict-namespaces",
+        "--ipc-namespace",
     ]
     # 2. Network: a fresh namespace with only a loopback interface; or, in egress mode, the
     #    filtered namespace appliance.jail.network made (firejail is started inside it and
@@ -37,8 +42,11 @@ def render_argv(spec: JailSpec, events_fd: int, firejail: str = "firejail") -> l
     #    everything at the top level that is not needed is blacklisted; the Python
     #    environment and the runtime are whitelisted and read-only.
     argv += [
-        f"--private={spec.workdir}", f"--private-cwd={WORKSPACE}",
-        "--private-tmp", "--private-dev", f"--private-etc={','.join(ETC_FILES)}",
+        f"--private={spec.workdir}",
+        f"--private-cwd={WORKSPACE}",
+        "--private-tmp",
+        "--private-dev",
+        f"--private-etc={','.join(ETC_FILES)}",
     ]
     argv += [f"--blacklist={path}" for path in spec.hidden]
     # 3b. Devices. --private-dev brings every /dev/nvidia[0-9]*, nvidiactl, nvidia-uvm and dri
@@ -101,10 +109,21 @@ def accounts_argv(passwd: Path, group: Path, then: list[str]) -> list[str]:
     or the egress namespace's `enter_argv`) before the setuid firejail runs.
     """
     # `env -u PWD`: the shell exports PWD, which the jail must not inherit (the canary checks).
-    script = 'mount --bind "$1" /etc/passwd && mount --bind "$2" /etc/group && shift 2 && exec env -u PWD "$@"'
+    script = (
+        'mount --bind "$1" /etc/passwd && mount --bind "$2" /etc/group && shift 2 && exec env -u PWD "$@"'
+    )
     return [
-        "unshare", "--mount", "--propagation=private", "--",
-        "sh", "-c", script, "sh", str(passwd), str(group), *then,
+        "unshare",
+        "--mount",
+        "--propagation=private",
+        "--",
+        "sh",
+        "-c",
+        script,
+        "sh",
+        str(passwd),
+        str(group),
+        *then,
     ]
 
 

@@ -17,7 +17,7 @@ from appliance.jail.spec import WORKSPACE
 
 @dataclass(frozen=True)
 class HostFacts:
-    firejail: str           # absolute path of the setuid firejail binary
+    firejail: str  # absolute path of the setuid firejail binary
     firejail_version: str
     run_as_uid: int | None  # uid to switch to before starting firejail; None: we already are it
     uid: int
@@ -113,9 +113,14 @@ def import_problem(python: Path, modules: tuple[str, ...], timeout_s: float = 12
     try:
         # S603: the configured python, our code; module names from settings
         proc = subprocess.run(  # noqa: S603
-            [str(python), "-I", "-c", code, *modules], capture_output=True, text=True,
-            timeout=timeout_s, cwd="/", env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-            check=False)
+            [str(python), "-I", "-c", code, *modules],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"{python} could not be run: {exc}"
     if proc.returncode == 0:

@@ -45,9 +45,9 @@ class Jail:
     process: JailProcess
     dirs: RunDirs
     created: float = field(default_factory=time.monotonic)
-    link: JailLink | None = None           # egress mode: the jail's own network namespace
+    link: JailLink | None = None  # egress mode: the jail's own network namespace
     network: EgressNetwork | None = None
-    cgroup: Group | None = None            # the jail's own cgroup (memory, cpu, pids), when enforcing
+    cgroup: Group | None = None  # the jail's own cgroup (memory, cpu, pids), when enforcing
     _destroyed: bool = False
 
     @property
@@ -91,21 +91,35 @@ class Jail:
 class JailFactory:
     """Makes jails for one server: holds the settings and host facts every spec needs."""
 
-    def __init__(self, settings: Settings, host: HostFacts, runtime: Path, dirs: RunDirs,
-                 network: EgressNetwork | None = None, gpu: GpuDevice | None = None,
-                 preload: tuple[str, ...] | None = None, wheel_cache: Path | None = None,
-                 cgroups: Hierarchy | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        host: HostFacts,
+        runtime: Path,
+        dirs: RunDirs,
+        network: EgressNetwork | None = None,
+        gpu: GpuDevice | None = None,
+        preload: tuple[str, ...] | None = None,
+        wheel_cache: Path | None = None,
+        cgroups: Hierarchy | None = None,
+    ) -> None:
         self.settings = settings
         self.cgroups = cgroups  # enforcing: every jail gets its own group before it starts
-        self.run_limits = GroupLimits(memory_mb=settings.memory_mb, cpus=settings.cpus, max_procs=settings.max_procs)
+        self.run_limits = GroupLimits(
+            memory_mb=settings.memory_mb, cpus=settings.cpus, max_procs=settings.max_procs
+        )
         self.preload = settings.preload if preload is None else preload  # this factory's profile
         self.gpu = gpu  # GPU mode: every jail made here sees only this device
         self.host = host
         self.runtime = runtime
         self.dirs = dirs
         self.network = network
-        self.expected = checks.Expected(uid=host.uid, host_pid_ns=host.pid_ns, host_net_ns=host.net_ns,
-                                        interfaces=expected_interfaces(network is not None))
+        self.expected = checks.Expected(
+            uid=host.uid,
+            host_pid_ns=host.pid_ns,
+            host_net_ns=host.net_ns,
+            interfaces=expected_interfaces(network is not None),
+        )
         self._env = jail_env(settings, settings.python, runtime, self.preload)
         self._readable = (*python_roots(settings.python), runtime)
         if settings.models_dir is not None:
@@ -130,7 +144,9 @@ class JailFactory:
             python=s.python,
             driver=self.runtime / "driver.py",
             limits=JailLimits(
-                memory_mb=s.memory_mb, max_procs=s.max_procs, file_mb=s.max_file_mb,
+                memory_mb=s.memory_mb,
+                max_procs=s.max_procs,
+                file_mb=s.max_file_mb,
                 open_files=s.max_open_files,
             ),
             readable=self._readable,
@@ -193,8 +209,10 @@ class JailFactory:
         try:
             process = await JailProcess.spawn(
                 lambda fd: prefix + render_argv(spec, fd, self.host.firejail),
-                uid=run_as, gid=self.host.gid if run_as is not None else None,
-                env=launcher_env(), max_event_bytes=self.settings.max_output_bytes + 65536,
+                uid=run_as,
+                gid=self.host.gid if run_as is not None else None,
+                env=launcher_env(),
+                max_event_bytes=self.settings.max_output_bytes + 65536,
                 preexec=group.preexec if group is not None else None,
             )
         except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: joining the group failed
@@ -206,8 +224,15 @@ class JailFactory:
             if group is not None:
                 group.close_join()
         self.spawned += 1
-        jail = Jail(id=jail_id, workdir=workdir, process=process, dirs=self.dirs, link=link,
-                    network=self.network, cgroup=group)
+        jail = Jail(
+            id=jail_id,
+            workdir=workdir,
+            process=process,
+            dirs=self.dirs,
+            link=link,
+            network=self.network,
+            cgroup=group,
+        )
         try:
             ready = await jail.process.wait_event("ready", READY_TIMEOUT_S)
         except JailExited as exc:

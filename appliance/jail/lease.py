@@ -29,9 +29,9 @@ class Lease(abc.ABC):
     """One run's (or session's) jail and what must be undone when it ends."""
 
     def __init__(self, profile: str, queued_ms: int = 0, gpu: dict[str, Any] | None = None) -> None:
-        self.profile = profile       # the preload profile of the jail (appliance.jail.profiles)
-        self.queued_ms = queued_ms   # time spent in line for the lease (GPU memory), not the slot
-        self.gpu = gpu               # the start frame's `gpu` field; None for a CPU run
+        self.profile = profile  # the preload profile of the jail (appliance.jail.profiles)
+        self.queued_ms = queued_ms  # time spent in line for the lease (GPU memory), not the slot
+        self.gpu = gpu  # the start frame's `gpu` field; None for a CPU run
         self.jail: Jail | None = None
         self.kept = False
         self._ended = False

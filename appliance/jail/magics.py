@@ -52,7 +52,7 @@ def wheelhouse_contents(wheelhouse: str) -> dict[str, list[str]]:
             suffix = next((s for s in _WHEEL_SUFFIXES if entry.endswith(s)), None)
             if suffix is None:
                 continue
-            stem = entry[:-len(suffix)]
+            stem = entry[: -len(suffix)]
             if suffix == ".whl":
                 parts = stem.split("-")
                 if len(parts) < 5:
@@ -71,7 +71,7 @@ def split_requirement(req: str) -> tuple[str, str]:
     match = _NAME.match(req)
     if match is None:
         return "", req
-    return normalize(match.group(0)), req[match.end():].strip()
+    return normalize(match.group(0)), req[match.end() :].strip()
 
 
 class Magics:
@@ -99,8 +99,13 @@ class Magics:
                 stream.flush()
         # S603: the cell's own `!` command, run inside the jail: the jail is the boundary
         proc = subprocess.Popen(  # noqa: S603
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=env, start_new_session=True)
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
         try:
             self._pump(proc, out, err)
             return proc.wait()
@@ -147,8 +152,7 @@ class Magics:
     def _pip(self, args: str) -> int:
         words = shlex.split(args)
         if words[:1] != ["install"]:
-            sys.stderr.write("pip: only `pip install <package> ...` is supported here "
-                             f"(got `pip {args}`)\n")
+            sys.stderr.write(f"pip: only `pip install <package> ...` is supported here (got `pip {args}`)\n")
             return 2
         flags = [w for w in words[1:] if w.startswith("-")]
         reqs = [w for w in words[1:] if not w.startswith("-")]
@@ -160,22 +164,45 @@ class Magics:
             sys.stderr.write("pip: name the package(s) to install, e.g. `%pip install requests`\n")
             return 2
         if self.wheelhouse is None:
-            sys.stderr.write("pip install is off on this appliance: runs have no network, and no wheelhouse "
-                             "is configured (the operator sets SANDBOX_WHEELHOUSE to a directory of wheels)\n")
+            sys.stderr.write(
+                "pip install is off on this appliance: runs have no network, and no wheelhouse "
+                "is configured (the operator sets SANDBOX_WHEELHOUSE to a directory of wheels)\n"
+            )
             return 1
         available = wheelhouse_contents(self.wheelhouse)
         names = [split_requirement(r)[0] for r in reqs]
         missing = [r for r, name in zip(reqs, names, strict=True) if not name or name not in available]
         if missing:
-            listing = ", ".join(f"{name} {' '.join(versions)}" for name, versions in sorted(available.items()))
-            sys.stderr.write(f"pip: not in the appliance's wheelhouse: {', '.join(missing)}. "
-                             f"The wheelhouse has: {listing or 'nothing'}\n")
+            listing = ", ".join(
+                f"{name} {' '.join(versions)}" for name, versions in sorted(available.items())
+            )
+            sys.stderr.write(
+                f"pip: not in the appliance's wheelhouse: {', '.join(missing)}. "
+                f"The wheelhouse has: {listing or 'nothing'}\n"
+            )
             return 1
         if not flags and self._from_cache(reqs):
             return 0
-        argv = [sys.executable, "-I", "-m", "pip", "install", "--no-index", "--find-links", self.wheelhouse,
-                "--target", self.site, "--no-cache-dir", "--disable-pip-version-check",
-                "--no-warn-script-location", "--no-input", "--progress-bar", "off", *flags, *reqs]
+        argv = [
+            sys.executable,
+            "-I",
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--find-links",
+            self.wheelhouse,
+            "--target",
+            self.site,
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "--no-warn-script-location",
+            "--no-input",
+            "--progress-bar",
+            "off",
+            *flags,
+            *reqs,
+        ]
         code = self._run(argv)
         if code == 0:
             self._add_path(self.site)

@@ -81,7 +81,9 @@ class CgroupMemory(RunMemory):
             return None
         for line in text.splitlines():
             parts = line.split(":", 2)
-            if len(parts) != 3 or (parts[1] != "" if self.controller == "" else "memory" not in parts[1].split(",")):
+            if len(parts) != 3 or (
+                parts[1] != "" if self.controller == "" else "memory" not in parts[1].split(",")
+            ):
                 continue
             path = PurePosixPath(parts[2])
             if path.parent.name == self.tree.instance and path.name:

@@ -50,10 +50,21 @@ log = logging.getLogger("appliance.network")
 # Never reachable unless allowed on purpose: "this network", RFC 1918, CGNAT, loopback,
 # link-local (cloud metadata lives at 169.254.169.254), IETF protocol assignments,
 # multicast, reserved and broadcast.
-BLOCKED_V4 = tuple(ipaddress.IPv4Network(n) for n in (
-    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
-    "172.16.0.0/12", "192.0.0.0/24", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
-))
+BLOCKED_V4 = tuple(
+    ipaddress.IPv4Network(n)
+    for n in (
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "172.16.0.0/12",
+        "192.0.0.0/24",
+        "192.168.0.0/16",
+        "224.0.0.0/4",
+        "240.0.0.0/4",
+    )
+)
 DNS_PORT = 53
 NETNS_DIR = Path("/run/netns")
 JAIL_IF = "eth0"
@@ -66,10 +77,10 @@ COMMAND_TIMEOUT_S = 20.0
 class EgressPolicy:
     """What jails may reach. Built once at startup; every ruleset is rendered from it."""
 
-    ports: tuple[int, ...]                   # TCP ports open outward (53 means DNS, see dns)
-    allow_nets: tuple[IPv4Network, ...]      # carved out of BLOCKED_V4 on purpose
-    dns: tuple[IPv4Address, ...]             # the only resolvers; only when 53 is in ports
-    subnet: IPv4Network                      # jail links are /30s carved from it
+    ports: tuple[int, ...]  # TCP ports open outward (53 means DNS, see dns)
+    allow_nets: tuple[IPv4Network, ...]  # carved out of BLOCKED_V4 on purpose
+    dns: tuple[IPv4Address, ...]  # the only resolvers; only when 53 is in ports
+    subnet: IPv4Network  # jail links are /30s carved from it
     host_addresses: tuple[IPv4Address, ...]  # the host's own addresses, never reachable
 
     @property
@@ -136,8 +147,11 @@ def link_for(policy: EgressPolicy, index: int, jail_id: str) -> JailLink:
         raise ValueError(f"link index {index} outside 0..{policy.max_links - 1}")
     base = policy.subnet.network_address + 4 * index
     return JailLink(
-        index=index, netns=f"{policy.netns_prefix}{jail_id}", host_if=f"{policy.if_prefix}{index:04x}",
-        gateway=base + 1, address=base + 2,
+        index=index,
+        netns=f"{policy.netns_prefix}{jail_id}",
+        host_if=f"{policy.if_prefix}{index:04x}",
+        gateway=base + 1,
+        address=base + 2,
     )
 
 
@@ -149,8 +163,10 @@ def _decisions(policy: EgressPolicy, accept: str, refuse: str) -> list[str]:
     """The egress decision, first match wins; shared by both rulesets."""
     rules = [f"ip daddr {_set(policy.never)} {refuse}"]
     if policy.dns and DNS_PORT in policy.ports:
-        rules += [f"ip daddr {_set(policy.dns)} udp dport {DNS_PORT} {accept}",
-                  f"ip daddr {_set(policy.dns)} tcp dport {DNS_PORT} {accept}"]
+        rules += [
+            f"ip daddr {_set(policy.dns)} udp dport {DNS_PORT} {accept}",
+            f"ip daddr {_set(policy.dns)} tcp dport {DNS_PORT} {accept}",
+        ]
     if policy.tcp_ports and policy.allow_nets:
         rules.append(f"ip daddr {_set(policy.allow_nets)} tcp dport {_set(policy.tcp_ports)} {accept}")
     rules.append(f"ip daddr {_set(BLOCKED_V4)} {refuse}")
@@ -244,8 +260,15 @@ def enter_argv(link: JailLink, uid: int, gid: int) -> list[str]:
     jail without network gets.
     """
     return [
-        "nsenter", f"--net={link.netns_path}", "--",
-        "setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all", "--",
+        "nsenter",
+        f"--net={link.netns_path}",
+        "--",
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={gid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--",
     ]
 
 
@@ -260,8 +283,14 @@ def expected_interfaces(egress: bool) -> tuple[str, ...]:
 def _run(argv: Sequence[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     # S603: ip/nft argv built in this module, fixed PATH
     return subprocess.run(  # noqa: S603
-        list(argv), input=stdin, capture_output=True, text=True,
-        timeout=COMMAND_TIMEOUT_S, check=False, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        list(argv),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT_S,
+        check=False,
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+    )
 
 
 def host_addresses() -> tuple[IPv4Address, ...]:
@@ -269,8 +298,12 @@ def host_addresses() -> tuple[IPv4Address, ...]:
     out = _run(["ip", "-j", "-4", "addr", "show"])
     if out.returncode != 0:
         raise StartupError(f"egress: cannot list the host's addresses: {out.stderr.strip()}")
-    found = {IPv4Address(a["local"]) for link in json.loads(out.stdout or "[]")
-             for a in link.get("addr_info", []) if a.get("family") == "inet"}
+    found = {
+        IPv4Address(a["local"])
+        for link in json.loads(out.stdout or "[]")
+        for a in link.get("addr_info", [])
+        if a.get("family") == "inet"
+    }
     return tuple(sorted(found))
 
 
@@ -281,12 +314,15 @@ def check_prerequisites() -> None:
     /run is decided (and is hidden from jails like the rest of /run).
     """
     if os.geteuid() != 0:
-        raise StartupError("SANDBOX_OPEN_PORTS needs the server to run as root (it makes network "
-                           "namespaces and nftables rules; the container needs CAP_NET_ADMIN)")
+        raise StartupError(
+            "SANDBOX_OPEN_PORTS needs the server to run as root (it makes network "
+            "namespaces and nftables rules; the container needs CAP_NET_ADMIN)"
+        )
     missing = [t for t in TOOLS if shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin") is None]
     if missing:
-        raise StartupError(f"SANDBOX_OPEN_PORTS needs {', '.join(missing)}: "
-                           f"apt-get install iproute2 nftables util-linux")
+        raise StartupError(
+            f"SANDBOX_OPEN_PORTS needs {', '.join(missing)}: apt-get install iproute2 nftables util-linux"
+        )
     NETNS_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
 
 
@@ -314,8 +350,10 @@ class EgressNetwork:
             forward.write_text("1\n")
             enabled = forward.read_text().strip() == "1"
         except OSError as exc:
-            raise StartupError(f"egress: cannot enable net.ipv4.ip_forward ({exc.strerror}); "
-                               "run with CAP_NET_ADMIN and a writable /proc/sys/net") from exc
+            raise StartupError(
+                f"egress: cannot enable net.ipv4.ip_forward ({exc.strerror}); "
+                "run with CAP_NET_ADMIN and a writable /proc/sys/net"
+            ) from exc
         if not enabled:
             raise StartupError("egress: net.ipv4.ip_forward did not stay on")
         out = _run(["nft", "-f", "-"], host_ruleset(policy))
@@ -325,10 +363,16 @@ class EgressNetwork:
         if check.returncode != 0 or "masquerade" not in check.stdout:
             raise StartupError("egress: the host filter is not in place after loading it")
         self.policy = policy
-        log.info("egress filter installed", extra={
-            "ports": list(policy.ports), "allow_nets": [str(n) for n in policy.allow_nets],
-            "dns": [str(a) for a in policy.dns], "subnet": str(policy.subnet), "table": policy.table,
-        })
+        log.info(
+            "egress filter installed",
+            extra={
+                "ports": list(policy.ports),
+                "allow_nets": [str(n) for n in policy.allow_nets],
+                "dns": [str(a) for a in policy.dns],
+                "subnet": str(policy.subnet),
+                "table": policy.table,
+            },
+        )
         return policy
 
     def _check_subnet_free(self, policy: EgressPolicy) -> None:
@@ -343,7 +387,8 @@ class EgressNetwork:
                 if IPv4Network(dst, strict=False).overlaps(policy.subnet):
                     raise StartupError(
                         f"SANDBOX_EGRESS_SUBNET {policy.subnet} overlaps the host's route to {dst} "
-                        f"(dev {route.get('dev')}); choose a free subnet")
+                        f"(dev {route.get('dev')}); choose a free subnet"
+                    )
         for address in policy.host_addresses:
             if address in policy.subnet:
                 raise StartupError(f"SANDBOX_EGRESS_SUBNET {policy.subnet} holds the host address {address}")

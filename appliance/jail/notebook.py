@@ -21,8 +21,10 @@ import io
 import tokenize
 
 HOOK = "__appliance_magics__"
-SUPPORTED = ("`!cmd` (shell command), `%pip install pkg` or `!pip install pkg`, "
-             "`%%bash` / `%%sh` (the cell as a shell script), `%matplotlib inline` (a no-op)")
+SUPPORTED = (
+    "`!cmd` (shell command), `%pip install pkg` or `!pip install pkg`, "
+    "`%%bash` / `%%sh` (the cell as a shell script), `%matplotlib inline` (a no-op)"
+)
 _PIP_COMMANDS = ("pip", "pip3", "python -m pip", "python3 -m pip")
 _NOOP_MAGICS = ("matplotlib",)
 _SHELL_CELL_MAGICS = ("bash", "sh")
@@ -50,7 +52,7 @@ def translate(code: str, filename: str = "<cell>") -> str:
             out.append(line)
             i += 1
             continue
-        indent = line[:len(line) - len(stripped)]
+        indent = line[: len(line) - len(stripped)]
         text = stripped.rstrip("\r\n")
         consumed = 1
         while text.endswith("\\") and i + consumed < len(lines):  # `!cmd a \` + next line
@@ -70,7 +72,7 @@ def _cell_magic(lines: list[str], filename: str) -> str | None:
     name, _, _args = head[2:].partition(" ")
     if name not in _SHELL_CELL_MAGICS:
         raise _unknown(head, first + 1, filename, lines[first])
-    body = "".join(lines[first + 1:])
+    body = "".join(lines[first + 1 :])
     # One line for the whole cell: the script's own line numbers are the shell's business.
     return "\n" * first + f"{HOOK}.shell({body!r})\n"
 
@@ -79,10 +81,12 @@ def _call(text: str, lineno: int, filename: str, line: str) -> str:
     if text.startswith("!"):
         command = text[1:].strip()
         if not command:
-            raise SyntaxError("`!` needs a shell command after it, e.g. `!ls -l`", (filename, lineno, 1, line))
+            raise SyntaxError(
+                "`!` needs a shell command after it, e.g. `!ls -l`", (filename, lineno, 1, line)
+            )
         for pip in _PIP_COMMANDS:
             if command == pip or command.startswith(pip + " "):
-                return f"{HOOK}.pip({command[len(pip):].strip()!r})"
+                return f"{HOOK}.pip({command[len(pip) :].strip()!r})"
         return f"{HOOK}.shell({command!r})"
     name, _, rest = text[1:].partition(" ")
     if name in ("pip", "pip3"):
@@ -94,8 +98,9 @@ def _call(text: str, lineno: int, filename: str, line: str) -> str:
 
 def _unknown(text: str, lineno: int, filename: str, line: str) -> SyntaxError:
     word = text.split()[0] if text.split() else text
-    return SyntaxError(f"unsupported magic {word}: the supported notebook lines are {SUPPORTED}",
-                       (filename, lineno, 1, line))
+    return SyntaxError(
+        f"unsupported magic {word}: the supported notebook lines are {SUPPORTED}", (filename, lineno, 1, line)
+    )
 
 
 def _at_statement_start(prefix: str) -> bool:

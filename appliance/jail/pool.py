@@ -46,8 +46,16 @@ def mem_available_kb() -> int:
     return 0
 
 
-def pool_target(*, floor: int, ceiling: int, arrivals_per_s: float, start_s: float, have: int,
-                jail_pss_kb: int, mem_available_kb: int) -> int:
+def pool_target(
+    *,
+    floor: int,
+    ceiling: int,
+    arrivals_per_s: float,
+    start_s: float,
+    have: int,
+    jail_pss_kb: int,
+    mem_available_kb: int,
+) -> int:
     """Ready-or-starting jails to aim for. Pure.
 
     Little's law: while one jail starts (start_s), arrivals_per_s * start_s runs arrive and
@@ -67,8 +75,9 @@ def pool_target(*, floor: int, ceiling: int, arrivals_per_s: float, start_s: flo
 class JailPool:
     """Keeps between `size` and `max_size` ready jails (size 0 turns pooling off)."""
 
-    def __init__(self, factory: JailFactory, size: int, max_size: int | None = None,
-                 max_idle_s: float = 600.0) -> None:
+    def __init__(
+        self, factory: JailFactory, size: int, max_size: int | None = None, max_idle_s: float = 600.0
+    ) -> None:
         self.factory = factory
         self.size = size
         self.max_size = max(size, max_size if max_size is not None else size)
@@ -120,9 +129,12 @@ class JailPool:
         while self._arrivals and now - self._arrivals[0] > RATE_WINDOW_S:
             self._arrivals.popleft()
         return pool_target(
-            floor=self.size, ceiling=self.max_size, arrivals_per_s=len(self._arrivals) / RATE_WINDOW_S,
+            floor=self.size,
+            ceiling=self.max_size,
+            arrivals_per_s=len(self._arrivals) / RATE_WINDOW_S,
             start_s=sum(self._start_s) / len(self._start_s) if self._start_s else 0.5,
-            have=len(self.ready) + self.starting, jail_pss_kb=self.jail_pss_kb,
+            have=len(self.ready) + self.starting,
+            jail_pss_kb=self.jail_pss_kb,
             mem_available_kb=mem_available_kb() if self.jail_pss_kb else 0,
         )
 
@@ -211,13 +223,18 @@ class ProfilePools:
             raise ValueError("no pools")
         self.pools = pools
         self.profiles = tuple(pools)
-        self.runs: Counter[str] = Counter()      # profile name -> runs given one of its jails
+        self.runs: Counter[str] = Counter()  # profile name -> runs given one of its jails
         self.imported: Counter[str] = Counter()  # preloaded package -> runs whose code imports it
         self._preloaded = frozenset().union(*(p.tops for p in self.profiles))
 
     @classmethod
-    def build(cls, profiles: tuple[Profile, ...], make_factory: Callable[[Profile], JailFactory], size: int,
-              max_size: int | None = None) -> ProfilePools:
+    def build(
+        cls,
+        profiles: tuple[Profile, ...],
+        make_factory: Callable[[Profile], JailFactory],
+        size: int,
+        max_size: int | None = None,
+    ) -> ProfilePools:
         return cls({p: JailPool(make_factory(p), size, max_size=max_size) for p in profiles})
 
     def profile_for(self, code: str) -> Profile:

@@ -32,7 +32,7 @@ from appliance.jail import channel, proctree
 
 READ_CHUNK = 65536
 HIGH_WATER_BYTES = 256 * 1024  # stop reading the jail's pipes above this much waiting output ...
-LOW_WATER_BYTES = 64 * 1024    # ... and read again below this
+LOW_WATER_BYTES = 64 * 1024  # ... and read again below this
 
 
 @dataclass(frozen=True)
@@ -90,16 +90,19 @@ class JailProcess:
     """A running firejail with its pipes; `kill()` always leaves nothing behind."""
 
     def __init__(
-        self, proc: asyncio.subprocess.Process, control_fd: int, out_fd: int, err_fd: int,
-        events_fd: int, max_event_bytes: int,
+        self,
+        proc: asyncio.subprocess.Process,
+        control_fd: int,
+        out_fd: int,
+        err_fd: int,
+        events_fd: int,
+        max_event_bytes: int,
     ) -> None:
         self._proc = proc
         self._control_fd = control_fd
         self._fds = {"stdout": out_fd, "stderr": err_fd}
         self._events_fd = events_fd
-        self._decoders = {
-            name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in self._fds
-        }
+        self._decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in self._fds}
         self._event_buf = bytearray()
         self._max_event_bytes = max_event_bytes
         self._output: deque[Output] = deque()
@@ -121,8 +124,14 @@ class JailProcess:
 
     @classmethod
     async def spawn(
-        cls, argv_for_fd: Any, *, uid: int | None, gid: int | None, env: Mapping[str, str],
-        max_event_bytes: int, preexec: Callable[[], None] | None = None,
+        cls,
+        argv_for_fd: Any,
+        *,
+        uid: int | None,
+        gid: int | None,
+        env: Mapping[str, str],
+        max_event_bytes: int,
+        preexec: Callable[[], None] | None = None,
     ) -> JailProcess:
         """Start firejail. `argv_for_fd(events_fd)` renders the argv once the fd number is known.
         `preexec` runs in the forked child before exec (joining the jail's cgroup); if it fails,
@@ -138,8 +147,16 @@ class JailProcess:
             if uid is not None:
                 extra = {"user": uid, "group": gid, "extra_groups": []}
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=ctl_r, stdout=out_w, stderr=err_w, pass_fds=(ev_w,),
-                env=dict(env), cwd="/", start_new_session=True, preexec_fn=preexec, **extra,
+                *argv,
+                stdin=ctl_r,
+                stdout=out_w,
+                stderr=err_w,
+                pass_fds=(ev_w,),
+                env=dict(env),
+                cwd="/",
+                start_new_session=True,
+                preexec_fn=preexec,
+                **extra,
             )
         except BaseException:
             for fd in (*child_ends, ctl_w, out_r, err_r, ev_r):

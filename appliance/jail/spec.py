@@ -20,8 +20,18 @@ VISIBLE_TOP_LEVEL = frozenset(
 
 # The only files of the host's /etc a jail gets (firejail --private-etc copies these).
 ETC_FILES = (
-    "alternatives", "fonts", "group", "hosts", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
-    "localtime", "mime.types", "nsswitch.conf", "passwd", "ssl",
+    "alternatives",
+    "fonts",
+    "group",
+    "hosts",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "mime.types",
+    "nsswitch.conf",
+    "passwd",
+    "ssl",
 )
 
 
@@ -39,23 +49,23 @@ class JailLimits:
 class JailSpec:
     """Everything that decides how one jail is made."""
 
-    workdir: Path                     # host directory mounted as /workspace (owned by uid)
+    workdir: Path  # host directory mounted as /workspace (owned by uid)
     uid: int
     gid: int
-    python: Path                      # interpreter run inside the jail
-    driver: Path                      # the in-jail driver script (readable by uid)
+    python: Path  # interpreter run inside the jail
+    driver: Path  # the in-jail driver script (readable by uid)
     limits: JailLimits
-    readable: tuple[Path, ...]        # host paths whitelisted read-only (python env, runtime)
-    root_entries: tuple[str, ...]     # names found at the host's / (to hide what is not allowed)
-    run_entries: tuple[str, ...]      # names found in the host's /run (firejail needs /run itself)
+    readable: tuple[Path, ...]  # host paths whitelisted read-only (python env, runtime)
+    root_entries: tuple[str, ...]  # names found at the host's / (to hide what is not allowed)
+    run_entries: tuple[str, ...]  # names found in the host's /run (firejail needs /run itself)
     env: tuple[tuple[str, str], ...]  # the jail's whole environment (besides firejail's own)
-    devices: tuple[Path, ...] = ()    # extra /dev nodes (GPU mode); none in CPU mode
-    nice: int = 0                     # pool refills start at lower priority than running work
-    netns: str | None = None          # egress mode: the prepared namespace the jail starts in
-    dns: tuple[str, ...] = ()         # egress mode with 53 open: the jail's only resolvers
-    gpu: bool = False                 # GPU mode: CUDA-capable jail (no RLIMIT_AS, GPU nodes)
-    gpu_hidden: tuple[Path, ...] = () # GPU mode: host GPU nodes and /sys/module entries to hide
-    gpu_shared: tuple[Path, ...] = () # GPU mode with MPS: the daemon's pipe dir, whitelisted read-write
+    devices: tuple[Path, ...] = ()  # extra /dev nodes (GPU mode); none in CPU mode
+    nice: int = 0  # pool refills start at lower priority than running work
+    netns: str | None = None  # egress mode: the prepared namespace the jail starts in
+    dns: tuple[str, ...] = ()  # egress mode with 53 open: the jail's only resolvers
+    gpu: bool = False  # GPU mode: CUDA-capable jail (no RLIMIT_AS, GPU nodes)
+    gpu_hidden: tuple[Path, ...] = ()  # GPU mode: host GPU nodes and /sys/module entries to hide
+    gpu_shared: tuple[Path, ...] = ()  # GPU mode with MPS: the daemon's pipe dir, whitelisted read-write
 
     @property
     def hidden(self) -> tuple[Path, ...]:
@@ -73,8 +83,9 @@ class JailSpec:
         return tuple(hidden)
 
 
-def jail_env(settings: Settings, python: Path, runtime: Path, preload: tuple[str, ...]
-             ) -> tuple[tuple[str, str], ...]:
+def jail_env(
+    settings: Settings, python: Path, runtime: Path, preload: tuple[str, ...]
+) -> tuple[tuple[str, str], ...]:
     """The complete environment of jailed code: nothing of the server's own env is copied.
     `preload`: the modules the driver imports before its first run (the jail's profile)."""
     threads = str(settings.jail_threads)

@@ -86,8 +86,13 @@ def _unpack_all(wheels: list[Path], staging: Path) -> dict[str, dict[str, object
         name, version = normalize(parts[0]), parts[1]
         versions.setdefault(name, set()).add(version)
         pure = parts[-2] == "none" and parts[-1] == "any" and parts[-3].startswith("py3")
-        entry: dict[str, object] = {"name": parts[0], "version": version, "path": None,
-                                    "requires": [], "cacheable": False}
+        entry: dict[str, object] = {
+            "name": parts[0],
+            "version": version,
+            "path": None,
+            "requires": [],
+            "cacheable": False,
+        }
         if pure:
             folder = f"{name}-{version}"
             requires = _unpack(wheel, staging / folder)
@@ -131,8 +136,14 @@ def _unpack(wheel: Path, dest: Path) -> list[dict[str, object]] | None:
                 if path.is_absolute() or ".." in path.parts or stat.S_ISLNK(member.external_attr >> 16):
                     shutil.rmtree(dest, ignore_errors=True)
                     return None
-            metadata = next((m for m in members if m.filename.endswith(".dist-info/METADATA")
-                             and m.filename.count("/") == 1), None)
+            metadata = next(
+                (
+                    m
+                    for m in members
+                    if m.filename.endswith(".dist-info/METADATA") and m.filename.count("/") == 1
+                ),
+                None,
+            )
             if metadata is None:
                 return None
             headers = HeaderParser().parsestr(archive.read(metadata).decode("utf-8", "replace"))

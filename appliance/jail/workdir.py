@@ -74,7 +74,7 @@ class RunDirs:
         target.mkdir(mode=0o755, exist_ok=True)
         files = {
             "passwd": f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                      f"{user}:x:{self.uid}:{self.gid}::/workspace:/usr/sbin/nologin\n",
+            f"{user}:x:{self.uid}:{self.gid}::/workspace:/usr/sbin/nologin\n",
             "group": f"root:x:0:\n{group}:x:{self.gid}:\n",
         }
         for name, text in files.items():
@@ -153,8 +153,12 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
             shutil.copyfile(SOURCE_DIR / name, staging / name)
         (staging / "appliance" / "tools").mkdir(parents=True)
         (staging / "appliance" / "jail").mkdir()
-        (staging / "appliance" / "__init__.py").write_text('"""In-jail half only: the tools and the driver channel."""\n')
-        (staging / "appliance" / "jail" / "__init__.py").write_text('"""The driver channel and notebook lines only."""\n')
+        (staging / "appliance" / "__init__.py").write_text(
+            '"""In-jail half only: the tools and the driver channel."""\n'
+        )
+        (staging / "appliance" / "jail" / "__init__.py").write_text(
+            '"""The driver channel and notebook lines only."""\n'
+        )
         for module in JAIL_MODULES:
             shutil.copyfile(module, staging / "appliance" / "jail" / module.name)
         for tool in _tool_files():
@@ -165,7 +169,11 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
         # Builds fontlist-*.json once; missing matplotlib is fine (no cache needed then).
         subprocess.run(  # noqa: S603 (the jails' python, a fixed import)
             [str(python), "-I", "-c", "import matplotlib.font_manager"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=False,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=120,
+            check=False,
         )
         (staging / "ready").write_text("ok\n")
     return target

@@ -34,6 +34,16 @@ def cache_info() -> dict[str, Any]:
 
 
 __all__ = [
-    "Llm", "ModelError", "ModelInfo", "Transcript", "cache_info", "gpu_grant", "load_llm", "load_whisper",
-    "models", "models_dir", "resolve_model", "transcribe",
+    "Llm",
+    "ModelError",
+    "ModelInfo",
+    "Transcript",
+    "cache_info",
+    "gpu_grant",
+    "load_llm",
+    "load_whisper",
+    "models",
+    "models_dir",
+    "resolve_model",
+    "transcribe",
 ]

@@ -28,8 +28,10 @@ from typing import Any
 
 # ggml backends that put work on a GPU (ggml_backend_reg_name of each).
 GPU_BACKENDS = frozenset({"CUDA", "HIP", "ROCm", "Vulkan", "Metal", "MTL", "SYCL", "CANN", "MUSA", "OpenCL"})
-CUDA_FIX = ('reinstall it with CUDA: CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall '
-            '--no-cache-dir {package} (needs nvcc; see docs/gpu.md, "A CUDA build on a host")')
+CUDA_FIX = (
+    'reinstall it with CUDA: CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall '
+    '--no-cache-dir {package} (needs nvcc; see docs/gpu.md, "A CUDA build on a host")'
+)
 _SONAME = re.compile(r"^(lib[A-Za-z0-9_+-]*?)(-[0-9a-f]{8})?\.so(\.\d+)?")
 
 
@@ -51,8 +53,18 @@ def llama_cpp() -> dict[str, Any]:
         mod = importlib.import_module("llama_cpp")
         offload = bool(mod.llama_supports_gpu_offload())
     except Exception as exc:  # noqa: BLE001 (a native import fails in many ways; each is the finding)
-        return {"available": False, "version": None, "gpu_offload": False, "error": f"{type(exc).__name__}: {exc}"}
-    return {"available": True, "version": getattr(mod, "__version__", None), "gpu_offload": offload, "error": None}
+        return {
+            "available": False,
+            "version": None,
+            "gpu_offload": False,
+            "error": f"{type(exc).__name__}: {exc}",
+        }
+    return {
+        "available": True,
+        "version": getattr(mod, "__version__", None),
+        "gpu_offload": offload,
+        "error": None,
+    }
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,8 +75,13 @@ def whisper() -> dict[str, Any]:
         native = importlib.import_module("_pywhispercpp")
         info = str(native.whisper_print_system_info())
     except Exception as exc:  # noqa: BLE001 (a native import fails in many ways; each is the finding)
-        return {"available": False, "version": None, "gpu_offload": False, "backends": [],
-                "error": f"{type(exc).__name__}: {exc}"}
+        return {
+            "available": False,
+            "version": None,
+            "gpu_offload": False,
+            "backends": [],
+            "error": f"{type(exc).__name__}: {exc}",
+        }
     backends = whisper_backends(info)
     version = None
     from importlib.metadata import PackageNotFoundError
@@ -74,8 +91,13 @@ def whisper() -> dict[str, Any]:
         version = dist_version("pywhispercpp")
     except PackageNotFoundError:  # metadata is optional; the binding works without it
         version = None
-    return {"available": True, "version": version, "gpu_offload": any(b in GPU_BACKENDS for b in backends),
-            "backends": backends, "error": None}
+    return {
+        "available": True,
+        "version": version,
+        "gpu_offload": any(b in GPU_BACKENDS for b in backends),
+        "backends": backends,
+        "error": None,
+    }
 
 
 def soname_key(filename: str) -> str | None:
@@ -105,8 +127,10 @@ def ggml_conflicts(mapped: Iterable[str], shipped: Mapping[str, Iterable[str]]) 
             if key is None or key not in loaded:
                 continue
             if loaded[key] != path and not _same_file(loaded[key], path):
-                found.append(f"{binding} ships {os.path.basename(path)} but this process runs it on "
-                             f"{loaded[key]} (same SONAME, another build)")
+                found.append(
+                    f"{binding} ships {os.path.basename(path)} but this process runs it on "
+                    f"{loaded[key]} (same SONAME, another build)"
+                )
     return found
 
 
@@ -137,7 +161,7 @@ def elf_dynamic(path: str) -> tuple[list[str], list[str]]:
         data = fh.read()
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         return [], []
-    phoff, = struct.unpack_from("<Q", data, 0x20)
+    (phoff,) = struct.unpack_from("<Q", data, 0x20)
     phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
     loads, dynamic = [], None
     for i in range(phnum):
@@ -163,7 +187,7 @@ def elf_dynamic(path: str) -> tuple[list[str], list[str]]:
 
     def string(at: int) -> str:
         end = data.index(b"\0", base + at)
-        return data[base + at:end].decode(errors="replace")
+        return data[base + at : end].decode(errors="replace")
 
     needed = [string(v) for t, v in entries if t == 1]
     paths = [p for t, v in entries if t in (15, 29) for p in string(v).split(":") if p]

@@ -18,12 +18,16 @@ from typing import Any
 from appliance.tools import shaping
 
 GGML_MAGIC = 0x67676D6C
-MAX_DEPTH = 4          # subdirectories deep
-MAX_ENTRIES = 10000    # entries looked at in all: a huge directory cannot stall the caller
+MAX_DEPTH = 4  # subdirectories deep
+MAX_ENTRIES = 10000  # entries looked at in all: a huge directory cannot stall the caller
 # whisper.cpp's models by their encoder's width and depth, with their parameter counts.
-WHISPER_SIZES = {(384, 4): ("tiny", 39_000_000), (512, 6): ("base", 74_000_000),
-                 (768, 12): ("small", 244_000_000), (1024, 24): ("medium", 769_000_000),
-                 (1280, 32): ("large", 1_550_000_000)}
+WHISPER_SIZES = {
+    (384, 4): ("tiny", 39_000_000),
+    (512, 6): ("base", 74_000_000),
+    (768, 12): ("small", 244_000_000),
+    (1024, 24): ("medium", 769_000_000),
+    (1280, 32): ("large", 1_550_000_000),
+}
 WHISPER_FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1"}
 
 
@@ -31,14 +35,14 @@ WHISPER_FTYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0"
 class ModelInfo:
     """One model file of the catalogue."""
 
-    name: str                    # path inside the models directory: what load_llm/transcribe take
-    kind: str                    # "llm" (GGUF, llama.cpp) or "whisper" (ggml, whisper.cpp)
+    name: str  # path inside the models directory: what load_llm/transcribe take
+    kind: str  # "llm" (GGUF, llama.cpp) or "whisper" (ggml, whisper.cpp)
     file_bytes: int
     architecture: str | None = None
     quantisation: str | None = None
     parameters: int | None = None
     gpu_mb_full_offload: int | None = None  # estimate: every layer on the GPU, default context
-    error: str | None = None     # why the header could not be read (the file is listed anyway)
+    error: str | None = None  # why the header could not be read (the file is listed anyway)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,15 +94,28 @@ def describe(path: str, name: str) -> ModelInfo | None:
         except (shaping.GgufError, OSError) as exc:
             return ModelInfo(name, "llm", size, error=str(exc))
         full = shaping.choose(gguf, budget_mb=1 << 30)
-        return ModelInfo(name, "llm", size, architecture=gguf.architecture, quantisation=gguf.quantisation,
-                         parameters=gguf.n_params, gpu_mb_full_offload=full.estimate_mb)
+        return ModelInfo(
+            name,
+            "llm",
+            size,
+            architecture=gguf.architecture,
+            quantisation=gguf.quantisation,
+            parameters=gguf.n_params,
+            gpu_mb_full_offload=full.estimate_mb,
+        )
     if len(head) >= 4 and struct.unpack("<I", head[:4])[0] == GGML_MAGIC:
         if len(head) < 4 + 11 * 4:
             return ModelInfo(name, "whisper", size, error="truncated whisper header")
         hparams = struct.unpack("<11i", head[4:])
         audio_state, audio_layers, ftype = hparams[2], hparams[4], hparams[10]
         size_name, params = WHISPER_SIZES.get((audio_state, audio_layers), ("custom", None))
-        return ModelInfo(name, "whisper", size, architecture=f"whisper-{size_name}",
-                         quantisation=WHISPER_FTYPES.get(ftype, f"ftype {ftype}"), parameters=params,
-                         gpu_mb_full_offload=-(-size // shaping.MIB) + shaping.WHISPER_BUFFERS_MB)
+        return ModelInfo(
+            name,
+            "whisper",
+            size,
+            architecture=f"whisper-{size_name}",
+            quantisation=WHISPER_FTYPES.get(ftype, f"ftype {ftype}"),
+            parameters=params,
+            gpu_mb_full_offload=-(-size // shaping.MIB) + shaping.WHISPER_BUFFERS_MB,
+        )
     return None

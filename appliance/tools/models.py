@@ -39,8 +39,9 @@ def resolve_model(path: str | os.PathLike[str]) -> str:
         raise ModelError("model path is empty or contains a NUL byte")
     candidate = os.path.realpath(raw if os.path.isabs(raw) else os.path.join(root, raw))
     if os.path.commonpath([candidate, root]) != root:
-        raise ModelError(f"model path {raw!r} is outside the models directory ({root}); "
-                         f"models load only from there")
+        raise ModelError(
+            f"model path {raw!r} is outside the models directory ({root}); models load only from there"
+        )
     if not os.path.isfile(candidate):
         raise ModelError(f"no model file {raw!r} in the models directory ({root})")
     return candidate

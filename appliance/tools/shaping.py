@@ -20,7 +20,19 @@ MIB = 1024 * 1024
 GGUF_MAGIC = b"GGUF"
 OVERHEAD_MB = 320
 MIN_CTX = 256
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 MAX_STRING = 1 << 24
 MAX_ITEMS = 1 << 24
 
@@ -39,10 +51,10 @@ class GgufInfo:
     n_embd: int
     n_head: int
     n_head_kv: int
-    layer_bytes: int      # weights of one repeating block (average)
-    other_bytes: int      # embeddings, output layer, norms
+    layer_bytes: int  # weights of one repeating block (average)
+    other_bytes: int  # embeddings, output layer, norms
     file_bytes: int
-    n_params: int = 0     # elements of every tensor together
+    n_params: int = 0  # elements of every tensor together
     quantisation: str = ""  # general.file_type's name, else the blocks' most common tensor type
 
 
@@ -60,7 +72,9 @@ def read_gguf(path: str) -> GgufInfo:
         try:
             return _read(fh, size)
         except (struct.error, UnicodeDecodeError, EOFError) as exc:
-            raise GgufError(f"{os.path.basename(path)} is not a valid GGUF file (truncated or corrupt: {exc})") from None
+            raise GgufError(
+                f"{os.path.basename(path)} is not a valid GGUF file (truncated or corrupt: {exc})"
+            ) from None
 
 
 def _read(fh: BinaryIO, size: int) -> GgufInfo:
@@ -113,23 +127,70 @@ def _read(fh: BinaryIO, size: int) -> GgufInfo:
     n_layer = int(meta.get(f"{arch}.block_count", 0))
     n_head = int(meta.get(f"{arch}.attention.head_count", 1)) or 1
     return GgufInfo(
-        architecture=arch, n_layer=n_layer,
+        architecture=arch,
+        n_layer=n_layer,
         n_ctx_train=int(meta.get(f"{arch}.context_length", 2048)),
-        n_embd=int(meta.get(f"{arch}.embedding_length", 0)), n_head=n_head,
+        n_embd=int(meta.get(f"{arch}.embedding_length", 0)),
+        n_head=n_head,
         n_head_kv=int(meta.get(f"{arch}.attention.head_count_kv", n_head)) or n_head,
-        layer_bytes=layer_total // n_layer if n_layer else 0, other_bytes=other_total, file_bytes=size,
-        n_params=n_params, quantisation=_quantisation(meta.get("general.file_type"), block_types),
+        layer_bytes=layer_total // n_layer if n_layer else 0,
+        other_bytes=other_total,
+        file_bytes=size,
+        n_params=n_params,
+        quantisation=_quantisation(meta.get("general.file_type"), block_types),
     )
 
 
 # llama.cpp's LLAMA_FTYPE_* (general.file_type) and ggml's tensor types, by number.
-FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
-              11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
-              17: "Q5_K_M", 18: "Q6_K", 19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS",
-              23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL", 26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S",
-              29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16"}
-GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
-              10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
+FILE_TYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K",
+    11: "Q3_K_S",
+    12: "Q3_K_M",
+    13: "Q3_K_L",
+    14: "Q4_K_S",
+    15: "Q4_K_M",
+    16: "Q5_K_S",
+    17: "Q5_K_M",
+    18: "Q6_K",
+    19: "IQ2_XXS",
+    20: "IQ2_XS",
+    21: "Q2_K_S",
+    22: "IQ3_XS",
+    23: "IQ3_XXS",
+    24: "IQ1_S",
+    25: "IQ4_NL",
+    26: "IQ3_S",
+    27: "IQ3_M",
+    28: "IQ2_S",
+    29: "IQ2_M",
+    30: "IQ4_XS",
+    31: "IQ1_M",
+    32: "BF16",
+}
+GGML_TYPES = {
+    0: "F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    6: "Q5_0",
+    7: "Q5_1",
+    8: "Q8_0",
+    9: "Q8_1",
+    10: "Q2_K",
+    11: "Q3_K",
+    12: "Q4_K",
+    13: "Q5_K",
+    14: "Q6_K",
+    15: "Q8_K",
+    30: "BF16",
+}
 
 
 def _quantisation(file_type: object, block_types: dict[int, int]) -> str:
@@ -208,8 +269,9 @@ def choose(info: GgufInfo, budget_mb: int | None, n_ctx: int | None = None) -> L
         ctx = max(MIN_CTX, ctx // 2)
 
 
-def shape_llama(info: GgufInfo, budget_mb: int | None, n_ctx: int | None = None,
-                n_gpu_layers: int | None = None) -> LlamaShape:
+def shape_llama(
+    info: GgufInfo, budget_mb: int | None, n_ctx: int | None = None, n_gpu_layers: int | None = None
+) -> LlamaShape:
     """`choose`, with an explicit n_gpu_layers capped at what fits; negative means all layers
     (llama.cpp's -1), which is every layer that fits, not -1 passed through unshaped."""
     shape = choose(info, budget_mb, n_ctx)
@@ -229,12 +291,13 @@ WHISPER_BUFFERS_MB = 256
 class WhisperPlacement:
     use_gpu: bool
     n_threads: int
-    estimate_mb: int     # GPU memory expected when use_gpu (0 on the CPU)
-    reason: str          # why it runs where it runs
+    estimate_mb: int  # GPU memory expected when use_gpu (0 on the CPU)
+    reason: str  # why it runs where it runs
 
 
-def place_whisper(file_bytes: int, budget_mb: int | None, can_offload: bool, n_threads: int,
-                  use_gpu: bool | None = None) -> WhisperPlacement:
+def place_whisper(
+    file_bytes: int, budget_mb: int | None, can_offload: bool, n_threads: int, use_gpu: bool | None = None
+) -> WhisperPlacement:
     """GPU when granted, offload-capable, wanted (use_gpu not False) and within the budget; else CPU."""
     need = int(OVERHEAD_MB + WHISPER_BUFFERS_MB + file_bytes / MIB + 0.999)
     if use_gpu is False:
@@ -244,5 +307,7 @@ def place_whisper(file_bytes: int, budget_mb: int | None, can_offload: bool, n_t
     if not can_offload:
         return WhisperPlacement(False, n_threads, 0, "this whisper.cpp build has no GPU backend")
     if need > budget_mb:
-        return WhisperPlacement(False, n_threads, 0, f"needs about {need} MiB of GPU memory; the budget is {budget_mb}")
+        return WhisperPlacement(
+            False, n_threads, 0, f"needs about {need} MiB of GPU memory; the budget is {budget_mb}"
+        )
     return WhisperPlacement(True, n_threads, need, f"about {need} MiB of the {budget_mb} MiB budget")

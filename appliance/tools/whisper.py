@@ -17,7 +17,7 @@ _CACHE: ModelCache[Any] = ModelCache()
 @dataclass(frozen=True)
 class Transcript:
     text: str
-    segments: tuple[tuple[float, float, str], ...]   # (start s, end s, text)
+    segments: tuple[tuple[float, float, str], ...]  # (start s, end s, text)
     placement: shaping.WhisperPlacement | None = None  # where the model ran (GPU or CPU, threads)
 
     def __str__(self) -> str:
@@ -36,11 +36,15 @@ def _load(model: str | os.PathLike[str], use_gpu: bool | None, params: dict[str,
     grant = gpu_grant()
     offload = bool(backends.whisper()["gpu_offload"])
     if use_gpu and grant and not offload:
-        raise ModelError("use_gpu=True: this pywhispercpp build has no GPU backend "
-                         f"(ggml backends: {', '.join(backends.whisper()['backends']) or 'none'}); "
-                         + backends.CUDA_FIX.format(package="pywhispercpp") + ", or pass use_gpu=False")
-    placement = shaping.place_whisper(os.path.getsize(real), grant["memory_mb"] if grant else None,
-                                      offload, threads(), use_gpu)
+        raise ModelError(
+            "use_gpu=True: this pywhispercpp build has no GPU backend "
+            f"(ggml backends: {', '.join(backends.whisper()['backends']) or 'none'}); "
+            + backends.CUDA_FIX.format(package="pywhispercpp")
+            + ", or pass use_gpu=False"
+        )
+    placement = shaping.place_whisper(
+        os.path.getsize(real), grant["memory_mb"] if grant else None, offload, threads(), use_gpu
+    )
     params.setdefault("n_threads", placement.n_threads)
     params.setdefault("print_progress", False)
     params.setdefault("print_realtime", False)
@@ -60,8 +64,13 @@ def _load(model: str | os.PathLike[str], use_gpu: bool | None, params: dict[str,
     return _CACHE.get(real, key, load), placement
 
 
-def transcribe(audio_path_or_array: Any, model: str | os.PathLike[str] = "ggml-base.en.bin", *,
-               use_gpu: bool | None = None, **params: Any) -> Transcript:
+def transcribe(
+    audio_path_or_array: Any,
+    model: str | os.PathLike[str] = "ggml-base.en.bin",
+    *,
+    use_gpu: bool | None = None,
+    **params: Any,
+) -> Transcript:
     """Transcribe a 16 kHz audio file path (in the jail) or a float32 mono numpy array.
 
     The model runs where the run's budget puts it: on the granted GPU when the build can

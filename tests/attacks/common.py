@@ -21,7 +21,7 @@ AWS_SECRET = "AKIAFAKEATTACKSUITE/s3cr3t-value-9f8e7d"
 SECRETS = (TOKEN, AWS_SECRET)
 
 # ctypes access to raw system calls (x86_64 numbers) for the escape attacks.
-SYSCALLS = '''
+SYSCALLS = """
 import ctypes, errno, json, os
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -30,7 +30,7 @@ def sc(nr, *args):
     conv = [ctypes.c_char_p(a) if isinstance(a, bytes) else ctypes.c_long(a) for a in args]
     r = libc.syscall(ctypes.c_long(nr), *conv)
     return {"ret": r, "errno": ctypes.get_errno(), "name": errno.errorcode.get(ctypes.get_errno(), "0")}
-'''
+"""
 
 
 def attack(name: str, expected: str) -> pytest.MarkDecorator:
@@ -49,8 +49,9 @@ def assert_one_done(frames: list[dict[str, Any]]) -> None:
     assert len(dones) == 1 and frames[-1] is dones[0], f"expected exactly one final done, got {len(dones)}"
 
 
-async def run(server: Server, code: str, *, token: str | None = TOKEN, timeout: float = 90,
-              **fields: Any) -> Execution:
+async def run(
+    server: Server, code: str, *, token: str | None = TOKEN, timeout: float = 90, **fields: Any
+) -> Execution:
     """Run code on server and gather the frames; checks one done and no leaked secret."""
     async with AsyncClient(server.url, token) as client:
         ex = await asyncio.wait_for(client.execute(code, **fields), scaled(timeout))

@@ -95,8 +95,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
-                              ) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pluggy.Result[pytest.TestReport], None]:
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
     marker = item.get_closest_marker("attack")
@@ -110,11 +111,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
         crash = getattr(report.longrepr, "reprcrash", None)
         failure = str(crash.message) if crash is not None else str(report.longrepr)
         observed = f"{observed} FAILED: {failure}".strip()
-    item.config.stash[ROWS].append(AuditRow(
-        attack=marker.kwargs["name"], cls=CLASS_OF_FILE.get(module, module),
-        expected=marker.kwargs["expected"], observed=observed or "(nothing recorded)",
-        contained=report.passed, test=item.nodeid,
-    ))
+    item.config.stash[ROWS].append(
+        AuditRow(
+            attack=marker.kwargs["name"],
+            cls=CLASS_OF_FILE.get(module, module),
+            expected=marker.kwargs["expected"],
+            observed=observed or "(nothing recorded)",
+            contained=report.passed,
+            test=item.nodeid,
+        )
+    )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -125,12 +131,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     explicit = os.environ.get(REPORT_DIR_ENV)
     if not rows or not explicit:
         return
-    complete = (not config.stash[DESELECTED] and config.stash[ATTACKS] >= MIN_ATTACKS
-                and len(rows) == config.stash[ATTACKS])
+    complete = (
+        not config.stash[DESELECTED]
+        and config.stash[ATTACKS] >= MIN_ATTACKS
+        and len(rows) == config.stash[ATTACKS]
+    )
     if not complete:
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_line(f"audit report not written: {len(rows)} of {config.stash[ATTACKS]} attacks ran")
+            reporter.write_line(
+                f"audit report not written: {len(rows)} of {config.stash[ATTACKS]} attacks ran"
+            )
         return
     md, _ = write_report(rows, Path(explicit), default_meta())
     reporter = config.pluginmanager.get_plugin("terminalreporter")

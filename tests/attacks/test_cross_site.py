@@ -29,8 +29,12 @@ MARK = "print('ran-' + 'cross-site')"
 @pytest.fixture(scope="module")
 def open_server(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator[Server]:
     """No token (the seed's default), on loopback, one browser origin allowed."""
-    srv = hostile_server(tmp_path_factory.mktemp("cross-site-server"), tmp_root, SANDBOX_AUTH_TOKEN="",
-                         SANDBOX_ALLOWED_ORIGINS=ALLOWED)
+    srv = hostile_server(
+        tmp_path_factory.mktemp("cross-site-server"),
+        tmp_root,
+        SANDBOX_AUTH_TOKEN="",
+        SANDBOX_ALLOWED_ORIGINS=ALLOWED,
+    )
     yield srv
     srv.stop()
 
@@ -54,13 +58,18 @@ async def handshake_status(server: Server, origin: str) -> int:
         return exc.response.status_code
 
 
-@attack("a page on another origin opens a WebSocket to /exec of a server without a token",
-        "the handshake is refused with 403 for any Origin not in SANDBOX_ALLOWED_ORIGINS (also `null`); "
-        "the allowed origin and clients sending no Origin still run code")
-async def test_a_cross_origin_websocket_is_refused_before_the_upgrade(open_server: Server,
-                                                                      observe: Observe) -> None:
-    refused = {origin: await handshake_status(open_server, origin)
-               for origin in (EVIL, "null", "http://app.example.com", ALLOWED + ".evil.example")}
+@attack(
+    "a page on another origin opens a WebSocket to /exec of a server without a token",
+    "the handshake is refused with 403 for any Origin not in SANDBOX_ALLOWED_ORIGINS (also `null`); "
+    "the allowed origin and clients sending no Origin still run code",
+)
+async def test_a_cross_origin_websocket_is_refused_before_the_upgrade(
+    open_server: Server, observe: Observe
+) -> None:
+    refused = {
+        origin: await handshake_status(open_server, origin)
+        for origin in (EVIL, "null", "http://app.example.com", ALLOWED + ".evil.example")
+    }
     assert set(refused.values()) == {403}, refused
     async with websockets.connect(open_server.url, origin=websockets.Origin(ALLOWED)) as ws:
         await ws.send(json.dumps({"id": "allowed", "code": MARK}))
@@ -71,9 +80,11 @@ async def test_a_cross_origin_websocket_is_refused_before_the_upgrade(open_serve
     observe(f"handshake status by Origin: {refused}; {ALLOWED} and no Origin ran code")
 
 
-@attack("a page posts a CORS-simple request (text/plain, form) to /v1/exec and /v1/sessions",
-        "415 unless the body is Content-Type: application/json, and 403 for an Origin not allowed; "
-        "nothing runs, no session opens; the allowed origin still can")
+@attack(
+    "a page posts a CORS-simple request (text/plain, form) to /v1/exec and /v1/sessions",
+    "415 unless the body is Content-Type: application/json, and 403 for an Origin not allowed; "
+    "nothing runs, no session opens; the allowed origin still can",
+)
 async def test_a_cross_site_simple_post_runs_nothing(open_server: Server, observe: Observe) -> None:
     body = json.dumps({"code": MARK}).encode()
     seen: dict[str, int] = {}
@@ -87,18 +98,22 @@ async def test_a_cross_site_simple_post_runs_nothing(open_server: Server, observ
     assert "ran-cross-site" not in text
     assert set(v for k, v in seen.items() if "origin" not in k) == {415}, seen
     assert seen["/v1/exec json from another origin"] == 403, seen
-    status, text = post(open_server, "/v1/exec", body, {"Content-Type": "application/json; charset=utf-8",
-                                                         "Origin": ALLOWED})
+    status, text = post(
+        open_server, "/v1/exec", body, {"Content-Type": "application/json; charset=utf-8", "Origin": ALLOWED}
+    )
     frames = frames_of(text)
     assert status == 200 and frames[-1]["status"] == "ok" and "ran-cross-site" in text, text
     observe(f"statuses: {seen}; the allowed origin's application/json POST ran")
 
 
-@attack("a server without a token bound to 0.0.0.0 (the seed's `make run`)",
-        "it still starts, but logs UNAUTHENTICATED AND EXPOSED and /readyz carries a `warning` (and stays "
-        "ready); on loopback there is no warning")
+@attack(
+    "a server without a token bound to 0.0.0.0 (the seed's `make run`)",
+    "it still starts, but logs UNAUTHENTICATED AND EXPOSED and /readyz carries a `warning` (and stays "
+    "ready); on loopback there is no warning",
+)
 async def test_a_server_without_a_token_on_a_public_address_says_so(
-        tmp_path: Path, tmp_root: Path, open_server: Server, observe: Observe) -> None:
+    tmp_path: Path, tmp_root: Path, open_server: Server, observe: Observe
+) -> None:
     exposed = hostile_server(tmp_path / "exposed", tmp_root, host="0.0.0.0", SANDBOX_AUTH_TOKEN="")
     try:
         status, text = exposed.get("/readyz")

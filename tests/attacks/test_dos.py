@@ -23,8 +23,13 @@ OUTPUT_LIMIT = 262144
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator[Server]:
     """A hostile server with a longer wall clock (requests lower it) and small file limits."""
-    srv = hostile_server(tmp_path_factory.mktemp("dos-server"), tmp_root,
-                         SANDBOX_MAX_EXEC_MS="15000", SANDBOX_MAX_FILE_MB="16", SANDBOX_MAX_PROCS="64")
+    srv = hostile_server(
+        tmp_path_factory.mktemp("dos-server"),
+        tmp_root,
+        SANDBOX_MAX_EXEC_MS="15000",
+        SANDBOX_MAX_FILE_MB="16",
+        SANDBOX_MAX_PROCS="64",
+    )
     yield srv
     srv.stop()
 
@@ -34,12 +39,16 @@ async def hostile(server: Server, code: str, timeout_ms: int = SHORT) -> tuple[s
     ex = await run(server, code, timeout_ms=timeout_ms, timeout=120)
     note = await assert_contained(server)
     streamed = sum(len(f.get("text", "")) for f in ex.frames if f["type"] == "stream")
-    return ex.status, (f"done {ex.status} after {ex.duration_ms} ms ({ex.message or 'no message'}); "
-                       f"{streamed} chars streamed; {note}")
+    return ex.status, (
+        f"done {ex.status} after {ex.duration_ms} ms ({ex.message or 'no message'}); "
+        f"{streamed} chars streamed; {note}"
+    )
 
 
-@attack("fork bomb (os.fork in a loop, children fork too)",
-        "RLIMIT_NPROC stops it; the run ends (timeout/error) and every process of it is killed")
+@attack(
+    "fork bomb (os.fork in a loop, children fork too)",
+    "RLIMIT_NPROC stops it; the run ends (timeout/error) and every process of it is killed",
+)
 async def test_a_fork_bomb_is_contained(target: Server, observe: Observe) -> None:
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     status, note = await hostile(target, code)
@@ -57,7 +66,7 @@ async def test_a_shell_fork_bomb_is_contained(target: Server, observe: Observe) 
 
 @attack("thread bomb (start threads until it fails)", "thread creation fails at RLIMIT_NPROC; the run ends")
 async def test_a_thread_bomb_is_capped(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import threading, time
 n = 0
 try:
@@ -65,7 +74,7 @@ try:
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); n += 1
 except RuntimeError as e:
     print("capped at", n, e)
-'''
+"""
     ex = await run(target, code, timeout_ms=SHORT)
     note = await assert_contained(target)
     assert ex.stdout.startswith("capped at") and int(ex.stdout.split()[2]) < 64, ex.stdout
@@ -88,20 +97,22 @@ async def test_gradual_memory_growth_ends_as_memory_limit(target: Server, observ
 
 @attack("mmap 64 GiB from C (ctypes) and touch it", "mmap fails with ENOMEM under RLIMIT_AS")
 async def test_a_native_mmap_is_refused(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 p = libc.mmap(None, ctypes.c_size_t(64 << 30), 3, 0x22, -1, 0)
 print("mmap", "failed" if p in (None, 2**64 - 1, -1) else "ok", ctypes.get_errno())
-'''
+"""
     ex = await run(target, code, timeout_ms=SHORT)
     note = await assert_contained(target)
     assert ex.stdout.startswith("mmap failed 12"), ex.stdout
     observe(f"{ex.stdout.strip()} (ENOMEM); {note}")
 
 
-@attack("fill the disk from /workspace", "the disk watchdog stops the run: output_limit at SANDBOX_MAX_DISK_MB")
+@attack(
+    "fill the disk from /workspace", "the disk watchdog stops the run: output_limit at SANDBOX_MAX_DISK_MB"
+)
 async def test_filling_the_workspace_ends_as_output_limit(target: Server, observe: Observe) -> None:
     code = "i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'x' * (8 << 20)); i += 1"
     status, note = await hostile(target, code)
@@ -109,8 +120,10 @@ async def test_filling_the_workspace_ends_as_output_limit(target: Server, observ
     observe(note)
 
 
-@attack("fill host memory through the jail's private /tmp (a tmpfs)",
-        "the jail's /tmp counts against the same disk quota: output_limit")
+@attack(
+    "fill host memory through the jail's private /tmp (a tmpfs)",
+    "the jail's /tmp counts against the same disk quota: output_limit",
+)
 async def test_filling_the_private_tmp_ends_as_output_limit(target: Server, observe: Observe) -> None:
     code = "i = 0\nwhile True:\n    open(f'/tmp/f{i}', 'wb').write(b'x' * (8 << 20)); i += 1"
     status, note = await hostile(target, code)
@@ -118,8 +131,10 @@ async def test_filling_the_private_tmp_ends_as_output_limit(target: Server, obse
     observe(note)
 
 
-@attack("exhaust inodes: create empty files as fast as possible",
-        "the watchdog counts entries (one per 4 KiB of quota, at most 100,000): output_limit")
+@attack(
+    "exhaust inodes: create empty files as fast as possible",
+    "the watchdog counts entries (one per 4 KiB of quota, at most 100,000): output_limit",
+)
 async def test_an_inode_flood_ends_as_output_limit(target: Server, observe: Observe) -> None:
     code = "import os\nos.mkdir('d')\ni = 0\nwhile True:\n    os.close(os.open(f'd/{i}', os.O_CREAT | os.O_WRONLY)); i += 1"
     status, note = await hostile(target, code, timeout_ms=15000)
@@ -136,7 +151,10 @@ async def test_a_file_over_the_size_limit_is_cut_off(target: Server, observe: Ob
     observe(f"{ex.error['ename']}: {ex.error['evalue']}; {note}")
 
 
-@attack("stdout flood", "output_limit once SANDBOX_MAX_OUTPUT_BYTES is streamed; no more than that reaches the client")
+@attack(
+    "stdout flood",
+    "output_limit once SANDBOX_MAX_OUTPUT_BYTES is streamed; no more than that reaches the client",
+)
 async def test_a_stdout_flood_ends_as_output_limit(target: Server, observe: Observe) -> None:
     ex = await run(target, "while True:\n    print('A' * 1000)", timeout_ms=SHORT)
     note = await assert_contained(target)
@@ -154,7 +172,10 @@ async def test_a_stderr_flood_ends_as_output_limit(target: Server, observe: Obse
     observe(f"output_limit; {streamed} chars streamed; {note}")
 
 
-@attack("one huge line with no newline (64 MiB)", "streamed in chunks, cut at the output limit; the server never buffers it whole")
+@attack(
+    "one huge line with no newline (64 MiB)",
+    "streamed in chunks, cut at the output limit; the server never buffers it whole",
+)
 async def test_a_huge_single_line_is_cut_at_the_output_limit(target: Server, observe: Observe) -> None:
     ex = await run(target, "import sys\nsys.stdout.write('L' * (64 << 20))", timeout_ms=SHORT)
     note = await assert_contained(target)
@@ -164,7 +185,10 @@ async def test_a_huge_single_line_is_cut_at_the_output_limit(target: Server, obs
     observe(f"output_limit; largest stream frame {biggest} chars, {len(frames)} frames; {note}")
 
 
-@attack("many tiny frames (20,000 flushed one-byte writes)", "all delivered in order, the run ends ok, the server keeps up")
+@attack(
+    "many tiny frames (20,000 flushed one-byte writes)",
+    "all delivered in order, the run ends ok, the server keeps up",
+)
 async def test_many_tiny_writes_are_delivered_in_order(target: Server, observe: Observe) -> None:
     code = "import os\nfor i in range(20000):\n    os.write(1, b'abcdefghij'[i % 10:i % 10 + 1])"
     ex = await run(target, code, timeout_ms=15000)
@@ -180,7 +204,10 @@ async def test_a_gigantic_repr_is_truncated(target: Server, observe: Observe) ->
     ex = await run(target, code, timeout_ms=SHORT)
     note = await assert_contained(target)
     size = len(json.dumps(ex.frames))
-    assert ex.status in ("ok", "output_limit", "memory_limit") and size < OUTPUT_LIMIT + 300_000, (ex.status, size)
+    assert ex.status in ("ok", "output_limit", "memory_limit") and size < OUTPUT_LIMIT + 300_000, (
+        ex.status,
+        size,
+    )
     observe(f"done {ex.status}; all frames together {size} bytes; {note}")
 
 
@@ -199,16 +226,18 @@ async def test_a_python_cpu_spin_times_out(target: Server, observe: Observe) -> 
     observe(note)
 
 
-@attack("CPU spin in C with every signal blocked and SIGTERM/SIGINT ignored (catastrophic regex)",
-        "timeout at the wall clock: the server kills the jail with SIGKILL, which cannot be blocked")
+@attack(
+    "CPU spin in C with every signal blocked and SIGTERM/SIGINT ignored (catastrophic regex)",
+    "timeout at the wall clock: the server kills the jail with SIGKILL, which cannot be blocked",
+)
 async def test_a_c_level_spin_that_blocks_signals_times_out(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import re, signal
 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
     signal.signal(s, signal.SIG_IGN)
 signal.pthread_sigmask(signal.SIG_BLOCK, set(signal.Signals) - {signal.SIGKILL, signal.SIGSTOP})
 re.match(r"(a+)+$", "a" * 64 + "b")
-'''
+"""
     status, note = await hostile(target, code)
     assert status == "timeout", note
     observe(note)
@@ -216,12 +245,17 @@ re.match(r"(a+)+$", "a" * 64 + "b")
 
 @attack("SIGSTOP its own process group", "the wall clock still ends it: timeout")
 async def test_stopping_its_own_group_still_times_out(target: Server, observe: Observe) -> None:
-    status, note = await hostile(target, "import os, signal\nprint('stopping', flush=True)\nos.killpg(0, signal.SIGSTOP)")
+    status, note = await hostile(
+        target, "import os, signal\nprint('stopping', flush=True)\nos.killpg(0, signal.SIGSTOP)"
+    )
     assert status == "timeout", note
     observe(note)
 
 
-@attack("SIGSTOP / SIGKILL the jail's init (pid 1 in its namespace)", "the run still ends with one done; nothing survives")
+@attack(
+    "SIGSTOP / SIGKILL the jail's init (pid 1 in its namespace)",
+    "the run still ends with one done; nothing survives",
+)
 async def test_signalling_the_jails_init_is_contained(target: Server, observe: Observe) -> None:
     code = "import os, signal\nfor s in (signal.SIGSTOP, signal.SIGKILL):\n    try:\n        os.kill(1, s); print(s, 'sent', flush=True)\n    except OSError as e:\n        print(s, e, flush=True)\nimport time\ntime.sleep(1)"
     status, note = await hostile(target, code)
@@ -229,7 +263,9 @@ async def test_signalling_the_jails_init_is_contained(target: Server, observe: O
     observe(note)
 
 
-@attack("orphaned children (double fork, parent exits)", "killed with the jail: no process of the run is left")
+@attack(
+    "orphaned children (double fork, parent exits)", "killed with the jail: no process of the run is left"
+)
 async def test_orphaned_children_do_not_survive_the_run(target: Server, observe: Observe) -> None:
     code = "import os, time\nif os.fork() == 0:\n    if os.fork() == 0:\n        time.sleep(600)\n    os._exit(0)\nprint('parent done')"
     status, note = await hostile(target, code)
@@ -247,7 +283,7 @@ async def test_a_setsid_daemon_does_not_survive_the_run(target: Server, observe:
 
 @attack("daemon that ignores SIGTERM/SIGHUP and blocks signals", "SIGKILL of the namespace takes it anyway")
 async def test_a_signal_ignoring_daemon_does_not_survive(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import os, signal, time
 if os.fork() == 0:
     os.setsid()
@@ -257,13 +293,16 @@ if os.fork() == 0:
     while True:
         time.sleep(1)
 print("spawned")
-'''
+"""
     status, note = await hostile(target, code)
     assert status == "ok", note
     observe(note)
 
 
-@attack("close the driver's pipes (stdout, stderr, stdin and the event fd)", "the run still ends with exactly one done")
+@attack(
+    "close the driver's pipes (stdout, stderr, stdin and the event fd)",
+    "the run still ends with exactly one done",
+)
 async def test_closing_the_drivers_pipes_still_ends_with_one_done(target: Server, observe: Observe) -> None:
     code = "import os\nfor fd in range(0, 64):\n    try:\n        os.close(fd)\n    except OSError:\n        pass\nimport time\ntime.sleep(0.5)"
     status, note = await hostile(target, code)
@@ -281,23 +320,30 @@ async def test_exhausting_file_descriptors_stops_at_the_limit(target: Server, ob
     observe(f"EMFILE after {count} fds; {note}")
 
 
-@attack("sleep forever / wait on stdin forever (no CPU used)", "the wall clock, not CPU time, ends it: timeout")
+@attack(
+    "sleep forever / wait on stdin forever (no CPU used)", "the wall clock, not CPU time, ends it: timeout"
+)
 async def test_idle_waits_still_time_out(target: Server, observe: Observe) -> None:
     status, note = await hostile(target, "input()\nimport time\ntime.sleep(3600)")
     assert status == "timeout", note
     observe(note)
 
 
-@attack("ignore the client's interrupt in a session (SIGINT ignored, busy loop)",
-        "done cancelled; the session's jail is killed and the session ended")
+@attack(
+    "ignore the client's interrupt in a session (SIGINT ignored, busy loop)",
+    "done cancelled; the session's jail is killed and the session ended",
+)
 async def test_an_interrupt_ignoring_cell_is_cancelled(target: Server, observe: Observe) -> None:
     async with AsyncClient(target.url, TOKEN) as c:
         first = await c.execute("x = 1", session="new")
         sid = first.session
         rid = c.new_id()
         frames = []
-        async for frame in c.stream("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('go', flush=True)\nwhile True:\n    pass",
-                                    id=rid, session=sid):
+        async for frame in c.stream(
+            "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('go', flush=True)\nwhile True:\n    pass",
+            id=rid,
+            session=sid,
+        ):
             frames.append(frame)
             if frame["type"] == "stream":
                 await c.interrupt(rid)
@@ -309,8 +355,10 @@ async def test_an_interrupt_ignoring_cell_is_cancelled(target: Server, observe: 
     observe(f"done cancelled ({frames[-1]['message']}); next cell: {after.message}; {note}")
 
 
-@attack("12 concurrent CPU spins on one connection (over SANDBOX_MAX_CONCURRENCY=4)",
-        "each gets exactly one done (queued then timeout); /healthz answers throughout")
+@attack(
+    "12 concurrent CPU spins on one connection (over SANDBOX_MAX_CONCURRENCY=4)",
+    "each gets exactly one done (queued then timeout); /healthz answers throughout",
+)
 async def test_a_burst_of_spinning_runs_is_queued_and_all_end(target: Server, observe: Observe) -> None:
     async with AsyncClient(target.url, TOKEN) as c:
         tasks = [asyncio.create_task(c.execute("while True: pass", timeout_ms=1500)) for _ in range(12)]
@@ -325,11 +373,18 @@ async def test_a_burst_of_spinning_runs_is_queued_and_all_end(target: Server, ob
     observe(f"statuses {statuses}; /healthz {health[0]} mid-burst; {note}")
 
 
-@attack("burst 2 MB of output and exit at once (so the limit would be judged after `done`)",
-        "output_limit all the same: a limit found while reading is handled before the queued done")
-async def test_an_output_burst_followed_by_exit_is_still_output_limit(target: Server, observe: Observe) -> None:
-    ex = await run(target, "import os, sys\nsys.stdout.write('B' * 2_000_000)\nsys.stdout.flush()\nos._exit(0)",
-                   timeout_ms=SHORT)
+@attack(
+    "burst 2 MB of output and exit at once (so the limit would be judged after `done`)",
+    "output_limit all the same: a limit found while reading is handled before the queued done",
+)
+async def test_an_output_burst_followed_by_exit_is_still_output_limit(
+    target: Server, observe: Observe
+) -> None:
+    ex = await run(
+        target,
+        "import os, sys\nsys.stdout.write('B' * 2_000_000)\nsys.stdout.flush()\nos._exit(0)",
+        timeout_ms=SHORT,
+    )
     note = await assert_contained(target)
     streamed = sum(len(f.get("text", "")) for f in ex.frames if f["type"] == "stream")
     assert ex.status == "output_limit" and streamed <= OUTPUT_LIMIT + 65536, (ex.status, streamed)

@@ -15,10 +15,12 @@ from tests.support import Server
 Observe = Callable[[str], None]
 
 
-@attack("run setuid-root binaries (su, mount, passwd, chfn)",
-        "setuid bits grant nothing: the files are owned by an unmapped uid, NoNewPrivs=1, every one fails")
+@attack(
+    "run setuid-root binaries (su, mount, passwd, chfn)",
+    "setuid bits grant nothing: the files are owned by an unmapped uid, NoNewPrivs=1, every one fails",
+)
 async def test_setuid_binaries_grant_no_privileges(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import json, os, stat, subprocess
 found = {}
 for d in ("/usr/bin", "/usr/sbin", "/bin", "/sbin"):
@@ -35,14 +37,16 @@ for argv in (["su", "-c", "id -u"], ["mount", "-t", "tmpfs", "none", "/tmp"], ["
     r = subprocess.run(argv, capture_output=True, text=True, input="x\\n", timeout=10)
     tries[argv[0]] = [r.returncode, r.stdout.strip()]
 print(json.dumps({"owners": found, "tries": tries, "uid": os.getuid(), "euid": os.geteuid()}))
-'''
+"""
     _, rep = await probe(target, code)
     assert rep["owners"], "expected some setuid binaries to try"
     assert all(uid != 0 for uid in rep["owners"].values()), rep["owners"]
     assert all(rc != 0 and out != "0" for rc, out in rep["tries"].values()), rep["tries"]
     assert rep["uid"] == rep["euid"] == 1001
-    observe(f"{len(rep['owners'])} setuid binaries owned by uid {set(rep['owners'].values())}; "
-            f"exit codes {({k: v[0] for k, v in rep['tries'].items()})}")
+    observe(
+        f"{len(rep['owners'])} setuid binaries owned by uid {set(rep['owners'].values())}; "
+        f"exit codes { ({k: v[0] for k, v in rep['tries'].items()}) }"
+    )
 
 
 @attack("ptrace(PTRACE_ATTACH) the jail's init", "EPERM (seccomp)")
@@ -54,7 +58,9 @@ async def test_ptrace_attach_to_init_is_refused(target: Server, observe: Observe
 
 @attack("ptrace a forked child of its own", "EPERM: no ptrace at all, not even of its own children")
 async def test_ptrace_of_an_own_child_is_refused(target: Server, observe: Observe) -> None:
-    code = SYSCALLS + '''
+    code = (
+        SYSCALLS
+        + """
 import signal, time
 pid = os.fork()
 if pid == 0:
@@ -62,7 +68,8 @@ if pid == 0:
 r = sc(101, 16, pid, 0, 0)
 os.kill(pid, signal.SIGKILL); os.waitpid(pid, 0)
 print(json.dumps(r))
-'''
+"""
+    )
     _, rep = await probe(target, code)
     assert rep["name"] == "EPERM", rep
     observe(f"ptrace(ATTACH, child) -> {rep['name']}")
@@ -84,7 +91,9 @@ async def test_mount_is_refused(target: Server, observe: Observe) -> None:
 
 @attack("umount2 the jail's blacklist mounts to uncover host paths", "EPERM")
 async def test_umount_of_the_jails_mounts_is_refused(target: Server, observe: Observe) -> None:
-    _, rep = await probe(target, SYSCALLS + "print(json.dumps([sc(166, p, 2) for p in (b'/etc', b'/tmp', b'/proc')]))")
+    _, rep = await probe(
+        target, SYSCALLS + "print(json.dumps([sc(166, p, 2) for p in (b'/etc', b'/tmp', b'/proc')]))"
+    )
     assert all(r["ret"] == -1 and r["name"] == "EPERM" for r in rep), rep
     observe("umount2(/etc,/tmp,/proc, MNT_DETACH) -> " + ",".join(r["name"] for r in rep))
 
@@ -98,8 +107,14 @@ async def test_unshare_user_namespace_is_refused(target: Server, observe: Observ
 
 @attack("unshare mount, network, pid, uts, ipc and cgroup namespaces", "EPERM for each")
 async def test_unshare_of_every_other_namespace_is_refused(target: Server, observe: Observe) -> None:
-    flags = {"NEWNS": 0x20000, "NEWNET": 0x40000000, "NEWPID": 0x20000000, "NEWUTS": 0x4000000,
-             "NEWIPC": 0x8000000, "NEWCGROUP": 0x2000000}
+    flags = {
+        "NEWNS": 0x20000,
+        "NEWNET": 0x40000000,
+        "NEWPID": 0x20000000,
+        "NEWUTS": 0x4000000,
+        "NEWIPC": 0x8000000,
+        "NEWCGROUP": 0x2000000,
+    }
     code = SYSCALLS + f"print(json.dumps({{k: sc(272, v)['name'] for k, v in {flags!r}.items()}}))"
     _, rep = await probe(target, code)
     assert set(rep.values()) == {"EPERM"}, rep
@@ -108,7 +123,9 @@ async def test_unshare_of_every_other_namespace_is_refused(target: Server, obser
 
 @attack("setns into the init's namespaces via /proc/1/ns", "EPERM or EACCES")
 async def test_setns_is_refused(target: Server, observe: Observe) -> None:
-    code = SYSCALLS + '''
+    code = (
+        SYSCALLS
+        + """
 out = {}
 for ns in ("mnt", "net", "pid", "user"):
     try:
@@ -117,7 +134,8 @@ for ns in ("mnt", "net", "pid", "user"):
         out[ns] = errno.errorcode[e.errno]; continue
     out[ns] = sc(308, fd, 0)["name"]
 print(json.dumps(out))
-'''
+"""
+    )
     _, rep = await probe(target, code)
     assert set(rep.values()) <= {"EPERM", "EACCES"}, rep
     observe(f"setns -> {rep}")
@@ -138,9 +156,12 @@ async def test_add_key_and_request_key_are_refused(target: Server, observe: Obse
     observe(f"add_key -> {rep[0]['name']}, request_key -> {rep[1]['name']}")
 
 
-@attack("/proc/1: read the init's environ, root and memory", "/proc/1 is the jail's own firejail init; environ/mem/root refused")
+@attack(
+    "/proc/1: read the init's environ, root and memory",
+    "/proc/1 is the jail's own firejail init; environ/mem/root refused",
+)
 async def test_proc_1_is_the_jails_own_init_and_is_closed(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import errno, json, os
 out = {"cmdline": open("/proc/1/cmdline", "rb").read().split(b"\\0")[0].decode()}
 for name in ("environ", "mem", "root/", "cwd/"):
@@ -152,18 +173,20 @@ for name in ("environ", "mem", "root/", "cwd/"):
     except OSError as e:
         out[name] = errno.errorcode[e.errno]
 print(json.dumps(out))
-'''
+"""
     _, rep = await probe(target, code)
     assert rep["cmdline"].endswith("firejail"), rep
     assert all(v in ("EACCES", "EPERM") for k, v in rep.items() if k != "cmdline"), rep
     observe(f"pid 1 = {rep['cmdline']}; " + ", ".join(f"{k}: {v}" for k, v in rep.items() if k != "cmdline"))
 
 
-@attack("/proc/<server pid>: read the server's environ, cmdline and memory",
-        "ENOENT: the server is not in the jail's PID namespace")
+@attack(
+    "/proc/<server pid>: read the server's environ, cmdline and memory",
+    "ENOENT: the server is not in the jail's PID namespace",
+)
 async def test_the_server_process_is_invisible(target: Server, observe: Observe) -> None:
     pid = target.proc.pid
-    code = f'''
+    code = f"""
 import errno, json, os
 out = {{}}
 for name in ("environ", "cmdline", "mem", "status"):
@@ -173,7 +196,7 @@ for name in ("environ", "cmdline", "mem", "status"):
         out[name] = errno.errorcode[e.errno]
 out["visible"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
 print(json.dumps(out))
-'''
+"""
     _, rep = await probe(target, code)
     assert all(rep[k] == "ENOENT" for k in ("environ", "cmdline", "mem", "status")), rep
     assert pid not in rep["visible"] or (pid <= max(rep["visible"]) and len(rep["visible"]) < 10)
@@ -181,10 +204,12 @@ print(json.dumps(out))
     observe(f"/proc/{pid}/*: ENOENT; jail sees pids {rep['visible']}")
 
 
-@attack("write outside /workspace (/, /etc, /usr, /var/tmp, /opt, /root, /home, /run, the runtime, the venv)",
-        "every write refused (EACCES/EROFS/ENOENT)")
+@attack(
+    "write outside /workspace (/, /etc, /usr, /var/tmp, /opt, /root, /home, /run, the runtime, the venv)",
+    "every write refused (EACCES/EROFS/ENOENT)",
+)
 async def test_paths_outside_the_workspace_are_not_writable(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import errno, json, os, sys
 dirs = ["/", "/etc", "/usr", "/usr/local", "/usr/lib", "/var", "/var/tmp", "/opt", "/root", "/home", "/run",
         "/run/firejail", "/srv", "/mnt", "/dev", "/dev/shm", "/sys", "/sys/fs/cgroup", "/proc/sys",
@@ -198,16 +223,19 @@ for d in dirs:
     except OSError as e:
         out[d] = errno.errorcode[e.errno]
 print(json.dumps(out))
-'''
+"""
     _, rep = await probe(target, code)
     wrote = [d for d, v in rep.items() if v == "WROTE"]
     assert not wrote, f"wrote to {wrote}"
     observe("refused: " + ", ".join(f"{d}={v}" for d, v in rep.items()))
 
 
-@attack("overwrite the in-jail driver or the Python interpreter", "EROFS/EACCES: the runtime and venv are read-only")
+@attack(
+    "overwrite the in-jail driver or the Python interpreter",
+    "EROFS/EACCES: the runtime and venv are read-only",
+)
 async def test_the_driver_and_interpreter_cannot_be_replaced(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import errno, json, os, sys
 out = {}
 for p in (os.path.join(os.environ["APPLIANCE_RUNTIME"], "driver.py"), sys.executable, os.__file__):
@@ -216,16 +244,18 @@ for p in (os.path.join(os.environ["APPLIANCE_RUNTIME"], "driver.py"), sys.execut
     except OSError as e:
         out[p] = errno.errorcode[e.errno]
 print(json.dumps(out))
-'''
+"""
     _, rep = await probe(target, code)
     assert all(v in ("EROFS", "EACCES", "EPERM") for v in rep.values()), rep
     observe(", ".join(f"{os.path.basename(k)}: {v}" for k, v in rep.items()))
 
 
-@attack("open raw device nodes (/dev/mem, /dev/kmsg, disks, /dev/fuse, loop) and mknod one",
-        "nodes absent (ENOENT) in the private /dev; mknod EPERM")
+@attack(
+    "open raw device nodes (/dev/mem, /dev/kmsg, disks, /dev/fuse, loop) and mknod one",
+    "nodes absent (ENOENT) in the private /dev; mknod EPERM",
+)
 async def test_device_nodes_are_absent_and_cannot_be_made(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import errno, json, os
 out = {}
 for d in ("/dev/mem", "/dev/kmem", "/dev/port", "/dev/kmsg", "/dev/vda", "/dev/sda", "/dev/fuse", "/dev/loop0",
@@ -240,7 +270,7 @@ except OSError as e:
     out["mknod"] = errno.errorcode[e.errno]
 out["dev"] = sorted(os.listdir("/dev"))
 print(json.dumps(out))
-'''
+"""
     _, rep = await probe(target, code)
     dev = rep.pop("dev")
     assert "OPENED" not in rep.values() and rep["mknod"] == "EPERM", rep
@@ -248,28 +278,36 @@ print(json.dumps(out))
     observe(f"/dev holds {dev}; " + ", ".join(f"{k}={v}" for k, v in rep.items()))
 
 
-@attack("upload through a symlink planted by an earlier cell (session: link -> /etc)",
-        "the upload is refused (O_NOFOLLOW), nothing is written through the link")
+@attack(
+    "upload through a symlink planted by an earlier cell (session: link -> /etc)",
+    "the upload is refused (O_NOFOLLOW), nothing is written through the link",
+)
 async def test_uploads_never_follow_a_planted_symlink(target: Server, observe: Observe) -> None:
     async with AsyncClient(target.url, TOKEN) as c:
-        first = await c.execute("import os\nos.symlink('/tmp', 'link')\nos.symlink('/tmp/t', 'file')",
-                                session="new")
+        first = await c.execute(
+            "import os\nos.symlink('/tmp', 'link')\nos.symlink('/tmp/t', 'file')", session="new"
+        )
         assert first.status == "ok", first
         sid = first.session
         via_dir = await c.execute("print('ran')", session=sid, files={"link/x": b"pwn"})
         via_file = await c.execute("print('ran')", session=sid, files={"file": b"pwn"})
-        check = await c.execute("import os\nprint(os.path.exists('/tmp/x'), os.path.exists('/tmp/t'))",
-                                session=sid)
+        check = await c.execute(
+            "import os\nprint(os.path.exists('/tmp/x'), os.path.exists('/tmp/t'))", session=sid
+        )
         assert sid is not None
         await c.close_session(sid)
     assert via_dir.status == "error" and via_dir.stdout == "", via_dir
     assert via_file.status == "error" and via_file.stdout == "", via_file
     assert check.stdout == "False False\n", check
-    observe(f"link/x: {via_dir.error and via_dir.error['evalue']}; file: {via_file.error and via_file.error['evalue']}")
+    observe(
+        f"link/x: {via_dir.error and via_dir.error['evalue']}; file: {via_file.error and via_file.error['evalue']}"
+    )
 
 
-@attack("outputs/ symlink to a host file (/etc/shadow) for the root server to read",
-        "no file frame for the link; no host file content reaches the client")
+@attack(
+    "outputs/ symlink to a host file (/etc/shadow) for the root server to read",
+    "no file frame for the link; no host file content reaches the client",
+)
 async def test_an_output_symlink_to_a_host_file_is_not_read(target: Server, observe: Observe) -> None:
     code = "import os\nos.symlink('/etc/shadow', 'outputs/shadow')\nos.symlink('/etc/hostname', 'outputs/h')\nopen('outputs/ok.txt','w').write('fine')"
     ex = await run(target, code)
@@ -279,7 +317,10 @@ async def test_an_output_symlink_to_a_host_file_is_not_read(target: Server, obse
     observe(f"file frames: {paths}")
 
 
-@attack("outputs/ directory symlink to / (so the server walks the host)", "the link is not walked; no file frames from it")
+@attack(
+    "outputs/ directory symlink to / (so the server walks the host)",
+    "the link is not walked; no file frames from it",
+)
 async def test_an_output_directory_symlink_is_not_walked(target: Server, observe: Observe) -> None:
     ex = await run(target, "import os\nos.symlink('/', 'outputs/host')\nos.symlink('/etc', 'outputs/etc')")
     assert ex.status == "ok" and ex.files == [], ex.files
@@ -293,10 +334,12 @@ async def test_outputs_replaced_by_a_symlink_is_not_followed(target: Server, obs
     observe("no file frames")
 
 
-@attack("hard link in outputs/ (to its own file and to a root-owned file)",
-        "hard link to root's file refused by the kernel; multiply-linked file not sent")
+@attack(
+    "hard link in outputs/ (to its own file and to a root-owned file)",
+    "hard link to root's file refused by the kernel; multiply-linked file not sent",
+)
 async def test_output_hard_links_are_refused(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import errno, json, os, sys
 open("secret", "w").write("mine")
 os.link("secret", "outputs/linked")
@@ -305,14 +348,16 @@ try:
 except OSError as e:
     r = errno.errorcode[e.errno]
 print(json.dumps({"root_file": r}))
-'''
+"""
     ex, rep = await probe(target, code)
     assert rep["root_file"] in ("EPERM", "EXDEV", "EACCES"), rep
     assert ex.files == [], ex.files
     observe(f"link to root's file: {rep['root_file']}; linked own file: not sent")
 
 
-@attack("FIFO and device-like entries in outputs/ (to hang the root reader)", "skipped; the run ends normally")
+@attack(
+    "FIFO and device-like entries in outputs/ (to hang the root reader)", "skipped; the run ends normally"
+)
 async def test_a_fifo_in_outputs_does_not_hang_the_server(target: Server, observe: Observe) -> None:
     ex = await run(target, "import os\nos.mkfifo('outputs/pipe')\nos.mkfifo('outputs/pipe2')", timeout=30)
     assert ex.status == "ok" and ex.files == [], ex
@@ -321,7 +366,7 @@ async def test_a_fifo_in_outputs_does_not_hang_the_server(target: Server, observ
 
 @attack("TIOCSTI: push keystrokes into a terminal", "no terminal: ENOTTY on fds 0-2, /dev/tty ENXIO")
 async def test_tiocsti_has_no_terminal_to_inject_into(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import errno, fcntl, json, os, termios
 out = {}
 for fd in (0, 1, 2):
@@ -334,16 +379,18 @@ try:
 except OSError as e:
     out["tty"] = errno.errorcode[e.errno]
 print(json.dumps(out))
-'''
+"""
     _, rep = await probe(target, code)
     assert "INJECTED" not in rep.values(), rep
     observe(str(rep))
 
 
-@attack("core dump of a crashing process (raise RLIMIT_CORE, SIGSEGV)",
-        "RLIMIT_CORE is 0/0 and cannot be raised; no core file is written")
+@attack(
+    "core dump of a crashing process (raise RLIMIT_CORE, SIGSEGV)",
+    "RLIMIT_CORE is 0/0 and cannot be raised; no core file is written",
+)
 async def test_core_dumps_are_disabled(target: Server, observe: Observe) -> None:
-    code = '''
+    code = """
 import json, os, resource, signal
 out = {"limit": resource.getrlimit(resource.RLIMIT_CORE)}
 try:
@@ -357,21 +404,23 @@ _, st = os.waitpid(pid, 0)
 out["dumped"] = os.WCOREDUMP(st)
 out["files"] = os.listdir(".") + os.listdir("/tmp")
 print(json.dumps(out))
-'''
+"""
     _, rep = await probe(target, code)
     assert rep["limit"] == [0, 0] and rep["raise"] != "RAISED" and not rep["dumped"], rep
     assert not any(n.startswith("core") for n in rep["files"]), rep["files"]
     observe(f"RLIMIT_CORE {rep['limit']}, raise -> {rep['raise']}, core dumped: {rep['dumped']}")
 
 
-@attack("connect to a host abstract-namespace unix socket", "ECONNREFUSED: the jail has its own network namespace")
+@attack(
+    "connect to a host abstract-namespace unix socket", "ECONNREFUSED: the jail has its own network namespace"
+)
 async def test_host_abstract_unix_sockets_are_unreachable(target: Server, observe: Observe) -> None:
     name = f"appliance-attack-{os.getpid()}"
     host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     host.bind("\0" + name)
     host.listen(1)
     try:
-        code = f'''
+        code = f"""
 import errno, json, socket
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 try:
@@ -379,7 +428,7 @@ try:
 except OSError as e:
     r = errno.errorcode[e.errno]
 print(json.dumps({{"r": r, "unix": open("/proc/net/unix").read().count("\\n") - 1}}))
-'''
+"""
         _, rep = await probe(target, code)
     finally:
         host.close()
@@ -387,17 +436,25 @@ print(json.dumps({{"r": r, "unix": open("/proc/net/unix").read().count("\\n") - 
     observe(f"connect(@{name}) -> {rep['r']}; jail's /proc/net/unix lists {rep['unix']} sockets")
 
 
-@attack("chroot, setuid(0), setresuid(0) from inside",
-        "chroot EPERM; setuid(0)/setresuid(0) fail (EINVAL: uid 0 is not even mapped in the jail); uid stays 1001")
+@attack(
+    "chroot, setuid(0), setresuid(0) from inside",
+    "chroot EPERM; setuid(0)/setresuid(0) fail (EINVAL: uid 0 is not even mapped in the jail); uid stays 1001",
+)
 async def test_chroot_and_setuid_are_refused(target: Server, observe: Observe) -> None:
-    _, rep = await probe(target, SYSCALLS + "print(json.dumps([sc(161, b'/tmp')['name'], sc(105, 0)['name'], sc(117, 0, 0, 0)['name'], os.getuid(), os.geteuid()]))")
+    _, rep = await probe(
+        target,
+        SYSCALLS
+        + "print(json.dumps([sc(161, b'/tmp')['name'], sc(105, 0)['name'], sc(117, 0, 0, 0)['name'], os.getuid(), os.geteuid()]))",
+    )
     assert rep[0] == "EPERM" and set(rep[1:3]) <= {"EPERM", "EINVAL"} and rep[3:] == [1001, 1001], rep
     observe(f"chroot/setuid/setresuid -> {rep}")
 
 
 @attack("load a kernel module (init_module, finit_module)", "EPERM")
 async def test_kernel_module_loading_is_refused(target: Server, observe: Observe) -> None:
-    _, rep = await probe(target, SYSCALLS + "print(json.dumps([sc(175, 0, 0, b'')['name'], sc(313, 0, b'', 0)['name']]))")
+    _, rep = await probe(
+        target, SYSCALLS + "print(json.dumps([sc(175, 0, 0, b'')['name'], sc(313, 0, b'', 0)['name']]))"
+    )
     assert rep == ["EPERM", "EPERM"], rep
     observe(f"init_module/finit_module -> {rep}")
 
@@ -411,14 +468,21 @@ async def test_open_by_handle_at_is_refused(target: Server, observe: Observe) ->
 
 @attack("bpf, perf_event_open and userfaultfd (kernel attack surface)", "refused")
 async def test_kernel_attack_surface_syscalls_are_refused(target: Server, observe: Observe) -> None:
-    _, rep = await probe(target, SYSCALLS + "print(json.dumps({'bpf': sc(321, 0, 0, 0)['name'], 'perf': sc(298, 0, 0, -1, -1, 0)['name'], 'uffd': sc(323, 0)['name']}))")
+    _, rep = await probe(
+        target,
+        SYSCALLS
+        + "print(json.dumps({'bpf': sc(321, 0, 0, 0)['name'], 'perf': sc(298, 0, 0, -1, -1, 0)['name'], 'uffd': sc(323, 0)['name']}))",
+    )
     assert set(rep.values()) <= {"EPERM", "EACCES", "ENOSYS"}, rep
     observe(str(rep))
 
 
 @attack("reboot, sethostname, swapon, kexec_load", "EPERM")
 async def test_host_administration_syscalls_are_refused(target: Server, observe: Observe) -> None:
-    code = SYSCALLS + "print(json.dumps([sc(169, 0xfee1dead, 672274793, 0x4321fedc, 0)['name'], sc(170, b'x', 1)['name'], sc(167, b'/tmp/x', 0)['name'], sc(246, 0, 0, 0, 0)['name']]))"
+    code = (
+        SYSCALLS
+        + "print(json.dumps([sc(169, 0xfee1dead, 672274793, 0x4321fedc, 0)['name'], sc(170, b'x', 1)['name'], sc(167, b'/tmp/x', 0)['name'], sc(246, 0, 0, 0, 0)['name']]))"
+    )
     _, rep = await probe(target, code)
     assert set(rep) == {"EPERM"}, rep
     observe(f"reboot/sethostname/swapon/kexec_load -> {rep}")
@@ -430,8 +494,12 @@ async def test_upload_paths_that_climb_out_are_rejected(target: Server, observe:
     seen: list[str] = []
     async with AsyncClient(target.url, TOKEN) as c:
         for path in ("../escape", "/etc/passwd", "a/../../b", "x\x00y"):
-            frame = {"type": "execute", "id": f"u{len(seen)}", "code": "print('ran')",
-                     "files": [{"path": path, "data": data}]}
+            frame = {
+                "type": "execute",
+                "id": f"u{len(seen)}",
+                "code": "print('ran')",
+                "files": [{"path": path, "data": data}],
+            }
             await c.send(frame)
             seen.append(path)
         replies: list[dict[str, Any]] = []

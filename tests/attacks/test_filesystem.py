@@ -33,23 +33,31 @@ def outputs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path, outputs_dir: Path) -> Iterator[Server]:
-    srv = hostile_server(tmp_path_factory.mktemp("fs-server"), tmp_root, SANDBOX_OUTPUTS_DIR=str(outputs_dir),
-                         SANDBOX_MAX_FILE_OUT_BYTES=str(8 * 1024 * 1024), SANDBOX_MAX_EXEC_MS="15000")
+    srv = hostile_server(
+        tmp_path_factory.mktemp("fs-server"),
+        tmp_root,
+        SANDBOX_OUTPUTS_DIR=str(outputs_dir),
+        SANDBOX_MAX_FILE_OUT_BYTES=str(8 * 1024 * 1024),
+        SANDBOX_MAX_EXEC_MS="15000",
+    )
     yield srv
     srv.stop()
 
 
-DEEP = ("import os\n"
-        "for i in range(1200):\n"
-        "    os.mkdir('d'); os.chdir('d')\n"
-        "    with open('f', 'wb') as fh:\n"
-        "        fh.write(b'x' * 4096)\n"
-        "print('deep')")
+DEEP = (
+    "import os\n"
+    "for i in range(1200):\n"
+    "    os.mkdir('d'); os.chdir('d')\n"
+    "    with open('f', 'wb') as fh:\n"
+    "        fh.write(b'x' * 4096)\n"
+    "print('deep')"
+)
 
 
-@attack("a 1200-deep directory tree (mkdir/chdir in a loop) with a file at every level",
-        "the run's directory is removed after the run whatever its depth (no RecursionError); the "
-        "next run works")
+@attack(
+    "a 1200-deep directory tree (mkdir/chdir in a loop) with a file at every level",
+    "the run's directory is removed after the run whatever its depth (no RecursionError); the next run works",
+)
 async def test_a_1200_deep_tree_is_removed_after_the_run(target: Server, observe: Observe) -> None:
     ex = await run(target, DEEP)
     assert ex.status in ("ok", "output_limit"), (ex.status, ex.message)
@@ -57,9 +65,11 @@ async def test_a_1200_deep_tree_is_removed_after_the_run(target: Server, observe
     observe(f"run {ex.status} ({ex.message or ex.stdout.strip()}); {note}")
 
 
-@attack("the same 1200-deep tree made under outputs/",
-        "collection never recurses: a clear status (the files within reach come back, the message "
-        "says the deeper ones were not read), never `internal`")
+@attack(
+    "the same 1200-deep tree made under outputs/",
+    "collection never recurses: a clear status (the files within reach come back, the message "
+    "says the deeper ones were not read), never `internal`",
+)
 async def test_a_deep_tree_under_outputs_gives_a_clear_status(target: Server, observe: Observe) -> None:
     ex = await run(target, "import os\nos.chdir('outputs')\n" + DEEP)
     assert ex.status == "output_limit", (ex.status, ex.message)
@@ -68,9 +78,13 @@ async def test_a_deep_tree_under_outputs_gives_a_clear_status(target: Server, ob
     observe(f"{ex.status}: {ex.message}; {len(ex.files)} file frame(s); {note}")
 
 
-@attack("a 1200-deep tree with files left under SANDBOX_TMP_ROOT by a server that died",
-        "the next server on that temp root starts, becomes ready and removes the stale tree")
-async def test_a_server_starts_over_a_stale_deep_tree(tmp_path: Path, tmp_root: Path, observe: Observe) -> None:
+@attack(
+    "a 1200-deep tree with files left under SANDBOX_TMP_ROOT by a server that died",
+    "the next server on that temp root starts, becomes ready and removes the stale tree",
+)
+async def test_a_server_starts_over_a_stale_deep_tree(
+    tmp_path: Path, tmp_root: Path, observe: Observe
+) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale = tmp_root / "appliance" / f"srv-{dead.pid}" / "0123456789abcdef"
@@ -86,8 +100,9 @@ async def test_a_server_starts_over_a_stale_deep_tree(tmp_path: Path, tmp_root: 
                 fh.write(b"x" * 1024)
     finally:
         os.close(fd)
-    srv = start_server(tmp_path / "srv", SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_TMP_ROOT=str(tmp_root),
-                       SANDBOX_POOL_SIZE="0")
+    srv = start_server(
+        tmp_path / "srv", SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_TMP_ROOT=str(tmp_root), SANDBOX_POOL_SIZE="0"
+    )
     try:
         assert srv.proc.poll() is None
         assert not stale.parent.exists(), "the stale run directory is still there"
@@ -98,16 +113,21 @@ async def test_a_server_starts_over_a_stale_deep_tree(tmp_path: Path, tmp_root: 
     observe("server started, ready, stale 1200-deep tree removed, a run answered")
 
 
-SPARSE = ("import os\nfor i in range(100):\n"
-          "    with open(f'outputs/s{i:03}.bin', 'wb') as fh:\n"
-          "        fh.truncate(8 * 1024 * 1024)\nprint('sparse')")
+SPARSE = (
+    "import os\nfor i in range(100):\n"
+    "    with open(f'outputs/s{i:03}.bin', 'wb') as fh:\n"
+    "        fh.truncate(8 * 1024 * 1024)\nprint('sparse')"
+)
 
 
-@attack("100 sparse 8 MiB files in outputs/ (truncate: no disk blocks, 800 MiB claimed)",
-        "file frames stop at SANDBOX_MAX_OUTPUTS_BYTES counted in apparent size; the rest is skipped "
-        "and `done` says so (files_skipped); server memory bounded; persistence has the same bound")
+@attack(
+    "100 sparse 8 MiB files in outputs/ (truncate: no disk blocks, 800 MiB claimed)",
+    "file frames stop at SANDBOX_MAX_OUTPUTS_BYTES counted in apparent size; the rest is skipped "
+    "and `done` says so (files_skipped); server memory bounded; persistence has the same bound",
+)
 async def test_sparse_outputs_are_bounded_by_the_outputs_budget(
-        target: Server, outputs_dir: Path, observe: Observe) -> None:
+    target: Server, outputs_dir: Path, observe: Observe
+) -> None:
     pid = target.proc.pid
     before = rss_mb(pid)
     peak = [before]
@@ -122,8 +142,9 @@ async def test_sparse_outputs_are_bounded_by_the_outputs_budget(
     done: dict[str, object] = {}
     run_id = ""
     try:
-        async with websockets.connect(target.url, max_size=None,
-                                      additional_headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+        async with websockets.connect(
+            target.url, max_size=None, additional_headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as ws:
             await ws.send(json.dumps({"id": "sparse", "code": SPARSE}))
             async with asyncio.timeout(scaled(120)):
                 while True:
@@ -146,11 +167,13 @@ async def test_sparse_outputs_are_bounded_by_the_outputs_budget(
     assert done["status"] == "output_limit" and "SANDBOX_MAX_OUTPUTS_BYTES" in str(done["message"]), done
     assert grew < 200, f"server RSS grew by {grew:.0f} MB"
     note = await assert_contained(target)
-    observe(f"{files} files ({sent >> 20} MiB) sent, {done.get('files_skipped')} skipped, "
-            f"{persisted >> 20} MiB persisted; server RSS {before:.0f} -> peak {peak[0]:.0f} MB; {note}")
+    observe(
+        f"{files} files ({sent >> 20} MiB) sent, {done.get('files_skipped')} skipped, "
+        f"{persisted >> 20} MiB persisted; server RSS {before:.0f} -> peak {peak[0]:.0f} MB; {note}"
+    )
 
 
-IPC_MAKE = f'''
+IPC_MAKE = f"""
 import ctypes, json
 libc = ctypes.CDLL(None, use_errno=True)
 libc.shmat.restype = ctypes.c_void_p
@@ -161,8 +184,8 @@ ctypes.memmove(addr, secret, len(secret))
 msg = libc.msgget({IPC_KEY}, 0o1666)
 sem = libc.semget({IPC_KEY}, 1, 0o1666)
 print(json.dumps({{"shm": shm, "msg": msg, "sem": sem}}))
-'''
-IPC_FIND = f'''
+"""
+IPC_FIND = f"""
 import ctypes, json
 libc = ctypes.CDLL(None, use_errno=True)
 libc.shmat.restype = ctypes.c_void_p
@@ -170,7 +193,7 @@ shm = libc.shmget({IPC_KEY}, 0, 0)
 seen = ctypes.string_at(libc.shmat(shm, None, 0), 21).decode(errors="replace") if shm >= 0 else None
 print(json.dumps({{"shm": shm, "seen": seen, "msg": libc.msgget({IPC_KEY}, 0), "sem": libc.semget({IPC_KEY}, 0, 0),
                   "sysvipc": open("/proc/sysvipc/shm").read().count("\\n") - 1}}))
-'''
+"""
 
 
 def host_ipc_keys() -> set[int]:
@@ -182,9 +205,11 @@ def host_ipc_keys() -> set[int]:
     return keys
 
 
-@attack("a run leaves a System V shared memory segment holding a secret (and a queue and a semaphore)",
-        "each jail has its own IPC namespace: a later fresh jail finds none of them, and nothing of "
-        "them stays on the host after the run")
+@attack(
+    "a run leaves a System V shared memory segment holding a secret (and a queue and a semaphore)",
+    "each jail has its own IPC namespace: a later fresh jail finds none of them, and nothing of "
+    "them stays on the host after the run",
+)
 async def test_system_v_ipc_does_not_outlive_its_run(target: Server, observe: Observe) -> None:
     try:
         _, made = await probe(target, IPC_MAKE)
@@ -199,11 +224,13 @@ async def test_system_v_ipc_does_not_outlive_its_run(target: Server, observe: Ob
     assert found["shm"] == -1 and found["seen"] is None, found
     assert found["msg"] == -1 and found["sem"] == -1, found
     note = await assert_contained(target)
-    observe(f"later jail: shmget/msgget/semget -1, /proc/sysvipc/shm lists {found['sysvipc']}; "
-            f"host holds none of the keys; {note}")
+    observe(
+        f"later jail: shmget/msgget/semget -1, /proc/sysvipc/shm lists {found['sysvipc']}; "
+        f"host holds none of the keys; {note}"
+    )
 
 
-SWAP = '''
+SWAP = """
 import ctypes, os, time
 libc = ctypes.CDLL(None, use_errno=True)
 os.mkdir("x")
@@ -215,14 +242,17 @@ while time.monotonic() < end:
         raise OSError(ctypes.get_errno(), "renameat2")
     swaps += 1
 print("swapped", swaps)
-'''
+"""
 
 
-@attack("swap a directory with a symlink to a host directory in a tight renameat2(RENAME_EXCHANGE) loop",
-        "the disk watchdog walks by directory descriptor with O_NOFOLLOW: it never lists the host "
-        "directory (whose 100 MiB would put the run over its quota), the run ends ok")
+@attack(
+    "swap a directory with a symlink to a host directory in a tight renameat2(RENAME_EXCHANGE) loop",
+    "the disk watchdog walks by directory descriptor with O_NOFOLLOW: it never lists the host "
+    "directory (whose 100 MiB would put the run over its quota), the run ends ok",
+)
 async def test_a_symlink_swap_cannot_make_the_watchdog_list_the_host(
-        target: Server, tmp_root: Path, observe: Observe) -> None:
+    target: Server, tmp_root: Path, observe: Observe
+) -> None:
     host = tmp_root / "host-only"
     host.mkdir(exist_ok=True)
     with open(host / "big.bin", "wb") as fh:  # allocated blocks on the run directories' filesystem
@@ -236,7 +266,7 @@ async def test_a_symlink_swap_cannot_make_the_watchdog_list_the_host(
     observe(f"run ok after {ex.stdout.split()[-1]} swaps; {note}")
 
 
-UNNAMED = '''
+UNNAMED = """
 import os, time
 fd = os.open("hidden.bin", os.O_CREAT | os.O_RDWR, 0o600)
 os.unlink("hidden.bin")
@@ -247,21 +277,26 @@ for _ in range(45):
     os.write(mem, block)
 time.sleep(4)
 print("kept", os.fstat(fd).st_size + os.fstat(mem).st_size)
-'''
+"""
 
 
-@attack("write 45 MiB to an unlinked-but-open file and 45 MiB to a memfd (quota 64 MiB)",
-        "files held open with no name count toward SANDBOX_MAX_DISK_MB: output_limit")
-async def test_unlinked_files_and_memfds_count_toward_the_disk_quota(target: Server, observe: Observe) -> None:
+@attack(
+    "write 45 MiB to an unlinked-but-open file and 45 MiB to a memfd (quota 64 MiB)",
+    "files held open with no name count toward SANDBOX_MAX_DISK_MB: output_limit",
+)
+async def test_unlinked_files_and_memfds_count_toward_the_disk_quota(
+    target: Server, observe: Observe
+) -> None:
     ex = await run(target, UNNAMED)
     assert ex.status == "output_limit" and "SANDBOX_MAX_DISK_MB" in str(ex.message), (ex.status, ex.message)
     note = await assert_contained(target)
     observe(f"{ex.status}: {ex.message}; {note}")
 
 
-@attack("a session's cell leaves a thread that fills a memfd after the cell ended (90 MiB, quota 64)",
-        "the quota holds between cells, memfds included: the session is ended and its next request "
-        "is told why")
+@attack(
+    "a session's cell leaves a thread that fills a memfd after the cell ended (90 MiB, quota 64)",
+    "the quota holds between cells, memfds included: the session is ended and its next request is told why",
+)
 async def test_a_sessions_memfd_counts_between_cells(target: Server, observe: Observe) -> None:
     from appliance.client import AsyncClient
 
@@ -275,7 +310,8 @@ async def test_a_sessions_memfd_counts_between_cells(target: Server, observe: Ob
             "    for _ in range(90):\n"
             "        os.write(fd, b'm' * (1 << 20))\n"
             "threading.Thread(target=fill, daemon=True).start()\nprint('started')",
-            session="new")
+            session="new",
+        )
         assert first.status == "ok", first
         await asyncio.sleep(scaled(5))
         later = await client.execute("print('still?')", session=first.session)
@@ -284,25 +320,34 @@ async def test_a_sessions_memfd_counts_between_cells(target: Server, observe: Ob
     observe(f"next request: {later.status} ({later.message}); {note}")
 
 
-@attack("io_uring_setup (syscall 425) from ctypes",
-        "refused by the jail's seccomp filter (EPERM or ENOSYS): no io_uring instance")
+@attack(
+    "io_uring_setup (syscall 425) from ctypes",
+    "refused by the jail's seccomp filter (EPERM or ENOSYS): no io_uring instance",
+)
 async def test_io_uring_is_refused(target: Server, observe: Observe) -> None:
-    _, out = await probe(target, SYSCALLS + "buf = ctypes.create_string_buffer(120)\n"
-                         "print(json.dumps(sc(425, 4, ctypes.addressof(buf))))")
+    _, out = await probe(
+        target,
+        SYSCALLS + "buf = ctypes.create_string_buffer(120)\n"
+        "print(json.dumps(sc(425, 4, ctypes.addressof(buf))))",
+    )
     assert out["ret"] == -1 and out["name"] in ("EPERM", "ENOSYS"), out
     observe(f"io_uring_setup -> {out['ret']} {out['name']}")
 
 
-@attack("read /etc/passwd and /etc/group in the jail for the host's accounts",
-        "the jail's passwd and group list only root and the sandbox user")
+@attack(
+    "read /etc/passwd and /etc/group in the jail for the host's accounts",
+    "the jail's passwd and group list only root and the sandbox user",
+)
 async def test_the_jail_lists_no_host_account(target: Server, observe: Observe) -> None:
     import pwd
 
-    _, out = await probe(target, "import json\n"
-                         "names = lambda p: sorted(l.split(':')[0] for l in open(p) if l.strip())\n"
-                         "print(json.dumps({'passwd': names('/etc/passwd'), 'group': names('/etc/group')}))")
+    _, out = await probe(
+        target,
+        "import json\n"
+        "names = lambda p: sorted(l.split(':')[0] for l in open(p) if l.strip())\n"
+        "print(json.dumps({'passwd': names('/etc/passwd'), 'group': names('/etc/group')}))",
+    )
     sandbox = pwd.getpwuid(1001).pw_name
     assert out["passwd"] == sorted(["root", sandbox]), out
     assert len(out["group"]) == 2 and "root" in out["group"], out
     observe(f"passwd: {out['passwd']}; group: {out['group']}")
-

@@ -32,10 +32,15 @@ STALL_MS = 3000
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator[Server]:
-    srv = hostile_server(tmp_path_factory.mktemp("transport-server"), tmp_root,
-                         SANDBOX_MAX_EXEC_MS="15000", SANDBOX_CLIENT_STALL_MS=str(STALL_MS),
-                         SANDBOX_MAX_QUEUE="100", SANDBOX_MAX_MESSAGE_BYTES="2097152",
-                         SANDBOX_MAX_OUTPUT_BYTES="16777216")  # the client, not the output limit, must be what stops the runs
+    srv = hostile_server(
+        tmp_path_factory.mktemp("transport-server"),
+        tmp_root,
+        SANDBOX_MAX_EXEC_MS="15000",
+        SANDBOX_CLIENT_STALL_MS=str(STALL_MS),
+        SANDBOX_MAX_QUEUE="100",
+        SANDBOX_MAX_MESSAGE_BYTES="2097152",
+        SANDBOX_MAX_OUTPUT_BYTES="16777216",
+    )  # the client, not the output limit, must be what stops the runs
     yield srv
     srv.stop()
 
@@ -54,9 +59,13 @@ class RawSocket:
     def __init__(self, server: Server, token: str = TOKEN) -> None:
         self.sock = slow_socket(server)
         key = base64.b64encode(os.urandom(16)).decode()
-        self.sock.sendall((f"GET /exec HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
-                           f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
-                           f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {token}\r\n\r\n").encode())
+        self.sock.sendall(
+            (
+                f"GET /exec HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {token}\r\n\r\n"
+            ).encode()
+        )
         head = b""
         while b"\r\n\r\n" not in head:
             head += self.sock.recv(1)
@@ -113,11 +122,14 @@ async def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
     return predicate()
 
 
-@attack("a client that never reads while 4 runs write 64 KiB blocks in a loop (timeout_ms 3000)",
-        "the pipes are not read past a small buffer: server RSS stays bounded; each run ends at its "
-        "limit or when the stalled client is dropped; nothing of the runs survives")
+@attack(
+    "a client that never reads while 4 runs write 64 KiB blocks in a loop (timeout_ms 3000)",
+    "the pipes are not read past a small buffer: server RSS stays bounded; each run ends at its "
+    "limit or when the stalled client is dropped; nothing of the runs survives",
+)
 async def test_a_client_that_never_reads_cannot_grow_the_server_or_outlive_its_limits(
-        target: Server, observe: Observe) -> None:
+    target: Server, observe: Observe
+) -> None:
     before = rss_mb(target.proc.pid)
     client = RawSocket(target)
     code = "import os\nb = b'x' * 65536\nwhile True:\n    os.write(1, b)"
@@ -136,9 +148,11 @@ async def test_a_client_that_never_reads_cannot_grow_the_server_or_outlive_its_l
     observe(f"server RSS {before:.0f} -> peak {peak:.0f} MB over 10 s; runs gone; {note}")
 
 
-@attack("a client that never reads holds 12 runs of print(900 KB) + sleep(3600) (all slots, then queued)",
-        "the stalled client is dropped after SANDBOX_CLIENT_STALL_MS and all its runs end; "
-        "another client's print is answered meanwhile")
+@attack(
+    "a client that never reads holds 12 runs of print(900 KB) + sleep(3600) (all slots, then queued)",
+    "the stalled client is dropped after SANDBOX_CLIENT_STALL_MS and all its runs end; "
+    "another client's print is answered meanwhile",
+)
 async def test_a_stalled_client_cannot_hold_every_slot(target: Server, observe: Observe) -> None:
     client = RawSocket(target)
     code = "import time\nprint('x' * 900000, flush=True)\ntime.sleep(3600)"
@@ -155,10 +169,13 @@ async def test_a_stalled_client_cannot_hold_every_slot(target: Server, observe: 
     observe(f"another client's print answered after {waited:.1f} s; {note}")
 
 
-@attack("half-close (Close frame) with a run in flight, then the TCP connection drops",
-        "the run is cancelled when the transport goes, not left running to its limit")
+@attack(
+    "half-close (Close frame) with a run in flight, then the TCP connection drops",
+    "the run is cancelled when the transport goes, not left running to its limit",
+)
 async def test_a_run_whose_connection_drops_after_a_half_close_is_cancelled(
-        target: Server, observe: Observe) -> None:
+    target: Server, observe: Observe
+) -> None:
     client = RawSocket(target)
     client.send({"type": "execute", "id": "orphan", "code": "import time\ntime.sleep(60)"})
     assert await wait_until(lambda: bool(jailed(target)), 10), "the run never started"
@@ -173,9 +190,11 @@ async def test_a_run_whose_connection_drops_after_a_half_close_is_cancelled(
     observe(f"jail gone {time.monotonic() - started:.2f} s after the TCP close; {note}")
 
 
-@attack("100 stdin frames of 1 MB each for a run that waits in the queue (and one that never reads)",
-        "stdin waiting for a run is bounded (SANDBOX_MAX_STDIN_BYTES): the excess is rejected with a "
-        "message; server RSS stays bounded; the run itself still works")
+@attack(
+    "100 stdin frames of 1 MB each for a run that waits in the queue (and one that never reads)",
+    "stdin waiting for a run is bounded (SANDBOX_MAX_STDIN_BYTES): the excess is rejected with a "
+    "message; server RSS stays bounded; the run itself still works",
+)
 async def test_stdin_for_a_queued_run_is_bounded(target: Server, observe: Observe) -> None:
     before = rss_mb(target.proc.pid)
     async with AsyncClient(target.url, TOKEN) as blocker:
@@ -196,26 +215,35 @@ async def test_stdin_for_a_queued_run_is_bounded(target: Server, observe: Observ
     assert b"SANDBOX_MAX_STDIN_BYTES" in received
     assert peak - before < 150, f"server RSS grew by {peak - before:.0f} MB"
     note = await assert_contained(target)
-    observe(f"excess stdin rejected naming SANDBOX_MAX_STDIN_BYTES; RSS {before:.0f} -> {peak:.0f} MB; {note}")
+    observe(
+        f"excess stdin rejected naming SANDBOX_MAX_STDIN_BYTES; RSS {before:.0f} -> {peak:.0f} MB; {note}"
+    )
 
 
-@attack("a session cell leaves a busy-looping child and a sleeping daemon behind",
-        "the driver kills every process a cell left before its `done`: between cells only the "
-        "interpreter lives; the next cell sees no leftover")
-async def test_a_sessions_cell_leaves_no_process_running_between_cells(target: Server, observe: Observe) -> None:
+@attack(
+    "a session cell leaves a busy-looping child and a sleeping daemon behind",
+    "the driver kills every process a cell left before its `done`: between cells only the "
+    "interpreter lives; the next cell sees no leftover",
+)
+async def test_a_sessions_cell_leaves_no_process_running_between_cells(
+    target: Server, observe: Observe
+) -> None:
     async with AsyncClient(target.url, TOKEN) as client:
         first = await client.execute(
             "import subprocess, sys\n"
             "subprocess.Popen([sys.executable, '-c', 'while True: pass'])\n"
             "subprocess.Popen(['sleep', '1000'], start_new_session=True)\nprint('left')",
-            session="new")
+            session="new",
+        )
         assert first.status == "ok", first
         sid = first.session
         await asyncio.sleep(1)
         second = await client.execute(
             "import os\nmine = os.getpid()\n"
             "others = sorted(int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) not in (1, mine))\n"
-            "print([open(f'/proc/{p}/cmdline').read() for p in others])", session=sid)
+            "print([open(f'/proc/{p}/cmdline').read() for p in others])",
+            session=sid,
+        )
         assert sid is not None
         await client.close_session(sid)
     assert second.status == "ok" and second.stdout.strip() == "[]", second.stdout
@@ -223,9 +251,10 @@ async def test_a_sessions_cell_leaves_no_process_running_between_cells(target: S
     observe(f"after the cell: no process but the interpreter ({second.stdout.strip()}); {note}")
 
 
-@attack("a session's background thread writes past SANDBOX_MAX_DISK_MB between cells",
-        "the quota is checked between cells too: the session is ended, and its next request is "
-        "told why")
+@attack(
+    "a session's background thread writes past SANDBOX_MAX_DISK_MB between cells",
+    "the quota is checked between cells too: the session is ended, and its next request is told why",
+)
 async def test_a_sessions_disk_quota_holds_between_cells(target: Server, observe: Observe) -> None:
     async with AsyncClient(target.url, TOKEN) as client:
         first = await client.execute(
@@ -236,7 +265,8 @@ async def test_a_sessions_disk_quota_holds_between_cells(target: Server, observe
             "        for _ in range(200):\n"
             "            fh.write(b'z' * (1 << 20)); fh.flush()\n"
             "threading.Thread(target=fill, daemon=True).start()\nprint('started')",
-            session="new")
+            session="new",
+        )
         assert first.status == "ok", first
         sid = first.session
         await asyncio.sleep(scaled(6))
@@ -246,18 +276,28 @@ async def test_a_sessions_disk_quota_holds_between_cells(target: Server, observe
     observe(f"next request: {later.status} ({later.message}); {note}")
 
 
-@attack("runs sent the moment /healthz answers on a fresh SANDBOX_TMP_ROOT (the server is still starting)",
-        "such runs wait for the appliance to be ready (or get `busy` naming why); never `internal`")
+@attack(
+    "runs sent the moment /healthz answers on a fresh SANDBOX_TMP_ROOT (the server is still starting)",
+    "such runs wait for the appliance to be ready (or get `busy` naming why); never `internal`",
+)
 async def test_runs_sent_while_the_server_starts_are_not_internal_errors(
-        tmp_path: Path, tmp_root: Path, observe: Observe) -> None:
+    tmp_path: Path, tmp_root: Path, observe: Observe
+) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     fresh = tmp_root / f"fresh-{os.getpid()}"
     fresh.mkdir(mode=0o755)
-    srv = start_server(tmp_path / "srv", wait_ready=False, port=port, wait_started=False,
-                       SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_TMP_ROOT=str(fresh),
-                       SANDBOX_PRELOAD="numpy,pandas,matplotlib", SANDBOX_POOL_SIZE="2")
+    srv = start_server(
+        tmp_path / "srv",
+        wait_ready=False,
+        port=port,
+        wait_started=False,
+        SANDBOX_AUTH_TOKEN=TOKEN,
+        SANDBOX_TMP_ROOT=str(fresh),
+        SANDBOX_PRELOAD="numpy,pandas,matplotlib",
+        SANDBOX_POOL_SIZE="2",
+    )
     try:
         deadline = time.monotonic() + scaled(60)
         while True:
@@ -278,19 +318,26 @@ async def test_runs_sent_while_the_server_starts_are_not_internal_errors(
         srv.stop()
 
 
-@attack("REST: 4 POST /v1/exec of 64 KiB-block writers (timeout_ms 3000) whose client never reads the NDJSON",
-        "the same bounds as over WebSocket: server RSS stays bounded; each run ends at its limit or "
-        "when the stalled client is dropped; nothing of the runs survives")
+@attack(
+    "REST: 4 POST /v1/exec of 64 KiB-block writers (timeout_ms 3000) whose client never reads the NDJSON",
+    "the same bounds as over WebSocket: server RSS stays bounded; each run ends at its limit or "
+    "when the stalled client is dropped; nothing of the runs survives",
+)
 async def test_a_rest_client_that_never_reads_cannot_grow_the_server_or_outlive_its_limits(
-        target: Server, observe: Observe) -> None:
+    target: Server, observe: Observe
+) -> None:
     before = rss_mb(target.proc.pid)
-    body = json.dumps({"code": "import os\nb = b'x' * 65536\nwhile True:\n    os.write(1, b)",
-                       "timeout_ms": 3000}).encode()
+    body = json.dumps(
+        {"code": "import os\nb = b'x' * 65536\nwhile True:\n    os.write(1, b)", "timeout_ms": 3000}
+    ).encode()
     socks = []
     for _ in range(4):
         sock = slow_socket(target)
-        sock.sendall(b"POST /v1/exec HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        sock.sendall(
+            b"POST /v1/exec HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         socks.append(sock)
     assert await wait_until(lambda: bool(jailed(target)), 10), "no run started"
     peak = before
@@ -309,7 +356,7 @@ async def test_a_rest_client_that_never_reads_cannot_grow_the_server_or_outlive_
 
 # -- frames that are costly to parse, refused frames and rate limits, /metrics --------------------
 
-FLOOD = "flood-tenant-" + "f" * 16      # no quota: only the server-wide bounds hold it
+FLOOD = "flood-tenant-" + "f" * 16  # no quota: only the server-wide bounds hold it
 LIMITED = "limited-tenant-" + "l" * 16  # 2 runs, then 1 a minute
 METRICS_TOKEN = "metrics-scraper-" + "m" * 16
 TENANTS = f"""
@@ -333,9 +380,15 @@ def tenanted(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterat
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(TENANTS)
-    srv = hostile_server(base, tmp_root, SANDBOX_AUTH_TOKEN="", SANDBOX_AUTH_TOKENS_FILE=str(path),
-                         SANDBOX_METRICS_TOKEN=METRICS_TOKEN, SANDBOX_MAX_MESSAGE_BYTES="16777216",
-                         SANDBOX_MAX_UPLOAD_BYTES="8388608")
+    srv = hostile_server(
+        base,
+        tmp_root,
+        SANDBOX_AUTH_TOKEN="",
+        SANDBOX_AUTH_TOKENS_FILE=str(path),
+        SANDBOX_METRICS_TOKEN=METRICS_TOKEN,
+        SANDBOX_MAX_MESSAGE_BYTES="16777216",
+        SANDBOX_MAX_UPLOAD_BYTES="8388608",
+    )
     yield srv
     srv.stop()
 
@@ -354,14 +407,20 @@ def healthz_latencies(server: Server, stop: threading.Event, found: list[float])
         time.sleep(0.05)
 
 
-@attack("5 connections each send a 15.7 MB execute frame of 540,000 file entries",
-        "the frames are refused (SANDBOX_MAX_UPLOAD_FILES) without stalling the event loop: /healthz "
-        "keeps answering while they are processed")
+@attack(
+    "5 connections each send a 15.7 MB execute frame of 540,000 file entries",
+    "the frames are refused (SANDBOX_MAX_UPLOAD_FILES) without stalling the event loop: /healthz "
+    "keeps answering while they are processed",
+)
 async def test_frames_costly_to_parse_do_not_stall_the_server(tenanted: Server, observe: Observe) -> None:
     files = [{"path": f"f{i:06d}", "data": ""} for i in range(540_000)]
     socks = [RawSocket(tenanted, token=FLOOD) for _ in range(5)]
-    payloads = [json.dumps({"type": "execute", "id": f"heavy-{n}", "code": "print(1)", "files": files},
-                           separators=(",", ":")).encode() for n in range(len(socks))]
+    payloads = [
+        json.dumps(
+            {"type": "execute", "id": f"heavy-{n}", "code": "print(1)", "files": files}, separators=(",", ":")
+        ).encode()
+        for n in range(len(socks))
+    ]
     assert len(payloads[0]) < 16777216
     wire = [RawSocket.masked(0x1, payload) for payload in payloads]  # built before anything is timed
     stop, latencies = threading.Event(), list[float]()
@@ -369,7 +428,9 @@ async def test_frames_costly_to_parse_do_not_stall_the_server(tenanted: Server, 
     watcher.start()
     try:
         await asyncio.sleep(0.3)
-        await asyncio.gather(*(asyncio.to_thread(sock.sock.sendall, data) for sock, data in zip(socks, wire, strict=True)))
+        await asyncio.gather(
+            *(asyncio.to_thread(sock.sock.sendall, data) for sock, data in zip(socks, wire, strict=True))
+        )
         answers = await asyncio.gather(*(asyncio.to_thread(read_done, sock, scaled(60)) for sock in socks))
         await asyncio.sleep(0.3)
     finally:
@@ -380,10 +441,14 @@ async def test_frames_costly_to_parse_do_not_stall_the_server(tenanted: Server, 
     worst = max(latencies)
     assert worst < scaled(1.0), f"/healthz took {worst:.2f} s to answer while the frames were parsed"
     for answer in answers:
-        assert answer.get("status") == "rejected" and "SANDBOX_MAX_UPLOAD_FILES" in str(answer.get("message")), answer
+        assert answer.get("status") == "rejected" and "SANDBOX_MAX_UPLOAD_FILES" in str(
+            answer.get("message")
+        ), answer
     note = await assert_contained(tenanted, FLOOD)
-    observe(f"5 frames of {len(payloads[0]) / 1e6:.1f} MB refused ({answers[0]['message']}); /healthz answered "
-            f"{len(latencies)} times meanwhile, the slowest in {worst:.2f} s; {note}")
+    observe(
+        f"5 frames of {len(payloads[0]) / 1e6:.1f} MB refused ({answers[0]['message']}); /healthz answered "
+        f"{len(latencies)} times meanwhile, the slowest in {worst:.2f} s; {note}"
+    )
 
 
 def read_done(raw: RawSocket, timeout: float) -> dict[str, object]:
@@ -416,10 +481,14 @@ def read_done(raw: RawSocket, timeout: float) -> dict[str, object]:
             return dict(frame)
 
 
-@attack("a rate-limited tenant sends malformed frames, then a run, then a 1 MB frame",
-        "each refused frame costs a rate token like a run: once the bucket is empty the run is `busy` "
-        "naming the rate limit, and a big frame is refused without being parsed")
-async def test_refused_frames_are_charged_to_the_tenants_rate_limit(tenanted: Server, observe: Observe) -> None:
+@attack(
+    "a rate-limited tenant sends malformed frames, then a run, then a 1 MB frame",
+    "each refused frame costs a rate token like a run: once the bucket is empty the run is `busy` "
+    "naming the rate limit, and a big frame is refused without being parsed",
+)
+async def test_refused_frames_are_charged_to_the_tenants_rate_limit(
+    tenanted: Server, observe: Observe
+) -> None:
     raw = RawSocket(tenanted, token=LIMITED)
     try:
         answers = []
@@ -438,23 +507,34 @@ async def test_refused_frames_are_charged_to_the_tenants_rate_limit(tenanted: Se
     async with AsyncClient(tenanted.url, FLOOD) as other:  # another tenant is not held back
         assert (await other.execute("print('other')")).stdout == "other\n"
     note = await assert_contained(tenanted, FLOOD)
-    observe(f"after 2 refused frames: run {run_answer['status']} ({run_answer['message']}); "
-            f"1 MB frame {big_answer['status']}; {note}")
+    observe(
+        f"after 2 refused frames: run {run_answer['status']} ({run_answer['message']}); "
+        f"1 MB frame {big_answer['status']}; {note}"
+    )
 
 
 def metrics_status(server: Server, token: str | None) -> int:
     return server.get("/metrics", token)[0]
 
 
-@attack("GET /metrics without a token, with a wrong one, and (SANDBOX_METRICS_TOKEN set) with a tenant's",
-        "with tokens configured /metrics needs one (401 otherwise); with SANDBOX_METRICS_TOKEN it is the "
-        "only token accepted; nobody reads the counts unauthenticated")
-async def test_metrics_are_not_readable_without_the_token(target: Server, tenanted: Server,
-                                                          observe: Observe) -> None:
-    single = {"none": metrics_status(target, None), "wrong": metrics_status(target, "wrong-token-123"),
-              "token": metrics_status(target, TOKEN)}
-    split = {"none": metrics_status(tenanted, None), "tenant": metrics_status(tenanted, FLOOD),
-             "metrics": metrics_status(tenanted, METRICS_TOKEN)}
+@attack(
+    "GET /metrics without a token, with a wrong one, and (SANDBOX_METRICS_TOKEN set) with a tenant's",
+    "with tokens configured /metrics needs one (401 otherwise); with SANDBOX_METRICS_TOKEN it is the "
+    "only token accepted; nobody reads the counts unauthenticated",
+)
+async def test_metrics_are_not_readable_without_the_token(
+    target: Server, tenanted: Server, observe: Observe
+) -> None:
+    single = {
+        "none": metrics_status(target, None),
+        "wrong": metrics_status(target, "wrong-token-123"),
+        "token": metrics_status(target, TOKEN),
+    }
+    split = {
+        "none": metrics_status(tenanted, None),
+        "tenant": metrics_status(tenanted, FLOOD),
+        "metrics": metrics_status(tenanted, METRICS_TOKEN),
+    }
     assert single == {"none": 401, "wrong": 401, "token": 200}, single
     assert split == {"none": 401, "tenant": 401, "metrics": 200}, split
     _status, body = tenanted.get("/metrics", METRICS_TOKEN)
