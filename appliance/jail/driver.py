@@ -18,12 +18,12 @@ from __future__ import annotations
 import ast
 import base64
 import builtins
-import collections
 import contextlib
 import io
 import json
 import linecache
 import os
+import queue
 import resource
 import signal
 import socket
@@ -231,26 +231,6 @@ class ImportClock:
             self.seconds += time.perf_counter() - started
 
 
-class Inbox:
-    """What the control thread hands the main thread, in order: cells, CUDA context ops, and
-    None at the end. A deque and a pipe to wake the reader: a queue.Queue (a Condition, a
-    lock per wait, and a GIL handoff each) cost ~100 us per cell against ~60 us for this."""
-
-    def __init__(self) -> None:
-        self._items: collections.deque[Cell | channel.CudaContextOp | None] = collections.deque()
-        self._wake_r, self._wake_w = os.pipe()  # close-on-exec: the code's children never see it
-
-    def put(self, item: Cell | channel.CudaContextOp | None) -> None:
-        self._items.append(item)
-        os.write(self._wake_w, b"\0")
-
-    def get(self) -> Cell | channel.CudaContextOp | None:
-        # A wake byte may stand for an item already taken: the deque is what counts.
-        while not self._items:
-            os.read(self._wake_r, 4096)
-        return self._items.popleft()
-
-
 class Cell:
     """A `run` op as the main thread takes it: code, uploads and the cell's own stdin."""
 
@@ -264,7 +244,7 @@ class Driver:
     def __init__(self, control_fd: int, events: Events) -> None:
         self.events = events
         self.control = os.fdopen(control_fd, "rb")
-        self.runs = Inbox()
+        self.runs: queue.Queue[Cell | channel.CudaContextOp | None] = queue.Queue()
         self.stdin = StdinBuffer()
         self.in_user_code = False
         self.cell_count = 0
