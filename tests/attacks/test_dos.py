@@ -122,12 +122,17 @@ async def test_filling_the_workspace_ends_as_output_limit(target: Server, observ
 
 @attack(
     "fill host memory through the jail's private /tmp (a tmpfs)",
-    "the jail's /tmp counts against the same disk quota: output_limit",
+    "the jail's /tmp counts against the disk quota (output_limit) and, with per-run cgroups, against "
+    "the run's memory group (memory_limit): whichever trips first ends the run",
 )
 async def test_filling_the_private_tmp_ends_as_output_limit(target: Server, observe: Observe) -> None:
     code = "i = 0\nwhile True:\n    open(f'/tmp/f{i}', 'wb').write(b'x' * (8 << 20)); i += 1"
     status, note = await hostile(target, code)
-    assert status == "output_limit", note
+    # A tmpfs fills faster than the disk watchdog's 250 ms poll: the memory group's limit may
+    # trip first (the kernel counts tmpfs pages), and that is the same containment.
+    assert status in ("output_limit", "memory_limit"), note
+    if status == "memory_limit":
+        assert "/tmp" in note, note
     observe(note)
 
 
