@@ -79,7 +79,7 @@ PY="$TOOLS/bin/python"
 log "hadolint $("$TOOLS/bin/hadolint" --version)"
 "$TOOLS/bin/hadolint" images/cpu/Dockerfile images/cuda12/Dockerfile || die "hadolint found problems"
 log "hadolint: images/cpu/Dockerfile images/cuda12/Dockerfile clean"
-"$TOOLS/bin/shellcheck" images/entrypoint.sh scripts/ci-images.sh scripts/ci-cuda-packaging.sh scripts/ci-kube-play.sh scripts/ci-cgroups.sh \
+"$TOOLS/bin/shellcheck" images/entrypoint.sh scripts/ci-images.sh scripts/ci-cuda-packaging.sh scripts/ci-kube-play.sh scripts/ci-cgroups.sh scripts/ci-lib.sh \
     || die "shellcheck found problems"
 log "shellcheck: images/entrypoint.sh scripts/ci-*.sh clean"
 # deploy/kubernetes is a kustomize base with overlays: validate what `kubectl apply -k` gets,
@@ -155,18 +155,8 @@ log "built $IMAGE in $(( $(date +%s) - b0 ))s; image size $(( SIZE / 1000000 )) 
     || die "the image has no HEALTHCHECK on /readyz"
 
 # ---- helpers for the runs ----------------------------------------------------------------------
-# http_status PATH: the HTTP status of GET http://127.0.0.1:$PORT$PATH (000 when unreachable).
-http_status() {
-    "$PY" - "$PORT" "$1" <<'EOF'
-import sys, urllib.error, urllib.request
-try:
-    print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}{sys.argv[2]}", timeout=5).status)
-except urllib.error.HTTPError as exc:
-    print(exc.code)
-except OSError:
-    print("000")
-EOF
-}
+# shellcheck source=scripts/ci-lib.sh
+source scripts/ci-lib.sh  # http_status (the working directory is the repository root)
 # exec_code CODE: the frames of one run, one JSON object per line, through websocat.
 exec_code() {
     "$PY" -c 'import json, sys; print(json.dumps({"code": sys.argv[1]}))' "$1" \

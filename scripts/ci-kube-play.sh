@@ -34,18 +34,8 @@ default_ulimits = ["nofile=$NOFILE:$NOFILE", "nproc=$NPROC:$NPROC"]
 runtime = "runc"
 EOF
 export CONTAINERS_CONF="$D/containers.conf"
-# http_status PATH: the HTTP status of GET http://127.0.0.1:$PORT$PATH (000 when unreachable).
-http_status() {
-    "$PY" - "$PORT" "$1" <<'PYEOF'
-import sys, urllib.error, urllib.request
-try:
-    print(urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}{sys.argv[2]}", timeout=5).status)
-except urllib.error.HTTPError as exc:
-    print(exc.code)
-except OSError:
-    print("000")
-PYEOF
-}
+# shellcheck source=scripts/ci-lib.sh
+source scripts/ci-lib.sh  # http_status (the working directory is the repository root)
 teardown() {
     [ -f "$D/play.yaml" ] && podman kube down "$D/play.yaml" >/dev/null 2>&1 || true
     podman secret rm appliance-auth >/dev/null 2>&1 || true
