@@ -85,11 +85,26 @@ async def test_a_run_gets_its_own_group_at_run_weight_and_it_is_gone_after(srv: 
     its group is gone (the pool's refill has a new one, at idle weight again)."""
     cpu = "cpu" if _tree().version == 1 else ""
     weight = "cpu.shares" if cpu else "cpu.weight"
+
+    def weights() -> dict[Path, str]:
+        found: dict[Path, str] = {}
+        for g in groups_of(srv, cpu):
+            with contextlib.suppress(OSError):  # a group being removed
+                found[g] = (g / weight).read_text().strip()
+        return found
+
+    # Settled: ready (the startup canary, itself a run at run weight, has ended) and a warm
+    # jail waiting. Until then a group may be the canary's or one still being removed.
     deadline = time.monotonic() + scaled(60)
-    while json.loads(srv.get("/readyz")[1])["pool_ready"] < 1 and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    warm = groups_of(srv, cpu)
-    assert warm and all((g / weight).read_text().strip() in ("102", "10") for g in warm)
+    while time.monotonic() < deadline:
+        status, body = srv.get("/readyz")
+        now = weights()
+        idle = bool(now) and all(v in ("102", "10") for v in now.values())
+        if status == 200 and json.loads(body)["pool_ready"] >= 1 and idle:
+            break
+        await asyncio.sleep(0.2)
+    warm = list(weights())
+    assert warm and all(v in ("102", "10") for v in weights().values()), weights()
     task = asyncio.create_task(run(srv, "import time\nprint('in', flush=True)\ntime.sleep(3)"))
     seen: dict[str, str] = {}
     while not task.done():
