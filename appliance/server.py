@@ -254,8 +254,18 @@ async def metrics(request: web.Request) -> web.Response:
 def make_app(service: RunService) -> web.Application:
     app = web.Application(middlewares=[auth_middleware], client_max_size=service.settings.max_message_bytes)
     app[SERVICE_KEY] = service
-    app[PARSER_KEY] = FrameParser(service)
+    parser = app[PARSER_KEY] = FrameParser(service)
     app["connections"] = set()
+
+    async def start_parser(app: web.Application) -> None:
+        # In the background: the child's imports must not delay the server's start.
+        app["parser_start"] = asyncio.create_task(parser.worker.start(), name="parser-start")
+
+    async def stop_parser(app: web.Application) -> None:
+        await parser.worker.close()
+
+    app.on_startup.append(start_parser)
+    app.on_cleanup.append(stop_parser)
     app.router.add_get("/exec", exec_socket)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -6,8 +6,8 @@ A client that takes no frame for SANDBOX_CLIENT_STALL_MS is dropped: its connect
 aborted and its runs are cancelled, so it can hold neither a slot nor the server's memory.
 
 No frame can stall the event loop for long (`FrameParser`): its size is checked before any
-parsing, a big one is parsed in a worker thread, one at a time for the whole server, and
-its file entries are counted before they are validated.
+parsing, a big one is parsed in a child process (`ParseWorker`), one at a time for the whole
+server, and its file entries are counted before they are validated.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ from aiohttp import web
 
 from appliance import protocol
 from appliance.errors import Busy, Cancelled
+from appliance.parse_worker import ParseWorker
 from appliance.protocol import ClientMessage, ProtocolError
 from appliance.service import RunService
 
 GONE_POLL_S = 0.25
 # Frames up to this size are parsed on the event loop (well under a millisecond); bigger
-# ones in a thread. Measured: a 14.6 MB frame of 540,000 file entries took 3.5 s to parse
-# and validate on the loop; refused by its entry count, 0.2 s, in the thread.
+# ones in the parser's child process. Measured: a 14.6 MB frame of 540,000 file entries took
+# 3.5 s to parse and validate on the loop; refused by its entry count, 0.2 s, which a thread
+# would still hold the GIL for (parse_worker.py).
 OFF_LOOP_BYTES = 64 * 1024
 
 
@@ -37,8 +39,9 @@ class FrameParser:
     and a tenant whose rate bucket is empty may send no big frame (`busy`, not parsed).
     """
 
-    def __init__(self, service: RunService) -> None:
+    def __init__(self, service: RunService, worker: ParseWorker | None = None) -> None:
         self._service = service
+        self.worker = worker or ParseWorker()
         self._big = asyncio.Semaphore(1)  # big frames are parsed one at a time, server-wide
 
     async def parse(self, data: str | bytes, owner: str) -> ClientMessage:
@@ -52,7 +55,7 @@ class FrameParser:
             if refusal is not None:
                 raise Busy(f"{refusal}; a frame of {len(data)} bytes was not read")
             async with self._big:
-                return await asyncio.to_thread(protocol.parse_client_frame, data, limits)
+                return await self.worker.parse(data, limits)
         except ProtocolError:
             service.charge_rejected(owner)
             raise

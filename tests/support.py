@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from appliance import local
+from appliance import local, parse_worker
 from appliance.jail.proctree import descendants
 from appliance.local import LocalServer
 
@@ -97,8 +97,21 @@ def jail_processes(server: Server, uid: int = SANDBOX_UID, settle_s: float = 5.0
         time.sleep(0.05)
 
 
+def run_descendants(root: int) -> list[int]:
+    """The live processes below a server that belong to runs: its frame parser left out."""
+    found = []
+    for pid in descendants(root):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        if parse_worker.MODULE.encode() not in cmd:
+            found.append(pid)
+    return found
+
+
 def _jail_processes_now(server: Server, uid: int) -> list[tuple[int, str]]:
-    mine = set(descendants(server.proc.pid))
+    mine = set(run_descendants(server.proc.pid))
     left = []
     for pid, cmd in processes_of_uid(uid):
         try:

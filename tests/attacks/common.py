@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from appliance.client import AsyncClient, Execution
-from appliance.jail.proctree import descendants
-from tests.support import Server, scaled
+from tests.support import Server, run_descendants, scaled
 
 # The hostile server is started with these in its environment; no frame may ever carry them.
 TOKEN = "attack-suite-token-7c1e9a4b"
@@ -81,7 +80,7 @@ def leftovers(server: Server, timeout: float = 15) -> tuple[list[int], list[str]
     """Processes under the server and run directories still there after timeout (pool off)."""
     deadline = time.monotonic() + scaled(timeout)
     while True:
-        procs, dirs = descendants(server.proc.pid), run_dirs(server)
+        procs, dirs = run_descendants(server.proc.pid), run_dirs(server)
         if (not procs and not dirs) or time.monotonic() > deadline:
             return procs, dirs
         time.sleep(0.1)

@@ -21,10 +21,9 @@ from pathlib import Path
 import pytest
 
 from appliance.client import AsyncClient
-from appliance.jail.proctree import descendants
 from tests.attacks.common import TOKEN, assert_contained, attack, run
 from tests.attacks.conftest import hostile_server
-from tests.support import Server, scaled, start_server
+from tests.support import Server, run_descendants, scaled, start_server
 
 Observe = Callable[[str], None]
 STALL_MS = 3000
@@ -110,7 +109,7 @@ def rss_mb(pid: int) -> float:
 
 def jailed(server: Server) -> list[int]:
     """Live processes below the server that run jailed code (firejail and what it started)."""
-    return descendants(server.proc.pid)
+    return run_descendants(server.proc.pid)
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
