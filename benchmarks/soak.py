@@ -182,12 +182,12 @@ def fd_count(pid: int) -> int:
 
 
 def settle(server: Server, timeout: float = 30) -> tuple[list[int], list[str]]:
-    from appliance.jail.proctree import descendants
     from tests.attacks.common import run_dirs
+    from tests.support import run_descendants
 
     deadline = time.monotonic() + timeout
     while True:
-        procs, dirs = descendants(server.proc.pid), run_dirs(server)
+        procs, dirs = run_descendants(server.proc.pid), run_dirs(server)
         if (not procs and not dirs) or time.monotonic() > deadline:
             return procs, dirs
         time.sleep(0.2)
