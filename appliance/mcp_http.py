@@ -30,9 +30,10 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 from appliance import mcp_tools, protocol
 from appliance.client import Execution, Frame, RequestOptions, request_frame
+from appliance.errors import Busy
 from appliance.protocol import ExecuteRequest, ProtocolError
 from appliance.service import RunService
-from appliance.transport import until_gone
+from appliance.transport import PARSER_KEY, until_gone
 
 PATH = "/mcp"
 OWNER_SCOPE_KEY = "appliance.owner"  # the ASGI scope key that carries the caller to the tools
@@ -117,10 +118,23 @@ def _scope(request: web.Request, owner: str) -> dict[str, Any]:
     }
 
 
+def _jsonrpc_error(code: int, message: str, status: int) -> web.Response:
+    # The shape the SDK itself answers a bad body with (a JSON-RPC error without an id).
+    return web.json_response(
+        {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": message}}, status=status
+    )
+
+
 async def handle(request: web.Request, owner: str) -> web.StreamResponse:
     """One HTTP request of the MCP Streamable HTTP transport, through the SDK's manager."""
     manager = request.app[MANAGER_KEY]
     body = await request.read()
+    try:  # a body costly to parse is refused before the SDK parses it on the loop
+        await request.app[PARSER_KEY].screen(body, owner)
+    except ProtocolError as exc:
+        return _jsonrpc_error(-32600, exc.message, 400)
+    except Busy as exc:
+        return _jsonrpc_error(-32000, exc.message, 429)
     scope = _scope(request, owner)
     response: web.StreamResponse | None = None
     delivered = False

@@ -7,6 +7,11 @@ answering for up to 0.68 s on a quiet machine (1.46 s on a CI machine); parsed i
 0.16 s. The server only copies the frame into a pipe and unpickles the typed message, which
 the codec's limits keep small (a refused frame comes back as its error alone).
 
+The same child screens bodies that another parser will read on the loop (`screen`): the MCP
+SDK's pydantic parse of an 8 MB body of 540,000 small values held the loop for 1.4 s, so /mcp
+bodies over 64 KiB are first counted here and refused when they hold more JSON values than any
+request needs.
+
 One child (`python -m appliance.parse_worker`), started with the server and restarted after it
 dies; a frame whose parse killed it is refused, and the next frame gets a new child. The child
 exits when its stdin closes, so it never outlives the server. Its channel is a length-prefixed
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import pickle
 import struct
@@ -30,7 +36,30 @@ log = logging.getLogger(__name__)
 
 MODULE = "appliance.parse_worker"  # how tests (and `ps`) tell the parser from a jail
 _HEADER = struct.Struct("!Q")
-_Reply = tuple[ClientMessage, None] | tuple[None, tuple[str, str | None]]
+_Reply = tuple[ClientMessage | None, None] | tuple[None, tuple[str, str | None]]
+
+
+def count_values(data: str | bytes, most: int) -> str | None:
+    """None when data is JSON of at most `most` values (objects, arrays, keys and scalars
+    each count one); otherwise what is wrong with it, in words for the caller."""
+    try:
+        root = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"the body is not valid JSON: {exc}"
+    except RecursionError:
+        return "the body is nested too deeply"
+    seen, stack = 0, [root]
+    while stack:
+        value = stack.pop()
+        seen += 1
+        if isinstance(value, dict):
+            seen += len(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        if seen > most:
+            return f"the body holds more than {most} JSON values"
+    return None
 
 
 class ParseWorker:
@@ -68,16 +97,23 @@ class ParseWorker:
 
         Shielded: a caller that goes away mid-parse must not leave a reply in the pipe for the
         next frame to read as its own."""
-        return await asyncio.shield(self._exchange(data, limits))
+        message = await asyncio.shield(self._exchange(("frame", data, limits), limits))
+        if message is None:
+            raise RuntimeError("the parser child replied to a frame without its message")
+        return message
 
-    async def _exchange(self, data: str | bytes, limits: Limits) -> ClientMessage:
+    async def screen(self, data: str | bytes, most: int, limits: Limits) -> None:
+        """ProtocolError unless data is JSON of at most `most` values (`count_values`)."""
+        await asyncio.shield(self._exchange(("screen", data, most), limits))
+
+    async def _exchange(self, request: tuple[object, ...], limits: Limits) -> ClientMessage | None:
         async with self._lock:
             proc = await self._child()
             if proc.stdin is None or proc.stdout is None:
                 raise RuntimeError("the parser child has no pipes")
             try:
-                request = pickle.dumps((data, limits), protocol=pickle.HIGHEST_PROTOCOL)
-                proc.stdin.write(_HEADER.pack(len(request)) + request)
+                body = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+                proc.stdin.write(_HEADER.pack(len(body)) + body)
                 await proc.stdin.drain()
                 (size,) = _HEADER.unpack(await proc.stdout.readexactly(_HEADER.size))
                 if size > 2 * limits.max_message_bytes + (1 << 20):
@@ -92,8 +128,6 @@ class ParseWorker:
         message, error = reply
         if error is not None:
             raise ProtocolError(*error)
-        if message is None:
-            raise RuntimeError("the parser child replied with neither a message nor an error")
         return message
 
     async def _stop(self, proc: asyncio.subprocess.Process) -> None:
@@ -111,21 +145,30 @@ class ParseWorker:
             await self._stop(self._proc)
 
 
+def answer(op: str, data: str | bytes, arg: Limits | int) -> _Reply:
+    """The child's reply to one request: ("frame", data, limits) or ("screen", data, most)."""
+    if op == "frame" and isinstance(arg, Limits):
+        try:
+            return (protocol.parse_client_frame(data, arg), None)
+        except ProtocolError as exc:
+            return (None, (exc.message, exc.request_id))
+    if op == "screen" and isinstance(arg, int):
+        problem = count_values(data, arg)
+        return (None, None) if problem is None else (None, (problem, None))
+    raise ValueError(f"unknown request {op!r}")
+
+
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
-    """The child's loop: one (frame, limits) in, one reply out, until stdin closes."""
+    """The child's loop: one request in, one reply out, until stdin closes."""
     while header := inp.read(_HEADER.size):
         if len(header) < _HEADER.size:
             return
         (size,) = _HEADER.unpack(header)
-        data, limits = pickle.loads(inp.read(size))  # noqa: S301 (from the server that started us)
-        try:
-            reply: _Reply = (protocol.parse_client_frame(data, limits), None)
-        except ProtocolError as exc:
-            reply = (None, (exc.message, exc.request_id))
-        body = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        op, data, arg = pickle.loads(inp.read(size))  # noqa: S301 (from the server that started us)
+        body = pickle.dumps(answer(op, data, arg), protocol=pickle.HIGHEST_PROTOCOL)
         out.write(_HEADER.pack(len(body)) + body)
         out.flush()
-        del data, reply, body  # the frame's objects go before the next one arrives
+        del data, body  # the request's objects go before the next one arrives
 
 
 if __name__ == "__main__":

@@ -112,3 +112,15 @@ def test_the_child_exits_when_its_server_is_killed() -> None:
     while not gone(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone(child), "the parser child outlived its server"
+
+
+async def test_screen_counts_every_json_value_and_refuses_one_over(worker: ParseWorker) -> None:
+    # The object and its 2 keys, the list and its 1 and 2, the inner object, its key and null, "x".
+    body = json.dumps({"a": [1, 2, {"b": None}], "c": "x"})
+    await worker.screen(body, 10, LIMITS)
+    with pytest.raises(ProtocolError, match="more than 9 JSON values"):
+        await worker.screen(body, 9, LIMITS)
+    with pytest.raises(ProtocolError, match="not valid JSON"):
+        await worker.screen(b'{"a": ', 100, LIMITS)
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        await worker.screen("[" * 100_000 + "]" * 100_000, 10**9, LIMITS)

@@ -450,6 +450,53 @@ async def test_frames_costly_to_parse_do_not_stall_the_server(tenanted: Server, 
     )
 
 
+@attack(
+    "3 MCP tools/call bodies of 8.1 MB, each with 540,000 upload entries, POSTed to /mcp at once",
+    "each body is refused (400, a JSON-RPC error naming the limit) before the MCP SDK parses it on "
+    "the event loop: /healthz keeps answering meanwhile",
+)
+async def test_mcp_bodies_costly_to_parse_do_not_stall_the_server(tenanted: Server, observe: Observe) -> None:
+    files = {f"f{i:06d}": "" for i in range(540_000)}
+    call = {"name": "run_python", "arguments": {"code": "print(1)", "files": files}}
+    body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": call}).encode()
+    headers = {
+        "Authorization": f"Bearer {FLOOD}",
+        "Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream",
+    }
+
+    def post() -> tuple[int, dict[str, object]]:
+        req = urllib.request.Request(f"{tenanted.http}/mcp", data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=scaled(60)) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    stop, latencies = threading.Event(), list[float]()
+    watcher = threading.Thread(target=healthz_latencies, args=(tenanted, stop, latencies))
+    watcher.start()
+    try:
+        await asyncio.sleep(0.3)
+        answers = await asyncio.gather(*(asyncio.to_thread(post) for _ in range(3)))
+        await asyncio.sleep(0.3)
+    finally:
+        stop.set()
+        await asyncio.to_thread(watcher.join)
+    worst = max(latencies)
+    assert worst < scaled(1.0), f"/healthz took {worst:.2f} s to answer while the bodies were parsed"
+    for status, answer in answers:
+        error = answer.get("error")
+        assert status == 400 and isinstance(error, dict) and "JSON values" in str(error.get("message")), (
+            answer
+        )
+    note = await assert_contained(tenanted, FLOOD)
+    observe(
+        f"3 bodies of {len(body) / 1e6:.1f} MB refused ({answers[0][1]['error']}); /healthz answered "
+        f"{len(latencies)} times meanwhile, the slowest in {worst:.2f} s; {note}"
+    )
+
+
 def read_done(raw: RawSocket, timeout: float) -> dict[str, object]:
     """Read server frames from a raw WebSocket until a `done` (server frames are unmasked)."""
     raw.sock.settimeout(timeout)
