@@ -17,6 +17,7 @@ import contextlib
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from appliance import fstree, protocol
 from appliance.errors import Cancelled, MemoryLimit, OutputLimit, RunLimit, RunTimeout
@@ -250,20 +251,24 @@ def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
 
     Trees are walked by descriptor without following links (`fstree`), so a directory
     swapped for a symlink mid-walk leads nowhere; one nested deeper than the walk may go
-    cannot be measured, and is over the quota."""
+    cannot be measured, and is over the quota. The private /tmp is not walked where the
+    kernel counts it: `tmpfs_usage`."""
     limit = max_disk_mb * 1024 * 1024
     max_entries = min(MAX_DISK_ENTRIES, limit // ENTRY_BYTES)
-    roots = [jail.workdir]
+    used, entries, too_deep = fstree.usage(jail.workdir, max_entries)
+    devices: set[int] = set()
+    with contextlib.suppress(OSError):
+        devices.add(os.stat(jail.workdir).st_dev)
     tmp = jail.private_tmp
     if tmp is not None:
-        roots.append(tmp)
-    used = entries = too_deep = 0
-    devices: set[int] = set()
-    for root in roots:
-        with contextlib.suppress(OSError):
-            devices.add(os.stat(root).st_dev)
-        b, n, d = fstree.usage(root, max_entries)
-        used, entries, too_deep = used + b, entries + n, too_deep + d
+        counted = tmpfs_usage(tmp)
+        if counted is None:  # no block count to read: walk it, and look for its held files
+            b, n, d = fstree.usage(tmp, max_entries)
+            used, entries, too_deep = used + b, entries + n, too_deep + d
+            with contextlib.suppress(OSError):
+                devices.add(os.stat(tmp).st_dev)
+        else:
+            used, entries = used + counted[0], entries + counted[1]
     if too_deep:
         return OutputLimit(
             f"the run nested directories deeper than {fstree.MAX_DEPTH} levels "
@@ -272,10 +277,40 @@ def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
     if entries > max_entries:
         return OutputLimit(f"the run created more than {max_entries} files and directories")
     if used <= limit:
-        used += held_bytes(proctree.tree(jail.process.pid), devices)
+        used += held_bytes(_run_processes(jail.process.pid), devices)
     if used > limit:
         return OutputLimit(f"the run wrote more than SANDBOX_MAX_DISK_MB ({max_disk_mb} MiB) to disk")
     return None
+
+
+def tmpfs_usage(tmp: Path) -> tuple[int, int] | None:
+    """(bytes allocated, inodes in use) of the jail's private /tmp as its tmpfs counts them,
+    or None when it cannot say (no size limit: tmpfs then reports no block counts).
+
+    The kernel's count is every page of every file on that filesystem, named or not: files
+    unlinked while open or mapped, sparse files (holes take no page, as in st_blocks),
+    fallocate'd ranges and pages written through a mapping. So it replaces both the walk of
+    /tmp and the search for its held files, at the cost of one statvfs instead of a stat per
+    entry and a read of every process's maps for that device. The runtime's bind mounts
+    under /tmp are other filesystems: statvfs of /tmp does not count them (nor did the walk).
+    """
+    try:
+        st = os.statvfs(tmp)
+    except OSError:
+        return None
+    if st.f_blocks == 0 or st.f_files == 0:  # size=0 / nr_inodes=0: unlimited, uncounted
+        return None
+    return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree
+
+
+def _run_processes(root: int) -> list[int]:
+    """The jail's processes that may hold the run's files: all but firejail's own two (the
+    launcher we started, `root`, and its child, the sandbox's root-owned init). Those run
+    firejail's code only and take no descriptors from the run; the run's processes are below
+    them, orphans included (they are reparented to the sandbox's init, so still its children)."""
+    found = proctree.tree(root)
+    firejail = {root, *proctree.children(root)}
+    return [pid for pid in found if pid not in firejail]
 
 
 def _violation(jail: Jail, max_disk_mb: int, oom_base: int | None) -> RunLimit | None:
