@@ -24,7 +24,7 @@ from appliance.errors import Cancelled, MemoryLimit, OutputLimit, RunLimit, RunT
 from appliance.jail import channel, proctree
 from appliance.jail.cgroups import Counters, Group
 from appliance.jail.held import held_bytes
-from appliance.jail.jail import Jail
+from appliance.jail.jail import Jail, tmp_of
 from appliance.jail.process import Event, Exited, InterruptRequest, Overflow, Stream, Violation
 from appliance.protocol import ExecuteRequest, Frame
 
@@ -259,7 +259,9 @@ def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
     devices: set[int] = set()
     with contextlib.suppress(OSError):
         devices.add(os.stat(jail.workdir).st_dev)
-    tmp = jail.private_tmp
+    root = jail.process.pid
+    inner = proctree.children(root)  # firejail's sandbox init: its namespace holds the /tmp
+    tmp = tmp_of(inner)
     if tmp is not None:
         counted = tmpfs_usage(tmp)
         if counted is None:  # no block count to read: walk it, and look for its held files
@@ -277,7 +279,10 @@ def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
     if entries > max_entries:
         return OutputLimit(f"the run created more than {max_entries} files and directories")
     if used <= limit:
-        used += held_bytes(_run_processes(jail.process.pid), devices)
+        # Not firejail's own two (the launcher, `root`, and the sandbox's root-owned init):
+        # they run firejail's code only and take no descriptors from the run. Everything
+        # below them is searched, orphans included (reparented to that init, its children).
+        used += held_bytes(proctree.below(inner), devices)
     if used > limit:
         return OutputLimit(f"the run wrote more than SANDBOX_MAX_DISK_MB ({max_disk_mb} MiB) to disk")
     return None
@@ -301,16 +306,6 @@ def tmpfs_usage(tmp: Path) -> tuple[int, int] | None:
     if st.f_blocks == 0 or st.f_files == 0:  # size=0 / nr_inodes=0: unlimited, uncounted
         return None
     return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree
-
-
-def _run_processes(root: int) -> list[int]:
-    """The jail's processes that may hold the run's files: all but firejail's own two (the
-    launcher we started, `root`, and its child, the sandbox's root-owned init). Those run
-    firejail's code only and take no descriptors from the run; the run's processes are below
-    them, orphans included (they are reparented to the sandbox's init, so still its children)."""
-    found = proctree.tree(root)
-    firejail = {root, *proctree.children(root)}
-    return [pid for pid in found if pid not in firejail]
 
 
 def _violation(jail: Jail, max_disk_mb: int, oom_base: int | None) -> RunLimit | None:
