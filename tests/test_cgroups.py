@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +129,38 @@ def test_a_handout_moves_a_group_from_idle_to_run_weight(tree: cgroups.Hierarchy
         assert (idle, (g.paths[key] / name).read_text().strip()) in (("102", "1024"), ("10", "100"))
     finally:
         g.remove()
+
+
+def _fds_into(paths: list[Path]) -> list[str]:
+    """Descriptors of this process open on a file under one of paths."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if any(target.startswith(f"{p}/") for p in paths):
+                found.append(target)
+    return found
+
+
+def test_kept_descriptors_read_fresh_counters_and_close_with_the_group(tree: cgroups.Hierarchy) -> None:
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", L.idle())
+    paths = list(g.paths.values())
+    try:
+        assert _fds_into(paths), "the run path's files are kept open from the group's making"
+        before = g.counters(pids=False).cpu_ns
+        g.open_join()
+        spin = "import time\nt = time.process_time() + 0.2\nwhile time.process_time() < t: pass"
+        proc = subprocess.Popen([sys.executable, "-c", spin], preexec_fn=g.preexec)
+        g.close_join()
+        proc.wait(30)
+        g.set_limits(L)  # a kept descriptor's write still lands
+        key = "cpu" if tree.version == 1 else ""
+        name = "cpu.shares" if tree.version == 1 else "cpu.weight"
+        assert (g.paths[key] / name).read_text().strip() in ("1024", "100")
+        assert g.counters(pids=False).cpu_ns > before + 100_000_000  # read anew at offset 0, not at EOF
+    finally:
+        g.remove()
+    assert _fds_into(paths) == []
 
 
 def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None:

@@ -207,3 +207,26 @@ def test_disk_usage_stays_on_its_own_filesystem(tmp_path_factory: pytest.TempPat
         assert inner >= 3_000_000
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+async def test_files_held_in_the_private_tmp_with_no_name_count_when_the_cell_ends_at_once(
+    tight: Server,
+) -> None:
+    # The private /tmp is measured by its tmpfs's own count (statvfs), not walked and not
+    # searched for held files: 28 MiB in four files there, unlinked while still open (two)
+    # or still mapped with their descriptor closed (two), then the cell ends inside one disk
+    # check interval. Only a count that sees unnamed pages makes this output_limit.
+    code = (
+        "import mmap, os\nkeep = []\nfor i in range(4):\n"
+        "    fd = os.open(f'/tmp/h{i}', os.O_CREAT | os.O_RDWR, 0o600)\n"
+        "    os.write(fd, b'0' * (7 << 20))\n"
+        "    os.unlink(f'/tmp/h{i}')\n"
+        "    if i % 2:\n"
+        "        keep.append(mmap.mmap(fd, 7 << 20))\n"
+        "        os.close(fd)\n"
+        "    else:\n"
+        "        keep.append(fd)"
+    )
+    ex = await run(tight, code, timeout_ms=4000)
+    assert ex.status == "output_limit" and "SANDBOX_MAX_DISK_MB (24 MiB)" in (ex.message or ""), ex
+    await assert_contained(tight)

@@ -17,13 +17,14 @@ import contextlib
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from appliance import fstree, protocol
 from appliance.errors import Cancelled, MemoryLimit, OutputLimit, RunLimit, RunTimeout
 from appliance.jail import channel, proctree
 from appliance.jail.cgroups import Counters, Group
 from appliance.jail.held import held_bytes
-from appliance.jail.jail import Jail
+from appliance.jail.jail import Jail, tmp_of
 from appliance.jail.process import Event, Exited, InterruptRequest, Overflow, Stream, Violation
 from appliance.protocol import ExecuteRequest, Frame
 
@@ -250,20 +251,26 @@ def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
 
     Trees are walked by descriptor without following links (`fstree`), so a directory
     swapped for a symlink mid-walk leads nowhere; one nested deeper than the walk may go
-    cannot be measured, and is over the quota."""
+    cannot be measured, and is over the quota. The private /tmp is not walked where the
+    kernel counts it: `tmpfs_usage`."""
     limit = max_disk_mb * 1024 * 1024
     max_entries = min(MAX_DISK_ENTRIES, limit // ENTRY_BYTES)
-    roots = [jail.workdir]
-    tmp = jail.private_tmp
-    if tmp is not None:
-        roots.append(tmp)
-    used = entries = too_deep = 0
+    used, entries, too_deep = fstree.usage(jail.workdir, max_entries)
     devices: set[int] = set()
-    for root in roots:
-        with contextlib.suppress(OSError):
-            devices.add(os.stat(root).st_dev)
-        b, n, d = fstree.usage(root, max_entries)
-        used, entries, too_deep = used + b, entries + n, too_deep + d
+    with contextlib.suppress(OSError):
+        devices.add(os.stat(jail.workdir).st_dev)
+    root = jail.process.pid
+    inner = proctree.children(root)  # firejail's sandbox init: its namespace holds the /tmp
+    tmp = tmp_of(inner)
+    if tmp is not None:
+        counted = tmpfs_usage(tmp)
+        if counted is None:  # no block count to read: walk it, and look for its held files
+            b, n, d = fstree.usage(tmp, max_entries)
+            used, entries, too_deep = used + b, entries + n, too_deep + d
+            with contextlib.suppress(OSError):
+                devices.add(os.stat(tmp).st_dev)
+        else:
+            used, entries = used + counted[0], entries + counted[1]
     if too_deep:
         return OutputLimit(
             f"the run nested directories deeper than {fstree.MAX_DEPTH} levels "
@@ -272,10 +279,33 @@ def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
     if entries > max_entries:
         return OutputLimit(f"the run created more than {max_entries} files and directories")
     if used <= limit:
-        used += held_bytes(proctree.tree(jail.process.pid), devices)
+        # Not firejail's own two (the launcher, `root`, and the sandbox's root-owned init):
+        # they run firejail's code only and take no descriptors from the run. Everything
+        # below them is searched, orphans included (reparented to that init, its children).
+        used += held_bytes(proctree.below(inner), devices)
     if used > limit:
         return OutputLimit(f"the run wrote more than SANDBOX_MAX_DISK_MB ({max_disk_mb} MiB) to disk")
     return None
+
+
+def tmpfs_usage(tmp: Path) -> tuple[int, int] | None:
+    """(bytes allocated, inodes in use) of the jail's private /tmp as its tmpfs counts them,
+    or None when it cannot say (no size limit: tmpfs then reports no block counts).
+
+    The kernel's count is every page of every file on that filesystem, named or not: files
+    unlinked while open or mapped, sparse files (holes take no page, as in st_blocks),
+    fallocate'd ranges and pages written through a mapping. So it replaces both the walk of
+    /tmp and the search for its held files, at the cost of one statvfs instead of a stat per
+    entry and a read of every process's maps for that device. The runtime's bind mounts
+    under /tmp are other filesystems: statvfs of /tmp does not count them (nor did the walk).
+    """
+    try:
+        st = os.statvfs(tmp)
+    except OSError:
+        return None
+    if st.f_blocks == 0 or st.f_files == 0:  # size=0 / nr_inodes=0: unlimited, uncounted
+        return None
+    return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree
 
 
 def _violation(jail: Jail, max_disk_mb: int, oom_base: int | None) -> RunLimit | None:

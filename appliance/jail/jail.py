@@ -57,8 +57,7 @@ class Jail:
     @property
     def private_tmp(self) -> Path | None:
         """The jail's private /tmp (a tmpfs in its mount namespace) as the host sees it."""
-        inner = proctree.children(self.process.pid)
-        return Path(f"/proc/{inner[0]}/root/tmp") if inner else None
+        return tmp_of(proctree.children(self.process.pid))
 
     def to_run(self, limits: GroupLimits | None) -> None:
         """A pooled jail is handed to a run: the run's cgroup limits (the idle ones differ in CPU
@@ -86,6 +85,12 @@ class Jail:
         finally:
             if self.cgroup is not None:  # also kills anything of the jail still in it
                 self.cgroup.remove()
+
+
+def tmp_of(inner: list[int]) -> Path | None:
+    """A jail's private /tmp as the host sees it, from the children of its firejail process
+    (the sandbox's init, whose mount namespace holds that tmpfs)."""
+    return Path(f"/proc/{inner[0]}/root/tmp") if inner else None
 
 
 class JailFactory:

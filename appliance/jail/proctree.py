@@ -23,9 +23,14 @@ def children(pid: int) -> list[int]:
 
 def tree(root: int) -> list[int]:
     """root and every live process below it."""
-    found = [root]
-    seen = {root}
-    stack = [root]
+    return [root, *below([root])]
+
+
+def below(tops: list[int]) -> list[int]:
+    """Every live process below any of tops (tops themselves left out)."""
+    found: list[int] = []
+    seen = set(tops)
+    stack = list(tops)
     while stack:
         for kid in children(stack.pop()):
             if kid not in seen:
