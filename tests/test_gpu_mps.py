@@ -196,10 +196,10 @@ NEEDLES = {
     ("host", "blocked"),
     [
         ({}, ["dev_shm", "compute_mode"]),  # a real daemon, a GPU out of the box
-        ({"compute_mode": {"0": "EXCLUSIVE_PROCESS"}}, ["dev_shm"]),  # a real daemon, set up for MPS
-        ({**REACHABLE, "mps_pid_namespace": "other"}, ["pid_namespace"]),  # a daemon in another container
+        # A daemon in another container (in DEFAULT mode: under EXCLUSIVE_PROCESS startup is refused).
+        ({"mps_shm": "pipe_dir", "mps_pid_namespace": "other"}, ["compute_mode", "pid_namespace"]),
     ],
-    ids=["real-default-mode", "real-exclusive", "other-pid-namespace"],
+    ids=["real-default-mode", "other-pid-namespace"],
 )
 def test_mps_that_cannot_hold_a_jailed_run_reads_not_enforcing_with_the_exact_reasons(
     tmp_path: Path, cuda_dir: Path, host: dict[str, object], blocked: list[str]
@@ -237,6 +237,33 @@ def test_mps_that_cannot_hold_a_jailed_run_reads_not_enforcing_with_the_exact_re
     finally:
         srv.stop()
         shutil.rmtree(pipe, ignore_errors=True)
+
+
+def test_a_host_set_up_for_mps_as_nvidia_documents_stops_startup_with_the_fix(
+    tmp_path: Path, cuda_dir: Path
+) -> None:
+    # "real-exclusive": EXCLUSIVE_PROCESS and a daemon whose clients need /dev/shm. A jail cannot
+    # join it, and the daemon holds the GPU's only context: every GPU run would fail with CUDA
+    # error 46 (the kit's MPS section saw it). Issue 14: refuse such a host at startup, like MIG.
+    control = tmp_path / "sim.json"
+    simulate_file(control, compute_mode={"0": "EXCLUSIVE_PROCESS"})
+    pipe = Path(tempfile.mkdtemp(prefix="appliance-mps-", dir="/tmp"))
+    os.chmod(pipe, 0o755)
+    try:
+        with pytest.raises(RuntimeError) as err:
+            start_server(
+                tmp_path / "srv",
+                settings=mps_env(
+                    cuda_dir, SANDBOX_GPU_SIMULATE_FILE=str(control), SANDBOX_GPU_MPS_PIPE_DIR=str(pipe)
+                ),
+            )
+    finally:
+        shutil.rmtree(pipe, ignore_errors=True)
+    text = str(err.value)
+    assert "server exited 2" in text, text
+    assert "GPU 0 (GPU-SIM-0) is in EXCLUSIVE_PROCESS compute mode with an MPS control daemon" in text
+    assert "CUDA error 46" in text and "nvidia-smi -i 0 -c DEFAULT" in text
+    assert NEEDLES["dev_shm"] in text, "the reason a jail cannot join MPS is named"
 
 
 async def test_a_jailed_client_cannot_attach_to_a_daemon_whose_memory_is_in_dev_shm(
@@ -575,3 +602,34 @@ def test_a_real_daemon_is_checked_for_being_in_this_pid_namespace(tmp_path: Path
     (proc / "77" / "ns" / "pid").symlink_to("pid:[4026532999]")
     problem = daemon_pid_namespace_problem(proc)
     assert problem is not None and "PID 77" in problem and "another PID namespace" in problem
+
+
+@pytest.mark.parametrize(
+    ("mode", "daemon", "joins", "refused"),
+    [
+        ("DEFAULT", False, False, False),
+        ("DEFAULT", True, False, False),
+        ("EXCLUSIVE_PROCESS", True, True, False),  # jails are MPS clients: what MPS needs
+        ("EXCLUSIVE_PROCESS", True, False, True),  # the daemon holds the only context: error 46
+        ("EXCLUSIVE_PROCESS", False, False, True),  # one context per device: refused, not clamped
+        ("PROHIBITED", False, False, True),
+        ("PROHIBITED", True, True, True),
+        ("EXCLUSIVE_THREAD", False, False, True),
+        ("UNKNOWN(7)", False, False, True),
+    ],
+)
+def test_every_compute_mode_is_decided_run_or_refuse_with_the_fix(
+    mode: str, daemon: bool, joins: bool, refused: bool
+) -> None:
+    from appliance.gpu.backend import Device
+    from appliance.gpu.lease import compute_mode_problem
+
+    dev = Device(index=3, uuid="GPU-abc", name="x", total_mb=1, used_mb=0, minor=3)
+    problem = compute_mode_problem(dev, mode, daemon, joins, "its /dev/shm is private")
+    if not refused:
+        assert problem is None
+    else:
+        assert problem is not None and f"GPU 3 (GPU-abc) is in {mode} compute mode" in problem
+        assert "nvidia-smi -i 3 -c DEFAULT" in problem
+        if mode == "EXCLUSIVE_PROCESS" and daemon:
+            assert "its /dev/shm is private" in problem and "CUDA error 46" in problem

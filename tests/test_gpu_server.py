@@ -204,6 +204,34 @@ def test_a_mig_enabled_gpu_stops_startup_with_the_fix(tmp_path: Path) -> None:
     assert "nvidia-smi -i <index> -mig 0" in text and "not supported yet" in text
 
 
+@pytest.mark.parametrize(
+    ("mode", "why"),
+    [
+        ("PROHIBITED", "no process may create a context on it"),
+        ("EXCLUSIVE_PROCESS", "one process at a time may hold a context on it"),  # no MPS daemon
+        ("EXCLUSIVE_THREAD", "does not run on"),
+    ],
+)
+def test_a_gpu_in_a_compute_mode_no_run_can_use_stops_startup_with_the_fix(
+    tmp_path: Path, mode: str, why: str
+) -> None:
+    # Issue 14: in these modes every jailed run (or every second one) fails with CUDA error 46.
+    control = tmp_path / "sim.json"
+    simulate(control, compute_mode={"1": mode})
+    with pytest.raises(RuntimeError) as err:
+        start_server(
+            tmp_path / "srv",
+            SANDBOX_GPU="1",
+            SANDBOX_GPU_BACKEND="simulated",
+            SANDBOX_GPU_SIMULATE="2x4096",
+            SANDBOX_GPU_SIMULATE_FILE=str(control),
+            SANDBOX_PRELOAD="",
+        )
+    text = str(err.value)
+    assert "server exited 2" in text and f"GPU 1 (GPU-SIM-1) is in {mode} compute mode" in text, text
+    assert why in text and "nvidia-smi -i 1 -c DEFAULT" in text and "GPU 0" not in text
+
+
 async def test_a_queued_run_never_starts_while_the_previous_run_s_memory_still_shows_in_nvml(
     tmp_path: Path,
 ) -> None:

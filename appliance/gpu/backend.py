@@ -10,6 +10,13 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+# Compute modes as NVML names them (nvmlComputeMode_t); a backend reports one of these per device,
+# or "UNKNOWN(<n>)" for a value it does not know (refused at startup: fail closed).
+COMPUTE_DEFAULT = "DEFAULT"
+COMPUTE_EXCLUSIVE_THREAD = "EXCLUSIVE_THREAD"  # deprecated (removed from CUDA), still a value NVML can report
+COMPUTE_PROHIBITED = "PROHIBITED"
+COMPUTE_EXCLUSIVE_PROCESS = "EXCLUSIVE_PROCESS"
+
 
 class GpuBackendError(Exception):
     """The backend could not answer (driver gone, NVML error, injected fault)."""
@@ -54,12 +61,16 @@ class GpuBackend(abc.ABC):
     def mps_active(self) -> bool:
         """Whether a CUDA MPS control daemon serves these GPUs (daemon-side limits possible)."""
 
+    @abc.abstractmethod
+    def compute_mode(self, uuid: str) -> str:
+        """The device's compute mode: one of the COMPUTE_* names, or "UNKNOWN(<n>)"."""
+
     def exclusive_process(self, uuid: str) -> bool:
         """Whether the device only takes contexts through MPS (compute mode EXCLUSIVE_PROCESS).
 
         Without it a client that avoids the MPS daemon gets a context with no daemon-side limit.
         """
-        return False
+        return self.compute_mode(uuid) == COMPUTE_EXCLUSIVE_PROCESS
 
     def close(self) -> None:  # noqa: B027 (optional hook: most backends hold nothing)
         """Release the backend (NVML shutdown); idempotent."""

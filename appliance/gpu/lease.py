@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import GpuMemoryLimit, RequestRejected, StartupError
-from appliance.gpu.backend import Device, GpuBackend, GpuBackendError
+from appliance.gpu.backend import (
+    COMPUTE_DEFAULT,
+    COMPUTE_EXCLUSIVE_PROCESS,
+    COMPUTE_PROHIBITED,
+    Device,
+    GpuBackend,
+    GpuBackendError,
+)
 from appliance.gpu.ledger import GpuLedger, Grant
 from appliance.gpu.mps import DaemonControl, MpsControl, control_socket_present
 from appliance.gpu.mps_limits import MpsLimiter
@@ -104,6 +111,46 @@ def mig_problem(devices: list[Device]) -> str | None:
     )
 
 
+ERROR_46 = "CUDA error 46 (CUDA_ERROR_DEVICES_UNAVAILABLE)"
+
+
+def compute_mode_problem(device: Device, mode: str, daemon: bool, joins_mps: bool, why_not: str) -> str | None:
+    """Why GPU mode refuses this device in compute mode `mode`, naming the fix; None if it runs (pure).
+
+    The decision per mode (docs/gpu.md, "Compute modes"):
+    - DEFAULT: runs.
+    - EXCLUSIVE_PROCESS with the device's jails joining MPS (`joins_mps`): runs; that is what
+      MPS needs.
+    - EXCLUSIVE_PROCESS with an MPS daemon the jails cannot join: refused. The daemon holds the
+      device's only context, so every jailed run fails with CUDA error 46.
+    - EXCLUSIVE_PROCESS without a daemon: refused, not clamped to one run at a time. One
+      process per device may hold a context, so a run's child process, a killed run's context
+      not yet torn down, or any other process on the host would make runs fail with CUDA
+      error 46 inside their code. Serialising the appliance would still leave those failures,
+      and would silently give up the shared GPU that GPU mode is for.
+    - PROHIBITED: refused; no process may create a context.
+    - EXCLUSIVE_THREAD (deprecated) or a mode this code does not know: refused (fail closed).
+    """
+    if mode == COMPUTE_DEFAULT or (mode == COMPUTE_EXCLUSIVE_PROCESS and joins_mps):
+        return None
+    where = f"GPU {device.index} ({device.uuid}) is in {mode} compute mode"
+    fix = f"set it back with `nvidia-smi -i {device.index} -c DEFAULT`"
+    if mode == COMPUTE_EXCLUSIVE_PROCESS and daemon:
+        return (
+            f"{where} with an MPS control daemon: the daemon holds the GPU's only context and a "
+            f"jail cannot join MPS ({why_not}), so every GPU run would fail with {ERROR_46}; {fix} "
+            "(and stop the daemon: echo quit | nvidia-cuda-mps-control), or leave GPU mode off"
+        )
+    if mode == COMPUTE_EXCLUSIVE_PROCESS:
+        return (
+            f"{where}: one process at a time may hold a context on it, so concurrent runs, a run's "
+            f"child processes and a killed run's context not yet torn down would fail with {ERROR_46}; {fix}"
+        )
+    if mode == COMPUTE_PROHIBITED:
+        return f"{where}: no process may create a context on it, so every GPU run would fail with {ERROR_46}; {fix}"
+    return f"{where}, which the appliance does not run on (one context per thread, or unknown); {fix}"
+
+
 class GpuLeases(LeaseSource):
     """Everything GPU mode adds to a run."""
 
@@ -144,6 +191,33 @@ class GpuLeases(LeaseSource):
             if control is None
             else MpsLimiter(control, settings.uid, settings.gpu_margin_mb, settings.gpu_libcuda, self._evict)
         )
+        try:
+            self._refuse_compute_modes(devices)
+        except BaseException:
+            if self.mps is not None:
+                self.mps.control.close()
+            raise
+
+    def _refuse_compute_modes(self, devices: list[Device]) -> None:
+        """StartupError naming every device whose compute mode no run could use (`compute_mode_problem`)."""
+        daemon = self.mps is not None
+        with contextlib.suppress(Exception):
+            daemon = daemon or self.backend.mps_active()
+        found = []
+        for dev in devices:
+            try:
+                mode = self.backend.compute_mode(dev.uuid)
+            except GpuBackendError as exc:  # unreadable: refuse rather than guess (fail closed)
+                raise StartupError(f"SANDBOX_GPU=1 but the compute mode of GPU {dev.index} could not be read: {exc}") from exc
+            joins, why_not = False, self.mps_note
+            if mode == COMPUTE_EXCLUSIVE_PROCESS and self.mps is not None:
+                blocked = self.mps.check_blockers(dev.uuid, exclusive=True)
+                joins, why_not = blocked is None, blocked.note if blocked is not None else ""
+            problem = compute_mode_problem(dev, mode, daemon, joins, why_not)
+            if problem:
+                found.append(problem)
+        if found:
+            raise StartupError("SANDBOX_GPU=1 but " + "; ".join(found))
 
     @classmethod
     def open(cls, settings: Settings) -> GpuLeases:

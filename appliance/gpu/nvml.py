@@ -12,7 +12,16 @@ import os
 import threading
 from typing import Any
 
-from appliance.gpu.backend import Device, GpuBackend, GpuBackendError, ProcessUsage
+from appliance.gpu.backend import (
+    COMPUTE_DEFAULT,
+    COMPUTE_EXCLUSIVE_PROCESS,
+    COMPUTE_EXCLUSIVE_THREAD,
+    COMPUTE_PROHIBITED,
+    Device,
+    GpuBackend,
+    GpuBackendError,
+    ProcessUsage,
+)
 
 MIB = 1024 * 1024
 MPS_DAEMON = "nvidia-cuda-mps-control"
@@ -97,14 +106,25 @@ class NvmlBackend(GpuBackend):
     def mps_active(self) -> bool:
         return mps_daemon_running()
 
-    def exclusive_process(self, uuid: str) -> bool:
+    def compute_mode(self, uuid: str) -> str:
         nv = self._nvml
+        names = {
+            nv.NVML_COMPUTEMODE_DEFAULT: COMPUTE_DEFAULT,
+            nv.NVML_COMPUTEMODE_EXCLUSIVE_THREAD: COMPUTE_EXCLUSIVE_THREAD,
+            nv.NVML_COMPUTEMODE_PROHIBITED: COMPUTE_PROHIBITED,
+            nv.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: COMPUTE_EXCLUSIVE_PROCESS,
+        }
         with self._lock:
             try:
                 handle = nv.nvmlDeviceGetHandleByUUID(uuid.encode())
-                return bool(nv.nvmlDeviceGetComputeMode(handle) == nv.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS)
+                mode = nv.nvmlDeviceGetComputeMode(handle)
+            except nv.NVMLError_NotSupported:
+                # A device that cannot report a compute mode cannot be set to one either
+                # (nvidia-smi -c needs the same support): its contexts behave as DEFAULT.
+                return COMPUTE_DEFAULT
             except nv.NVMLError as exc:
                 raise GpuBackendError(f"NVML failed reading the compute mode: {exc}") from exc
+        return names.get(mode, f"UNKNOWN({mode})")
 
     def close(self) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ two places, both optional:
 thread other than the main one (where it has one), as NVML does when a worker thread
 created the CUDA context. `"mig": [0]` puts those device indexes in MIG mode (read when devices are listed).
 Every device is in DEFAULT compute mode, as a GPU is out of the box, unless
-`"compute_mode": {"0": "EXCLUSIVE_PROCESS"}` says otherwise. The simulated MPS daemon
+`"compute_mode": {"0": "EXCLUSIVE_PROCESS"}` (or PROHIBITED, EXCLUSIVE_THREAD) says otherwise. The simulated MPS daemon
 (`mps_simulated.py`) reads `"mps_shm"` and `"mps_pid_namespace"` here too.
 
 Device `i` has UUID `GPU-SIM-<i>` and device node minor `i`.
@@ -37,7 +37,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from appliance.gpu.backend import Device, GpuBackend, GpuBackendError, ProcessUsage
+from appliance.gpu.backend import COMPUTE_DEFAULT, Device, GpuBackend, GpuBackendError, ProcessUsage
 
 
 class SimulatedBackend(GpuBackend):
@@ -118,13 +118,14 @@ class SimulatedBackend(GpuBackend):
     def mps_active(self) -> bool:
         return self._mps
 
-    def exclusive_process(self, uuid: str) -> bool:
+    def compute_mode(self, uuid: str) -> str:
         # A GPU out of the box is in DEFAULT compute mode; only the control file's
-        # "compute_mode": {"<index>": "EXCLUSIVE_PROCESS"} says otherwise.
+        # "compute_mode": {"<index>": "EXCLUSIVE_PROCESS" | "PROHIBITED" | ...} says otherwise.
         with self._lock:
             modes = self._read_control().get("compute_mode") or {}
         index = uuid.rsplit("-", 1)[-1]
-        return isinstance(modes, dict) and modes.get(index) == "EXCLUSIVE_PROCESS"
+        mode = modes.get(index) if isinstance(modes, dict) else None
+        return str(mode).upper() if mode else COMPUTE_DEFAULT
 
     def control_state(self) -> dict[str, Any]:
         """The control file's current content (the simulated MPS daemon reads its faults here)."""
