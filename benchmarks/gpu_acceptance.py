@@ -24,7 +24,8 @@ this machine is SKIP with its reason, never PASS. The checks, in order:
   reclaim         a large run queued behind a killed one never hits CUDA out-of-memory
   contention      N = 1, 4, 16 of benchmarks/gpu_contention.py's mix, no out-of-memory
   llama_offload   llama.cpp offloads to the GPU (only where a CUDA build and a model are at hand)
-  mps.enforcing / mps.restored   (--mps) daemon-side limits, and the compute mode put back
+  mps.host / mps.restored   (--mps) EXCLUSIVE_PROCESS + daemon: refused at startup (or, where
+                  jails join MPS, daemon-side limits), and the compute mode put back
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ class SimulatedGpuMemory:
         self.control, self.total = control, total_mb << 20
         self.free_delay_s = free_delay_s
         self.used: dict[int, int] = {}  # pid -> bytes (live, and freeing)
+        self.modes: dict[str, str] = {}  # index -> compute mode (DEFAULT unless set)
+        self.contexts: set[int] = set()  # host PIDs holding a live context
         self.lock = threading.Lock()
         path = libcuda.parent / "sim-gpu"
         path.unlink(missing_ok=True)
@@ -155,7 +158,7 @@ class SimulatedGpuMemory:
         with self.lock:
             procs = [{"pid": pid, "gpu": 0, "used_mb": -(-b // MIB)} for pid, b in self.used.items() if b]
         tmp = self.control.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"processes": procs}))
+        tmp.write_text(json.dumps({"processes": procs, "compute_mode": dict(self.modes)}))
         tmp.replace(self.control)
 
     def accept(self) -> None:
@@ -174,6 +177,7 @@ class SimulatedGpuMemory:
         import threading
 
         pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        peer = pid
         # NVML lists a context under the task that created it (a worker thread's ID where one
         # did), and keeps that ID until the memory is freed, after the process is gone.
         try:
@@ -187,7 +191,17 @@ class SimulatedGpuMemory:
                 for line in stream:
                     verb, _, arg = line.strip().partition(" ")
                     if verb == "gpu":
-                        stream.write("ok none\n")
+                        # As the driver: PROHIBITED takes no context; EXCLUSIVE_PROCESS (and the
+                        # deprecated EXCLUSIVE_THREAD) one process's at a time. The stand-in
+                        # libcuda turns "busy" into CUDA error 46 (CUDA_ERROR_DEVICES_UNAVAILABLE).
+                        mode = self.modes.get("0", "DEFAULT")
+                        with self.lock:
+                            busy = mode == "PROHIBITED" or (
+                                mode in ("EXCLUSIVE_PROCESS", "EXCLUSIVE_THREAD") and bool(self.contexts - {peer})
+                            )
+                            if not busy:
+                                self.contexts.add(peer)
+                        stream.write("busy\n" if busy else "ok none\n")
                     elif verb == "alloc" and arg.isdigit():
                         with self.lock:
                             ok = sum(self.used.values()) + int(arg) <= self.total
@@ -202,6 +216,8 @@ class SimulatedGpuMemory:
         except (OSError, ValueError):
             pass
         finally:
+            with self.lock:
+                self.contexts.discard(peer)
 
             def free() -> None:
                 with self.lock:
@@ -766,7 +782,26 @@ class Kit:
                 os.chmod(self.work / "mps", 0o755)
                 await run_cmd(["nvidia-cuda-mps-control", "-d"], env=env, check=True)
                 (self.out / "mps-started").write_text(env["CUDA_MPS_PIPE_DIRECTORY"])  # for the shell's trap
-            server = await asyncio.to_thread(self.start, True)
+            if self.sim:  # the simulated NVML learns the mode nvidia-smi set (the stand-in's state)
+                modes = {g["index"]: g["compute_mode"].upper() for g in await asyncio.to_thread(nvidia_smi, self.smi_cmd)}
+                control = self.work / "sim.json"
+                control.write_text(json.dumps({"compute_mode": modes}))
+            refused = ""
+            try:
+                server = await asyncio.to_thread(self.start, True)
+            except Exception as exc:  # noqa: BLE001 (a refusal to start is this section's answer)
+                refused = str(exc)
+                server = None
+            if server is None:
+                ok = "EXCLUSIVE_PROCESS compute mode" in refused and "-c DEFAULT" in refused
+                return Check(
+                    "mps.host",
+                    PASS if ok else FAIL,
+                    ("the appliance refused the MPS host at startup, naming the fix: " if ok else
+                     "the appliance did not start on the MPS host, for another reason: ")
+                    + refused[-600:],
+                    data={"refused": refused[-2000:]},
+                )
             try:
                 mps = (await asyncio.to_thread(self.readyz, server)).get("gpu", {}).get("mps", {})
                 budget = 1024
@@ -796,21 +831,21 @@ class Kit:
                 )
             )
         data = {"readyz_mps": mps, "overrun": ex.status, "error": why(ex), "neighbour": nb.status}
-        refused = ex.error is not None and ex.error.name == "MemoryError"
+        oom = ex.error is not None and ex.error.name == "MemoryError"
         if nb.status != "ok":
             return Check(
-                "mps.enforcing", FAIL, f"with MPS the neighbour ended {nb.status}: {why(nb)}", data=data
+                "mps.host", FAIL, f"with MPS the neighbour ended {nb.status}: {why(nb)}", data=data
             )
         if mps.get("enforcing"):  # the appliance claims daemon-side limits: the allocation must be refused
-            if refused:
+            if oom:
                 return Check(
-                    "mps.enforcing",
+                    "mps.host",
                     PASS,
                     "MPS limits enforced: the over-budget allocation was refused",
                     data=data,
                 )
             return Check(
-                "mps.enforcing",
+                "mps.host",
                 FAIL,
                 f"/readyz claims MPS limits, but the over-budget run ended {ex.status} ({why(ex)})",
                 data=data,
@@ -818,13 +853,13 @@ class Kit:
         # Not claimed: the claim is true if the watchdog still stops the overrun.
         if ex.status == "gpu_memory_limit":
             return Check(
-                "mps.enforcing",
+                "mps.host",
                 PASS,
                 f"MPS reported not enforcing ({mps.get('note')}); the watchdog stopped the over-budget run",
                 data=data,
             )
         return Check(
-            "mps.enforcing",
+            "mps.host",
             FAIL,
             f"MPS reported not enforcing and the over-budget run ended "
             f"{ex.status} ({why(ex)}), not gpu_memory_limit",

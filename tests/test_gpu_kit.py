@@ -193,12 +193,14 @@ def test_the_mps_section_reports_what_a_jail_gets_and_restores_the_compute_mode(
     smi = json.loads((scratch / "smi-mps.json").read_text())
     assert smi["compute_mode"] == {"0": "Default"}  # set to EXCLUSIVE_PROCESS, then put back
     assert not (out / "compute-mode.orig").exists()
-    # Today a GPU jail cannot join an MPS daemon (issue 14 defect 6: its /dev/shm is private) and,
-    # on an EXCLUSIVE_PROCESS GPU, gets no context at all: the kit must say so, not pass.
-    # When jails can use MPS, this becomes PASS (limits refused, or the watchdog stopping the run).
-    enforcing = checks["mps.enforcing"]
-    assert enforcing["status"] == "FAIL" and "CUDA error 46" in enforcing["detail"], enforcing
-    assert rc == 1
+    # A GPU jail cannot join an MPS daemon (issue 14 defect 6: its /dev/shm is private), and on an
+    # EXCLUSIVE_PROCESS GPU under a daemon it would get no CUDA context (error 46): the appliance
+    # refuses such a host at startup, naming the device, the mode and the fix.
+    host = checks["mps.host"]
+    assert host["status"] == "PASS" and "refused the MPS host at startup" in host["detail"], host
+    assert "GPU 0 (GPU-SIM-0) is in EXCLUSIVE_PROCESS compute mode" in host["data"]["refused"], host
+    assert "nvidia-smi -i 0 -c DEFAULT" in host["data"]["refused"], host
+    assert rc == 0
 
 
 def test_a_disabled_watchdog_fails_the_watchdog_check(kit: Path, scratch: Path, libcuda: Path) -> None:
@@ -221,3 +223,50 @@ def test_a_disabled_watchdog_fails_the_watchdog_check(kit: Path, scratch: Path, 
     assert "not gpu_memory_limit" in checks["watchdog.main_thread"]["detail"]
     assert checks["readyz"]["status"] == "SKIP" and "not selected" in checks["readyz"]["detail"]
     assert rc == 1 and report["meta"]["counts"]["FAIL"] == 1
+
+
+HOLD_CONTEXT = """
+import ctypes, os, sys
+cu = ctypes.CDLL(os.environ["APPLIANCE_LIBCUDA"])
+ctx = ctypes.c_void_p()
+cu.cuInit(0)
+print(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "first", "second"),
+    [("DEFAULT", 0, 0), ("EXCLUSIVE_PROCESS", 0, 46), ("EXCLUSIVE_THREAD", 0, 46), ("PROHIBITED", 46, 46)],
+)
+def test_the_simulated_gpu_fails_contexts_as_the_driver_does_in_each_compute_mode(
+    scratch: Path, libcuda: Path, mode: str, first: int, second: int
+) -> None:
+    # What the startup refusal prevents (issue 14): in these modes a second process, or any,
+    # gets CUDA error 46 (CUDA_ERROR_DEVICES_UNAVAILABLE) instead of a context.
+    from benchmarks.gpu_acceptance import SimulatedGpuMemory
+
+    memory = SimulatedGpuMemory(libcuda, scratch / f"ctl-{mode}.json", 4096, free_delay_s=0)
+    memory.modes["0"] = mode
+    env = {
+        "PATH": os.environ["PATH"],
+        "APPLIANCE_LIBCUDA": str(libcuda),
+        "CUDA_VISIBLE_DEVICES": "GPU-SIM-0",
+        "CUDA_MPS_PIPE_DIRECTORY": str(scratch / "no-mps-here"),
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+    rcs = []
+    try:
+        for _ in range(2):
+            proc = subprocess.Popen(
+                [sys.executable, "-c", HOLD_CONTEXT], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            )
+            procs.append(proc)
+            assert proc.stdout is not None
+            rcs.append(int(proc.stdout.readline()))
+        assert rcs == [first, second]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        memory.close()
