@@ -492,9 +492,16 @@ class Kit:
         if not self.gpus:
             return Check("", FAIL, "no nvidia-smi answer (see preflight.driver)")
         modes = {g["index"]: g["compute_mode"] for g in self.gpus}
-        if any(m.lower() == "prohibited" for m in modes.values()):
+        # The appliance refuses every mode but Default here (no MPS daemon yet: the --mps section
+        # sets its own), as appliance.gpu.lease.compute_mode_problem decides.
+        other = {i: m for i, m in modes.items() if m.lower() != "default"}
+        if other:
             return Check(
-                "", FAIL, f"compute mode Prohibited: no run can create a context ({modes})", data=modes
+                "",
+                FAIL,
+                f"compute mode {other}: GPU mode refuses to start (jailed runs would get CUDA error 46); "
+                + "; ".join(f"nvidia-smi -i {i} -c DEFAULT" for i in other),
+                data=modes,
             )
         return Check(
             "", PASS, "compute mode " + ", ".join(f"GPU {i}: {m}" for i, m in modes.items()), data=modes
