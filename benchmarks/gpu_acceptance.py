@@ -197,7 +197,8 @@ class SimulatedGpuMemory:
                         mode = self.modes.get("0", "DEFAULT")
                         with self.lock:
                             busy = mode == "PROHIBITED" or (
-                                mode in ("EXCLUSIVE_PROCESS", "EXCLUSIVE_THREAD") and bool(self.contexts - {peer})
+                                mode in ("EXCLUSIVE_PROCESS", "EXCLUSIVE_THREAD")
+                                and bool(self.contexts - {peer})
                             )
                             if not busy:
                                 self.contexts.add(peer)
@@ -790,7 +791,10 @@ class Kit:
                 await run_cmd(["nvidia-cuda-mps-control", "-d"], env=env, check=True)
                 (self.out / "mps-started").write_text(env["CUDA_MPS_PIPE_DIRECTORY"])  # for the shell's trap
             if self.sim:  # the simulated NVML learns the mode nvidia-smi set (the stand-in's state)
-                modes = {g["index"]: g["compute_mode"].upper() for g in await asyncio.to_thread(nvidia_smi, self.smi_cmd)}
+                modes = {
+                    g["index"]: g["compute_mode"].upper()
+                    for g in await asyncio.to_thread(nvidia_smi, self.smi_cmd)
+                }
                 control = self.work / "sim.json"
                 control.write_text(json.dumps({"compute_mode": modes}))
             refused = ""
@@ -804,8 +808,11 @@ class Kit:
                 return Check(
                     "mps.host",
                     PASS if ok else FAIL,
-                    ("the appliance refused the MPS host at startup, naming the fix: " if ok else
-                     "the appliance did not start on the MPS host, for another reason: ")
+                    (
+                        "the appliance refused the MPS host at startup, naming the fix: "
+                        if ok
+                        else "the appliance did not start on the MPS host, for another reason: "
+                    )
                     + refused[-600:],
                     data={"refused": refused[-2000:]},
                 )
@@ -840,9 +847,7 @@ class Kit:
         data = {"readyz_mps": mps, "overrun": ex.status, "error": why(ex), "neighbour": nb.status}
         oom = ex.error is not None and ex.error.name == "MemoryError"
         if nb.status != "ok":
-            return Check(
-                "mps.host", FAIL, f"with MPS the neighbour ended {nb.status}: {why(nb)}", data=data
-            )
+            return Check("mps.host", FAIL, f"with MPS the neighbour ended {nb.status}: {why(nb)}", data=data)
         if mps.get("enforcing"):  # the appliance claims daemon-side limits: the allocation must be refused
             if oom:
                 return Check(

@@ -114,7 +114,9 @@ def mig_problem(devices: list[Device]) -> str | None:
 ERROR_46 = "CUDA error 46 (CUDA_ERROR_DEVICES_UNAVAILABLE)"
 
 
-def compute_mode_problem(device: Device, mode: str, daemon: bool, joins_mps: bool, why_not: str) -> str | None:
+def compute_mode_problem(
+    device: Device, mode: str, daemon: bool, joins_mps: bool, why_not: str
+) -> str | None:
     """Why GPU mode refuses this device in compute mode `mode`, naming the fix; None if it runs (pure).
 
     The decision per mode (docs/gpu.md, "Compute modes"):
@@ -208,7 +210,9 @@ class GpuLeases(LeaseSource):
             try:
                 mode = self.backend.compute_mode(dev.uuid)
             except GpuBackendError as exc:  # unreadable: refuse rather than guess (fail closed)
-                raise StartupError(f"SANDBOX_GPU=1 but the compute mode of GPU {dev.index} could not be read: {exc}") from exc
+                raise StartupError(
+                    f"SANDBOX_GPU=1 but the compute mode of GPU {dev.index} could not be read: {exc}"
+                ) from exc
             joins, why_not = False, self.mps_note
             if mode == COMPUTE_EXCLUSIVE_PROCESS and self.mps is not None:
                 blocked = self.mps.check_blockers(dev.uuid, exclusive=True)
