@@ -131,6 +131,25 @@ async def test_what_our_runs_hold_beyond_their_grants_admits_nobody() -> None:
     ledger.release(over)
 
 
+async def test_the_margin_each_running_run_may_use_is_kept_for_it() -> None:
+    # The watchdog stops a run only past grant + margin. With one margin per device, two runs
+    # of 4000 each at 4500 (both within their limits, never stopped) and a third admitted with
+    # 1400 held 10400 MiB on a 10000 MiB device: the third run's grant was not there.
+    backend = SimulatedBackend((10000,))
+    ledger = ledger_for(backend, margin_mb=500, max_wait_ms=200)
+    a, b = await ledger.acquire(4000), await ledger.acquire(4000)
+    with pytest.raises(Busy):
+        await ledger.acquire(1400)  # 4000 + 500 + 4000 + 500 + 1400 + 500 > 10000
+    backend.set_usage(pid=1, index=0, used_mb=4500)
+    backend.set_usage(pid=2, index=0, used_mb=4500)
+    ledger.load(backend.devices(), backend.processes(), ours={1, 2})
+    with pytest.raises(Busy):
+        await ledger.acquire(1400)  # the same, with the margins in use
+    fits = await ledger.acquire(500)  # 9000 + 500 + its own 500 margin = 10000
+    for grant in (fits, a, b):
+        ledger.release(grant)
+
+
 async def test_queued_runs_that_can_no_longer_fit_are_rejected_when_a_device_vanishes() -> None:
     big, small = SimulatedBackend((16384, 8192)), SimulatedBackend((8192,))
     ledger = ledger_for(big)

@@ -2,7 +2,7 @@
 
 A run asks for `memory_mb`. It is admitted to a device where
 
-    reserved (all grants on it) + memory_mb + margin + foreign <= total
+    reserved (all grants on it) + margin per running run + memory_mb + margin + foreign <= total
 
 (`foreign` = memory used on the device by anything that is not a run's reservation,
 learned by reconciling with the backend); among the devices that fit, the one with the
@@ -69,7 +69,12 @@ class DeviceBook:
         return sum(self.grants.values()) + sum(r.memory_mb for r in self.reclaiming.values())
 
     def room_mb(self, margin_mb: int) -> int:
-        return self.total_mb - self.reserved_mb - self.foreign_mb - self.over_grant_mb - margin_mb
+        # The watchdog stops a run only past grant + margin, so each running run may hold its
+        # margin too: that slack is kept for it, or two runs each within their limits could
+        # together take memory a third run was granted. What they hold beyond all of it (an
+        # overrunner until the watchdog stops it) is kept as well; the new run needs its own.
+        beyond = max(self.over_grant_mb, margin_mb * len(self.grants))
+        return self.total_mb - self.reserved_mb - self.foreign_mb - beyond - margin_mb
 
 
 @dataclass
