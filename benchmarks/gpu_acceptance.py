@@ -155,11 +155,13 @@ class SimulatedGpuMemory:
         threading.Thread(target=self.accept, daemon=True).start()
 
     def write(self) -> None:
+        # Under the lock, file included: two late frees writing at once shared the .tmp file,
+        # and the second one's replace found it gone.
         with self.lock:
             procs = [{"pid": pid, "gpu": 0, "used_mb": -(-b // MIB)} for pid, b in self.used.items() if b]
-        tmp = self.control.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"processes": procs, "compute_mode": dict(self.modes)}))
-        tmp.replace(self.control)
+            tmp = self.control.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"processes": procs, "compute_mode": dict(self.modes)}))
+            tmp.replace(self.control)
 
     def accept(self) -> None:
         import threading
