@@ -13,8 +13,9 @@ server, and its file entries are counted before they are validated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
-from collections.abc import Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 
 from aiohttp import web
 
@@ -46,37 +47,43 @@ class FrameParser:
 
     async def parse(self, data: str | bytes, owner: str) -> ClientMessage:
         """The frame's message; ProtocolError (rejected) or Busy (over the rate) otherwise."""
-        service, limits = self._service, self._service.limits
-        try:
+        limits = self._service.limits
+        with self._charged(owner):
             protocol.check_size(data, limits)
             if len(data) <= OFF_LOOP_BYTES:
                 return protocol.parse_client_frame(data, limits)
-            refusal = service.over_rate(owner)
-            if refusal is not None:
-                raise Busy(f"{refusal}; a frame of {len(data)} bytes was not read")
-            async with self._big:
+            async with self._big_one(data, owner, "frame"):
                 return await self.worker.parse(data, limits)
-        except ProtocolError:
-            service.charge_rejected(owner)
-            raise
 
     async def screen(self, data: bytes, owner: str) -> None:
         """For a body another parser reads on the loop (the MCP SDK's): over OFF_LOOP_BYTES,
         ProtocolError (rejected) unless it holds at most `json_values_allowed` JSON values, or
         Busy (over the rate); counted in the parser's child, one at a time like big frames."""
-        service, limits = self._service, self._service.limits
+        limits = self._service.limits
         if len(data) <= OFF_LOOP_BYTES:
             return
-        try:
+        with self._charged(owner):
             protocol.check_size(data, limits)
-            refusal = service.over_rate(owner)
-            if refusal is not None:
-                raise Busy(f"{refusal}; a body of {len(data)} bytes was not read")
-            async with self._big:
+            async with self._big_one(data, owner, "body"):
                 await self.worker.screen(data, json_values_allowed(limits), limits)
+
+    @contextlib.contextmanager
+    def _charged(self, owner: str) -> Iterator[None]:
+        # A refused frame or body costs its tenant one rate token.
+        try:
+            yield
         except ProtocolError:
-            service.charge_rejected(owner)
+            self._service.charge_rejected(owner)
             raise
+
+    @contextlib.asynccontextmanager
+    async def _big_one(self, data: str | bytes, owner: str, what: str) -> AsyncIterator[None]:
+        # A tenant with no rate token left may send nothing big; big ones go one at a time.
+        refusal = self._service.over_rate(owner)
+        if refusal is not None:
+            raise Busy(f"{refusal}; a {what} of {len(data)} bytes was not read")
+        async with self._big:
+            yield
 
 
 def json_values_allowed(limits: protocol.Limits) -> int:

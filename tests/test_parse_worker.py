@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from appliance import protocol
+from appliance.jail import proctree
 from appliance.parse_worker import ParseWorker
 from appliance.protocol import ExecuteRequest, Limits, ProtocolError
 from tests.support import scaled
@@ -33,11 +34,7 @@ def frame(request_id: str, entries: int = 1) -> str:
 
 
 def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+    return proctree.state(pid) in ("Z", "X", "")
 
 
 @pytest.fixture
