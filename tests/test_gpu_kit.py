@@ -225,6 +225,36 @@ def test_a_disabled_watchdog_fails_the_watchdog_check(kit: Path, scratch: Path, 
     assert rc == 1 and report["meta"]["counts"]["FAIL"] == 1
 
 
+@pytest.mark.parametrize(("reclaim_ms", "expect"), [("10000", "PASS"), ("0", "FAIL")])
+def test_the_reclaim_check_fails_exactly_when_the_reclaim_wait_is_off(
+    kit: Path, scratch: Path, libcuda: Path, reclaim_ms: str, expect: str
+) -> None:
+    # Two-second polls: the killed run's grant goes back before the next poll can see its
+    # memory as foreign, so the reading the release admits by is one from before the kill.
+    # Then only the reclaim wait keeps the queued run out while the simulated GPU still
+    # holds the killed run's memory (it frees 1.5 s after the process is gone); without it
+    # the big run is admitted at once and its allocation is CUDA out-of-memory.
+    rc, report, _ = run_kit(
+        kit,
+        scratch,
+        libcuda,
+        f"reclaim-{reclaim_ms}",
+        "--only",
+        "reclaim",
+        "--server-env",
+        "SANDBOX_GPU_POLL_MS=2000",
+        "--server-env",
+        f"SANDBOX_GPU_RECLAIM_MS={reclaim_ms}",
+    )
+    check = {c["name"]: c for c in report["checks"]}["reclaim"]
+    assert check["status"] == expect, check
+    if expect == "FAIL":
+        assert "out-of-memory" in check["detail"], check
+        assert rc == 1 and report["meta"]["counts"]["FAIL"] == 1
+    else:
+        assert check["data"]["big_queued_ms"] > 0 and rc == 0, check
+
+
 HOLD_CONTEXT = """
 import ctypes, os, sys
 cu = ctypes.CDLL(os.environ["APPLIANCE_LIBCUDA"])
