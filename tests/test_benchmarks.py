@@ -235,3 +235,41 @@ def test_the_cgroup_benchmark_measures_spawn_with_and_without_side_by_side(tmp_p
     )
     assert isinstance(doc["within_target"], bool) and doc["target_ms"] == 5.0
     assert "with cgroup" in (tmp_path / "cgroups_quick.md").read_text()
+
+
+def test_the_phase_table_takes_the_commonest_path_and_medians_its_gaps() -> None:
+    from benchmarks.phases import Timeline
+
+    timeline = Timeline()
+    timeline.runs = [
+        [("frame read", 0), ("send done>", 9_000)],  # the unwarm first run: skipped
+        [("frame read", 0), ("op write>", 1_000), ("send done>", 3_000)],
+        [("frame read", 0), ("op write>", 3_000), ("send done>", 4_000)],
+        [("frame read", 0), ("op write>", 2_000), ("send done>", 6_000)],
+        [("frame read", 0), ("cold jail", 1_000_000), ("send done>", 2_000_000)],  # another path
+    ]
+    table = timeline.table()
+    assert table.startswith("3 of 4 runs took this path")
+    assert "| 1 | `frame read` | `op write>` | 2 |" in table  # median of 1, 3, 2 µs
+    assert "| 2 | `op write>` | `send done>` | 2 |" in table  # median of 2, 1, 4 µs
+    assert "**4**" in table and "cold jail" not in table  # median whole: 3, 4, 6 µs
+
+
+def test_the_phase_probe_marks_a_real_servers_run_path(tmp_path: Path) -> None:
+    out = tmp_path / "phases.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.phases", "--runs", "4", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = out.read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| ") and "`" in line]
+    marks = [row.split("`")[1] for row in rows if row.split("|")[1].strip().isdigit()]
+    # The marks of one warm one-shot run, in the order the server passes them.
+    expected = ["frame read", "parse>", "execute>", "pool take>", "op write>", "disk check>", "held files>"]
+    positions = [marks.index(m) for m in expected]
+    assert positions == sorted(positions), marks
+    assert "**frame read** | **`done` sent**" in report and "Round trip seen by the client" in report
