@@ -411,12 +411,7 @@ class JailProcess:
         """Not reaped, not a zombie, and its event pipe still open (checked from /proc)."""
         if self._proc.returncode is not None or self._exited:
             return False
-        try:
-            with open(f"/proc/{self.pid}/stat") as fh:
-                state = fh.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return False
-        return state not in ("Z", "X")
+        return proctree.state(self.pid) not in ("Z", "X", "")
 
     def tree(self) -> list[int]:
         """firejail's PID and every descendant's (the whole jail)."""

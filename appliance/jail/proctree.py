@@ -5,6 +5,19 @@ from __future__ import annotations
 import os
 
 
+def _read(path: str) -> bytes:
+    """A /proc file's bytes. A raw read: a text-mode open() cost twice as long, and the
+    disk check at every cell's end reads several of these."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def children(pid: int) -> list[int]:
     """Direct children of pid, forked by any of its threads."""
     found: list[int] = []
@@ -14,8 +27,7 @@ def children(pid: int) -> list[int]:
         return found
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/children") as fh:
-                found.extend(int(k) for k in fh.read().split())
+            found.extend(int(k) for k in _read(f"/proc/{pid}/task/{tid}/children").split())
         except (OSError, ValueError):
             continue
     return found
@@ -51,10 +63,9 @@ def descendants(root: int) -> list[int]:
 
 def state(pid: int) -> str:
     """The one-letter state /proc gives pid (R, S, D, Z, ...), or "" when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    try:  # after the last ")": the command name in parentheses may hold anything
+        return _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[0].decode("ascii")
+    except (OSError, IndexError, UnicodeDecodeError):
         return ""
 
 
