@@ -56,6 +56,9 @@ need=()
 command -v podman >/dev/null || need+=(podman)
 command -v runc >/dev/null || need+=(runc)
 command -v debootstrap >/dev/null || need+=(debootstrap)
+# podman kube play starts each pod with a pause process, catatonit: only a Recommends of
+# podman, so an install without recommends lacks it ("finding pause binary").
+command -v catatonit >/dev/null || [ -x /usr/libexec/podman/catatonit ] || need+=(catatonit)
 command -v objdump >/dev/null || need+=(binutils)
 command -v curl >/dev/null || need+=(curl)   # the README's readiness line
 /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
