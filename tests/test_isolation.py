@@ -19,8 +19,13 @@ SECRET = "AKIAFAKESECRET0123456789"
 
 @pytest.fixture(scope="module")
 def secretive(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # A minute per run: one test walks the whole filesystem (some 200,000 entries on a host
+    # with a checkout and its virtualenv), which took over 15 s under the full suite's load.
     srv = start_server(
-        tmp_path_factory.mktemp("iso"), AWS_SECRET_ACCESS_KEY=SECRET, SANDBOX_AUTH_TOKEN="token-" + SECRET
+        tmp_path_factory.mktemp("iso"),
+        AWS_SECRET_ACCESS_KEY=SECRET,
+        SANDBOX_AUTH_TOKEN="token-" + SECRET,
+        SANDBOX_MAX_EXEC_MS="60000",
     )
     yield srv
     srv.stop()
@@ -46,14 +51,26 @@ async def test_a_run_cannot_read_etc_shadow(secretive: Server) -> None:
 
 
 async def test_a_run_cannot_see_another_runs_files(secretive: Server) -> None:
+    # The writer holds its file until the reader's walk of the whole filesystem is over
+    # (it waits on stdin), and must then end ok: a walk that outlasted the writer's run
+    # would find nothing whether or not runs are isolated, and would prove nothing.
     async with AsyncClient(secretive.url, token="token-" + SECRET) as c:
-        writer = asyncio.create_task(
-            c.execute(
-                "import os, time\nopen('private.txt','w').write('run A secret')\n"
-                "print(os.path.realpath('.'), flush=True)\ntime.sleep(2)"
+        written = asyncio.Event()
+
+        async def write() -> list[dict[str, object]]:
+            frames: list[dict[str, object]] = []
+            code = (
+                "import os, sys\nopen('private.txt','w').write('run A secret')\n"
+                "print(os.path.realpath('.'), flush=True)\nsys.stdin.readline()"
             )
-        )
-        await asyncio.sleep(1.0)
+            async for frame in c.stream(code, id="writer"):
+                frames.append(frame)
+                if frame.get("type") == "stream":
+                    written.set()
+            return frames
+
+        writer = asyncio.create_task(write())
+        await asyncio.wait_for(written.wait(), 30)
         reader = await c.execute(
             "import os\nfound = []\n"
             "for root, dirs, files in os.walk('/'):\n"
@@ -61,8 +78,10 @@ async def test_a_run_cannot_see_another_runs_files(secretive: Server) -> None:
             "    found += [os.path.join(root, f) for f in files if f == 'private.txt']\n"
             "print(found)\nprint(os.listdir('/tmp'))"
         )
-        await writer
-    assert reader.stdout.splitlines()[:1] == ["[]"], (
+        await c.stdin("writer", "done\n", eof=True)
+        frames = await writer
+    assert frames[-1].get("status") == "ok", frames[-1]  # the file was there for the whole walk
+    assert reader.status == "ok" and reader.stdout.splitlines()[:1] == ["[]"], (
         reader.status,
         reader.message,
         reader.stdout,
