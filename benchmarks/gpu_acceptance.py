@@ -49,6 +49,17 @@ from pathlib import Path
 from typing import Any
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+# Room left in a budget beyond the run's CUDA context and its allocation: NVML's rounding,
+# and a context that grows a little with the first large allocation.
+SLACK_MB = 128
+# The context's cost assumed where the `context` check could not measure it: cautious.
+GUESS_CONTEXT_MB = 1024
+# A measurement, not a verdict: what the kit saw where the appliance promises nothing.
+INFO = "INFO"
+# What the simulated GPU charges for a CUDA context. A real one's is hundreds of MiB as NVML
+# counts it on an H100/H200 (more with the CUDA runtime's libraries loaded); on the GPU the
+# kit measures it first (the `context` check) and sizes every allocation by it.
+SIM_CONTEXT_MB = 400
 MIN_DRIVER = 550
 MIB = 1 << 20
 SMI_FIELDS = ("index", "uuid", "name", "memory.total", "driver_version", "mig.mode.current", "compute_mode")
@@ -62,6 +73,8 @@ def ctx():
     for name, rc in (('cuInit', cu.cuInit(0)), ('cuDeviceGet', cu.cuDeviceGet(ctypes.byref(dev), 0)),
                      ('cuDevicePrimaryCtxRetain', cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev)),
                      ('cuCtxSetCurrent', cu.cuCtxSetCurrent(c))):
+        if rc == 2:  # CUDA_ERROR_OUT_OF_MEMORY: a context takes device memory too
+            raise MemoryError(f'{name} failed with CUDA error 2 (out of memory)')
         if rc != 0:
             raise RuntimeError(f'{name} failed with CUDA error {rc}')
 def alloc(mb):
@@ -132,14 +145,25 @@ class SimulatedGpuMemory:
     allocation is granted up to the device's size (a full device is CUDA out-of-memory) and
     written, per host PID (SO_PEERCRED), into the simulated NVML backend's control file. Like
     a real GPU it frees late: a gone process's memory stays for free_delay_s, listed under the
-    ID NVML gave it (the thread that connected, where not the main one)."""
+    ID NVML gave it (the thread that connected, where not the main one). And like a real one,
+    a context costs memory of its own before anything is allocated: context_mb, counted in the
+    process's usage as NVML counts it (hundreds of MiB on an H100/H200), so a run that
+    allocates its whole budget is over it, and a context on a full device is out of memory."""
 
-    def __init__(self, libcuda: Path, control: Path, total_mb: int, free_delay_s: float = 1.5) -> None:
+    def __init__(
+        self,
+        libcuda: Path,
+        control: Path,
+        total_mb: int,
+        free_delay_s: float = 1.5,
+        context_mb: int = SIM_CONTEXT_MB,
+    ) -> None:
         import socket
         import threading
 
         self.control, self.total = control, total_mb << 20
         self.free_delay_s = free_delay_s
+        self.context = context_mb << 20
         self.used: dict[int, int] = {}  # pid -> bytes (live, and freeing)
         self.modes: dict[str, str] = {}  # index -> compute mode (DEFAULT unless set)
         self.contexts: set[int] = set()  # host PIDs holding a live context
@@ -202,9 +226,14 @@ class SimulatedGpuMemory:
                                 mode in ("EXCLUSIVE_PROCESS", "EXCLUSIVE_THREAD")
                                 and bool(self.contexts - {peer})
                             )
-                            if not busy:
+                            # The context's own memory: the stand-in turns "oom" into CUDA error 2.
+                            full = not busy and sum(self.used.values()) + self.context > self.total
+                            if not busy and not full:
                                 self.contexts.add(peer)
-                        stream.write("busy\n" if busy else "ok none\n")
+                                mine += self.context
+                                self.used[pid] = self.used.get(pid, 0) + self.context
+                        self.write()
+                        stream.write("busy\n" if busy else "oom\n" if full else "ok none\n")
                     elif verb == "alloc" and arg.isdigit():
                         with self.lock:
                             ok = sum(self.used.values()) + int(arg) <= self.total
@@ -530,7 +559,11 @@ class Kit:
     async def start_server(self) -> Check:
         if self.sim:
             self.gpu_memory = SimulatedGpuMemory(
-                Path(self.args.libcuda), self.work / "sim.json", self.args.sim_mb
+                Path(self.args.libcuda),
+                self.work / "sim.json",
+                self.args.sim_mb,
+                free_delay_s=self.args.sim_free_delay_s,
+                context_mb=self.args.sim_context_mb,
             )
         self.server = await asyncio.to_thread(self.start)
         return Check("", PASS, f"appliance ready on {self.server.http}")
@@ -943,7 +976,30 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mps", action="store_true", help="also the MPS section (sets and restores the compute mode)"
     )
+    p.add_argument(
+        "--sim-context-mb",
+        type=int,
+        default=SIM_CONTEXT_MB,
+        help="--simulate: what the simulated GPU charges for each CUDA context",
+    )
+    p.add_argument(
+        "--sim-free-delay-s",
+        type=float,
+        default=1.5,
+        help="--simulate: how long the simulated GPU holds a gone process's memory",
+    )
+    p.add_argument(
+        "--context-mb",
+        type=int,
+        default=None,
+        help="size the checks' allocations by this CUDA context cost instead of the measured one",
+    )
     p.add_argument("--gguf", help="a GGUF model for the llama.cpp offload check")
+    p.add_argument(
+        "--wheels",
+        default=None,
+        help="the folder of wheels gpu-acceptance.sh installed llama-cpp-python from (KIT_WHEELS)",
+    )
     p.add_argument("--only", action="append", default=[], help="run only this check (or prefix); repeatable")
     p.add_argument(
         "--server-env",

@@ -300,3 +300,38 @@ def test_the_simulated_gpu_fails_contexts_as_the_driver_does_in_each_compute_mod
             proc.kill()
             proc.wait()
         memory.close()
+
+
+def test_the_simulated_gpu_charges_each_context_and_a_full_device_refuses_one(
+    scratch: Path, libcuda: Path
+) -> None:
+    # As NVML counts a real context: memory of its own before any allocation; and a device
+    # without room for one fails the context with CUDA error 2 (out of memory).
+    from benchmarks.gpu_acceptance import SimulatedGpuMemory
+
+    control = scratch / "ctl-context.json"
+    memory = SimulatedGpuMemory(libcuda, control, 1000, free_delay_s=0, context_mb=400)
+    env = {
+        "PATH": os.environ["PATH"],
+        "APPLIANCE_LIBCUDA": str(libcuda),
+        "CUDA_VISIBLE_DEVICES": "GPU-SIM-0",
+        "CUDA_MPS_PIPE_DIRECTORY": str(scratch / "no-mps-here"),
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+    rcs = []
+    try:
+        for _ in range(3):
+            proc = subprocess.Popen(
+                [sys.executable, "-c", HOLD_CONTEXT], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            )
+            procs.append(proc)
+            assert proc.stdout is not None
+            rcs.append(int(proc.stdout.readline()))
+        assert rcs == [0, 0, 2]
+        listed = json.loads(control.read_text())["processes"]
+        assert sorted(p["used_mb"] for p in listed) == [400, 400], listed
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        memory.close()
