@@ -1,4 +1,4 @@
-"""The real-GPU acceptance checks: one unattended run, PASS/FAIL/SKIP per check, JSON + Markdown.
+"""The real-GPU acceptance checks: one unattended run, PASS/FAIL/SKIP/INFO per check, JSON + Markdown.
 
 Run by `gpu-acceptance.sh` from the kit `make gpu-kit` builds (docs/gpu.md, "The acceptance
 kit"), on a GPU machine as root:
@@ -12,7 +12,8 @@ tests/stub_libcuda.c and a stand-in nvidia-smi), so that only the hardware is le
 Every check runs real requests against a real appliance (`appliance serve`, real firejail
 jails); GPU memory is allocated inside the jails through the CUDA driver API (ctypes against
 libcuda: cuInit, cuDevicePrimaryCtxRetain, cuMemAlloc), no torch. A check that cannot run on
-this machine is SKIP with its reason, never PASS. The checks, in order:
+this machine is SKIP with its reason, never PASS; a measurement where the appliance promises
+nothing is INFO (no verdict). The checks, in order:
 
   preflight.driver / .mig / .compute_mode / .nvidia_uvm   what nvidia-smi and /dev say
   context         what NVML counts for a jailed run's CUDA context; every later allocation
@@ -25,7 +26,10 @@ this machine is SKIP with its reason, never PASS. The checks, in order:
   host_memory     a GPU run with more of a mapped file resident than SANDBOX_MEMORY_MB is not
                   killed (inconclusive, FAIL, when the file-backed memory stayed under it)
   reclaim         a large run queued behind a killed one never hits CUDA out-of-memory
-  contention      N = 1, 4, 16 of benchmarks/gpu_contention.py's mix, no out-of-memory
+  contention      N = 1, 4, 16 of benchmarks/gpu_contention.py's mix without its overrunner:
+                  no run within its grant ends out of memory or stopped
+  contention.overrun_race   INFO: the mix with its overrunner at N = 16, neighbours that ran
+                  out of memory before the poll stopped it (polling cannot prevent that)
   llama_offload   llama.cpp offloads to the GPU (only where a CUDA build, --wheels DIR, and a
                   model, --gguf, are at hand)
   mps.host / mps.restored   (--mps) EXCLUSIVE_PROCESS + daemon: refused at startup (or, where
@@ -518,6 +522,7 @@ class Kit:
             "host_memory",
             "reclaim",
             "contention",
+            "contention.overrun_race",
             "llama_offload",
         ]
         if started.status != PASS:
@@ -534,6 +539,7 @@ class Kit:
                 await self.check("host_memory", self.check_host_memory, 150)
                 await self.check("reclaim", self.check_reclaim, 150)
                 await self.check("contention", self.check_contention, 240)
+                await self.check("contention.overrun_race", self.check_overrun_race, 120)
                 await self.check("llama_offload", self.check_llama, 120)
             finally:
                 self.server.stop()
@@ -938,34 +944,86 @@ class Kit:
         )
 
     async def check_contention(self) -> Check:
+        """N = 1, 4, 16 of the contention mix without its overrunner: every run stays within its
+        grant (its CUDA context included), and that the appliance does promise: admission keeps
+        each running run's grant and margin backed by memory the device has, so none of these
+        runs may end out of memory, or stopped, at any N."""
         from benchmarks import gpu_contention as gc
 
         scale = self.total_mb / gc.DEVICE_MB
+        within = [m for m in gc.MIX if m[0] not in gc.OVERRUNNERS]
         samples: list[dict[str, Any]] = []
         sampler = gc.readyz_sampler(self.server.http) if self.sim else gc.nvml_sampler
         records: list[Any] = []
         for n in (1, 4, 16):
-            # Runs that are not the overrunner stay within their grants, their contexts included.
             records += await gc.server_level(
                 self.server.url,
                 n,
                 samples,
                 scale,
                 sampler=sampler,
+                mix=within,
                 context_mb=self.context_mb,
                 slack_mb=self.slack_mb,
             )
         rows = gc.summarise(records)
-        bad = [r for r in records if r.outcome not in ("ok", "gpu_memory_limit", "rejected")]
+        expected = {"oversized": "rejected"}  # past the largest device: refused at once
+        bad = [r for r in records if r.outcome != expected.get(r.kind, "ok")]
         data = {"summary": rows, "scale": round(scale, 3), "context_mb": self.context_mb}
         text = "; ".join(f"N={r['n']}: {gc.outcomes_text(r)}, queue p95 {r['queue_p95_ms']} ms" for r in rows)
         if bad:
+            kinds = sorted({f"{r.kind} {r.outcome} (N={r.n})" for r in bad})
             return Check(
-                "", FAIL, f"{len(bad)} run(s) ended {sorted({r.outcome for r in bad})}: {text}", data=data
+                "",
+                FAIL,
+                f"{len(bad)} run(s) within their grants did not end as expected: {kinds}; {text}",
+                data=data,
             )
-        if not any(r.outcome == "gpu_memory_limit" for r in records):
-            return Check("", FAIL, f"no overrunner was stopped: {text}", data=data)
-        return Check("", PASS, text, data=data)
+        if not any(r.queued_ms > 0 for r in records if r.n == 16):
+            return Check(
+                "", FAIL, f"inconclusive: nothing queued at N=16, so nothing contended: {text}", data=data
+            )
+        return Check("", PASS, f"no run within its grant failed: {text}", data=data)
+
+    async def check_overrun_race(self) -> Check:
+        """INFO, not a verdict: the mix with its overrunner at N = 16. An overrunner that takes
+        budget + margin + 512 MiB at once can take memory a neighbour was granted until the
+        next watchdog poll stops it; polling cannot prevent that (docs/gpu.md), so the kit
+        measures how often it happens here and promises nothing."""
+        from benchmarks import gpu_contention as gc
+
+        scale = self.total_mb / gc.DEVICE_MB
+        sampler = gc.readyz_sampler(self.server.http) if self.sim else gc.nvml_sampler
+        records = await gc.server_level(
+            self.server.url,
+            16,
+            [],
+            scale,
+            sampler=sampler,
+            context_mb=self.context_mb,
+            slack_mb=self.slack_mb,
+        )
+        over = [r for r in records if r.kind in gc.OVERRUNNERS]
+        neighbours = [
+            r for r in records if r.kind not in gc.OVERRUNNERS and r.budget_mb and r.outcome != "rejected"
+        ]
+        ooms = [r for r in neighbours if r.outcome == "oom"]
+        row = gc.summarise(records)[0]
+        data = {
+            "summary": [row],
+            "overrunners": [r.outcome for r in over],
+            "neighbours": len(neighbours),
+            "neighbours_oom": len(ooms),
+        }
+        return Check(
+            "",
+            INFO,
+            f"informational, no verdict (polling promises nothing here): N=16 with {len(over)} overrunner(s) "
+            f"taking budget + margin + 512 MiB at once (ended {sorted(r.outcome for r in over)}); "
+            f"{len(ooms)} of {len(neighbours)} neighbours within their grants hit CUDA out-of-memory "
+            f"before a poll stopped the overrunner; {gc.outcomes_text(row)}",
+            data=data,
+        )
 
     async def check_llama(self) -> Check:
         # The startup probe's answer (the bindings imported in the jails' Python), once it is in.
@@ -1166,7 +1224,7 @@ class Kit:
     # -- the report --------------------------------------------------------------------------
     def write(self, seconds: float) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
-        counts = {s: sum(1 for r in self.results if r.status == s) for s in (PASS, FAIL, SKIP)}
+        counts = {s: sum(1 for r in self.results if r.status == s) for s in (PASS, FAIL, SKIP, INFO)}
         meta: dict[str, Any] = {
             "mode": "simulated" if self.sim else "real-gpu",
             "host": platform.node(),
@@ -1193,7 +1251,8 @@ class Kit:
             f"{meta['when']}, {meta['machine']}, Python {meta['python']}, kit {meta['kit'].get('commit', '?')}; "
             f"{seconds:.0f} s. GPUs: {gpus}.",
             "",
-            f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}.",
+            f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}; INFO {counts[INFO]} "
+            "(measurements where the appliance promises nothing: no verdict).",
             "",
             "| check | result | detail | s |",
             "|---|---|---|---|",
@@ -1285,7 +1344,8 @@ async def amain(argv: list[str] | None = None) -> int:
         shutil.rmtree(kit.work, ignore_errors=True)
     counts = report["meta"]["counts"]
     print(
-        f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}; report: {kit.out}/gpu-acceptance.md"
+        f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}, INFO {counts[INFO]}; "
+        f"report: {kit.out}/gpu-acceptance.md"
     )
     return 1 if counts[FAIL] else 0
 

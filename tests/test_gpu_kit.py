@@ -38,6 +38,8 @@ HARDWARE_ONLY = {
     "llama_offload": "--wheels DIR (or KIT_WHEELS=DIR)",
     "mps": "--mps",  # optional: its own test below
 }
+# Measurements where the appliance promises nothing: INFO, never PASS or FAIL.
+INFO_ONLY = {"contention.overrun_race": "informational, no verdict"}
 EVERY_CHECK = (
     "preflight.driver",
     "preflight.mig",
@@ -54,6 +56,7 @@ EVERY_CHECK = (
     "host_memory",
     "reclaim",
     "contention",
+    "contention.overrun_race",
     "llama_offload",
     "mps",
 )
@@ -160,24 +163,14 @@ def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
     rc, report, out = run_kit(kit, scratch, libcuda, "all")
     checks = {c["name"]: c for c in report["checks"]}
     assert sorted(checks) == sorted(EVERY_CHECK)
-    contention = checks.pop("contention")
     for name, check in checks.items():
         if name in HARDWARE_ONLY:
             assert check["status"] == "SKIP" and HARDWARE_ONLY[name] in check["detail"], check
+        elif name in INFO_ONLY:
+            assert check["status"] == "INFO" and INFO_ONLY[name] in check["detail"], check
         else:
             assert check["status"] == "PASS", check
-    # A known gap, reported, not hidden: without daemon-side limits, the mix's overrunner (its
-    # budget + margin + 512 MiB) can fill the device before the next watchdog poll, and a
-    # neighbour's allocation then fails (the simulated MPS benchmark shows the same). At N=16
-    # the kit therefore PASSes or FAILs with 'oom'; at N=1 and 4 nothing can collide.
-    rows = {row["n"]: row for row in contention["data"]["summary"]}
-    assert "oom" not in rows[1]["outcomes"] and "oom" not in rows[4]["outcomes"], contention
-    if contention["status"] == "FAIL":
-        assert "['oom']" in contention["detail"], contention
-        assert rc == 1 and report["meta"]["counts"]["FAIL"] == 1
-    else:
-        assert contention["status"] == "PASS" and rc == 0 and report["meta"]["counts"]["FAIL"] == 0
-    checks["contention"] = contention
+    assert rc == 0 and report["meta"]["counts"]["FAIL"] == 0 and report["meta"]["counts"]["INFO"] == 1
     assert report["meta"]["mode"] == "simulated"
     # The simulated GPU charges each context, as NVML counts a real one; the kit measured it
     # and sized the allocations of runs meant to stay within their budgets by it.
@@ -192,9 +185,17 @@ def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
     # host_memory put the cap to the test: more of the mapped file was resident than the cap.
     host = checks["host_memory"]["data"]
     assert host["file_mb"] > host["memory_mb"] and host["RssFile"] > host["memory_mb"], host
-    assert [row["n"] for row in checks["contention"]["data"]["summary"]] == [1, 4, 16]
+    # Runs within their grants never run out of memory, at any N (what admission promises);
+    # the overrunner's race is measured apart, with no verdict.
+    rows = {row["n"]: row for row in checks["contention"]["data"]["summary"]}
+    assert sorted(rows) == [1, 4, 16]
+    for row in rows.values():
+        assert set(row["outcomes"]) <= {"ok", "rejected"}, row
+    race = checks["contention.overrun_race"]["data"]
+    assert race["summary"][0]["n"] == 16 and len(race["overrunners"]) == 2, race
     md = (out / "gpu-acceptance.md").read_text()
     assert all(f"| {name} | {checks[name]['status']} |" in md for name in EVERY_CHECK)
+    assert "INFO 1 (measurements where the appliance promises nothing" in md
 
 
 def test_allocations_that_forget_the_cuda_context_fail_the_reclaim_check(
