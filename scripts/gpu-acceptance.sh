@@ -13,7 +13,7 @@
 #
 # Environment: PYTHON (default: python3.12, python3.11 or python3 of either version),
 # KIT_VENV (default /opt/appliance-gpu-kit/venv: a place the sandbox uid can read, which a
-# kit under /root is not), KIT_WHEELS (as --wheels),
+# kit under /root is not; checked before anything is installed), KIT_WHEELS (as --wheels),
 # KIT_OUT (default ./report), KIT_TIMEOUT (default 470 s for the
 # checks), FIREJAIL (an installed firejail instead of the kit's). Other arguments go to
 # `python -m benchmarks.gpu_acceptance` (see --help there). KIT_RUN="cmd" runs cmd instead of
@@ -69,6 +69,17 @@ fi
 usable "$PYTHON" || { echo "gpu-acceptance: $PYTHON is not Python 3.11/3.12 runnable by the sandbox uid" >&2; exit 1; }
 export KIT_VENV=${KIT_VENV:-/opt/appliance-gpu-kit/venv}
 
+# The jails run $KIT_VENV/bin/python as the sandbox uid, so every folder above the venv must
+# let any uid through (a runner's temp folder or a home directory often does not): the server
+# would refuse to start, after minutes of installing. Checked first, with the fix named.
+mkdir -p "$(dirname "$KIT_VENV")"
+if ! setpriv --reuid=65534 --regid=65534 --clear-groups test -x "$(dirname "$KIT_VENV")"; then
+  echo "gpu-acceptance: KIT_VENV=$KIT_VENV: the sandbox uid cannot reach $(dirname "$KIT_VENV")" \
+       "(a folder above it is not o+x); leave KIT_VENV unset (/opt/appliance-gpu-kit/venv) or pick" \
+       "a place every uid can traverse" >&2
+  exit 1
+fi
+
 # --wheels DIR (or KIT_WHEELS): a CUDA llama-cpp-python for the llama_offload check. Kept in
 # the arguments, so the check can say where its llama-cpp-python came from.
 WHEELS=${KIT_WHEELS:-}
@@ -89,7 +100,6 @@ kit_pip() { "$KIT_VENV/bin/python" "$pip_wheel/pip" install -q --no-index --disa
 if [ ! -x "$KIT_VENV/bin/appliance" ]; then
   echo "gpu-acceptance: installing the appliance into $KIT_VENV (offline, from $KIT/wheels)"
   rm -rf "$KIT_VENV"
-  mkdir -p "$(dirname "$KIT_VENV")"
   "$PYTHON" -m venv --without-pip "$KIT_VENV"
   kit_pip --find-links "$KIT/wheels" appliance nvidia-ml-py
   chmod -R a+rX "$KIT_VENV"

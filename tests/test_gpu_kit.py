@@ -332,6 +332,24 @@ def test_the_simulated_gpu_fails_contexts_as_the_driver_does_in_each_compute_mod
         memory.close()
 
 
+def test_a_venv_the_sandbox_uid_cannot_reach_is_refused_before_anything_is_installed(
+    kit: Path, scratch: Path, libcuda: Path
+) -> None:
+    # As a runner's temp folder can be: the jails run the venv's Python as the sandbox uid, and
+    # the server would refuse to start after the install.
+    hidden = scratch / "root-only"
+    hidden.mkdir(mode=0o700)
+    proc = subprocess.run(
+        [str(kit / "gpu-acceptance.sh"), "--simulate"],
+        env={**os.environ, "KIT_VENV": str(hidden / "venv"), "KIT_OUT": str(scratch / "report-hidden")},
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert proc.returncode == 1 and "the sandbox uid cannot reach" in proc.stderr, proc.stderr
+    assert "/opt/appliance-gpu-kit/venv" in proc.stderr and not (hidden / "venv").exists()
+
+
 def fake_llama_wheel(folder: Path) -> Path:
     """A llama-cpp-python wheel that imports and claims GPU offload (no native code): what
     --wheels carries to the machine, minus the CUDA build."""
