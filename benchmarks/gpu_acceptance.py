@@ -148,6 +148,20 @@ with open(path, 'rb') as fh:
 HOST_MEMORY_FILE = "kit-host-memory.bin"
 
 
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem path is on (its longest mount point in /proc/self/mounts)."""
+    real, best, kind = str(path.resolve()), "", ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            mount = fields[1].replace("\\040", " ")
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                best, kind = mount, fields[2]
+    return kind
+
+
 def device_minors(root: Path = Path("/proc/driver/nvidia/gpus")) -> dict[str, int]:
     """GPU UUID -> device minor (/dev/nvidia<minor>), from the driver's per-GPU information
     files ("GPU UUID: GPU-...", "Device Minor: 0")."""
@@ -402,9 +416,14 @@ class Kit:
         self.context_mb = GUESS_CONTEXT_MB
         self.slack_mb = SLACK_MB
         # The models directory the kit's server reads: the kit's own, readable by the sandbox
-        # uid; host_memory's mapped file and --gguf's model are placed here.
-        self.models = self.work / "models"
-        self.models.mkdir()
+        # uid; host_memory's mapped file and --gguf's model are placed here. Not on a tmpfs
+        # (a /tmp that is one): a mapped tmpfs file is shared memory, not file-backed, and the
+        # watchdog rightly counts shared memory. Then next to the kit's venv, which the
+        # sandbox uid can reach (gpu-acceptance.sh checks).
+        base = self.work
+        if filesystem_of(self.work) == "tmpfs":
+            base = Path(sys.prefix).parent
+        self.models = Path(tempfile.mkdtemp(prefix="kit-models-", dir=base))
         os.chmod(self.models, 0o755)
 
     # -- the server --------------------------------------------------------------------------
@@ -861,7 +880,12 @@ class Kit:
             ex, _ = await self.execute(code, self.budget_for(256))
         finally:
             path.unlink(missing_ok=True)
-        data: dict[str, Any] = {"memory_mb": self.memory_mb, "file_mb": file_mb, "status": ex.status}
+        data: dict[str, Any] = {
+            "memory_mb": self.memory_mb,
+            "file_mb": file_mb,
+            "filesystem": filesystem_of(self.models),
+            "status": ex.status,
+        }
         if ex.status != "ok":
             return Check(
                 "",
@@ -1342,6 +1366,7 @@ async def amain(argv: list[str] | None = None) -> int:
         for log in kit.work.glob("srv*/server.log"):
             shutil.copyfile(log, kit.out / f"{log.parent.name}.log")
         shutil.rmtree(kit.work, ignore_errors=True)
+        shutil.rmtree(kit.models, ignore_errors=True)  # outside work where work is on a tmpfs
     counts = report["meta"]["counts"]
     print(
         f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}, INFO {counts[INFO]}; "

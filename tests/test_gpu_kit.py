@@ -470,3 +470,14 @@ def test_the_simulated_gpu_charges_each_context_and_a_full_device_refuses_one(
             proc.kill()
             proc.wait()
         memory.close()
+
+
+def test_the_kit_knows_a_tmpfs_where_it_would_put_the_mapped_file() -> None:
+    # A mapped tmpfs file is shared memory, which the watchdog counts: host_memory's file must
+    # be on a real filesystem, so the kit asks which one its folder is on.
+    from benchmarks.gpu_acceptance import filesystem_of
+
+    assert filesystem_of(Path("/dev/shm")) == "tmpfs"
+    assert filesystem_of(Path("/dev/shm/not-there")) == "tmpfs"  # the longest mount point wins over /dev
+    assert filesystem_of(Path("/proc/self")) == "proc"
+    assert filesystem_of(Path("/")) not in ("", "tmpfs", "proc")
