@@ -8,22 +8,30 @@ HOST ?= 127.0.0.1
 PORT ?= 9100
 PYTEST_ARGS ?=
 
-.PHONY: setup system venv run test lint check bench audit gpu-kit clean
+.PHONY: setup system venv cuda-build run test lint check bench audit gpu-kit clean
 
 setup: system venv
 
 system:
 	@scripts/setup-system.sh
 
+# APPLIANCE_CUDA_BUILD=1 asks for the CUDA build of llama.cpp here too, on a venv that is
+# already installed (.installed is up to date then, and would not run again).
 venv: $(VENV)/.installed
+	@if [ "$${APPLIANCE_CUDA_BUILD:-0}" = 1 ]; then scripts/cuda-build.sh $(PY); fi
 
 # Debian's /usr/bin/python3: a pyenv python in root's 0700 home cannot run as uid 1001.
+# cuda-build.sh here only says how to ask for the CUDA build where nvcc is present.
 $(VENV)/.installed: pyproject.toml
 	@if [ ! -x $(PY) ]; then $(SUDO) mkdir -p $(dir $(VENV)) && $(SUDO) chown "$$(id -u)" $(dir $(VENV)) 2>/dev/null; /usr/bin/python3 -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[science,test,gpu,bench]'
-	@scripts/cuda-build.sh $(PY)   # CUDA llama.cpp only with APPLIANCE_CUDA_BUILD=1 (a long build)
+	@APPLIANCE_CUDA_BUILD=0 scripts/cuda-build.sh $(PY)
 	@touch $@
+
+# llama-cpp-python rebuilt for CUDA in the venv (needs nvcc; many minutes; docs/gpu.md).
+cuda-build: $(VENV)/.installed
+	APPLIANCE_CUDA_BUILD=1 scripts/cuda-build.sh $(PY)
 
 # Every SANDBOX_* setting (from the environment or `make run SANDBOX_X=...`) reaches the server:
 # sudo's env_reset would drop them, so scripts/serve.sh passes each as an `env NAME=value` argument.

@@ -284,7 +284,10 @@ class Lifecycle:
             body["gpu"] = self.gpu.layers()
             problems += self.gpu.problems()
             if self.tools is not None and isinstance(body["gpu"].get("shaping"), dict):
+                # Shaping is load_llm's: available where llama_cpp imports in the jails' Python,
+                # as the startup probe found (not merely where this process finds the module).
                 llama = body["tools"].get("llama_cpp") or {}
+                body["gpu"]["shaping"]["available"] = llama.get("available") is True
                 body["gpu"]["shaping"]["gpu_offload"] = llama.get("gpu_offload")
         return problems, body
 

@@ -1,9 +1,9 @@
-"""The real-GPU acceptance checks: one unattended run, PASS/FAIL/SKIP per check, JSON + Markdown.
+"""The real-GPU acceptance checks: one unattended run, PASS/FAIL/SKIP/INFO per check, JSON + Markdown.
 
 Run by `gpu-acceptance.sh` from the kit `make gpu-kit` builds (docs/gpu.md, "The acceptance
 kit"), on a GPU machine as root:
 
-    python -m benchmarks.gpu_acceptance --out DIR [--mps] [--gguf MODEL.gguf]
+    python -m benchmarks.gpu_acceptance --out DIR [--mps] [--gguf MODEL.gguf] [--wheels DIR]
 
 and, in `make test`, against simulated devices (`--simulate`: the simulated NVML backend, the
 simulated MPS daemon standing in for the GPU's memory, the stand-in libcuda built from
@@ -12,18 +12,26 @@ tests/stub_libcuda.c and a stand-in nvidia-smi), so that only the hardware is le
 Every check runs real requests against a real appliance (`appliance serve`, real firejail
 jails); GPU memory is allocated inside the jails through the CUDA driver API (ctypes against
 libcuda: cuInit, cuDevicePrimaryCtxRetain, cuMemAlloc), no torch. A check that cannot run on
-this machine is SKIP with its reason, never PASS. The checks, in order:
+this machine is SKIP with its reason, never PASS; a measurement where the appliance promises
+nothing is INFO (no verdict). The checks, in order:
 
   preflight.driver / .mig / .compute_mode / .nvidia_uvm   what nvidia-smi and /dev say
+  context         what NVML counts for a jailed run's CUDA context; every later allocation
+                  meant to stay within its budget is budget - context - slack
   readyz          /readyz: backend, device UUIDs and totals equal to nvidia-smi's
   jail.visible_device   in a jail, one CUDA device, whose UUID is the grant's
   jail.device_nodes     in a jail, exactly the granted /dev/nvidia* nodes
   watchdog.main_thread / .thread / .subprocess   an over-budget run is stopped (kill latency
                   recorded) while a neighbour run ends ok
-  host_memory     a GPU run mapping more file-backed memory than SANDBOX_MEMORY_MB is not killed
+  host_memory     a GPU run with more of a mapped file resident than SANDBOX_MEMORY_MB is not
+                  killed (inconclusive, FAIL, when the file-backed memory stayed under it)
   reclaim         a large run queued behind a killed one never hits CUDA out-of-memory
-  contention      N = 1, 4, 16 of benchmarks/gpu_contention.py's mix, no out-of-memory
-  llama_offload   llama.cpp offloads to the GPU (only where a CUDA build and a model are at hand)
+  contention      N = 1, 4, 16 of benchmarks/gpu_contention.py's mix without its overrunner:
+                  no run within its grant ends out of memory or stopped
+  contention.overrun_race   INFO: the mix with its overrunner at N = 16, neighbours that ran
+                  out of memory before the poll stopped it (polling cannot prevent that)
+  llama_offload   llama.cpp offloads to the GPU (only where a CUDA build, --wheels DIR, and a
+                  model, --gguf, are at hand)
   mps.host / mps.restored   (--mps) EXCLUSIVE_PROCESS + daemon: refused at startup (or, where
                   jails join MPS, daemon-side limits), and the compute mode put back
 """
@@ -49,6 +57,17 @@ from pathlib import Path
 from typing import Any
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+# Room left in a budget beyond the run's CUDA context and its allocation: NVML's rounding,
+# and a context that grows a little with the first large allocation.
+SLACK_MB = 128
+# The context's cost assumed where the `context` check could not measure it: cautious.
+GUESS_CONTEXT_MB = 1024
+# A measurement, not a verdict: what the kit saw where the appliance promises nothing.
+INFO = "INFO"
+# What the simulated GPU charges for a CUDA context. A real one's is hundreds of MiB as NVML
+# counts it on an H100/H200 (more with the CUDA runtime's libraries loaded); on the GPU the
+# kit measures it first (the `context` check) and sizes every allocation by it.
+SIM_CONTEXT_MB = 400
 MIN_DRIVER = 550
 MIB = 1 << 20
 SMI_FIELDS = ("index", "uuid", "name", "memory.total", "driver_version", "mig.mode.current", "compute_mode")
@@ -62,9 +81,13 @@ def ctx():
     for name, rc in (('cuInit', cu.cuInit(0)), ('cuDeviceGet', cu.cuDeviceGet(ctypes.byref(dev), 0)),
                      ('cuDevicePrimaryCtxRetain', cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev)),
                      ('cuCtxSetCurrent', cu.cuCtxSetCurrent(c))):
+        if rc == 2:  # CUDA_ERROR_OUT_OF_MEMORY: a context takes device memory too
+            raise MemoryError(f'{name} failed with CUDA error 2 (out of memory)')
         if rc != 0:
             raise RuntimeError(f'{name} failed with CUDA error {rc}')
 def alloc(mb):
+    if mb <= 0:
+        return
     ptr = ctypes.c_uint64()
     rc = cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(mb << 20))
     if rc != 0:
@@ -108,21 +131,72 @@ OVERRUN = {
     ),
 }
 NEIGHBOUR = "ctx(); alloc(MB); time.sleep(SECS); print('neighbour ok', flush=True)"
+# Maps a file the kit wrote into the models directory (read-only in every jail), touches
+# every page, and reports the process's resident memory after holding it for some polls.
 HOST_MEMORY = """
 import mmap
 ctx(); alloc(GPU_MB)
-size = FILE_MB << 20
-with open('mapped.bin', 'wb') as fh:
-    block = b'\\1' * (1 << 20)
-    for _ in range(FILE_MB):
-        fh.write(block)
-with open('mapped.bin', 'rb') as fh:
+path = os.path.join(os.environ['SANDBOX_MODELS_DIR'], NAME)
+size = os.path.getsize(path)
+with open(path, 'rb') as fh:
     m = mmap.mmap(fh.fileno(), size, prot=mmap.PROT_READ)
     total = sum(m[i] for i in range(0, size, 4096))
     time.sleep(HOLD_S)
     status = dict(line.split(':', 1) for line in open('/proc/self/status') if line.startswith(('VmRSS', 'RssFile', 'RssAnon')))
     print(json.dumps({k: int(v.split()[0]) // 1024 for k, v in status.items()} | {'touched': total}))
 """
+HOST_MEMORY_FILE = "kit-host-memory.bin"
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem path is on (its longest mount point in /proc/self/mounts)."""
+    real, best, kind = str(path.resolve()), "", ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            mount = fields[1].replace("\\040", " ")
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                best, kind = mount, fields[2]
+    return kind
+
+
+def device_minors(root: Path = Path("/proc/driver/nvidia/gpus")) -> dict[str, int]:
+    """GPU UUID -> device minor (/dev/nvidia<minor>), from the driver's per-GPU information
+    files ("GPU UUID: GPU-...", "Device Minor: 0")."""
+    found: dict[str, int] = {}
+    for info in sorted(root.glob("*/information")):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            fields = {
+                key.strip(): value.strip()
+                for key, _, value in (line.partition(":") for line in info.read_text().splitlines())
+            }
+            found[fields["GPU UUID"]] = int(fields["Device Minor"])
+    return found
+
+
+def place_model(src: Path, models: Path) -> Path:
+    """--gguf's model in the kit's models directory, readable by the sandbox uid: a hard link
+    where the file is already world-readable on the same filesystem, else a copy."""
+    dest = models / src.name
+    dest.unlink(missing_ok=True)
+    if src.stat().st_mode & stat.S_IROTH:
+        with contextlib.suppress(OSError):
+            os.link(src, dest)
+            return dest
+    shutil.copyfile(src, dest)
+    os.chmod(dest, 0o644)
+    return dest
+
+
+def write_mapped_file(path: Path, size_mb: int) -> None:
+    """host_memory's file: size_mb MiB of bytes of value 1, readable by the sandbox uid."""
+    block = b"\1" * MIB
+    with open(path, "wb") as fh:
+        for _ in range(size_mb):
+            fh.write(block)
+    os.chmod(path, 0o644)
 
 
 class SimulatedGpuMemory:
@@ -132,14 +206,25 @@ class SimulatedGpuMemory:
     allocation is granted up to the device's size (a full device is CUDA out-of-memory) and
     written, per host PID (SO_PEERCRED), into the simulated NVML backend's control file. Like
     a real GPU it frees late: a gone process's memory stays for free_delay_s, listed under the
-    ID NVML gave it (the thread that connected, where not the main one)."""
+    ID NVML gave it (the thread that connected, where not the main one). And like a real one,
+    a context costs memory of its own before anything is allocated: context_mb, counted in the
+    process's usage as NVML counts it (hundreds of MiB on an H100/H200), so a run that
+    allocates its whole budget is over it, and a context on a full device is out of memory."""
 
-    def __init__(self, libcuda: Path, control: Path, total_mb: int, free_delay_s: float = 1.5) -> None:
+    def __init__(
+        self,
+        libcuda: Path,
+        control: Path,
+        total_mb: int,
+        free_delay_s: float = 1.5,
+        context_mb: int = SIM_CONTEXT_MB,
+    ) -> None:
         import socket
         import threading
 
         self.control, self.total = control, total_mb << 20
         self.free_delay_s = free_delay_s
+        self.context = context_mb << 20
         self.used: dict[int, int] = {}  # pid -> bytes (live, and freeing)
         self.modes: dict[str, str] = {}  # index -> compute mode (DEFAULT unless set)
         self.contexts: set[int] = set()  # host PIDs holding a live context
@@ -202,9 +287,14 @@ class SimulatedGpuMemory:
                                 mode in ("EXCLUSIVE_PROCESS", "EXCLUSIVE_THREAD")
                                 and bool(self.contexts - {peer})
                             )
-                            if not busy:
+                            # The context's own memory: the stand-in turns "oom" into CUDA error 2.
+                            full = not busy and sum(self.used.values()) + self.context > self.total
+                            if not busy and not full:
                                 self.contexts.add(peer)
-                        stream.write("busy\n" if busy else "ok none\n")
+                                mine += self.context
+                                self.used[pid] = self.used.get(pid, 0) + self.context
+                        self.write()
+                        stream.write("busy\n" if busy else "oom\n" if full else "ok none\n")
                     elif verb == "alloc" and arg.isdigit():
                         with self.lock:
                             ok = sum(self.used.values()) + int(arg) <= self.total
@@ -320,6 +410,21 @@ class Kit:
         self.memory_mb = 256 if self.sim else 2048  # SANDBOX_MEMORY_MB of the kit's server
         self.total_mb = 0
         self.gpu_memory: SimulatedGpuMemory | None = None
+        # What NVML counts for a run's CUDA context beyond what the run allocates: measured by
+        # the `context` check (or --context-mb), then every allocation meant to stay within its
+        # budget is budget - context - slack. Until measured, a cautious guess.
+        self.context_mb = GUESS_CONTEXT_MB
+        self.slack_mb = SLACK_MB
+        # The models directory the kit's server reads: the kit's own, readable by the sandbox
+        # uid; host_memory's mapped file and --gguf's model are placed here. Not on a tmpfs
+        # (a /tmp that is one): a mapped tmpfs file is shared memory, not file-backed, and the
+        # watchdog rightly counts shared memory. Then next to the kit's venv, which the
+        # sandbox uid can reach (gpu-acceptance.sh checks).
+        base = self.work
+        if filesystem_of(self.work) == "tmpfs":
+            base = Path(sys.prefix).parent
+        self.models = Path(tempfile.mkdtemp(prefix="kit-models-", dir=base))
+        os.chmod(self.models, 0o755)
 
     # -- the server --------------------------------------------------------------------------
     def settings(self, mps: bool = False) -> dict[str, str]:
@@ -338,8 +443,7 @@ class Kit:
             "SANDBOX_GPU_MPS": "auto" if mps else "off",
             "SANDBOX_FIREJAIL": self.args.firejail,
         }
-        if self.args.gguf:
-            env["SANDBOX_MODELS_DIR"] = str(Path(self.args.gguf).resolve().parent)
+        env["SANDBOX_MODELS_DIR"] = str(self.models)
         pipe = self.work / ("mps" if mps else "sim-gpu")
         if self.sim:
             # SimulatedGpuMemory stands in for the device's memory (it writes the control file);
@@ -411,12 +515,12 @@ class Kit:
         return result
 
     def selected(self, name: str) -> bool:
-        """Whether --only asks for this check (all do without it; the driver query and the server
-        always run, as the others need them)."""
+        """Whether --only asks for this check (all do without it; the driver query, the server and
+        the context's measure always run, as the others need them)."""
         wanted = self.args.only
         return (
             not wanted
-            or name in ("preflight.driver", "server")
+            or name in ("preflight.driver", "server", "context")
             or any(name == w or name.startswith(w + ".") for w in wanted)
         )
 
@@ -427,6 +531,7 @@ class Kit:
         await self.check("preflight.nvidia_uvm", self.preflight_uvm, 30)
         started = await self.check("server", self.start_server, 200)
         names = [
+            "context",
             "readyz",
             "jail.visible_device",
             "jail.device_nodes",
@@ -436,6 +541,7 @@ class Kit:
             "host_memory",
             "reclaim",
             "contention",
+            "contention.overrun_race",
             "llama_offload",
         ]
         if started.status != PASS:
@@ -443,6 +549,7 @@ class Kit:
                 self.results.append(Check(name, FAIL, "not run: the appliance did not start"))
         else:
             try:
+                await self.check("context", self.check_context, 90)
                 await self.check("readyz", self.check_readyz, 30)
                 await self.check("jail.visible_device", self.check_visible, 90)
                 await self.check("jail.device_nodes", self.check_nodes, 90)
@@ -451,6 +558,7 @@ class Kit:
                 await self.check("host_memory", self.check_host_memory, 150)
                 await self.check("reclaim", self.check_reclaim, 150)
                 await self.check("contention", self.check_contention, 240)
+                await self.check("contention.overrun_race", self.check_overrun_race, 120)
                 await self.check("llama_offload", self.check_llama, 120)
             finally:
                 self.server.stop()
@@ -530,10 +638,109 @@ class Kit:
     async def start_server(self) -> Check:
         if self.sim:
             self.gpu_memory = SimulatedGpuMemory(
-                Path(self.args.libcuda), self.work / "sim.json", self.args.sim_mb
+                Path(self.args.libcuda),
+                self.work / "sim.json",
+                self.args.sim_mb,
+                free_delay_s=self.args.sim_free_delay_s,
+                context_mb=self.args.sim_context_mb,
             )
         self.server = await asyncio.to_thread(self.start)
         return Check("", PASS, f"appliance ready on {self.server.http}")
+
+    # -- a run's CUDA context -----------------------------------------------------------------
+    def fit(self, budget_mb: int) -> int:
+        """What a run on budget_mb may allocate and stay within it: NVML counts the run's CUDA
+        context in its usage too, so the budget less the context and the slack."""
+        mb = budget_mb - self.context_mb - self.slack_mb
+        if mb < 1:
+            raise RuntimeError(
+                f"a {budget_mb} MiB budget leaves nothing to allocate after the CUDA context "
+                f"({self.context_mb} MiB) and the slack ({self.slack_mb} MiB)"
+            )
+        return mb
+
+    def budget_for(self, alloc_mb: int) -> int:
+        """The budget a run allocating alloc_mb needs to stay within it (the inverse of fit)."""
+        return alloc_mb + self.context_mb + self.slack_mb
+
+    def backend(self) -> Any:
+        """The GPU backend the appliance reads (NVML, or the simulated one on its control file)."""
+        if self.sim:
+            from appliance.gpu.simulated import SimulatedBackend
+
+            return SimulatedBackend((self.args.sim_mb,), self.work / "sim.json")
+        from appliance.gpu.nvml import NvmlBackend
+
+        return NvmlBackend()
+
+    async def check_context(self) -> Check:
+        """What NVML shows for a jailed run holding a CUDA context and 64 MiB: the context's cost.
+
+        Sampled from the host while the run holds them: the run's new process IDs (the
+        watchdog's reading) and the device's used memory (what admission reads), the larger."""
+        probe_mb, budget = 64, 4096
+        backend = await asyncio.to_thread(self.backend)
+        try:
+            before_ids = {p.pid for p in await asyncio.to_thread(backend.processes)}
+            before_used = {d.uuid: d.used_mb for d in await asyncio.to_thread(backend.devices)}
+            code = CUDA + f"ctx(); alloc({probe_mb}); time.sleep(3); print('context held', flush=True)"
+            run = asyncio.create_task(self.execute(code, budget))
+            per_process: dict[str, int] = {}
+            device: dict[str, int] = {}
+            while not run.done():
+                procs = await asyncio.to_thread(backend.processes)
+                devs = await asyncio.to_thread(backend.devices)
+                new: dict[str, int] = {}
+                for proc in procs:
+                    if proc.pid not in before_ids:
+                        new[proc.uuid] = new.get(proc.uuid, 0) + proc.used_mb
+                for uuid, mb in new.items():
+                    per_process[uuid] = max(per_process.get(uuid, 0), mb)
+                for dev in devs:
+                    delta = dev.used_mb - before_used.get(dev.uuid, dev.used_mb)
+                    device[dev.uuid] = max(device.get(dev.uuid, 0), delta)
+                await asyncio.sleep(0.1)
+            ex, _ = await run
+        finally:
+            await asyncio.to_thread(backend.close)
+        grant = ((ex.frames[0] if ex.frames else {}).get("gpu") or {}).get("uuid")
+        seen = max(per_process.get(grant, 0), device.get(grant, 0)) if grant else 0
+        measured = seen - probe_mb
+        data: dict[str, Any] = {
+            "grant": grant,
+            "per_process_mb": per_process.get(grant) if grant else None,
+            "device_delta_mb": device.get(grant) if grant else None,
+            "allocated_mb": probe_mb,
+            "slack_mb": self.slack_mb,
+        }
+        verdict = PASS
+        if ex.status != "ok" or "context held" not in ex.stdout:
+            verdict, detail = (
+                FAIL,
+                f"a run holding a CUDA context and {probe_mb} MiB ended {ex.status}: {why(ex)}",
+            )
+        elif measured <= 0:
+            verdict = FAIL
+            detail = (
+                f"NVML showed {seen} MiB for a run holding a CUDA context and {probe_mb} MiB: it does not "
+                "count the run's memory (usedGpuMemory unavailable?), so the watchdog cannot either"
+            )
+        else:
+            self.context_mb = measured
+            detail = (
+                f"a CUDA context costs {measured} MiB as NVML counts it (per process "
+                f"{data['per_process_mb']} MiB, device {data['device_delta_mb']} MiB, less {probe_mb} "
+                f"allocated); runs meant to stay within a budget allocate budget - {measured} - "
+                f"{self.slack_mb} MiB"
+            )
+        if verdict == FAIL:
+            detail += f"; sizing assumes {self.context_mb} MiB"
+        if self.args.context_mb is not None:  # an operator's figure wins (tests: the old kit's 0)
+            self.context_mb = self.args.context_mb
+            detail += f"; --context-mb: sizing assumes {self.context_mb} MiB"
+        data["context_mb"] = self.context_mb
+        data["measured_mb"] = measured if verdict == PASS else None
+        return Check("", verdict, detail, data=data)
 
     # -- the appliance -----------------------------------------------------------------------
     async def check_readyz(self) -> Check:
@@ -588,11 +795,21 @@ class Kit:
         if ex.status != "ok":
             return Check("", FAIL, f"run ended {ex.status}: {why(ex)}")
         grant = ex.frames[0]["gpu"]
-        minor = next(int(g["index"]) for g in self.gpus if g["uuid"] == grant["uuid"])  # minor == index here
+        # The device's node is /dev/nvidia<minor>, and the minor is the driver's, not
+        # nvidia-smi's index (which follows PCI order): the driver says which in /proc.
+        minors = await asyncio.to_thread(device_minors)
+        minor = minors.get(grant["uuid"])
+        if minor is None:
+            return Check(
+                "",
+                FAIL,
+                f"cannot tell the device minor of {grant['uuid']}: /proc/driver/nvidia/gpus/*/information "
+                f"lists {minors or 'nothing'}",
+            )
         want = {"nvidiactl", "nvidia-uvm", f"nvidia{minor}"} & host
         seen = json.loads(ex.stdout.strip().splitlines()[-1])
         chars = {n for n, kind in seen.items() if kind == "char"}
-        data = {"host": sorted(host), "jail": seen, "expected": sorted(want)}
+        data = {"host": sorted(host), "jail": seen, "expected": sorted(want), "minor": minor}
         if chars != want:
             return Check(
                 "", FAIL, f"jail has device nodes {sorted(chars)}, expected exactly {sorted(want)}", data=data
@@ -607,9 +824,11 @@ class Kit:
         code = OVERRUN[how].replace("MB", str(over)).replace("CUDA_SRC", repr(CUDA))
         hog = asyncio.create_task(self.execute(CUDA + code, budget))
         await asyncio.sleep(0.5)
+        # The neighbour stays within its budget, its CUDA context included.
         neighbour = asyncio.create_task(
             self.execute(
-                CUDA + NEIGHBOUR.replace("MB", "256").replace("SECS", str(self.args.neighbour_s)), 1024
+                CUDA + NEIGHBOUR.replace("MB", "256").replace("SECS", str(self.args.neighbour_s)),
+                self.budget_for(256),
             )
         )
         (hog_ex, hog_done), (nb_ex, _) = await asyncio.gather(hog, neighbour)
@@ -645,12 +864,28 @@ class Kit:
         )
 
     async def check_host_memory(self) -> Check:
+        # The file is written here, outside the run, so its page cache is charged to the kit
+        # and not to the run's memory cgroup: mapped and touched in the jail, those pages are
+        # the run's resident file-backed memory (RssFile) and no cgroup reclaim takes them
+        # back. That is what issue 14's defect 1 killed (resident memory counted against
+        # SANDBOX_MEMORY_MB); a file the run writes itself is reclaimed within its cgroup and
+        # proves nothing.
         file_mb = self.memory_mb + 256
-        code = CUDA + HOST_MEMORY.replace("GPU_MB", "256").replace("FILE_MB", str(file_mb)).replace(
-            "HOLD_S", "3"
-        )
-        ex, _ = await self.execute(code, 1024)
-        data: dict[str, Any] = {"memory_mb": self.memory_mb, "file_mb": file_mb, "status": ex.status}
+        path = self.models / HOST_MEMORY_FILE
+        await asyncio.to_thread(write_mapped_file, path, file_mb)
+        try:
+            code = CUDA + HOST_MEMORY.replace("GPU_MB", "256").replace(
+                "NAME", repr(HOST_MEMORY_FILE)
+            ).replace("HOLD_S", "3")
+            ex, _ = await self.execute(code, self.budget_for(256))
+        finally:
+            path.unlink(missing_ok=True)
+        data: dict[str, Any] = {
+            "memory_mb": self.memory_mb,
+            "file_mb": file_mb,
+            "filesystem": filesystem_of(self.models),
+            "status": ex.status,
+        }
         if ex.status != "ok":
             return Check(
                 "",
@@ -663,18 +898,19 @@ class Kit:
         data |= seen
         if seen.get("touched", 0) != file_mb << 8:  # one byte of value 1 per 4 KiB page
             return Check("", FAIL, f"the run did not read its whole mapping ({seen})", data=data)
-        # Resident above the limit: the watchdog ignored file-backed pages. At or under it: the
-        # run's memory cgroup reclaimed page cache (SANDBOX_CGROUPS), which is no kill either.
-        how = (
-            "resident above the limit"
-            if seen.get("RssFile", 0) > self.memory_mb
-            else "page cache reclaimed within the run's memory cgroup"
-        )
+        if seen.get("RssFile", 0) <= self.memory_mb:
+            return Check(
+                "",
+                FAIL,
+                f"inconclusive: the run's file-backed resident memory stayed at {seen.get('RssFile')} MiB, "
+                f"not above SANDBOX_MEMORY_MB={self.memory_mb}, so the cap was never put to the test",
+                data=data,
+            )
         return Check(
             "",
             PASS,
-            f"ok after reading {file_mb} MiB of a mapped file (RssFile {seen.get('RssFile')} MiB, "
-            f"{how}; RssAnon {seen.get('RssAnon')} MiB) under SANDBOX_MEMORY_MB={self.memory_mb}",
+            f"ok with {seen.get('RssFile')} MiB of a mapped file resident (RssFile; RssAnon "
+            f"{seen.get('RssAnon')} MiB) for 3 s of 100 ms polls, over SANDBOX_MEMORY_MB={self.memory_mb}",
             data=data,
         )
 
@@ -682,11 +918,22 @@ class Kit:
         total = self.total_mb
         first, big = int(total * 0.3), int(total * 0.72)
         over = first + self.margin + 512
-        killed = asyncio.create_task(
-            self.execute(CUDA + OVERRUN["main_thread"].replace("MB", str(over)), first)
-        )
+        # The first run holds memory within its budget for 2 s, so the big run (sent after 1 s)
+        # queues behind it, and only then goes over: it is killed after the big run queued,
+        # and the big run is admitted when its grant goes back, by a reading taken before the
+        # kill. Only the reclaim hold then keeps the big run off the memory the killed run
+        # still holds (a kill is not a free).
+        held = self.fit(first)
+        first_code = f"ctx(); alloc({held}); time.sleep(2); alloc_over({over - held}); time.sleep(20)"
+        # The big run stays within its budget, its CUDA context included: only memory the
+        # killed run still held could make its allocation fail. It holds the allocation for
+        # some watchdog polls, as a real run would: one over its budget is stopped.
+        big_alloc = self.fit(big)
+        killed = asyncio.create_task(self.execute(CUDA + first_code, first))
         await asyncio.sleep(1.0)
-        queued = asyncio.create_task(self.execute(CUDA + f"ctx(); alloc({big}); print('big ok')", big))
+        queued = asyncio.create_task(
+            self.execute(CUDA + f"ctx(); alloc({big_alloc}); time.sleep(2); print('big ok')", big)
+        )
         (k_ex, _), (q_ex, _) = await asyncio.gather(killed, queued)
         queued_ms = q_ex.frames[0].get("queued_ms") if q_ex.frames else None
         data = {
@@ -694,6 +941,8 @@ class Kit:
             "first_allocated_mb": over,
             "first": k_ex.status,
             "big_budget_mb": big,
+            "big_allocated_mb": big_alloc,
+            "context_mb": self.context_mb,
             "big": q_ex.status,
             "big_queued_ms": queued_ms,
             "big_error": q_ex.error.value if q_ex.error else None,
@@ -713,64 +962,180 @@ class Kit:
         return Check(
             "",
             PASS,
-            f"{big} MiB run queued {queued_ms} ms behind a killed {over} MiB one, then ok",
+            f"{big} MiB run (allocating {big_alloc} MiB and its context) queued {queued_ms} ms behind a "
+            f"killed {over} MiB one, then ok",
             data=data,
         )
 
     async def check_contention(self) -> Check:
+        """N = 1, 4, 16 of the contention mix without its overrunner: every run stays within its
+        grant (its CUDA context included), and that the appliance does promise: admission keeps
+        each running run's grant and margin backed by memory the device has, so none of these
+        runs may end out of memory, or stopped, at any N."""
         from benchmarks import gpu_contention as gc
 
         scale = self.total_mb / gc.DEVICE_MB
+        within = [m for m in gc.MIX if m[0] not in gc.OVERRUNNERS]
         samples: list[dict[str, Any]] = []
         sampler = gc.readyz_sampler(self.server.http) if self.sim else gc.nvml_sampler
         records: list[Any] = []
         for n in (1, 4, 16):
-            records += await gc.server_level(self.server.url, n, samples, scale, sampler=sampler)
+            records += await gc.server_level(
+                self.server.url,
+                n,
+                samples,
+                scale,
+                sampler=sampler,
+                mix=within,
+                context_mb=self.context_mb,
+                slack_mb=self.slack_mb,
+            )
         rows = gc.summarise(records)
-        bad = [r for r in records if r.outcome not in ("ok", "gpu_memory_limit", "rejected")]
-        data = {"summary": rows, "scale": round(scale, 3)}
+        expected = {"oversized": "rejected"}  # past the largest device: refused at once
+        bad = [r for r in records if r.outcome != expected.get(r.kind, "ok")]
+        data = {"summary": rows, "scale": round(scale, 3), "context_mb": self.context_mb}
         text = "; ".join(f"N={r['n']}: {gc.outcomes_text(r)}, queue p95 {r['queue_p95_ms']} ms" for r in rows)
         if bad:
+            kinds = sorted({f"{r.kind} {r.outcome} (N={r.n})" for r in bad})
             return Check(
-                "", FAIL, f"{len(bad)} run(s) ended {sorted({r.outcome for r in bad})}: {text}", data=data
+                "",
+                FAIL,
+                f"{len(bad)} run(s) within their grants did not end as expected: {kinds}; {text}",
+                data=data,
             )
-        if not any(r.outcome == "gpu_memory_limit" for r in records):
-            return Check("", FAIL, f"no overrunner was stopped: {text}", data=data)
-        return Check("", PASS, text, data=data)
+        if not any(r.queued_ms > 0 for r in records if r.n == 16):
+            return Check(
+                "", FAIL, f"inconclusive: nothing queued at N=16, so nothing contended: {text}", data=data
+            )
+        return Check("", PASS, f"no run within its grant failed: {text}", data=data)
+
+    async def check_overrun_race(self) -> Check:
+        """INFO, not a verdict: the mix with its overrunner at N = 16. An overrunner that takes
+        budget + margin + 512 MiB at once can take memory a neighbour was granted until the
+        next watchdog poll stops it; polling cannot prevent that (docs/gpu.md), so the kit
+        measures how often it happens here and promises nothing."""
+        from benchmarks import gpu_contention as gc
+
+        scale = self.total_mb / gc.DEVICE_MB
+        sampler = gc.readyz_sampler(self.server.http) if self.sim else gc.nvml_sampler
+        records = await gc.server_level(
+            self.server.url,
+            16,
+            [],
+            scale,
+            sampler=sampler,
+            context_mb=self.context_mb,
+            slack_mb=self.slack_mb,
+        )
+        over = [r for r in records if r.kind in gc.OVERRUNNERS]
+        neighbours = [
+            r for r in records if r.kind not in gc.OVERRUNNERS and r.budget_mb and r.outcome != "rejected"
+        ]
+        ooms = [r for r in neighbours if r.outcome == "oom"]
+        row = gc.summarise(records)[0]
+        data = {
+            "summary": [row],
+            "overrunners": [r.outcome for r in over],
+            "neighbours": len(neighbours),
+            "neighbours_oom": len(ooms),
+        }
+        return Check(
+            "",
+            INFO,
+            f"informational, no verdict (polling promises nothing here): N=16 with {len(over)} overrunner(s) "
+            f"taking budget + margin + 512 MiB at once (ended {sorted(r.outcome for r in over)}); "
+            f"{len(ooms)} of {len(neighbours)} neighbours within their grants hit CUDA out-of-memory "
+            f"before a poll stopped the overrunner; {gc.outcomes_text(row)}",
+            data=data,
+        )
 
     async def check_llama(self) -> Check:
-        body = await asyncio.to_thread(self.readyz, self.server)
-        llama = (body.get("tools") or {}).get("llama_cpp") or {}
+        # The startup probe's answer (the bindings imported in the jails' Python), once it is in.
+        deadline = time.monotonic() + 60
+        while True:
+            body = await asyncio.to_thread(self.readyz, self.server)
+            tools = body.get("tools") or {}
+            if not tools.get("probing") or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        llama = tools.get("llama_cpp") or {}
+        wheels = self.args.wheels
+        supply = (
+            "supply a CUDA build for this Python with gpu-acceptance.sh --wheels DIR (or KIT_WHEELS=DIR): "
+            'DIR holds a llama_cpp_python-*.whl built with CMAKE_ARGS="-DGGML_CUDA=on" against the '
+            "machine's CUDA, and the wheels of its requirements (numpy, diskcache, jinja2, typing-extensions)"
+        )
+        if wheels is None:
+            source = "the kit carries none: a CUDA build is far over its 64 MiB"
+        elif not await asyncio.to_thread(lambda: sorted(Path(wheels).glob("llama_cpp_python-*.whl"))):
+            source = f"--wheels {wheels} holds no llama_cpp_python-*.whl"
+        else:
+            source = f"installed from --wheels {wheels}"
+        if tools.get("probing"):
+            return Check("", SKIP, "the appliance's tools probe had not answered after 60 s", data=tools)
         if not llama.get("available"):
             return Check(
                 "",
                 SKIP,
-                "llama-cpp-python is not installed for the appliance (the kit carries no CUDA "
-                "build of it: one is far over 64 MiB)",
+                f"llama-cpp-python does not import in the appliance's Python "
+                f"({llama.get('error') or tools.get('error')}; {source}): {supply}",
                 data=llama,
             )
         if not llama.get("gpu_offload"):
             return Check(
                 "",
                 SKIP,
-                f"llama-cpp-python {llama.get('version')} is a CPU build (no GPU offload)",
+                f"llama-cpp-python {llama.get('version')} is a CPU build: llama_supports_gpu_offload() "
+                f"is false ({source}): {supply}",
                 data=llama,
             )
         if not self.args.gguf:
             return Check(
-                "", SKIP, "a CUDA llama.cpp is present, but no model was given (--gguf PATH)", data=llama
+                "",
+                SKIP,
+                f"llama-cpp-python {llama.get('version')} can offload ({source}), but no model was given: "
+                "add --gguf PATH (a GGUF file the kit copies into its models directory)",
+                data=llama,
             )
+        from appliance.tools import shaping
+
+        model = await asyncio.to_thread(place_model, Path(self.args.gguf), self.models)
+        info = await asyncio.to_thread(shaping.read_gguf, str(model))
+        ctx = min(info.n_ctx_train, 4096) if info.n_ctx_train else 512
+        # Every layer fits with room: shaping's estimate (its own context guess included), plus
+        # the measured context and 1 GiB for llama.cpp's compute buffers. What is tested is the
+        # offload, not how close shaping's estimate runs to the budget.
+        budget = shaping.estimate_mb(info, info.n_layer + 1, ctx) + self.context_mb + 1024
         code = (
             "from appliance.tools import load_llm\n"
-            f"llm = load_llm({Path(self.args.gguf).name!r}, n_gpu_layers=-1)\n"
-            "print(repr(llm('Hello', max_tokens=4)))"
+            f"llm = load_llm({model.name!r}, n_gpu_layers=-1)\n"
+            "print(repr(llm('Hello', max_tokens=4)))\n"
+            "print('layers', llm.shape.n_gpu_layers)"
         )
-        ex, _ = await self.execute(code, 2048)
+        data = {**llama, "budget_mb": budget, "n_layer": info.n_layer}
+        try:
+            ex, _ = await self.execute(code, budget)
+        finally:
+            model.unlink(missing_ok=True)
         if ex.status != "ok":
             return Check(
-                "", FAIL, f"load_llm with all layers offloaded ended {ex.status}: {why(ex)}", data=llama
+                "", FAIL, f"load_llm with all layers offloaded ended {ex.status}: {why(ex)}", data=data
             )
-        return Check("", PASS, "a model loaded with every layer offloaded and generated", data=llama)
+        layers = re.search(r"^layers (\d+)$", ex.stdout, re.M)
+        data["n_gpu_layers"] = int(layers.group(1)) if layers else None
+        if data["n_gpu_layers"] != info.n_layer + 1:
+            return Check(
+                "",
+                FAIL,
+                f"load_llm offloaded {data['n_gpu_layers']} of {info.n_layer + 1} layers on a {budget} MiB budget",
+                data=data,
+            )
+        return Check(
+            "",
+            PASS,
+            f"a model loaded with all {info.n_layer + 1} layers offloaded ({budget} MiB) and generated",
+            data=data,
+        )
 
     # -- MPS (optional) ----------------------------------------------------------------------
     async def check_mps(self) -> Check:
@@ -825,7 +1190,7 @@ class Kit:
                     CUDA + f"ctx(); alloc({budget + self.margin + 512})", budget, server
                 )
                 nb, _ = await self.execute(
-                    CUDA + NEIGHBOUR.replace("MB", "512").replace("SECS", "1"), 1024, server
+                    CUDA + NEIGHBOUR.replace("MB", "512").replace("SECS", "1"), self.budget_for(512), server
                 )
             finally:
                 server.stop()
@@ -883,7 +1248,7 @@ class Kit:
     # -- the report --------------------------------------------------------------------------
     def write(self, seconds: float) -> dict[str, Any]:
         self.out.mkdir(parents=True, exist_ok=True)
-        counts = {s: sum(1 for r in self.results if r.status == s) for s in (PASS, FAIL, SKIP)}
+        counts = {s: sum(1 for r in self.results if r.status == s) for s in (PASS, FAIL, SKIP, INFO)}
         meta: dict[str, Any] = {
             "mode": "simulated" if self.sim else "real-gpu",
             "host": platform.node(),
@@ -910,7 +1275,8 @@ class Kit:
             f"{meta['when']}, {meta['machine']}, Python {meta['python']}, kit {meta['kit'].get('commit', '?')}; "
             f"{seconds:.0f} s. GPUs: {gpus}.",
             "",
-            f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}.",
+            f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}; INFO {counts[INFO]} "
+            "(measurements where the appliance promises nothing: no verdict).",
             "",
             "| check | result | detail | s |",
             "|---|---|---|---|",
@@ -943,7 +1309,30 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mps", action="store_true", help="also the MPS section (sets and restores the compute mode)"
     )
+    p.add_argument(
+        "--sim-context-mb",
+        type=int,
+        default=SIM_CONTEXT_MB,
+        help="--simulate: what the simulated GPU charges for each CUDA context",
+    )
+    p.add_argument(
+        "--sim-free-delay-s",
+        type=float,
+        default=1.5,
+        help="--simulate: how long the simulated GPU holds a gone process's memory",
+    )
+    p.add_argument(
+        "--context-mb",
+        type=int,
+        default=None,
+        help="size the checks' allocations by this CUDA context cost instead of the measured one",
+    )
     p.add_argument("--gguf", help="a GGUF model for the llama.cpp offload check")
+    p.add_argument(
+        "--wheels",
+        default=None,
+        help="the folder of wheels gpu-acceptance.sh installed llama-cpp-python from (KIT_WHEELS)",
+    )
     p.add_argument("--only", action="append", default=[], help="run only this check (or prefix); repeatable")
     p.add_argument(
         "--server-env",
@@ -977,9 +1366,11 @@ async def amain(argv: list[str] | None = None) -> int:
         for log in kit.work.glob("srv*/server.log"):
             shutil.copyfile(log, kit.out / f"{log.parent.name}.log")
         shutil.rmtree(kit.work, ignore_errors=True)
+        shutil.rmtree(kit.models, ignore_errors=True)  # outside work where work is on a tmpfs
     counts = report["meta"]["counts"]
     print(
-        f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}; report: {kit.out}/gpu-acceptance.md"
+        f"PASS {counts[PASS]}, FAIL {counts[FAIL]}, SKIP {counts[SKIP]}, INFO {counts[INFO]}; "
+        f"report: {kit.out}/gpu-acceptance.md"
     )
     return 1 if counts[FAIL] else 0
 

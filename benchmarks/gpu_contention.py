@@ -146,7 +146,10 @@ import ctypes, os, time
 cuda = ctypes.CDLL(os.environ.get('APPLIANCE_LIBCUDA', 'libcuda.so.1'))
 dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
 assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0 and cuda.cuCtxSetCurrent(ctx) == 0
+rc = cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+if rc == 2:  # a context takes device memory too: on a full device it is out of memory
+    raise MemoryError('cuDevicePrimaryCtxRetain failed with CUDA error 2 (out of memory)')
+assert rc == 0 and cuda.cuCtxSetCurrent(ctx) == 0
 rc = cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(USES * 1024 * 1024))
 if rc != 0:
     raise MemoryError(f'cuMemAlloc failed with CUDA error {rc} (out of memory)')
@@ -220,11 +223,17 @@ async def server_level(
     sampler: Sampler = nvml_sampler,
     mix: list[tuple[str, int, int, float]] = MIX,
     limits_enforced: bool = False,
+    context_mb: int = 0,
+    slack_mb: int = 0,
 ) -> list[RunRecord]:
     """Budgets and uses are scaled to the device (the mix is written for 16 GiB).
 
     limits_enforced: the server enforces MPS limits (/readyz gpu.mps.enforcing), so an
-    overrunner's failed allocation is its own budget refused, not a full device."""
+    overrunner's failed allocation is its own budget refused, not a full device.
+    context_mb: what NVML counts for a run's CUDA context beyond its allocations (the
+    acceptance kit measures it). NVML's reading of a run is its context plus what it
+    allocates, so a run that is not an overrunner allocates its use less the context, and at
+    most its budget less the context and slack_mb: it stays within its grant as NVML counts it."""
     from appliance.client import AsyncClient
 
     async def one(c: Any, i: int) -> RunRecord:
@@ -233,6 +242,8 @@ async def server_level(
             int(budget * scale),
             int(uses * scale) if kind != "llama-overrun" else int((budget * scale) + MARGIN_MB + 512),
         )
+        if uses and kind not in OVERRUNNERS:
+            uses = max(1, min(uses, budget - slack_mb) - context_mb)
         code = (
             CUDA_CODE.replace("USES", str(uses)).replace("SECS", str(secs))
             if uses

@@ -109,6 +109,14 @@ assert any("libggml-base" in pathlib.Path(p).name for p in llama), loaded
 assert any("libggml-base" in pathlib.Path(p).name for p in pwc), loaded
 assert any("libwhisper" in pathlib.Path(p).name for p in pwc), loaded
 assert llama_cpp.llama_supports_mmap() in (True, False)
+# The image's smoke step runs the appliance's own probe (standard library, from this checkout):
+# here, CPU backends in both and no ggml clash; there, CUDA in both.
+from appliance.tools import backends
+
+report = backends.probe()
+assert report["ggml_conflicts"] == [], report
+assert "CPU" in report["llama_cpp"]["backends"] and "CPU" in report["whisper"]["backends"], report
+print("    probe:", report)
 EOF
 rm -rf "$V"
 log "OK: llama-cpp-python and the repaired pywhispercpp import in one process, each on its own ggml"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A CUDA build of llama-cpp-python in the appliance's venv (`make venv` calls this).
 #
-#   APPLIANCE_CUDA_BUILD=1 make venv      # or: APPLIANCE_CUDA_BUILD=1 scripts/cuda-build.sh VENV/bin/python
+#   make cuda-build                       # or: APPLIANCE_CUDA_BUILD=1 make venv (same thing),
+#                                         # or: APPLIANCE_CUDA_BUILD=1 scripts/cuda-build.sh VENV/bin/python
 #
 # Opt-in: compiling llama.cpp's CUDA kernels takes many minutes, and a CI machine may have
 # nvcc but no GPU, so `make setup` / `make test` never start it unasked; with nvcc present
@@ -17,7 +18,7 @@ probe='import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload
 if [ "${APPLIANCE_CUDA_BUILD:-0}" != 1 ]; then
   if command -v nvcc >/dev/null 2>&1 && ! "$py" -c "$probe" 2>/dev/null; then
     echo "cuda-build: nvcc is here but llama-cpp-python is a CPU build; for GPU offload run" \
-         "APPLIANCE_CUDA_BUILD=1 make venv (a long build; docs/gpu.md)" >&2
+         "make cuda-build (a long build; docs/gpu.md)" >&2
   fi
   exit 0
 fi

@@ -5,11 +5,16 @@
 #   sudo ./gpu-acceptance.sh                  # every check; report in ./report/
 #   sudo ./gpu-acceptance.sh --mps            # plus the MPS section (sets EXCLUSIVE_PROCESS,
 #                                             # starts/stops the daemon, restores the mode)
-#   sudo ./gpu-acceptance.sh --gguf m.gguf    # plus llama.cpp offload (needs a CUDA build)
+#   sudo ./gpu-acceptance.sh --gguf m.gguf --wheels DIR
+#                                             # plus llama.cpp offload: DIR holds a CUDA build of
+#                                             # llama-cpp-python (llama_cpp_python-*.whl, for this
+#                                             # Python and CUDA) and its requirements' wheels; the
+#                                             # kit carries none (far over 64 MiB)
 #
 # Environment: PYTHON (default: python3.12, python3.11 or python3 of either version),
 # KIT_VENV (default /opt/appliance-gpu-kit/venv: a place the sandbox uid can read, which a
-# kit under /root is not), KIT_OUT (default ./report), KIT_TIMEOUT (default 470 s for the
+# kit under /root is not; checked before anything is installed), KIT_WHEELS (as --wheels),
+# KIT_OUT (default ./report), KIT_TIMEOUT (default 470 s for the
 # checks), FIREJAIL (an installed firejail instead of the kit's). Other arguments go to
 # `python -m benchmarks.gpu_acceptance` (see --help there). KIT_RUN="cmd" runs cmd instead of
 # the checks, with the kit's firejail (SANDBOX_FIREJAIL) and venv (VENV), e.g.
@@ -64,17 +69,55 @@ fi
 usable "$PYTHON" || { echo "gpu-acceptance: $PYTHON is not Python 3.11/3.12 runnable by the sandbox uid" >&2; exit 1; }
 export KIT_VENV=${KIT_VENV:-/opt/appliance-gpu-kit/venv}
 
+# The jails run $KIT_VENV/bin/python as the sandbox uid, so every folder above the venv must
+# let any uid through (a runner's temp folder or a home directory often does not): the server
+# would refuse to start, after minutes of installing. Checked first, with the fix named.
+mkdir -p "$(dirname "$KIT_VENV")"
+if ! setpriv --reuid=65534 --regid=65534 --clear-groups test -x "$(dirname "$KIT_VENV")"; then
+  echo "gpu-acceptance: KIT_VENV=$KIT_VENV: the sandbox uid cannot reach $(dirname "$KIT_VENV")" \
+       "(a folder above it is not o+x); leave KIT_VENV unset (/opt/appliance-gpu-kit/venv) or pick" \
+       "a place every uid can traverse" >&2
+  exit 1
+fi
+
+# --wheels DIR (or KIT_WHEELS): a CUDA llama-cpp-python for the llama_offload check. Kept in
+# the arguments, so the check can say where its llama-cpp-python came from.
+WHEELS=${KIT_WHEELS:-}
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  if [ "${args[$i]}" = --wheels ]; then WHEELS=${args[$((i + 1))]:-}; fi
+done
+if [ -n "$WHEELS" ]; then
+  [ -d "$WHEELS" ] || { echo "gpu-acceptance: --wheels/KIT_WHEELS: $WHEELS is not a folder" >&2; exit 1; }
+  WHEELS=$(cd "$WHEELS" && pwd)
+  if [ -n "${KIT_WHEELS:-}" ] && [[ " $* " != *" --wheels "* ]]; then set -- "$@" --wheels "$WHEELS"; fi
+fi
+
 # The appliance and its requirements, from the kit's wheels only. A Python without pip or
 # ensurepip (Debian/Ubuntu without python3-venv) still works: pip runs from its own wheel.
+pip_wheel=$(ls "$KIT"/wheels/pip-*.whl | head -1)
+kit_pip() { "$KIT_VENV/bin/python" "$pip_wheel/pip" install -q --no-index --disable-pip-version-check "$@"; }
 if [ ! -x "$KIT_VENV/bin/appliance" ]; then
   echo "gpu-acceptance: installing the appliance into $KIT_VENV (offline, from $KIT/wheels)"
   rm -rf "$KIT_VENV"
-  mkdir -p "$(dirname "$KIT_VENV")"
   "$PYTHON" -m venv --without-pip "$KIT_VENV"
-  pip_wheel=$(ls "$KIT"/wheels/pip-*.whl | head -1)
-  "$KIT_VENV/bin/python" "$pip_wheel/pip" install -q --no-index --find-links "$KIT/wheels" \
-    --disable-pip-version-check appliance nvidia-ml-py
+  kit_pip --find-links "$KIT/wheels" appliance nvidia-ml-py
   chmod -R a+rX "$KIT_VENV"
+fi
+if [ -n "$WHEELS" ]; then
+  llama=$(ls "$WHEELS"/llama_cpp_python-*.whl 2>/dev/null | tail -1 || true)
+  if [ -z "$llama" ]; then
+    echo "gpu-acceptance: $WHEELS holds no llama_cpp_python-*.whl; llama_offload will say so" >&2
+  else
+    # The given build replaces any other of the same version (--force-reinstall); its
+    # requirements come from the folder or the kit. A failure is the check's SKIP, with why.
+    echo "gpu-acceptance: installing $(basename "$llama") into $KIT_VENV (from $WHEELS)"
+    if ! { kit_pip --find-links "$WHEELS" --find-links "$KIT/wheels" --force-reinstall --no-deps "$llama" &&
+           kit_pip --find-links "$WHEELS" --find-links "$KIT/wheels" "$llama"; }; then
+      echo "gpu-acceptance: installing $llama failed; llama_offload will say what does not import" >&2
+    fi
+    chmod -R a+rX "$KIT_VENV"
+  fi
 fi
 
 mkdir -p "$OUT"

@@ -11,8 +11,9 @@
  *
  * Without an MPS daemon (no $CUDA_MPS_PIPE_DIRECTORY/sim-client), the context is a plain GPU's:
  * it connects to the socket `sim-gpu` next to this library, where the acceptance kit's
- * simulated device memory (benchmarks/gpu_acceptance.py, SimulatedGpuMemory) grants
- * allocations up to the device's size and reports them to the simulated NVML backend.
+ * simulated device memory (benchmarks/gpu_acceptance.py, SimulatedGpuMemory) charges the
+ * context's own memory (hundreds of MiB, as NVML counts a real context), grants allocations
+ * up to the device's size and reports both to the simulated NVML backend.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -118,11 +119,15 @@ static int plain_context(const char *uuid) {
         return CUDA_ERROR_DEVICES_UNAVAILABLE;
     }
     client = fd;
+    reply[0] = '\0';
     snprintf(line, sizeof line, "gpu %s\n", uuid ? uuid : "");
     if (ask(line, reply, sizeof reply) != 0 || strncmp(reply, "ok", 2) != 0) {
+        /* "oom": a context takes device memory of its own, and the device has not that much
+         * left (as the real driver fails cuDevicePrimaryCtxRetain on a full GPU). */
+        int rc = strncmp(reply, "oom", 3) == 0 ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_ERROR_DEVICES_UNAVAILABLE;
         close(client);
         client = -1;
-        return CUDA_ERROR_DEVICES_UNAVAILABLE;
+        return rc;
     }
     return CUDA_SUCCESS;
 }

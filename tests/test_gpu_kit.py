@@ -34,15 +34,19 @@ LIMIT_MB = 64
 HARDWARE_ONLY = {
     "preflight.nvidia_uvm": "hardware-only",
     "jail.device_nodes": "hardware-only",
-    "llama_offload": "llama-cpp-python",  # no CUDA build of llama.cpp here (nor in the kit)
+    # No CUDA build of llama.cpp here (nor in the kit): the reason names the way to supply one.
+    "llama_offload": "--wheels DIR (or KIT_WHEELS=DIR)",
     "mps": "--mps",  # optional: its own test below
 }
+# Measurements where the appliance promises nothing: INFO, never PASS or FAIL.
+INFO_ONLY = {"contention.overrun_race": "informational, no verdict"}
 EVERY_CHECK = (
     "preflight.driver",
     "preflight.mig",
     "preflight.compute_mode",
     "preflight.nvidia_uvm",
     "server",
+    "context",
     "readyz",
     "jail.visible_device",
     "jail.device_nodes",
@@ -52,6 +56,7 @@ EVERY_CHECK = (
     "host_memory",
     "reclaim",
     "contention",
+    "contention.overrun_race",
     "llama_offload",
     "mps",
 )
@@ -97,13 +102,13 @@ def libcuda(scratch: Path) -> Path:
 
 
 def run_kit(
-    kit: Path, scratch: Path, libcuda: Path, name: str, *args: str
+    kit: Path, scratch: Path, libcuda: Path, name: str, *args: str, venv: Path | None = None
 ) -> tuple[int, dict[str, Any], Path]:
     """The kit's gpu-acceptance.sh in simulation; (exit status, JSON report, report folder)."""
     out = scratch / f"report-{name}"
     env = {
         **os.environ,
-        "KIT_VENV": str(scratch / "venv"),
+        "KIT_VENV": str(venv or scratch / "venv"),
         "KIT_OUT": str(out),
         "STUB_SMI_STATE": str(scratch / f"smi-{name}.json"),
     }
@@ -153,35 +158,56 @@ def test_the_kit_is_small_and_carries_what_a_bare_gpu_machine_lacks(kit: Path) -
 def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
     kit: Path, scratch: Path, libcuda: Path
 ) -> None:
+    from benchmarks.gpu_acceptance import SIM_CONTEXT_MB
+
     rc, report, out = run_kit(kit, scratch, libcuda, "all")
     checks = {c["name"]: c for c in report["checks"]}
     assert sorted(checks) == sorted(EVERY_CHECK)
-    contention = checks.pop("contention")
     for name, check in checks.items():
         if name in HARDWARE_ONLY:
             assert check["status"] == "SKIP" and HARDWARE_ONLY[name] in check["detail"], check
+        elif name in INFO_ONLY:
+            assert check["status"] == "INFO" and INFO_ONLY[name] in check["detail"], check
         else:
             assert check["status"] == "PASS", check
-    # A known gap, reported, not hidden: without daemon-side limits, the mix's overrunner (its
-    # budget + margin + 512 MiB) can fill the device before the next watchdog poll, and a
-    # neighbour's allocation then fails (the simulated MPS benchmark shows the same). At N=16
-    # the kit therefore PASSes or FAILs with 'oom'; at N=1 and 4 nothing can collide.
-    rows = {row["n"]: row for row in contention["data"]["summary"]}
-    assert "oom" not in rows[1]["outcomes"] and "oom" not in rows[4]["outcomes"], contention
-    if contention["status"] == "FAIL":
-        assert "['oom']" in contention["detail"], contention
-        assert rc == 1 and report["meta"]["counts"]["FAIL"] == 1
-    else:
-        assert contention["status"] == "PASS" and rc == 0 and report["meta"]["counts"]["FAIL"] == 0
-    checks["contention"] = contention
+    assert rc == 0 and report["meta"]["counts"]["FAIL"] == 0 and report["meta"]["counts"]["INFO"] == 1
     assert report["meta"]["mode"] == "simulated"
+    # The simulated GPU charges each context, as NVML counts a real one; the kit measured it
+    # and sized the allocations of runs meant to stay within their budgets by it.
+    assert checks["context"]["data"]["context_mb"] == SIM_CONTEXT_MB, checks["context"]
+    assert (
+        checks["reclaim"]["data"]["big_allocated_mb"]
+        < checks["reclaim"]["data"]["big_budget_mb"] - SIM_CONTEXT_MB
+    )
     for how in ("main_thread", "thread", "subprocess"):
         assert checks[f"watchdog.{how}"]["data"]["kill_latency_s"] is not None
     assert checks["reclaim"]["data"]["big_queued_ms"] > 0  # it did wait behind the killed run
-    assert checks["host_memory"]["data"]["file_mb"] > checks["host_memory"]["data"]["memory_mb"]
-    assert [row["n"] for row in checks["contention"]["data"]["summary"]] == [1, 4, 16]
+    # host_memory put the cap to the test: more of the mapped file was resident than the cap.
+    host = checks["host_memory"]["data"]
+    assert host["file_mb"] > host["memory_mb"] and host["RssFile"] > host["memory_mb"], host
+    # Runs within their grants never run out of memory, at any N (what admission promises);
+    # the overrunner's race is measured apart, with no verdict.
+    rows = {row["n"]: row for row in checks["contention"]["data"]["summary"]}
+    assert sorted(rows) == [1, 4, 16]
+    for row in rows.values():
+        assert set(row["outcomes"]) <= {"ok", "rejected"}, row
+    race = checks["contention.overrun_race"]["data"]
+    assert race["summary"][0]["n"] == 16 and len(race["overrunners"]) == 2, race
     md = (out / "gpu-acceptance.md").read_text()
     assert all(f"| {name} | {checks[name]['status']} |" in md for name in EVERY_CHECK)
+    assert "INFO 1 (measurements where the appliance promises nothing" in md
+
+
+def test_allocations_that_forget_the_cuda_context_fail_the_reclaim_check(
+    kit: Path, scratch: Path, libcuda: Path
+) -> None:
+    # The kit as it was: the queued run allocated exactly its budget. NVML counts its context
+    # too (the simulated GPU charges one, as a real GPU does), so the watchdog stops it.
+    rc, report, _ = run_kit(kit, scratch, libcuda, "no-context", "--only", "reclaim", "--context-mb", "0")
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["context"]["status"] == "PASS" and "--context-mb" in checks["context"]["detail"]
+    assert checks["reclaim"]["status"] == "FAIL" and "gpu_memory_limit" in checks["reclaim"]["detail"], checks
+    assert rc == 1 and report["meta"]["counts"]["FAIL"] == 1
 
 
 def test_the_mps_section_reports_what_a_jail_gets_and_restores_the_compute_mode(
@@ -232,8 +258,10 @@ def test_the_reclaim_check_fails_exactly_when_the_reclaim_wait_is_off(
     # Two-second polls: the killed run's grant goes back before the next poll can see its
     # memory as foreign, so the reading the release admits by is one from before the kill.
     # Then only the reclaim wait keeps the queued run out while the simulated GPU still
-    # holds the killed run's memory (it frees 1.5 s after the process is gone); without it
-    # the big run is admitted at once and its allocation is CUDA out-of-memory.
+    # holds the killed run's memory (here it frees 6 s after the process is gone: longer than
+    # the queued run can take to get a jail, its context and its allocation on a busy
+    # machine); without it the big run is admitted at once and its allocation is CUDA
+    # out-of-memory.
     rc, report, _ = run_kit(
         kit,
         scratch,
@@ -245,6 +273,8 @@ def test_the_reclaim_check_fails_exactly_when_the_reclaim_wait_is_off(
         "SANDBOX_GPU_POLL_MS=2000",
         "--server-env",
         f"SANDBOX_GPU_RECLAIM_MS={reclaim_ms}",
+        "--sim-free-delay-s",
+        "6",
     )
     check = {c["name"]: c for c in report["checks"]}["reclaim"]
     assert check["status"] == expect, check
@@ -300,3 +330,154 @@ def test_the_simulated_gpu_fails_contexts_as_the_driver_does_in_each_compute_mod
             proc.kill()
             proc.wait()
         memory.close()
+
+
+def test_a_venv_the_sandbox_uid_cannot_reach_is_refused_before_anything_is_installed(
+    kit: Path, scratch: Path, libcuda: Path
+) -> None:
+    # As a runner's temp folder can be: the jails run the venv's Python as the sandbox uid, and
+    # the server would refuse to start after the install.
+    hidden = scratch / "root-only"
+    hidden.mkdir(mode=0o700)
+    proc = subprocess.run(
+        [str(kit / "gpu-acceptance.sh"), "--simulate"],
+        env={**os.environ, "KIT_VENV": str(hidden / "venv"), "KIT_OUT": str(scratch / "report-hidden")},
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert proc.returncode == 1 and "the sandbox uid cannot reach" in proc.stderr, proc.stderr
+    assert "/opt/appliance-gpu-kit/venv" in proc.stderr and not (hidden / "venv").exists()
+
+
+def fake_llama_wheel(folder: Path) -> Path:
+    """A llama-cpp-python wheel that imports and claims GPU offload (no native code): what
+    --wheels carries to the machine, minus the CUDA build."""
+    folder.mkdir()
+    os.chmod(folder, 0o755)
+    wheel = folder / "llama_cpp_python-0.0.1-py3-none-any.whl"
+    info = "llama_cpp_python-0.0.1.dist-info"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(
+            "llama_cpp/__init__.py",
+            "__version__ = '0.0.1'\n"
+            "def llama_supports_gpu_offload():\n    return True\n"
+            "def llama_print_system_info():\n    return b'CUDA : ARCHS = 900 | CPU : AVX2 = 1 | '\n",
+        )
+        zf.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: 0.0.1\n")
+        zf.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        zf.writestr(
+            f"{info}/RECORD", f"llama_cpp/__init__.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n"
+        )
+    return wheel
+
+
+@pytest.mark.parametrize("how", ["--wheels", "KIT_WHEELS"])
+def test_wheels_install_llama_cpp_for_the_offload_check(
+    kit: Path, scratch: Path, libcuda: Path, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The plumbing: the wheel in the folder reaches the appliance's Python, whose startup probe
+    # then finds a llama.cpp that can offload; the check goes as far as the model it lacks.
+    folder = scratch / f"wheels-{how}"
+    fake_llama_wheel(folder)
+    extra = ["--wheels", str(folder)] if how == "--wheels" else []
+    if how == "KIT_WHEELS":
+        monkeypatch.setenv("KIT_WHEELS", str(folder))  # run_kit passes os.environ on
+    rc, report, _ = run_kit(
+        kit,
+        scratch,
+        libcuda,
+        f"wheels-{how}",
+        "--only",
+        "llama_offload",
+        *extra,
+        venv=scratch / "venv-wheels",
+    )
+    check = {c["name"]: c for c in report["checks"]}["llama_offload"]
+    assert check["status"] == "SKIP", check
+    assert f"installed from --wheels {folder}" in check["detail"] and "--gguf PATH" in check["detail"], check
+    assert check["data"]["version"] == "0.0.1" and check["data"]["gpu_offload"] is True
+    assert rc == 0
+
+
+def test_without_a_cuda_llama_cpp_the_offload_skip_says_what_is_missing_and_how_to_supply_it(
+    kit: Path, scratch: Path, libcuda: Path
+) -> None:
+    empty = scratch / "wheels-empty"
+    empty.mkdir()
+    rc, report, _ = run_kit(
+        kit, scratch, libcuda, "wheels-empty", "--only", "llama_offload", "--wheels", str(empty)
+    )
+    check = {c["name"]: c for c in report["checks"]}["llama_offload"]
+    assert check["status"] == "SKIP", check
+    detail = check["detail"]
+    assert "llama-cpp-python does not import in the appliance's Python" in detail, detail
+    assert (
+        "No module named 'llama_cpp'" in detail
+        and f"--wheels {empty} holds no llama_cpp_python-*.whl" in detail
+    )
+    assert 'CMAKE_ARGS="-DGGML_CUDA=on"' in detail and "--wheels DIR (or KIT_WHEELS=DIR)" in detail
+    assert rc == 0
+
+
+def test_device_minors_come_from_the_drivers_information_files(tmp_path: Path) -> None:
+    # nvidia-smi's index follows PCI order; /dev/nvidia<minor> follows the driver's minor.
+    from benchmarks.gpu_acceptance import device_minors
+
+    for bus, uuid, minor in (("0000:c1:00.0", "GPU-aaaa", 0), ("0000:41:00.0", "GPU-bbbb", 1)):
+        (tmp_path / bus).mkdir()
+        (tmp_path / bus / "information").write_text(
+            f"Model: \t\t NVIDIA H200\nIRQ:   \t\t 42\nGPU UUID: \t {uuid}\nVideo BIOS: \t 96.00.9f.00.01\n"
+            f"Bus Location: \t {bus}\nDevice Minor: \t {minor}\nGPU Excluded:\t No\n"
+        )
+    (tmp_path / "0000:01:00.0").mkdir()
+    (tmp_path / "0000:01:00.0" / "information").write_text("Model: unreadable\n")
+    assert device_minors(tmp_path) == {"GPU-aaaa": 0, "GPU-bbbb": 1}
+
+
+def test_the_simulated_gpu_charges_each_context_and_a_full_device_refuses_one(
+    scratch: Path, libcuda: Path
+) -> None:
+    # As NVML counts a real context: memory of its own before any allocation; and a device
+    # without room for one fails the context with CUDA error 2 (out of memory).
+    from benchmarks.gpu_acceptance import SimulatedGpuMemory
+
+    control = scratch / "ctl-context.json"
+    memory = SimulatedGpuMemory(libcuda, control, 1000, free_delay_s=0, context_mb=400)
+    env = {
+        "PATH": os.environ["PATH"],
+        "APPLIANCE_LIBCUDA": str(libcuda),
+        "CUDA_VISIBLE_DEVICES": "GPU-SIM-0",
+        "CUDA_MPS_PIPE_DIRECTORY": str(scratch / "no-mps-here"),
+    }
+    procs: list[subprocess.Popen[bytes]] = []
+    rcs = []
+    try:
+        for _ in range(3):
+            proc = subprocess.Popen(
+                [sys.executable, "-c", HOLD_CONTEXT], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            )
+            procs.append(proc)
+            assert proc.stdout is not None
+            rcs.append(int(proc.stdout.readline()))
+        assert rcs == [0, 0, 2]
+        listed = json.loads(control.read_text())["processes"]
+        assert sorted(p["used_mb"] for p in listed) == [400, 400], listed
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        memory.close()
+
+
+def test_the_kit_knows_a_tmpfs_where_it_would_put_the_mapped_file() -> None:
+    # A mapped tmpfs file is shared memory, which the watchdog counts: host_memory's file must
+    # be on a real filesystem, so the kit asks which one its folder is on.
+    from benchmarks.gpu_acceptance import filesystem_of
+
+    assert filesystem_of(Path("/dev/shm")) == "tmpfs"
+    assert filesystem_of(Path("/dev/shm/not-there")) == "tmpfs"  # the longest mount point wins over /dev
+    assert filesystem_of(Path("/proc/self")) == "proc"
+    assert filesystem_of(Path("/")) not in ("", "tmpfs", "proc")

@@ -112,7 +112,7 @@ def cuda_fakes(tmp_path: Path, offload_after_build: bool = True) -> tuple[Path, 
 @pytest.mark.parametrize(
     ("opt_in", "with_nvcc", "rc", "built", "says"),
     [
-        ("0", True, 0, False, "APPLIANCE_CUDA_BUILD=1 make venv"),  # never a long build unasked
+        ("0", True, 0, False, "make cuda-build"),  # never a long build unasked
         ("1", False, 1, False, "needs nvcc"),
         ("1", True, 0, True, "offloads to the GPU"),
     ],
@@ -153,3 +153,47 @@ def test_a_cuda_build_that_still_cannot_offload_fails(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 1 and "still false" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("target", "opt_in"),
+    [("cuda-build", None), ("venv", "1")],  # `make cuda-build`, and `APPLIANCE_CUDA_BUILD=1 make venv`
+)
+def test_the_cuda_build_rebuilds_a_venv_that_is_already_installed(
+    tmp_path: Path, target: str, opt_in: str | None
+) -> None:
+    # The hint and docs/gpu.md send users here with a venv already installed: its .installed
+    # stamp is newer than pyproject.toml, so nothing that hangs off the stamp runs again.
+    py, bin_dir, log = cuda_fakes(tmp_path)
+    venv = py.parent.parent
+    stamp = venv / ".installed"
+    stamp.touch()
+    newer = (REPO / "pyproject.toml").stat().st_mtime + 3600
+    os.utime(stamp, (newer, newer))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CUDA_ARCHS": "90", "HOME": str(tmp_path)}
+    if opt_in is not None:
+        env["APPLIANCE_CUDA_BUILD"] = opt_in
+    proc = subprocess.run(
+        ["make", "-s", target, f"VENV={venv}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "offloads to the GPU" in proc.stderr, proc.stdout + proc.stderr
+    pip = [c for c in log.read_text().splitlines() if "-m pip install" in c]
+    assert pip == [
+        "CMAKE_ARGS=-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -m pip install -q --force-reinstall "
+        "--no-cache-dir --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36"
+    ]
+
+
+def test_make_venv_on_an_installed_venv_starts_no_cuda_build_unasked(tmp_path: Path) -> None:
+    py, bin_dir, log = cuda_fakes(tmp_path)
+    venv = py.parent.parent
+    stamp = venv / ".installed"
+    stamp.touch()
+    newer = (REPO / "pyproject.toml").stat().st_mtime + 3600
+    os.utime(stamp, (newer, newer))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(
+        ["make", "-s", "venv", f"VENV={venv}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert not log.exists() or "-m pip install" not in log.read_text()

@@ -53,6 +53,9 @@ def test_llama_and_whisper_load_and_run_in_one_process_each_on_its_own_ggml(
     assert probe["llama_cpp"]["available"] and probe["whisper"]["available"], probe
     assert probe["ggml_conflicts"] == [], probe
     assert "CPU" in probe["whisper"]["backends"]
+    # The backends compiled into llama's ggml, read as whisper's are (the CUDA image's smoke
+    # step asserts CUDA in both, where no device is there for llama_supports_gpu_offload()).
+    assert "CPU" in probe["llama_cpp"]["backends"] and "CUDA" not in probe["llama_cpp"]["backends"]
     # This venv's builds are CPU builds, and the probe says so rather than guessing from the import.
     assert probe["llama_cpp"]["gpu_offload"] is False and probe["whisper"]["gpu_offload"] is False
 
@@ -138,6 +141,12 @@ def test_wheel_repaired_names_never_collide_with_plain_ones() -> None:
         ("WHISPER : COREML = 0 | OPENVINO = 0 | CPU : SSE3 = 1 | AVX2 = 1 | OPENMP = 1 | ", ["CPU"], False),
         (
             "WHISPER : COREML = 0 | OPENVINO = 0 | CUDA : ARCHS = 900 | USE_GRAPHS = 1 | CPU : AVX2 = 1 | ",
+            ["CUDA", "CPU"],
+            True,
+        ),
+        (  # llama_print_system_info(): no WHISPER section, the same backend sections
+            "CUDA : ARCHS = 750,800,860,890,900 | USE_GRAPHS = 1 | PEER_MAX_BATCH_SIZE = 128 | "
+            "CPU : SSE3 = 1 | AVX2 = 1 | LLAMAFILE = 1 | REPACK = 1 | ",
             ["CUDA", "CPU"],
             True,
         ),

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -250,6 +251,47 @@ async def test_gpu_readyz_says_whether_shaping_can_offload(gpu_tools_server: Ser
         ready["gpu"]["shaping"]["gpu_offload"] is False
         and ready["tools"]["llama_cpp"]["gpu_offload"] is False
     )
+
+
+def test_gpu_readyz_calls_shaping_unavailable_where_llama_cpp_does_not_import(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # The jails' Python finds llama_cpp but cannot import it (a CUDA build missing its
+    # libraries, say), while the server's own Python imports it fine: shaping is load_llm's,
+    # in the jail, so it is not available, whatever this process can find.
+    root = Path(tempfile.mkdtemp(prefix="appliance-broken-llama-", dir="/tmp"))
+    try:
+        os.chmod(root, 0o755)
+        subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(root / "venv")], check=True)
+        site = next((root / "venv" / "lib").glob("python3*/site-packages"))
+        (site / "llama_cpp").mkdir()
+        (site / "llama_cpp" / "__init__.py").write_text(
+            'raise ImportError("libggml-cuda.so: cannot open shared object file")\n'
+        )
+        subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)
+        srv = start_server(
+            tmp_path_factory.mktemp("gpu-broken-llama"),
+            SANDBOX_PYTHON=str(root / "venv" / "bin" / "python"),
+            SANDBOX_GPU="1",
+            SANDBOX_GPU_BACKEND="simulated",
+            SANDBOX_GPU_SIMULATE="8192",
+        )
+        try:
+            deadline = time.monotonic() + scaled(60)
+            while True:
+                status, body = srv.get("/readyz")
+                ready = json.loads(body)
+                if not ready["tools"].get("probing") or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        finally:
+            srv.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert status == 200, body
+    assert ready["tools"]["llama_cpp"]["available"] is False
+    assert "libggml-cuda.so" in ready["tools"]["llama_cpp"]["error"]
+    assert ready["gpu"]["shaping"]["available"] is False, ready["gpu"]["shaping"]
 
 
 BIG_MODEL_MB = 226  # write_tiny_llama(n_embd=1024, n_layer=8, n_ff=1024): F32 weights, mmapped by llama.cpp

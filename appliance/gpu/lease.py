@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -358,7 +357,9 @@ class GpuLeases(LeaseSource):
             "mps": self.mps.layer()
             if self.mps is not None
             else {"available": mps, "enforcing": False, "note": self.mps_note},
-            "shaping": {"available": importlib.util.find_spec("llama_cpp") is not None},
+            # Whether llama.cpp imports in the jails' Python is the tools probe's answer (the run
+            # service fills it in); a module this process can find says nothing about that.
+            "shaping": {"available": False},
         }
 
     def problems(self) -> list[str]:

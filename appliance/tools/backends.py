@@ -3,7 +3,9 @@
 Standard library plus the bindings (it runs inside the jail, and in the server's startup
 probe as `python -m appliance.tools.backends`, which prints the report as JSON).
 
-- llama-cpp-python says whether its build can offload: `llama_supports_gpu_offload()`.
+- llama-cpp-python says whether its build can offload: `llama_supports_gpu_offload()`, which
+  needs a device the CUDA runtime can see; `llama_print_system_info()` lists the ggml backends
+  compiled in ("CUDA : ARCHS = 900 | ...") whether or not a device is there (an image build).
 - pywhispercpp has no such call; `whisper_print_system_info()` lists every ggml backend
   registered in its build ("CPU : SSE3 = 1 | ...", "CUDA : ARCHS = 900 | ..."), and a
   GPU backend among them is what offload needs.
@@ -36,7 +38,8 @@ _SONAME = re.compile(r"^(lib[A-Za-z0-9_+-]*?)(-[0-9a-f]{8})?\.so(\.\d+)?")
 
 
 def whisper_backends(system_info: str) -> list[str]:
-    """The ggml backend names in whisper_print_system_info()'s text, in order ("WHISPER" is not one)."""
+    """The ggml backend names in whisper_print_system_info()'s (or llama_print_system_info()'s)
+    text, in order ("WHISPER" is not one)."""
     names = []
     for part in system_info.split("|"):
         if " : " in part:
@@ -48,21 +51,25 @@ def whisper_backends(system_info: str) -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def llama_cpp() -> dict[str, Any]:
-    """{"available", "version", "gpu_offload", "error"} for llama-cpp-python (imported once)."""
+    """{"available", "version", "gpu_offload", "backends", "error"} for llama-cpp-python (imported once)."""
     try:
         mod = importlib.import_module("llama_cpp")
         offload = bool(mod.llama_supports_gpu_offload())
+        info = mod.llama_print_system_info()
     except Exception as exc:  # noqa: BLE001 (a native import fails in many ways; each is the finding)
         return {
             "available": False,
             "version": None,
             "gpu_offload": False,
+            "backends": [],
             "error": f"{type(exc).__name__}: {exc}",
         }
+    text = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
     return {
         "available": True,
         "version": getattr(mod, "__version__", None),
         "gpu_offload": offload,
+        "backends": whisper_backends(text),
         "error": None,
     }
 
