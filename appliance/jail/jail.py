@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import logging
 import secrets
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from appliance.errors import JailExited, JailFailure, JailStartFailed
 from appliance.jail import checks, proctree
 from appliance.jail.cgroups import Group, GroupLimits, Hierarchy
 from appliance.jail.devices import GpuDevice
-from appliance.jail.firejail import accounts_argv, drop_argv, launcher_env, render_argv
+from appliance.jail.firejail import accounts_argv, drop_argv, join_argv, launcher_env, render_argv
 from appliance.jail.host import HostFacts
 from appliance.jail.network import EgressNetwork, JailLink, enter_argv, expected_interfaces
 from appliance.jail.process import JailProcess
@@ -179,7 +178,6 @@ class JailFactory:
             limits = self.run_limits.idle() if nice > 0 else self.run_limits
             try:
                 group = self.cgroups.group(jail_id, limits)
-                group.open_join()
             except OSError as exc:
                 if group is not None:
                     await asyncio.to_thread(group.remove)
@@ -191,6 +189,25 @@ class JailFactory:
                 await asyncio.to_thread(group.remove)
             raise
 
+    def _launcher(self, link: JailLink | None, group: Group | None) -> list[str]:
+        """What runs before firejail, outermost first: join the jail's cgroup (as root), give it
+        the minimal accounts (a private mount namespace), enter its network namespace, and drop
+        to the sandbox uid. All of it is exec'd programs, so the server spawns with vfork and
+        never forks itself (`firejail.join_argv`)."""
+        uid, gid = self.host.uid, self.host.gid
+        # In egress mode root enters the namespace and drops to the sandbox uid itself.
+        prefix = enter_argv(link, uid, gid) if link is not None else []
+        if link is None and self.host.run_as_uid is not None:
+            prefix = drop_argv(uid, gid)
+        accounts = self.dirs.accounts
+        if accounts is not None and prefix:
+            # Root starts it: the jail's /etc/passwd and /etc/group list only root and the
+            # sandbox user (a server that is the sandbox uid itself cannot mount them).
+            prefix = accounts_argv(*accounts, prefix)
+        if group is not None:
+            prefix = join_argv(group.procs_files()) + prefix
+        return prefix
+
     async def _launch(self, jail_id: str, nice: int, group: Group | None) -> Jail:
         workdir = await asyncio.to_thread(self.dirs.create, jail_id)
         link: JailLink | None = None
@@ -201,33 +218,17 @@ class JailFactory:
                 await asyncio.to_thread(self.dirs.remove, workdir)
                 raise
         spec = dataclasses.replace(self.spec(workdir, link), nice=nice)
-        # In egress mode root enters the namespace and drops to the sandbox uid itself.
-        prefix = enter_argv(link, self.host.uid, self.host.gid) if link is not None else []
-        run_as = self.host.run_as_uid if link is None else None
-        accounts = self.dirs.accounts
-        if accounts is not None and (link is not None or run_as is not None):
-            # Root starts it: the jail's /etc/passwd and /etc/group list only root and the
-            # sandbox user (a server that is the sandbox uid itself cannot mount them).
-            drop = prefix if link is not None else drop_argv(self.host.uid, self.host.gid)
-            prefix = accounts_argv(*accounts, drop)
-            run_as = None
         try:
             process = await JailProcess.spawn(
-                lambda fd: prefix + render_argv(spec, fd, self.host.firejail),
-                uid=run_as,
-                gid=self.host.gid if run_as is not None else None,
+                lambda fd: self._launcher(link, group) + render_argv(spec, fd, self.host.firejail),
                 env=launcher_env(),
                 max_event_bytes=self.settings.max_output_bytes + 65536,
-                preexec=group.preexec if group is not None else None,
             )
-        except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: joining the group failed
+        except OSError as exc:
             await asyncio.to_thread(self.dirs.remove, workdir)
             if link is not None and self.network is not None:
                 await self.network.release(link)
             raise JailFailure(f"could not start firejail: {exc}") from exc
-        finally:
-            if group is not None:
-                group.close_join()
         self.spawned += 1
         jail = Jail(
             id=jail_id,

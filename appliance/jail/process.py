@@ -23,7 +23,7 @@ import errno
 import os
 import signal
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,15 +127,14 @@ class JailProcess:
         cls,
         argv_for_fd: Any,
         *,
-        uid: int | None,
-        gid: int | None,
         env: Mapping[str, str],
         max_event_bytes: int,
-        preexec: Callable[[], None] | None = None,
     ) -> JailProcess:
         """Start firejail. `argv_for_fd(events_fd)` renders the argv once the fd number is known.
-        `preexec` runs in the forked child before exec (joining the jail's cgroup); if it fails,
-        nothing is executed and this raises (subprocess.SubprocessError)."""
+
+        Nothing runs in the child before exec (no preexec, no uid change: the argv's own
+        launcher does those), so Python spawns with vfork: the server's memory is neither
+        copied nor write-protected, which a fork() of it would do at every pool refill."""
         ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -143,9 +142,6 @@ class JailProcess:
         child_ends = (ctl_r, out_w, err_w, ev_w)
         try:
             argv: Sequence[str] = argv_for_fd(ev_w)
-            extra: dict[str, Any] = {}
-            if uid is not None:
-                extra = {"user": uid, "group": gid, "extra_groups": []}
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=ctl_r,
@@ -155,8 +151,6 @@ class JailProcess:
                 env=dict(env),
                 cwd="/",
                 start_new_session=True,
-                preexec_fn=preexec,
-                **extra,
             )
         except BaseException:
             for fd in (*child_ends, ctl_w, out_r, err_r, ev_r):
