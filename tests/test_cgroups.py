@@ -159,6 +159,25 @@ def test_kept_descriptors_read_fresh_counters_and_close_with_the_group(tree: cgr
     assert _fds_into(paths) == []
 
 
+def test_members_are_the_groups_processes_read_anew_each_time(tree: cgroups.Hierarchy) -> None:
+    """A cell's end reads the group's member list (the processes its held-files search looks
+    at): it must list every process that joined and drop one as soon as it is gone."""
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", L)
+    procs = [subprocess.Popen([*join_argv(g.procs_files()), "sleep", "60"]) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 30
+        while set(g.members() or []) != {p.pid for p in procs} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(g.members() or []) == {p.pid for p in procs}
+        procs[0].kill()
+        procs[0].wait()
+        assert g.members() == [procs[1].pid]
+    finally:
+        g.remove()
+        for p in procs:
+            p.wait()
+
+
 def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None:
     """A server killed with -9 leaves its instance directory; the next start removes it, and the
     processes still in it, but never the directory of a server that is still alive."""

@@ -58,6 +58,8 @@ PATH_FILES: dict[int, tuple[tuple[str, str, int], ...]] = {
         ("", "memory.peak", os.O_RDONLY),
     ),
 }
+MEMBERS = {1: "pids", 2: ""}
+READ_BYTES = 65536  # one read of a group file  # the controller whose cgroup.procs `Group.members` reads
 
 
 @dataclass(frozen=True)
@@ -347,10 +349,10 @@ class Group:
     def _read(self, controller: str, file: str) -> str:
         fd = self._kept.get((controller, file, os.O_RDONLY))
         if fd is not None:
-            return os.pread(fd, 65536, 0).decode()
+            return os.pread(fd, READ_BYTES, 0).decode()
         fd = os.open(self.paths[controller] / file, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            return os.read(fd, 65536).decode()
+            return os.read(fd, READ_BYTES).decode()
         finally:
             os.close(fd)
 
@@ -403,6 +405,15 @@ class Group:
         """Anonymous + shmem memory of the group, in MiB (what the GPU watchdog caps)."""
         key = "memory" if self.tree.version == 1 else ""
         return owned_kb_of_stat(self.tree.version, self._read(key, "memory.stat")) // 1024
+
+    def members(self) -> list[int] | None:
+        """The group's processes from one read of its cgroup.procs (a cell's end asks), or None
+        where the list did not fit that read. Opened anew each time: v1 keeps the list an open
+        file first read, so a kept descriptor would not see processes come and go."""
+        raw = self._read(MEMBERS[self.tree.version], "cgroup.procs")
+        if len(raw) >= READ_BYTES:
+            return None
+        return [int(x) for x in raw.split()]
 
     def pids(self) -> list[int]:
         """Every process in the group."""

@@ -13,22 +13,38 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 DELETED = b" (deleted)\n"  # how maps ends the path of a file with no name left
 
 
-def _targets(pid: int) -> Iterable[str]:
+@dataclass(frozen=True)
+class Bound:
+    """How much a search may look at before it gives up (`OverBound`): descriptors and maps
+    bytes per process. A search on the event loop must stay short whatever the run left."""
+
+    fds: int
+    maps_bytes: int
+
+
+class OverBound(Exception):
+    """A bounded search met more than its bound; nothing was decided."""
+
+
+def _targets(pid: int, bound: Bound | None) -> Iterable[str]:
     base = f"/proc/{pid}/fd"
     try:
         names = os.listdir(base)
     except OSError:
         names = []
+    if bound is not None and len(names) > bound.fds:
+        raise OverBound(f"process {pid} holds {len(names)} descriptors")
     for name in names:
         yield f"{base}/{name}"
-    yield from _unnamed_mappings(pid)
+    yield from _unnamed_mappings(pid, bound)
 
 
-def _unnamed_mappings(pid: int) -> Iterable[str]:
+def _unnamed_mappings(pid: int, bound: Bound | None = None) -> Iterable[str]:
     """The map_files entries of the mappings whose file has no name left.
 
     A process maps hundreds of named files (its interpreter, every library, each several
@@ -42,9 +58,13 @@ def _unnamed_mappings(pid: int) -> Iterable[str]:
     except OSError:
         return
     chunks: list[bytes] = []
+    size = 0
     try:
-        while chunk := os.read(fd, 1 << 18):
+        while chunk := os.read(fd, 1 << 18 if bound is None else bound.maps_bytes + 1):
             chunks.append(chunk)
+            size += len(chunk)
+            if bound is not None and size > bound.maps_bytes:
+                raise OverBound(f"process {pid} maps more than {bound.maps_bytes} bytes of ranges")
     except OSError:
         return
     finally:
@@ -66,15 +86,16 @@ def _unnamed_mappings(pid: int) -> Iterable[str]:
             continue
 
 
-def held_bytes(pids: Iterable[int], devices: set[int]) -> int:
+def held_bytes(pids: Iterable[int], devices: set[int], bound: Bound | None = None) -> int:
     """Bytes allocated to regular files the processes hold open or mapped that have no name
     left (st_nlink 0) on one of `devices` (the run directory's; the jail's /tmp's where its
     tmpfs does not count them itself), and to
-    memfds. Each file counts once, however many holders it has."""
+    memfds. Each file counts once, however many holders it has. With `bound`, OverBound
+    rather than look at more than it allows of any process."""
     seen: set[tuple[int, int]] = set()
     total = 0
     for pid in pids:
-        for path in _targets(pid):
+        for path in _targets(pid, bound):
             try:
                 st = os.stat(path)  # follows the kernel's magic link to the open file itself
             except OSError:

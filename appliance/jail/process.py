@@ -21,6 +21,7 @@ import codecs
 import contextlib
 import errno
 import os
+import select
 import signal
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -121,6 +122,8 @@ class JailProcess:
         self._flushed: list[asyncio.Future[None]] = []
         self._ready_pids: tuple[int, ...] = ()
         self._init_fds: list[int] = []  # pidfds of the jail's PID-namespace init (see pin)
+        self._killed = False  # SIGKILL went to the init through its pidfd
+        self._init_pids: tuple[int, ...] = ()
 
     @classmethod
     async def spawn(
@@ -368,19 +371,29 @@ class JailProcess:
         The PID-namespace init is held by a pidfd, so a kill can never reach a process that
         reused its PID; the list of processes (and threads) is what `renice` changes."""
         self._ready_pids = tuple(self.tree())
-        for pid in proctree.children(self.pid):
+        self._init_pids = tuple(proctree.children(self.pid))
+        for pid in self._init_pids:
             with contextlib.suppress(OSError):
                 self._init_fds.append(os.pidfd_open(pid))
+
+    def inits(self) -> list[int]:
+        """firejail's child: the sandbox's PID-namespace init, whose mount namespace holds the
+        jail's private /tmp. Pinned once the jail is ready: it is the same process for the
+        jail's whole life, and held by a pidfd, its PID cannot be another's while we look."""
+        return list(self._init_pids) if self._init_pids else proctree.children(self.pid)
 
     def signal_kill(self) -> None:
         """SIGKILL the jail's PID-namespace init (and with it every process of the jail) now,
         without waiting; `kill()` later waits for the teardown and reaps."""
-        if self._proc.returncode is not None:
+        if self._proc.returncode is not None or self._killed:
             return
         if self._init_fds:
             for fd in self._init_fds:
                 with contextlib.suppress(ProcessLookupError, OSError):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
+            # SIGKILL cannot be blocked or caught: once it is pending, the init and with it the
+            # whole PID namespace is going. Sending it again would only cost another wake-up.
+            self._killed = True
             return
         for pid in proctree.children(self.pid) or [self.pid]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -402,9 +415,16 @@ class JailProcess:
         self._close_all()
 
     def is_running(self) -> bool:
-        """Not reaped, not a zombie, and its event pipe still open (checked from /proc)."""
-        if self._proc.returncode is not None or self._exited:
+        """Not reaped, its event pipe still open, and its sandbox alive: once pinned, a pidfd of
+        the PID-namespace init that is not readable (a pidfd turns readable when its process
+        exits: one poll); before that, firejail's state from /proc (not a zombie)."""
+        if self._proc.returncode is not None or self._exited or self._killed:
             return False
+        if self._init_fds:
+            poller = select.poll()  # not select(): a server's descriptors may be past FD_SETSIZE
+            for fd in self._init_fds:
+                poller.register(fd, select.POLLIN)
+            return not poller.poll(0)
         return proctree.state(self.pid) not in ("Z", "X", "")
 
     def tree(self) -> list[int]:
