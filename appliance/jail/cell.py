@@ -78,11 +78,7 @@ async def run_cell(
     frame of the cell's: the jail starts on the code while the frame goes out.
     """
     group = jail.cgroup
-    base: Counters | None = None
-    if group is not None:
-        with contextlib.suppress(OSError):
-            base = group.counters(pids=False)
-            group.reset_peak()
+    base = jail.cell_baseline()
     outcome = await _run_cell(
         jail,
         req,

@@ -39,7 +39,7 @@ V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
 V2_CONTROLLERS = ("memory", "cpu", "pids")
 MODES = ("auto", "require", "off")
 RUN_WEIGHT = 100  # v2 cpu.weight of a run (v1 cpu.shares 1024): equal per run
-IDLE_WEIGHT = 10  # a warm jail waiting (or starting) in the pool: ~ nice 10
+IDLE_WEIGHT = 10  # a jail starting for the pool (ready, it waits at RUN_WEIGHT): ~ nice 10
 REMOVE_WAIT_S = 5.0
 # What a run's path reads and writes (handout weight, cell-start and cell-end counters, peak
 # reset): Group.prime keeps these open. (controller, file, open flags) per cgroup version.
@@ -72,7 +72,7 @@ class GroupLimits:
     weight: int = RUN_WEIGHT
 
     def idle(self) -> GroupLimits:
-        """The same limits at idle weight: a warm jail must not take CPU from running work."""
+        """The same limits at idle weight: a jail starting for the pool must not take CPU from running work."""
         return replace(self, weight=IDLE_WEIGHT)
 
 

@@ -82,11 +82,26 @@ class Jail:
                 return [pid for pid in members if pid not in skip]
         return proctree.below(inits)
 
-    def to_run(self, limits: GroupLimits | None) -> None:
-        """A pooled jail is handed to a run: the run's cgroup limits (the idle ones differ in CPU
-        weight only: one file write). Its niceness was set back to 0 when it became ready."""
-        if self.cgroup is not None and limits is not None:
+    def make_ready(self, limits: GroupLimits) -> None:
+        """A pooled jail, started at idle CPU weight, becomes ready to hand out: the run's cgroup
+        limits (they differ in the weight only) and the baseline its first cell is measured from
+        (CPU time, OOM kills, a new peak reading). Done here, off the run's path: waiting ready,
+        the jail runs nothing, so neither changes until a run has it. OSError if the group
+        cannot be written: such a jail must not be handed out."""
+        if self.cgroup is not None:
             self.cgroup.set_limits(limits)
+            self.baseline = self.cgroup.counters(pids=False)
+            self.cgroup.reset_peak()
+
+    def cell_baseline(self) -> Counters | None:
+        """The group's counters a cell is measured from: those taken when the jail became ready,
+        for its first cell; else read now, with a new peak reading. None without a group."""
+        base, self.baseline = self.baseline, None
+        if base is None and self.cgroup is not None:
+            with contextlib.suppress(OSError):
+                base = self.cgroup.counters(pids=False)
+                self.cgroup.reset_peak()
+        return base
 
     async def destroy(self) -> None:
         """Kill every process of the jail, reap them, remove the run directory and the cgroup."""
@@ -196,8 +211,7 @@ class JailFactory:
         """Start and verify a new jail, or raise JailFailure (and leave nothing behind).
 
         nice > 0 starts it at lower CPU priority (pool refills) and, with cgroups, at idle CPU
-        weight; the pool sets it back to nice 0 once it is ready, and `Jail.to_run` restores
-        the weight when it is handed to a run.
+        weight; the pool sets both back for runs once it is ready (`make_ready`).
         """
         jail_id = secrets.token_hex(8)
         group = None
