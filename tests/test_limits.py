@@ -141,6 +141,9 @@ PAST_INLINE_BOUNDS = {
     "within": HOLD_28_MIB,
     "entries": HOLD_28_MIB + "for i in range(200):\n    open(f'e{i}', 'w').close()\n",
     "descriptors": HOLD_28_MIB + "nulls = [open('/dev/null') for _ in range(100)]\n",
+    "threads": HOLD_28_MIB
+    + "import threading\nfor _ in range(12):\n"
+    + "    threading.Thread(target=threading.Event().wait, daemon=True).start()\n",
     "mappings": HOLD_28_MIB
     + (
         "import mmap\n"

@@ -41,7 +41,7 @@ ENTRY_BYTES = 4096  # ... and one per block of its disk quota: empty files cost 
 # here), so a run that left little is checked in place, and any other in a thread.
 INLINE_ENTRIES = 64  # files and directories in the run directory
 INLINE_PROCESSES = 4  # processes below the sandbox's init
-INLINE_HELD = Bound(fds=64, maps_bytes=96 * 1024)  # per process: descriptors, maps bytes
+INLINE_HELD = Bound(fds=64, threads=8, maps_bytes=96 * 1024)  # per table / process
 
 
 @dataclass
