@@ -74,11 +74,14 @@ class Walk:
 
     Iterate it once. Directories deeper than `max_depth` are not entered: `too_deep` counts
     them. With `one_fs`, entries on another filesystem than root are neither yielded nor
-    entered. Entries that vanish mid-walk are skipped (the tree may be live)."""
+    entered. Entries that vanish mid-walk are skipped (the tree may be live). With
+    `list_limit`, no directory is listed past that many entries (plus one, to show there were
+    more): for a caller that stops counting there, so one huge directory costs no more."""
 
     root: Path
     max_depth: int = MAX_DEPTH
     one_fs: bool = True
+    list_limit: int | None = None
     too_deep: int = 0
     errors: int = 0
     _device: int = field(default=-1, repr=False)
@@ -140,6 +143,8 @@ class Walk:
                     if self.one_fs and st.st_dev != self._device:
                         continue
                     found.append((entry.name, st))
+                    if self.list_limit is not None and len(found) > self.list_limit:
+                        break
         except OSError:
             self.errors += 1
         found.sort(key=lambda item: item[0], reverse=True)
@@ -149,7 +154,7 @@ class Walk:
 def usage(root: Path, max_entries: int, max_depth: int = MAX_DEPTH) -> tuple[int, int, int]:
     """(bytes allocated, entries, directories too deep to enter) below root on its own
     filesystem; counting stops once entries exceed max_entries."""
-    walk = Walk(root, max_depth=max_depth)
+    walk = Walk(root, max_depth=max_depth, list_limit=max_entries)
     total = entries = 0
     for entry in walk:
         entries += 1

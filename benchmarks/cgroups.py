@@ -64,8 +64,6 @@ def group_costs(tree: cgroups.Hierarchy, limits: cgroups.GroupLimits, n: int) ->
 
     def life() -> None:
         g = tree.group("b-" + secrets.token_hex(6), limits.idle())
-        g.open_join()
-        g.close_join()
         g.remove()
 
     g = tree.group("b-" + secrets.token_hex(6), limits.idle())

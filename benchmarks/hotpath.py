@@ -8,8 +8,9 @@ on the machine falls on every tree alike), each after the pool is idle and SETTL
 quiet, as `python -m benchmarks` does. For each tree it reports the wall time from the
 frame sent to the `done` received (p50/p90), and what each run cost in CPU time within
 that window: the server process's own (its threads' schedstat run time, nanoseconds) and
-the whole cgroup's (server, firejail and the jail: cpuacct.usage). CPU time is far less
-sensitive than wall time to other work on the machine, so it is the figure to compare
+the whole cgroup's (server, firejail and the jail: cpuacct.usage), and the server's minor
+page faults (copy-on-write faults after a fork of the server show there). CPU time is far
+less sensitive than wall time to other work on the machine, so it is the figure to compare
 changes by on a busy host. Needs root (cgroups).
 """
 
@@ -47,6 +48,20 @@ def thread_ns(pid: int) -> int:
     return total
 
 
+def minor_faults(pid: int) -> int:
+    """Minor page faults of every thread of process pid so far (/proc stat field 10). A run
+    that follows a fork() of the server pays one for each page it writes: the count shows
+    whether jails are spawned without forking the server."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                total += int(fh.read().rsplit(")", 1)[1].split()[7])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 @dataclass
 class Target:
     """One tree's server and what its runs measured."""
@@ -57,6 +72,7 @@ class Target:
     wall_ms: list[float] = field(default_factory=list)
     server_us: list[float] = field(default_factory=list)
     group_us: list[float] = field(default_factory=list)
+    faults: list[float] = field(default_factory=list)
 
     def usage_ns(self) -> int:
         return int((self.cgroup / "cpuacct.usage").read_text())
@@ -97,30 +113,34 @@ async def probe(targets: list[Target], runs: int, code: str, expect: str | None)
         for t in order:
             await wait_pool_idle(t.server, POOL_FLOOR)
             await asyncio.sleep(SETTLE_S)
-            cpu0, grp0 = thread_ns(t.server.proc.pid), t.usage_ns()
+            pid = t.server.proc.pid
+            cpu0, grp0, flt0 = thread_ns(pid), t.usage_ns(), minor_faults(pid)
             t0 = time.perf_counter()
             reply = await execute(sockets[t.name], f"p{i}", code)
             t1 = time.perf_counter()
-            cpu1, grp1 = thread_ns(t.server.proc.pid), t.usage_ns()
+            cpu1, grp1, flt1 = thread_ns(pid), t.usage_ns(), minor_faults(pid)
             if reply.status != "ok" or (expect is not None and reply.stdout != expect):
                 raise BenchError(f"{t.name}: run {i} ended {reply.status} with {reply.stdout!r}")
             t.wall_ms.append((t1 - t0) * 1000)
             t.server_us.append((cpu1 - cpu0) / 1000)
             t.group_us.append((grp1 - grp0) / 1000)
+            t.faults.append(flt1 - flt0)
     for ws in sockets.values():
         await ws.close()
 
 
 def report(targets: list[Target]) -> str:
     rows = [
-        "| tree | runs | wall p50 ms | wall p90 ms | server CPU µs p50 / mean | cgroup CPU µs p50 / mean |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| tree | runs | wall p50 ms | wall p90 ms | server CPU µs p50 / mean | cgroup CPU µs p50 / mean "
+        "| server page faults p50 / mean |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for t in targets:
         rows.append(
             f"| {t.name} | {len(t.wall_ms)} | {percentile(t.wall_ms, 50):.2f} | {percentile(t.wall_ms, 90):.2f} "
             f"| {percentile(t.server_us, 50):.0f} / {sum(t.server_us) / len(t.server_us):.0f} "
-            f"| {percentile(t.group_us, 50):.0f} / {sum(t.group_us) / len(t.group_us):.0f} |"
+            f"| {percentile(t.group_us, 50):.0f} / {sum(t.group_us) / len(t.group_us):.0f} "
+            f"| {percentile(t.faults, 50):.0f} / {sum(t.faults) / len(t.faults):.0f} |"
         )
     return "\n".join(rows)
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from appliance import local, parse_worker
+from appliance.jail.jail import JailFactory
 from appliance.jail.proctree import descendants
 from appliance.local import LocalServer
 
@@ -133,3 +134,27 @@ def reachable_tmp_root(prefix: str) -> Iterator[Path]:
         yield root
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def jail_factory(
+    env: Mapping[str, str] | None = None, cls: type[JailFactory] = JailFactory
+) -> Iterator[JailFactory]:
+    """A real JailFactory outside any server (no preload, this interpreter in the jails), its
+    run directories removed after."""
+    import sys
+
+    from appliance.jail.host import inspect
+    from appliance.jail.workdir import RunDirs, stage_runtime
+    from appliance.settings import from_env
+
+    settings = from_env(
+        {"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "0", "SANDBOX_PYTHON": sys.executable, **(env or {})}
+    )
+    host = inspect(settings.firejail, settings.uid, settings.python)
+    dirs = RunDirs(settings.tmp_root, host.uid, host.gid)
+    dirs.prepare()
+    try:
+        yield cls(settings, host, stage_runtime(settings.tmp_root, settings.python), dirs)
+    finally:
+        dirs.remove_instance()

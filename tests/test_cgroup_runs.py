@@ -81,44 +81,56 @@ def test_readyz_says_cgroups_enforce_every_limit(srv: Server) -> None:
 
 
 async def test_a_run_gets_its_own_group_at_run_weight_and_it_is_gone_after(srv: Server) -> None:
-    """The warm jail waits at idle weight; the run's jail has the run's limits; after the run
-    its group is gone (the pool's refill has a new one, at idle weight again)."""
+    """A jail starts for the pool at idle weight and waits ready at run weight (set off the
+    run's path); a run gets a warm jail in its own group, at the run's limits; after the run
+    that group is gone."""
     cpu = "cpu" if _tree().version == 1 else ""
     weight = "cpu.shares" if cpu else "cpu.weight"
+    run_weights, idle_weights = ("1024", "100"), ("102", "10")
 
-    def weights() -> dict[Path, str]:
-        found: dict[Path, str] = {}
+    def weights() -> dict[str, str]:
+        found: dict[str, str] = {}
         for g in groups_of(srv, cpu):
             with contextlib.suppress(OSError):  # a group being removed
-                found[g] = (g / weight).read_text().strip()
+                found[g.name] = (g / weight).read_text().strip()
         return found
 
-    # Settled: ready (the startup canary, itself a run at run weight, has ended) and a warm
-    # jail waiting. Until then a group may be the canary's or one still being removed.
+    # Settled: ready (the startup canary, itself a run, has ended) and the warm jails waiting,
+    # each at run weight. Until then a group may be the canary's, one being removed, or one
+    # still starting (at idle weight).
     deadline = time.monotonic() + scaled(60)
     while time.monotonic() < deadline:
         status, body = srv.get("/readyz")
         now = weights()
-        idle = bool(now) and all(v in ("102", "10") for v in now.values())
-        if status == 200 and json.loads(body)["pool_ready"] >= 1 and idle:
+        waiting = bool(now) and all(v in run_weights for v in now.values())
+        if status == 200 and json.loads(body)["pool_ready"] == len(now) and waiting:
             break
-        await asyncio.sleep(0.2)
-    warm = list(weights())
-    assert warm and all(v in ("102", "10") for v in weights().values()), weights()
-    task = asyncio.create_task(run(srv, "import time\nprint('in', flush=True)\ntime.sleep(3)"))
-    seen: dict[str, str] = {}
-    while not task.done():
-        for g in groups_of(srv, cpu):
-            with contextlib.suppress(OSError):
-                if (g / "cgroup.procs").read_text().split():
-                    seen[g.name] = (g / weight).read_text().strip()
-        await asyncio.sleep(0.2)
-    ex = task.result()
-    assert ex.status == "ok"
-    ran = [name for name, value in seen.items() if value in ("1024", "100")]
-    assert len(ran) == 1 and ran[0] in {g.name for g in warm}, (seen, warm)  # a warm jail, handed out
-    left = [g.name for g in groups_of(srv, cpu)]
-    assert ran[0] not in left, "the run's group outlived its run"
+        await asyncio.sleep(0.1)
+    warm = weights()
+    assert warm and all(v in run_weights for v in warm.values()), warm
+    # One run more than there are warm jails, each reporting its own group: the pool must
+    # start more (at idle weight), and the last run gets a cold jail (at run weight at once).
+    code = "print(open('/proc/self/cgroup').read(), flush=True)\nimport time\ntime.sleep(2)"
+    tasks = [asyncio.create_task(run(srv, code)) for _ in range(len(warm) + 1)]
+    first_seen: dict[str, str] = {}  # every group seen during the runs: its first weight
+    while not all(t.done() for t in tasks):
+        for name, value in weights().items():
+            first_seen.setdefault(name, value)
+        await asyncio.sleep(0.01)
+    own = set()
+    for task in tasks:
+        ex = task.result()
+        assert ex.status == "ok", ex
+        own |= {line.rsplit("/", 1)[1] for line in ex.stdout.splitlines() if f":{cpu}:" in line}
+    assert len(own) == len(tasks)  # a group each
+    assert set(warm) < own  # every warm jail was handed out ...
+    assert all(first_seen.get(name, warm.get(name)) in run_weights for name in own)  # ... at run weight
+    started = {name: w for name, w in first_seen.items() if name not in own and name not in warm}
+    assert started and all(w in idle_weights for w in started.values()), first_seen  # refills: idle
+    deadline = time.monotonic() + scaled(30)
+    while own & set(weights()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not own & set(weights()), "a run's group outlived its run"
     assert (
         all(
             (g / "memory.limit_in_bytes").read_text().strip() == str(MEMORY_MB << 20)

@@ -15,6 +15,7 @@ import pytest
 
 from appliance.jail import cgroups
 from appliance.jail.cgroups import GroupLimits, Write, changes, render_v1, render_v2
+from appliance.jail.firejail import JOIN_FAILED, join_argv
 
 L = GroupLimits(memory_mb=1024, cpus=1.5, max_procs=64)
 
@@ -88,11 +89,10 @@ def tree() -> Iterator[cgroups.Hierarchy]:
 def test_real_group_oom_kills_a_process_over_the_memory_limit(tree: cgroups.Hierarchy) -> None:
     g = tree.group(f"t-{uuid.uuid4().hex[:8]}", GroupLimits(memory_mb=64, cpus=1.0, max_procs=16))
     try:
-        g.open_join()
         p = subprocess.run(
-            [sys.executable, "-c", "b = bytearray(200 << 20)"], preexec_fn=g.preexec, capture_output=True
+            [*join_argv(g.procs_files()), sys.executable, "-c", "b = bytearray(200 << 20)"],
+            capture_output=True,
         )
-        g.close_join()
         assert p.returncode == -9
         c = g.counters()
         assert c.oom_kills >= 1 and g.oom_kills() == c.oom_kills
@@ -104,13 +104,11 @@ def test_real_group_oom_kills_a_process_over_the_memory_limit(tree: cgroups.Hier
 
 def test_real_group_pids_limit_stops_a_fork_bomb(tree: cgroups.Hierarchy) -> None:
     g = tree.group(f"t-{uuid.uuid4().hex[:8]}", GroupLimits(memory_mb=256, cpus=1.0, max_procs=8))
-    g.open_join()
     code = (
         "import os, time\ntry:\n  for _ in range(50):\n    if os.fork() == 0:\n      time.sleep(30)\n"
         "      os._exit(0)\nexcept OSError:\n  print('refused', flush=True)"
     )
-    p = subprocess.Popen([sys.executable, "-c", code], preexec_fn=g.preexec, stdout=subprocess.PIPE)
-    g.close_join()
+    p = subprocess.Popen([*join_argv(g.procs_files()), sys.executable, "-c", code], stdout=subprocess.PIPE)
     out = p.stdout.readline() if p.stdout else b""
     assert b"refused" in out and len(g.pids()) <= 8 and g.counters().pids_refused >= 1
     g.remove()  # kills the sleeping children too
@@ -148,10 +146,8 @@ def test_kept_descriptors_read_fresh_counters_and_close_with_the_group(tree: cgr
     try:
         assert _fds_into(paths), "the run path's files are kept open from the group's making"
         before = g.counters(pids=False).cpu_ns
-        g.open_join()
         spin = "import time\nt = time.process_time() + 0.2\nwhile time.process_time() < t: pass"
-        proc = subprocess.Popen([sys.executable, "-c", spin], preexec_fn=g.preexec)
-        g.close_join()
+        proc = subprocess.Popen([*join_argv(g.procs_files()), sys.executable, "-c", spin])
         proc.wait(30)
         g.set_limits(L)  # a kept descriptor's write still lands
         key = "cpu" if tree.version == 1 else ""
@@ -161,6 +157,25 @@ def test_kept_descriptors_read_fresh_counters_and_close_with_the_group(tree: cgr
     finally:
         g.remove()
     assert _fds_into(paths) == []
+
+
+def test_members_are_the_groups_processes_read_anew_each_time(tree: cgroups.Hierarchy) -> None:
+    """A cell's end reads the group's member list (the processes its held-files search looks
+    at): it must list every process that joined and drop one as soon as it is gone."""
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", L)
+    procs = [subprocess.Popen([*join_argv(g.procs_files()), "sleep", "60"]) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 30
+        while set(g.members() or []) != {p.pid for p in procs} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(g.members() or []) == {p.pid for p in procs}
+        procs[0].kill()
+        procs[0].wait()
+        assert g.members() == [procs[1].pid]
+    finally:
+        g.remove()
+        for p in procs:
+            p.wait()
 
 
 def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None:
@@ -181,9 +196,10 @@ def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None
     for h in (gone, alive):
         h.prepare()
     leftover = gone.group("j1", L)
-    leftover.open_join()
-    sleeper = subprocess.Popen(["sleep", "60"], preexec_fn=leftover.preexec)
-    leftover.close_join()
+    sleeper = subprocess.Popen([*join_argv(leftover.procs_files()), "sleep", "60"])
+    deadline = time.monotonic() + 30  # the launcher joins as it starts, after Popen returns
+    while sleeper.pid not in leftover.pids() and time.monotonic() < deadline:
+        time.sleep(0.01)
     keep = alive.group("j2", L)
     try:
         assert tree.purge_dead() == [gone.instance]
@@ -197,18 +213,34 @@ def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None
             sleeper.kill()
 
 
-def test_a_failing_join_stops_the_child_before_exec(tree: cgroups.Hierarchy) -> None:
-    """Fail closed: when the child cannot join its group, nothing is executed."""
+def test_a_failing_join_stops_the_launcher_before_anything_runs(
+    tree: cgroups.Hierarchy, tmp_path: Path
+) -> None:
+    """Fail closed: when the launcher cannot join every controller's group, nothing after it
+    is executed, and it ends with JOIN_FAILED."""
     g = tree.group(f"t-{uuid.uuid4().hex[:8]}", L)
-    g.open_join()
-    for fd in g._fds:  # a join that cannot be written (the fd no longer refers to cgroup.procs)
-        os.close(fd)
-    g._fds = [os.open("/dev/null", os.O_RDONLY)]
-    started = time.monotonic()
-    with pytest.raises(subprocess.SubprocessError):
-        subprocess.run(["sh", "-c", "echo ran"], preexec_fn=g.preexec, capture_output=True)
-    assert time.monotonic() - started < 30
-    g.remove()
+    marker = tmp_path / "ran"
+    try:
+        procs = g.procs_files()
+        # The last controller's group is gone (as when a group is removed under a launch).
+        missing = procs[-1].parent / "gone" / "cgroup.procs"
+        p = subprocess.run(
+            [*join_argv([*procs[:-1], missing]), "sh", "-c", f"touch {marker}; echo ran"],
+            capture_output=True,
+            timeout=30,
+        )
+        assert p.returncode == JOIN_FAILED and b"ran" not in p.stdout and not marker.exists()
+        # And a join that works runs what follows, inside the group.
+        p = subprocess.run([*join_argv(procs), "cat", "/proc/self/cgroup"], capture_output=True, timeout=30)
+        assert p.returncode == 0
+        placed = {}  # controller ("" on v2) -> the path /proc/self/cgroup gives for it
+        for line in p.stdout.decode().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for c in controllers.split(","):
+                placed[c] = path
+        assert all(placed[c].endswith(f"/{g.name}") for c in g.paths), (placed, list(g.paths))
+    finally:
+        g.remove()
 
 
 def test_cgroup_memory_sees_tmpfs_files_that_proc_cannot(tree: cgroups.Hierarchy) -> None:
@@ -218,18 +250,16 @@ def test_cgroup_memory_sees_tmpfs_files_that_proc_cannot(tree: cgroups.Hierarchy
 
     g = tree.group(f"t-{uuid.uuid4().hex[:8]}", GroupLimits(memory_mb=512, cpus=1.0, max_procs=16))
     shm = f"/dev/shm/cgroup-test-{uuid.uuid4().hex[:8]}"
-    g.open_join()
     p = subprocess.Popen(
         [
+            *join_argv(g.procs_files()),
             sys.executable,
             "-c",
             f"open({shm!r}, 'wb').write(b'x' * (120 << 20))\n"
             "print('written', flush=True)\nimport time; time.sleep(30)",
         ],
-        preexec_fn=g.preexec,
         stdout=subprocess.PIPE,
     )
-    g.close_join()
     try:
         assert p.stdout is not None and p.stdout.readline() == b"written\n"
         reading = CgroupMemory(tree)

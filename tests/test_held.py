@@ -5,11 +5,13 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from pathlib import Path
 
 from appliance.jail.held import held_bytes
 
 SIZE = 4 * 1024 * 1024
+CLONE_FILES = 0x400
 
 
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -76,3 +78,38 @@ def test_a_memfd_only_a_mapping_holds_counts(tmp_path: Path) -> None:
         assert held_bytes([os.getpid()], set()) - before >= SIZE
     finally:
         mem.close()
+
+
+def test_a_file_held_in_a_threads_own_descriptor_table_counts(tmp_path: Path) -> None:
+    """A thread that unshares its descriptor table (CLONE_FILES) holds what it opens in no
+    other table: the process's /proc/PID/fd does not list it, so each such table is searched."""
+    dev = os.stat(tmp_path).st_dev
+    held = threading.Event()
+    release = threading.Event()
+    errors: list[int] = []
+
+    def hold() -> None:
+        if LIBC.unshare(CLONE_FILES) != 0:
+            errors.append(ctypes.get_errno())
+            held.set()
+            return
+        fd = os.open(tmp_path / "hidden.bin", os.O_CREAT | os.O_RDWR, 0o600)
+        os.posix_fallocate(fd, 0, SIZE)
+        os.unlink(tmp_path / "hidden.bin")
+        held.set()
+        release.wait(30)
+        os.close(fd)
+
+    before = held_bytes([os.getpid()], {dev})
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    try:
+        assert held.wait(30) and not errors, errors
+        assert not any(
+            os.path.realpath(f"/proc/self/fd/{n}").endswith("hidden.bin (deleted)")
+            for n in os.listdir("/proc/self/fd")
+        ), "the file is in the process's own table: the test proves nothing"
+        assert held_bytes([os.getpid()], {dev}) - before >= SIZE
+    finally:
+        release.set()
+        thread.join(30)

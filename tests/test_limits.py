@@ -9,7 +9,7 @@ from typing import Unpack
 import pytest
 
 from appliance.client import AsyncClient, Execution, RequestOptions
-from tests.support import Server, jail_processes, start_server
+from tests.support import Server, jail_factory, jail_processes, start_server
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +124,71 @@ async def test_a_cell_that_writes_past_the_disk_quota_and_ends_at_once_ends_with
     ex = await run(tight, code, timeout_ms=4000)
     assert ex.status == "output_limit" and "SANDBOX_MAX_DISK_MB (24 MiB)" in (ex.message or ""), ex
     await assert_contained(tight)
+
+
+# The check as a cell ends runs on the event loop while the run left little to look at
+# (appliance.jail.cell INLINE_*), else in a thread: past each of those bounds the verdict must
+# be the same. Each variant holds 28 MiB in run-directory files with no name left (only the
+# search for held files can see them) and adds what pushes that search past one bound.
+HOLD_28_MIB = (
+    "import os\nkeep = []\nfor i in range(4):\n"
+    "    fd = os.open(f'h{i}', os.O_CREAT | os.O_RDWR, 0o600)\n"
+    "    os.write(fd, b'0' * (7 << 20))\n"
+    "    os.unlink(f'h{i}')\n"
+    "    keep.append(fd)\n"
+)
+PAST_INLINE_BOUNDS = {
+    "within": HOLD_28_MIB,
+    "entries": HOLD_28_MIB + "for i in range(200):\n    open(f'e{i}', 'w').close()\n",
+    "descriptors": HOLD_28_MIB + "nulls = [open('/dev/null') for _ in range(100)]\n",
+    "threads": HOLD_28_MIB
+    + "import threading\nfor _ in range(12):\n"
+    + "    threading.Thread(target=threading.Event().wait, daemon=True).start()\n",
+    "mappings": HOLD_28_MIB
+    + (
+        "import mmap\n"
+        "maps = [mmap.mmap(-1, 4096, prot=mmap.PROT_READ | (mmap.PROT_WRITE if i % 2 else 0))"
+        " for i in range(3000)]\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("code", list(PAST_INLINE_BOUNDS.values()), ids=list(PAST_INLINE_BOUNDS))
+async def test_held_files_count_at_a_cells_end_whatever_else_the_run_left(tight: Server, code: str) -> None:
+    ex = await run(tight, code, timeout_ms=4000)
+    assert ex.status == "output_limit" and "SANDBOX_MAX_DISK_MB (24 MiB)" in (ex.message or ""), ex
+    await assert_contained(tight)
+
+
+async def test_the_check_on_the_loop_gives_up_past_its_process_bound_and_the_full_one_does_not() -> None:
+    """A cell's leftover processes are killed before its `done` (and firejail ends them when
+    the interpreter exits), so a run cannot reach the check's process bound that way; the
+    bound is checked here on a live jail whose cell still runs six children holding the files."""
+    from appliance import protocol
+    from appliance.jail import channel
+    from appliance.jail.cell import INLINE_PROCESSES, disk_violation
+    from appliance.jail.held import OverBound
+
+    code = (
+        HOLD_28_MIB.replace("os.O_RDWR, 0o600)", "os.O_RDWR, 0o600)\n    os.set_inheritable(fd, True)")
+        + "import subprocess, time\n"
+        + "kids = [subprocess.Popen(['sleep', '30'], close_fds=False) for _ in range(6)]\n"
+        + "print('held', flush=True)\ntime.sleep(30)\n"
+    )
+    with jail_factory({"SANDBOX_MAX_DISK_MB": "24"}) as factory:
+        jail = await factory.launch()
+        try:
+            req = protocol.ExecuteRequest(code=code)
+            jail.process.write(channel.run_op(req.code, [], True))
+            await jail.process.wait_event("stream", 30)
+            kids = jail.run_processes(jail.process.inits())
+            assert len(kids) > INLINE_PROCESSES, kids
+            with pytest.raises(OverBound):
+                disk_violation(jail, 24, inline=True)
+            found = disk_violation(jail, 24)
+            assert found is not None and "SANDBOX_MAX_DISK_MB (24 MiB)" in found.message
+        finally:
+            await jail.destroy()
 
 
 async def test_an_output_flood_ends_with_output_limit(tight: Server) -> None:

@@ -13,7 +13,7 @@ import pytest
 from appliance.client import AsyncClient, Execution, RequestOptions
 from appliance.jail import proctree
 from appliance.jail.proctree import descendants
-from tests.support import Server, reachable_tmp_root, start_server
+from tests.support import Server, jail_factory, reachable_tmp_root, start_server
 
 
 @pytest.fixture(scope="module")
@@ -207,14 +207,9 @@ def _unless_already_gone(func: object, path: str, exc_info: tuple[type, BaseExce
 
 
 async def test_a_cold_start_that_fails_before_the_driver_is_up_is_tried_once_more() -> None:
-    import sys
-
     from appliance.errors import JailStartFailed
-    from appliance.jail.host import inspect
     from appliance.jail.jail import Jail, JailFactory
     from appliance.jail.pool import JailPool
-    from appliance.jail.workdir import RunDirs, stage_runtime
-    from appliance.settings import from_env
 
     class FirstStartFails(JailFactory):
         """Injects one transient start failure (firejail exiting during setup), then real jails."""
@@ -227,19 +222,15 @@ async def test_a_cold_start_that_fails_before_the_driver_is_up_is_tried_once_mor
                 raise JailStartFailed("the jail exited before it was ready")
             return await super().launch(nice)
 
-    settings = from_env({"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "0", "SANDBOX_PYTHON": sys.executable})
-    host = inspect(settings.firejail, settings.uid, settings.python)
-    dirs = RunDirs(settings.tmp_root, host.uid, host.gid)
-    dirs.prepare()
-    factory = FirstStartFails(settings, host, stage_runtime(settings.tmp_root, settings.python), dirs)
-    pool = JailPool(factory, size=0)
-    try:
-        jail = await pool.take()
-        assert jail.alive and factory.failures == 0
-        await jail.destroy()
-        factory.failures = 2  # fails twice: the run is refused, nothing is left
-        with pytest.raises(JailStartFailed):
-            await pool.take()
-    finally:
-        await pool.close()
-        dirs.remove_instance()
+    with jail_factory(cls=FirstStartFails) as factory:
+        assert isinstance(factory, FirstStartFails)
+        pool = JailPool(factory, size=0)
+        try:
+            jail = await pool.take()
+            assert jail.alive and factory.failures == 0
+            await jail.destroy()
+            factory.failures = 2  # fails twice: the run is refused, nothing is left
+            with pytest.raises(JailStartFailed):
+                await pool.take()
+        finally:
+            await pool.close()

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from appliance import fstree, protocol
 from appliance.errors import Cancelled, MemoryLimit, OutputLimit, RunLimit, RunTimeout
-from appliance.jail import channel, proctree
+from appliance.jail import channel
 from appliance.jail.cgroups import Counters, Group
-from appliance.jail.held import held_bytes
+from appliance.jail.held import Bound, OverBound, held_bytes
 from appliance.jail.jail import Jail, tmp_of
 from appliance.jail.process import Event, Exited, InterruptRequest, Overflow, Stream, Violation
 from appliance.protocol import ExecuteRequest, Frame
@@ -34,6 +34,14 @@ INTERRUPT_GRACE_S = 0.8
 DISK_CHECK_S = 0.25
 MAX_DISK_ENTRIES = 100_000  # files + directories a run may create (inodes), at most ...
 ENTRY_BYTES = 4096  # ... and one per block of its disk quota: empty files cost inodes, not blocks
+
+
+# What the check as a cell ends may look at on the event loop (well under a millisecond): a
+# thread hop there and back cost about as much as the whole check of a small run (0.3 ms
+# here), so a run that left little is checked in place, and any other in a thread.
+INLINE_ENTRIES = 64  # files and directories in the run directory
+INLINE_PROCESSES = 4  # processes below the sandbox's init
+INLINE_HELD = Bound(fds=64, threads=8, maps_bytes=96 * 1024)  # per table / process
 
 
 @dataclass
@@ -70,11 +78,7 @@ async def run_cell(
     frame of the cell's: the jail starts on the code while the frame goes out.
     """
     group = jail.cgroup
-    base: Counters | None = None
-    if group is not None:
-        with contextlib.suppress(OSError):
-            base = group.counters(pids=False)
-            group.reset_peak()
+    base = jail.cell_baseline()
     outcome = await _run_cell(
         jail,
         req,
@@ -177,7 +181,7 @@ async def _run_cell(
                 continue
             if isinstance(item, Exited):
                 if stopping is None:  # the disk as at "done" below: never over the quota and ok
-                    stopping = await asyncio.to_thread(disk_violation, jail, max_disk_mb)
+                    stopping = await final_disk_check(jail, max_disk_mb)
                 if stopping is not None:
                     return ended(stopping)
                 code = await _exit_code(jail)
@@ -201,7 +205,7 @@ async def _run_cell(
                 if stopping is None:
                     # A cell can write past the quota and end between two of the watchdog's
                     # checks: look once more, so that it never ends ok over the quota.
-                    stopping = await asyncio.to_thread(disk_violation, jail, max_disk_mb)
+                    stopping = await final_disk_check(jail, max_disk_mb)
                 if stopping is not None:
                     outcome.status, outcome.message = stopping.status, stopping.message
                 elif memory_error:
@@ -244,10 +248,19 @@ def _frame_for(rid: str, item: Stream | Event) -> Frame | None:
     return None
 
 
-def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
+async def final_disk_check(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
+    """`disk_violation` as a cell ends: on the event loop within the INLINE_ bounds, else in a thread."""
+    try:
+        return disk_violation(jail, max_disk_mb, inline=True)
+    except OverBound:
+        return await asyncio.to_thread(disk_violation, jail, max_disk_mb)
+
+
+def disk_violation(jail: Jail, max_disk_mb: int, inline: bool = False) -> OutputLimit | None:
     """Whether the jail's files are over the disk quota, in bytes or in entries: its run
     directory, its private /tmp (a tmpfs of host memory), and what its processes hold with
-    no name left (unlinked-but-open files, memfds). Blocking: run it in a thread.
+    no name left (unlinked-but-open files, memfds). Blocking: run it in a thread, or `inline`,
+    which makes it raise OverBound rather than look at more than the INLINE_ bounds allow.
 
     Trees are walked by descriptor without following links (`fstree`), so a directory
     swapped for a symlink mid-walk leads nowhere; one nested deeper than the walk may go
@@ -255,16 +268,20 @@ def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
     kernel counts it: `tmpfs_usage`."""
     limit = max_disk_mb * 1024 * 1024
     max_entries = min(MAX_DISK_ENTRIES, limit // ENTRY_BYTES)
-    used, entries, too_deep = fstree.usage(jail.workdir, max_entries)
+    walk_max = min(max_entries, INLINE_ENTRIES) if inline else max_entries
+    used, entries, too_deep = fstree.usage(jail.workdir, walk_max)
+    if entries > walk_max < max_entries:
+        raise OverBound(f"the run directory holds more than {walk_max} entries")
     devices: set[int] = set()
     with contextlib.suppress(OSError):
         devices.add(os.stat(jail.workdir).st_dev)
-    root = jail.process.pid
-    inner = proctree.children(root)  # firejail's sandbox init: its namespace holds the /tmp
+    inner = jail.process.inits()  # firejail's sandbox init: its namespace holds the /tmp
     tmp = tmp_of(inner)
     if tmp is not None:
-        counted = tmpfs_usage(tmp)
+        counted = tmpfs_usage(tmp if jail.tmp_fd is None else jail.tmp_fd)
         if counted is None:  # no block count to read: walk it, and look for its held files
+            if inline:
+                raise OverBound("the private /tmp keeps no count of its own")
             b, n, d = fstree.usage(tmp, max_entries)
             used, entries, too_deep = used + b, entries + n, too_deep + d
             with contextlib.suppress(OSError):
@@ -282,15 +299,19 @@ def disk_violation(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
         # Not firejail's own two (the launcher, `root`, and the sandbox's root-owned init):
         # they run firejail's code only and take no descriptors from the run. Everything
         # below them is searched, orphans included (reparented to that init, its children).
-        used += held_bytes(proctree.below(inner), devices)
+        processes = jail.run_processes(inner)
+        if inline and len(processes) > INLINE_PROCESSES:
+            raise OverBound(f"{len(processes)} processes are left to search")
+        used += held_bytes(processes, devices, INLINE_HELD if inline else None)
     if used > limit:
         return OutputLimit(f"the run wrote more than SANDBOX_MAX_DISK_MB ({max_disk_mb} MiB) to disk")
     return None
 
 
-def tmpfs_usage(tmp: Path) -> tuple[int, int] | None:
-    """(bytes allocated, inodes in use) of the jail's private /tmp as its tmpfs counts them,
-    or None when it cannot say (no size limit: tmpfs then reports no block counts).
+def tmpfs_usage(tmp: Path | int) -> tuple[int, int] | None:
+    """(bytes allocated, inodes in use) of the jail's private /tmp (a path, or a descriptor of
+    it) as its tmpfs counts them, or None when it cannot say (no size limit: tmpfs then
+    reports no block counts).
 
     The kernel's count is every page of every file on that filesystem, named or not: files
     unlinked while open or mapped, sparse files (holes take no page, as in st_blocks),

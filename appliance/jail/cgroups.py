@@ -13,11 +13,11 @@ The instance name is the server's record: a group whose server is no longer aliv
 with that pid and that start time) is a leftover of a server killed with -9, and `purge_dead`
 removes it at the next start; a live server's groups are never touched.
 
-A process joins its group before it executes anything: `Group.preexec` writes "0" (the writer
-itself) into fds of cgroup.procs opened beforehand, in the forked child, before exec. So the
-jail's first process (firejail) and everything it forks are counted from their first instruction;
-no window exists in which a child could fork outside the group, which moving a pid in after
-spawn would leave open.
+A process joins its group before it executes anything of the jail: the launcher (a shell,
+`firejail.join_argv`, the first thing the server executes) writes "0" (itself) into each
+`Group.procs_files()` and only then execs the rest. So firejail and everything it forks are
+counted from their first instruction; no window exists in which a child could fork outside the
+group, which moving a pid in after spawn would leave open.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
 V2_CONTROLLERS = ("memory", "cpu", "pids")
 MODES = ("auto", "require", "off")
 RUN_WEIGHT = 100  # v2 cpu.weight of a run (v1 cpu.shares 1024): equal per run
-IDLE_WEIGHT = 10  # a warm jail waiting (or starting) in the pool: ~ nice 10
+IDLE_WEIGHT = 10  # a jail starting for the pool (ready, it waits at RUN_WEIGHT): ~ nice 10
 REMOVE_WAIT_S = 5.0
 # What a run's path reads and writes (handout weight, cell-start and cell-end counters, peak
 # reset): Group.prime keeps these open. (controller, file, open flags) per cgroup version.
@@ -58,6 +58,8 @@ PATH_FILES: dict[int, tuple[tuple[str, str, int], ...]] = {
         ("", "memory.peak", os.O_RDONLY),
     ),
 }
+MEMBERS = {1: "pids", 2: ""}
+READ_BYTES = 65536  # one read of a group file  # the controller whose cgroup.procs `Group.members` reads
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class GroupLimits:
     weight: int = RUN_WEIGHT
 
     def idle(self) -> GroupLimits:
-        """The same limits at idle weight: a warm jail must not take CPU from running work."""
+        """The same limits at idle weight: a jail starting for the pool must not take CPU from running work."""
         return replace(self, weight=IDLE_WEIGHT)
 
 
@@ -228,7 +230,7 @@ class Hierarchy:
             _enable_v2(self.dirs[""])
 
     def group(self, name: str, limits: GroupLimits) -> Group:
-        """Make group `name` with `limits`; it is empty until a process joins via preexec."""
+        """Make group `name` with `limits`; it is empty until a process joins (`procs_files`)."""
         paths = {c: d / name for c, d in self.dirs.items()}
         made: list[Path] = []
         g: Group | None = None
@@ -318,7 +320,6 @@ class Group:
         self.name = name
         self.paths = dict(paths)
         self.limits = limits
-        self._fds: list[int] = []
         self._kept: dict[tuple[str, str, int], int] = {}
         self._removed = False
 
@@ -348,10 +349,10 @@ class Group:
     def _read(self, controller: str, file: str) -> str:
         fd = self._kept.get((controller, file, os.O_RDONLY))
         if fd is not None:
-            return os.pread(fd, 65536, 0).decode()
+            return os.pread(fd, READ_BYTES, 0).decode()
         fd = os.open(self.paths[controller] / file, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            return os.read(fd, 65536).decode()
+            return os.read(fd, READ_BYTES).decode()
         finally:
             os.close(fd)
 
@@ -366,23 +367,10 @@ class Group:
             self._write(w)
         self.limits = limits
 
-    def open_join(self) -> None:
-        """Open cgroup.procs of every controller now, so preexec only has to write."""
-        self.close_join()
-        for p in self.paths.values():
-            self._fds.append(os.open(p / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
-
-    def preexec(self) -> None:
-        """In the forked child before exec: join the group (writing 0 moves the writer). An
-        error here makes the spawn fail: the jail's first process never runs outside its group."""
-        for fd in self._fds:
-            os.write(fd, b"0")
-
-    def close_join(self) -> None:
-        """Close the fds open_join opened (in the parent, after spawn)."""
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+    def procs_files(self) -> list[Path]:
+        """The cgroup.procs of each controller: a process writing "0" into all of them has
+        joined the group (`firejail.join_argv`)."""
+        return [p / "cgroup.procs" for p in self.paths.values()]
 
     def counters(self, pids: bool = True) -> Counters:
         """CPU time, OOM kills and (unless pids=False: a cell needs only the first two) refused forks."""
@@ -418,17 +406,25 @@ class Group:
         key = "memory" if self.tree.version == 1 else ""
         return owned_kb_of_stat(self.tree.version, self._read(key, "memory.stat")) // 1024
 
+    def members(self) -> list[int] | None:
+        """The group's processes from one read of its cgroup.procs (a cell's end asks), or None
+        where the list did not fit that read. Opened anew each time: v1 keeps the list an open
+        file first read, so a kept descriptor would not see processes come and go."""
+        raw = self._read(MEMBERS[self.tree.version], "cgroup.procs")
+        if len(raw) >= READ_BYTES:
+            return None
+        return [int(x) for x in raw.split()]
+
     def pids(self) -> list[int]:
         """Every process in the group."""
         out: set[int] = set()
-        for p in self.paths.values():
+        for procs in self.procs_files():
             with contextlib.suppress(FileNotFoundError):
-                out |= {int(x) for x in (p / "cgroup.procs").read_text().split()}
+                out |= {int(x) for x in procs.read_text().split()}
         return sorted(out)
 
     def remove(self) -> None:
         """Kill what is left in the group and remove its directories (blocking: a thread)."""
-        self.close_join()
         self._close_kept()  # an open file of a group keeps nothing of it alive, but is ours
         if not self._removed:
             remove_paths(self.paths)

@@ -244,7 +244,10 @@ class Driver:
     def __init__(self, control_fd: int, events: Events) -> None:
         self.events = events
         self.control = os.fdopen(control_fd, "rb")
-        self.runs: queue.Queue[Cell | channel.CudaContextOp | None] = queue.Queue()
+        # What the main thread runs, in order: SimpleQueue's get() is one lock, not a condition.
+        self.runs: queue.SimpleQueue[Cell | channel.CudaContextOp | None] = queue.SimpleQueue()
+        # Set once the main thread has read up to the first cell: the reader thread reads from then on.
+        self.handed_over = threading.Event()
         self.stdin = StdinBuffer()
         self.in_user_code = False
         self.cell_count = 0
@@ -255,30 +258,62 @@ class Driver:
         self.imports = ImportClock()
 
     # -- control channel ----------------------------------------------------------------
+    def take(self, raw: bytes) -> Cell | channel.CudaContextOp | None:
+        """Act on one control line: stdin and interrupts at once; a `run` (its files' bytes
+        follow on the pipe) or a `cuda_context` is returned for the main thread to do.
+        EOFError when the pipe closed mid-message: the server is gone."""
+        op = channel.parse_op(raw)
+        if op is None:
+            return None
+        if op["op"] == "run":
+            # The files' bytes follow the header on the same pipe, exactly as listed.
+            files = [(f["path"], self.control.read(f["size"])) for f in op["files"]]
+            if any(len(data) != f["size"] for (_, data), f in zip(files, op["files"], strict=True)):
+                raise EOFError
+            # The cell's stdin is made here, in order with the stdin messages that follow.
+            buffer = StdinBuffer()
+            if op["stdin_eof"]:
+                buffer.close_input()
+            self.stdin = buffer
+            return Cell(op["code"], files, buffer)
+        if op["op"] == "cuda_context":
+            return op  # on the main thread, where the code will run, before it
+        if op["op"] == "stdin":
+            self.stdin.feed(op["data"])
+        elif op["op"] == "stdin_eof":
+            self.stdin.close_input()
+        elif op["op"] == "interrupt" and self.in_user_code:
+            signal.pthread_kill(self.main_ident, signal.SIGINT)
+        return None
+
+    def first_cell(self) -> Cell | None:
+        """Read the control channel on the main thread up to the first cell (None: it closed).
+
+        A pooled jail's one run then starts where it was read, with no second thread to
+        wake on the way: such a wake-up cost 0.1-0.3 ms of an idle virtual CPU. The reader
+        thread takes the channel over as the cell starts (`handed_over`)."""
+        try:
+            for raw in iter(self.control.readline, b""):
+                item = self.take(raw)
+                if isinstance(item, Cell):
+                    return item
+                if item is not None:  # GPU jails: the run's CUDA context, before any code
+                    self.events.emit(open_cuda_context(item["lib"]))
+        except EOFError:
+            pass
+        return None
+
     def read_control(self) -> None:
-        for raw in iter(self.control.readline, b""):
-            op = channel.parse_op(raw)
-            if op is None:
-                continue
-            if op["op"] == "run":
-                # The files' bytes follow the header on the same pipe, exactly as listed.
-                files = [(f["path"], self.control.read(f["size"])) for f in op["files"]]
-                if any(len(data) != f["size"] for (_, data), f in zip(files, op["files"], strict=True)):
-                    break  # the pipe closed mid-message: the server is gone
-                # The cell's stdin is made here, in order with the stdin messages that follow.
-                buffer = StdinBuffer()
-                if op["stdin_eof"]:
-                    buffer.close_input()
-                self.stdin = buffer
-                self.runs.put(Cell(op["code"], files, buffer))
-            elif op["op"] == "cuda_context":
-                self.runs.put(op)  # on the main thread, where the code will run, before it
-            elif op["op"] == "stdin":
-                self.stdin.feed(op["data"])
-            elif op["op"] == "stdin_eof":
-                self.stdin.close_input()
-            elif op["op"] == "interrupt" and self.in_user_code:
-                signal.pthread_kill(self.main_ident, signal.SIGINT)
+        """The reader thread: every control line after the first cell's, so that stdin and
+        interrupts reach a cell while it runs."""
+        self.handed_over.wait()
+        try:
+            for raw in iter(self.control.readline, b""):
+                item = self.take(raw)
+                if item is not None:
+                    self.runs.put(item)
+        except EOFError:
+            pass
         if self.in_user_code:
             # EOF mid-cell: the server is gone (killed) and can no longer enforce the wall
             # clock. End every process of this PID namespace and the jail with it.
@@ -289,37 +324,40 @@ class Driver:
 
     # -- cells ---------------------------------------------------------------------------
     def serve(self) -> None:
-        while True:
-            item = self.runs.get()
-            if item is None:
-                return
-            if not isinstance(item, Cell):
-                self.events.emit(open_cuda_context(item["lib"]))
-                continue
-            sys.stdin = item.stdin
-            before = _usage()
-            self.imports.seconds = 0.0
-            exit_code = 0
-            try:
-                write_uploads(item.files)
-            except OSError as exc:
-                self.events.emit(error_event(exc, skip_driver=False))
-                exit_code = 1
+        item: Cell | channel.CudaContextOp | None = self.first_cell()
+        self.handed_over.set()
+        while item is not None:
+            if isinstance(item, Cell):
+                self.run(item)
             else:
-                exit_code = self.run_cell(item.code)
-            if os.getpid() != self.events.pid:
-                os._exit(exit_code)  # a child the code forked fell out of its cell: end it here
-            end_leftovers()
-            after = _usage()
-            self.events.emit(
-                {
-                    "ev": "done",
-                    "exit_code": exit_code,
-                    "cpu_ms": int((after[0] - before[0]) * 1000),
-                    "max_rss_mb": round(after[1] / 1024, 1),
-                    "import_ms": int(self.imports.seconds * 1000),
-                }
-            )
+                self.events.emit(open_cuda_context(item["lib"]))
+            item = self.runs.get()
+
+    def run(self, item: Cell) -> None:
+        sys.stdin = item.stdin
+        before = _usage()
+        self.imports.seconds = 0.0
+        exit_code = 0
+        try:
+            write_uploads(item.files)
+        except OSError as exc:
+            self.events.emit(error_event(exc, skip_driver=False))
+            exit_code = 1
+        else:
+            exit_code = self.run_cell(item.code)
+        if os.getpid() != self.events.pid:
+            os._exit(exit_code)  # a child the code forked fell out of its cell: end it here
+        end_leftovers()
+        after = _usage()
+        self.events.emit(
+            {
+                "ev": "done",
+                "exit_code": exit_code,
+                "cpu_ms": int((after[0] - before[0]) * 1000),
+                "max_rss_mb": round(after[1] / 1024, 1),
+                "import_ms": int(self.imports.seconds * 1000),
+            }
+        )
 
     def run_cell(self, code: str) -> int:
         self.cell_count += 1

@@ -3,32 +3,85 @@
 The disk watchdog walks the run directory and the jail's /tmp, which cannot see a file
 that was unlinked while a descriptor or a mapping still holds it, nor a `memfd_create`
 file: both still take disk or tmpfs memory until their last holder goes. This module
-finds them through /proc (the fd table and `map_files` of each of the jail's processes,
-read by the root server; links there are the kernel's, not the code's) so the quota can
-count them.
+finds them through /proc (every descriptor table and the mappings of each of the jail's
+processes, read by the root server; links there are the kernel's, not the code's) so the
+quota can count them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import stat
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 DELETED = b" (deleted)\n"  # how maps ends the path of a file with no name left
 
 
-def _targets(pid: int) -> Iterable[str]:
-    base = f"/proc/{pid}/fd"
+@dataclass(frozen=True)
+class Bound:
+    """How much a search may look at before it gives up (`OverBound`): descriptors per table,
+    threads and maps bytes per process. A search on the event loop must stay short whatever
+    the run left."""
+
+    fds: int
+    threads: int
+    maps_bytes: int
+
+
+class OverBound(Exception):
+    """A bounded search met more than its bound; nothing was decided."""
+
+
+def _targets(pid: int, bound: Bound | None) -> Iterable[str]:
+    for base in _descriptor_tables(pid, bound):
+        try:
+            names = os.listdir(base)
+        except OSError:
+            names = []
+        if bound is not None and len(names) > bound.fds:
+            raise OverBound(f"{base} holds {len(names)} descriptors")
+        for name in names:
+            yield f"{base}/{name}"
+    yield from _unnamed_mappings(pid, bound)
+
+
+def _descriptor_tables(pid: int, bound: Bound | None) -> list[str]:
+    """The fd directories of every descriptor table in process pid: its own (/proc/PID/fd is
+    its leader thread's), and that of each thread with a table of its own. A thread gets one
+    with unshare(CLONE_FILES), or when cloned without CLONE_FILES; what it holds open is in
+    no other table, so a search of the process's alone would miss it."""
+    tables = [f"/proc/{pid}/fd"]
     try:
-        names = os.listdir(base)
-    except OSError:
-        names = []
-    for name in names:
-        yield f"{base}/{name}"
-    yield from _unnamed_mappings(pid)
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except (OSError, ValueError):
+        return tables
+    if bound is not None and len(tids) > bound.threads:
+        raise OverBound(f"process {pid} has {len(tids)} threads")
+    tables += [f"/proc/{pid}/task/{tid}/fd" for tid in tids if tid != pid and not _same_table(pid, tid)]
+    return tables
 
 
-def _unnamed_mappings(pid: int) -> Iterable[str]:
+_KCMP = {"x86_64": 312, "aarch64": 272}.get(os.uname().machine)  # the kcmp(2) syscall's number
+KCMP_FILES = 2
+
+
+def _same_table(pid: int, tid: int) -> bool:
+    """Whether thread tid shares its descriptor table with pid's leader: kcmp(2), one syscall.
+    Where it cannot tell (no kcmp here, a thread gone), the thread's own table is searched."""
+    if _KCMP is None:
+        return False
+    return bool(_libc().syscall(_KCMP, pid, tid, KCMP_FILES, 0, 0) == 0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _unnamed_mappings(pid: int, bound: Bound | None = None) -> Iterable[str]:
     """The map_files entries of the mappings whose file has no name left.
 
     A process maps hundreds of named files (its interpreter, every library, each several
@@ -42,9 +95,13 @@ def _unnamed_mappings(pid: int) -> Iterable[str]:
     except OSError:
         return
     chunks: list[bytes] = []
+    size = 0
     try:
-        while chunk := os.read(fd, 1 << 18):
+        while chunk := os.read(fd, 1 << 18 if bound is None else bound.maps_bytes + 1):
             chunks.append(chunk)
+            size += len(chunk)
+            if bound is not None and size > bound.maps_bytes:
+                raise OverBound(f"process {pid} maps more than {bound.maps_bytes} bytes of ranges")
     except OSError:
         return
     finally:
@@ -66,15 +123,16 @@ def _unnamed_mappings(pid: int) -> Iterable[str]:
             continue
 
 
-def held_bytes(pids: Iterable[int], devices: set[int]) -> int:
+def held_bytes(pids: Iterable[int], devices: set[int], bound: Bound | None = None) -> int:
     """Bytes allocated to regular files the processes hold open or mapped that have no name
     left (st_nlink 0) on one of `devices` (the run directory's; the jail's /tmp's where its
     tmpfs does not count them itself), and to
-    memfds. Each file counts once, however many holders it has."""
+    memfds. Each file counts once, however many holders it has. With `bound`, OverBound
+    rather than look at more than it allows of any process."""
     seen: set[tuple[int, int]] = set()
     total = 0
     for pid in pids:
-        for path in _targets(pid):
+        for path in _targets(pid, bound):
             try:
                 st = os.stat(path)  # follows the kernel's magic link to the open file itself
             except OSError:

@@ -11,19 +11,20 @@ and `Jail.destroy()` undoes all of it, whatever happened.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import os
 import secrets
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.errors import JailExited, JailFailure, JailStartFailed
 from appliance.jail import checks, proctree
-from appliance.jail.cgroups import Group, GroupLimits, Hierarchy
+from appliance.jail.cgroups import Counters, Group, GroupLimits, Hierarchy
 from appliance.jail.devices import GpuDevice
-from appliance.jail.firejail import accounts_argv, drop_argv, launcher_env, render_argv
+from appliance.jail.firejail import accounts_argv, drop_argv, join_argv, launcher_env, render_argv
 from appliance.jail.host import HostFacts
 from appliance.jail.network import EgressNetwork, JailLink, enter_argv, expected_interfaces
 from appliance.jail.process import JailProcess
@@ -48,22 +49,59 @@ class Jail:
     link: JailLink | None = None  # egress mode: the jail's own network namespace
     network: EgressNetwork | None = None
     cgroup: Group | None = None  # the jail's own cgroup (memory, cpu, pids), when enforcing
+    baseline: Counters | None = None  # the group's counters when it became ready (`make_ready`)
+    tmp_fd: int | None = None  # its private /tmp, open from `pin` until `destroy`
     _destroyed: bool = False
 
     @property
     def alive(self) -> bool:
         return not self._destroyed and self.process.is_running()
 
-    @property
-    def private_tmp(self) -> Path | None:
-        """The jail's private /tmp (a tmpfs in its mount namespace) as the host sees it."""
-        return tmp_of(proctree.children(self.process.pid))
+    def pin(self) -> None:
+        """The driver is up and no code has run: pin the jail's processes (`JailProcess.pin`)
+        and open its private /tmp, whose tmpfs counts what the run keeps there: a cell's end
+        then reads that count with one fstatvfs instead of a path lookup through /proc into
+        another mount namespace (some 80 us on an idle CPU here)."""
+        self.process.pin()
+        tmp = tmp_of(self.process.inits())
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                self.tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
 
-    def to_run(self, limits: GroupLimits | None) -> None:
-        """A pooled jail is handed to a run: the run's cgroup limits (the idle ones differ in CPU
-        weight only: one file write). Its niceness was set back to 0 when it became ready."""
-        if self.cgroup is not None and limits is not None:
+    def run_processes(self, inits: list[int]) -> list[int]:
+        """Every process of the jail below firejail's own two (its launcher and the sandbox's
+        init, `inits`): what the run made, orphans included. From the cgroup's member list,
+        one read, where the jail has a group (nothing of it can leave it); else from /proc."""
+        if self.cgroup is not None:
+            try:
+                members = self.cgroup.members()
+            except (OSError, ValueError):
+                members = None
+            if members is not None:
+                skip = {self.process.pid, *inits}
+                return [pid for pid in members if pid not in skip]
+        return proctree.below(inits)
+
+    def make_ready(self, limits: GroupLimits) -> None:
+        """A pooled jail, started at idle CPU weight, becomes ready to hand out: the run's cgroup
+        limits (they differ in the weight only) and the baseline its first cell is measured from
+        (CPU time, OOM kills, a new peak reading). Done here, off the run's path: waiting ready,
+        the jail runs nothing, so neither changes until a run has it. OSError if the group
+        cannot be written: such a jail must not be handed out."""
+        if self.cgroup is not None:
             self.cgroup.set_limits(limits)
+            self.baseline = self.cgroup.counters(pids=False)
+            self.cgroup.reset_peak()
+
+    def cell_baseline(self) -> Counters | None:
+        """The group's counters a cell is measured from: those taken when the jail became ready,
+        for its first cell; else read now, with a new peak reading. None without a group."""
+        base, self.baseline = self.baseline, None
+        if base is None and self.cgroup is not None:
+            with contextlib.suppress(OSError):
+                base = self.cgroup.counters(pids=False)
+                self.cgroup.reset_peak()
+        return base
 
     async def destroy(self) -> None:
         """Kill every process of the jail, reap them, remove the run directory and the cgroup."""
@@ -73,6 +111,9 @@ class Jail:
         try:
             await self.process.kill()
         finally:
+            if self.tmp_fd is not None:  # an open directory keeps its tmpfs, and its pages, alive
+                os.close(self.tmp_fd)
+                self.tmp_fd = None
             try:
                 await asyncio.to_thread(self._remove)
             finally:
@@ -170,8 +211,7 @@ class JailFactory:
         """Start and verify a new jail, or raise JailFailure (and leave nothing behind).
 
         nice > 0 starts it at lower CPU priority (pool refills) and, with cgroups, at idle CPU
-        weight; the pool sets it back to nice 0 once it is ready, and `Jail.to_run` restores
-        the weight when it is handed to a run.
+        weight; the pool sets both back for runs once it is ready (`make_ready`).
         """
         jail_id = secrets.token_hex(8)
         group = None
@@ -179,7 +219,6 @@ class JailFactory:
             limits = self.run_limits.idle() if nice > 0 else self.run_limits
             try:
                 group = self.cgroups.group(jail_id, limits)
-                group.open_join()
             except OSError as exc:
                 if group is not None:
                     await asyncio.to_thread(group.remove)
@@ -191,6 +230,25 @@ class JailFactory:
                 await asyncio.to_thread(group.remove)
             raise
 
+    def _launcher(self, link: JailLink | None, group: Group | None) -> list[str]:
+        """What runs before firejail, outermost first: join the jail's cgroup (as root), give it
+        the minimal accounts (a private mount namespace), enter its network namespace, and drop
+        to the sandbox uid. All of it is exec'd programs, so the server spawns with vfork and
+        never forks itself (`firejail.join_argv`)."""
+        uid, gid = self.host.uid, self.host.gid
+        # In egress mode root enters the namespace and drops to the sandbox uid itself.
+        prefix = enter_argv(link, uid, gid) if link is not None else []
+        if link is None and self.host.run_as_uid is not None:
+            prefix = drop_argv(uid, gid)
+        accounts = self.dirs.accounts
+        if accounts is not None and prefix:
+            # Root starts it: the jail's /etc/passwd and /etc/group list only root and the
+            # sandbox user (a server that is the sandbox uid itself cannot mount them).
+            prefix = accounts_argv(*accounts, prefix)
+        if group is not None:
+            prefix = join_argv(group.procs_files()) + prefix
+        return prefix
+
     async def _launch(self, jail_id: str, nice: int, group: Group | None) -> Jail:
         workdir = await asyncio.to_thread(self.dirs.create, jail_id)
         link: JailLink | None = None
@@ -201,33 +259,17 @@ class JailFactory:
                 await asyncio.to_thread(self.dirs.remove, workdir)
                 raise
         spec = dataclasses.replace(self.spec(workdir, link), nice=nice)
-        # In egress mode root enters the namespace and drops to the sandbox uid itself.
-        prefix = enter_argv(link, self.host.uid, self.host.gid) if link is not None else []
-        run_as = self.host.run_as_uid if link is None else None
-        accounts = self.dirs.accounts
-        if accounts is not None and (link is not None or run_as is not None):
-            # Root starts it: the jail's /etc/passwd and /etc/group list only root and the
-            # sandbox user (a server that is the sandbox uid itself cannot mount them).
-            drop = prefix if link is not None else drop_argv(self.host.uid, self.host.gid)
-            prefix = accounts_argv(*accounts, drop)
-            run_as = None
         try:
             process = await JailProcess.spawn(
-                lambda fd: prefix + render_argv(spec, fd, self.host.firejail),
-                uid=run_as,
-                gid=self.host.gid if run_as is not None else None,
+                lambda fd: self._launcher(link, group) + render_argv(spec, fd, self.host.firejail),
                 env=launcher_env(),
                 max_event_bytes=self.settings.max_output_bytes + 65536,
-                preexec=group.preexec if group is not None else None,
             )
-        except (OSError, subprocess.SubprocessError) as exc:  # SubprocessError: joining the group failed
+        except OSError as exc:
             await asyncio.to_thread(self.dirs.remove, workdir)
             if link is not None and self.network is not None:
                 await self.network.release(link)
             raise JailFailure(f"could not start firejail: {exc}") from exc
-        finally:
-            if group is not None:
-                group.close_join()
         self.spawned += 1
         jail = Jail(
             id=jail_id,
@@ -260,7 +302,7 @@ class JailFactory:
             raise JailFailure("the jail failed its self-check; the run was refused")
         if ready["preload_failed"]:
             log.warning("preload failed", extra={"modules": ready["preload_failed"]})
-        jail.process.pin()
+        jail.pin()
         return jail
 
 

@@ -107,11 +107,6 @@ class JailPool:
         while self.ready:
             jail = self.ready.popleft()
             if jail.alive:
-                try:
-                    jail.to_run(self.factory.run_limits)
-                except OSError as exc:  # fail closed: no code runs under the idle limits
-                    await jail.destroy()
-                    raise JailFailure(f"could not give the jail its run's cgroup limits: {exc}") from exc
                 return jail
             await jail.destroy()
         self.cold_starts += 1
@@ -177,9 +172,16 @@ class JailPool:
             await jail.destroy()
             return
         self.jail_pss_kb = await asyncio.to_thread(jail.process.pss_kb) or self.jail_pss_kb
-        # Started nice'd so that its startup never competes with running work; ready, it is
-        # idle and waits at normal priority, so that taking it costs a run nothing more.
+        # Started nice'd and at idle CPU weight so that its startup never competes with running
+        # work; ready, it is idle and waits at normal priority and the run's limits, so that
+        # taking it costs a run nothing more.
         jail.process.renice(0)
+        try:
+            jail.make_ready(self.factory.run_limits)
+        except OSError as exc:  # fail closed: no code runs under limits that were not set
+            log.error("could not give a warm jail its run's cgroup limits", extra={"error": str(exc)})
+            await jail.destroy()
+            return
         self.ready.append(jail)
         watcher = asyncio.create_task(self._watch(jail))
         self._watchers.add(watcher)

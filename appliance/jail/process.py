@@ -21,9 +21,10 @@ import codecs
 import contextlib
 import errno
 import os
+import select
 import signal
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,21 +122,22 @@ class JailProcess:
         self._flushed: list[asyncio.Future[None]] = []
         self._ready_pids: tuple[int, ...] = ()
         self._init_fds: list[int] = []  # pidfds of the jail's PID-namespace init (see pin)
+        self._killed = False  # SIGKILL went to the init through its pidfd
+        self._init_pids: tuple[int, ...] = ()
 
     @classmethod
     async def spawn(
         cls,
         argv_for_fd: Any,
         *,
-        uid: int | None,
-        gid: int | None,
         env: Mapping[str, str],
         max_event_bytes: int,
-        preexec: Callable[[], None] | None = None,
     ) -> JailProcess:
         """Start firejail. `argv_for_fd(events_fd)` renders the argv once the fd number is known.
-        `preexec` runs in the forked child before exec (joining the jail's cgroup); if it fails,
-        nothing is executed and this raises (subprocess.SubprocessError)."""
+
+        Nothing runs in the child before exec (no preexec, no uid change: the argv's own
+        launcher does those), so Python spawns with vfork: the server's memory is neither
+        copied nor write-protected, which a fork() of it would do at every pool refill."""
         ctl_r, ctl_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -143,9 +145,6 @@ class JailProcess:
         child_ends = (ctl_r, out_w, err_w, ev_w)
         try:
             argv: Sequence[str] = argv_for_fd(ev_w)
-            extra: dict[str, Any] = {}
-            if uid is not None:
-                extra = {"user": uid, "group": gid, "extra_groups": []}
             proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=ctl_r,
@@ -155,8 +154,6 @@ class JailProcess:
                 env=dict(env),
                 cwd="/",
                 start_new_session=True,
-                preexec_fn=preexec,
-                **extra,
             )
         except BaseException:
             for fd in (*child_ends, ctl_w, out_r, err_r, ev_r):
@@ -374,19 +371,29 @@ class JailProcess:
         The PID-namespace init is held by a pidfd, so a kill can never reach a process that
         reused its PID; the list of processes (and threads) is what `renice` changes."""
         self._ready_pids = tuple(self.tree())
-        for pid in proctree.children(self.pid):
+        self._init_pids = tuple(proctree.children(self.pid))
+        for pid in self._init_pids:
             with contextlib.suppress(OSError):
                 self._init_fds.append(os.pidfd_open(pid))
+
+    def inits(self) -> list[int]:
+        """firejail's child: the sandbox's PID-namespace init, whose mount namespace holds the
+        jail's private /tmp. Pinned once the jail is ready: it is the same process for the
+        jail's whole life, and held by a pidfd, its PID cannot be another's while we look."""
+        return list(self._init_pids) if self._init_pids else proctree.children(self.pid)
 
     def signal_kill(self) -> None:
         """SIGKILL the jail's PID-namespace init (and with it every process of the jail) now,
         without waiting; `kill()` later waits for the teardown and reaps."""
-        if self._proc.returncode is not None:
+        if self._proc.returncode is not None or self._killed:
             return
         if self._init_fds:
             for fd in self._init_fds:
                 with contextlib.suppress(ProcessLookupError, OSError):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
+            # SIGKILL cannot be blocked or caught: once it is pending, the init and with it the
+            # whole PID namespace is going. Sending it again would only cost another wake-up.
+            self._killed = True
             return
         for pid in proctree.children(self.pid) or [self.pid]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -408,9 +415,16 @@ class JailProcess:
         self._close_all()
 
     def is_running(self) -> bool:
-        """Not reaped, not a zombie, and its event pipe still open (checked from /proc)."""
-        if self._proc.returncode is not None or self._exited:
+        """Not reaped, its event pipe still open, and its sandbox alive: once pinned, a pidfd of
+        the PID-namespace init that is not readable (a pidfd turns readable when its process
+        exits: one poll); before that, firejail's state from /proc (not a zombie)."""
+        if self._proc.returncode is not None or self._exited or self._killed:
             return False
+        if self._init_fds:
+            poller = select.poll()  # not select(): a server's descriptors may be past FD_SETSIZE
+            for fd in self._init_fds:
+                poller.register(fd, select.POLLIN)
+            return not poller.poll(0)
         return proctree.state(self.pid) not in ("Z", "X", "")
 
     def tree(self) -> list[int]:

@@ -320,6 +320,54 @@ async def test_a_sessions_memfd_counts_between_cells(target: Server, observe: Ob
     observe(f"next request: {later.status} ({later.message}); {note}")
 
 
+OWN_TABLE = """
+import ctypes, os, threading
+libc = ctypes.CDLL(None, use_errno=True)
+held = threading.Event()
+def hold():
+    if libc.unshare(0x400) != 0:  # CLONE_FILES: a descriptor table of this thread's own
+        raise OSError(ctypes.get_errno(), "unshare")
+    fd = os.open("hidden.bin", os.O_CREAT | os.O_RDWR, 0o600)
+    os.unlink("hidden.bin")
+    for _ in range(90):
+        os.write(fd, b"t" * (1 << 20))
+    held.set()
+    threading.Event().wait()
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+print("held", flush=True)
+"""
+
+
+@attack(
+    "a thread unshares its descriptor table (CLONE_FILES) and holds a 90 MiB unlinked file there "
+    "(quota 64 MiB), in a one-shot run and across a session's cells",
+    "every descriptor table is searched: output_limit for the run, the session ended between cells",
+)
+async def test_a_file_held_in_a_threads_own_descriptor_table_counts(target: Server, observe: Observe) -> None:
+    from appliance.client import AsyncClient
+
+    ex = await run(target, OWN_TABLE)
+    assert ex.status == "output_limit" and "SANDBOX_MAX_DISK_MB" in str(ex.message), (ex.status, ex.message)
+    async with AsyncClient(target.url, TOKEN) as client:
+        # The first cell ends over the quota too; a cell that stays within it while its thread
+        # fills the file afterwards is the between-cells case.
+        first = await client.execute(
+            OWN_TABLE.replace("held.wait()", "")
+            .replace("held.set()", "")
+            .replace("def hold():", "def hold():\n    import time; time.sleep(0.5)"),
+            session="new",
+        )
+        assert first.status == "ok", first
+        await asyncio.sleep(scaled(5))
+        later = await client.execute("print('still?')", session=first.session)
+    assert later.status == "rejected" and "between cells" in str(later.message), (later.status, later.message)
+    note = await assert_contained(target)
+    observe(
+        f"one-shot: {ex.status} ({ex.message}); next session cell: {later.status} ({later.message}); {note}"
+    )
+
+
 @attack(
     "io_uring_setup (syscall 425) from ctypes",
     "refused by the jail's seccomp filter (EPERM or ENOSYS): no io_uring instance",
