@@ -73,7 +73,9 @@ def _same_table(pid: int, tid: int) -> bool:
     Where it cannot tell (no kcmp here, a thread gone), the thread's own table is searched."""
     if _KCMP is None:
         return False
-    return bool(_libc().syscall(_KCMP, pid, tid, KCMP_FILES, 0, 0) == 0)
+    # Every argument as a C long: the syscall(2) wrapper reads its variadic arguments so.
+    args = (ctypes.c_long(x) for x in (_KCMP, pid, tid, KCMP_FILES, 0, 0))
+    return bool(_libc().syscall(*args) == 0)
 
 
 @functools.cache
