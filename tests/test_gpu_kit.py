@@ -295,6 +295,29 @@ sys.stdin.read()
 """
 
 
+def hold_contexts(
+    libcuda: Path, scratch: Path, count: int, procs: list[subprocess.Popen[bytes]]
+) -> list[int]:
+    """Start `count` processes, one after another, that each try to make a CUDA context on the
+    simulated GPU-SIM-0 and hold it; each one's CUDA result, in order (0: a context). The
+    processes are appended to `procs` for the caller to kill."""
+    env = {
+        "PATH": os.environ["PATH"],
+        "APPLIANCE_LIBCUDA": str(libcuda),
+        "CUDA_VISIBLE_DEVICES": "GPU-SIM-0",
+        "CUDA_MPS_PIPE_DIRECTORY": str(scratch / "no-mps-here"),
+    }
+    rcs = []
+    for _ in range(count):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLD_CONTEXT], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        rcs.append(int(proc.stdout.readline()))
+    return rcs
+
+
 @pytest.mark.parametrize(
     ("mode", "first", "second"),
     [("DEFAULT", 0, 0), ("EXCLUSIVE_PROCESS", 0, 46), ("EXCLUSIVE_THREAD", 0, 46), ("PROHIBITED", 46, 46)],
@@ -308,23 +331,9 @@ def test_the_simulated_gpu_fails_contexts_as_the_driver_does_in_each_compute_mod
 
     memory = SimulatedGpuMemory(libcuda, scratch / f"ctl-{mode}.json", 4096, free_delay_s=0)
     memory.modes["0"] = mode
-    env = {
-        "PATH": os.environ["PATH"],
-        "APPLIANCE_LIBCUDA": str(libcuda),
-        "CUDA_VISIBLE_DEVICES": "GPU-SIM-0",
-        "CUDA_MPS_PIPE_DIRECTORY": str(scratch / "no-mps-here"),
-    }
     procs: list[subprocess.Popen[bytes]] = []
-    rcs = []
     try:
-        for _ in range(2):
-            proc = subprocess.Popen(
-                [sys.executable, "-c", HOLD_CONTEXT], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-            )
-            procs.append(proc)
-            assert proc.stdout is not None
-            rcs.append(int(proc.stdout.readline()))
-        assert rcs == [first, second]
+        assert hold_contexts(libcuda, scratch, 2, procs) == [first, second]
     finally:
         for proc in procs:
             proc.kill()
@@ -446,23 +455,9 @@ def test_the_simulated_gpu_charges_each_context_and_a_full_device_refuses_one(
 
     control = scratch / "ctl-context.json"
     memory = SimulatedGpuMemory(libcuda, control, 1000, free_delay_s=0, context_mb=400)
-    env = {
-        "PATH": os.environ["PATH"],
-        "APPLIANCE_LIBCUDA": str(libcuda),
-        "CUDA_VISIBLE_DEVICES": "GPU-SIM-0",
-        "CUDA_MPS_PIPE_DIRECTORY": str(scratch / "no-mps-here"),
-    }
     procs: list[subprocess.Popen[bytes]] = []
-    rcs = []
     try:
-        for _ in range(3):
-            proc = subprocess.Popen(
-                [sys.executable, "-c", HOLD_CONTEXT], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
-            )
-            procs.append(proc)
-            assert proc.stdout is not None
-            rcs.append(int(proc.stdout.readline()))
-        assert rcs == [0, 0, 2]
+        assert hold_contexts(libcuda, scratch, 3, procs) == [0, 0, 2]
         listed = json.loads(control.read_text())["processes"]
         assert sorted(p["used_mb"] for p in listed) == [400, 400], listed
     finally:
