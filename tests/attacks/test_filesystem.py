@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import websockets
 
+from appliance.client import AsyncClient, Execution
 from tests.attacks.common import SYSCALLS, TOKEN, assert_contained, attack, probe, run
 from tests.attacks.conftest import hostile_server
 from tests.attacks.test_transport import rss_mb
@@ -293,28 +294,32 @@ async def test_unlinked_files_and_memfds_count_toward_the_disk_quota(
     observe(f"{ex.status}: {ex.message}; {note}")
 
 
+async def next_cell_after(target: Server, code: str) -> Execution:
+    """Open a session with `code` (its cell must end ok), wait while what it left behind runs
+    on between cells, and send the session's next request: what that request got."""
+    async with AsyncClient(target.url, TOKEN) as client:
+        first = await client.execute(code, session="new")
+        assert first.status == "ok", first
+        await asyncio.sleep(scaled(5))
+        return await client.execute("print('still?')", session=first.session)
+
+
 @attack(
     "a session's cell leaves a thread that fills a memfd after the cell ended (90 MiB, quota 64)",
     "the quota holds between cells, memfds included: the session is ended and its next request is told why",
 )
 async def test_a_sessions_memfd_counts_between_cells(target: Server, observe: Observe) -> None:
-    from appliance.client import AsyncClient
-
-    async with AsyncClient(target.url, TOKEN) as client:
-        first = await client.execute(
-            "import os, threading, time\n"
-            "held = []\n"
-            "def fill():\n"
-            "    time.sleep(0.5)\n"
-            "    fd = os.memfd_create('between'); held.append(fd)\n"
-            "    for _ in range(90):\n"
-            "        os.write(fd, b'm' * (1 << 20))\n"
-            "threading.Thread(target=fill, daemon=True).start()\nprint('started')",
-            session="new",
-        )
-        assert first.status == "ok", first
-        await asyncio.sleep(scaled(5))
-        later = await client.execute("print('still?')", session=first.session)
+    later = await next_cell_after(
+        target,
+        "import os, threading, time\n"
+        "held = []\n"
+        "def fill():\n"
+        "    time.sleep(0.5)\n"
+        "    fd = os.memfd_create('between'); held.append(fd)\n"
+        "    for _ in range(90):\n"
+        "        os.write(fd, b'm' * (1 << 20))\n"
+        "threading.Thread(target=fill, daemon=True).start()\nprint('started')",
+    )
     assert later.status == "rejected" and "between cells" in str(later.message), (later.status, later.message)
     note = await assert_contained(target)
     observe(f"next request: {later.status} ({later.message}); {note}")
@@ -345,22 +350,16 @@ print("held", flush=True)
     "every descriptor table is searched: output_limit for the run, the session ended between cells",
 )
 async def test_a_file_held_in_a_threads_own_descriptor_table_counts(target: Server, observe: Observe) -> None:
-    from appliance.client import AsyncClient
-
     ex = await run(target, OWN_TABLE)
     assert ex.status == "output_limit" and "SANDBOX_MAX_DISK_MB" in str(ex.message), (ex.status, ex.message)
-    async with AsyncClient(target.url, TOKEN) as client:
-        # The first cell ends over the quota too; a cell that stays within it while its thread
-        # fills the file afterwards is the between-cells case.
-        first = await client.execute(
-            OWN_TABLE.replace("held.wait()", "")
-            .replace("held.set()", "")
-            .replace("def hold():", "def hold():\n    import time; time.sleep(0.5)"),
-            session="new",
-        )
-        assert first.status == "ok", first
-        await asyncio.sleep(scaled(5))
-        later = await client.execute("print('still?')", session=first.session)
+    # The first cell ends over the quota too; a cell that stays within it while its thread
+    # fills the file afterwards is the between-cells case.
+    later = await next_cell_after(
+        target,
+        OWN_TABLE.replace("held.wait()", "")
+        .replace("held.set()", "")
+        .replace("def hold():", "def hold():\n    import time; time.sleep(0.5)"),
+    )
     assert later.status == "rejected" and "between cells" in str(later.message), (later.status, later.message)
     note = await assert_contained(target)
     observe(
