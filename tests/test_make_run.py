@@ -155,6 +155,18 @@ def test_a_cuda_build_that_still_cannot_offload_fails(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "still false" in proc.stderr
 
 
+def installed_venv(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(venv, fake bin dir, command log) of `cuda_fakes`, its .installed stamp newer than
+    pyproject.toml: `make venv` has nothing left to install there."""
+    py, bin_dir, log = cuda_fakes(tmp_path)
+    venv = py.parent.parent
+    stamp = venv / ".installed"
+    stamp.touch()
+    newer = (REPO / "pyproject.toml").stat().st_mtime + 3600
+    os.utime(stamp, (newer, newer))
+    return venv, bin_dir, log
+
+
 @pytest.mark.parametrize(
     ("target", "opt_in"),
     [("cuda-build", None), ("venv", "1")],  # `make cuda-build`, and `APPLIANCE_CUDA_BUILD=1 make venv`
@@ -164,12 +176,7 @@ def test_the_cuda_build_rebuilds_a_venv_that_is_already_installed(
 ) -> None:
     # The hint and docs/gpu.md send users here with a venv already installed: its .installed
     # stamp is newer than pyproject.toml, so nothing that hangs off the stamp runs again.
-    py, bin_dir, log = cuda_fakes(tmp_path)
-    venv = py.parent.parent
-    stamp = venv / ".installed"
-    stamp.touch()
-    newer = (REPO / "pyproject.toml").stat().st_mtime + 3600
-    os.utime(stamp, (newer, newer))
+    venv, bin_dir, log = installed_venv(tmp_path)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "CUDA_ARCHS": "90", "HOME": str(tmp_path)}
     if opt_in is not None:
         env["APPLIANCE_CUDA_BUILD"] = opt_in
@@ -185,12 +192,7 @@ def test_the_cuda_build_rebuilds_a_venv_that_is_already_installed(
 
 
 def test_make_venv_on_an_installed_venv_starts_no_cuda_build_unasked(tmp_path: Path) -> None:
-    py, bin_dir, log = cuda_fakes(tmp_path)
-    venv = py.parent.parent
-    stamp = venv / ".installed"
-    stamp.touch()
-    newer = (REPO / "pyproject.toml").stat().st_mtime + 3600
-    os.utime(stamp, (newer, newer))
+    venv, bin_dir, log = installed_venv(tmp_path)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
     proc = subprocess.run(
         ["make", "-s", "venv", f"VENV={venv}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
