@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from appliance import local, parse_worker
+from appliance.jail import instance
 from appliance.jail.jail import JailFactory
 from appliance.jail.proctree import descendants
 from appliance.local import LocalServer
@@ -158,3 +159,9 @@ def jail_factory(
         yield cls(settings, host, stage_runtime(settings.tmp_root, settings.python), dirs)
     finally:
         dirs.remove_instance()
+
+
+def run_root(tmp_root: Path, pid: int) -> Path:
+    """Where server `pid` (alive, in this PID namespace) keeps its run directories under the
+    SANDBOX_TMP_ROOT `tmp_root`: its instance directory (`appliance.jail.instance`)."""
+    return tmp_root / "appliance" / instance.name(pid)

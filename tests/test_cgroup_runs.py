@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from appliance.client import AsyncClient, Execution
-from appliance.jail import cgroups
+from appliance.jail import cgroups, instance
 from tests.support import Server, scaled, start_server
 
 MEMORY_MB = 1024
@@ -38,7 +38,7 @@ def instance_dirs(server: Server, tree: cgroups.Hierarchy | None = None) -> dict
     """The server's instance directory per controller (its groups are the subdirectories)."""
     t = tree or _tree()
     pid = server.proc.pid
-    name = cgroups.instance_name(pid, cgroups.start_time(pid) or 0)
+    name = instance.name(pid)
     return {c: d / name for c, d in t.base.items()}
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.jail import cgroups
+from appliance.jail import cgroups, instance
 from appliance.jail.cgroups import GroupLimits, Write, changes, render_v1, render_v2
 from appliance.jail.firejail import JOIN_FAILED, join_argv
 
@@ -69,10 +69,15 @@ def test_counters_and_owned_memory_parse_both_versions() -> None:
 
 
 def test_instance_names_round_trip_and_reject_strangers() -> None:
-    assert cgroups.parse_instance(cgroups.instance_name(42, 123456)) == (42, 123456)
-    for name in ("srv-42", "srv-x-1", "other-1-2", "srv-1-2-3", ".probe-9"):
-        assert cgroups.parse_instance(name) is None
-    assert cgroups.start_time(os.getpid()) is not None
+    assert instance.parse(instance.name_of(42, 123456, 4026531836)) == instance.Owner(4026531836, 42, 123456)
+    # Names older servers wrote: cgroups (pid, start) and run directories (pid).
+    assert instance.parse("srv-42-123456") == instance.Owner(None, 42, 123456)
+    assert instance.parse("srv-42") == instance.Owner(None, 42, None)
+    for name in ("srv-x-1", "other-1-2", "srv-1-2-3-4", "srv-", ".probe-9", "srv-1--2"):
+        assert instance.parse(name) is None
+    assert instance.start_time(os.getpid()) is not None
+    mine = instance.parse(instance.name())
+    assert mine is not None and mine.pid_ns == instance.pid_namespace() and not instance.gone(mine)
 
 
 @pytest.fixture
@@ -180,21 +185,22 @@ def test_members_are_the_groups_processes_read_anew_each_time(tree: cgroups.Hier
 
 def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None:
     """A server killed with -9 leaves its instance directory; the next start removes it, and the
-    processes still in it, but never the directory of a server that is still alive."""
+    processes still in it, but never the directory of a server that is still alive, nor one of
+    a server in another PID namespace (its PID says nothing here)."""
     dead = subprocess.Popen(["true"])
     dead.wait()
+    here = instance.pid_namespace()
     gone = cgroups.Hierarchy(
-        tree.version, tree.base, tree.memsw, instance=cgroups.instance_name(dead.pid, 1)
+        tree.version, tree.base, tree.memsw, instance=instance.name_of(dead.pid, 1, here)
     )  # no such process (start time)
-    alive_pid = os.getppid()
-    alive = cgroups.Hierarchy(
-        tree.version,
-        tree.base,
-        tree.memsw,
-        instance=cgroups.instance_name(alive_pid, cgroups.start_time(alive_pid) or 0),
+    alive = cgroups.Hierarchy(tree.version, tree.base, tree.memsw, instance=instance.name(os.getppid()))
+    # The same dead-looking PID, in a namespace that is not this one: a live server elsewhere.
+    foreign = cgroups.Hierarchy(
+        tree.version, tree.base, tree.memsw, instance=instance.name_of(dead.pid, 1, here + 1)
     )
-    for h in (gone, alive):
+    for h in (gone, alive, foreign):
         h.prepare()
+    other = foreign.group("j3", L)
     leftover = gone.group("j1", L)
     sleeper = subprocess.Popen([*join_argv(leftover.procs_files()), "sleep", "60"])
     deadline = time.monotonic() + 30  # the launcher joins as it starts, after Popen returns
@@ -202,13 +208,16 @@ def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None
         time.sleep(0.01)
     keep = alive.group("j2", L)
     try:
-        assert tree.purge_dead() == [gone.instance]
+        purged = tree.purge_dead()  # a dead server's instance another test left goes too
+        assert gone.instance in purged and alive.instance not in purged and foreign.instance not in purged
         assert sleeper.wait(timeout=10) == -9
         assert not any(d.exists() for d in gone.dirs.values())
         assert all(p.exists() for p in keep.paths.values())
+        assert all(p.exists() for p in other.paths.values())
     finally:
         alive.close()
         gone.close()
+        foreign.close()
         if sleeper.poll() is None:
             sleeper.kill()
 

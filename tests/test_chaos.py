@@ -21,7 +21,7 @@ import websockets
 
 from appliance.jail.proctree import descendants
 from tests.attacks.common import assert_contained, leftovers, run
-from tests.support import REPO, Server, reachable_tmp_root, scaled, start_server
+from tests.support import REPO, Server, reachable_tmp_root, run_root, scaled, start_server
 
 SLEEPER = "import time\nprint('started', flush=True)\ntime.sleep(60)"
 
@@ -188,7 +188,7 @@ async def test_a_server_killed_mid_run_takes_its_running_jail_with_it(
 
 async def test_a_restart_purges_jails_that_outlived_a_killed_server(tmp_path: Path, chaos_root: Path) -> None:
     first = start_server(tmp_path / "first", SANDBOX_POOL_SIZE="0", SANDBOX_TMP_ROOT=str(chaos_root))
-    instance = chaos_root / "appliance" / f"srv-{first.proc.pid}"
+    instance = run_root(chaos_root, first.proc.pid)
     # A cell spinning in C holds the GIL, so the driver cannot act on the closed pipe; and
     # firejail is setuid, so no parent-death signal reaches it: this jail outlives its server ...
     spin = "print('spinning', flush=True)\nimport re\nre.match(r'(a+)+$', 'a' * 64 + 'b')"
@@ -208,6 +208,81 @@ async def test_a_restart_purges_jails_that_outlived_a_killed_server(tmp_path: Pa
         assert (await run(second, "print('fresh')", token=None)).stdout == "fresh\n"
     finally:
         second.stop()
+
+
+def warm_jails(server_pid: int) -> dict[str, int]:
+    """Each jail's firejail launcher, its sandbox's init and the driver under it (what lives as
+    long as the jail: not the short-lived helpers firejail or the driver may run)."""
+    from appliance.jail.proctree import children
+
+    found: dict[str, int] = {}
+    for launcher in children(server_pid):
+        if "firejail" not in cmdline(launcher).split(" ")[0]:
+            continue
+        found[f"firejail {launcher}"] = launcher
+        for init in children(launcher):
+            found[f"init {init}"] = init
+            for driver in children(init):
+                if "driver.py" in cmdline(driver):
+                    found[f"driver {driver}"] = driver
+    return found
+
+
+def _cgroup_instances(pid: int) -> list[Path]:
+    """The cgroup instance directories of server `pid` (of this PID namespace), where there are any."""
+    from appliance.jail import cgroups, instance
+
+    tree, _ = cgroups.detect()
+    if tree is None:
+        return [Path("/")]  # no cgroups here: nothing to have removed
+    return [d / instance.name(pid) for d in tree.base.values() if (d / instance.name(pid)).is_dir()]
+
+
+async def test_a_server_in_another_pid_namespace_leaves_a_live_servers_jails_alone(
+    tmp_path: Path, chaos_root: Path
+) -> None:
+    """Two servers share the temp root and the cgroup tree, one in a PID namespace of its own
+    (a container): it cannot see the other's PID, which it must not take for a dead server's.
+    It used to: it killed the live server's warm jails and removed its run directories and
+    groups, and that server's next run had no cgroup instance to make a group in."""
+    first = start_server(tmp_path / "first", SANDBOX_POOL_SIZE="2", SANDBOX_TMP_ROOT=str(chaos_root))
+    second: Server | None = None
+    try:
+        instance = run_root(chaos_root, first.proc.pid)
+        # The warm jails, once the server is ready, every pool holds its target (one above it
+        # retires a jail by itself) and none comes or goes for half a second (the startup
+        # canary's jail is torn down after its run).
+        warm: dict[str, int] = {}
+        deadline = time.monotonic() + scaled(60)
+        while time.monotonic() < deadline:
+            status, body = first.get("/readyz")
+            pools = json.loads(body).get("pools", {})
+            settled = status == 200 and bool(pools)
+            settled = settled and all(
+                p["ready"] == p["target"] and p["starting"] == 0 for p in pools.values()
+            )
+            now = warm_jails(first.proc.pid)
+            if settled and now and now == warm:
+                break
+            warm = now
+            await asyncio.sleep(0.5)
+        assert warm, "no warm jail"
+        second = start_server(
+            tmp_path / "second",
+            wrap=["unshare", "--pid", "--fork", "--mount-proc"],
+            SANDBOX_POOL_SIZE="1",
+            SANDBOX_TMP_ROOT=str(chaos_root),
+        )
+        assert living(warm) == list(warm.values()), "the other namespace's server killed them"
+        assert instance.exists() and _cgroup_instances(first.proc.pid), "the other server removed them"
+        assert (await run(first, "print('still here')", token=None)).stdout == "still here\n"
+    finally:
+        if second is not None:
+            # unshare ignores SIGTERM while it waits; the server is its child (PID 1 in there).
+            for pid in descendants(second.proc.pid)[:1]:
+                os.kill(pid, signal.SIGTERM)
+            second.proc.wait(60)
+        first.stop()
 
 
 def serve_with(env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -13,7 +13,7 @@ import pytest
 from appliance.client import AsyncClient, Execution, RequestOptions
 from appliance.jail import proctree
 from appliance.jail.proctree import descendants
-from tests.support import Server, jail_factory, reachable_tmp_root, start_server
+from tests.support import Server, jail_factory, reachable_tmp_root, run_root, start_server
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +190,7 @@ async def test_runs_go_on_when_the_servers_temp_directory_is_removed_under_it(
         srv = start_server(tmp_path_factory.mktemp("gone"), SANDBOX_TMP_ROOT=str(root), SANDBOX_POOL_SIZE="1")
         try:
             await wait_pool_ready(srv, 1)
-            instance = root / "appliance" / f"srv-{srv.proc.pid}"
+            instance = run_root(root, srv.proc.pid)
             # The server may remove a jail's directory at the same moment: that one is gone too.
             shutil.rmtree(instance, onerror=_unless_already_gone)
             results = [await run(srv, f"print({i})") for i in range(3)]

@@ -7,11 +7,12 @@ hold all the policy; `Hierarchy` only makes directories, writes files, reads cou
 Layout, under the server's own cgroup of each controller (so the host's placement of the server,
 and any limit on it, still holds over its runs):
 
-    appliance/srv-<pid>-<starttime>/<jail id>/     one instance directory per server process
+    appliance/srv-<pid ns>-<pid>-<starttime>/<jail id>/     one instance directory per server process
 
-The instance name is the server's record: a group whose server is no longer alive (no process
-with that pid and that start time) is a leftover of a server killed with -9, and `purge_dead`
-removes it at the next start; a live server's groups are never touched.
+The instance name is the server's record (`appliance.jail.instance`): a group whose server is
+no longer alive (no process with that pid and that start time in this PID namespace) is a
+leftover of a server killed with -9, and `purge_dead` removes it at the next start; a live
+server's groups, and those of servers in other PID namespaces, are never touched.
 
 A process joins its group before it executes anything of the jail: the launcher (a shell,
 `firejail.join_argv`, the first thing the server executes) writes "0" (itself) into each
@@ -31,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from appliance.errors import StartupError
+from appliance.jail import instance as server_instance
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 BASE = "appliance"  # our subtree under the server's own cgroup of each controller
@@ -186,28 +188,6 @@ def owned_kb_of_stat(version: int, stat: str) -> int:
     return total // 1024
 
 
-def instance_name(pid: int, start: int) -> str:
-    """The instance directory's name: the server's pid and its start time (clock ticks since boot)."""
-    return f"srv-{pid}-{start}"
-
-
-def parse_instance(name: str) -> tuple[int, int] | None:
-    """(pid, start time) of an instance directory's name, or None for a name that is not one."""
-    parts = name.split("-")
-    if len(parts) != 3 or parts[0] != "srv" or not parts[1].isdigit() or not parts[2].isdigit():
-        return None
-    return int(parts[1]), int(parts[2])
-
-
-def start_time(pid: int) -> int | None:
-    """A process's start time (field 22 of /proc/PID/stat), or None when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class Hierarchy:
     """A writable cgroup tree (v1 or v2); this server's runs get groups in its instance directory."""
 
@@ -217,8 +197,7 @@ class Hierarchy:
         self.version = version
         self.base = dict(dirs)  # controller -> our base directory ("" -> base on v2)
         self.memsw = memsw
-        me = os.getpid()
-        self.instance = instance or instance_name(me, start_time(me) or 0)
+        self.instance = instance or server_instance.name()
         self.dirs = {c: d / self.instance for c, d in self.base.items()}
         self.label = f"cgroup-v{version}"
 
@@ -253,16 +232,16 @@ class Hierarchy:
 
     def purge_dead(self) -> list[str]:
         """Remove the instance directories of servers that are gone (killed with -9), their groups
-        and whatever still runs in them; returns the instances removed. Live servers' are kept."""
+        and whatever still runs in them; returns the instances removed. Live servers' are kept,
+        and so are those of servers in other PID namespaces (`appliance.jail.instance`)."""
         dead: set[str] = set()
         for d in self.base.values():
             with contextlib.suppress(FileNotFoundError):
                 for entry in d.iterdir():
-                    owner = parse_instance(entry.name)
+                    owner = server_instance.parse(entry.name)
                     if owner is None or entry.name == self.instance or not entry.is_dir():
                         continue
-                    pid, start = owner
-                    if start_time(pid) != start:
+                    if server_instance.gone(owner):  # never one of another PID namespace's
                         dead.add(entry.name)
         for name in sorted(dead):
             _remove_instance({c: d / name for c, d in self.base.items()})

@@ -3,7 +3,7 @@
 Layout:
     <tmp_root>/appliance/                  0755 root
         runtime-<hash>/                    0755, read-only in jails: driver, mpl backend, font cache
-        srv-<pid>/                         0711, one per server process
+        srv-<pid ns>-<pid>-<start>/        0711, one per server process (appliance.jail.instance)
             <run id>/                      0700 uid:gid, mounted as /workspace
 """
 
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from appliance import fstree
 from appliance.errors import StartupError
+from appliance.jail import instance as server_instance
 
 log = logging.getLogger("appliance.workdir")
 
@@ -42,7 +43,7 @@ class RunDirs:
 
     def __init__(self, tmp_root: Path, uid: int, gid: int) -> None:
         self.base = tmp_root / "appliance"
-        self.instance = self.base / f"srv-{os.getpid()}"
+        self.instance = self.base / server_instance.name()
         self.uid = uid
         self.gid = gid
         self.accounts: tuple[Path, Path] | None = None  # (passwd, group) for jails; see prepare()
@@ -86,7 +87,8 @@ class RunDirs:
         return target / "passwd", target / "group"
 
     def purge_stale(self) -> list[Path]:
-        """Kill the jails of servers that are gone and remove their directories.
+        """Kill the jails of servers that are gone and remove their directories (a live server's,
+        and those of servers in other PID namespaces, are left alone: `appliance.jail.instance`).
 
         Never fails the start on what such a run left (any depth, any content): what cannot
         be removed is logged and left for the next start."""
@@ -97,13 +99,10 @@ class RunDirs:
             log.error("cannot list the temp root", extra={"path": str(self.base), "error": str(exc)})
             return removed
         for entry in entries:
-            if not entry.name.startswith("srv-") or entry == self.instance:
+            owner = server_instance.parse(entry.name)
+            if owner is None or entry == self.instance:
                 continue
-            try:
-                pid = int(entry.name[4:])
-            except ValueError:
-                continue
-            if not _alive(pid):
+            if server_instance.gone(owner):  # never one of another PID namespace's
                 # Jails of a server that died (kill -9) outlive it: firejail is setuid, so no
                 # parent-death signal reaches it. Kill them before their directories go.
                 kill_jails_under(entry)
@@ -234,13 +233,3 @@ def kill_jails_under(instance: Path) -> list[int]:
             except OSError:
                 continue
     return killed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

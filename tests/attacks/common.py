@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from appliance.client import AsyncClient, Execution
-from tests.support import Server, run_descendants, scaled
+from tests.support import Server, run_descendants, run_root, scaled
 
 # The hostile server is started with these in its environment; no frame may ever carry them.
 TOKEN = "attack-suite-token-7c1e9a4b"
@@ -69,7 +69,7 @@ async def probe(server: Server, code: str, **fields: Any) -> tuple[Execution, An
 
 def run_dirs(server: Server) -> list[str]:
     """Run directories the server has under its SANDBOX_TMP_ROOT."""
-    base = Path(server.env["SANDBOX_TMP_ROOT"]) / "appliance" / f"srv-{server.proc.pid}"
+    base = run_root(Path(server.env["SANDBOX_TMP_ROOT"]), server.proc.pid)
     try:
         return sorted(os.listdir(base))
     except FileNotFoundError:

@@ -11,7 +11,7 @@ from pathlib import Path
 from appliance.canary import ALLOWED_JAIL_ENV
 from appliance.client import AsyncClient
 from tests.attacks.common import AWS_SECRET, TOKEN, attack, probe, run, run_dirs
-from tests.support import REPO, Server
+from tests.support import REPO, Server, run_root
 
 Observe = Callable[[str], None]
 
@@ -125,7 +125,7 @@ async def test_another_runs_files_are_out_of_reach(target: Server, observe: Obse
         )
         for _ in range(100):
             dirs = run_dirs(target)
-            base = Path(target.env["SANDBOX_TMP_ROOT"]) / "appliance" / f"srv-{target.proc.pid}"
+            base = run_root(Path(target.env["SANDBOX_TMP_ROOT"]), target.proc.pid)
             found = [d for d in dirs if (base / d / "victim-secret.txt").exists()]
             if found:
                 break

@@ -17,6 +17,7 @@ import pytest
 import websockets
 
 from appliance.client import AsyncClient, Execution
+from appliance.jail import instance
 from tests.attacks.common import SYSCALLS, TOKEN, assert_contained, attack, probe, run
 from tests.attacks.conftest import hostile_server
 from tests.attacks.test_transport import rss_mb
@@ -88,7 +89,9 @@ async def test_a_server_starts_over_a_stale_deep_tree(
 ) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = tmp_root / "appliance" / f"srv-{dead.pid}" / "0123456789abcdef"
+    stale = (
+        tmp_root / "appliance" / instance.name_of(dead.pid, 0, instance.pid_namespace()) / "0123456789abcdef"
+    )
     stale.mkdir(parents=True)
     fd = os.open(stale, os.O_RDONLY | os.O_DIRECTORY)
     try:
