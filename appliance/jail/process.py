@@ -389,11 +389,15 @@ class JailProcess:
             return
         if self._init_fds:
             for fd in self._init_fds:
-                with contextlib.suppress(ProcessLookupError, OSError):
+                try:
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
-            # SIGKILL cannot be blocked or caught: once it is pending, the init and with it the
-            # whole PID namespace is going. Sending it again would only cost another wake-up.
-            self._killed = True
+                except ProcessLookupError:  # gone already
+                    pass
+                except OSError:
+                    continue  # not known to be going: a later call sends it again
+                # SIGKILL cannot be blocked or caught: once it is pending, the init and with it
+                # the whole PID namespace is going. Sending it again would only cost a wake-up.
+                self._killed = True
             return
         for pid in proctree.children(self.pid) or [self.pid]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
