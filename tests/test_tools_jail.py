@@ -11,6 +11,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -238,14 +239,20 @@ async def test_asking_a_cpu_build_for_gpu_work_is_a_clear_error_naming_the_fix(
     ) or "no GPU backend" in ex.error["evalue"]
 
 
-async def test_gpu_readyz_says_whether_shaping_can_offload(gpu_tools_server: Server) -> None:
+def probed_readyz(server: Server) -> tuple[int, str, dict[str, Any]]:
+    """/readyz once the startup probe of the model tools has answered (or a minute is over):
+    status, body, and the body parsed."""
     deadline = time.monotonic() + scaled(60)
     while True:
-        status, body = gpu_tools_server.get("/readyz")
-        ready = json.loads(body)
+        status, body = server.get("/readyz")
+        ready: dict[str, Any] = json.loads(body)
         if not ready["tools"].get("probing") or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.2)
+            return status, body, ready
+        time.sleep(0.2)
+
+
+async def test_gpu_readyz_says_whether_shaping_can_offload(gpu_tools_server: Server) -> None:
+    status, body, ready = await asyncio.to_thread(probed_readyz, gpu_tools_server)
     assert status == 200, body
     assert (
         ready["gpu"]["shaping"]["gpu_offload"] is False
@@ -277,13 +284,7 @@ def test_gpu_readyz_calls_shaping_unavailable_where_llama_cpp_does_not_import(
             SANDBOX_GPU_SIMULATE="8192",
         )
         try:
-            deadline = time.monotonic() + scaled(60)
-            while True:
-                status, body = srv.get("/readyz")
-                ready = json.loads(body)
-                if not ready["tools"].get("probing") or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
+            status, body, ready = probed_readyz(srv)
         finally:
             srv.stop()
     finally:
