@@ -89,7 +89,7 @@ async def test_a_jail_killed_while_idle_is_replaced(pooled: Server) -> None:
     replaced_before = metric(pooled, "appliance_jails_spawned_total")
     firejails = [p for p in descendants(pooled.proc.pid) if comm(p) == "firejail"]
     victim = firejails[0]
-    os.kill(victim, signal.SIGKILL)
+    await kill_and_wait(victim)  # killed while idle: gone before the run arrives
     ex = await run(pooled, "print('served')")
     assert ex.status == "ok" and ex.stdout == "served\n"
     await wait_pool_ready(pooled, 2)
@@ -97,6 +97,34 @@ async def test_a_jail_killed_while_idle_is_replaced(pooled: Server) -> None:
     assert victim not in proctree.tree(pooled.proc.pid)
     assert metric(pooled, "appliance_pool_ready") == 2
     assert metric(pooled, "appliance_jails_spawned_total") >= replaced_before
+
+
+async def kill_and_wait(pid: int) -> None:
+    """SIGKILL pid and wait until it has exited (its pidfd turns readable as it does)."""
+    fd = os.pidfd_open(pid)
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        exited = asyncio.Event()
+        asyncio.get_running_loop().add_reader(fd, exited.set)
+        try:
+            await asyncio.wait_for(exited.wait(), 10)
+        finally:
+            asyncio.get_running_loop().remove_reader(fd)
+    finally:
+        os.close(fd)
+
+
+async def test_a_jail_whose_firejail_was_killed_is_dead_at_once() -> None:
+    # The sandbox outlives firejail by milliseconds (its parent-death signal; far longer on a
+    # busy host): a pool that looked at the sandbox alone handed such a jail to a run.
+    with jail_factory() as factory:
+        jail = await factory.launch()
+        try:
+            assert jail.alive
+            await kill_and_wait(jail.process.pid)
+            assert not jail.alive
+        finally:
+            await jail.destroy()
 
 
 async def test_an_empty_pool_still_serves_runs_with_cold_jails(

@@ -122,6 +122,7 @@ class JailProcess:
         self._flushed: list[asyncio.Future[None]] = []
         self._ready_pids: tuple[int, ...] = ()
         self._init_fds: list[int] = []  # pidfds of the jail's PID-namespace init (see pin)
+        self._launcher_fd: int | None = None  # pidfd of firejail itself (see pin)
         self._killed = False  # SIGKILL went to the init through its pidfd
         self._init_pids: tuple[int, ...] = ()
 
@@ -372,6 +373,8 @@ class JailProcess:
         reused its PID; the list of processes (and threads) is what `renice` changes."""
         self._ready_pids = tuple(self.tree())
         self._init_pids = tuple(proctree.children(self.pid))
+        with contextlib.suppress(OSError):
+            self._launcher_fd = os.pidfd_open(self.pid)
         for pid in self._init_pids:
             with contextlib.suppress(OSError):
                 self._init_fds.append(os.pidfd_open(pid))
@@ -419,15 +422,18 @@ class JailProcess:
         self._close_all()
 
     def is_running(self) -> bool:
-        """Not reaped, its event pipe still open, and its sandbox alive: once pinned, a pidfd of
-        the PID-namespace init that is not readable (a pidfd turns readable when its process
-        exits: one poll); before that, firejail's state from /proc (not a zombie)."""
+        """Not reaped, its event pipe still open, and its sandbox alive: once pinned, pidfds of
+        firejail and of the PID-namespace init that are not readable (a pidfd turns readable
+        when its process exits: one poll); before that, firejail's state from /proc (not a zombie)."""
         if self._proc.returncode is not None or self._exited or self._killed:
             return False
         if self._init_fds:
             poller = select.poll()  # not select(): a server's descriptors may be past FD_SETSIZE
-            for fd in self._init_fds:
-                poller.register(fd, select.POLLIN)
+            # firejail too: killed from outside, it takes the sandbox with it only some
+            # milliseconds later (the init's parent-death signal), far longer on a busy host.
+            for fd in (*self._init_fds, self._launcher_fd):
+                if fd is not None:
+                    poller.register(fd, select.POLLIN)
             return not poller.poll(0)
         return proctree.state(self.pid) not in ("Z", "X", "")
 
@@ -471,6 +477,10 @@ class JailProcess:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._init_fds.clear()
+        if self._launcher_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._launcher_fd)
+            self._launcher_fd = None
         self._write_buf.clear()
         waiters, self._flushed = self._flushed, []
         for waiter in waiters:
