@@ -1,6 +1,6 @@
 """A probe of the warm hot path: `print(2+2)` round trips, with the CPU each one costs.
 
-    python -m benchmarks.hotpath [--runs 200] [--tree DIR ...] [--code 'print(2+2)']
+    python -m benchmarks.hotpath [--runs 200] [--tree DIR ...] [--code 'print(2+2)'] [--floor]
 
 Starts one appliance per `--tree` (a checkout; default: this one), each in its own cpuacct
 cgroup, and sends one-shot runs to them in turn (interleaved, so a load that comes and goes
@@ -11,7 +11,9 @@ that window: the server process's own (its threads' schedstat run time, nanoseco
 the whole cgroup's (server, firejail and the jail: cpuacct.usage), and the server's minor
 page faults (copy-on-write faults after a fork of the server show there). CPU time is far
 less sensitive than wall time to other work on the machine, so it is the figure to compare
-changes by on a busy host. Needs root (cgroups).
+changes by on a busy host. `--floor` adds `benchmarks.floor` to the rotation: the same
+exchange of frames with a warm child and nothing of a sandbox, the least a run can cost
+here. Needs root (cgroups).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import contextlib
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -103,6 +107,30 @@ def start(name: str, tree: Path, work: Path) -> Target:
     return Target(name, ApplianceServer(server.proc, server.port, server.log, server.env, name), cgroup)
 
 
+def start_floor(work: Path) -> Target:
+    """`benchmarks.floor` in its own cpuacct cgroup, as `start` does an appliance."""
+    cgroup = CPUACCT / f"appliance-hotpath-{os.getpid()}-floor"
+    cgroup.mkdir()
+    port_file, log = work / "floor.port", work / "floor.log"
+    wrap = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"]
+    with open(log, "wb") as log_fh:
+        proc = subprocess.Popen(
+            [*wrap, sys.executable, "-m", "benchmarks.floor", str(port_file)],
+            cwd=REPO,
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 30
+    while not port_file.exists() or not port_file.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            remove_group(cgroup)
+            raise BenchError(f"the floor server did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.05)
+    server = ApplianceServer(proc, int(port_file.read_text()), log, {}, "floor")
+    return Target("floor", server, cgroup)
+
+
 async def probe(targets: list[Target], runs: int, code: str, expect: str | None) -> None:
     sockets = {t.name: await open_ws(t.server.url) for t in targets}
     for t in targets:  # one unmeasured run each: the first round trip of a connection is not warm
@@ -111,7 +139,8 @@ async def probe(targets: list[Target], runs: int, code: str, expect: str | None)
         order = list(targets)
         random.shuffle(order)
         for t in order:
-            await wait_pool_idle(t.server, POOL_FLOOR)
+            if t.name != "floor":  # it has no pool, and no /metrics
+                await wait_pool_idle(t.server, POOL_FLOOR)
             await asyncio.sleep(SETTLE_S)
             pid = t.server.proc.pid
             cpu0, grp0, flt0 = thread_ns(pid), t.usage_ns(), minor_faults(pid)
@@ -156,6 +185,7 @@ def main() -> None:
     )
     parser.add_argument("--code", default="print(2+2)")
     parser.add_argument("--expect", default="4\n", help="the stdout every run must print ('' for any)")
+    parser.add_argument("--floor", action="store_true", help="measure benchmarks.floor beside the trees")
     args = parser.parse_args()
     trees: list[Path] = [tree.resolve() for tree in args.tree or [REPO]]
     names = [
@@ -167,6 +197,8 @@ def main() -> None:
     try:
         for name, tree in zip(names, trees, strict=True):
             targets.append(start(name, tree, work))
+        if args.floor:
+            targets.append(start_floor(work))
         asyncio.run(probe(targets, args.runs, args.code, args.expect or None))
     finally:
         for t in targets:
