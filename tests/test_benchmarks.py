@@ -273,3 +273,22 @@ def test_the_phase_probe_marks_a_real_servers_run_path(tmp_path: Path) -> None:
     positions = [marks.index(m) for m in expected]
     assert positions == sorted(positions), marks
     assert "**frame read** | **`done` sent**" in report and "Round trip seen by the client" in report
+
+
+def test_the_hot_path_probe_measures_the_appliance_beside_the_floor(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hotpath", "--runs", "3", "--floor"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    data = {cells[0].strip(): cells[1:] for cells in rows[2:]}  # past the header and its rule
+    assert list(data) == [REPO.name, "floor"], proc.stdout
+    for name, cells in data.items():
+        runs, wall_p50 = int(cells[0]), float(cells[1])
+        server_cpu_p50 = float(cells[3].split("/")[0])
+        # Every run answered (hotpath raises on a wrong answer); each took time and CPU.
+        assert runs == 3 and wall_p50 > 0 and server_cpu_p50 > 0, (name, cells)
