@@ -154,8 +154,10 @@ b0=$(date +%s)
 grep -E "^using prebuilt|^Successfully tagged" "$WORK/build.log" | sed 's/^/    /'
 SIZE=$("${PODMAN[@]}" image inspect --format '{{.Size}}' "$IMAGE")
 log "built $IMAGE in $(( $(date +%s) - b0 ))s; image size $(( SIZE / 1000000 )) MB ($SIZE bytes)"
-"${PODMAN[@]}" image inspect --format '{{json .Config.Healthcheck}}' "$IMAGE" | grep -q readyz \
-    || die "the image has no HEALTHCHECK on /readyz"
+# Outputs are captured before grep -q looks at them (here and below): a producer still writing
+# after grep -q has left dies of SIGPIPE, and pipefail turns that into a false FAIL.
+healthcheck=$("${PODMAN[@]}" image inspect --format '{{json .Config.Healthcheck}}' "$IMAGE")
+grep -q readyz <<<"$healthcheck" || die "the image has no HEALTHCHECK on /readyz"
 
 # ---- helpers for the runs ----------------------------------------------------------------------
 # shellcheck source=scripts/ci-lib.sh
@@ -219,7 +221,8 @@ status=000
 for _ in $(seq 1 600); do
     status=$(http_status /readyz)
     [ "$status" = 200 ] && break
-    "${PODMAN[@]}" container inspect -f '{{.State.Running}}' ci-appliance | grep -q true \
+    running=$("${PODMAN[@]}" container inspect -f '{{.State.Running}}' ci-appliance || true)
+    [ "$running" = true ] \
         || { "${PODMAN[@]}" logs ci-appliance 2>&1 | tail -30; die "the container exited"; }
     sleep 0.1
 done

@@ -80,7 +80,8 @@ status=000
 for _ in $(seq 1 300); do
     status=$(http_status /readyz)
     [ "$status" = 200 ] && break
-    podman container inspect -f '{{.State.Running}}' "$C" 2>/dev/null | grep -q true \
+    running=$(podman container inspect -f '{{.State.Running}}' "$C" 2>/dev/null || true)
+    [ "$running" = true ] \
         || { podman logs "$C" 2>&1 | tail -30; die "the pod's container exited"; }
     sleep 0.2
 done
@@ -98,8 +99,11 @@ podman healthcheck run "$C" >/dev/null 2>&1 || die "the liveness probe (podman h
 env_out=$(podman inspect -f '{{range .Config.Env}}{{println .}}{{end}}' "$C")
 grep -qx 'SANDBOX_MAX_CONCURRENCY=4' <<<"$env_out" || die "the ConfigMap's SANDBOX_MAX_CONCURRENCY is not in the container"
 grep -qx "SANDBOX_AUTH_TOKEN=$TOKEN" <<<"$env_out" || die "the Secret's token is not in the container"
-podman inspect -f '{{range .Mounts}}{{println .Destination .RW}}{{end}}' "$C" | grep -qx '/srv/models false' \
-    || die "the models volume is not mounted read-only at /srv/models"
+# Captured first, not piped into grep -q: podman writes each mount with a write of its own, and
+# grep -q leaving at the first match made a later write die of SIGPIPE (pipefail: a false FAIL).
+mounts=$(podman inspect -f '{{range .Mounts}}{{println .Destination .RW}}{{end}}' "$C")
+grep -qx '/srv/models false' <<<"$mounts" \
+    || { echo "$mounts"; die "the models volume is not mounted read-only at /srv/models"; }
 caps=$(podman exec "$C" grep CapBnd /proc/1/status | awk '{print $2}')
 log "liveness probe healthy; ConfigMap and Secret in the environment; models read-only; CapBnd $caps"
 teardown
