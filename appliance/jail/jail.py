@@ -90,8 +90,7 @@ class Jail:
         cannot be written: such a jail must not be handed out."""
         if self.cgroup is not None:
             self.cgroup.set_limits(limits)
-            self.baseline = self.cgroup.counters(pids=False)
-            self.cgroup.reset_peak()
+            self.baseline = _measure_from_now(self.cgroup)
 
     def cell_baseline(self) -> Counters | None:
         """The group's counters a cell is measured from: those taken when the jail became ready,
@@ -99,8 +98,7 @@ class Jail:
         base, self.baseline = self.baseline, None
         if base is None and self.cgroup is not None:
             with contextlib.suppress(OSError):
-                base = self.cgroup.counters(pids=False)
-                self.cgroup.reset_peak()
+                base = _measure_from_now(self.cgroup)
         return base
 
     async def destroy(self) -> None:
@@ -126,6 +124,14 @@ class Jail:
         finally:
             if self.cgroup is not None:  # also kills anything of the jail still in it
                 self.cgroup.remove()
+
+
+def _measure_from_now(group: Group) -> Counters:
+    """The group's counters now (CPU time, OOM kills) and a new peak reading from here: what a
+    cell is measured from. OSError if the group cannot be read or written."""
+    base = group.counters(pids=False)
+    group.reset_peak()
+    return base
 
 
 def tmp_of(inner: list[int]) -> Path | None:
