@@ -156,7 +156,7 @@ def test_wheel_repaired_names_never_collide_with_plain_ones() -> None:
 def test_whispers_ggml_backends_are_read_from_its_system_info(
     info: str, backends_: list[str], offload: bool
 ) -> None:
-    names = backends.whisper_backends(info)
+    names = backends.ggml_backends(info)
     assert names == backends_
     assert any(n in backends.GPU_BACKENDS for n in names) is offload
 

@@ -37,7 +37,7 @@ CUDA_FIX = (
 _SONAME = re.compile(r"^(lib[A-Za-z0-9_+-]*?)(-[0-9a-f]{8})?\.so(\.\d+)?")
 
 
-def whisper_backends(system_info: str) -> list[str]:
+def ggml_backends(system_info: str) -> list[str]:
     """The ggml backend names in whisper_print_system_info()'s (or llama_print_system_info()'s)
     text, in order ("WHISPER" is not one)."""
     names = []
@@ -69,7 +69,7 @@ def llama_cpp() -> dict[str, Any]:
         "available": True,
         "version": getattr(mod, "__version__", None),
         "gpu_offload": offload,
-        "backends": whisper_backends(text),
+        "backends": ggml_backends(text),
         "error": None,
     }
 
@@ -89,7 +89,7 @@ def whisper() -> dict[str, Any]:
             "backends": [],
             "error": f"{type(exc).__name__}: {exc}",
         }
-    backends = whisper_backends(info)
+    backends = ggml_backends(info)
     version = None
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as dist_version
