@@ -62,6 +62,21 @@ def start_appliance(name: str, workdir: Path, **env: str) -> ApplianceServer:
     return ApplianceServer(server.proc, server.port, server.log, server.env, name)
 
 
+def profiles_full(samples: dict[str, float]) -> bool:
+    """Whether every profile's pool holds the jails it aims for. `appliance_pool_ready` and
+    `appliance_pool_starting` are sums over the profiles, and a pool starts its refill only
+    REFILL_DELAY_S after a run took a jail: right after a run the sums can read "enough ready,
+    none starting" while the pool the run took from is one short and about to start a jail,
+    which would then compete with the next measured run."""
+    ready = "appliance_profile_pool_ready{"
+    for name, value in samples.items():
+        if name.startswith(ready):
+            target = samples.get("appliance_profile_pool_target{" + name[len(ready) :], 0)
+            if value < target:
+                return False
+    return True
+
+
 async def wait_pool_idle(
     server: ApplianceServer, floor: int, timeout_s: float = 60.0, refills_done: bool = True
 ) -> None:
@@ -76,7 +91,7 @@ async def wait_pool_idle(
         m = await asyncio.to_thread(server.metrics)
         if (
             m.get("appliance_pool_ready", 0) >= floor
-            and (m.get("appliance_pool_starting", 0) == 0 or not refills_done)
+            and (not refills_done or (m.get("appliance_pool_starting", 0) == 0 and profiles_full(m)))
             and m.get("appliance_active_runs", 0) == 0
         ):
             return
