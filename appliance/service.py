@@ -352,9 +352,9 @@ class RunService:
         run_id = secrets.token_hex(8)
         start = protocol.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req), lease.gpu)
         outcome = await self._cell(jail, req, emit, run, keep_alive=False, start=start)
-        # SIGKILL goes to every process of the run now: none runs another instruction of
-        # its code. Files are read only once all are gone.
-        jail.process.signal_kill()
+        # The jail is SIGKILLed as the lease ends (`PoolLeases.teardown`), as `done` goes out;
+        # files are read only once every process of the run is gone, so a run with outputs
+        # is killed here, and waited for.
         if outputs.has_any(jail.workdir):
             await jail.process.kill()
             await self._send_outputs(jail, req.id, run_id, None, emit, outcome)

@@ -88,7 +88,7 @@ def frames_of(raw: str) -> list[dict[str, object]]:
 def jail_processes(server: Server, uid: int = SANDBOX_UID, settle_s: float = 5.0) -> list[tuple[int, str]]:
     """Processes of uid under this server, plus any of uid orphaned to the host's init.
 
-    A run's processes are SIGKILLed before its `done` is sent; the kernel may still be
+    A run's processes are SIGKILLed as its `done` is sent; the kernel may still be
     tearing them down for a moment, so this waits up to settle_s for them to be gone.
     """
     deadline = time.monotonic() + scaled(settle_s)
