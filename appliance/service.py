@@ -193,7 +193,9 @@ class RunService:
                 async with self.lifecycle.leases.lease(req) as lease, self.admission.slot() as slot_ms:
                     queued_ms = slot_ms + lease.queued_ms
                     profile = lease.profile
-                    self._admitted(queued_ms)
+                    # The gauges move once the code is on its way to the jail (the task's
+                    # first wait), not on the path that gets it there.
+                    asyncio.get_running_loop().call_soon(self._admitted, queued_ms)
                     jail = await lease.take()
                     if req.session == "new":
                         session = self.sessions.add(owner, lease, jail)
@@ -205,12 +207,14 @@ class RunService:
                     else:
                         outcome = await self._one_shot(jail, lease, req, emit, run, queued_ms)
         except asyncio.CancelledError:
+            self.metrics.active_runs.set(self.admission.active)
             self._count("cancelled", started)
             raise
         except Exception as exc:
             status, message = status_of(exc)
             if not isinstance(exc, ApplianceError):
                 log.exception("run failed", extra={"request": req.id})
+            self.metrics.active_runs.set(self.admission.active)
             self._count(status, started)
             await _safe_emit(
                 emit,
@@ -222,20 +226,16 @@ class RunService:
         finally:
             gpu_quota.close()
             quota.close()
-            self.metrics.active_runs.set(self.admission.active)
         if outcome is None:
             raise RuntimeError(f"run {req.id} ended without an outcome")
-        self._count(outcome.status, started)
-        self.metrics.bytes_streamed.inc(outcome.output_bytes)
-        if outcome.import_ms is not None:
-            self.metrics.import_seconds.labels(profile=profile).observe(outcome.import_ms / 1000)
+        duration_ms = _ms_since(started)
         await _safe_emit(
             emit,
             protocol.done_frame(
                 req.id,
                 outcome.status,
                 exit_code=outcome.exit_code,
-                duration_ms=_ms_since(started),
+                duration_ms=duration_ms,
                 cpu_ms=outcome.cpu_ms,
                 max_rss_mb=outcome.max_rss_mb,
                 message=outcome.message,
@@ -244,6 +244,13 @@ class RunService:
                 files_skipped=outcome.files_skipped,
             ),
         )
+        # Counted once `done` is on its way (nothing yields in between: a scrape that follows
+        # `done` sees the run): the client does not wait for the bookkeeping.
+        self.metrics.active_runs.set(self.admission.active)
+        self._count(outcome.status, started, duration_ms / 1000)
+        self.metrics.bytes_streamed.inc(outcome.output_bytes)
+        if outcome.import_ms is not None:
+            self.metrics.import_seconds.labels(profile=profile).observe(outcome.import_ms / 1000)
 
     async def open_session(self, req: ExecuteRequest, owner: str) -> list[Frame]:
         """Open a session running req's code first; the frames it sent (the last is `done`)."""
@@ -319,9 +326,9 @@ class RunService:
         self.metrics.queue_seconds.observe(queued_ms / 1000)
         self.metrics.active_runs.set(self.admission.active)
 
-    def _count(self, status: str, started: float) -> None:
+    def _count(self, status: str, started: float, seconds: float | None = None) -> None:
         self.metrics.runs.labels(status=status).inc()
-        self.metrics.run_seconds.observe(time.monotonic() - started)
+        self.metrics.run_seconds.observe(time.monotonic() - started if seconds is None else seconds)
 
     def _timeout_ms(self, req: ExecuteRequest) -> int:
         limit = self.settings.max_exec_ms

@@ -227,9 +227,10 @@ async def _run_cell(
             except TimeoutError:
                 process.stop(timed_out)  # the client did not take the frame in the run's time
     finally:
+        # Not awaited: that would only wait a turn of the event loop for the cancellation to
+        # land, between the cell's end and its `done`. A check it left running in a thread
+        # finishes there, and its verdict goes nowhere.
         watchdog.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watchdog
 
 
 def _frame_for(rid: str, item: Stream | Event) -> Frame | None:
