@@ -1,0 +1,155 @@
+"""The in-jail driver's control channel, driven directly (no server, no jail): what the main
+thread reads with the first cell reaches the cell, and the reader thread is woken only when
+the channel has something for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance.jail import channel
+from appliance.jail.workdir import stage_runtime
+from tests.support import scaled
+
+
+class DriverUnderTest:
+    def __init__(self, proc: subprocess.Popen[bytes], control: int, events: int) -> None:
+        self.proc = proc  # unshare, whose one child is the driver
+        self.control = control
+        self.events = events
+        self._buf = b""
+        self.pid = 0  # the driver's, once it is ready
+
+    def find(self) -> None:
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        assert len(children) == 1, children
+        self.pid = int(children[0])
+
+    def send(self, data: bytes) -> None:
+        """One write: what fits in a pipe's atomic write arrives in one read of the driver's."""
+        assert len(data) <= select.PIPE_BUF
+        assert os.write(self.control, data) == len(data)
+
+    def event(self, timeout: float = 10.0) -> dict[str, Any]:
+        deadline = time.monotonic() + scaled(timeout)
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.events], [], [], max(0.0, left))
+            if not ready:
+                raise TimeoutError(f"no event from the driver within {timeout} s")
+            chunk = os.read(self.events, 65536)
+            if not chunk:
+                raise EOFError("the driver closed its event pipe")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    def until(self, kind: str) -> list[dict[str, Any]]:
+        seen = []
+        while (event := self.event())["ev"] != kind:
+            seen.append(event)
+        return [*seen, event]
+
+    def reader_tid(self) -> int:
+        tids = [int(t) for t in os.listdir(f"/proc/{self.pid}/task") if int(t) != self.pid]
+        assert len(tids) == 1, tids
+        return tids[0]
+
+    def wakeups(self, tid: int) -> int:
+        """Times the thread went to sleep and was woken again."""
+        for line in Path(f"/proc/{self.pid}/task/{tid}/status").read_text().splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+        raise AssertionError("no voluntary_ctxt_switches")
+
+    def settled(self, tid: int) -> None:
+        """Wait until the thread sleeps (S) and its wake-up count holds still."""
+        deadline = time.monotonic() + scaled(5)
+        last = -1
+        while time.monotonic() < deadline:
+            state = Path(f"/proc/{self.pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            now = self.wakeups(tid)
+            if state == "S" and now == last:
+                return
+            last = now
+            time.sleep(0.05)
+        raise AssertionError("the reader thread did not settle")
+
+
+@pytest.fixture
+def driver(tmp_path: Path) -> Iterator[DriverUnderTest]:
+    runtime = stage_runtime(tmp_path, Path(sys.executable))
+    events_r, events_w = os.pipe()
+    control_r, control_w = os.pipe()
+    home = tmp_path / "home"
+    home.mkdir()
+    # In a PID namespace of its own: the driver ends each cell by killing every other process
+    # it can see (kill(-1)), which in a jail is the cell's leftovers and here would be the host's.
+    unshare = ["unshare", "--pid", "--fork", "--kill-child", "--"]
+    proc = subprocess.Popen(
+        [*unshare, sys.executable, "-I", "-u", str(runtime / "driver.py"), str(events_w)],
+        stdin=control_r,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        pass_fds=(events_w,),
+        cwd=home,
+        env={"HOME": str(home), "PATH": "/usr/bin:/bin", "APPLIANCE_PRELOAD": ""},
+    )
+    os.close(control_r)
+    os.close(events_w)
+    under = DriverUnderTest(proc, control_w, events_r)
+    try:
+        assert under.until("ready")[-1]["ev"] == "ready"
+        under.find()
+        yield under
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(under.control)
+        os.close(events_r)
+
+
+def stdout_of(events: list[dict[str, Any]]) -> str:
+    return "".join(e["text"] for e in events if e["ev"] == "stream" and e["name"] == "stdout")
+
+
+def test_lines_read_along_with_the_first_cell_reach_it(driver: DriverUnderTest) -> None:
+    # The run op and the cell's stdin in one write: the main thread reads them together, so
+    # the reader thread must be told (no more bytes will come to wake it through the pipe).
+    driver.send(
+        channel.run_op("print(input().upper())", [], stdin_eof=False)
+        + channel.stdin_op("hello\n")
+        + channel.stdin_eof_op()
+    )
+    events = driver.until("done")
+    assert stdout_of(events) == "HELLO\n"
+    assert events[-1]["exit_code"] == 0
+
+
+def test_the_reader_thread_sleeps_through_a_cell_nothing_follows(driver: DriverUnderTest) -> None:
+    reader = driver.reader_tid()
+    driver.settled(reader)
+    before = driver.wakeups(reader)
+    driver.send(channel.run_op("print(2 + 2)", [], stdin_eof=True))
+    events = driver.until("done")
+    assert stdout_of(events) == "4\n"
+    assert driver.wakeups(reader) == before, "the first cell woke the reader thread"
+    # A second cell (a session's) comes through the reader, which the line wakes.
+    driver.send(channel.run_op("print(input())", [], stdin_eof=False))
+    driver.send(channel.stdin_op("later\n"))
+    assert stdout_of(driver.until("done")) == "later\n"
+    assert driver.wakeups(reader) > before
+    # The server gone (its end of the channel closed): the driver ends.
+    os.close(driver.control)
+    driver.control = os.open(os.devnull, os.O_RDONLY)  # what the fixture closes
+    assert driver.proc.wait(scaled(10)) == 0
