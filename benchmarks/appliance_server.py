@@ -80,7 +80,8 @@ def profiles_full(samples: dict[str, float]) -> bool:
 async def wait_pool_idle(
     server: ApplianceServer, floor: int, timeout_s: float = 60.0, refills_done: bool = True
 ) -> None:
-    """Wait until the pool holds `floor` ready jails, starts none, and no run is active.
+    """Wait until the pool holds `floor` ready jails, every profile's pool its target
+    (`profiles_full`), it starts none, and no run is active.
 
     Latency samples are taken only then, so no refill competes with the measured run.
     `refills_done=False` does not wait for the refills (throughput levels, where the pool

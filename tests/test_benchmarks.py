@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import report
+from benchmarks.appliance_server import profiles_full
 from benchmarks.stats import percentile, summarize
 from tests.support import REPO, scaled
 
@@ -85,6 +86,23 @@ def test_missed_targets_are_reported_not_raised() -> None:
     assert by_name["idle PSS per warm jail (MB)"] == "MISS"
     assert by_name["import-light eval runs/s: default / SANDBOX_PRELOAD=''"] == "MISS"
     assert by_name["print(2+2): naive firejail p50 / warm p50"] == "PASS"
+
+
+def test_a_pool_is_idle_only_when_every_profile_holds_its_target() -> None:
+    # Right after a run: the totals read "enough ready, none starting", the bare pool is one short.
+    after_a_run = {
+        "appliance_pool_ready": 3.0,
+        "appliance_pool_starting": 0.0,
+        'appliance_profile_pool_ready{profile="bare"}': 1.0,
+        'appliance_profile_pool_target{profile="bare"}': 2.0,
+        'appliance_profile_pool_ready{profile="science"}': 2.0,
+        'appliance_profile_pool_target{profile="science"}': 2.0,
+    }
+    assert not profiles_full(after_a_run)
+    refilled = {**after_a_run, 'appliance_profile_pool_ready{profile="bare"}': 2.0}
+    assert profiles_full(refilled)
+    grown = {**refilled, 'appliance_profile_pool_ready{profile="science"}': 5.0}
+    assert profiles_full(grown)
 
 
 def test_appliance_bench_hands_its_arguments_to_the_suite() -> None:
