@@ -207,14 +207,12 @@ class RunService:
                     else:
                         outcome = await self._one_shot(jail, lease, req, emit, run, queued_ms)
         except asyncio.CancelledError:
-            self.metrics.active_runs.set(self.admission.active)
             self._count("cancelled", started)
             raise
         except Exception as exc:
             status, message = status_of(exc)
             if not isinstance(exc, ApplianceError):
                 log.exception("run failed", extra={"request": req.id})
-            self.metrics.active_runs.set(self.admission.active)
             self._count(status, started)
             await _safe_emit(
                 emit,
@@ -227,6 +225,7 @@ class RunService:
             gpu_quota.close()
             quota.close()
         if outcome is None:
+            self.metrics.active_runs.set(self.admission.active)
             raise RuntimeError(f"run {req.id} ended without an outcome")
         duration_ms = _ms_since(started)
         await _safe_emit(
@@ -246,7 +245,6 @@ class RunService:
         )
         # Counted once `done` is on its way (nothing yields in between: a scrape that follows
         # `done` sees the run): the client does not wait for the bookkeeping.
-        self.metrics.active_runs.set(self.admission.active)
         self._count(outcome.status, started, duration_ms / 1000)
         self.metrics.bytes_streamed.inc(outcome.output_bytes)
         if outcome.import_ms is not None:
@@ -327,6 +325,9 @@ class RunService:
         self.metrics.active_runs.set(self.admission.active)
 
     def _count(self, status: str, started: float, seconds: float | None = None) -> None:
+        """A run is over (its slot is given back): the gauge of runs holding a slot, the run's
+        status and its duration (`seconds`, else the time since `started`)."""
+        self.metrics.active_runs.set(self.admission.active)
         self.metrics.runs.labels(status=status).inc()
         self.metrics.run_seconds.observe(time.monotonic() - started if seconds is None else seconds)
 

@@ -94,11 +94,16 @@ def remove_group(cgroup: Path) -> None:
             group.rmdir()
 
 
-def start(name: str, tree: Path, work: Path) -> Target:
+def own_group(name: str) -> tuple[Path, list[str]]:
+    """A new cpuacct cgroup for one target, and the command prefix that makes a process join
+    it before it starts: so every process it makes (an appliance's jails) is counted there."""
     cgroup = CPUACCT / f"appliance-hotpath-{os.getpid()}-{name}"
     cgroup.mkdir()
-    # The server joins its cgroup before it starts, so every jail it makes is counted there.
-    wrap = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"]
+    return cgroup, ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"]
+
+
+def start(name: str, tree: Path, work: Path) -> Target:
+    cgroup, wrap = own_group(name)
     try:
         server = local.start(work / name, {}, name=name, wrap=wrap, timeout_s=120, cwd=tree)
     except local.ServerStartError as exc:
@@ -109,10 +114,8 @@ def start(name: str, tree: Path, work: Path) -> Target:
 
 def start_floor(work: Path) -> Target:
     """`benchmarks.floor` in its own cpuacct cgroup, as `start` does an appliance."""
-    cgroup = CPUACCT / f"appliance-hotpath-{os.getpid()}-floor"
-    cgroup.mkdir()
+    cgroup, wrap = own_group("floor")
     port_file, log = work / "floor.port", work / "floor.log"
-    wrap = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh"]
     with open(log, "wb") as log_fh:
         proc = subprocess.Popen(
             [*wrap, sys.executable, "-m", "benchmarks.floor", str(port_file)],
