@@ -95,6 +95,35 @@ async def test_a_syntax_error_is_an_error_frame(science: Server) -> None:
     assert any("def broken(:" in line for line in ex.error["traceback"])
 
 
+async def test_a_cell_is_compiled_whole_before_any_of_it_runs(science: Server) -> None:
+    # As Python compiles a file before it runs a line of it: the last expression's error (a
+    # `yield` outside a function is found by the compiler, not the parser) stops the print too.
+    ex = await run(science, "print('ran')\n(yield 1)")
+    assert ex.status == "error" and ex.error is not None and ex.error["ename"] == "SyntaxError"
+    assert ex.stdout == ""
+
+
+async def test_a_cell_of_one_expression_parses_as_python_does(science: Server) -> None:
+    indented = await run(science, "  1 + 1")
+    assert indented.error is not None and indented.error["ename"] == "IndentationError"
+    failing = await run(science, "1 / 0")
+    assert failing.error is not None and failing.error["ename"] == "ZeroDivisionError"
+    assert any("1 / 0" in line for line in failing.error["traceback"])
+    assert (await run(science, "# a comment\n(6 *\n 7)  # and another")).results == [{"text/plain": "42"}]
+
+
+async def test_a_cell_too_deep_to_compile_is_its_error_and_the_session_lives(science: Server) -> None:
+    # The compiler's own limits (its recursion depth, its memory) end the cell, not the interpreter.
+    async with AsyncClient(science.url) as c, c.session() as session:
+        await session.execute("x = 7")
+        deep = await session.execute("y = 1" + " + 1" * 100_000)
+        assert deep.status == "error" and deep.error is not None and deep.error["ename"] == "RecursionError"
+        unary = await session.execute("-" * 100_000 + "1")
+        # (the parser's MemoryError: a run that raises one ends `memory_limit`, as any does)
+        assert unary.error is not None and unary.error["ename"] == "MemoryError"
+        assert (await session.execute("x")).results == [{"text/plain": "7"}]
+
+
 async def test_sys_exit_sets_the_exit_code(science: Server) -> None:
     ok = await run(science, "import sys\nprint('bye')\nsys.exit(0)")
     assert ok.status == "ok" and ok.exit_code == 0 and ok.stdout == "bye\n"
