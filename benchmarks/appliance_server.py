@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,3 +135,14 @@ async def execute(ws: ClientConnection, rid: str, code: str, session: str | None
             stdout.append(frame.get("text", ""))
         elif kind == "done":
             return RunReply(str(frame.get("status")), "".join(stdout), frames, frame.get("session"))
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM (`timeout`, a cancelled CI job) unwind a benchmark as Ctrl-C does: its
+    `finally` blocks stop the servers it started and remove its cgroups. By default the
+    signal ended the process on the spot, and they ran on, jails and all."""
+
+    def unwind(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)

@@ -32,7 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import local
-from benchmarks.appliance_server import REPO, ApplianceServer, BenchError, execute, open_ws, wait_pool_idle
+from benchmarks.appliance_server import (
+    REPO,
+    ApplianceServer,
+    BenchError,
+    execute,
+    open_ws,
+    unwind_on_sigterm,
+    wait_pool_idle,
+)
 from benchmarks.stats import percentile
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
@@ -190,6 +198,7 @@ def main() -> None:
     parser.add_argument("--expect", default="4\n", help="the stdout every run must print ('' for any)")
     parser.add_argument("--floor", action="store_true", help="measure benchmarks.floor beside the trees")
     args = parser.parse_args()
+    unwind_on_sigterm()
     trees: list[Path] = [tree.resolve() for tree in args.tree or [REPO]]
     names = [
         tree.name if [p.name for p in trees].count(tree.name) == 1 else f"{tree.name}{i}"

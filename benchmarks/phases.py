@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import functools
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -34,7 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from appliance import local
-from benchmarks.appliance_server import REPO, ApplianceServer, BenchError, execute, open_ws, wait_pool_idle
+from benchmarks.appliance_server import (
+    REPO,
+    ApplianceServer,
+    BenchError,
+    execute,
+    open_ws,
+    unwind_on_sigterm,
+    wait_pool_idle,
+)
 from benchmarks.hotpath import POOL_FLOOR, SETTLE_S
 
 OUT_ENV = "APPLIANCE_PHASES_OUT"  # where the server writes its table on SIGUSR1
@@ -199,17 +208,21 @@ def main() -> None:
     parser.add_argument("--code", default="print(2+2)")
     parser.add_argument("--out", type=Path, help="also write the report here (Markdown)")
     args = parser.parse_args()
+    unwind_on_sigterm()
     work = Path(tempfile.mkdtemp(prefix="appliance-phases-"))
     table = work / "phases.md"
     # The server is this module's `serve`: the shell drops `-m appliance` from the command
     # appliance.local runs and starts this module with the rest of it.
     wrap = ["sh", "-c", 'shift 2; exec "$0" -m benchmarks.phases "$@"']
-    started = local.start(work, {OUT_ENV: str(table)}, name="phases", wrap=wrap, timeout_s=120, cwd=REPO)
-    server = ApplianceServer(started.proc, started.port, started.log, started.env, "phases")
     try:
-        body = asyncio.run(probe(server, args.runs, args.code, table))
+        started = local.start(work, {OUT_ENV: str(table)}, name="phases", wrap=wrap, timeout_s=120, cwd=REPO)
+        server = ApplianceServer(started.proc, started.port, started.log, started.env, "phases")
+        try:
+            body = asyncio.run(probe(server, args.runs, args.code, table))
+        finally:
+            server.stop()
     finally:
-        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     report = (
         f"# Phases of a warm `{args.code}` run\n\n"

@@ -40,6 +40,7 @@ from benchmarks.appliance_server import (
     execute,
     open_ws,
     start_appliance,
+    unwind_on_sigterm,
     wait_pool_idle,
 )
 from benchmarks.jails import BenchJails, naive_run, open_factory, spawn_capacity
@@ -660,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stem", default=None, help="file name stem (default: bench, or bench_quick)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    unwind_on_sigterm()
     plan = QUICK if args.quick else FULL
     try:
         results = asyncio.run(run(plan, args.quick, not args.no_progress))

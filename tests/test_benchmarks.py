@@ -4,15 +4,20 @@ never on the figures themselves (the targets are PASS/MISS lines in the report).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks import report
 from benchmarks.appliance_server import profiles_full
+from benchmarks.hotpath import CPUACCT
 from benchmarks.stats import percentile, summarize
 from tests.support import REPO, scaled
 
@@ -274,15 +279,18 @@ def test_the_phase_table_takes_the_commonest_path_and_medians_its_gaps() -> None
 
 
 def test_the_phase_probe_marks_a_real_servers_run_path(tmp_path: Path) -> None:
-    out = tmp_path / "phases.md"
+    out, scratch = tmp_path / "phases.md", tmp_path / "scratch"
+    scratch.mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.phases", "--runs", "4", "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=scaled(300),
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not list(scratch.iterdir()), "the probe left its work directory behind"
     report = out.read_text()
     rows = [line for line in report.splitlines() if line.startswith("| ") and "`" in line]
     marks = [row.split("`")[1] for row in rows if row.split("|")[1].strip().isdigit()]
@@ -310,3 +318,35 @@ def test_the_hot_path_probe_measures_the_appliance_beside_the_floor(tmp_path: Pa
         server_cpu_p50 = float(cells[3].split("/")[0])
         # Every run answered (hotpath raises on a wrong answer); each took time and CPU.
         assert runs == 3 and wall_p50 > 0 and server_cpu_p50 > 0, (name, cells)
+
+
+def test_a_terminated_probe_stops_its_servers_and_removes_its_groups(tmp_path: Path) -> None:
+    # `timeout` and a cancelled CI job send SIGTERM: the probe must not leave its servers
+    # (and their pools of jails) running, nor its cgroups behind.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.hotpath", "--runs", "100000"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    group = CPUACCT / f"appliance-hotpath-{proc.pid}-{REPO.name}"
+    try:
+        deadline = time.monotonic() + scaled(120)
+        members: list[str] = []
+        while len(members) < 3:  # the server and jails of its pool: it is probing
+            assert proc.poll() is None and time.monotonic() < deadline, "the probe did not start"
+            time.sleep(0.2)
+            with contextlib.suppress(OSError):
+                members = (group / "cgroup.procs").read_text().split()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(scaled(60)) == 128 + signal.SIGTERM, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not group.exists(), "the probe's cgroup was left behind"
+    deadline = time.monotonic() + scaled(10)
+    while (left := [pid for pid in members if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, "the probe's server or its jails were left running"
