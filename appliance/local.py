@@ -136,28 +136,32 @@ def start(
             proc.wait()
             raise ValueError("wait_started=False needs a fixed port")
         return LocalServer(proc, port, log, full_env)
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists() or not ready.read_text().strip():
-        if proc.poll() is not None:
-            raise ServerStartError(f"{name}: server exited {proc.returncode}:\n{_tail(log)}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise ServerStartError(f"{name}: server did not start:\n{_tail(log)}")
-        time.sleep(0.05)
-    server = LocalServer(proc, int(ready.read_text()), log, full_env)
-    while wait_ready:
-        try:
-            status, body = server.get("/readyz")
-        except OSError as exc:  # never leave a half-started server behind
-            server.stop()
-            raise ServerStartError(f"{name}: server unreachable ({exc}):\n{_tail(log)}") from exc
-        if status == 200:
-            break
-        if proc.poll() is not None or time.monotonic() > deadline:
-            server.stop()
-            raise ServerStartError(f"{name}: server never became ready ({body[:500]}):\n{_tail(log)}")
-        time.sleep(0.1)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists() or not ready.read_text().strip():
+            if proc.poll() is not None:
+                raise ServerStartError(f"{name}: server exited {proc.returncode}:\n{_tail(log)}")
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise ServerStartError(f"{name}: server did not start:\n{_tail(log)}")
+            time.sleep(0.05)
+        server = LocalServer(proc, int(ready.read_text()), log, full_env)
+        while wait_ready:
+            try:
+                status, body = server.get("/readyz")
+            except OSError as exc:
+                raise ServerStartError(f"{name}: server unreachable ({exc}):\n{_tail(log)}") from exc
+            if status == 200:
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise ServerStartError(f"{name}: server never became ready ({body[:500]}):\n{_tail(log)}")
+            time.sleep(0.1)
+    except BaseException:
+        # Failed, or interrupted while it starts (Ctrl-C, a SIGTERM the caller turned into an
+        # exception): never leave a half-started server behind.
+        LocalServer(proc, port, log, full_env).stop()
+        raise
     return server
 
 

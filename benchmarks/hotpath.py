@@ -114,9 +114,11 @@ def start(name: str, tree: Path, work: Path) -> Target:
     cgroup, wrap = own_group(name)
     try:
         server = local.start(work / name, {}, name=name, wrap=wrap, timeout_s=120, cwd=tree)
-    except local.ServerStartError as exc:
+    except BaseException as exc:  # a failed start, or SIGTERM (`unwind_on_sigterm`) during it
         remove_group(cgroup)
-        raise BenchError(str(exc)) from exc
+        if isinstance(exc, local.ServerStartError):
+            raise BenchError(str(exc)) from exc
+        raise
     return Target(name, ApplianceServer(server.proc, server.port, server.log, server.env, name), cgroup)
 
 
@@ -131,13 +133,17 @@ def start_floor(work: Path) -> Target:
             stdout=log_fh,
             stderr=subprocess.STDOUT,
         )
-    deadline = time.monotonic() + 30
-    while not port_file.exists() or not port_file.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            remove_group(cgroup)
-            raise BenchError(f"the floor server did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.05)
+    try:
+        deadline = time.monotonic() + 30
+        while not port_file.exists() or not port_file.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"the floor server did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.05)
+    except BaseException:  # as above: failed, or SIGTERM while it starts
+        proc.kill()
+        proc.wait()
+        remove_group(cgroup)
+        raise
     server = ApplianceServer(proc, int(port_file.read_text()), log, {}, "floor")
     return Target("floor", server, cgroup)
 

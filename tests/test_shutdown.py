@@ -39,3 +39,34 @@ async def test_a_run_longer_than_the_grace_period_is_cancelled_with_a_done(tmp_p
     assert await asyncio.to_thread(server.proc.wait, 30) == 0
     assert jail_processes(server) == []
     assert '"msg": "stopped"' in server.logs()
+
+
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains text."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_a_start_interrupted_before_the_server_is_ready_leaves_no_server(tmp_path: Path) -> None:
+    # Ctrl-C (or a SIGTERM a benchmark turns into an exception) while `appliance.local.start`
+    # waits for the server: the half-started server is stopped, not left running with its pool.
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)  # the server's imports alone take longer
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            start_server(tmp_path, SANDBOX_POOL_SIZE="2")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    # start_server's stop waited for the server itself; the check is that it was stopped at all.
+    assert processes_naming(str(tmp_path)) == [], "a half-started server was left running"
