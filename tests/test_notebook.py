@@ -115,6 +115,12 @@ class TestInTheJail:
         ex = await run(plain, "!echo hi")
         assert ex.results == [] and ex.stdout == "hi\n"
 
+    async def test_the_driver_loads_package_metadata_only_for_pip(self, plain: Server) -> None:
+        # importlib.metadata brings some 40 modules (zipfile, bz2, lzma and their libraries)
+        # into the driver that imports it: only `%pip` needs it, not every jail.
+        probe = "import sys\nprint([m for m in ('importlib.metadata', 'zipfile', 'bz2', 'lzma') if m in sys.modules])"
+        assert (await run(plain, probe)).stdout == "[]\n"
+
     async def test_a_command_in_a_loop_body(self, plain: Server) -> None:
         ex = await run(plain, "for i in range(3):\n    !echo loop")
         assert ex.stdout == "loop\n" * 3

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.metadata
 import json
 import os
 import re
@@ -260,6 +259,11 @@ class Magics:
 
 
 def _installed(name: str) -> bool:
+    # Imported here, by `%pip` alone: importlib.metadata brings some 40 modules (zipfile, and
+    # with it bz2 and lzma and their libraries) into every jail's driver, which made the
+    # mappings the disk check reads as each cell ends a fifth longer.
+    import importlib.metadata
+
     try:
         importlib.metadata.distribution(name)
     except importlib.metadata.PackageNotFoundError:
