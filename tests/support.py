@@ -60,6 +60,15 @@ def start_server(
     )
 
 
+def cmdline(pid: int) -> str:
+    """Process pid's command line, its arguments joined by spaces ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def processes_of_uid(uid: int = SANDBOX_UID) -> list[tuple[int, str]]:
     """(pid, command line) of every live process whose real uid is uid."""
     found = []

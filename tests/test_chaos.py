@@ -21,7 +21,7 @@ import websockets
 
 from appliance.jail.proctree import descendants
 from tests.attacks.common import assert_contained, leftovers, run
-from tests.support import REPO, Server, reachable_tmp_root, run_root, scaled, start_server
+from tests.support import REPO, Server, cmdline, reachable_tmp_root, run_root, scaled, start_server
 
 SLEEPER = "import time\nprint('started', flush=True)\ntime.sleep(60)"
 
@@ -42,14 +42,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, chaos_root: Path) -> Iterat
     )
     yield srv
     srv.stop()
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def parent(pid: int) -> int:

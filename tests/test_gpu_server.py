@@ -16,7 +16,7 @@ import pytest
 
 from appliance.client import AsyncClient
 from appliance.gpu.watchdog import descendants
-from tests.support import Server, scaled, start_server
+from tests.support import Server, cmdline, scaled, start_server
 
 MARGIN_MB = 128
 
@@ -52,11 +52,8 @@ def host_pid_of(server: Server, marker: str, timeout: float = 10) -> int:
     deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         for pid in descendants(server.proc.pid):
-            try:
-                if marker in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode():
-                    return pid
-            except OSError:
-                continue
+            if marker in cmdline(pid):
+                return pid
         time.sleep(0.05)
     raise AssertionError(f"no process with {marker!r} under the server")
 

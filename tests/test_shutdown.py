@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import websockets
 
 from appliance.client import AsyncClient
-from tests.support import jail_processes, start_server
+from tests.support import cmdline, jail_processes, start_server
 
 
 async def test_a_run_shorter_than_the_grace_period_finishes_after_sigterm(tmp_path: Path) -> None:
@@ -41,19 +42,6 @@ async def test_a_run_longer_than_the_grace_period_is_cancelled_with_a_done(tmp_p
     assert '"msg": "stopped"' in server.logs()
 
 
-def processes_naming(text: str) -> list[int]:
-    """Live processes whose command line contains text."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
 def test_a_start_interrupted_before_the_server_is_ready_leaves_no_server(tmp_path: Path) -> None:
     # Ctrl-C (or a SIGTERM a benchmark turns into an exception) while `appliance.local.start`
     # waits for the server: the half-started server is stopped, not left running with its pool.
@@ -69,4 +57,5 @@ def test_a_start_interrupted_before_the_server_is_ready_leaves_no_server(tmp_pat
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     # start_server's stop waited for the server itself; the check is that it was stopped at all.
-    assert processes_naming(str(tmp_path)) == [], "a half-started server was left running"
+    left = [int(p) for p in os.listdir("/proc") if p.isdigit() and str(tmp_path) in cmdline(int(p))]
+    assert left == [], "a half-started server was left running"
