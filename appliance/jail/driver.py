@@ -783,6 +783,9 @@ def main() -> None:
     started = time.monotonic()
     failures = preload([m for m in os.environ.get("APPLIANCE_PRELOAD", "").split(",") if m])
     driver.imports.install()  # after the preload: what the profile has loaded costs nothing
+    # Started before "ready", so that a ready driver has all its threads: the reader sleeps
+    # in epoll until the first cell is handed over or the channel hangs up.
+    threading.Thread(target=driver.read_control, name="control", daemon=True).start()
     events.emit(
         {
             "ev": "ready",
@@ -791,7 +794,6 @@ def main() -> None:
             "preload_ms": int((time.monotonic() - started) * 1000),
         }
     )
-    threading.Thread(target=driver.read_control, name="control", daemon=True).start()
     driver.serve()
 
 
