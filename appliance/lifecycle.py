@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance import canary, toolprobe
 from appliance.errors import StartupError
-from appliance.jail import cgroups
+from appliance.jail import cgroups, sched
 from appliance.jail.cell import run_cell
 from appliance.jail.host import HostFacts, import_problem, inspect, readable_ancestors_problem
 from appliance.jail.jail import JailFactory, python_roots
@@ -126,6 +126,12 @@ class Lifecycle:
     async def start(self, canary_port: int) -> None:
         """Directories, runtime, network, pools, GPU probe; then the canary loop."""
         s = self.settings
+        # First, so that the jails started below (and the executor's threads) inherit it.
+        refused = sched.request_slice()
+        if refused is None:
+            log.info("short scheduler slice", extra={"slice_us": sched.SLICE_NS // 1000})
+        else:
+            log.info("default scheduler slice", extra={"reason": refused})
         host = self.host or self.check_host()
         self.dirs = RunDirs(s.tmp_root, host.uid, host.gid)
         removed = self.dirs.prepare()

@@ -8,7 +8,8 @@ cgroup, no disk check, no kill. Per request it does what the appliance's hot pat
 without: parse the frame, write the op to the child, send `start`, read the child's two
 events (output, then the end of the cell) and send `stream` and `done`. The child runs the
 code with `exec` and writes each event as it happens, as the driver does; it lives on
-across requests, so it is always warmer than a single-use jail.
+across requests, so it is always warmer than a single-use jail. It asks the scheduler for the
+appliance's short slice (`appliance.jail.sched`), so that neither has an edge there.
 
 `python -m benchmarks.hotpath --floor` measures it beside the appliance, run for run with
 the same client and the same idle time before each run: what the appliance adds to the
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import WSMsgType, web
+
+from appliance.jail import sched
 
 CHILD = "child"
 
@@ -105,6 +108,7 @@ def main() -> None:
     if sys.argv[1:] == [CHILD]:
         child()
     else:
+        sched.request_slice()  # as the appliance's server does, its child inheriting it
         # Bound and listening before the port is told: a client may connect at once.
         sock = socket.create_server(("127.0.0.1", 0))
         Path(sys.argv[1]).write_text(str(sock.getsockname()[1]))
