@@ -10,12 +10,12 @@ quota can count them.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from appliance.jail import syscalls
 
 DELETED = b" (deleted)\n"  # how maps ends the path of a file with no name left
 
@@ -64,7 +64,7 @@ def _descriptor_tables(pid: int, bound: Bound | None) -> list[str]:
     return tables
 
 
-_KCMP = {"x86_64": 312, "aarch64": 272}.get(os.uname().machine)  # the kcmp(2) syscall's number
+_KCMP = syscalls.number("kcmp")
 KCMP_FILES = 2
 
 
@@ -73,14 +73,7 @@ def _same_table(pid: int, tid: int) -> bool:
     Where it cannot tell (no kcmp here, a thread gone), the thread's own table is searched."""
     if _KCMP is None:
         return False
-    # Every argument as a C long: the syscall(2) wrapper reads its variadic arguments so.
-    args = (ctypes.c_long(x) for x in (_KCMP, pid, tid, KCMP_FILES, 0, 0))
-    return bool(_libc().syscall(*args) == 0)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+    return syscalls.syscall(_KCMP, pid, tid, KCMP_FILES, 0, 0) == 0
 
 
 def _unnamed_mappings(pid: int, bound: Bound | None = None) -> Iterable[str]:

@@ -22,13 +22,15 @@ import ctypes
 import os
 import struct
 
+from appliance.jail import syscalls
+
 SLICE_NS = 100_000  # the shortest the kernel grants (it clamps to 0.1-100 ms)
 
 # struct sched_attr, first version (48 bytes): size, policy, flags, nice, priority, runtime,
 # deadline, period. For SCHED_OTHER the kernel reads the slice from runtime and the nice value
 # from nice, so the nice value in effect is passed back in, not reset to 0.
 _ATTR = struct.Struct("=IIQiIQQQ")
-_SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}.get(os.uname().machine)  # set, get
+_SET, _GET = syscalls.number("sched_setattr"), syscalls.number("sched_getattr")
 
 
 def attr(nice: int, slice_ns: int) -> bytes:
@@ -44,10 +46,10 @@ def slice_of(raw: bytes) -> int:
 def current_slice(pid: int = 0) -> int | None:
     """The slice the kernel reports for pid (0: this thread), in ns; None where it cannot say
     (an unknown architecture, or the call failed). A kernel before 6.12 reports 0."""
-    if _SYSCALLS is None:
+    if _GET is None:
         return None
     buf = ctypes.create_string_buffer(_ATTR.size)
-    if _syscall(_SYSCALLS[1], pid, ctypes.addressof(buf), _ATTR.size, 0) != 0:
+    if syscalls.syscall(_GET, pid, ctypes.addressof(buf), _ATTR.size, 0) != 0:
         return None
     return slice_of(buf.raw)
 
@@ -57,21 +59,16 @@ def request_slice(slice_ns: int = SLICE_NS) -> str | None:
     inherit it. Only from the normal policy (one an operator chose, batch or real-time, is
     left as it is) and with the nice value kept. None once the kernel reports that slice in
     effect, else why not: a hint to the scheduler, so nothing depends on it."""
-    if _SYSCALLS is None:
+    if _SET is None:
         return f"no sched_setattr number known for {os.uname().machine}"
     policy = os.sched_getscheduler(0)
     if policy != os.SCHED_OTHER:
         return f"the server runs under scheduling policy {policy}, left as it is"
     nice = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's, as sched_setattr(0) sets
     buf = ctypes.create_string_buffer(attr(nice, slice_ns), _ATTR.size)
-    if _syscall(_SYSCALLS[0], 0, ctypes.addressof(buf), 0) != 0:
+    if syscalls.syscall(_SET, 0, ctypes.addressof(buf), 0) != 0:
         return f"sched_setattr: {os.strerror(ctypes.get_errno())}"
     granted = current_slice()
     if granted != slice_ns:
         return f"the kernel keeps no custom slice for this policy (it reports {granted})"
     return None
-
-
-def _syscall(*args: int) -> int:
-    # Every argument as a C long: the syscall(2) wrapper reads its variadic arguments so.
-    return int(ctypes.CDLL(None, use_errno=True).syscall(*(ctypes.c_long(a) for a in args)))
