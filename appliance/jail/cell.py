@@ -156,14 +156,24 @@ async def _run_cell(
                     await emit(first)
             except TimeoutError:
                 process.stop(timed_out)  # the client did not take it in the run's time
+        # Whether the pipe may be read in place (`ready_item`) instead of waiting: only after a
+        # wait that yielded to the event loop, so that however fast the driver writes, the run
+        # yields between two reads of its pipe and cannot hold the loop.
+        may_read = False
         while True:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    item = await process.next()
-            except TimeoutError:
-                if stopping is not None:  # the cell ignored the interrupt: give it up
-                    return ended(stopping)
-                item = Violation(timed_out)
+            ready = process.ready_item() if may_read else None
+            if ready is not None:
+                item = ready
+                may_read = False
+            else:
+                may_read = not process.has_pending()  # then `next` waits, and the loop runs
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        item = await process.next()
+                except TimeoutError:
+                    if stopping is not None:  # the cell ignored the interrupt: give it up
+                        return ended(stopping)
+                    item = Violation(timed_out)
             if isinstance(item, InterruptRequest):
                 item = Violation(Cancelled(item.reason))
             if isinstance(item, Violation):

@@ -177,16 +177,36 @@ class JailProcess:
         """The next item: a pending limit or interrupt first, else the oldest output.
         Waits as long as it takes: the caller bounds it (asyncio.timeout_at in jail.cell)."""
         while True:
-            if self._urgent:
-                return self._urgent.popleft()
-            if self._output:
-                item = self._output.popleft()
-                self._waiting_bytes -= _size(item)
-                if self._paused and self._waiting_bytes <= LOW_WATER_BYTES:
-                    self._resume()
-                return item
+            if self._urgent or self._output:
+                return self.next_nowait()
             self._wake.clear()
             await self._wake.wait()
+
+    def has_pending(self) -> bool:
+        """Whether `next` has an item queued (and would return without waiting)."""
+        return bool(self._urgent or self._output)
+
+    def ready_item(self) -> Item | None:
+        """The item `next` would return now without waiting, or None.
+
+        What the driver wrote since the event loop last looked is read here, at once: a cell's
+        `done` usually follows its output by microseconds, and reading it in place spares the
+        run a turn of the event loop (a wait, a poll, a wake-up) between the two."""
+        if not (self._urgent or self._output or self._paused or self._events_fd in self._closed_fds):
+            self._read_events()
+        if self._urgent or self._output:
+            return self.next_nowait()
+        return None
+
+    def next_nowait(self) -> Item:
+        """The next item (IndexError if none is queued)."""
+        if self._urgent:
+            return self._urgent.popleft()
+        item = self._output.popleft()
+        self._waiting_bytes -= _size(item)
+        if self._paused and self._waiting_bytes <= LOW_WATER_BYTES:
+            self._resume()
+        return item
 
     # ASYNC109: the timeout is required on purpose: no caller may wait on a jail unbounded.
     async def wait_event(self, kind: channel.EventKind, timeout: float) -> channel.Event:  # noqa: ASYNC109
