@@ -119,6 +119,7 @@ class JailProcess:
             self._loop.add_reader(fd, self._on_readable, fd)
         os.set_blocking(control_fd, False)
         self._write_buf = bytearray()
+        self._writer_added = False
         self._flushed: list[asyncio.Future[None]] = []
         self._ready_pids: tuple[int, ...] = ()
         self._init_fds: list[int] = []  # pidfds of the jail's PID-namespace init (see pin)
@@ -372,14 +373,18 @@ class JailProcess:
                 written = os.write(fd, self._write_buf)
             except BlockingIOError:
                 self._loop.add_writer(fd, self._flush)
+                self._writer_added = True
                 return
             except OSError:  # the driver is gone (EPIPE) or the fd was closed
                 self._write_buf.clear()
-                self._close_fd(fd)
+                self._close_fd(fd)  # which removes its writer, if any
+                self._writer_added = False
                 break
             del self._write_buf[:written]
-        with contextlib.suppress(Exception):
-            self._loop.remove_writer(fd)
+        if self._writer_added:  # asked for only when the pipe was full (not on a run's path)
+            self._writer_added = False
+            with contextlib.suppress(Exception):
+                self._loop.remove_writer(fd)
         waiters, self._flushed = self._flushed, []
         for waiter in waiters:
             if not waiter.done():
