@@ -284,12 +284,19 @@ def disk_violation(jail: Jail, max_disk_mb: int, inline: bool = False) -> Output
     if entries > walk_max < max_entries:
         raise OverBound(f"the run directory holds more than {walk_max} entries")
     devices: set[int] = set()
-    with contextlib.suppress(OSError):
-        devices.add(os.stat(jail.workdir).st_dev)
+    if jail.workdir_dev is not None:
+        devices.add(jail.workdir_dev)
+    else:
+        with contextlib.suppress(OSError):
+            devices.add(os.stat(jail.workdir).st_dev)
     inner = jail.process.inits()  # firejail's sandbox init: its namespace holds the /tmp
-    tmp = tmp_of(inner)
-    if tmp is not None:
-        counted = tmpfs_usage(tmp if jail.tmp_fd is None else jail.tmp_fd)
+    # The /tmp held open since the jail was pinned, else found through the init's root.
+    counted = tmpfs_usage(jail.tmp_fd) if jail.tmp_fd is not None else None
+    tmp = None if counted is not None else tmp_of(inner)
+    if counted is not None:
+        used, entries = used + counted[0], entries + counted[1]
+    elif tmp is not None:
+        counted = tmpfs_usage(tmp)
         if counted is None:  # no block count to read: walk it, and look for its held files
             if inline:
                 raise OverBound("the private /tmp keeps no count of its own")

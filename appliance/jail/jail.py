@@ -51,6 +51,7 @@ class Jail:
     cgroup: Group | None = None  # the jail's own cgroup (memory, cpu, pids), when enforcing
     baseline: Counters | None = None  # the group's counters when it became ready (`make_ready`)
     tmp_fd: int | None = None  # its private /tmp, open from `pin` until `destroy`
+    workdir_dev: int | None = None  # the run directory's filesystem, read at `pin`
     _destroyed: bool = False
 
     @property
@@ -63,6 +64,8 @@ class Jail:
         then reads that count with one fstatvfs instead of a path lookup through /proc into
         another mount namespace (some 80 us on an idle CPU here)."""
         self.process.pin()
+        with contextlib.suppress(OSError):  # the server made it; the jail cannot mount over it
+            self.workdir_dev = os.stat(self.workdir).st_dev
         tmp = tmp_of(self.process.inits())
         if tmp is not None:
             with contextlib.suppress(OSError):
