@@ -63,7 +63,7 @@ def _eligible(st: os.stat_result, uid: int) -> bool:
 def has_any(workdir: Path) -> bool:
     """Whether outputs/ holds anything at all (a cheap check before a full, careful walk)."""
     try:
-        with os.scandir(workdir / "outputs") as it:
+        with os.scandir(os.path.join(workdir, "outputs")) as it:
             return any(True for _ in it)
     except OSError:
         return False

@@ -136,9 +136,10 @@ async def _run_cell(
     process = jail.process
     rid = req.id
     deadline = loop.time() + timeout_ms / 1000
+    process.write(channel.run_op(req.code, [(f.path, f.data) for f in req.files], req.stdin_eof))
+    # Made once the code is on its way: the driver starts on it meanwhile.
     timed_out = RunTimeout(f"the run exceeded its {timeout_ms} ms time limit")
     over = OutputLimit(f"the run wrote more than SANDBOX_MAX_OUTPUT_BYTES ({max_output_bytes} bytes)")
-    process.write(channel.run_op(req.code, [(f.path, f.data) for f in req.files], req.stdin_eof))
     if started is not None:
         started()
     watchdog = asyncio.create_task(_disk_watchdog(jail, max_disk_mb, base.oom_kills if base else None))

@@ -74,6 +74,8 @@ def choose(profiles: tuple[Profile, ...], imports: frozenset[str]) -> Profile:
     single profile has them all), the one that has the most of them, the larger on a tie."""
     if not profiles:
         raise ValueError("no preload profiles")
+    if not imports:  # every profile covers nothing: the smallest (what follows would say so too)
+        return min(profiles, key=lambda p: len(p.modules))
     known = frozenset().union(*(p.tops for p in profiles))
     wanted = imports & known
     covering = [p for p in profiles if wanted <= p.tops]
