@@ -295,9 +295,12 @@ class Driver:
         self.waker.register(self.doorbell, select.EPOLLIN)
         # What the main thread runs, in order: SimpleQueue's get() is one lock, not a condition.
         self.runs: queue.SimpleQueue[Cell | channel.CudaContextOp | None] = queue.SimpleQueue()
-        # Set once the main thread has read up to the first cell: the reader thread reads from then on.
-        self.handed_over = threading.Event()
+        # Held until the main thread has read up to the first cell: the reader thread reads
+        # from then on. A lock, not an Event: releasing it is one C call on the run's path.
+        self.handed_over = threading.Lock()
+        self.handed_over.acquire()
         self.stdin = StdinBuffer()
+        self.first_stdin: StdinBuffer | None = StdinBuffer()
         self.in_user_code = False
         self.cell_count = 0
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
@@ -319,8 +322,9 @@ class Driver:
             files = [(f["path"], self.control.read(f["size"])) for f in op["files"]]
             if any(len(data) != f["size"] for (_, data), f in zip(files, op["files"], strict=True)):
                 raise EOFError
-            # The cell's stdin is made here, in order with the stdin messages that follow.
-            buffer = StdinBuffer()
+            # The cell's stdin is made here, in order with the stdin messages that follow; the
+            # first cell's was made as the driver started, off the run's path.
+            buffer, self.first_stdin = self.first_stdin or StdinBuffer(), None
             if op["stdin_eof"]:
                 buffer.close_input()
             self.stdin = buffer
@@ -357,7 +361,7 @@ class Driver:
         only if it has something to read: the channel is armed for input (epoll wakes the
         reader when a line comes, at once if one is there), or, when the main thread read
         past the first cell into the buffer, its doorbell rings."""
-        self.handed_over.set()
+        self.handed_over.release()
         if self.control.pending():
             os.eventfd_write(self.doorbell, 1)
         else:
@@ -367,7 +371,7 @@ class Driver:
         """The reader thread: every control line after the first cell's, so that stdin and
         interrupts reach a cell while it runs, and the channel's end (the server is gone)."""
         self.waker.poll()  # a line or the doorbell after `hand_over`; a hang-up at any time
-        self.handed_over.wait()  # (a hang-up before it: the main thread reads the EOF first)
+        self.handed_over.acquire()  # (a hang-up before it: the main thread reads the EOF first)
         try:
             for raw in iter(self.control.readline, b""):
                 item = self.take(raw)
