@@ -153,3 +153,53 @@ def test_the_reader_thread_sleeps_through_a_cell_nothing_follows(driver: DriverU
     os.close(driver.control)
     driver.control = os.open(os.devnull, os.O_RDONLY)  # what the fixture closes
     assert driver.proc.wait(scaled(10)) == 0
+
+
+def test_code_and_files_arrive_byte_for_byte_after_a_run_header(driver: DriverUnderTest) -> None:
+    # Counted bytes, not JSON: a newline, quotes, a backslash and non-ASCII in the code, a
+    # path with a space and a multi-byte name, contents with every byte value and a newline
+    # where a line reader would stop. The second cell (through the reader thread) reads them.
+    data = bytes(range(256)) + b"\nrun 1 2\n"
+    code = (
+        'import hashlib\ns = "tab\\t\\"q\\" \\\\ é ✓"\n'
+        "print(s, len(s))\n"
+        "print(hashlib.sha256(open('in dir/ünï.bin', 'rb').read()).hexdigest())"
+    )
+    op = channel.run_op(code, [("in dir/ünï.bin", data)], stdin_eof=True)
+    assert op.startswith(b"run 1 ") and op.count(b"\n", 0, op.index(b"import")) == 1
+    driver.send(op)
+    events = driver.until("done")
+    expected = f'tab\t"q" \\ é ✓ 13\n{__import__("hashlib").sha256(data).hexdigest()}\n'
+    assert stdout_of(events) == expected
+    assert events[-1]["exit_code"] == 0
+    driver.send(channel.run_op("print(open('in dir/ünï.bin', 'rb').read() == " + repr(data) + ")", [], True))
+    assert stdout_of(driver.until("done")) == "True\n"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"run 1\n",  # no code count
+        b"run 2 4\n",  # stdin_eof is 0 or 1
+        b"run 1 4 5\n",  # a file's path count without its size
+        b"run 1 -4\n",  # no sign
+        b"run 1 4.0\n",
+        b"run 1 \xd9\xa4\n",  # a digit, but not an ASCII one
+        b"running 1 4\n",
+    ],
+)
+def test_a_malformed_run_header_is_no_op(line: bytes) -> None:
+    assert channel.parse_op(line) is None
+
+
+def test_a_run_header_counts_what_follows() -> None:
+    op = channel.run_op("é", [("a", b"xyz"), ("", b"")], stdin_eof=False)
+    header, _, body = op.partition(b"\n")
+    parsed = channel.parse_op(header + b"\n")
+    assert parsed == {
+        "op": "run",
+        "code_bytes": 2,
+        "stdin_eof": False,
+        "files": [{"path_bytes": 1, "size": 3}, {"path_bytes": 0, "size": 0}],
+    }
+    assert body == "é".encode() + b"a" + b"xyz"

@@ -267,6 +267,13 @@ class ControlReader:
         del self._buf[: end + 1]
         return line
 
+    def read_exactly(self, size: int) -> bytes:
+        """size bytes; EOFError if the pipe closes first (the server is gone)."""
+        data = self.read(size)
+        if len(data) != size:
+            raise EOFError
+        return data
+
     def read(self, size: int) -> bytes:
         """size bytes, or fewer at EOF."""
         parts = [bytes(self._buf[:size])]
@@ -311,24 +318,29 @@ class Driver:
 
     # -- control channel ----------------------------------------------------------------
     def take(self, raw: bytes) -> Cell | channel.CudaContextOp | None:
-        """Act on one control line: stdin and interrupts at once; a `run` (its files' bytes
+        """Act on one control line: stdin and interrupts at once; a `run` (its code and files
         follow on the pipe) or a `cuda_context` is returned for the main thread to do.
         EOFError when the pipe closed mid-message: the server is gone."""
         op = channel.parse_op(raw)
         if op is None:
             return None
         if op["op"] == "run":
-            # The files' bytes follow the header on the same pipe, exactly as listed.
-            files = [(f["path"], self.control.read(f["size"])) for f in op["files"]]
-            if any(len(data) != f["size"] for (_, data), f in zip(files, op["files"], strict=True)):
-                raise EOFError
+            # The code and the files follow the header on the same pipe, exactly as counted.
+            code = self.control.read_exactly(op["code_bytes"]).decode("utf-8", "surrogatepass")
+            files = [
+                (
+                    self.control.read_exactly(f["path_bytes"]).decode("utf-8", "surrogatepass"),
+                    self.control.read_exactly(f["size"]),
+                )
+                for f in op["files"]
+            ]
             # The cell's stdin is made here, in order with the stdin messages that follow; the
             # first cell's was made as the driver started, off the run's path.
             buffer, self.first_stdin = self.first_stdin or StdinBuffer(), None
             if op["stdin_eof"]:
                 buffer.close_input()
             self.stdin = buffer
-            return Cell(op["code"], files, buffer)
+            return Cell(code, files, buffer)
         if op["op"] == "cuda_context":
             return op  # on the main thread, where the code will run, before it
         if op["op"] == "stdin":
