@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 
 _NUMBERS = {
     "x86_64": {"kcmp": 312, "sched_setattr": 314, "sched_getattr": 315},
@@ -18,13 +19,23 @@ def number(name: str) -> int | None:
     return _NUMBERS.get(name)
 
 
+MAX_ARGS = 6  # what syscall(2) passes on to the kernel after the number
+
+
 def syscall(*args: int) -> int:
     """libc's syscall(2) with these arguments, the number first; its return value (-1 and
-    ctypes.get_errno() on failure). Every argument is passed as a C long: the wrapper reads
-    its variadic arguments so."""
-    return int(_libc().syscall(*(ctypes.c_long(a) for a in args)))
+    ctypes.get_errno() on failure). Every argument is passed as a C long (the wrapper reads
+    its variadic arguments so), the unused ones as 0, which the kernel does not read."""
+    if not 1 <= len(args) <= MAX_ARGS + 1:
+        raise TypeError(f"syscall takes a number and at most {MAX_ARGS} arguments")
+    return int(_syscall()(*args, *(0,) * (MAX_ARGS + 1 - len(args))))
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+def _syscall() -> Callable[..., int]:
+    """syscall(2) with its arguments typed once: a call converts its ints in C, and does not
+    make a ctypes object of each (the held-file search calls it as each cell ends)."""
+    fn = ctypes.CDLL(None, use_errno=True).syscall
+    fn.restype = ctypes.c_long
+    fn.argtypes = [ctypes.c_long] * (MAX_ARGS + 1)
+    return fn
