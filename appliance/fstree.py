@@ -87,6 +87,18 @@ class Walk:
     _device: int = field(default=-1, repr=False)
 
     def __iter__(self) -> Iterator[Entry]:
+        for rel, name, dir_fd, st in self._walk(named=True):
+            yield Entry(rel, name, dir_fd, st)
+
+    def stats(self) -> Iterator[os.stat_result]:
+        """The lstat of every entry, as `iter` would find them but in no set order (what
+        a count needs, without an Entry, a path or a sort for each)."""
+        for _rel, _name, _dir_fd, st in self._walk(named=False):
+            yield st
+
+    def _walk(self, named: bool) -> Iterator[tuple[str, str, int, os.stat_result]]:
+        """(path below root, name, open directory, lstat) of each entry; the path and the
+        name order only when `named`."""
         try:
             fd = open_dir(self.root)
         except OSError:
@@ -96,7 +108,7 @@ class Walk:
         stack: list[tuple[int, str, list[tuple[str, os.stat_result]]]] = []
         try:
             self._device = os.fstat(fd).st_dev
-            stack.append((fd, "", self._list(fd)))
+            stack.append((fd, "", self._list(fd, named)))
             while stack:
                 dir_fd, rel, pending = stack[-1]
                 if not pending:
@@ -104,8 +116,8 @@ class Walk:
                     os.close(dir_fd)
                     continue
                 name, st = pending.pop()
-                child_rel = f"{rel}/{name}" if rel else name
-                yield Entry(child_rel, name, dir_fd, st)
+                child_rel = (f"{rel}/{name}" if rel else name) if named else ""
+                yield child_rel, name, dir_fd, st
                 if not stat.S_ISDIR(st.st_mode):
                     continue
                 if len(stack) > self.max_depth - 1:
@@ -125,13 +137,14 @@ class Walk:
                 if self.one_fs and cst.st_dev != self._device:
                     os.close(child)
                     continue
-                stack.append((child, child_rel, self._list(child)))
+                stack.append((child, child_rel, self._list(child, named)))
         finally:
             for dir_fd, _rel, _pending in stack:
                 os.close(dir_fd)
 
-    def _list(self, dir_fd: int) -> list[tuple[str, os.stat_result]]:
-        """(name, lstat) of a directory's entries, in reverse name order (popped from the end)."""
+    def _list(self, dir_fd: int, ordered: bool = True) -> list[tuple[str, os.stat_result]]:
+        """(name, lstat) of a directory's entries, in reverse name order (popped from the end)
+        if `ordered`."""
         found: list[tuple[str, os.stat_result]] = []
         try:
             with os.scandir(dir_fd) as it:
@@ -147,7 +160,8 @@ class Walk:
                         break
         except OSError:
             self.errors += 1
-        found.sort(key=lambda item: item[0], reverse=True)
+        if ordered:
+            found.sort(key=lambda item: item[0], reverse=True)
         return found
 
 
@@ -156,9 +170,9 @@ def usage(root: Path, max_entries: int, max_depth: int = MAX_DEPTH) -> tuple[int
     filesystem; counting stops once entries exceed max_entries."""
     walk = Walk(root, max_depth=max_depth, list_limit=max_entries)
     total = entries = 0
-    for entry in walk:
+    for st in walk.stats():
         entries += 1
-        total += entry.stat.st_blocks * 512
+        total += st.st_blocks * 512
         if entries > max_entries:
             break
     return total, entries, walk.too_deep

@@ -3,7 +3,9 @@ and the next run works."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Unpack
 
 import pytest
@@ -272,6 +274,30 @@ def test_disk_usage_stays_on_its_own_filesystem(tmp_path_factory: pytest.TempPat
         assert inner >= 3_000_000
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_the_count_sees_what_the_named_walk_sees(tmp_path: Path) -> None:
+    # usage() walks without names or order (Walk.stats): the same entries, links not followed,
+    # nothing past the depth bound, as the walk that names them.
+    from appliance.fstree import Walk, usage
+
+    (tmp_path / "b" / "c").mkdir(parents=True)
+    (tmp_path / "b" / "c" / "f.bin").write_bytes(b"x" * 70_000)
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "sparse").write_bytes(b"")
+    os.truncate(tmp_path / "sparse", 50_000_000)  # a hole takes no block
+    (tmp_path / "to-host").symlink_to("/usr")
+    deep = tmp_path / "d"
+    for _ in range(5):
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    named = list(Walk(tmp_path, max_depth=4))
+    used, entries, too_deep = usage(tmp_path, 1000, max_depth=4)
+    assert entries == len(named) == 10  # d/d/d/d is listed; what it holds is too deep
+    assert used == sum(e.stat.st_blocks * 512 for e in named) < 1_000_000
+    assert too_deep == 1
+    assert sorted(e.rel for e in named)[:3] == ["a.txt", "b", "b/c"]
+    assert usage(tmp_path, 3)[1] == 4  # counting stops just past the bound
 
 
 async def test_files_held_in_the_private_tmp_with_no_name_count_when_the_cell_ends_at_once(
