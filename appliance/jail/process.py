@@ -126,6 +126,7 @@ class JailProcess:
         self._launcher_fd: int | None = None  # pidfd of firejail itself (see pin)
         self._killed = False  # SIGKILL went to the init through its pidfd
         self._init_pids: tuple[int, ...] = ()
+        self._alive_poll: select.poll | None = None  # the pidfds of `pin`, to poll
 
     @classmethod
     async def spawn(
@@ -403,6 +404,11 @@ class JailProcess:
         for pid in self._init_pids:
             with contextlib.suppress(OSError):
                 self._init_fds.append(os.pidfd_open(pid))
+        # Made once: a run asks whether its jail lives as it is handed out.
+        self._alive_poll = select.poll()  # not select(): a server's descriptors may be past FD_SETSIZE
+        for fd in (*self._init_fds, self._launcher_fd):
+            if fd is not None:
+                self._alive_poll.register(fd, select.POLLIN)
 
     def inits(self) -> list[int]:
         """firejail's child: the sandbox's PID-namespace init, whose mount namespace holds the
@@ -452,14 +458,10 @@ class JailProcess:
         when its process exits: one poll); before that, firejail's state from /proc (not a zombie)."""
         if self._proc.returncode is not None or self._exited or self._killed:
             return False
-        if self._init_fds:
-            poller = select.poll()  # not select(): a server's descriptors may be past FD_SETSIZE
-            # firejail too: killed from outside, it takes the sandbox with it only some
+        if self._init_fds and self._alive_poll is not None:
+            # firejail's pidfd too: killed from outside, it takes the sandbox with it only some
             # milliseconds later (the init's parent-death signal), far longer on a busy host.
-            for fd in (*self._init_fds, self._launcher_fd):
-                if fd is not None:
-                    poller.register(fd, select.POLLIN)
-            return not poller.poll(0)
+            return not self._alive_poll.poll(0)
         return proctree.state(self.pid) not in ("Z", "X", "")
 
     def tree(self) -> list[int]:
@@ -502,6 +504,7 @@ class JailProcess:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._init_fds.clear()
+        self._alive_poll = None
         if self._launcher_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._launcher_fd)
