@@ -300,6 +300,7 @@ class Group:
         self.paths = dict(paths)
         self.limits = limits
         self._kept: dict[tuple[str, str, int], int] = {}
+        self._procs_path: str | None = None
         self._removed = False
 
     # Raw descriptors, not open(): these run on a run's path (handout, cell start and end).
@@ -389,7 +390,13 @@ class Group:
         """The group's processes from one read of its cgroup.procs (a cell's end asks), or None
         where the list did not fit that read. Opened anew each time: v1 keeps the list an open
         file first read, so a kept descriptor would not see processes come and go."""
-        raw = self._read(MEMBERS[self.tree.version], "cgroup.procs")
+        if self._procs_path is None:  # joined once: a cell's end reads it
+            self._procs_path = os.fspath(self.paths[MEMBERS[self.tree.version]] / "cgroup.procs")
+        fd = os.open(self._procs_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, READ_BYTES).decode()
+        finally:
+            os.close(fd)
         if len(raw) >= READ_BYTES:
             return None
         return [int(x) for x in raw.split()]
