@@ -142,7 +142,15 @@ async def _run_cell(
     over = OutputLimit(f"the run wrote more than SANDBOX_MAX_OUTPUT_BYTES ({max_output_bytes} bytes)")
     if started is not None:
         started()
-    watchdog = asyncio.create_task(_disk_watchdog(jail, max_disk_mb, base.oom_kills if base else None))
+    # The disk watchdog's first look is DISK_CHECK_S in: a timer until then, not a task (most
+    # cells end sooner, and a task to make and cancel cost each of them more than a timer).
+    watchdogs: list[asyncio.Task[None]] = []
+    watch = loop.call_later(
+        DISK_CHECK_S,
+        lambda: watchdogs.append(
+            asyncio.create_task(_disk_watchdog(jail, max_disk_mb, base.oom_kills if base else None))
+        ),
+    )
     sent = 0
     memory_error = False
     stopping: RunLimit | None = None
@@ -241,7 +249,9 @@ async def _run_cell(
         # Not awaited: that would only wait a turn of the event loop for the cancellation to
         # land, between the cell's end and its `done`. A check it left running in a thread
         # finishes there, and its verdict goes nowhere.
-        watchdog.cancel()
+        watch.cancel()
+        for watchdog in watchdogs:
+            watchdog.cancel()
 
 
 def _frame_for(rid: str, item: Stream | Event) -> Frame | None:
@@ -358,12 +368,13 @@ def _violation(jail: Jail, max_disk_mb: int, oom_base: int | None) -> RunLimit |
 
 
 async def _disk_watchdog(jail: Jail, max_disk_mb: int, oom_base: int | None) -> None:
+    """Look now, then every DISK_CHECK_S, until a look finds the run over a limit."""
     while True:
-        await asyncio.sleep(DISK_CHECK_S)
         found = await asyncio.to_thread(_violation, jail, max_disk_mb, oom_base)
         if found is not None:
             jail.process.stop(found)
             return
+        await asyncio.sleep(DISK_CHECK_S)
 
 
 async def _exit_code(jail: Jail) -> int | None:
