@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from types import TracebackType
 
 from appliance.errors import Busy
 
@@ -24,11 +23,17 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[int]:
-        """Hold one run slot; yields the milliseconds spent queued."""
+    def must_wait(self) -> bool:
+        """Whether a slot asked for now would wait in line (or be refused)."""
+        return self.active >= self.limit or bool(self._waiters)
+
+    def slot(self) -> Slot:
+        """Hold one run slot (`async with`); entering gives the milliseconds spent queued."""
+        return Slot(self)
+
+    async def _acquire(self) -> int:
         started = time.monotonic()
-        if self.active >= self.limit or self._waiters:
+        if self.must_wait():
             if len(self._waiters) >= self.max_queue:
                 raise Busy(f"the run queue is full ({self.max_queue} waiting); try again later")
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -41,12 +46,9 @@ class Admission:
                 elif fut.done() and not fut.cancelled():
                     self._release()  # we were handed a slot we will not use
                 raise
-        else:
-            self.active += 1
-        try:
-            yield int((time.monotonic() - started) * 1000)
-        finally:
-            self._release()
+            return int((time.monotonic() - started) * 1000)
+        self.active += 1
+        return 0
 
     def _release(self) -> None:
         while self._waiters:
@@ -55,3 +57,21 @@ class Admission:
                 fut.set_result(None)  # hand our slot over; `active` stays the same
                 return
         self.active -= 1
+
+
+class Slot:
+    """One run slot of an Admission, held inside `async with`. A class, not a generator-based
+    context manager: every run enters one on its path."""
+
+    __slots__ = ("_admission",)
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    async def __aenter__(self) -> int:
+        return await self._admission._acquire()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._admission._release()

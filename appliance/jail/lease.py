@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from types import TracebackType
 from typing import Any
 
 from appliance.jail.jail import Jail
@@ -67,6 +67,25 @@ class LeaseSource(abc.ABC):
         """End every lease's pending teardown and drain the pools."""
 
 
+class Held(contextlib.AbstractAsyncContextManager[Lease]):
+    """`async with` over a lease: gives it, and ends it on leaving unless a session kept it.
+    A class, not a generator-based context manager: every run enters one on its path."""
+
+    __slots__ = ("lease",)
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+
+    async def __aenter__(self) -> Lease:
+        return self.lease
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self.lease.kept:
+            await self.lease.end()
+
+
 class PoolLease(Lease):
     def __init__(self, source: PoolLeases, pool: JailPool, profile: str) -> None:
         super().__init__(profile)
@@ -95,15 +114,9 @@ class PoolLeases(LeaseSource):
         self.pools = pools
         self._teardowns: set[asyncio.Task[None]] = set()
 
-    @contextlib.asynccontextmanager
-    async def lease(self, req: ExecuteRequest) -> AsyncIterator[Lease]:
+    def lease(self, req: ExecuteRequest) -> Held:
         profile = self.pools.profile_for(req.code)
-        lease = PoolLease(self, self.pools.pools[profile], profile.name)
-        try:
-            yield lease
-        finally:
-            if not lease.kept:
-                await lease.end()
+        return Held(PoolLease(self, self.pools.pools[profile], profile.name))
 
     def teardown(self, jail: Jail) -> None:
         """Kill, reap and remove a one-shot run's jail in a task of its own.
