@@ -182,8 +182,10 @@ class RunService:
                 gpu_mb = self.settings.gpu_budget_mb(req.gpu.memory_mb if req.gpu is not None else None)
                 if self.tenants is not None:
                     gpu_quota.callback(self.tenants.hold_gpu(owner, gpu_mb))
-            await self._until_started(req)
-            self.metrics.queue_depth.set(self.admission.waiting + 1)
+            if not self.lifecycle.started.is_set():
+                await self._until_started(req)
+            if self.admission.must_wait():  # the gauge counts this request while it waits
+                self.metrics.queue_depth.set(self.admission.waiting + 1)
             if session is not None:
                 session_id, profile = session.id, session.lease.profile
                 async with self.admission.slot() as slot_ms, session.lock:
