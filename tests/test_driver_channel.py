@@ -4,7 +4,6 @@ the channel has something for it."""
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import subprocess
@@ -41,7 +40,7 @@ class DriverUnderTest:
 
     def event(self, timeout: float = 10.0) -> dict[str, Any]:
         deadline = time.monotonic() + scaled(timeout)
-        while b"\n" not in self._buf:
+        while (size := channel.take_event(self._buf)) is None:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([self.events], [], [], max(0.0, left))
             if not ready:
@@ -50,9 +49,10 @@ class DriverUnderTest:
             if not chunk:
                 raise EOFError("the driver closed its event pipe")
             self._buf += chunk
-        line, _, self._buf = self._buf.partition(b"\n")
-        event: dict[str, Any] = json.loads(line)
-        return event
+        line, self._buf = self._buf[:size], self._buf[size:]
+        event = channel.parse_event(line)
+        assert event is not None, line
+        return dict(event)
 
     def until(self, kind: str) -> list[dict[str, Any]]:
         seen = []
@@ -203,3 +203,66 @@ def test_a_run_header_counts_what_follows() -> None:
         "files": [{"path_bytes": 1, "size": 3}, {"path_bytes": 0, "size": 0}],
     }
     assert body == "é".encode() + b"a" + b"xyz"
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"ev": "stream", "name": "stdout", "text": "4\n"},
+        {"ev": "stream", "name": "stderr", "text": 'é ✓ "q" \\ \n\nstream stdout 9\n'},
+        {"ev": "stream", "name": "stdout", "text": ""},
+        {"ev": "done", "exit_code": 0, "cpu_ms": 12, "max_rss_mb": 15.5, "import_ms": 3},
+        {"ev": "done", "exit_code": 255, "cpu_ms": None, "max_rss_mb": None, "import_ms": None},
+        {"ev": "result", "data": {"text/plain": "4"}},
+    ],
+)
+def test_an_event_arrives_whole_however_the_pipe_cuts_it(event: channel.Event) -> None:
+    first = len(channel.encode_event(event))
+    wire = channel.encode_event(event) + channel.encode_event({"ev": "stream", "name": "stdout", "text": "x"})
+    for cut in range(first):  # a read that ends anywhere before the event's last byte
+        assert channel.take_event(wire[:cut]) is None, cut
+    assert channel.take_event(wire) == first
+    assert channel.parse_event(wire[:first]) == event
+
+
+def test_a_lone_surrogate_in_text_arrives_replaced_as_before() -> None:
+    wire = channel.encode_event({"ev": "stream", "name": "stdout", "text": "a\ud800b"})
+    assert channel.parse_event(wire) == {"ev": "stream", "name": "stdout", "text": "a?b"}
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"stream stdout 4\nab\n",  # a count that is not the text's (the text was cut short)
+        b"stream stdin 2\nab",
+        b"stream stdout -2\n",
+        b"stream stdout 2 3\nab",
+        b"stream stdout 2\n\xff\xfe",  # not UTF-8
+        b"stream stdout " + b"9" * 5000 + b"\n",  # int() of this would raise
+        b"done\n",
+        b"done x 1 1.0 1\n",
+        b"done 0 1 1.0\n",
+        b"done " + b"1" * 5000 + b" - - -\n",
+        b"done 0 1 1.0 1",  # no newline
+    ],
+)
+def test_a_malformed_event_is_none_and_raises_nothing(wire: bytes) -> None:
+    size = channel.take_event(wire)
+    assert channel.parse_event(wire if size is None else wire[:size]) is None
+
+
+def test_done_fields_that_are_not_numbers_are_none() -> None:
+    assert channel.parse_event(b"done 3 nan inf 1e9\n") == {
+        "ev": "done",
+        "exit_code": 3,
+        "cpu_ms": None,
+        "max_rss_mb": None,
+        "import_ms": None,
+    }
+
+
+def test_a_stream_header_that_promises_more_than_comes_is_held_not_parsed() -> None:
+    # The reader keeps waiting for the text; it is JailProcess's bound on what it buffers
+    # (its max_event_bytes and a header) that ends such a run with an output limit.
+    assert channel.take_event(b"stream stdout 999999999\nabc") is None
+    assert channel.take_event(b"stream stdout 5\nabcde") == len(b"stream stdout 5\nabcde")

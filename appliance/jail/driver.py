@@ -85,7 +85,7 @@ class Events:
     def send(self, event: channel.Event) -> None:
         if os.getpid() != self.pid:
             return
-        line = channel.encode(event)
+        line = channel.encode_event(event)
         with self._lock:
             view = memoryview(line)
             while view:

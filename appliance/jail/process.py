@@ -316,18 +316,16 @@ class JailProcess:
                 self._put(Exited())
             return
         self._event_buf += chunk
-        while True:
-            idx = self._event_buf.find(b"\n")
-            if idx < 0:
-                break
-            line = bytes(self._event_buf[: idx + 1])
-            del self._event_buf[: idx + 1]
+        while (size := channel.take_event(self._event_buf)) is not None:
+            line = bytes(self._event_buf[:size])
+            del self._event_buf[:size]
             self._drain("stdout")
             self._drain("stderr")
             body = channel.parse_event(line)
             if body is not None:
                 self._put(Event(body, len(line)))
-        if len(self._event_buf) > self._max_event_bytes:
+        # An event's text may be as long as the bound, its `stream` header besides.
+        if len(self._event_buf) > self._max_event_bytes + channel.HEADER_BYTES:
             self._event_buf.clear()
             self._put(Overflow(self._max_event_bytes))
 
