@@ -12,6 +12,7 @@ import pytest
 
 from appliance.client import AsyncClient, Execution, RequestOptions
 from appliance.jail import proctree
+from appliance.jail.jail import JailFactory
 from appliance.jail.proctree import descendants
 from tests.support import Server, jail_factory, reachable_tmp_root, run_root, start_server
 
@@ -262,3 +263,36 @@ async def test_a_cold_start_that_fails_before_the_driver_is_up_is_tried_once_mor
                 await pool.take()
         finally:
             await pool.close()
+
+
+async def test_a_launch_cancelled_anywhere_leaves_no_run_directory_and_no_process() -> None:
+    # A run whose client goes while its jail cold-starts is cancelled mid-launch: in the
+    # thread that makes its run directory, while firejail spawns, or while the driver starts.
+    # The directory a thread went on to make was left behind (a flaky attack-suite failure).
+    with jail_factory() as factory:
+        for delay in (0, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.03, 0.1):
+            task = asyncio.create_task(factory.launch())
+            await asyncio.sleep(delay)
+            task.cancel()
+            try:
+                jail = await task
+            except asyncio.CancelledError:
+                pass
+            else:  # it was ready before the cancellation came
+                await jail.destroy()
+            assert list(factory.dirs.instance.iterdir()) == [], f"cancelled {delay} s in"
+            assert jail_processes_of(factory) == [], f"cancelled {delay} s in"
+
+
+def jail_processes_of(factory: JailFactory) -> list[int]:
+    """This test process's descendants whose command line names the factory's run directories
+    (firejail's does; a module's server and its pool are other processes)."""
+    found = []
+    for pid in descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if os.fsencode(factory.dirs.instance) in fh.read():
+                    found.append(pid)
+        except OSError:
+            continue
+    return found

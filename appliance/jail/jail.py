@@ -239,6 +239,19 @@ class JailFactory:
                 await asyncio.to_thread(group.remove)
             raise
 
+    async def _make_workdir(self, jail_id: str) -> Path:
+        """The jail's run directory, made in a thread. A run cancelled meanwhile (its client
+        gone) does not stop the thread: the directory is made, then removed, before the
+        cancellation goes on, so no run directory outlives a run that never got its jail."""
+        making = asyncio.ensure_future(asyncio.to_thread(self.dirs.create, jail_id))
+        try:
+            return await asyncio.shield(making)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await making
+            await asyncio.to_thread(self.dirs.remove, self.dirs.path(jail_id))
+            raise
+
     def _launcher(self, link: JailLink | None, group: Group | None) -> list[str]:
         """What runs before firejail, outermost first: join the jail's cgroup (as root), give it
         the minimal accounts (a private mount namespace), enter its network namespace, and drop
@@ -259,7 +272,7 @@ class JailFactory:
         return prefix
 
     async def _launch(self, jail_id: str, nice: int, group: Group | None) -> Jail:
-        workdir = await asyncio.to_thread(self.dirs.create, jail_id)
+        workdir = await self._make_workdir(jail_id)
         link: JailLink | None = None
         if self.network is not None:  # egress mode: the filtered namespace first, firejail inside it
             try:
@@ -274,11 +287,13 @@ class JailFactory:
                 env=launcher_env(),
                 max_event_bytes=self.settings.max_output_bytes + 65536,
             )
-        except OSError as exc:
+        except BaseException as exc:  # a cancelled run's too: it leaves nothing behind
             await asyncio.to_thread(self.dirs.remove, workdir)
             if link is not None and self.network is not None:
                 await self.network.release(link)
-            raise JailFailure(f"could not start firejail: {exc}") from exc
+            if isinstance(exc, OSError):
+                raise JailFailure(f"could not start firejail: {exc}") from exc
+            raise
         self.spawned += 1
         jail = Jail(
             id=jail_id,

@@ -110,8 +110,12 @@ class RunDirs:
                     removed.append(entry)
         return removed
 
+    def path(self, run_id: str) -> Path:
+        """Where run run_id's directory is (made by `create`)."""
+        return self.instance / run_id
+
     def create(self, run_id: str) -> Path:
-        path = self.instance / run_id
+        path = self.path(run_id)
         try:
             path.mkdir(mode=0o700)
         except FileNotFoundError:
