@@ -229,6 +229,7 @@ class SimulatedGpuMemory:
         self.modes: dict[str, str] = {}  # index -> compute mode (DEFAULT unless set)
         self.contexts: set[int] = set()  # host PIDs holding a live context
         self.lock = threading.Lock()
+        self.closed = False
         path = libcuda.parent / "sim-gpu"
         path.unlink(missing_ok=True)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -243,6 +244,8 @@ class SimulatedGpuMemory:
         # Under the lock, file included: two late frees writing at once shared the .tmp file,
         # and the second one's replace found it gone.
         with self.lock:
+            if self.closed:  # a late free after the simulated device (and its directory) went
+                return
             procs = [{"pid": pid, "gpu": 0, "used_mb": -(-b // MIB)} for pid, b in self.used.items() if b]
             tmp = self.control.with_suffix(".tmp")
             tmp.write_text(json.dumps({"processes": procs, "compute_mode": dict(self.modes)}))
@@ -326,6 +329,8 @@ class SimulatedGpuMemory:
             timer.start()
 
     def close(self) -> None:
+        with self.lock:
+            self.closed = True
         with contextlib.suppress(OSError):
             self.sock.close()
         self.path.unlink(missing_ok=True)
