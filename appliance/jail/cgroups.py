@@ -300,7 +300,7 @@ class Group:
         self.paths = dict(paths)
         self.limits = limits
         self._kept: dict[tuple[str, str, int], int] = {}
-        self._procs_path: str | None = None
+        self._joined: dict[tuple[str, str], str] = {}  # (controller, file) -> its path
         self._removed = False
 
     # Raw descriptors, not open(): these run on a run's path (handout, cell start and end).
@@ -313,14 +313,23 @@ class Group:
             key = (controller, file, flags)
             if key not in self._kept:
                 with contextlib.suppress(FileNotFoundError):  # e.g. memory.peak before 5.19
-                    self._kept[key] = os.open(self.paths[controller] / file, flags | os.O_CLOEXEC)
+                    self._kept[key] = os.open(self._path(controller, file), flags | os.O_CLOEXEC)
+
+    def _path(self, controller: str, file: str) -> str:
+        """A file of the group, its path joined once: a file opened anew on a run's path
+        (cgroup.procs, as a cell ends) does not pay for a pathlib join each time."""
+        key = (controller, file)
+        path = self._joined.get(key)
+        if path is None:
+            path = self._joined[key] = os.fspath(self.paths[controller] / file)
+        return path
 
     def _write(self, w: Write) -> None:
         fd = self._kept.get((w.controller, w.file, os.O_WRONLY))
         if fd is not None:
             os.pwrite(fd, w.value.encode(), 0)
             return
-        fd = os.open(self.paths[w.controller] / w.file, os.O_WRONLY | os.O_CLOEXEC)
+        fd = os.open(self._path(w.controller, w.file), os.O_WRONLY | os.O_CLOEXEC)
         try:
             os.write(fd, w.value.encode())
         finally:
@@ -330,7 +339,7 @@ class Group:
         fd = self._kept.get((controller, file, os.O_RDONLY))
         if fd is not None:
             return os.pread(fd, READ_BYTES, 0).decode()
-        fd = os.open(self.paths[controller] / file, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(self._path(controller, file), os.O_RDONLY | os.O_CLOEXEC)
         try:
             return os.read(fd, READ_BYTES).decode()
         finally:
@@ -390,13 +399,7 @@ class Group:
         """The group's processes from one read of its cgroup.procs (a cell's end asks), or None
         where the list did not fit that read. Opened anew each time: v1 keeps the list an open
         file first read, so a kept descriptor would not see processes come and go."""
-        if self._procs_path is None:  # joined once: a cell's end reads it
-            self._procs_path = os.fspath(self.paths[MEMBERS[self.tree.version]] / "cgroup.procs")
-        fd = os.open(self._procs_path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            raw = os.read(fd, READ_BYTES).decode()
-        finally:
-            os.close(fd)
+        raw = self._read(MEMBERS[self.tree.version], "cgroup.procs")
         if len(raw) >= READ_BYTES:
             return None
         return [int(x) for x in raw.split()]
