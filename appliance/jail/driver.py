@@ -269,20 +269,13 @@ class ControlReader:
 
     def read_exactly(self, size: int) -> bytes:
         """size bytes; EOFError if the pipe closes first (the server is gone)."""
-        data = self.read(size)
-        if len(data) != size:
-            raise EOFError
-        return data
-
-    def read(self, size: int) -> bytes:
-        """size bytes, or fewer at EOF."""
         parts = [bytes(self._buf[:size])]
         del self._buf[:size]
         want = size - len(parts[0])
         while want > 0:
             chunk = os.read(self.fd, min(want, 1 << 20))
             if not chunk:
-                break
+                raise EOFError
             parts.append(chunk)
             want -= len(chunk)
         return b"".join(parts)
