@@ -96,7 +96,7 @@ def parse_run(line: bytes) -> RunOp | None:
     words = line.split()
     if len(words) < 3 or len(words) % 2 == 0 or words[0] != RUN:
         return None
-    if not all(w.isdigit() for w in words[1:]):  # ASCII digits only: no sign, no space
+    if not all(_COUNT.fullmatch(w) for w in words[1:]):  # ASCII digits only: no sign, no space
         return None
     counts = [int(w) for w in words[1:]]
     if counts[0] not in (0, 1):
@@ -207,7 +207,7 @@ def encode(message: Op | Event) -> bytes:
 STREAM = b"stream"
 DONE = b"done"
 HEADER_BYTES = 64  # the longest a `stream` header may be, its newline included
-_STREAM_NAMES = {b"stdout": "stdout", b"stderr": "stderr"}
+_STREAM_NAMES = (b"stdout", b"stderr")
 
 
 def encode_event(event: Event) -> bytes:
