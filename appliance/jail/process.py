@@ -179,7 +179,7 @@ class JailProcess:
         """The next item: a pending limit or interrupt first, else the oldest output.
         Waits as long as it takes: the caller bounds it (asyncio.timeout_at in jail.cell)."""
         while True:
-            if self._urgent or self._output:
+            if self.has_pending():
                 return self.next_nowait()
             self._wake.clear()
             await self._wake.wait()
@@ -194,11 +194,9 @@ class JailProcess:
         What the driver wrote since the event loop last looked is read here, at once: a cell's
         `done` usually follows its output by microseconds, and reading it in place spares the
         run a turn of the event loop (a wait, a poll, a wake-up) between the two."""
-        if not (self._urgent or self._output or self._paused or self._events_fd in self._closed_fds):
+        if not (self.has_pending() or self._paused or self._events_fd in self._closed_fds):
             self._read_events()
-        if self._urgent or self._output:
-            return self.next_nowait()
-        return None
+        return self.next_nowait() if self.has_pending() else None
 
     def next_nowait(self) -> Item:
         """The next item (IndexError if none is queued)."""
