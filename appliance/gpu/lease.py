@@ -40,7 +40,7 @@ from appliance.jail.channel import GRANT_FILE
 from appliance.jail.devices import GpuDevice, gpu_device
 from appliance.jail.host import readable_ancestors_problem
 from appliance.jail.jail import Jail, JailFactory
-from appliance.jail.lease import Lease, LeaseSource, PoolLeases
+from appliance.jail.lease import Held, Lease, LeaseSource, PoolLeases
 from appliance.jail.pool import ProfilePools
 from appliance.jail.profiles import Profile, choose, imports_of
 from appliance.protocol import ExecuteRequest
@@ -300,12 +300,8 @@ class GpuLeases(LeaseSource):
             raise RequestRejected(f"GPU runs are paused: the GPU backend fails ({self.watchdog.last_error})")
         profile = choose(self.profiles, imports_of(req.code))
         grant = await self.ledger.acquire(mb)
-        lease = GpuLease(self, grant, profile)
-        try:
+        async with Held(GpuLease(self, grant, profile)) as lease:  # ended unless a session keeps it
             yield lease
-        finally:
-            if not lease.kept:
-                await lease.end()
 
     async def _take(self, lease: GpuLease) -> Jail:
         grant = lease.grant
