@@ -63,6 +63,12 @@ def open_dir(path: Path | str) -> int:
     return os.open(path, DIR_FLAGS)
 
 
+def reopen_dir(dir_fd: int) -> int:
+    """A descriptor of the directory dir_fd is open on, with a file position of its own: a walk
+    reads it to the end, and another walk of the same directory may be under way."""
+    return os.open(".", DIR_FLAGS, dir_fd=dir_fd)
+
+
 def open_file(entry: Entry) -> int:
     """Open a walked entry for reading relative to its directory's descriptor, O_NOFOLLOW."""
     return os.open(entry.name, FILE_FLAGS, dir_fd=entry.dir_fd)
@@ -78,7 +84,7 @@ class Walk:
     `list_limit`, no directory is listed past that many entries (plus one, to show there were
     more): for a caller that stops counting there, so one huge directory costs no more."""
 
-    root: Path
+    root: Path | int  # a path, or an open descriptor of the directory (left open)
     max_depth: int = MAX_DEPTH
     one_fs: bool = True
     list_limit: int | None = None
@@ -100,7 +106,7 @@ class Walk:
         """(path below root, name, open directory, lstat) of each entry; the path and the
         name order only when `named`."""
         try:
-            fd = open_dir(self.root)
+            fd = open_dir(self.root) if not isinstance(self.root, int) else reopen_dir(self.root)
         except OSError:
             self.errors += 1
             return
@@ -165,9 +171,10 @@ class Walk:
         return found
 
 
-def usage(root: Path, max_entries: int, max_depth: int = MAX_DEPTH) -> tuple[int, int, int]:
-    """(bytes allocated, entries, directories too deep to enter) below root on its own
-    filesystem; counting stops once entries exceed max_entries."""
+def usage(root: Path | int, max_entries: int, max_depth: int = MAX_DEPTH) -> tuple[int, int, int]:
+    """(bytes allocated, entries, directories too deep to enter) below root (a path, or an open
+    descriptor of the directory) on its own filesystem; counting stops once entries exceed
+    max_entries."""
     walk = Walk(root, max_depth=max_depth, list_limit=max_entries)
     total = entries = 0
     for st in walk.stats():

@@ -291,7 +291,8 @@ def disk_violation(jail: Jail, max_disk_mb: int, inline: bool = False) -> Output
     limit = max_disk_mb * 1024 * 1024
     max_entries = min(MAX_DISK_ENTRIES, limit // ENTRY_BYTES)
     walk_max = min(max_entries, INLINE_ENTRIES) if inline else max_entries
-    used, entries, too_deep = fstree.usage(jail.workdir, walk_max)
+    root = jail.workdir_fd if jail.workdir_fd is not None else jail.workdir
+    used, entries, too_deep = fstree.usage(root, walk_max)
     if entries > walk_max < max_entries:
         raise OverBound(f"the run directory holds more than {walk_max} entries")
     devices: set[int] = set()
