@@ -165,11 +165,16 @@ class RunService:
         outcome: CellOutcome | None = None
         session_id: str | None = None
         profile = "?"
-        quota = contextlib.ExitStack()  # the tenant's in-flight slot, held to the end of the run
-        gpu_quota = contextlib.ExitStack()  # its GPU quota: to the end of the run, or of the session
+        # The tenant's in-flight slot, held to the end of the run, and its GPU quota, to the end
+        # of the run or of the session it opens. Without tenants there is neither, and the run's
+        # path makes no stack to close (two cost ~0.04 ms of an idle CPU).
+        tenants = self.tenants
+        quota: contextlib.ExitStack | None = None
+        gpu_quota: contextlib.ExitStack | None = None
         try:
-            if self.tenants is not None:
-                quota.enter_context(self.tenants.request(owner))
+            if tenants is not None:
+                quota = contextlib.ExitStack()
+                quota.enter_context(tenants.request(owner))
             session: Session | None = None
             if req.session not in (None, "new"):
                 session = self.sessions.get(req.session, owner)
@@ -180,8 +185,9 @@ class RunService:
                 if req.session == "new":
                     self.sessions.check_capacity(owner)
                 gpu_mb = self.settings.gpu_budget_mb(req.gpu.memory_mb if req.gpu is not None else None)
-                if self.tenants is not None:
-                    gpu_quota.callback(self.tenants.hold_gpu(owner, gpu_mb))
+                if tenants is not None:
+                    gpu_quota = contextlib.ExitStack()
+                    gpu_quota.callback(tenants.hold_gpu(owner, gpu_mb))
             if not self.lifecycle.started.is_set():
                 await self._until_started(req)
             if self.admission.must_wait():  # the gauge counts this request while it waits
@@ -202,7 +208,8 @@ class RunService:
                     if req.session == "new":
                         session = self.sessions.add(owner, lease, jail)
                         lease.keep()
-                        session.on_close.append(gpu_quota.pop_all().close)  # held as long as it lives
+                        if gpu_quota is not None:  # held as long as the session lives
+                            session.on_close.append(gpu_quota.pop_all().close)
                         session_id = session.id
                         async with session.lock:
                             outcome = await self._session_cell(session, req, emit, run, queued_ms)
@@ -224,8 +231,10 @@ class RunService:
             )
             return
         finally:
-            gpu_quota.close()
-            quota.close()
+            if gpu_quota is not None:
+                gpu_quota.close()
+            if quota is not None:
+                quota.close()
         if outcome is None:
             self.metrics.active_runs.set(self.admission.active)
             raise RuntimeError(f"run {req.id} ended without an outcome")
