@@ -135,12 +135,12 @@ def test_a_handout_moves_a_group_from_idle_to_run_weight(tree: cgroups.Hierarchy
 
 
 def _fds_into(paths: list[Path]) -> list[str]:
-    """Descriptors of this process open on a file under one of paths."""
+    """Descriptors of this process open on one of paths (a group's directory) or a file in it."""
     found = []
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{name}")
-            if any(target.startswith(f"{p}/") for p in paths):
+            target = os.readlink(f"/proc/self/fd/{name}").removesuffix(" (deleted)")
+            if any(target == str(p) or target.startswith(f"{p}/") for p in paths):
                 found.append(target)
     return found
 
@@ -149,7 +149,10 @@ def test_kept_descriptors_read_fresh_counters_and_close_with_the_group(tree: cgr
     g = tree.group(f"t-{uuid.uuid4().hex[:8]}", L.idle())
     paths = list(g.paths.values())
     try:
-        assert _fds_into(paths), "the run path's files are kept open from the group's making"
+        kept = _fds_into(paths)
+        assert kept, "the run path's files are kept open from the group's making"
+        members = g.paths[cgroups.MEMBERS[tree.version]]
+        assert str(members) in kept, "and the directory `members` opens cgroup.procs from"
         before = g.counters(pids=False).cpu_ns
         spin = "import time\nt = time.process_time() + 0.2\nwhile time.process_time() < t: pass"
         proc = subprocess.Popen([*join_argv(g.procs_files()), sys.executable, "-c", spin])

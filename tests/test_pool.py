@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Unpack
 
 import pytest
@@ -282,6 +284,35 @@ async def test_a_launch_cancelled_anywhere_leaves_no_run_directory_and_no_proces
                 await jail.destroy()
             assert list(factory.dirs.instance.iterdir()) == [], f"cancelled {delay} s in"
             assert jail_processes_of(factory) == [], f"cancelled {delay} s in"
+
+
+async def test_a_jail_holds_its_run_directory_open_until_it_is_destroyed() -> None:
+    # A cell's end walks the run directory from a descriptor opened as the jail was pinned,
+    # and reads its private /tmp's count through another: both close with the jail, or every
+    # jail would leak descriptors of the server (and the /tmp one its tmpfs's pages).
+    with jail_factory() as factory:
+        jail = await factory.launch()
+        try:
+            assert jail.workdir_fd is not None
+            assert os.readlink(f"/proc/self/fd/{jail.workdir_fd}") == str(jail.workdir)
+            assert jail.workdir_dev == os.stat(jail.workdir).st_dev
+            assert jail.tmp_fd is not None
+        finally:
+            await jail.destroy()
+        assert jail.workdir_fd is None
+        assert jail.tmp_fd is None
+        assert fds_on(jail.workdir) == []
+
+
+def fds_on(path: Path) -> list[str]:
+    """Descriptors of this process open on path or below it (removed since, or not)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{name}").removesuffix(" (deleted)")
+            if target == str(path) or target.startswith(f"{path}/"):
+                found.append(target)
+    return found
 
 
 def jail_processes_of(factory: JailFactory) -> list[int]:
