@@ -368,7 +368,8 @@ def _plain_execute(obj: dict[str, Any]) -> ExecuteRequest | None:
         obj.get("type", "execute") != "execute"
         or type(code) is not str
         or (rid is not None and not _is_id(rid))
-        or (session is not None and (type(session) is not str or not session))
+        # pydantic refuses a session with a lone surrogate in it; an ASCII one has none.
+        or (session is not None and (type(session) is not str or not session or not session.isascii()))
         or (timeout_ms is not None and (type(timeout_ms) is not int or timeout_ms < 1))
         or type(stdin_eof) is not bool
     ):

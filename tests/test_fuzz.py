@@ -84,7 +84,8 @@ def test_the_codec_only_ever_raises_protocol_error_on_structured_frames(obj: dic
 
 def full_validation(obj: dict[str, Any]) -> protocol.ClientMessage | None:
     """What pydantic makes of a decoded frame, as if there were no plain path; None if refused."""
-    adapter = protocol._ADAPTERS.get(obj.get("type", "execute"))
+    kind = obj.get("type", "execute")
+    adapter = protocol._ADAPTERS.get(kind) if isinstance(kind, str) else None
     if adapter is None:
         return None
     try:
@@ -119,12 +120,39 @@ def test_the_plain_execute_path_accepts_only_what_full_validation_accepts_and_ma
         same_request(plain, full_validation(obj), obj)
 
 
+# Any code point, lone surrogates included (JSON's "\ud800" decodes to one; st.text() leaves
+# them out): pydantic refuses some fields holding one, and the plain path must refuse them too.
+any_text = st.text(st.characters(exclude_categories=()), max_size=40)
+plain_like = st.fixed_dictionaries(
+    {"code": any_text},
+    optional={
+        "type": st.just("execute"),
+        "id": any_text | st.none(),
+        "session": any_text | st.none(),
+        "timeout_ms": st.none() | st.integers(),
+        "stdin_eof": st.booleans() | json_values,
+    },
+)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(plain_like)
+def test_the_plain_path_agrees_with_full_validation_on_any_text(obj: dict[str, Any]) -> None:
+    plain = protocol._plain_execute(obj)
+    full = full_validation(obj)
+    if plain is not None:
+        same_request(plain, full, obj)
+    elif isinstance(full, protocol.ExecuteRequest):
+        # Declined but valid: only what the plain path leaves to pydantic on purpose.
+        assert not (isinstance(obj.get("session"), str) and obj["session"].isascii())
+
+
 plain_frames = st.fixed_dictionaries(
     {"code": st.text()},
     optional={
         "type": st.just("execute"),
         "id": st.none() | st.text(min_size=1, max_size=protocol.MAX_ID_CHARS).filter(str.isprintable),
-        "session": st.none() | st.text(min_size=1, max_size=40),
+        "session": st.none() | st.text(st.characters(max_codepoint=127), min_size=1, max_size=40),
         "timeout_ms": st.none() | st.integers(min_value=1),
         "stdin_eof": st.booleans(),
     },
@@ -134,6 +162,7 @@ plain_frames = st.fixed_dictionaries(
 @settings(max_examples=1000, deadline=None)
 @given(plain_frames)
 def test_a_valid_request_with_no_files_and_no_gpu_takes_the_plain_path(obj: dict[str, Any]) -> None:
+    # Session ids are ASCII (the server's own, or "new"); any other is left to pydantic.
     plain = protocol._plain_execute(obj)
     assert plain is not None
     same_request(plain, full_validation(obj), obj)
@@ -154,6 +183,8 @@ def test_a_valid_request_with_no_files_and_no_gpu_takes_the_plain_path(obj: dict
         {"code": "x", "stdin_eof": "true"},
         {"code": "x", "session": ""},
         {"code": "x", "session": 3},
+        {"code": "x", "session": "\ud800"},  # pydantic refuses a lone surrogate there
+        {"code": "x", "session": "café"},  # not refused, but left to pydantic to decide
         {"code": "x", "id": ""},
         {"code": "x", "id": "a\nb"},
         {"code": "x", "id": "x" * (protocol.MAX_ID_CHARS + 1)},
