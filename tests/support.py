@@ -174,3 +174,15 @@ def run_root(tmp_root: Path, pid: int) -> Path:
     """Where server `pid` (alive, in this PID namespace) keeps its run directories under the
     SANDBOX_TMP_ROOT `tmp_root`: its instance directory (`appliance.jail.instance`)."""
     return tmp_root / "appliance" / instance.name(pid)
+
+
+def descriptors_on(*paths: Path) -> list[str]:
+    """What this process's descriptors are open on, of paths or below one of them (removed
+    since or not): a leak check for descriptors a jail or a group keeps."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{name}").removesuffix(" (deleted)")
+            if any(target == str(p) or target.startswith(f"{p}/") for p in paths):
+                found.append(target)
+    return found

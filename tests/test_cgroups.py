@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from appliance.jail import cgroups, instance
 from appliance.jail.cgroups import GroupLimits, Write, changes, render_v1, render_v2
 from appliance.jail.firejail import JOIN_FAILED, join_argv
+from tests.support import descriptors_on
 
 L = GroupLimits(memory_mb=1024, cpus=1.5, max_procs=64)
 
@@ -134,22 +134,11 @@ def test_a_handout_moves_a_group_from_idle_to_run_weight(tree: cgroups.Hierarchy
         g.remove()
 
 
-def _fds_into(paths: list[Path]) -> list[str]:
-    """Descriptors of this process open on one of paths (a group's directory) or a file in it."""
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{name}").removesuffix(" (deleted)")
-            if any(target == str(p) or target.startswith(f"{p}/") for p in paths):
-                found.append(target)
-    return found
-
-
 def test_kept_descriptors_read_fresh_counters_and_close_with_the_group(tree: cgroups.Hierarchy) -> None:
     g = tree.group(f"t-{uuid.uuid4().hex[:8]}", L.idle())
     paths = list(g.paths.values())
     try:
-        kept = _fds_into(paths)
+        kept = descriptors_on(*paths)
         assert kept, "the run path's files are kept open from the group's making"
         members = g.paths[cgroups.MEMBERS[tree.version]]
         assert str(members) in kept, "and the directory `members` opens cgroup.procs from"
@@ -164,7 +153,7 @@ def test_kept_descriptors_read_fresh_counters_and_close_with_the_group(tree: cgr
         assert g.counters(pids=False).cpu_ns > before + 100_000_000  # read anew at offset 0, not at EOF
     finally:
         g.remove()
-    assert _fds_into(paths) == []
+    assert descriptors_on(*paths) == []
 
 
 def test_members_are_the_groups_processes_read_anew_each_time(tree: cgroups.Hierarchy) -> None:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Unpack
 
 import pytest
@@ -16,7 +14,7 @@ from appliance.client import AsyncClient, Execution, RequestOptions
 from appliance.jail import proctree
 from appliance.jail.jail import JailFactory
 from appliance.jail.proctree import descendants
-from tests.support import Server, jail_factory, reachable_tmp_root, run_root, start_server
+from tests.support import Server, descriptors_on, jail_factory, reachable_tmp_root, run_root, start_server
 
 
 @pytest.fixture(scope="module")
@@ -301,18 +299,7 @@ async def test_a_jail_holds_its_run_directory_open_until_it_is_destroyed() -> No
             await jail.destroy()
         assert jail.workdir_fd is None
         assert jail.tmp_fd is None
-        assert fds_on(jail.workdir) == []
-
-
-def fds_on(path: Path) -> list[str]:
-    """Descriptors of this process open on path or below it (removed since, or not)."""
-    found = []
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{name}").removesuffix(" (deleted)")
-            if target == str(path) or target.startswith(f"{path}/"):
-                found.append(target)
-    return found
+        assert descriptors_on(jail.workdir) == []
 
 
 def jail_processes_of(factory: JailFactory) -> list[int]:
