@@ -43,6 +43,7 @@ MODES = ("auto", "require", "off")
 RUN_WEIGHT = 100  # v2 cpu.weight of a run (v1 cpu.shares 1024): equal per run
 IDLE_WEIGHT = 10  # a jail starting for the pool (ready, it waits at RUN_WEIGHT): ~ nice 10
 REMOVE_WAIT_S = 5.0
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY
 # What a run's path reads and writes (handout weight, cell-start and cell-end counters, peak
 # reset): Group.prime keeps these open. (controller, file, open flags) per cgroup version.
 PATH_FILES: dict[int, tuple[tuple[str, str, int], ...]] = {
@@ -52,14 +53,14 @@ PATH_FILES: dict[int, tuple[tuple[str, str, int], ...]] = {
         ("memory", "memory.oom_control", os.O_RDONLY),
         ("memory", "memory.max_usage_in_bytes", os.O_RDONLY),
         ("memory", "memory.max_usage_in_bytes", os.O_WRONLY),
-        ("pids", ".", os.O_RDONLY | os.O_DIRECTORY),  # `members` opens cgroup.procs from here
+        ("pids", ".", _DIRECTORY),  # files opened anew (cgroup.procs as a cell ends) from here
     ),
     2: (
         ("", "cpu.weight", os.O_WRONLY),
         ("", "cpu.stat", os.O_RDONLY),
         ("", "memory.events", os.O_RDONLY),
         ("", "memory.peak", os.O_RDONLY),
-        ("", ".", os.O_RDONLY | os.O_DIRECTORY),
+        ("", ".", _DIRECTORY),
     ),
 }
 MEMBERS = {1: "pids", 2: ""}
@@ -326,12 +327,20 @@ class Group:
             path = self._joined[key] = os.fspath(self.paths[controller] / file)
         return path
 
+    def _open(self, controller: str, file: str, flags: int) -> int:
+        """Open a file of the group anew: from the controller's kept directory where there is
+        one (one name to look up, not the whole path down the hierarchy), else by its path."""
+        directory = self._kept.get((controller, ".", _DIRECTORY))
+        if directory is not None:
+            return os.open(file, flags | os.O_CLOEXEC, dir_fd=directory)
+        return os.open(self._path(controller, file), flags | os.O_CLOEXEC)
+
     def _write(self, w: Write) -> None:
         fd = self._kept.get((w.controller, w.file, os.O_WRONLY))
         if fd is not None:
             os.pwrite(fd, w.value.encode(), 0)
             return
-        fd = os.open(self._path(w.controller, w.file), os.O_WRONLY | os.O_CLOEXEC)
+        fd = self._open(w.controller, w.file, os.O_WRONLY)
         try:
             os.write(fd, w.value.encode())
         finally:
@@ -341,7 +350,7 @@ class Group:
         fd = self._kept.get((controller, file, os.O_RDONLY))
         if fd is not None:
             return os.pread(fd, READ_BYTES, 0).decode()
-        fd = os.open(self._path(controller, file), os.O_RDONLY | os.O_CLOEXEC)
+        fd = self._open(controller, file, os.O_RDONLY)
         try:
             return os.read(fd, READ_BYTES).decode()
         finally:
@@ -401,16 +410,7 @@ class Group:
         """The group's processes from one read of its cgroup.procs (a cell's end asks), or None
         where the list did not fit that read. Opened anew each time: v1 keeps the list an open
         file first read, so a kept descriptor would not see processes come and go."""
-        controller = MEMBERS[self.tree.version]
-        directory = self._kept.get((controller, ".", os.O_RDONLY | os.O_DIRECTORY))
-        if directory is None:
-            raw = self._read(controller, "cgroup.procs")
-        else:  # one name to look up, not the whole path through the hierarchy (~25 us idle)
-            fd = os.open("cgroup.procs", os.O_RDONLY | os.O_CLOEXEC, dir_fd=directory)
-            try:
-                raw = os.read(fd, READ_BYTES).decode()
-            finally:
-                os.close(fd)
+        raw = self._read(MEMBERS[self.tree.version], "cgroup.procs")
         if len(raw) >= READ_BYTES:
             return None
         return [int(x) for x in raw.split()]
