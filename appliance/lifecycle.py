@@ -88,6 +88,10 @@ class Lifecycle:
                     "cgroups unavailable; memory and processes are limited by rlimits only, CPU not at all",
                     extra={"missing": self.cgroups_missing},
                 )
+            gap = self.cgroups.socket_gap() if self.cgroups is not None else None
+            if gap is not None:
+                log.warning(gap)
+                self.cgroups_missing = [gap]
         if s.open_ports:
             check_prerequisites()  # before inspect: /run/netns must exist when /run is judged
         host = inspect(s.firejail, s.uid, s.python)

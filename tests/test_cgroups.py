@@ -36,6 +36,17 @@ def test_v1_memsw_order_follows_direction() -> None:
     assert Write("cpu", "cpu.shares", "1024") in render_v1(L, memsw=False, lowering=True)
 
 
+def test_v1_socket_accounting_is_capped_at_the_memory_limit() -> None:
+    """v1 charges socket buffers only once memory.kmem.tcp.limit_in_bytes is written."""
+    w = {x.file: x.value for x in render_v1(L, memsw=True, lowering=True, tcpmem=True)}
+    assert w["memory.kmem.tcp.limit_in_bytes"] == w["memory.limit_in_bytes"] == str(1024 << 20)
+    assert "memory.kmem.tcp.limit_in_bytes" not in {x.file for x in render_v1(L, memsw=True, lowering=True)}
+    bigger = GroupLimits(memory_mb=2048, cpus=1.5, max_procs=64)
+    moved = {x.file: x.value for x in changes(1, L, bigger, memsw=True, tcpmem=True)}
+    assert moved["memory.kmem.tcp.limit_in_bytes"] == str(2048 << 20)
+    assert changes(1, L.idle(), L, memsw=True, tcpmem=True) == (Write("cpu", "cpu.shares", "1024"),)
+
+
 def test_a_handout_writes_only_the_cpu_weight() -> None:
     """Idle -> run limits is the take path's cost: one file write, on either version."""
     assert changes(1, L.idle(), L, memsw=True) == (Write("cpu", "cpu.shares", "1024"),)
@@ -89,6 +100,21 @@ def tree() -> Iterator[cgroups.Hierarchy]:
     yield found
     found.close()
     assert not any(d.exists() for d in found.dirs.values())
+
+
+def test_a_live_group_bounds_its_socket_buffers(tree: cgroups.Hierarchy) -> None:
+    """A group made here carries the socket limit where the kernel has v1 socket accounting
+    (test_dos.py's socket attack proves the kernel then enforces it); v2 needs none."""
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", L)
+    try:
+        if tree.version == 1:
+            assert tree.tcpmem and tree.socket_gap() is None, "this kernel lost v1 socket accounting"
+            limit = (g.paths["memory"] / "memory.kmem.tcp.limit_in_bytes").read_text().strip()
+            assert limit == str(1024 << 20)
+        else:
+            assert tree.socket_gap() is None
+    finally:
+        g.remove()
 
 
 def test_real_group_oom_kills_a_process_over_the_memory_limit(tree: cgroups.Hierarchy) -> None:

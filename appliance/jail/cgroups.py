@@ -40,6 +40,7 @@ CPU_PERIOD_US = 100_000
 V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
 V2_CONTROLLERS = ("memory", "cpu", "pids")
 MODES = ("auto", "require", "off")
+TCP_LIMIT = "memory.kmem.tcp.limit_in_bytes"  # v1 socket accounting (`render_v1`)
 RUN_WEIGHT = 100  # v2 cpu.weight of a run (v1 cpu.shares 1024): equal per run
 IDLE_WEIGHT = 10  # a jail starting for the pool (ready, it waits at RUN_WEIGHT): ~ nice 10
 REMOVE_WAIT_S = 5.0
@@ -98,16 +99,27 @@ def _shares(weight: int) -> int:
     return max(2, weight * 1024 // RUN_WEIGHT)
 
 
-def render_v1(limits: GroupLimits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
-    """The writes that give a v1 group `limits`; memsw: swap accounting exists (swap then off).
+def render_v1(limits: GroupLimits, memsw: bool, lowering: bool, tcpmem: bool = False) -> tuple[Write, ...]:
+    """The writes that give a v1 group `limits`; memsw: swap accounting exists (swap then off);
+    tcpmem: the kernel has v1 socket accounting (memory.kmem.tcp.*).
 
     v1 refuses memory.memsw.limit_in_bytes below memory.limit_in_bytes, so when the memory limit
-    goes down (`lowering`) memory goes first, and when it goes up memsw goes first."""
+    goes down (`lowering`) memory goes first, and when it goes up memsw goes first.
+
+    v1 charges no socket buffer to memory.limit_in_bytes: queued TCP and UDP data is host memory
+    no limit of the run's sees (hundreds of loopback pairs queue gigabytes). Writing
+    memory.kmem.tcp.limit_in_bytes turns on the group's socket accounting: every socket its
+    processes make from then on (TCP and UDP alike) charges a separate counter, capped here at
+    the run's memory limit; past it a send blocks or fails (EAGAIN/ENOBUFS) and datagrams are
+    dropped. It is written before any process joins, so no socket of the run escapes it. v2
+    charges socket memory to memory.max itself."""
     mem = str(limits.memory_mb * 1024 * 1024)
     memory = [Write("memory", "memory.limit_in_bytes", mem)]
     if memsw:
         swap = [Write("memory", "memory.memsw.limit_in_bytes", mem)]
         memory = memory + swap if lowering else swap + memory
+    if tcpmem:
+        memory.append(Write("memory", TCP_LIMIT, mem))
     return (
         Write("memory", "memory.swappiness", "0"),
         *memory,
@@ -130,17 +142,21 @@ def render_v2(limits: GroupLimits) -> tuple[Write, ...]:
     )
 
 
-def render(version: int, limits: GroupLimits, memsw: bool, lowering: bool) -> tuple[Write, ...]:
+def render(
+    version: int, limits: GroupLimits, memsw: bool, lowering: bool, tcpmem: bool = False
+) -> tuple[Write, ...]:
     """render_v1 or render_v2 by version."""
-    return render_v1(limits, memsw, lowering) if version == 1 else render_v2(limits)
+    return render_v1(limits, memsw, lowering, tcpmem) if version == 1 else render_v2(limits)
 
 
-def changes(version: int, old: GroupLimits, new: GroupLimits, memsw: bool) -> tuple[Write, ...]:
+def changes(
+    version: int, old: GroupLimits, new: GroupLimits, memsw: bool, tcpmem: bool = False
+) -> tuple[Write, ...]:
     """Only the writes that differ between `old` and `new`, in the order `new` needs: what a
     warm jail's handout costs (idle -> run limits differ in the CPU weight: one write)."""
     lowering = new.memory_mb < old.memory_mb
-    before = set(render(version, old, memsw, lowering))
-    return tuple(w for w in render(version, new, memsw, lowering) if w not in before)
+    before = set(render(version, old, memsw, lowering, tcpmem))
+    return tuple(w for w in render(version, new, memsw, lowering, tcpmem) if w not in before)
 
 
 @dataclass(frozen=True)
@@ -195,14 +211,27 @@ class Hierarchy:
     """A writable cgroup tree (v1 or v2); this server's runs get groups in its instance directory."""
 
     def __init__(
-        self, version: int, dirs: Mapping[str, Path], memsw: bool = False, instance: str | None = None
+        self,
+        version: int,
+        dirs: Mapping[str, Path],
+        memsw: bool = False,
+        instance: str | None = None,
+        tcpmem: bool = False,
     ) -> None:
         self.version = version
         self.base = dict(dirs)  # controller -> our base directory ("" -> base on v2)
         self.memsw = memsw
+        self.tcpmem = tcpmem  # v1: socket buffers charged per group (`render_v1`)
         self.instance = instance or server_instance.name()
         self.dirs = {c: d / self.instance for c, d in self.base.items()}
         self.label = f"cgroup-v{version}"
+
+    def socket_gap(self) -> str | None:
+        """Why the runs' socket buffers are not bounded by their groups, or None when they are
+        (v2 charges them to memory.max; v1 where memory.kmem.tcp.* exists, `render_v1`)."""
+        if self.version == 1 and not self.tcpmem:
+            return f"cgroup v1 without {TCP_LIMIT}: the runs' socket buffers are not bounded per run"
+        return None
 
     def prepare(self) -> None:
         """Make this instance's directories (v2: and let its groups use the controllers)."""
@@ -221,7 +250,7 @@ class Hierarchy:
                 p.mkdir()
                 made.append(p)
             g = Group(self, name, paths, limits)
-            for w in render(self.version, limits, self.memsw, lowering=True):
+            for w in render(self.version, limits, self.memsw, lowering=True, tcpmem=self.tcpmem):
                 g._write(w)
             g.prime()
         except BaseException:
@@ -363,7 +392,7 @@ class Group:
 
     def set_limits(self, limits: GroupLimits) -> None:
         """Move to `limits` writing only what changes (a warm jail handed out: one write)."""
-        for w in changes(self.tree.version, self.limits, limits, self.tree.memsw):
+        for w in changes(self.tree.version, self.limits, limits, self.tree.memsw, self.tree.tcpmem):
             self._write(w)
         self.limits = limits
 
@@ -513,7 +542,10 @@ def detect(root: Path = CGROUP_ROOT, self_cgroup: str | None = None) -> tuple[Hi
     if missing:
         return None, missing
     memsw = (dirs["memory"].parent / "memory.memsw.limit_in_bytes").exists()
-    return Hierarchy(1, dirs, memsw=memsw), []
+    # A kernel without it (v1 socket accounting is deprecated upstream) still gets groups; the
+    # server warns at startup that socket buffers are not bounded per run (`socket_gap`).
+    tcpmem = (dirs["memory"].parent / TCP_LIMIT).exists()
+    return Hierarchy(1, dirs, memsw=memsw, tcpmem=tcpmem), []
 
 
 def open_hierarchy(mode: str, root: Path = CGROUP_ROOT) -> tuple[Hierarchy | None, list[str]]:

@@ -394,3 +394,120 @@ async def test_an_output_burst_followed_by_exit_is_still_output_limit(
     streamed = sum(len(f.get("text", "")) for f in ex.frames if f["type"] == "stream")
     assert ex.status == "output_limit" and streamed <= OUTPUT_LIMIT + 65536, (ex.status, streamed)
     observe(f"output_limit; {streamed} chars streamed; {note}")
+
+
+SOCKET_MEMORY_MB = 128
+# Queue data on loopback until `target` MiB sit in kernel socket buffers or nothing more is
+# taken; report what the kernel holds (SO_MEMINFO: receive queue + send queue of every socket).
+QUEUE_SOCKETS = """
+import errno, json, socket, struct
+MIB = 1 << 20
+kind, target = {kind!r}, {target} * MIB
+SO_MEMINFO = 55
+def held(s):
+    v = struct.unpack("9I", s.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 36))
+    return v[0] + v[5]  # rmem_alloc + wmem_queued
+socks, refused, block = [], {{}}, b"q" * 60000
+def total():
+    return sum(held(s) for s in socks)
+for _ in range(200):
+    if kind == "tcp":
+        lst = socket.socket(); lst.bind(("127.0.0.1", 0)); lst.listen()
+        a = socket.socket(); a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MIB)
+        a.connect(lst.getsockname()); b, _ = lst.accept(); lst.close()
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MIB)
+    else:
+        a = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); a.bind(("127.0.0.1", 0))
+        b = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); b.bind(("127.0.0.1", 0))
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MIB)
+        a.connect(b.getsockname())
+    a.setblocking(False); socks += [a, b]
+    for _ in range(400):
+        try:
+            a.send(block)
+        except OSError as e:
+            refused[errno.errorcode.get(e.errno, str(e.errno))] = refused.get(errno.errorcode.get(e.errno, ""), 0) + 1
+            break
+    if total() >= target:
+        break
+print(json.dumps({{"pairs": len(socks) // 2, "queued_mib": total() // MIB, "refused": refused}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def small_memory(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator[Server]:
+    """A hostile server whose runs have SOCKET_MEMORY_MB of memory."""
+    srv = hostile_server(
+        tmp_path_factory.mktemp("socket-server"),
+        tmp_root,
+        SANDBOX_MEMORY_MB=str(SOCKET_MEMORY_MB),
+        SANDBOX_MAX_EXEC_MS="60000",
+    )
+    yield srv
+    srv.stop()
+
+
+@attack(
+    f"queue 4x SANDBOX_MEMORY_MB ({SOCKET_MEMORY_MB} MiB) of TCP, then of UDP, in loopback socket "
+    "buffers with 4 MiB SO_RCVBUF/SO_SNDBUF",
+    "the run's cgroup charges socket buffers: the kernel stops queueing near SANDBOX_MEMORY_MB",
+)
+@pytest.mark.parametrize("kind", ["tcp", "udp"])
+async def test_socket_buffers_count_against_the_run(
+    small_memory: Server, observe: Observe, kind: str
+) -> None:
+    ex = await run(
+        small_memory,
+        QUEUE_SOCKETS.format(kind=kind, target=4 * SOCKET_MEMORY_MB),
+        timeout_ms=50000,
+        timeout=180,
+    )
+    lines = [ln for ln in ex.stdout.splitlines() if ln.startswith("{")]
+    assert ex.status == "ok" and lines, (ex.status, ex.message, ex.stderr[-800:])
+    report = json.loads(lines[-1])
+    note = await assert_contained(small_memory)
+    # The group's socket limit is SANDBOX_MEMORY_MB; the kernel may force a little past it.
+    assert report["queued_mib"] <= SOCKET_MEMORY_MB * 1.25, report
+    observe(f"{kind}: {report}; {note}")
+
+
+LOOPBACK = """
+import json, socket, threading
+MIB = 1 << 20
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()
+def echo():
+    c, _ = srv.accept()
+    while data := c.recv(1 << 16):
+        c.sendall(data)
+    c.close()
+threading.Thread(target=echo, daemon=True).start()
+cl = socket.create_connection(srv.getsockname())
+got = [0]
+def read():
+    while got[0] < 32 * MIB:
+        got[0] += len(cl.recv(1 << 20))
+reader = threading.Thread(target=read); reader.start()
+for _ in range(32):
+    cl.sendall(b"e" * MIB)
+reader.join(60)
+u1 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u1.bind(("127.0.0.1", 0))
+u2 = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u2.settimeout(10)
+u2.sendto(b"ping", u1.getsockname()); data, peer = u1.recvfrom(64); u1.sendto(data * 2, peer)
+print(json.dumps({"tcp_echoed_mib": got[0] // MIB, "udp": u2.recv(64).decode()}))
+"""
+
+
+@attack(
+    "ordinary loopback networking in a jail whose socket memory is bounded: a 32 MiB TCP echo and a "
+    "UDP round trip",
+    "both work: the bound stops hoarding, not use",
+)
+async def test_loopback_networking_still_works_under_the_socket_bound(
+    small_memory: Server, observe: Observe
+) -> None:
+    ex = await run(small_memory, LOOPBACK, timeout_ms=50000, timeout=120)
+    lines = [ln for ln in ex.stdout.splitlines() if ln.startswith("{")]
+    assert ex.status == "ok" and lines, (ex.status, ex.message, ex.stderr[-800:])
+    report = json.loads(lines[-1])
+    assert report == {"tcp_echoed_mib": 32, "udp": "pingping"}, (report, ex.stderr[-1500:])
+    observe(f"{report}")
