@@ -13,7 +13,7 @@ import pytest
 
 from appliance.client import AsyncClient, Execution, RequestOptions
 from appliance.errors import SettingsError
-from appliance.jail.profiles import MAX_PARSE_CHARS, Profile, choose, imports_of
+from appliance.jail.profiles import SCAN_CHARS, Profile, choose, imports_of
 from appliance.settings import from_env
 from tests.support import Server, scaled, start_server
 
@@ -32,12 +32,18 @@ class TestTheScan:
             "def f():\n    import pandas as pd\n    from numpy.linalg import norm\n"
             "if False:\n    import llama_cpp\nfrom . import sibling\n"
         )
-        assert imports_of(code) == {"os", "json", "matplotlib", "pandas", "numpy", "llama_cpp"}
+        assert imports_of(code) == frozenset({"os", "json", "matplotlib", "pandas", "numpy", "llama_cpp"})
 
-    def test_code_that_does_not_parse_or_is_huge_is_scanned_by_pattern(self) -> None:
-        assert imports_of("import pandas\nthis is not python(") == {"pandas"}
-        huge = "x = 1\n" * (MAX_PARSE_CHARS // 6 + 1) + "    from numpy import array\nimport a.b, c as d\n"
-        assert imports_of(huge) == {"numpy", "a", "c"}
+    def test_the_scan_is_a_pattern_so_code_that_does_not_parse_is_scanned_too(self) -> None:
+        assert imports_of("import pandas\nthis is not python(") == frozenset({"pandas"})
+        code = "x = 1; import numpy\ntry: from pandas.io import json\nexcept: pass\nimport (a.b, c as d)\n"
+        assert imports_of(code) == frozenset({"numpy", "pandas", "a", "c"})
+
+    def test_code_longer_than_the_scan_takes_is_not_scanned_and_gets_the_largest_profile(self) -> None:
+        # The scan runs on the event loop: its work must not grow with the code.
+        assert imports_of("import json\n" + "x = 1\n" * (SCAN_CHARS // 6)) is None
+        assert choose(PROFILES, None) is TOOLS
+        assert imports_of("import json\n" + "x = 1\n" * ((SCAN_CHARS - 12) // 6)) == frozenset({"json"})
 
     def test_code_without_the_word_import_imports_nothing_and_look_alike_keywords_do_not_parse(self) -> None:
         # The scan skips the parse when "import" is not in the code: that is only right

@@ -244,7 +244,8 @@ class ProfilePools:
         imports = imports_of(code)
         profile = choose(self.profiles, imports)
         self.runs[profile.name] += 1
-        self.imported.update(imports & self._preloaded)
+        if imports is not None:  # code too long to scan is counted as importing nothing
+            self.imported.update(imports & self._preloaded)
         return profile
 
     def start(self) -> None:

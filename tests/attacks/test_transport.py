@@ -586,3 +586,90 @@ async def test_metrics_are_not_readable_without_the_token(
     _status, body = tenanted.get("/metrics", METRICS_TOKEN)
     assert "appliance_runs_total" in body
     observe(f"single token: {single}; tenants + SANDBOX_METRICS_TOKEN: {split}")
+
+
+# Installed in the server process through PYTHONPATH: writes one line for each `compile` (what
+# ast.parse calls) of source carrying the marker, with the process and whether the thread was
+# the main one, where the server's event loop runs.
+SCAN_MARKER = "scan-hostile-marker"
+COMPILE_HOOK = f"""
+import os, sys, threading
+_LOG = os.environ.get("APPLIANCE_TEST_COMPILE_LOG", "")
+
+def _hook(event, args):
+    if event != "compile":
+        return
+    source = args[0]
+    if isinstance(source, (bytes, bytearray)):
+        source = bytes(source).decode("utf-8", "replace")
+    if isinstance(source, str) and {SCAN_MARKER!r} in source:
+        on_loop = threading.current_thread() is threading.main_thread()
+        with open(_LOG, "a") as fh:
+            fh.write(f"compile {{os.getpid()}} {{on_loop}} {{len(source)}}\\n")
+
+if _LOG:
+    with open(_LOG, "a") as fh:
+        fh.write(f"hooked {{os.getpid()}}\\n")
+    sys.addaudithook(_hook)
+"""
+
+
+def profile_runs(server: Server, profile: str) -> float:
+    _status, body = server.get("/metrics", TOKEN)
+    for line in body.splitlines():
+        if line.startswith(f'appliance_profile_runs_total{{profile="{profile}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@attack(
+    "import scans costly on the event loop: 12 KiB of `import a.a.a…` (a quadratic shape for "
+    "ast.parse) and 600 KB of `import ,,,…`, each sent 3 times",
+    "the server never parses client code on its event loop (no `compile` of it in the server's "
+    "main thread); the scan is a bounded pattern, and code longer than it takes is not scanned "
+    "and gets the largest preload profile",
+)
+async def test_import_scans_do_no_unbounded_work_on_the_event_loop(
+    tmp_path_factory: pytest.TempPathFactory, tmp_root: Path, observe: Observe
+) -> None:
+    base = tmp_path_factory.mktemp("scan-server")
+    hooks = base / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(COMPILE_HOOK)
+    log = base / "compiles.log"
+    srv = hostile_server(
+        base,
+        tmp_root,
+        PYTHONPATH=str(hooks),
+        APPLIANCE_TEST_COMPILE_LOG=str(log),
+        SANDBOX_PRELOAD_PROFILES="bare=;std=json",
+    )
+    try:
+        mid = f"# {SCAN_MARKER}\nimport " + "a." * 6000 + "a\n"
+        huge = f"# {SCAN_MARKER}\nimport " + "," * 600_000 + "\n"
+        small = f"import json  # {SCAN_MARKER}\nprint(json.dumps(1))\n"
+        std_before = profile_runs(srv, "std")
+        mids = [await run(srv, mid) for _ in range(3)]
+        std_after_mid = profile_runs(srv, "std")
+        huges = [await run(srv, huge) for _ in range(3)]
+        std_after_huge = profile_runs(srv, "std")
+        ok = await run(srv, small)
+        assert ok.status == "ok" and ok.stdout == "1\n", ok
+        # A SyntaxError in the jail (its traceback quotes the long line: output_limit).
+        statuses = {ex.status for ex in mids + huges}
+        assert statuses <= {"error", "output_limit"}, statuses
+        lines = log.read_text().splitlines()
+        assert f"hooked {srv.proc.pid}" in lines, f"the compile hook is not in the server: {lines}"
+        on_loop = [ln for ln in lines if ln.startswith(f"compile {srv.proc.pid} True ")]
+        assert not on_loop, f"the server compiled client code on its event loop: {on_loop}"
+        # 12 KiB is within the scan: `a` is no preloaded module, so the bare profile.
+        assert std_after_mid == std_before, (std_before, std_after_mid)
+        # 600 KB is past it: not scanned, so the largest profile (it preloads the most).
+        assert std_after_huge == std_after_mid + 3, (std_after_mid, std_after_huge)
+        note = await assert_contained(srv)
+    finally:
+        srv.stop()
+    observe(
+        f"3 runs of {len(mid)} and 3 of {len(huge)} chars ended {sorted(statuses)} (a SyntaxError in the jail); "
+        f"the server compiled none of them on its loop; the long ones got the largest profile; {note}"
+    )
