@@ -111,6 +111,81 @@ _NOT_JSON = {
 }
 
 
+_MCP_SESSION = {
+    "name": "Mcp-Session-Id",
+    "in": "header",
+    "required": False,
+    "description": "the session id the initialize response gave (every request after it)",
+    "schema": {"type": "string"},
+}
+_MCP_POST_EXAMPLE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-06-18",
+        "capabilities": {},
+        "clientInfo": {"name": "example", "version": "1"},
+    },
+}
+# The Model Context Protocol's Streamable HTTP transport, whose messages are JSON-RPC 2.0
+# defined by the MCP specification, not by this document: described here so that the route
+# is discoverable, with the headers the transport needs.
+_MCP_PATH: dict[str, Any] = {
+    "post": {
+        "summary": "MCP (Streamable HTTP): send one JSON-RPC message",
+        "description": (
+            "The tools run_python, close_session and list_models, and the files runs wrote as "
+            "resources, over the Model Context Protocol. Send `Accept: application/json, "
+            "text/event-stream`; the answer to a request is a JSON-RPC response, possibly as a "
+            "server-sent event stream. Start with `initialize` and send the `Mcp-Session-Id` it "
+            "returns on every later request."
+        ),
+        "parameters": [_MCP_SESSION],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {"type": "object", "description": "a JSON-RPC 2.0 message"},
+                    "example": _MCP_POST_EXAMPLE,
+                }
+            },
+        },
+        "responses": {
+            "200": {
+                "description": "the JSON-RPC response (as JSON or as an SSE stream)",
+                "content": {
+                    "application/json": {"schema": {"type": "object"}},
+                    "text/event-stream": {"schema": {"type": "string"}},
+                },
+            },
+            "202": {"description": "a notification or response was accepted"},
+            "400": {"description": "not a JSON-RPC message, or no session id"},
+            "401": _UNAUTHORIZED,
+            "404": {"description": "no such MCP session (or another caller's)"},
+            "406": {"description": "the Accept header does not name both content types"},
+        },
+    },
+    "get": {
+        "summary": "MCP (Streamable HTTP): open the server-to-client event stream of a session",
+        "parameters": [_MCP_SESSION],
+        "responses": {
+            "200": {"description": "server-sent events", "content": {"text/event-stream": {}}},
+            "401": _UNAUTHORIZED,
+        },
+    },
+    "delete": {
+        "summary": "MCP (Streamable HTTP): end a session (and its appliance session)",
+        "parameters": [_MCP_SESSION],
+        "responses": {
+            "200": {"description": "ended"},
+            "401": _UNAUTHORIZED,
+            "404": {"description": "no such session"},
+        },
+    },
+}
+
+
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI document served at /openapi.json."""
@@ -214,6 +289,7 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/mcp": _MCP_PATH,
             "/healthz": {
                 "get": {
                     "summary": "The process is up",
@@ -250,7 +326,8 @@ def openapi_document() -> dict[str, Any]:
             },
             "/docs": {
                 "get": {
-                    "summary": "This document, rendered (Swagger UI, served from the package)",
+                    "summary": "This document, rendered (Swagger UI, served from the package); "
+                    "`/docs/` redirects here",
                     "security": [],
                     "responses": {"200": {"description": "an HTML page"}},
                 }

@@ -6,7 +6,9 @@
 - `DELETE /v1/sessions/{id}`: ends it; 204, or 404 when there is no such session.
 - `GET /openapi.json` and `GET /docs`: the API description, generated from the protocol's
   models (appliance.openapi); `/docs` is Swagger UI served from the installed
-  swagger-ui-bundle package, and its page may load nothing from any other origin.
+  swagger-ui-bundle package, and its page may load nothing from any other origin;
+  `/docs/` redirects to it. Its "Try it out" calls are same-origin, which the `Origin`
+  check lets through (appliance.transport.own_origin).
 Bearer auth is applied by the server's middleware to every `/v1` route, and so is the
 `Origin` check; a POST whose body is not `Content-Type: application/json` gets 415.
 """
@@ -170,6 +172,12 @@ async def docs(request: web.Request) -> web.Response:
     return web.Response(text=_DOCS_PAGE, content_type="text/html", headers=_DOCS_HEADERS)
 
 
+async def docs_slash(request: web.Request) -> web.Response:
+    """`/docs/` is /docs: its page's relative URLs (docs/...) resolve only from /docs. The
+    Location is relative, so it stays right behind a path prefix."""
+    raise web.HTTPPermanentRedirect("../docs")
+
+
 async def docs_asset(request: web.Request) -> web.StreamResponse:
     name = request.match_info["name"]
     if name == "init.js":
@@ -190,7 +198,8 @@ def add_routes(
         async def wrapped(request: web.Request) -> web.StreamResponse:
             if request.method == "POST" and request.content_type != JSON:
                 # A browser sends text/plain, form and multipart bodies across origins with no
-                # CORS preflight; application/json it may only send after one, which we never grant.
+                # CORS preflight; application/json it may only send after one, which only the
+                # origins in SANDBOX_ALLOWED_ORIGINS are granted (appliance.cors).
                 return _rejected(f"a POST body must be sent as Content-Type: {JSON}", status=415)
             response: web.StreamResponse = await handler(
                 request, request.app[service_key], owner_for(request)
@@ -205,4 +214,5 @@ def add_routes(
     app.router.add_get("/v1/models", bind(list_models))
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/docs", docs)
+    app.router.add_get("/docs/", docs_slash)
     app.router.add_get("/docs/{name}", docs_asset)

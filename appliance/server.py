@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from appliance import mcp_http, protocol, rest
+from appliance import cors, mcp_http, protocol, rest
 from appliance.errors import Busy, Cancelled, RequestRejected
 from appliance.protocol import (
     CloseSessionMessage,
@@ -52,12 +52,19 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     """Before any route: a browser origin not allowed gets 403, a missing or wrong token 401
     (/metrics: see `RunService.may_read_metrics`)."""
     service = request.app[SERVICE_KEY]
-    if not origin_allowed(request.headers.getall("Origin", []), service.settings.allowed_origins):
+    origins = request.headers.getall("Origin", [])
+    if not origin_allowed(
+        origins, service.settings.allowed_origins, request.headers.get("Host"), service.requires_token
+    ):
         # A page on another origin may open a WebSocket or send a "simple" POST without any
-        # CORS preflight; only the operator's own list of origins may reach the API.
+        # CORS preflight; only the operator's own list of origins (and the server's own
+        # pages, like /docs) may reach the API.
         return web.json_response(
             {"error": "this request's Origin is not in SANDBOX_ALLOWED_ORIGINS"}, status=403
         )
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        # A CORS preflight carries no token; what it may lead to is decided above (its Origin).
+        return cors.preflight(request, service.settings.allowed_origins)
     if request.path == "/metrics":
         if not service.may_read_metrics(bearer_token(request)):
             return _unauthorized()
@@ -264,8 +271,12 @@ def make_app(service: RunService) -> web.Application:
     async def stop_parser(app: web.Application) -> None:
         await parser.worker.close()
 
+    async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+        cors.add_headers(request, response, service.settings.allowed_origins)
+
     app.on_startup.append(start_parser)
     app.on_cleanup.append(stop_parser)
+    app.on_response_prepare.append(cors_headers)
     app.router.add_get("/exec", exec_socket)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -132,13 +132,18 @@ class RunService:
             return None
         return owner_of(token)
 
+    @property
+    def requires_token(self) -> bool:
+        """Whether every API caller must present a bearer token (SANDBOX_AUTH_TOKEN or tenants)."""
+        return self.tenants is not None or self.settings.auth_token is not None
+
     def may_read_metrics(self, token: str | None) -> bool:
         """/metrics: only SANDBOX_METRICS_TOKEN when set; else any caller's token when tokens
         are configured; open only where everything is. Constant time."""
         expected = self.settings.metrics_token
         if expected is not None:
             return hmac.compare_digest((token or "").encode(), expected.encode())
-        if self.tenants is None and self.settings.auth_token is None:
+        if not self.requires_token:
             return True
         return token is not None and self.identify(token) is not None
 

@@ -24,6 +24,7 @@ from appliance.errors import Busy, Cancelled
 from appliance.parse_worker import ParseWorker
 from appliance.protocol import ClientMessage, ProtocolError
 from appliance.service import RunService
+from appliance.settings import DEFAULT_PORTS, ORIGIN_RE
 
 GONE_POLL_S = 0.25
 # Frames up to this size are parsed on the event loop (well under a millisecond); bigger
@@ -96,11 +97,61 @@ def json_values_allowed(limits: protocol.Limits) -> int:
 PARSER_KEY = web.AppKey("parser", FrameParser)
 
 
-def origin_allowed(origins: Iterable[str], allowed: tuple[str, ...]) -> bool:
+def origin_allowed(
+    origins: Iterable[str], allowed: tuple[str, ...], host: str | None = None, tokens: bool = False
+) -> bool:
     """Whether every `Origin` a request carries is one of SANDBOX_ALLOWED_ORIGINS (exact
-    match). No Origin at all (curl, websocat, SDK clients) is not a browser's cross-site
+    match) or the server's own origin (`own_origin`: the page came from this server, like
+    /docs). No Origin at all (curl, websocat, SDK clients) is not a browser's cross-site
     request and passes; `Origin: null` is a browser's and does not."""
-    return all(origin in allowed for origin in origins)
+    return all(origin in allowed or own_origin(origin, host, tokens) for origin in origins)
+
+
+def _host_port(hostport: str, scheme: str) -> tuple[str, int] | None:
+    """`host[:port]` as (lower-case host, port), the port defaulting to the scheme's."""
+    hostport = hostport.strip().lower()
+    host, port = hostport, ""
+    if hostport.startswith("["):  # [v6]:port
+        end = hostport.find("]")
+        if end < 0:
+            return None
+        host, rest = hostport[: end + 1], hostport[end + 1 :]
+        if rest and not rest.startswith(":"):
+            return None
+        port = rest[1:]
+    elif ":" in hostport:
+        host, _, port = hostport.rpartition(":")
+    if not host or (port and not port.isdigit()):
+        return None
+    return host, int(port) if port else DEFAULT_PORTS[scheme]
+
+
+def _literal_or_localhost(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def own_origin(origin: str, host: str | None, tokens: bool) -> bool:
+    """Whether `origin` is the origin this request was sent to: its host and port are the
+    request's `Host` header (the scheme may differ: TLS may end at a proxy in front).
+
+    A DNS-rebinding page controls the name in both headers (evil.example resolving to this
+    server), so without tokens only a Host that no DNS answer can forge passes: an IP
+    literal or `localhost`. With tokens such a page still lacks the bearer token a browser
+    never adds by itself, so any matching Host passes."""
+    match = ORIGIN_RE.match(origin)
+    if match is None or host is None:
+        return False
+    scheme, name, port = match.groups()
+    mine = (name, int(port) if port else DEFAULT_PORTS[scheme])
+    if _host_port(host, scheme) != mine:
+        return False
+    return tokens or _literal_or_localhost(name)
 
 
 def exposed_without_token(hosts: Iterable[str]) -> list[str]:

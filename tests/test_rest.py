@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from appliance import rest
+from appliance import mcp_http, rest
 from appliance.openapi import openapi_document
 from tests.support import Server, start_server
 
@@ -154,12 +154,58 @@ async def test_every_documented_route_exists_on_the_real_server(restsrv: Server)
                 assert resp.status != 405 and body != "404: Not Found", (method, path, resp.status)
 
 
+async def test_docs_slash_redirects_to_the_page_and_mcp_is_documented(restsrv: Server) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(restsrv.http + "/docs/", allow_redirects=False) as resp:
+            status, location = resp.status, resp.headers.get("Location")
+        async with http.get(restsrv.http + "/docs/") as resp:
+            landed, page = str(resp.url), await resp.text()
+        async with http.get(restsrv.http + "/openapi.json") as resp:
+            spec = await resp.json()
+    assert status == 308 and location == "../docs", (status, location)
+    assert landed == restsrv.http + "/docs" and "<title>Appliance API</title>" in page
+    assert {"get", "post", "delete"} <= set(spec["paths"]["/mcp"])
+    example = spec["paths"]["/mcp"]["post"]["requestBody"]["content"]["application/json"]["example"]
+    assert example["method"] == "initialize"
+
+
+async def test_try_it_out_from_the_docs_page_is_same_origin_and_runs(restsrv: Server) -> None:
+    """What Swagger UI's "Try it out" sends from /docs: the browser adds the page's Origin,
+    which is the server's own (the Host the request came to)."""
+    own = {**AUTH, "Origin": restsrv.http}
+    async with aiohttp.ClientSession(headers=own) as http:
+        async with http.post(restsrv.http + "/v1/exec", json={"code": "6*7"}) as resp:
+            status, frames = resp.status, [json.loads(x) for x in (await resp.text()).splitlines()]
+        async with http.post(restsrv.http + "/v1/sessions", json={"code": "x = 1"}) as resp:
+            opened = resp.status, await resp.json()
+        async with http.delete(restsrv.http + f"/v1/sessions/{opened[1]['session']}") as resp:
+            closed = resp.status
+        # With a token, a name (not only an IP literal) is the server's own when it is the Host.
+        named = {
+            **AUTH,
+            "Host": f"appliance.test:{restsrv.port}",
+            "Origin": f"http://appliance.test:{restsrv.port}",
+        }
+        async with http.post(restsrv.http + "/v1/exec", json={"code": "1"}, headers=named) as resp:
+            by_name = resp.status
+        async with http.post(
+            restsrv.http + "/v1/exec", json={"code": "1"}, headers={**named, "Authorization": ""}
+        ) as resp:
+            without_token = resp.status
+    assert status == 200 and frames[-1]["status"] == "ok" and frames[-2]["data"] == {"text/plain": "42"}
+    assert opened[0] == 201 and closed == 204
+    assert by_name == 200 and without_token == 401
+
+
 def test_every_rest_route_is_documented() -> None:
     app = web.Application()
     rest.add_routes(app, web.AppKey("appliance", object), lambda request: "owner")
+    mcp_http.add_routes(app, web.AppKey("appliance", object), lambda request: "owner")
     documented = {
         (path, method.upper()) for path, ops in openapi_document()["paths"].items() for method in ops
     }
     routed = {(r.resource.canonical, r.method) for r in app.router.routes() if r.resource is not None}
-    undocumented = {(p, m) for p, m in routed if m != "HEAD" and p != "/docs/{name}"} - documented
+    undocumented = {
+        (p, m) for p, m in routed if m != "HEAD" and p not in ("/docs/{name}", "/docs/")
+    } - documented
     assert not undocumented

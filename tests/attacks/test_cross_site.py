@@ -127,3 +127,87 @@ async def test_a_server_without_a_token_on_a_public_address_says_so(
     quiet = json.loads(open_server.get("/readyz")[1])
     assert "warning" not in quiet, quiet
     observe(f"/readyz warning: {body['warning']!r}; the log says UNAUTHENTICATED AND EXPOSED")
+
+
+@attack(
+    "a DNS-rebinding page (evil name resolving to the server) posts JSON from its own origin",
+    "without a token the server's own origin counts only for a Host that no DNS answer can forge "
+    "(an IP literal, localhost): Origin http://rebind.example:PORT with that Host gets 403 and nothing "
+    "runs, while the server's own /docs page (same origin, 127.0.0.1 or localhost) may run code",
+)
+def test_own_origin_passes_but_a_rebound_name_does_not(open_server: Server, observe: Observe) -> None:
+    port = open_server.port
+    body = json.dumps({"code": MARK}).encode()
+    seen: dict[str, int] = {}
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}"):
+        status, text = post(
+            open_server,
+            "/v1/exec",
+            body,
+            {"Content-Type": "application/json", "Host": host, "Origin": f"http://{host}"},
+        )
+        seen[host] = status
+        assert status == 200 and frames_of(text)[-1]["status"] == "ok" and "ran-cross-site" in text, text
+    rebound = f"rebind.example:{port}"
+    status, text = post(
+        open_server,
+        "/v1/exec",
+        body,
+        {"Content-Type": "application/json", "Host": rebound, "Origin": f"http://{rebound}"},
+    )
+    seen[rebound] = status
+    assert status == 403 and "ran-cross-site" not in text, text
+    # A same-origin page on another port of the same address is another origin.
+    other = f"http://127.0.0.1:{port + 1}"
+    status, text = post(open_server, "/v1/exec", body, {"Content-Type": "application/json", "Origin": other})
+    seen[other] = status
+    assert status == 403, text
+    observe(f"status by Host/Origin: {seen}")
+
+
+@attack(
+    "a page on an origin the operator listed preflights a JSON POST with Authorization (a browser MCP client)",
+    "the listed origin gets a CORS grant (204 with Access-Control-Allow-Origin: itself, the MCP headers "
+    "allowed) and its answers carry Access-Control-Allow-Origin; any other origin's preflight gets 403 "
+    "and no grant",
+)
+def test_cors_is_granted_to_listed_origins_only(open_server: Server, observe: Observe) -> None:
+    def preflight(origin: str) -> tuple[int, dict[str, str]]:
+        req = urllib.request.Request(
+            open_server.http + "/mcp",
+            method="OPTIONS",
+            headers={
+                "Origin": origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type,mcp-session-id",
+            },
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=scaled(60)) as resp:
+                return resp.status, dict(resp.headers)
+        except urllib.error.HTTPError as exc:
+            return exc.code, dict(exc.headers)
+
+    status, headers = preflight(ALLOWED)
+    assert status == 204 and headers.get("Access-Control-Allow-Origin") == ALLOWED, (status, headers)
+    allowed_headers = headers["Access-Control-Allow-Headers"].lower()
+    assert {"authorization", "content-type", "mcp-session-id"} <= {
+        h.strip() for h in allowed_headers.split(",")
+    }
+    for origin in (EVIL, "null", ALLOWED + ".evil.example"):
+        status, headers = preflight(origin)
+        assert status == 403 and "Access-Control-Allow-Origin" not in headers, (origin, status, headers)
+    req = urllib.request.Request(
+        open_server.http + "/v1/exec",
+        data=json.dumps({"code": MARK}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Origin": ALLOWED},
+    )
+    with urllib.request.urlopen(req, timeout=scaled(60)) as resp:
+        grant = resp.headers.get("Access-Control-Allow-Origin")
+        text = resp.read().decode()
+    assert grant == ALLOWED and "ran-cross-site" in text
+    req = urllib.request.Request(open_server.http + "/healthz")
+    with urllib.request.urlopen(req, timeout=scaled(60)) as resp:
+        assert "Access-Control-Allow-Origin" not in resp.headers  # no Origin, no grant
+    observe(f"preflight from {ALLOWED}: 204 with a grant; from {EVIL}, null, a suffix: 403, no grant")
