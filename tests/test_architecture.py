@@ -41,7 +41,7 @@ BASE = {
     "mcp_tools",
 }
 SERVICE = {"lifecycle", "service", "sessions", "toolprobe"}
-TRANSPORT = {"server", "rest", "transport", "mcp_http", "parse_worker"}
+TRANSPORT = {"server", "rest", "transport", "cors", "mcp_http", "parse_worker"}
 CLI = {"cli", "__main__", "audit", "local", "__init__"}
 IN_JAIL = {
     "appliance.jail.driver",
