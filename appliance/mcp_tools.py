@@ -8,6 +8,12 @@ the names being what `load_llm` / `transcribe` take inside `run_python`.
 A result comes back as text content (appliance.agents.tool_result, within a budget), image
 content for figures, and the files the run wrote under outputs/ as embedded resources.
 
+Resources: the same files are listed by `resources/list` and read by `resources/read`
+(`appliance://runs/<run>/outputs/<path>`), from what this MCP session's own calls received:
+a session sees only its own runs' files (and over HTTP a session is bound to one caller), so
+there is no way to name another tenant's. The server keeps the most recent files of a session
+up to RESOURCE_FILES / RESOURCE_BYTES; older ones are dropped from the list.
+
 State: each MCP session (a stdio process, or one `Mcp-Session-Id` over HTTP) gets its own
 agents.Dispatcher through the SDK's per-session lifespan. Calls with `keep_state: true` run in
 that MCP session's one appliance session, opened on first use and closed by `close_session`
@@ -22,16 +28,20 @@ import contextlib
 import json
 import logging
 import mimetypes
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 from mcp import types
 from mcp.server.lowlevel import Server
+from mcp.server.lowlevel.helper_types import ReadResourceContents
+from mcp.shared.exceptions import McpError
 from pydantic import AnyUrl
 
-from appliance import agents
+from appliance import __version__, agents
 from appliance.client import AsyncClient
 
 log = logging.getLogger("appliance.mcp")
@@ -45,14 +55,80 @@ LIST_MODELS_DESCRIPTION = (
     "memory a full offload needs. Load one inside run_python with "
     "`from appliance.tools import load_llm; llm = load_llm(NAME)` or `transcribe(audio, model=NAME)`."
 )
+SERVER_INSTRUCTIONS = (
+    "run_python runs Python in a fresh jail (keep_state: true keeps one session's variables); "
+    "files a run writes under outputs/ come back in its result and stay listed as resources."
+)
 LIST_MODELS_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+RESOURCE_FILES = 64  # the most output files one MCP session keeps readable ...
+RESOURCE_BYTES = 16 * 1024 * 1024  # ... and their most bytes in all (oldest dropped first)
+RESOURCE_NOT_FOUND = -32002  # the MCP specification's code for an unknown resource
+
+
+@dataclass(frozen=True)
+class OutputResource:
+    """One file a run of this session wrote, as sent in its tool result."""
+
+    uri: str
+    path: str
+    run: str
+    mime: str
+    data: bytes
+
+
+@dataclass
+class ResourceStore:
+    """The output files an MCP session received, newest last, within bounds."""
+
+    items: OrderedDict[str, OutputResource] = field(default_factory=OrderedDict)
+    size: int = 0
+
+    def add(self, item: OutputResource) -> None:
+        old = self.items.pop(item.uri, None)
+        if old is not None:
+            self.size -= len(old.data)
+        if len(item.data) > RESOURCE_BYTES:
+            return
+        self.items[item.uri] = item
+        self.size += len(item.data)
+        while len(self.items) > RESOURCE_FILES or self.size > RESOURCE_BYTES:
+            _, dropped = self.items.popitem(last=False)
+            self.size -= len(dropped.data)
+
+    def listed(self) -> list[types.Resource]:
+        return [
+            types.Resource(
+                uri=AnyUrl(item.uri),
+                name=item.path,
+                title=f"outputs/{item.path} of run {item.run}",
+                mimeType=item.mime,
+                size=len(item.data),
+            )
+            for item in self.items.values()
+        ]
+
+    def read(self, uri: str) -> OutputResource:
+        found = self.items.get(uri)
+        if found is None:
+            raise McpError(
+                types.ErrorData(
+                    code=RESOURCE_NOT_FOUND,
+                    message=f"no resource {uri} in this MCP session: only files written by this "
+                    f"session's own runs are readable, the latest {RESOURCE_FILES} of them",
+                )
+            )
+        return found
 
 
 @dataclass
 class McpSessionState:
-    """What one MCP session holds: its dispatcher, made on its first tool call."""
+    """What one MCP session holds: its dispatcher, made on its first tool call, and the
+    output files its runs sent."""
 
     dispatcher: agents.Dispatcher | None = None
+    resources: ResourceStore = field(default_factory=ResourceStore)
 
 
 # Names the Executor a tool call runs on, from the SDK's request context (the HTTP transport
@@ -95,20 +171,33 @@ async def list_models(executor: agents.Executor) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(type="text", text=text)], isError=False)
 
 
+def output_resources(result: agents.ToolResult) -> list[OutputResource]:
+    """The files a result carries (not those too big to send: its text lists them)."""
+    run = result.run or "unknown"
+    return [
+        OutputResource(
+            # As the SDK's AnyUrl writes it, so that a client's resources/read finds it.
+            uri=str(AnyUrl(f"appliance://runs/{quote(run, safe='')}/outputs/{quote(item.path)}")),
+            path=item.path,
+            run=run,
+            mime=mimetypes.guess_type(item.path)[0] or "application/octet-stream",
+            data=item.data,
+        )
+        for item in result.files
+        if item.data is not None
+    ]
+
+
 def to_mcp(result: agents.ToolResult) -> types.CallToolResult:
     """An agents.ToolResult as MCP content: text, images, and each sent file as a resource."""
     content: list[types.ContentBlock] = [types.TextContent(type="text", text=result.text)]
     content += [types.ImageContent(type="image", data=img.data, mimeType=img.mime) for img in result.images]
-    for item in result.files:
-        if item.data is None:
-            continue  # too big to send: the text lists it with its size
-        mime = mimetypes.guess_type(item.path)[0] or "application/octet-stream"
-        uri = f"appliance://runs/{result.run or 'unknown'}/outputs/{item.path}"
+    for item in output_resources(result):
         content.append(
             types.EmbeddedResource(
                 type="resource",
                 resource=types.BlobResourceContents(
-                    uri=AnyUrl(uri), mimeType=mime, blob=base64.b64encode(item.data).decode()
+                    uri=AnyUrl(item.uri), mimeType=item.mime, blob=base64.b64encode(item.data).decode()
                 ),
             )
         )
@@ -131,7 +220,12 @@ def build_server(executor_for: ExecutorFor, max_chars: int = agents.DEFAULT_MAX_
                     async with asyncio.timeout(CLOSE_TIMEOUT_S):
                         await state.dispatcher.close()
 
-    server: Server[Any, Any] = Server(SERVER_NAME, lifespan=lifespan)
+    server: Server[Any, Any] = Server(
+        SERVER_NAME,
+        version=__version__,
+        instructions=SERVER_INSTRUCTIONS,
+        lifespan=lifespan,
+    )
 
     @server.list_tools()  # type: ignore[no-untyped-call, untyped-decorator]
     async def list_tools() -> list[types.Tool]:
@@ -147,7 +241,21 @@ def build_server(executor_for: ExecutorFor, max_chars: int = agents.DEFAULT_MAX_
             state.dispatcher = agents.Dispatcher(executor_for(ctx), max_chars=max_chars)
         if name == LIST_MODELS_TOOL:
             return await list_models(state.dispatcher.client)
-        return to_mcp(await state.dispatcher.call(name, arguments))
+        result = await state.dispatcher.call(name, arguments)
+        for item in output_resources(result):
+            state.resources.add(item)
+        return to_mcp(result)
+
+    @server.list_resources()  # type: ignore[no-untyped-call, untyped-decorator]
+    async def list_resources() -> list[types.Resource]:
+        state: McpSessionState = server.request_context.lifespan_context
+        return state.resources.listed()
+
+    @server.read_resource()  # type: ignore[no-untyped-call, untyped-decorator]
+    async def read_resource(uri: AnyUrl) -> list[ReadResourceContents]:
+        state: McpSessionState = server.request_context.lifespan_context
+        item = state.resources.read(str(uri))
+        return [ReadResourceContents(content=item.data, mime_type=item.mime)]
 
     return server
 

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
@@ -17,7 +18,10 @@ import pytest
 from mcp import ClientSession, StdioServerParameters, types
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import McpError
+from pydantic import AnyUrl
 
+from appliance import __version__
 from appliance.cli import exec_url
 from appliance.client import AsyncClient
 from tests.models import write_tiny_llama, write_tiny_whisper
@@ -25,6 +29,13 @@ from tests.support import REPO, Server, scaled, start_server
 
 TOKEN = "mcp-test-token-0123456789abcdef"
 FIGURE = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nNone"
+# What each test session's `initialize` answered (the SDK keeps only the capabilities).
+INITIALIZED: weakref.WeakKeyDictionary[ClientSession, types.InitializeResult] = weakref.WeakKeyDictionary()
+WRITE_TWO = (
+    "import os\nos.makedirs('outputs/sub dir', exist_ok=True)\n"
+    "open('outputs/a.txt', 'w').write('alpha')\n"
+    "open('outputs/sub dir/b.bin', 'wb').write(bytes(range(256)))"
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +57,7 @@ async def over_stdio(server: Server, token: str | None = TOKEN) -> AsyncIterator
         args=["-m", "appliance", "mcp", "--url", f"ws://127.0.0.1:{server.port}"],
     )
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        await session.initialize()
+        INITIALIZED[session] = await session.initialize()
         yield session
 
 
@@ -58,7 +69,7 @@ async def over_http(server: Server, token: str = TOKEN) -> AsyncIterator[ClientS
         streamable_http_client(server.http + "/mcp", http_client=http) as (read, write, _),
         ClientSession(read, write) as session,
     ):
-        await session.initialize()
+        INITIALIZED[session] = await session.initialize()
         yield session
 
 
@@ -128,6 +139,46 @@ class TestBothTransports:
             assert str(blob.uri).endswith("/outputs/upper.txt") and blob.mimeType == "text/plain"
             assert base64.b64decode(blob.blob) == b"HELLO"
             assert "outputs/upper.txt (5 bytes)" in text_of(result)
+
+    async def test_server_info_names_the_appliance_and_its_version(
+        self, authed: Server, transport: str
+    ) -> None:
+        async with TRANSPORTS[transport](authed) as mcp:
+            info = INITIALIZED[mcp]
+        assert info.serverInfo.name == "appliance" and info.serverInfo.version == __version__, info.serverInfo
+        assert info.capabilities.resources is not None and info.capabilities.tools is not None
+
+    async def test_output_files_are_listed_and_read_as_resources(
+        self, authed: Server, transport: str
+    ) -> None:
+        async with TRANSPORTS[transport](authed) as mcp:
+            assert (await mcp.list_resources()).resources == []
+            result = await mcp.call_tool("run_python", {"code": WRITE_TWO})
+            assert not result.isError, text_of(result)
+            embedded = {
+                str(c.resource.uri): c.resource
+                for c in result.content
+                if isinstance(c, types.EmbeddedResource)
+            }
+            listed = {str(r.uri): r for r in (await mcp.list_resources()).resources}
+            assert set(listed) == set(embedded) and len(listed) == 2, (listed, embedded)
+            by_name = {r.name: r for r in listed.values()}
+            assert set(by_name) == {"a.txt", "sub dir/b.bin"}
+            assert by_name["a.txt"].mimeType == "text/plain" and by_name["a.txt"].size == 5
+            read = await mcp.read_resource(by_name["sub dir/b.bin"].uri)
+            (content,) = read.contents
+            assert isinstance(content, types.BlobResourceContents)
+            assert base64.b64decode(content.blob) == bytes(range(256))
+            text = (await mcp.read_resource(by_name["a.txt"].uri)).contents[0]
+            assert isinstance(text, types.BlobResourceContents) and base64.b64decode(text.blob) == b"alpha"
+            with pytest.raises(McpError) as unknown:
+                await mcp.read_resource(AnyUrl("appliance://runs/0123456789abcdef/outputs/a.txt"))
+            assert unknown.value.error.code == -32002 and "this MCP session" in unknown.value.error.message
+        # Another MCP session (same caller) sees none of them.
+        async with TRANSPORTS[transport](authed) as other:
+            assert (await other.list_resources()).resources == []
+            with pytest.raises(McpError):
+                await other.read_resource(by_name["a.txt"].uri)
 
     async def test_bad_arguments_are_an_error_result_naming_the_problem(
         self, authed: Server, transport: str
@@ -236,3 +287,37 @@ class TestStdioCli:
     def test_a_bare_host_and_port_means_its_exec_endpoint(self) -> None:
         assert exec_url("ws://127.0.0.1:9100") == "ws://127.0.0.1:9100/exec"
         assert exec_url("wss://h/exec") == "wss://h/exec"
+
+
+ALICE = "alice-mcp-0123456789abcdef"
+BOB = "bob-mcp-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def two_tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    base = tmp_path_factory.mktemp("mcp-tenants")
+    path = base / "tokens.toml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(
+            f'[[tenant]]\nname = "alice"\ntoken = "{ALICE}"\n\n[[tenant]]\nname = "bob"\ntoken = "{BOB}"\n'
+        )
+    srv = start_server(base, SANDBOX_AUTH_TOKENS_FILE=str(path))
+    yield srv
+    srv.stop()
+
+
+class TestResourcesAcrossTenants:
+    async def test_another_tenant_can_neither_list_nor_read_a_runs_files(self, two_tenants: Server) -> None:
+        async with over_http(two_tenants, ALICE) as alice:
+            result = await alice.call_tool("run_python", {"code": WRITE_TWO})
+            assert not result.isError, text_of(result)
+            uris = [r.uri for r in (await alice.list_resources()).resources]
+            assert len(uris) == 2
+            async with over_http(two_tenants, BOB) as bob:
+                assert (await bob.list_resources()).resources == []
+                for uri in uris:
+                    with pytest.raises(McpError) as refused:
+                        await bob.read_resource(uri)
+                    assert refused.value.error.code == -32002
+            assert (await alice.read_resource(uris[0])).contents  # still hers
