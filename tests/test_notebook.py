@@ -4,6 +4,7 @@ lines run in a real jail on a real server (checked end to end)."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -135,12 +136,21 @@ class TestInTheJail:
         assert ex.error is not None and ex.error.name == "SyntaxError"
         assert "unsupported magic %timeit" in ex.error.value and "%pip install" in ex.error.value
 
-    async def test_pip_without_a_wheelhouse_says_it_is_off(self, plain: Server) -> None:
-        ex = await run(plain, "%pip install requests\nprint(_exit_code)")
-        assert ex.status == "ok"
-        assert "pip install is off on this appliance" in ex.stderr and "SANDBOX_WHEELHOUSE" in ex.stderr
-        assert ex.stdout == "1\n"
+    async def test_pip_without_a_wheelhouse_ends_the_cell_saying_it_is_off(self, plain: Server) -> None:
+        ex = await run(plain, "%pip install requests\nprint('went on')")
+        assert ex.status == "error" and ex.stdout == "", ex.frames
+        assert ex.error is not None and ex.error.name == "PipError"
+        assert "pip install requests: pip install is off on this appliance" in ex.error.value
+        assert "SANDBOX_WHEELHOUSE" in ex.error.value
 
-    async def test_pip_subcommands_other_than_install_are_refused(self, plain: Server) -> None:
+    async def test_pip_subcommands_other_than_install_and_list_are_refused(self, plain: Server) -> None:
         ex = await run(plain, "!pip uninstall -y numpy")
-        assert "only `pip install <package> ...` is supported" in ex.stderr
+        assert ex.status == "error" and ex.error is not None and ex.error.name == "PipError"
+        assert "only `pip install <package> ...` and `pip list` are supported" in ex.error.value
+
+    async def test_pip_list_without_a_wheelhouse_lists_what_is_importable(self, plain: Server) -> None:
+        ex = await run(plain, "%pip list\nprint(_exit_code)")
+        assert ex.status == "ok", (ex.stdout, ex.stderr)
+        assert re.search(r"^pip\s+\d", ex.stdout, re.M), ex.stdout
+        assert "%pip install is off on this appliance (no wheelhouse)" in ex.stdout
+        assert ex.stdout.endswith("0\n")

@@ -7,6 +7,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import zipfile
@@ -119,17 +120,33 @@ class TestInstall:
             )
             assert later.status == "ok" and later.stdout == "dep\n1\n", (later.stdout, later.stderr)
 
-    async def test_a_package_missing_from_the_wheelhouse_gets_a_list_of_what_is_there(
+    async def test_a_package_missing_from_the_wheelhouse_ends_the_cell_with_an_error_naming_it(
         self, served: Server
     ) -> None:
-        ex = await run(served, "%pip install requests tinypkg\nprint(_exit_code)")
-        assert ex.status == "ok" and ex.stdout == "1\n"
-        assert "not in the appliance's wheelhouse: requests" in ex.stderr
-        assert "The wheelhouse has: tinydep 1.0, tinypkg 2.0" in ex.stderr
+        ex = await run(served, "%pip install requests tinypkg\nprint('went on')")
+        assert ex.status == "error" and ex.stdout == "", ex.frames
+        assert ex.error is not None and ex.error.name == "PipError"
+        assert "not in the appliance's wheelhouse: requests;" in ex.error.value
+        assert "The wheelhouse has: tinydep 1.0, tinypkg 2.0" in ex.error.value
+        async with AsyncClient(served.url) as c, c.session() as session:
+            await session.execute("%pip install nosuchpkg")
+            after = await session.execute("print(_exit_code)")
+        assert after.status == "ok" and after.stdout == "1\n"
 
     async def test_options_that_could_reach_elsewhere_are_refused(self, served: Server) -> None:
         ex = await run(served, "!pip install --index-url http://example.com/simple tinypkg")
-        assert "unsupported option(s) --index-url" in ex.stderr
+        assert ex.status == "error" and ex.error is not None
+        assert "unsupported option(s) --index-url" in ex.error.value
+
+    async def test_pip_list_shows_the_runs_installs_and_what_the_wheelhouse_offers(
+        self, served: Server
+    ) -> None:
+        ex = await run(served, "%pip list\n%pip install --no-deps tinydep\n%pip list")
+        assert ex.status == "ok", (ex.stdout, ex.stderr)
+        before, after = ex.stdout.split("Successfully installed", 1)
+        assert "tinydep" not in before.split("%pip install can add")[0]
+        assert re.search(r"^tinydep\s+1\.0$", after, re.M), after
+        assert "%pip install can add, from the appliance's wheelhouse: tinydep 1.0, tinypkg 2.0" in after
 
 
 class TestNeverWritableByAJail:
@@ -293,8 +310,8 @@ class TestVersionRanges:
     async def test_a_range_the_cache_cannot_meet_goes_to_pip_which_refuses_it(self, ranges: Server) -> None:
         # The cache used to install rangedep 1.0 for `rangedep>=2`; pip, from the wheelhouse,
         # finds no version that fits, as it would on any machine.
-        ex = await run(ranges, "%pip install wantsnew\nprint(_exit_code)", timeout_ms=60000)
-        assert ex.status == "ok", (ex.stdout, ex.stderr)
-        assert "(from the appliance's wheel cache)" not in ex.stdout
-        assert ex.stdout.splitlines()[-1] == "1"
+        ex = await run(ranges, "%pip install wantsnew\nprint('went on')", timeout_ms=60000)
+        assert ex.status == "error" and ex.error is not None, (ex.stdout, ex.stderr)
+        assert ex.error.name == "PipError" and "pip install wantsnew failed (exit status 1)" in ex.error.value
+        assert "(from the appliance's wheel cache)" not in ex.stdout and "went on" not in ex.stdout
         assert "rangedep>=2" in ex.stderr, ex.stderr

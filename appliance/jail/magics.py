@@ -7,6 +7,12 @@ in order with the cell's prints. A non-zero exit status is written to stderr and
 `_exit_code`, as IPython does; the cell goes on. An interrupt or timeout kills the command's
 whole process group.
 
+A `%pip` (or `!pip`) line that does not install what it names ends the cell with a PipError
+naming the packages and why (not in the wheelhouse, an option refused, pip's own failure), so
+the run ends `error` and the agent cannot mistake it for success; `_exit_code` is set first.
+`pip list` lists what this interpreter can import (the run's own installs included) and what
+the wheelhouse offers.
+
 `pip install` works only with an operator's wheelhouse (APPLIANCE_WHEELHOUSE, mounted
 read-only): names it lacks are refused with a list of what it has, before pip starts. A
 request the server's wheel cache (APPLIANCE_WHEEL_CACHE: wheels it unpacked once, read-only
@@ -29,13 +35,17 @@ import signal
 import subprocess
 import sys
 from collections.abc import Mapping
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 SITE_DIR = ".appliance/site-packages"  # under the cwd (/workspace): the run's own site directory
 PIP_FLAGS = ("-q", "--quiet", "-U", "--upgrade", "--no-deps", "--force-reinstall", "--pre")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*")
 _WHEEL_SUFFIXES = (".whl", ".tar.gz", ".zip")
 READ_CHUNK = 65536
+
+
+class PipError(Exception):
+    """A `%pip` line that failed: the cell ends here, with this as its error."""
 
 
 def normalize(name: str) -> str:
@@ -144,30 +154,58 @@ class Magics:
 
     # -- pip -----------------------------------------------------------------------------
     def pip(self, args: str) -> None:
-        """`pip install ...` from the operator's wheelhouse only."""
-        code = self._pip(args)
-        self._set_status(code, "pip")
-
-    def _pip(self, args: str) -> int:
-        words = shlex.split(args)
+        """`pip install ...` from the operator's wheelhouse only, or `pip list`; a failure
+        raises PipError, ending the cell."""
+        try:
+            words = shlex.split(args)
+        except ValueError as exc:
+            self._fail(2, f"pip {args}: {exc}")
+        if words[:1] == ["list"]:
+            self._list(words[1:])
+            return
         if words[:1] != ["install"]:
-            sys.stderr.write(f"pip: only `pip install <package> ...` is supported here (got `pip {args}`)\n")
-            return 2
-        flags = [w for w in words[1:] if w.startswith("-")]
-        reqs = [w for w in words[1:] if not w.startswith("-")]
+            self._fail(
+                2,
+                f"pip: only `pip install <package> ...` and `pip list` are supported here (got `pip {args}`)",
+            )
+        self._install(words[1:])
+
+    def _fail(self, code: int, message: str) -> NoReturn:
+        self.namespace["_exit_code"] = code
+        raise PipError(message)
+
+    def _list(self, words: list[str]) -> None:
+        if words:
+            self._fail(2, f"pip list: no options are supported here (got {' '.join(words)})")
+        argv = [sys.executable, "-m", "pip", "list", "--disable-pip-version-check", "--no-index"]
+        code = self._run(argv)  # this interpreter's sys.path, with the run's installs (PYTHONPATH)
+        self._set_status(code, "pip")
+        if code:
+            self._fail(code, f"pip list failed (exit status {code}): see stderr")
+        if self.wheelhouse is not None:
+            offered = wheelhouse_contents(self.wheelhouse)
+            listing = ", ".join(f"{name} {' '.join(versions)}" for name, versions in sorted(offered.items()))
+            sys.stdout.write(
+                f"\n%pip install can add, from the appliance's wheelhouse: {listing or 'nothing'}\n"
+            )
+        else:
+            sys.stdout.write("\n%pip install is off on this appliance (no wheelhouse)\n")
+
+    def _install(self, words: list[str]) -> None:
+        flags = [w for w in words if w.startswith("-")]
+        reqs = [w for w in words if not w.startswith("-")]
         bad = [f for f in flags if f not in PIP_FLAGS]
         if bad:
-            sys.stderr.write(f"pip: unsupported option(s) {' '.join(bad)}; allowed: {' '.join(PIP_FLAGS)}\n")
-            return 2
+            self._fail(2, f"pip: unsupported option(s) {' '.join(bad)}; allowed: {' '.join(PIP_FLAGS)}")
         if not reqs:
-            sys.stderr.write("pip: name the package(s) to install, e.g. `%pip install requests`\n")
-            return 2
+            self._fail(2, "pip: name the package(s) to install, e.g. `%pip install requests`")
         if self.wheelhouse is None:
-            sys.stderr.write(
-                "pip install is off on this appliance: runs have no network, and no wheelhouse "
-                "is configured (the operator sets SANDBOX_WHEELHOUSE to a directory of wheels)\n"
+            self._fail(
+                1,
+                f"pip install {' '.join(reqs)}: pip install is off on this appliance: runs have no "
+                "network, and no wheelhouse is configured (the operator sets SANDBOX_WHEELHOUSE "
+                "to a directory of wheels)",
             )
-            return 1
         available = wheelhouse_contents(self.wheelhouse)
         names = [split_requirement(r)[0] for r in reqs]
         missing = [r for r, name in zip(reqs, names, strict=True) if not name or name not in available]
@@ -175,13 +213,14 @@ class Magics:
             listing = ", ".join(
                 f"{name} {' '.join(versions)}" for name, versions in sorted(available.items())
             )
-            sys.stderr.write(
-                f"pip: not in the appliance's wheelhouse: {', '.join(missing)}. "
-                f"The wheelhouse has: {listing or 'nothing'}\n"
+            self._fail(
+                1,
+                f"not in the appliance's wheelhouse: {', '.join(missing)}; nothing was installed. "
+                f"The wheelhouse has: {listing or 'nothing'}",
             )
-            return 1
         if not flags and self._from_cache(reqs):
-            return 0
+            self._set_status(0, "pip")
+            return
         argv = [
             sys.executable,
             "-I",
@@ -203,9 +242,12 @@ class Magics:
             *reqs,
         ]
         code = self._run(argv)
-        if code == 0:
-            self._add_path(self.site)
-        return code
+        self._set_status(code, "pip")
+        if code:
+            self._fail(
+                code, f"pip install {' '.join(reqs)} failed (exit status {code}): pip's reasons are on stderr"
+            )
+        self._add_path(self.site)
 
     def _from_cache(self, reqs: list[str]) -> bool:
         """Satisfy reqs from the server's unpacked-wheel cache when it covers them and all
