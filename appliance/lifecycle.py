@@ -102,7 +102,8 @@ class Lifecycle:
         if s.gpu and self.gpu is None:
             from appliance.gpu.lease import GpuLeases  # GPU mode only: NVML is never loaded otherwise
 
-            self.gpu = GpuLeases.open(s)  # no driver / no GPU: StartupError, startup stops
+            # No driver, no GPU, or a host where budgets cannot be enforced: StartupError (strict).
+            self.gpu = GpuLeases.open(s, cgroup_memory=self.cgroups is not None)
             if self.cgroups is not None:  # the watchdog's host-memory reading: the run's group
                 self.gpu.watchdog.memory = CgroupMemory(self.cgroups)
         if s.gpu:
@@ -314,6 +315,8 @@ class Lifecycle:
             for wait in waits:
                 m.gpu_reclaim_seconds.observe(wait)
             m.gpu_reclaim_timeouts.set(sum(b.reclaim_timeouts for b in ledger.books.values()))
+            for reason in self.gpu.degradation():
+                m.gpu_degraded.labels(reason=reason).set(1)
             mps = self.gpu.mps
             for uuid in self.gpu.devices:
                 device = mps.devices.get(uuid) if mps is not None else None

@@ -100,6 +100,14 @@ class Metrics:
             ["device", "reason"],
             registry=r,
         )
+        # GPU mode under SANDBOX_GPU_ENFORCE=best-effort: what the watchdog cannot enforce here.
+        self.gpu_degraded = Gauge(
+            "appliance_gpu_degraded",
+            "1 for each reason GPU budgets are enforced only in part on this host (SANDBOX_GPU_ENFORCE="
+            "best-effort): per_process_memory, proc_children, smaps_rollup, nvidia_uvm, device_minor",
+            ["reason"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

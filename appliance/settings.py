@@ -23,6 +23,9 @@ GPU_PRELOAD = ("llama_cpp", "pywhispercpp.model", "appliance.tools")
 GPU_BACKENDS = ("nvml", "simulated")
 GPU_MPS_MODES = ("auto", "require", "off")
 GPU_SIMULATE_MPS = ("off", "on", "ignore-limits")
+# What GPU mode does where the host cannot give the watchdog what it needs (appliance.gpu.hostcheck):
+# strict refuses (startup error, or a run stopped); best-effort runs on, degraded, said in /readyz and /metrics.
+GPU_ENFORCE = ("strict", "best-effort")
 CGROUP_MODES = ("auto", "require", "off")
 MPS_PIPE_DIR = Path("/tmp/nvidia-mps")  # noqa: S108 (CUDA's own default CUDA_MPS_PIPE_DIRECTORY)
 
@@ -88,6 +91,7 @@ class Settings:
     gpu_mps_pipe_dir: Path = MPS_PIPE_DIR  # the MPS daemon's CUDA_MPS_PIPE_DIRECTORY
     gpu_libcuda: str = "libcuda.so.1"  # the CUDA driver library jails load (SANDBOX_GPU_LIBCUDA)
     gpu_simulate_mps: str = "off"  # simulated backend: an MPS daemon (on, ignore-limits)
+    gpu_enforce: str = "strict"  # strict (fail closed) or best-effort (SANDBOX_GPU_ENFORCE)
     cgroups: str = "auto"  # per-run cgroups: auto (where writable), require, off
     cpus: float = 1.0  # CPU quota per run, in CPUs (SANDBOX_CPUS)
 
@@ -386,6 +390,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         gpu_mps_pipe_dir=_dir(env, "SANDBOX_GPU_MPS_PIPE_DIR", None) or MPS_PIPE_DIR,
         gpu_libcuda=_libcuda(env, "SANDBOX_GPU_LIBCUDA") or D.gpu_libcuda,
         gpu_simulate_mps=_choice(env, "SANDBOX_GPU_SIMULATE_MPS", GPU_SIMULATE_MPS),
+        gpu_enforce=_choice(env, "SANDBOX_GPU_ENFORCE", GPU_ENFORCE),
         cgroups=_choice(env, "SANDBOX_CGROUPS", CGROUP_MODES),
         cpus=_cpus(env, "SANDBOX_CPUS", D.cpus),
     )

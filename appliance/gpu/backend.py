@@ -37,17 +37,24 @@ class Device:
 
 @dataclass(frozen=True)
 class ProcessUsage:
-    """GPU memory one host process holds on one device (MiB)."""
+    """GPU memory one host process holds on one device (MiB).
+
+    used_mb is None where NVML cannot tell (usedGpuMemory NVML_VALUE_NOT_AVAILABLE: MPS clients,
+    some drivers and virtualised GPUs). Never read it as 0: the process's memory is unknown.
+    """
 
     pid: int
     uuid: str
-    used_mb: int
+    used_mb: int | None
 
 
 class GpuBackend(abc.ABC):
     """What the ledger, the watchdog and /readyz need to know about the GPUs."""
 
     name: str = "abstract"
+    # Whether the devices are real, with /dev/nvidia* nodes the host must have (NVML), or exist
+    # only in memory (the simulated backend): the startup checks of device nodes apply to the first.
+    real_devices: bool = False
 
     @abc.abstractmethod
     def devices(self) -> list[Device]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import GpuMemoryLimit, RequestRejected, StartupError
+from appliance.gpu import hostcheck
 from appliance.gpu.backend import (
     COMPUTE_DEFAULT,
     COMPUTE_EXCLUSIVE_PROCESS,
@@ -31,6 +32,7 @@ from appliance.gpu.backend import (
     Device,
     GpuBackend,
     GpuBackendError,
+    ProcessUsage,
 )
 from appliance.gpu.ledger import GpuLedger, Grant
 from appliance.gpu.mps import DaemonControl, MpsControl, control_socket_present
@@ -155,9 +157,10 @@ def compute_mode_problem(
 class GpuLeases(LeaseSource):
     """Everything GPU mode adds to a run."""
 
-    def __init__(self, settings: Settings, backend: GpuBackend) -> None:
+    def __init__(self, settings: Settings, backend: GpuBackend, cgroup_memory: bool = False) -> None:
         self.settings = settings
         self.backend = backend
+        raw = backend  # the simulated MPS daemon needs the simulated backend itself
         try:
             devices = backend.devices()
             processes = backend.processes()
@@ -168,6 +171,28 @@ class GpuLeases(LeaseSource):
         problem = mig_problem(devices)
         if problem:
             raise StartupError(problem)
+        # What the watchdog needs from the host (fail closed): strict stops here, best-effort
+        # runs on with each gap in /readyz and /metrics, and GPUs no jail could use left out.
+        facts = hostcheck.read_facts(devices, processes, cgroup_memory, backend.real_devices)
+        found = hostcheck.gaps(facts)
+        if found and settings.gpu_enforce == "strict":
+            raise StartupError(hostcheck.startup_error(found))
+        self.degraded: dict[str, str] = {}
+        for gap in found:
+            self.degraded[gap.reason] = "; ".join(filter(None, (self.degraded.get(gap.reason), gap.text)))
+            log.warning(
+                "GPU mode degraded (SANDBOX_GPU_ENFORCE=best-effort)",
+                extra={"reason": gap.reason, "gap": gap.text},
+            )
+        unusable = {uuid for gap in found for uuid in gap.devices}
+        if unusable:
+            devices = [d for d in devices if d.uuid not in unusable]
+            if not devices:
+                raise StartupError(
+                    "SANDBOX_GPU=1 but no GPU can be given to a jail: "
+                    + "; ".join(g.text for g in found if g.devices)
+                )
+            self.backend = backend = Without(backend, frozenset(unusable))
         self.ledger = GpuLedger(
             devices, settings.gpu_margin_mb, settings.gpu_queue_ms, settings.gpu_reclaim_ms
         )
@@ -179,12 +204,13 @@ class GpuLeases(LeaseSource):
             margin_mb=settings.gpu_margin_mb,
             host_memory_mb=settings.memory_mb,
             interval_s=settings.gpu_poll_ms / 1000,
+            strict=settings.gpu_enforce == "strict",
         )
         self.profiles = tuple(Profile(name, mods) for name, mods in settings.preload_profiles)
         self.pools: dict[str, ProfilePools] = {}  # device UUID -> its pools, one per profile
         self.factories: dict[str, JailFactory] = {}  # device UUID -> the fullest profile's (MPS probe)
         self.cpu: PoolLeases | None = None  # runs that ask for no GPU
-        control, self.mps_note = open_mps(settings, backend)
+        control, self.mps_note = open_mps(settings, raw)
         if control is None and settings.gpu_mps == "require":
             raise StartupError(f"SANDBOX_GPU_MPS=require but MPS cannot be used: {self.mps_note}")
         self.mps = (
@@ -223,10 +249,10 @@ class GpuLeases(LeaseSource):
             raise StartupError("SANDBOX_GPU=1 but " + "; ".join(found))
 
     @classmethod
-    def open(cls, settings: Settings) -> GpuLeases:
+    def open(cls, settings: Settings, cgroup_memory: bool = False) -> GpuLeases:
         backend = open_backend(settings)
         try:
-            return cls(settings, backend)
+            return cls(settings, backend, cgroup_memory)
         except BaseException:
             backend.close()
             raise
@@ -298,6 +324,10 @@ class GpuLeases(LeaseSource):
         # and the ledger counts it like a run until the session ends (SessionRegistry.close).
         if self.watchdog.paused:
             raise RequestRejected(f"GPU runs are paused: the GPU backend fails ({self.watchdog.last_error})")
+        if self.watchdog.unavailable is not None and self.watchdog.strict:
+            raise RequestRejected(
+                f"GPU runs are refused: {self.watchdog.unavailable}; {hostcheck.BEST_EFFORT}"
+            )
         profile = choose(self.profiles, imports_of(req.code))
         grant = await self.ledger.acquire(mb)
         async with Held(GpuLease(self, grant, profile)) as lease:  # ended unless a session keeps it
@@ -343,6 +373,8 @@ class GpuLeases(LeaseSource):
             mps = self.backend.mps_active()
         return {
             "backend": self.backend.name,
+            "enforce": self.settings.gpu_enforce,
+            "degraded": self.degradation(),
             "devices": self.ledger.snapshot(),
             "queued": self.ledger.waiting,
             "watchdog": {
@@ -358,10 +390,44 @@ class GpuLeases(LeaseSource):
             "shaping": {"available": False},
         }
 
+    def degradation(self) -> dict[str, str]:
+        """Each reason budgets are enforced only in part now (best-effort; strict refuses instead)."""
+        found = dict(self.degraded)
+        if self.watchdog.unavailable is not None:
+            found[hostcheck.PER_PROCESS] = self.watchdog.unavailable
+        return found
+
     def problems(self) -> list[str]:
         """What makes GPU mode not ready now (for /readyz)."""
         found = [] if self.watchdog.healthy else [f"GPU watchdog cannot measure: {self.watchdog.last_error}"]
+        if self.watchdog.unavailable is not None and self.watchdog.strict:
+            found.append(f"GPU runs are refused: {self.watchdog.unavailable}; {hostcheck.BEST_EFFORT}")
         return found + (self.mps.problems() if self.mps is not None else [])
+
+
+class Without(GpuBackend):
+    """A backend with some GPUs left out (best-effort: GPUs no jail could be given)."""
+
+    def __init__(self, inner: GpuBackend, left_out: frozenset[str]) -> None:
+        self.inner = inner
+        self.left_out = left_out
+        self.name = inner.name
+        self.real_devices = inner.real_devices
+
+    def devices(self) -> list[Device]:
+        return [d for d in self.inner.devices() if d.uuid not in self.left_out]
+
+    def processes(self) -> list[ProcessUsage]:
+        return [p for p in self.inner.processes() if p.uuid not in self.left_out]
+
+    def mps_active(self) -> bool:
+        return self.inner.mps_active()
+
+    def compute_mode(self, uuid: str) -> str:
+        return self.inner.compute_mode(uuid)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class GpuLease(Lease):

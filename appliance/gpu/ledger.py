@@ -124,7 +124,7 @@ class GpuLedger:
         if taken_at is not None:
             self._reclaim(processes, taken_at)
         for proc in processes:
-            if proc.pid in ours_set:
+            if proc.pid in ours_set and proc.used_mb is not None:  # unknown: stays foreign (kept off)
                 ours_used[proc.uuid] = ours_used.get(proc.uuid, 0) + proc.used_mb
         seen = set()
         for dev in devices:

@@ -37,6 +37,7 @@ class NvmlBackend(GpuBackend):
     """GPUs as NVML reports them. Creating it initialises NVML or raises GpuBackendError."""
 
     name = "nvml"
+    real_devices = True
 
     def __init__(self) -> None:
         try:
@@ -82,7 +83,7 @@ class NvmlBackend(GpuBackend):
         nv = self._nvml
         with self._lock:
             try:
-                out: dict[tuple[int, str], int] = {}
+                out: dict[tuple[int, str], int | None] = {}
                 for i in range(nv.nvmlDeviceGetCount()):
                     handle = nv.nvmlDeviceGetHandleByIndex(i)
                     uuid = _text(nv.nvmlDeviceGetUUID(handle))
@@ -94,11 +95,16 @@ class NvmlBackend(GpuBackend):
                             procs += list(getter(handle))
                     for proc in procs:
                         used = proc.usedGpuMemory
-                        # None: NVML cannot tell (e.g. some virtualised setups); count it as 0
-                        # here and let the device total (reconciliation) carry the memory.
-                        mb = int(used // MIB) if isinstance(used, int) else 0
+                        # None: NVML cannot tell (pynvml's reading of NVML_VALUE_NOT_AVAILABLE: MPS
+                        # clients, some drivers, virtualised GPUs). It stays None, never 0: the
+                        # watchdog refuses to call an unknown reading "within budget".
+                        mb = int(used // MIB) if isinstance(used, int) else None
                         key = (int(proc.pid), uuid)
-                        out[key] = max(out.get(key, 0), mb)
+                        if key not in out:
+                            out[key] = mb
+                        else:  # listed twice (compute and MPS): unknown if either is
+                            seen = out[key]
+                            out[key] = None if mb is None or seen is None else max(seen, mb)
                 return [ProcessUsage(pid=pid, uuid=uuid, used_mb=mb) for (pid, uuid), mb in out.items()]
             except nv.NVMLError as exc:
                 raise GpuBackendError(f"NVML failed listing processes: {exc}") from exc

@@ -19,7 +19,9 @@ two places, both optional:
   outside the backend's error type, as pynvml does for some failures
   (`NVMLLibraryMismatchError` derives from `Exception`, not from `NVMLError`).
 
-`"report_tids": true` reports each live process's usage under the ID of its newest
+`"usage_unavailable": true` reports every process's usage as unknown (None), as NVML does
+where usedGpuMemory is NVML_VALUE_NOT_AVAILABLE (MPS, some drivers, virtualised GPUs); the
+devices' used memory still counts it. `"report_tids": true` reports each live process's usage under the ID of its newest
 thread other than the main one (where it has one), as NVML does when a worker thread
 created the CUDA context. `"mig": [0]` puts those device indexes in MIG mode (read when devices are listed).
 Every device is in DEFAULT compute mode, as a GPU is out of the box, unless
@@ -108,9 +110,14 @@ class SimulatedBackend(GpuBackend):
     def processes(self) -> list[ProcessUsage]:
         usage, _ = self._state()
         with self._lock:
-            tids = bool(self._read_control().get("report_tids"))
+            control = self._read_control()
+        tids, unknown = bool(control.get("report_tids")), bool(control.get("usage_unavailable"))
         return [
-            ProcessUsage(pid=_context_thread(pid) if tids else pid, uuid=f"GPU-SIM-{dev}", used_mb=mb)
+            ProcessUsage(
+                pid=_context_thread(pid) if tids else pid,
+                uuid=f"GPU-SIM-{dev}",
+                used_mb=None if unknown else mb,
+            )
             for pid, (dev, mb) in sorted(usage.items())
             if 0 <= dev < len(self._totals)
         ]

@@ -9,6 +9,10 @@ backend once, sums each run's usage, and reports:
 - runs whose owned host memory (anonymous + shmem, `appliance.jail.memory`; not mmapped
   model files or CUDA libraries) exceeds SANDBOX_MEMORY_MB (GPU jails have no RLIMIT_AS,
   so this is their host memory cap -> `memory_limit`);
+- runs whose GPU memory NVML cannot tell (usedGpuMemory unavailable for one of their
+  processes): with `strict` (SANDBOX_GPU_ENFORCE=strict) each is stopped (`internal`) and
+  GPU runs are refused from then on (the host cannot report what the budget needs); with
+  best-effort the gap is only recorded (`unavailable`, shown in /readyz and /metrics);
 - a backend fault: after `fault_grace` consecutive failures every watched run is
   stopped (`internal`), since its budget can no longer be enforced (fail closed).
   Any other exception in a poll (a plain `Exception` from pynvml, a bug here) fails
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 
 from appliance.errors import GpuMemoryLimit, MemoryLimit, RunLimit
 from appliance.gpu.backend import Device, GpuBackend, GpuBackendError, ProcessUsage
+from appliance.gpu.hostcheck import unavailable_text
 from appliance.gpu.ledger import GpuLedger, Grant
 from appliance.jail import proctree
 from appliance.jail.memory import ProcMemory, RunMemory
@@ -72,6 +77,9 @@ class PollResult:
     pids: dict[str, set[int]] = field(default_factory=dict)  # run key -> its host PIDs and TIDs
     gpu_mb: dict[str, int] = field(default_factory=dict)  # run key -> GPU MiB in use
     host_mb: dict[str, int] = field(default_factory=dict)  # run key -> resident MiB
+    unknown: dict[str, list[int]] = field(
+        default_factory=dict
+    )  # run key -> its IDs NVML lists without memory
 
 
 class GpuWatchdog:
@@ -87,6 +95,7 @@ class GpuWatchdog:
         interval_s: float,
         fault_grace: int = 3,
         memory: RunMemory | None = None,
+        strict: bool = True,
     ) -> None:
         self.backend = backend
         self.ledger = ledger
@@ -95,6 +104,9 @@ class GpuWatchdog:
         self.interval_s = interval_s
         self.fault_grace = fault_grace
         self.memory = memory if memory is not None else ProcMemory()  # a cgroup reading fits here too
+        self.strict = strict
+        # Set once a run's process is listed without its memory: a fact about this host's NVML.
+        self.unavailable: str | None = None
         self.runs: dict[str, WatchedRun] = {}
         self.faults = 0
         self.last_error: str | None = None
@@ -179,6 +191,16 @@ class GpuWatchdog:
             if key in self.runs:
                 self.runs[key].ids |= ids
         self.ledger.load(result.devices, result.processes, ours, result.taken_at)
+        for key, unknown_ids in result.unknown.items():
+            run = self.runs.get(key)
+            if run is None or run.stopped:
+                continue
+            text = unavailable_text(f"the run's process {', '.join(map(str, unknown_ids))}")
+            if self.unavailable is None:
+                log.error("GPU memory of a run cannot be measured", extra={"run": key, "error": text})
+            self.unavailable = text
+            if self.strict:  # an unknown reading is never "within budget"
+                self._stop(run, GpuMonitorFailed(f"{text}; the run was stopped (SANDBOX_GPU_ENFORCE=strict)"))
         for key, used in result.gpu_mb.items():
             run = self.runs.get(key)
             if run is None or run.stopped:
@@ -213,13 +235,19 @@ class GpuWatchdog:
         processes = self.backend.processes()
         result = PollResult(devices, processes, taken_at)
         by_pid: dict[int, int] = {}
+        unknown: set[int] = set()
         for proc in processes:
-            by_pid[proc.pid] = by_pid.get(proc.pid, 0) + proc.used_mb
+            if proc.used_mb is None:
+                unknown.add(proc.pid)
+            else:
+                by_pid[proc.pid] = by_pid.get(proc.pid, 0) + proc.used_mb
         for key, root in roots.items():
             pids = descendants(root)
             ids = proctree.task_ids(pids)  # NVML may name a thread (the context's creator), not its process
             result.pids[key] = ids
             result.gpu_mb[key] = sum(by_pid.get(i, 0) for i in ids)
+            if ids & unknown:
+                result.unknown[key] = sorted(ids & unknown)
             if self.host_memory_mb is not None:
                 result.host_mb[key] = self.memory.owned_mb(root, pids)
         return result
