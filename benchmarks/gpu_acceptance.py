@@ -28,7 +28,8 @@ nothing is INFO (no verdict). The checks, in order:
   reclaim         a large run queued behind a killed one never hits CUDA out-of-memory
   contention      N = 1, 4, 16 of benchmarks/gpu_contention.py's mix without its overrunner:
                   no run within its grant ends out of memory or stopped
-  contention.overrun_race   INFO: the mix with its overrunner at N = 16, neighbours that ran
+  contention.overrun_race   the mix with its overrunners at N = 16: FAIL unless each is stopped;
+                  INFO (a measurement): neighbours that ran
                   out of memory before the poll stopped it (polling cannot prevent that)
   llama_offload   llama.cpp offloads to the GPU (only where a CUDA build, --wheels DIR, and a
                   model, --gguf, are at hand)
@@ -68,6 +69,9 @@ INFO = "INFO"
 # counts it on an H100/H200 (more with the CUDA runtime's libraries loaded); on the GPU the
 # kit measures it first (the `context` check) and sizes every allocation by it.
 SIM_CONTEXT_MB = 400
+# ... give or take: each simulated context costs up to this much more (less than SLACK_MB, which
+# allocations sized by the measured context leave free).
+SIM_CONTEXT_JITTER_MB = 64
 MIN_DRIVER = 550
 MIB = 1 << 20
 SMI_FIELDS = ("index", "uuid", "name", "memory.total", "driver_version", "mig.mode.current", "compute_mode")
@@ -146,6 +150,16 @@ with open(path, 'rb') as fh:
     print(json.dumps({k: int(v.split()[0]) // 1024 for k, v in status.items()} | {'touched': total}))
 """
 HOST_MEMORY_FILE = "kit-host-memory.bin"
+# The cap's other side: a GPU run that owns (anonymous, written) more than SANDBOX_MEMORY_MB must
+# be stopped, by the kernel (its memory cgroup) or by the watchdog's reading.
+HOST_MEMORY_OWNED = """
+ctx(); alloc(GPU_MB)
+blob = bytearray(OWN_MB << 20)
+blob[::4096] = b'\\1' * len(range(0, len(blob), 4096))  # every page written: owned, resident
+print('owned', flush=True)
+time.sleep(HOLD_S)
+print('still running', flush=True)
+"""
 
 
 def filesystem_of(path: Path) -> str:
@@ -209,7 +223,13 @@ class SimulatedGpuMemory:
     ID NVML gave it (the thread that connected, where not the main one). And like a real one,
     a context costs memory of its own before anything is allocated: context_mb, counted in the
     process's usage as NVML counts it (hundreds of MiB on an H100/H200), so a run that
-    allocates its whole budget is over it, and a context on a full device is out of memory."""
+    allocates its whole budget is over it, and a context on a full device is out of memory.
+
+    Not exact either, as a real one is not: each context costs context_mb plus up to
+    context_jitter_mb more (what a context costs varies with the libraries a process loads),
+    each free comes free_delay_s to free_delay_s * (1 + free_jitter) after the process is gone, and with
+    usage_unavailable NVML lists every process without its memory (usedGpuMemory unavailable,
+    as under MPS or on some virtualised GPUs), though the device's used memory still counts it."""
 
     def __init__(
         self,
@@ -218,13 +238,21 @@ class SimulatedGpuMemory:
         total_mb: int,
         free_delay_s: float = 1.5,
         context_mb: int = SIM_CONTEXT_MB,
+        context_jitter_mb: int = 0,
+        free_jitter: float = 0.0,
+        usage_unavailable: bool = False,
     ) -> None:
+        import random
         import socket
         import threading
 
         self.control, self.total = control, total_mb << 20
         self.free_delay_s = free_delay_s
         self.context = context_mb << 20
+        self.context_jitter = context_jitter_mb << 20
+        self.free_jitter = free_jitter
+        self.usage_unavailable = usage_unavailable
+        self.random = random.Random()  # noqa: S311 (simulated variation, not a secret)
         self.used: dict[int, int] = {}  # pid -> bytes (live, and freeing)
         self.modes: dict[str, str] = {}  # index -> compute mode (DEFAULT unless set)
         self.contexts: set[int] = set()  # host PIDs holding a live context
@@ -248,7 +276,10 @@ class SimulatedGpuMemory:
                 return
             procs = [{"pid": pid, "gpu": 0, "used_mb": -(-b // MIB)} for pid, b in self.used.items() if b]
             tmp = self.control.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"processes": procs, "compute_mode": dict(self.modes)}))
+            state: dict[str, Any] = {"processes": procs, "compute_mode": dict(self.modes)}
+            if self.usage_unavailable:
+                state["usage_unavailable"] = True
+            tmp.write_text(json.dumps(state))
             tmp.replace(self.control)
 
     def accept(self) -> None:
@@ -292,10 +323,11 @@ class SimulatedGpuMemory:
                             )
                             # The context's own memory: the stand-in turns "oom" into CUDA error 2.
                             full = not busy and sum(self.used.values()) + self.context > self.total
+                            cost = self.context + self.random.randint(0, self.context_jitter)
                             if not busy and not full:
                                 self.contexts.add(peer)
-                                mine += self.context
-                                self.used[pid] = self.used.get(pid, 0) + self.context
+                                mine += cost
+                                self.used[pid] = self.used.get(pid, 0) + cost
                         self.write()
                         stream.write("busy\n" if busy else "oom\n" if full else "ok none\n")
                     elif verb == "alloc" and arg.isdigit():
@@ -324,7 +356,9 @@ class SimulatedGpuMemory:
                         self.used.pop(pid, None)
                 self.write()
 
-            timer = threading.Timer(self.free_delay_s, free)
+            # Later, never sooner: free_delay_s is the least a test may count on.
+            delay = self.free_delay_s * (1 + self.random.uniform(0, self.free_jitter))
+            timer = threading.Timer(max(0.0, delay), free)
             timer.daemon = True
             timer.start()
 
@@ -648,6 +682,9 @@ class Kit:
                 self.args.sim_mb,
                 free_delay_s=self.args.sim_free_delay_s,
                 context_mb=self.args.sim_context_mb,
+                context_jitter_mb=self.args.sim_context_jitter_mb,
+                free_jitter=self.args.sim_free_jitter,
+                usage_unavailable=self.args.sim_usage_unavailable,
             )
         self.server = await asyncio.to_thread(self.start)
         return Check("", PASS, f"appliance ready on {self.server.http}")
@@ -681,8 +718,11 @@ class Kit:
     async def check_context(self) -> Check:
         """What NVML shows for a jailed run holding a CUDA context and 64 MiB: the context's cost.
 
-        Sampled from the host while the run holds them: the run's new process IDs (the
-        watchdog's reading) and the device's used memory (what admission reads), the larger."""
+        Sampled from the host while the run holds them: the run's new process IDs, as the
+        watchdog reads them; that reading is the measure. The device's used memory (what
+        admission reads) is recorded beside it, never in its place: where NVML lists the run's
+        processes without their memory, or not at all, the watchdog cannot measure the run,
+        and the check FAILs, whatever the device's total says."""
         probe_mb, budget = 64, 4096
         backend = await asyncio.to_thread(self.backend)
         try:
@@ -692,12 +732,17 @@ class Kit:
             run = asyncio.create_task(self.execute(code, budget))
             per_process: dict[str, int] = {}
             device: dict[str, int] = {}
+            unknown: set[int] = set()  # new processes NVML lists without their memory
             while not run.done():
                 procs = await asyncio.to_thread(backend.processes)
                 devs = await asyncio.to_thread(backend.devices)
                 new: dict[str, int] = {}
                 for proc in procs:
-                    if proc.pid not in before_ids:
+                    if proc.pid in before_ids:
+                        continue
+                    if proc.used_mb is None:
+                        unknown.add(proc.pid)
+                    else:
                         new[proc.uuid] = new.get(proc.uuid, 0) + proc.used_mb
                 for uuid, mb in new.items():
                     per_process[uuid] = max(per_process.get(uuid, 0), mb)
@@ -709,12 +754,13 @@ class Kit:
         finally:
             await asyncio.to_thread(backend.close)
         grant = ((ex.frames[0] if ex.frames else {}).get("gpu") or {}).get("uuid")
-        seen = max(per_process.get(grant, 0), device.get(grant, 0)) if grant else 0
+        seen = per_process.get(grant, 0) if grant else 0
         measured = seen - probe_mb
         data: dict[str, Any] = {
             "grant": grant,
             "per_process_mb": per_process.get(grant) if grant else None,
             "device_delta_mb": device.get(grant) if grant else None,
+            "unavailable_pids": sorted(unknown),
             "allocated_mb": probe_mb,
             "slack_mb": self.slack_mb,
         }
@@ -724,11 +770,17 @@ class Kit:
                 FAIL,
                 f"a run holding a CUDA context and {probe_mb} MiB ended {ex.status}: {why(ex)}",
             )
-        elif measured <= 0:
+        elif unknown or measured <= 0:
             verdict = FAIL
+            listed = (
+                f"lists the run's processes {sorted(unknown)} without their memory (usedGpuMemory unavailable)"
+                if unknown
+                else f"shows {seen} MiB for the run's processes"
+            )
             detail = (
-                f"NVML showed {seen} MiB for a run holding a CUDA context and {probe_mb} MiB: it does not "
-                "count the run's memory (usedGpuMemory unavailable?), so the watchdog cannot either"
+                f"NVML {listed} while the run held a CUDA context and {probe_mb} MiB (the device's used "
+                f"memory grew {data['device_delta_mb']} MiB): the watchdog reads the per-process figure, "
+                "so it cannot measure a run here"
             )
         else:
             self.context_mb = measured
@@ -749,16 +801,23 @@ class Kit:
 
     # -- the appliance -----------------------------------------------------------------------
     async def check_readyz(self) -> Check:
+        """/readyz against sources the appliance does not read: nvidia-smi's devices and totals
+        (a separate process; in simulation the stand-in's own settings, STUB_SMI_TOTALS, apart
+        from the server's), and the UUIDs in the driver's /proc information files, which NVML
+        does not produce (where the host has them)."""
         body = await asyncio.to_thread(self.readyz, self.server)
         gpu = body.get("gpu") or {}
         want_backend = "simulated" if self.sim else "nvml"
         ours = sorted((d["uuid"], int(d["total_mb"])) for d in gpu.get("devices", []))
         theirs = sorted((g["uuid"], int(g["memory.total"])) for g in self.gpus)
+        driver = sorted(await asyncio.to_thread(device_minors, Path(self.args.driver_info)))
         data = {
             "backend": gpu.get("backend"),
             "readyz": ours,
             "nvidia_smi": theirs,
+            "driver_info": driver,
             "status": body["_status"],
+            "degraded": gpu.get("degraded"),
         }
         if body["_status"] != 200:
             return Check("", FAIL, f"/readyz answered {body['_status']}", data=data)
@@ -768,8 +827,24 @@ class Kit:
             abs(a - b) > 1 for (_, a), (_, b) in zip(ours, theirs, strict=True)
         ):
             return Check("", FAIL, f"/readyz devices {ours} differ from nvidia-smi's {theirs}", data=data)
+        if driver and [u for u, _ in ours] != driver:
+            return Check(
+                "",
+                FAIL,
+                f"/readyz devices {[u for u, _ in ours]} differ from the driver's {self.args.driver_info} "
+                f"({driver})",
+                data=data,
+            )
+        if gpu.get("degraded"):
+            return Check("", FAIL, f"/readyz reports GPU mode degraded: {gpu['degraded']}", data=data)
+        source = f" and {self.args.driver_info}" if driver else f" (no {self.args.driver_info} here)"
         return Check(
-            "", PASS, f"backend {want_backend}; " + ", ".join(f"{u} {t} MiB" for u, t in ours), data=data
+            "",
+            PASS,
+            f"backend {want_backend}; "
+            + ", ".join(f"{u} {t} MiB" for u, t in ours)
+            + f"; as nvidia-smi{source}",
+            data=data,
         )
 
     async def check_visible(self) -> Check:
@@ -885,12 +960,33 @@ class Kit:
             ex, _ = await self.execute(code, self.budget_for(256))
         finally:
             path.unlink(missing_ok=True)
+        # And a run that owns more than the cap must not finish: were the reading always 0 (no
+        # smaps_rollup, no cgroup) the mapped file above would pass just the same.
+        own_mb = self.memory_mb + 128
+        owned, _ = await self.execute(
+            CUDA
+            + HOST_MEMORY_OWNED.replace("GPU_MB", "256")
+            .replace("OWN_MB", str(own_mb))
+            .replace("HOLD_S", "5"),
+            self.budget_for(256),
+        )
         data: dict[str, Any] = {
             "memory_mb": self.memory_mb,
             "file_mb": file_mb,
             "filesystem": filesystem_of(self.models),
             "status": ex.status,
+            "owned_mb": own_mb,
+            "owned_status": owned.status,
         }
+        if owned.status != "memory_limit" or "still running" in owned.stdout:
+            return Check(
+                "",
+                FAIL,
+                f"a GPU run owning {own_mb} MiB of written memory under SANDBOX_MEMORY_MB={self.memory_mb} "
+                f"ended {owned.status} ({why(owned) or 'not stopped'}), not memory_limit: the host-memory cap "
+                "did not hold",
+                data=data,
+            )
         if ex.status != "ok":
             return Check(
                 "",
@@ -915,7 +1011,8 @@ class Kit:
             "",
             PASS,
             f"ok with {seen.get('RssFile')} MiB of a mapped file resident (RssFile; RssAnon "
-            f"{seen.get('RssAnon')} MiB) for 3 s of 100 ms polls, over SANDBOX_MEMORY_MB={self.memory_mb}",
+            f"{seen.get('RssAnon')} MiB) for 3 s of 100 ms polls, over SANDBOX_MEMORY_MB={self.memory_mb}; "
+            f"a run owning {own_mb} MiB ended memory_limit",
             data=data,
         )
 
@@ -1015,10 +1112,11 @@ class Kit:
         return Check("", PASS, f"no run within its grant failed: {text}", data=data)
 
     async def check_overrun_race(self) -> Check:
-        """INFO, not a verdict: the mix with its overrunner at N = 16. An overrunner that takes
-        budget + margin + 512 MiB at once can take memory a neighbour was granted until the
-        next watchdog poll stops it; polling cannot prevent that (docs/gpu.md), so the kit
-        measures how often it happens here and promises nothing."""
+        """The mix with its overrunners at N = 16. An overrunner that takes budget + margin +
+        512 MiB at once can take memory a neighbour was granted until the next watchdog poll
+        stops it; polling cannot prevent that (docs/gpu.md), so how many neighbours ran out of
+        memory is INFO, a measurement. That every overrunner was stopped (gpu_memory_limit) is
+        promised: FAIL otherwise (a watchdog that cannot see or never kills)."""
         from benchmarks import gpu_contention as gc
 
         scale = self.total_mb / gc.DEVICE_MB
@@ -1044,10 +1142,20 @@ class Kit:
             "neighbours": len(neighbours),
             "neighbours_oom": len(ooms),
         }
+        loose = sorted(r.outcome for r in over if r.outcome != "gpu_memory_limit")
+        if loose or not over:
+            return Check(
+                "",
+                FAIL,
+                f"{len(loose)} of {len(over)} overrunner(s) taking budget + margin + 512 MiB were not stopped "
+                f"by the watchdog (ended {loose}): an overrun is stopped at the next poll, or budgets hold "
+                f"nothing; {gc.outcomes_text(row)}",
+                data=data,
+            )
         return Check(
             "",
             INFO,
-            f"informational, no verdict (polling promises nothing here): N=16 with {len(over)} overrunner(s) "
+            f"informational, no verdict on the neighbours (polling promises nothing there): N=16 with {len(over)} overrunner(s) "
             f"taking budget + margin + 512 MiB at once (ended {sorted(r.outcome for r in over)}); "
             f"{len(ooms)} of {len(neighbours)} neighbours within their grants hit CUDA out-of-memory "
             f"before a poll stopped the overrunner; {gc.outcomes_text(row)}",
@@ -1325,6 +1433,28 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=1.5,
         help="--simulate: how long the simulated GPU holds a gone process's memory",
+    )
+    p.add_argument(
+        "--sim-context-jitter-mb",
+        type=int,
+        default=SIM_CONTEXT_JITTER_MB,
+        help="--simulate: each context costs up to this much more than --sim-context-mb",
+    )
+    p.add_argument(
+        "--sim-free-jitter",
+        type=float,
+        default=0.5,
+        help="--simulate: each free comes up to this fraction of --sim-free-delay-s later still",
+    )
+    p.add_argument(
+        "--sim-usage-unavailable",
+        action="store_true",
+        help="--simulate: NVML lists processes without their memory (usedGpuMemory unavailable)",
+    )
+    p.add_argument(
+        "--driver-info",
+        default="/proc/driver/nvidia/gpus",
+        help="the driver's per-GPU information files (UUID, minor), read apart from NVML",
     )
     p.add_argument(
         "--context-mb",

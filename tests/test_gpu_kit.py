@@ -158,7 +158,7 @@ def test_the_kit_is_small_and_carries_what_a_bare_gpu_machine_lacks(kit: Path) -
 def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
     kit: Path, scratch: Path, libcuda: Path
 ) -> None:
-    from benchmarks.gpu_acceptance import SIM_CONTEXT_MB
+    from benchmarks.gpu_acceptance import SIM_CONTEXT_JITTER_MB, SIM_CONTEXT_MB
 
     rc, report, out = run_kit(kit, scratch, libcuda, "all")
     checks = {c["name"]: c for c in report["checks"]}
@@ -174,7 +174,9 @@ def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
     assert report["meta"]["mode"] == "simulated"
     # The simulated GPU charges each context, as NVML counts a real one; the kit measured it
     # and sized the allocations of runs meant to stay within their budgets by it.
-    assert checks["context"]["data"]["context_mb"] == SIM_CONTEXT_MB, checks["context"]
+    # (It varies, as a real context's does: the simulated one costs up to 64 MiB more.)
+    context_mb = checks["context"]["data"]["context_mb"]
+    assert SIM_CONTEXT_MB <= context_mb <= SIM_CONTEXT_MB + SIM_CONTEXT_JITTER_MB, checks["context"]
     assert (
         checks["reclaim"]["data"]["big_allocated_mb"]
         < checks["reclaim"]["data"]["big_budget_mb"] - SIM_CONTEXT_MB

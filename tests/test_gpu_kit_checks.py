@@ -1,0 +1,197 @@
+"""Each acceptance-kit check can FAIL: run against simulated devices made to break what it checks.
+
+benchmarks/gpu_acceptance.py straight from the checkout (tests/test_gpu_kit.py runs the packaged
+kit; the checks are the same file), one real appliance per run, real jails, the stand-in libcuda
+and nvidia-smi. A check that passes whatever the appliance does proves nothing, so every
+test here breaks one thing and asserts that the check names it: NVML listing processes without
+their memory (`context`, `contention.overrun_race`), a host-memory cap that never reads
+(`host_memory`), a server whose devices are not the host's (`readyz`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import REPO, scaled
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="appliance-kit-checks-", dir="/tmp"))
+    os.chmod(root, 0o755)  # the sandbox uid loads the stand-in libcuda from here
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def libcuda(scratch: Path) -> Path:
+    if shutil.which("gcc") is None:
+        pytest.fail("gcc is needed to build tests/stub_libcuda.c (apt-get install gcc)")
+    path = scratch / "cuda" / "libcuda.so.1"
+    path.parent.mkdir()
+    os.chmod(path.parent, 0o755)
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O1", "-o", str(path), str(REPO / "tests" / "stub_libcuda.c")],
+        check=True,
+    )
+    return path
+
+
+def run_checks(scratch: Path, libcuda: Path, name: str, *args: str) -> dict[str, dict[str, Any]]:
+    """The kit's checks in simulation; name -> the check's result (status, detail, data)."""
+    out = scratch / f"report-{name}"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_acceptance",
+            "--simulate",
+            "--out",
+            str(out),
+            "--libcuda",
+            str(libcuda),
+            "--nvidia-smi",
+            str(REPO / "tests" / "stub_nvidia_smi.py"),
+            "--tmp",
+            str(scratch),
+            "--driver-info",
+            str(scratch / "no-driver-info"),
+            *args,
+        ],
+        cwd=REPO,
+        env={**os.environ, "STUB_SMI_STATE": str(scratch / f"smi-{name}.json")},
+        capture_output=True,
+        text=True,
+        timeout=scaled(600),
+    )
+    report = out / "gpu-acceptance.json"
+    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    checks = {c["name"]: c for c in json.loads(report.read_text())["checks"]}
+    assert proc.returncode == (1 if any(c["status"] == "FAIL" for c in checks.values()) else 0)
+    return checks
+
+
+def test_context_fails_where_nvml_lists_the_runs_processes_without_their_memory(
+    scratch: Path, libcuda: Path
+) -> None:
+    # best-effort, so the run is not stopped and ends ok: the device's used memory grew by the
+    # context and the allocation, and only the per-process reading, the watchdog's, is missing.
+    checks = run_checks(
+        scratch,
+        libcuda,
+        "unavailable",
+        "--only",
+        "context",
+        "--sim-usage-unavailable",
+        "--server-env",
+        "SANDBOX_GPU_ENFORCE=best-effort",
+    )
+    context = checks["context"]
+    assert context["status"] == "FAIL", context
+    assert "without their memory" in context["detail"] and context["data"]["unavailable_pids"], context
+    assert context["data"]["device_delta_mb"] >= 400, context  # the device saw it all the same
+
+
+def test_context_measures_what_the_watchdog_reads_and_the_context_varies(
+    scratch: Path, libcuda: Path
+) -> None:
+    from benchmarks.gpu_acceptance import SIM_CONTEXT_JITTER_MB, SIM_CONTEXT_MB
+
+    context = run_checks(scratch, libcuda, "context", "--only", "context")["context"]
+    assert context["status"] == "PASS", context
+    assert SIM_CONTEXT_MB <= context["data"]["context_mb"] <= SIM_CONTEXT_MB + SIM_CONTEXT_JITTER_MB, context
+    assert context["data"]["context_mb"] == context["data"]["per_process_mb"] - 64
+
+
+def test_the_overrun_race_fails_when_the_watchdog_cannot_see_the_overrunners(
+    scratch: Path, libcuda: Path
+) -> None:
+    checks = run_checks(
+        scratch,
+        libcuda,
+        "blind-watchdog",
+        "--only",
+        "contention.overrun_race",
+        "--sim-usage-unavailable",
+        "--server-env",
+        "SANDBOX_GPU_ENFORCE=best-effort",
+        "--context-mb",
+        "400",
+    )
+    race = checks["contention.overrun_race"]
+    assert race["status"] == "FAIL" and "were not stopped by the watchdog" in race["detail"], race
+
+
+@pytest.mark.parametrize(("poll_ms", "expect"), [("100", "PASS"), ("3600000", "FAIL")])
+def test_host_memory_fails_when_the_cap_never_reads(
+    scratch: Path, libcuda: Path, poll_ms: str, expect: str
+) -> None:
+    # Without per-run cgroups the cap is the watchdog's reading alone; a poll an hour apart never
+    # reads it (what a reading that is always 0 does too). The mapped file passes either way: the
+    # run owning more than the cap is what tells them apart.
+    checks = run_checks(
+        scratch,
+        libcuda,
+        f"host-memory-{poll_ms}",
+        "--only",
+        "host_memory",
+        "--context-mb",
+        "400",
+        "--server-env",
+        "SANDBOX_CGROUPS=off",
+        "--server-env",
+        f"SANDBOX_GPU_POLL_MS={poll_ms}",
+    )
+    check = checks["host_memory"]
+    assert check["status"] == expect, check
+    if expect == "FAIL":
+        assert check["data"]["status"] == "ok" and check["data"]["owned_status"] == "ok", check
+        assert "the host-memory cap did not hold" in check["detail"], check
+    else:
+        assert check["data"]["owned_status"] == "memory_limit", check
+
+
+def driver_info(folder: Path, uuid: str) -> Path:
+    (folder / "0000:c1:00.0").mkdir(parents=True)
+    (folder / "0000:c1:00.0" / "information").write_text(
+        f"Model: \t\t NVIDIA H200\nGPU UUID: \t {uuid}\nDevice Minor: \t 0\n"
+    )
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("case", "args", "expect", "words"),
+    [
+        ("same", ("--driver-info", "DRIVER:GPU-SIM-0"), "PASS", "and "),
+        ("other-total", ("--server-env", "SANDBOX_GPU_SIMULATE=8192"), "FAIL", "differ from nvidia-smi's"),
+        (
+            "other-uuid",
+            ("--driver-info", "DRIVER:GPU-12345678-aaaa-bbbb-cccc-1234567890ab"),
+            "FAIL",
+            "differ from the driver's",
+        ),
+    ],
+)
+def test_readyz_is_compared_with_sources_the_server_does_not_read(
+    scratch: Path, libcuda: Path, case: str, args: tuple[str, ...], expect: str, words: str
+) -> None:
+    resolved = [
+        str(driver_info(scratch / f"driver-{case}", a.split(":", 1)[1])) if a.startswith("DRIVER:") else a
+        for a in args
+    ]
+    check = run_checks(
+        scratch, libcuda, f"readyz-{case}", "--only", "readyz", "--context-mb", "400", *resolved
+    )["readyz"]
+    assert check["status"] == expect and words in check["detail"], check
