@@ -59,22 +59,48 @@ int cuDeviceGet(int *device, int ordinal) {
     return CUDA_SUCCESS;
 }
 
+static int char_device(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISCHR(st.st_mode);
+}
+
+/* Where the process has GPU device nodes (/dev/nvidiactl), a device is usable only if its own
+ * node /dev/nvidia<i> is there too (device GPU-SIM-<i>), as the real driver opens the node: a
+ * jail that names another GPU in CUDA_VISIBLE_DEVICES still cannot reach it. Without any node
+ * (a simulated host), the variable alone decides. */
+static int reachable(const char *uuid, size_t len) {
+    char node[64];
+    int minor;
+    if (!char_device("/dev/nvidiactl")) return 1;
+    if (len <= 8 || strncmp(uuid, "GPU-SIM-", 8) != 0) return 0;
+    minor = atoi(uuid + 8);
+    snprintf(node, sizeof node, "/dev/nvidia%d", minor);
+    return char_device(node);
+}
+
 /* The devices a process may use are those CUDA_VISIBLE_DEVICES names (comma-separated UUIDs,
  * as the appliance sets it); unset, every device of the simulated host (STUB_CUDA_DEVICES,
- * default 8), as the real driver shows every GPU when the variable is unset. */
+ * default 8), as the real driver shows every GPU when the variable is unset. Either way only
+ * the reachable ones (above). */
 static int visible(int ordinal, char *uuid, size_t size) {
     const char *list = getenv("CUDA_VISIBLE_DEVICES");
+    char name[64];
     int n = 0;
     if (list == NULL) {
         const char *all = getenv("STUB_CUDA_DEVICES");
-        n = all ? atoi(all) : 8;
-        if (uuid != NULL && ordinal < n) snprintf(uuid, size, "GPU-SIM-%d", ordinal);
+        int total = all ? atoi(all) : 8;
+        for (int i = 0; i < total; i++) {
+            snprintf(name, sizeof name, "GPU-SIM-%d", i);
+            if (!reachable(name, strlen(name))) continue;
+            if (uuid != NULL && n == ordinal) snprintf(uuid, size, "%s", name);
+            n++;
+        }
         return n;
     }
     for (const char *p = list; *p; ) {
         const char *end = strchr(p, ',');
         size_t len = end ? (size_t)(end - p) : strlen(p);
-        if (len > 0) {
+        if (len > 0 && reachable(p, len)) {
             if (uuid != NULL && n == ordinal) snprintf(uuid, size, "%.*s", (int)len, p);
             n++;
         }

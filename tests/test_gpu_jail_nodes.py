@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from appliance.client import AsyncClient
-from tests.support import scaled, start_server
+from tests.support import REPO, scaled, start_server
 
 pytestmark = pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
 
@@ -123,3 +126,55 @@ async def test_a_gpu_jail_gets_exactly_its_own_node_and_the_control_nodes(tmp_pa
     assert cpu.status == "ok" and not any(k == "char" for k in json.loads(cpu.stdout)["dev"].values()), (
         cpu.stdout
     )
+
+
+# The stand-in libcuda, as CUDA would: a device is usable only through its own node
+# (tests/stub_libcuda.c, `reachable`). CUDA_VISIBLE_DEVICES is the jail's to change.
+REACH = """
+import ctypes, json, os
+counts = {}
+for name in (os.environ['CUDA_VISIBLE_DEVICES'], 'OTHER', None):
+    if name is None:
+        os.environ.pop('CUDA_VISIBLE_DEVICES', None)
+    else:
+        os.environ['CUDA_VISIBLE_DEVICES'] = name
+    cu = ctypes.CDLL(os.environ['APPLIANCE_LIBCUDA'])
+    n = ctypes.c_int()
+    assert cu.cuInit(0) == 0 and cu.cuDeviceGetCount(ctypes.byref(n)) == 0
+    counts[str(name)] = n.value
+print(json.dumps(counts))
+"""
+
+
+@pytest.fixture
+def libcuda() -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix="appliance-nodes-", dir="/tmp"))
+    os.chmod(folder, 0o755)  # the sandbox uid loads it
+    lib = folder / "libcuda.so.1"
+    subprocess.run(
+        ["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(REPO / "tests" / "stub_libcuda.c")], check=True
+    )
+    yield lib
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_a_jail_that_names_another_gpu_cannot_reach_it(tmp_path: Path, libcuda: Path) -> None:
+    srv = start_server(
+        tmp_path / "srv",
+        wrap=wrap(tmp_path),
+        settings={
+            "SANDBOX_GPU": "1",
+            "SANDBOX_GPU_BACKEND": "simulated",
+            "SANDBOX_GPU_SIMULATE": "2x4096",
+            "SANDBOX_GPU_MARGIN_MB": "128",
+            "SANDBOX_GPU_LIBCUDA": str(libcuda),
+        },
+    )
+    try:
+        async with AsyncClient(srv.url) as c:
+            ex = await c.execute(REACH.replace("OTHER", "GPU-SIM-1"), gpu={"memory_mb": 1000})
+    finally:
+        srv.stop()
+    assert ex.status == "ok" and ex.frames[0]["gpu"]["uuid"] == "GPU-SIM-0", ex.frames
+    # Its own GPU; not the other one, though it named it; unset, still only its own.
+    assert json.loads(ex.stdout) == {"GPU-SIM-0": 1, "GPU-SIM-1": 0, "None": 1}, ex.stdout
