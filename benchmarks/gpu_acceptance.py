@@ -877,13 +877,13 @@ class Kit:
         grant = ex.frames[0]["gpu"]
         # The device's node is /dev/nvidia<minor>, and the minor is the driver's, not
         # nvidia-smi's index (which follows PCI order): the driver says which in /proc.
-        minors = await asyncio.to_thread(device_minors)
+        minors = await asyncio.to_thread(device_minors, Path(self.args.driver_info))
         minor = minors.get(grant["uuid"])
         if minor is None:
             return Check(
                 "",
                 FAIL,
-                f"cannot tell the device minor of {grant['uuid']}: /proc/driver/nvidia/gpus/*/information "
+                f"cannot tell the device minor of {grant['uuid']}: {self.args.driver_info}/*/information "
                 f"lists {minors or 'nothing'}",
             )
         want = {"nvidiactl", "nvidia-uvm", f"nvidia{minor}"} & host

@@ -5,6 +5,8 @@ It describes the simulated devices of `SANDBOX_GPU_SIMULATE` as nvidia-smi would
 real ones: `--query-gpu=FIELDS --format=csv,noheader,nounits` prints one line per device
 (UUID GPU-SIM-<i>, as the simulated backend names them), and `-i N -c MODE` sets a device's
 compute mode, kept in the JSON file $STUB_SMI_STATE so that the kit's restore can be checked.
+The same file may say {"driver": "535.54.03"} or {"mig": {"0": "Enabled"}} for the kit's
+preflight checks to refuse.
 """
 
 import json
@@ -51,7 +53,7 @@ def main(argv: list[str]) -> int:
             "name": "Simulated GPU",
             "memory.total": str(total),
             "driver_version": state.get("driver", "580.95.05"),
-            "mig.mode.current": "Disabled",
+            "mig.mode.current": state.get("mig", {}).get(str(i), "Disabled"),
             "compute_mode": modes.get(str(i), "Default"),
         }
         print(", ".join(values[f] for f in query.split(",")))

@@ -5,7 +5,9 @@ kit; the checks are the same file), one real appliance per run, real jails, the 
 and nvidia-smi. A check that passes whatever the appliance does proves nothing, so every
 test here breaks one thing and asserts that the check names it: NVML listing processes without
 their memory (`context`, `contention.overrun_race`), a host-memory cap that never reads
-(`host_memory`), a server whose devices are not the host's (`readyz`).
+(`host_memory`), a server whose devices are not the host's (`readyz`, `contention`), a host
+the appliance refuses (`preflight.*`, `server`), a jail's node that is not its GPU's
+(`jail.device_nodes`, over stand-in nodes in a private /dev).
 """
 
 from __future__ import annotations
@@ -49,11 +51,24 @@ def libcuda(scratch: Path) -> Path:
     return path
 
 
-def run_checks(scratch: Path, libcuda: Path, name: str, *args: str) -> dict[str, dict[str, Any]]:
-    """The kit's checks in simulation; name -> the check's result (status, detail, data)."""
+def run_checks(
+    scratch: Path,
+    libcuda: Path,
+    name: str,
+    *args: str,
+    smi: dict[str, Any] | None = None,
+    wrap: list[str] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The kit's checks in simulation; name -> the check's result (status, detail, data).
+
+    smi: the stand-in nvidia-smi's state (driver version, MIG, compute modes); wrap: a command
+    the kit runs under (a private /dev with stand-in nodes)."""
     out = scratch / f"report-{name}"
+    if smi is not None:
+        (scratch / f"smi-{name}.json").write_text(json.dumps(smi))
     proc = subprocess.run(
         [
+            *(wrap or []),
             sys.executable,
             "-m",
             "benchmarks.gpu_acceptance",
@@ -79,6 +94,8 @@ def run_checks(scratch: Path, libcuda: Path, name: str, *args: str) -> dict[str,
     report = out / "gpu-acceptance.json"
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     checks = {c["name"]: c for c in json.loads(report.read_text())["checks"]}
+    for check in checks.values():
+        print(f"[{check['status']}] {check['name']}: {check['detail']}")
     assert proc.returncode == (1 if any(c["status"] == "FAIL" for c in checks.values()) else 0)
     return checks
 
@@ -195,3 +212,87 @@ def test_readyz_is_compared_with_sources_the_server_does_not_read(
         scratch, libcuda, f"readyz-{case}", "--only", "readyz", "--context-mb", "400", *resolved
     )["readyz"]
     assert check["status"] == expect and words in check["detail"], check
+
+
+@pytest.mark.parametrize(
+    ("check", "smi", "words"),
+    [
+        ("preflight.driver", {"driver": "535.54.03"}, "older than 550"),
+        ("preflight.mig", {"mig": {"0": "Enabled"}}, "nvidia-smi -i N -mig 0"),
+        (
+            "preflight.compute_mode",
+            {"compute_mode": {"0": "Exclusive_Process"}},
+            "nvidia-smi -i 0 -c DEFAULT",
+        ),
+    ],
+)
+def test_preflight_fails_on_a_host_the_appliance_refuses(
+    scratch: Path, libcuda: Path, check: str, smi: dict[str, Any], words: str
+) -> None:
+    result = run_checks(scratch, libcuda, check, "--only", check, "--context-mb", "400", smi=smi)[check]
+    assert result["status"] == "FAIL" and words in result["detail"], result
+
+
+def test_server_fails_when_the_appliance_does_not_start_and_every_later_check_says_so(
+    scratch: Path, libcuda: Path
+) -> None:
+    checks = run_checks(
+        scratch, libcuda, "no-server", "--only", "readyz", "--server-env", "SANDBOX_GPU_SIMULATE=lots"
+    )
+    assert checks["server"]["status"] == "FAIL" and "SANDBOX_GPU_SIMULATE" in checks["server"]["detail"], (
+        checks
+    )
+    assert checks["readyz"]["status"] == "FAIL" and "did not start" in checks["readyz"]["detail"], checks
+
+
+def test_contention_fails_when_the_server_admits_more_than_the_device_has(
+    scratch: Path, libcuda: Path
+) -> None:
+    # The server believes its GPU twice as large as the host's: admission backs grants with
+    # memory the device does not have, and runs within their grants run out of it.
+    checks = run_checks(
+        scratch,
+        libcuda,
+        "oversubscribed",
+        "--only",
+        "contention",
+        "--context-mb",
+        "400",
+        "--server-env",
+        "SANDBOX_GPU_SIMULATE=32768",
+    )
+    contention = checks["contention"]
+    assert contention["status"] == "FAIL" and "oom" in contention["detail"], contention
+
+
+@pytest.mark.parametrize(("minor", "expect"), [(0, "PASS"), (1, "FAIL")])
+def test_device_nodes_runs_over_stand_in_nodes_and_fails_on_a_node_that_is_not_the_gpus(
+    scratch: Path, libcuda: Path, tmp_path: Path, minor: int, expect: str
+) -> None:
+    # A private /dev with stand-in nodes (nvidia0-11, nvidiactl, nvidia-uvm, ...): the check that
+    # only hardware could run. The driver's information files say which node is the GPU's; with
+    # them naming minor 1 the jail's nvidia0 is the wrong node.
+    from tests.test_gpu_jail_nodes import wrap
+
+    info = scratch / f"driver-minor-{minor}" / "0000:c1:00.0"
+    info.mkdir(parents=True)
+    (info / "information").write_text(f"GPU UUID: \t GPU-SIM-0\nDevice Minor: \t {minor}\n")
+    checks = run_checks(
+        scratch,
+        libcuda,
+        f"nodes-{minor}",
+        "--only",
+        "jail.device_nodes",
+        "--context-mb",
+        "400",
+        "--driver-info",
+        str(info.parent),
+        wrap=wrap(tmp_path),
+    )
+    nodes = checks["jail.device_nodes"]
+    assert nodes["status"] == expect, nodes
+    assert {n for n, kind in nodes["data"]["jail"].items() if kind == "char"} == {
+        "nvidiactl",
+        "nvidia-uvm",
+        "nvidia0",
+    }
