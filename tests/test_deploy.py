@@ -84,6 +84,15 @@ class TestDockerfiles:
         )
         assert out.returncode == 0, out.stdout + out.stderr
 
+    @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+    def test_no_instruction_depends_on_the_docker_image_format(self, dockerfile: Path) -> None:
+        """podman's default OCI format ignores SHELL: a pipefail set there would silently be
+        dropped, so no RUN may rely on it (a piping RUN runs `bash -o pipefail -c` itself)."""
+        instructions = [
+            line.split(None, 1)[0] for line in dockerfile.read_text().splitlines() if line[:1].isalpha()
+        ]
+        assert "SHELL" not in instructions
+
     def test_hadolint_does_fail_on_a_bad_dockerfile(self, tmp_path: Path) -> None:
         bad = tmp_path / "Dockerfile"
         bad.write_text("FROM debian\nRUN apt-get install curl\n")
@@ -324,6 +333,38 @@ class TestReadmeBlocksThatCiRuns:
             in text.splitlines()[-1]
         )
 
+    def test_the_container_block_can_run_again(self) -> None:
+        """A failed or earlier `docker run` leaves a container named sandbox: the block
+        removes it first, so running it again does not fail with "name already in use"."""
+        lines = self.block("container commands")
+        run = next(i for i, line in enumerate(lines) if line.startswith("docker run "))
+        assert "docker rm -f sandbox 2>/dev/null || true" in lines[run - 1]
+
+    def test_the_blocks_rest_and_websocat_lines_print_4_against_a_real_server(self, tmp_path: Path) -> None:
+        """The block's last commands, as written but for the port, against a real appliance
+        with the block's token (the container itself is run by scripts/ci-images.sh)."""
+        from tests.support import start_server
+
+        lines = self.block("container commands")
+        start = next(i for i, line in enumerate(lines) if line.startswith("curl -sS "))
+        commands = "\n".join(lines[start:])
+        assert "| websocat " in commands and "/v1/exec" in commands
+        server = start_server(tmp_path, SANDBOX_AUTH_TOKEN="change-me-long-token")
+        try:
+            script = commands.replace("127.0.0.1:9100", f"127.0.0.1:{server.port}").replace(
+                "| websocat ", f"| {BIN / 'websocat'} "
+            )
+            out = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True, timeout=120
+            )
+        finally:
+            server.stop()
+        assert out.returncode == 0, out.stderr
+        printed = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        fours = [f for f in printed if f.get("type") == "stream" and f.get("text") == "4\n"]
+        assert len(fours) == 2, out.stdout  # one from curl (REST), one from websocat
+        assert [f["status"] for f in printed if f["type"] == "done"] == ["ok", "ok"]
+
     def test_the_seed_block_starts_with_the_seed_one_liner(self) -> None:
         assert self.block("seed one-liner")[0] == (
             """echo '{"code":"print(2+2)"}' | .venv/bin/websocat ws://localhost:9100/exec"""
@@ -345,6 +386,41 @@ class TestCompose:
         assert sandbox["build"]["dockerfile"] == "images/cpu/Dockerfile"
         env_example = (REPO / ".env.example").read_text()
         assert "SANDBOX_AUTH_TOKEN=" in env_example
+
+    def test_ulimits_are_explicit_so_up_works_where_the_runtime_cannot_raise_them(self) -> None:
+        sandbox = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["sandbox"]
+        limits = sandbox["ulimits"]
+        for name, least in (("nofile", 1024), ("nproc", 64)):  # what each jail needs
+            assert limits[name]["soft"] == limits[name]["hard"] >= least, limits
+        # The same values the README and docs/deploy.md give for `podman run`.
+        flags = f"--ulimit nofile={limits['nofile']['hard']}:{limits['nofile']['hard']}"
+        assert (
+            flags in (REPO / "README.md").read_text() and flags in (REPO / "docs" / "deploy.md").read_text()
+        )
+
+    def test_the_health_check_does_not_depend_on_the_image_format(self) -> None:
+        """podman's default OCI format drops the image's HEALTHCHECK, and `api` waits for
+        service_healthy: compose carries the same check itself."""
+        services = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]
+        check = services["sandbox"]["healthcheck"]
+        assert check["test"] == ["CMD", "/usr/local/bin/appliance-healthcheck", "/readyz"]
+        assert 'CMD ["/usr/local/bin/appliance-healthcheck", "/readyz"]' in DOCKERFILES[0].read_text()
+        assert services["api"]["depends_on"]["sandbox"]["condition"] == "service_healthy"
+
+    def test_the_shutdown_grace_fits_every_way_of_stopping(self) -> None:
+        """compose stop, podman-compose stop and a plain `podman stop` (10 s, which podman-compose
+        never raises) must all leave the server its whole grace: one number everywhere."""
+        sandbox = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["sandbox"]
+        grace_ms = int(sandbox["environment"]["SANDBOX_SHUTDOWN_GRACE_MS"])
+        stop_s = int(str(sandbox["stop_grace_period"]).removesuffix("s"))
+        image = DOCKERFILES[0].read_text()
+        assert (
+            f"SANDBOX_SHUTDOWN_GRACE_MS={grace_ms}" in image
+            and "SANDBOX_SHUTDOWN_GRACE_MS=" in DOCKERFILES[1].read_text()
+        )
+        assert grace_ms < stop_s * 1000 <= 10_000  # 10 s: a plain `docker stop` / `podman stop`
+        gpu = yaml.safe_load((REPO / "compose.gpu.yaml").read_text())["services"]["sandbox"]
+        assert "stop_grace_period" not in gpu and "SANDBOX_SHUTDOWN_GRACE_MS" not in gpu["environment"]
 
     def test_gpu_file_reserves_nvidia_gpus_for_the_sandbox(self) -> None:
         gpu = yaml.safe_load((REPO / "compose.gpu.yaml").read_text())["services"]["sandbox"]
