@@ -12,7 +12,8 @@ Resources: the same files are listed by `resources/list` and read by `resources/
 (`appliance://runs/<run>/outputs/<path>`), from what this MCP session's own calls received:
 a session sees only its own runs' files (and over HTTP a session is bound to one caller), so
 there is no way to name another tenant's. The server keeps the most recent files of a session
-up to RESOURCE_FILES / RESOURCE_BYTES; older ones are dropped from the list.
+up to RESOURCE_FILES / RESOURCE_BYTES, and of all sessions together up to RESOURCE_BYTES_ALL
+(oldest first, whichever session's); older ones are dropped from the list.
 
 State: each MCP session (a stdio process, or one `Mcp-Session-Id` over HTTP) gets its own
 agents.Dispatcher through the SDK's per-session lifespan. Calls with `keep_state: true` run in
@@ -64,6 +65,7 @@ LIST_MODELS_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "a
 
 RESOURCE_FILES = 64  # the most output files one MCP session keeps readable ...
 RESOURCE_BYTES = 16 * 1024 * 1024  # ... and their most bytes in all (oldest dropped first)
+RESOURCE_BYTES_ALL = 64 * 1024 * 1024  # what all MCP sessions of one server keep together
 RESOURCE_NOT_FOUND = -32002  # the MCP specification's code for an unknown resource
 
 
@@ -78,24 +80,63 @@ class OutputResource:
     data: bytes
 
 
-@dataclass
-class ResourceStore:
-    """The output files an MCP session received, newest last, within bounds."""
+class ResourceBudget:
+    """The bytes every session's ResourceStore holds together, on one server: past
+    RESOURCE_BYTES_ALL the oldest file of any session is dropped, so many MCP sessions
+    cannot add up to the server's memory."""
 
-    items: OrderedDict[str, OutputResource] = field(default_factory=OrderedDict)
-    size: int = 0
+    def __init__(self, limit: int = RESOURCE_BYTES_ALL) -> None:
+        self.limit = limit
+        self.size = 0
+        self._held: OrderedDict[tuple[int, str], tuple[ResourceStore, int]] = OrderedDict()
+
+    def take(self, store: ResourceStore, uri: str, size: int) -> None:
+        self._held[(id(store), uri)] = (store, size)
+        self.size += size
+        while self.size > self.limit and self._held:
+            (_, old_uri), (owner, old_size) = self._held.popitem(last=False)
+            self.size -= old_size
+            owner.forget(old_uri)
+
+    def give(self, store: ResourceStore, uri: str) -> None:
+        entry = self._held.pop((id(store), uri), None)
+        if entry is not None:
+            self.size -= entry[1]
+
+
+class ResourceStore:
+    """The output files one MCP session received, newest last, within its own bounds
+    (RESOURCE_FILES, RESOURCE_BYTES) and the server's (ResourceBudget)."""
+
+    def __init__(self, budget: ResourceBudget | None = None) -> None:
+        self.items: OrderedDict[str, OutputResource] = OrderedDict()
+        self.size = 0
+        self.budget = budget if budget is not None else ResourceBudget()
 
     def add(self, item: OutputResource) -> None:
-        old = self.items.pop(item.uri, None)
-        if old is not None:
-            self.size -= len(old.data)
-        if len(item.data) > RESOURCE_BYTES:
+        self.drop(item.uri)
+        if len(item.data) > min(RESOURCE_BYTES, self.budget.limit):
             return
         self.items[item.uri] = item
         self.size += len(item.data)
+        self.budget.take(self, item.uri, len(item.data))
         while len(self.items) > RESOURCE_FILES or self.size > RESOURCE_BYTES:
-            _, dropped = self.items.popitem(last=False)
-            self.size -= len(dropped.data)
+            self.drop(next(iter(self.items)))
+
+    def forget(self, uri: str) -> None:
+        """Drop a file the budget already let go of."""
+        item = self.items.pop(uri, None)
+        if item is not None:
+            self.size -= len(item.data)
+
+    def drop(self, uri: str) -> None:
+        self.forget(uri)
+        self.budget.give(self, uri)
+
+    def clear(self) -> None:
+        """The MCP session ended: its files leave the server's budget."""
+        for uri in list(self.items):
+            self.drop(uri)
 
     def listed(self) -> list[types.Resource]:
         return [
@@ -116,7 +157,7 @@ class ResourceStore:
                 types.ErrorData(
                     code=RESOURCE_NOT_FOUND,
                     message=f"no resource {uri} in this MCP session: only files written by this "
-                    f"session's own runs are readable, the latest {RESOURCE_FILES} of them",
+                    f"session's own runs are readable, the latest ones it still keeps",
                 )
             )
         return found
@@ -207,12 +248,15 @@ def to_mcp(result: agents.ToolResult) -> types.CallToolResult:
 def build_server(executor_for: ExecutorFor, max_chars: int = agents.DEFAULT_MAX_CHARS) -> Server[Any, Any]:
     """The MCP server; `executor_for(request_context)` gives the Executor of a session's calls."""
 
+    budget = ResourceBudget()  # shared by every MCP session of this server
+
     @contextlib.asynccontextmanager
     async def lifespan(_: Server[Any, Any]) -> AsyncIterator[McpSessionState]:
-        state = McpSessionState()
+        state = McpSessionState(resources=ResourceStore(budget))
         try:
             yield state
         finally:
+            state.resources.clear()
             if state.dispatcher is not None and state.dispatcher.session is not None:
                 # The MCP session is over: end its appliance session now rather than at the
                 # idle timeout. Shielded: this also runs while the transport is cancelled.

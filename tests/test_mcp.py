@@ -21,7 +21,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import McpError
 from pydantic import AnyUrl
 
-from appliance import __version__
+from appliance import __version__, mcp_tools
 from appliance.cli import exec_url
 from appliance.client import AsyncClient
 from tests.models import write_tiny_llama, write_tiny_whisper
@@ -321,3 +321,37 @@ class TestResourcesAcrossTenants:
                         await bob.read_resource(uri)
                     assert refused.value.error.code == -32002
             assert (await alice.read_resource(uris[0])).contents  # still hers
+
+
+def resource(uri: str, size: int) -> mcp_tools.OutputResource:
+    return mcp_tools.OutputResource(
+        uri=uri, path=uri.rsplit("/", 1)[1], run="r", mime="text/plain", data=b"x" * size
+    )
+
+
+class TestResourceBounds:
+    """Pure: what the sessions of one server keep of their runs' files is bounded per session
+    and for all sessions together, so many MCP sessions cannot add up to the server's memory."""
+
+    def test_all_sessions_together_keep_at_most_the_servers_budget_oldest_dropped_first(self) -> None:
+        budget = mcp_tools.ResourceBudget(limit=100)
+        first, second = mcp_tools.ResourceStore(budget), mcp_tools.ResourceStore(budget)
+        first.add(resource("appliance://runs/r/outputs/a", 40))
+        second.add(resource("appliance://runs/r/outputs/b", 40))
+        first.add(resource("appliance://runs/r/outputs/c", 40))  # 120 > 100: the oldest (a) goes
+        assert list(first.items) == ["appliance://runs/r/outputs/c"] and first.size == 40
+        assert list(second.items) == ["appliance://runs/r/outputs/b"]
+        assert budget.size == 80 == first.size + second.size
+        second.clear()  # its MCP session ended
+        assert budget.size == 40 and not second.items
+        first.add(resource("appliance://runs/r/outputs/c", 10))  # the same URI again replaces it
+        assert budget.size == 10 == first.size
+        first.add(resource("appliance://runs/r/outputs/huge", 101))  # bigger than the budget: not kept
+        assert "appliance://runs/r/outputs/huge" not in first.items and budget.size == 10
+
+    def test_one_session_keeps_at_most_its_own_count_of_files(self) -> None:
+        store = mcp_tools.ResourceStore(mcp_tools.ResourceBudget())
+        for i in range(mcp_tools.RESOURCE_FILES + 5):
+            store.add(resource(f"appliance://runs/r/outputs/f{i}", 1))
+        assert len(store.items) == mcp_tools.RESOURCE_FILES and store.budget.size == mcp_tools.RESOURCE_FILES
+        assert next(iter(store.items)).endswith("/f5")
