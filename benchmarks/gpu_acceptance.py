@@ -190,6 +190,14 @@ def device_minors(root: Path = Path("/proc/driver/nvidia/gpus")) -> dict[str, in
     return found
 
 
+def server_ids(root: int) -> set[int]:
+    """Every process and thread ID under the appliance's process (its jails included): the IDs
+    the watchdog matches NVML's against."""
+    from appliance.jail import proctree
+
+    return proctree.task_ids(set(proctree.tree(root)))
+
+
 def place_model(src: Path, models: Path) -> Path:
     """--gguf's model in the kit's models directory, readable by the sandbox uid: a hard link
     where the file is already world-readable on the same filesystem, else a copy."""
@@ -229,7 +237,8 @@ class SimulatedGpuMemory:
     context_jitter_mb more (what a context costs varies with the libraries a process loads),
     each free comes free_delay_s to free_delay_s * (1 + free_jitter) after the process is gone, and with
     usage_unavailable NVML lists every process without its memory (usedGpuMemory unavailable,
-    as under MPS or on some virtualised GPUs), though the device's used memory still counts it."""
+    as under MPS or on some virtualised GPUs), though the device's used memory still counts it.
+    pid_offset lists processes under IDs the server cannot match (another PID namespace's)."""
 
     def __init__(
         self,
@@ -241,6 +250,7 @@ class SimulatedGpuMemory:
         context_jitter_mb: int = 0,
         free_jitter: float = 0.0,
         usage_unavailable: bool = False,
+        pid_offset: int = 0,
     ) -> None:
         import random
         import socket
@@ -252,6 +262,7 @@ class SimulatedGpuMemory:
         self.context_jitter = context_jitter_mb << 20
         self.free_jitter = free_jitter
         self.usage_unavailable = usage_unavailable
+        self.pid_offset = pid_offset
         self.random = random.Random()  # noqa: S311 (simulated variation, not a secret)
         self.used: dict[int, int] = {}  # pid -> bytes (live, and freeing)
         self.modes: dict[str, str] = {}  # index -> compute mode (DEFAULT unless set)
@@ -274,7 +285,13 @@ class SimulatedGpuMemory:
         with self.lock:
             if self.closed:  # a late free after the simulated device (and its directory) went
                 return
-            procs = [{"pid": pid, "gpu": 0, "used_mb": -(-b // MIB)} for pid, b in self.used.items() if b]
+            # pid_offset: IDs of another PID namespace, as a driver that does not translate them
+            # into the caller's gives a server in a container.
+            procs = [
+                {"pid": pid + self.pid_offset, "gpu": 0, "used_mb": -(-b // MIB)}
+                for pid, b in self.used.items()
+                if b
+            ]
             tmp = self.control.with_suffix(".tmp")
             state: dict[str, Any] = {"processes": procs, "compute_mode": dict(self.modes)}
             if self.usage_unavailable:
@@ -685,6 +702,7 @@ class Kit:
                 context_jitter_mb=self.args.sim_context_jitter_mb,
                 free_jitter=self.args.sim_free_jitter,
                 usage_unavailable=self.args.sim_usage_unavailable,
+                pid_offset=self.args.sim_pid_offset,
             )
         self.server = await asyncio.to_thread(self.start)
         return Check("", PASS, f"appliance ready on {self.server.http}")
@@ -732,15 +750,20 @@ class Kit:
             run = asyncio.create_task(self.execute(code, budget))
             per_process: dict[str, int] = {}
             device: dict[str, int] = {}
-            unknown: set[int] = set()  # new processes NVML lists without their memory
+            unknown: set[int] = set()  # the run's processes NVML lists without their memory
+            unmatched: dict[int, int] = {}  # new IDs holding memory that are not the server's
             while not run.done():
                 procs = await asyncio.to_thread(backend.processes)
                 devs = await asyncio.to_thread(backend.devices)
+                # As the watchdog matches them: the IDs of every process and thread under the server.
+                ours = await asyncio.to_thread(server_ids, self.server.proc.pid)
                 new: dict[str, int] = {}
                 for proc in procs:
                     if proc.pid in before_ids:
                         continue
-                    if proc.used_mb is None:
+                    if proc.pid not in ours:
+                        unmatched[proc.pid] = max(unmatched.get(proc.pid, 0), proc.used_mb or 0)
+                    elif proc.used_mb is None:
                         unknown.add(proc.pid)
                     else:
                         new[proc.uuid] = new.get(proc.uuid, 0) + proc.used_mb
@@ -761,6 +784,7 @@ class Kit:
             "per_process_mb": per_process.get(grant) if grant else None,
             "device_delta_mb": device.get(grant) if grant else None,
             "unavailable_pids": sorted(unknown),
+            "unmatched_pids": sorted(unmatched),
             "allocated_mb": probe_mb,
             "slack_mb": self.slack_mb,
         }
@@ -775,6 +799,9 @@ class Kit:
             listed = (
                 f"lists the run's processes {sorted(unknown)} without their memory (usedGpuMemory unavailable)"
                 if unknown
+                else f"names IDs {sorted(unmatched)} that are no process of the server's, holding "
+                f"{sum(unmatched.values())} MiB (PIDs of another PID namespace?), and {seen} MiB for the run's"
+                if unmatched
                 else f"shows {seen} MiB for the run's processes"
             )
             detail = (
@@ -1450,6 +1477,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--sim-usage-unavailable",
         action="store_true",
         help="--simulate: NVML lists processes without their memory (usedGpuMemory unavailable)",
+    )
+    p.add_argument(
+        "--sim-pid-offset",
+        type=int,
+        default=0,
+        help="--simulate: NVML lists processes under their PID plus this (IDs of another PID namespace)",
     )
     p.add_argument(
         "--driver-info",

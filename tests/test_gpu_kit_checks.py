@@ -296,3 +296,27 @@ def test_device_nodes_runs_over_stand_in_nodes_and_fails_on_a_node_that_is_not_t
         "nvidia-uvm",
         "nvidia0",
     }
+
+
+def test_context_and_the_watchdog_fail_where_nvml_names_pids_of_another_namespace(
+    scratch: Path, libcuda: Path
+) -> None:
+    # A driver that does not translate PIDs into the caller's namespace (older ones, for a server
+    # in a container): the memory is listed, under IDs that are no process of the server's. The
+    # device's total grows all the same; only matching the IDs to the run shows the watchdog blind.
+    checks = run_checks(
+        scratch,
+        libcuda,
+        "other-namespace",
+        "--only",
+        "watchdog.main_thread",
+        "--context-mb",
+        "400",
+        "--sim-pid-offset",
+        str(1 << 22),
+    )
+    context = checks["context"]
+    assert context["status"] == "FAIL" and "no process of the server's" in context["detail"], context
+    assert context["data"]["unmatched_pids"], context
+    watchdog = checks["watchdog.main_thread"]
+    assert watchdog["status"] == "FAIL" and "not gpu_memory_limit" in watchdog["detail"], watchdog
