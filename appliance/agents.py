@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Unpack
 
-from appliance.client import Execution, Frame, RequestOptions
+from appliance.client import ClientError, Execution, Frame, RequestOptions, SessionLost
 
 TOOL_NAME = "run_python"
 CLOSE_SESSION_TOOL = "close_session"
@@ -250,9 +250,10 @@ def tool_result(execution: Execution, max_chars: int = DEFAULT_MAX_CHARS, images
         raise ValueError("max_chars must be at least 200: the status and markers need room")
     found_images: list[Image] = []
     display_notes: list[str] = []
-    for kind, bundle in [("result", r) for r in execution.results] + [
-        ("display", d) for d in execution.displays
-    ]:
+    # The cell's values first, then the figures and displays, as the text has always listed them.
+    ordered = [r for r in execution.results if r.is_main_result] + execution.displays
+    for bundle in ordered:
+        kind = "result" if bundle.is_main_result else "display"
         mime = next((m for m in _IMAGE_MIMES if isinstance(bundle.get(m), str)), None)
         if mime is not None and images:
             found_images.append(Image(mime, bundle[mime]))
@@ -262,7 +263,8 @@ def tool_result(execution: Execution, max_chars: int = DEFAULT_MAX_CHARS, images
     files = [FileEntry(f.path, f.size, f.bytes) for f in execution.files]
 
     fixed: list[tuple[str, str]] = [("status", _status_line(execution))]
-    if execution.error is not None:
+    if execution.error is not None and (execution.error.raised or execution.error.traceback):
+        # A status without a traceback (a limit, busy, …) is told by the status line alone.
         fixed.append(
             ("error", _error_text(execution.error.name, execution.error.value, execution.error.traceback))
         )
@@ -286,7 +288,7 @@ def tool_result(execution: Execution, max_chars: int = DEFAULT_MAX_CHARS, images
         (
             r.text
             for r in reversed(execution.results)
-            if r.text is not None and not any(m in r for m in _IMAGE_MIMES if images)
+            if r.is_main_result and r.text is not None and not any(m in r for m in _IMAGE_MIMES if images)
         ),
         None,
     )
@@ -451,7 +453,21 @@ class Dispatcher:
             args = parse_arguments(arguments)
         except ToolArgumentError as exc:
             return ToolResult(f"bad arguments: {exc}", [], [], True)
-        return tool_result(await self.execute(args), self.max_chars, self.images)
+        try:
+            execution = await self.execute(args)
+        except SessionLost as exc:
+            if exc.session == self.session:
+                self.session = None  # the next keep_state call opens a new one
+            return ToolResult(
+                f"status: not run\n{exc} Call {TOOL_NAME} with keep_state=true again to start a "
+                "fresh interpreter, and redo the setup it needs.",
+                [],
+                [],
+                True,
+            )
+        except ClientError as exc:  # the appliance is out of reach, or the connection dropped mid-run
+            return ToolResult(f"status: not run or outcome unknown\n{exc}", [], [], True)
+        return tool_result(execution, self.max_chars, self.images)
 
     async def close(self) -> bool:
         """End this conversation's session, if one is open."""

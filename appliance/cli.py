@@ -72,6 +72,7 @@ def _mcp(args: argparse.Namespace) -> int:
 
     from websockets.exceptions import InvalidHandshake
 
+    from appliance.client import ClientError
     from appliance.mcp_tools import serve_stdio
 
     # stdout carries the protocol: every log line goes to stderr.
@@ -81,7 +82,7 @@ def _mcp(args: argparse.Namespace) -> int:
         return 2
     try:
         asyncio.run(serve_stdio(exec_url(args.url), args.token, args.max_chars))
-    except (OSError, InvalidHandshake) as exc:  # down, or refused (a 401: the token)
+    except (OSError, InvalidHandshake, ClientError) as exc:  # down, or refused (a 401: the token)
         print(f"appliance mcp: cannot reach the appliance at {exec_url(args.url)}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -1,16 +1,24 @@
 """Python client for the appliance: async (`AsyncClient`) and sync (`Client`).
 
-    async with AsyncClient("ws://127.0.0.1:9100/exec") as c:
+    async with AsyncClient("ws://127.0.0.1:9100") as c:   # ws, wss, http or https; /exec optional
         ex = await c.execute("print(2+2)\\n6*7", files={"data.csv": b"a,b\\n"})
         ex.stdout                   # "4\\n"
-        ex.text                     # "42": the last result's text/plain
-        ex.results[0].png           # bytes of an image/png result, or None
-        ex.error and ex.error.name  # "ZeroDivisionError", with .value and .traceback
+        ex.text                     # "42": the main result's text/plain
+        ex.results[0].png           # bytes of an image/png result or figure, or None
+        if ex.error:                # any status but ok: the code raised, a timeout, a limit, busy…
+            ex.error.name           # "ZeroDivisionError", "Timeout", "MemoryLimit", …
         ex.files[0].bytes           # a file the run wrote under outputs/
 
 Several requests may run at once on one connection; frames are routed by `id`. `stream()`
-yields the wire frames as they arrive (dicts, exactly as the server sent them);
-`execute()` gathers them into an `Execution` of typed parts.
+yields typed events (`StdoutEvent`, `ResultEvent`, `DoneEvent`, …), each still the wire frame
+as a dict; `execute()` gathers them into an `Execution`, calling `on_stdout`, `on_stderr`,
+`on_result` and `on_error` as they arrive.
+
+Failures to reach the appliance are typed: `AuthenticationError` (the token was refused),
+`ConnectionFailed` (nothing answered, or not the appliance), `ConnectionLost` (the connection
+dropped while a request ran: its result is unknown). After a drop the next request reconnects
+(with backoff, for up to `reconnect_s`); a session the appliance still has goes on, one it
+no longer has (it restarted) raises `SessionLost`.
 """
 
 from __future__ import annotations
@@ -20,25 +28,91 @@ import base64
 import binascii
 import builtins
 import contextlib
+import dataclasses
+import inspect
 import itertools
 import json
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncGenerator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypedDict, Unpack
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import websockets
 from websockets.asyncio.client import ClientConnection
+from websockets.protocol import State
 
 from appliance.protocol import GpuRequest
 
 Frame = dict[str, Any]
+T = TypeVar("T")
+DEFAULT_URL = "ws://127.0.0.1:9100/exec"
+RECONNECT_S = 30.0  # how long a request waits for a lost appliance to come back
+_BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.1, 2.0
+# Close codes a server sends only once it has answered every request it took: a request with
+# no reply yet was never run, so it is safe to send again on the next connection.
+_CLEAN_CLOSES = frozenset((1001, 1012))
 
 
 class ClientError(Exception):
-    """The connection failed or the server broke the protocol."""
+    """The connection failed or the server broke the protocol (the base of this module's errors)."""
+
+
+class InvalidURL(ClientError, ValueError):
+    """The URL is not one an appliance can be reached at."""
+
+
+class AuthenticationError(ClientError):
+    """The appliance refused the token (HTTP 401 or 403 on the upgrade); retrying will not help."""
+
+
+class ConnectionFailed(ClientError, ConnectionError):
+    """The appliance could not be reached, or what answered is not the appliance's /exec."""
+
+
+class ConnectionLost(ClientError, ConnectionError):
+    """The connection dropped while a request ran: its outcome is unknown. The next request
+    reconnects."""
+
+
+class SessionLost(ClientError):
+    """The connection dropped and the appliance no longer has the session (it restarted, or the
+    session ended meanwhile): its variables and files are gone."""
+
+    def __init__(self, session: str, reason: str) -> None:
+        super().__init__(
+            f"session {session} was lost: the connection to the appliance dropped and the "
+            f"appliance no longer has it ({reason}). Its variables, imports and files are gone; "
+            "start a new session."
+        )
+        self.session = session
+
+
+def normalise_url(url: str) -> str:
+    """The /exec WebSocket URL of an appliance given as ws://, wss://, http:// or https://,
+    with or without /exec (http becomes ws, https wss; a path prefix, as behind a proxy, stays)."""
+    if not isinstance(url, str):
+        raise TypeError(f"url must be str, got {type(url).__name__}")
+    parts = urllib.parse.urlsplit(url.strip())
+    scheme = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}.get(parts.scheme.lower())
+    if scheme is None or not parts.hostname:
+        raise InvalidURL(
+            f"not an appliance URL: {url!r}; give ws://HOST:PORT (or wss://, http://, https://), "
+            "with or without /exec"
+        )
+    path = parts.path.rstrip("/")
+    if not path.endswith("/exec"):
+        path += "/exec"
+    return urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+def http_base(url: str) -> str:
+    """The http(s) base of the appliance whose /exec is at `url` (any form normalise_url takes)."""
+    parts = urllib.parse.urlsplit(normalise_url(url))
+    scheme = "https" if parts.scheme == "wss" else "http"
+    return urllib.parse.urlunsplit((scheme, parts.netloc, parts.path[: -len("/exec")], "", ""))
 
 
 class CellOptions(TypedDict, total=False):
@@ -57,8 +131,33 @@ class RequestOptions(CellOptions, total=False):
     session: str | None
 
 
+class Callbacks(TypedDict, total=False):
+    """Called as the run's output arrives (a coroutine function is awaited): `on_stdout` and
+    `on_stderr` with each chunk of text, `on_result` with each result or figure (an Output),
+    `on_error` with the typed error (the code's exception, or a timeout, a limit, …)."""
+
+    on_stdout: Callable[[str], object] | None
+    on_stderr: Callable[[str], object] | None
+    on_result: Callable[[Output], object] | None
+    on_error: Callable[[ExecutionError], object] | None
+
+
+class ExecuteOptions(RequestOptions, Callbacks, total=False):
+    """execute()'s keyword arguments: the request's options and the callbacks."""
+
+
+class CellExecuteOptions(CellOptions, Callbacks, total=False):
+    """A session's execute() keyword arguments."""
+
+
 class Output(dict[str, Any]):
-    """A result or display: its MIME bundle as sent (a dict), with typed views of it."""
+    """A result or figure: its MIME bundle as sent (a dict), with typed views of it.
+    `is_main_result` tells the cell's value (a `result` frame) from a display (a figure,
+    `display(obj)`)."""
+
+    def __init__(self, data: Mapping[str, Any] | None = None, is_main_result: bool = False) -> None:
+        super().__init__(data or {})
+        self.is_main_result = is_main_result
 
     def _text(self, mime: str) -> str | None:
         value = self.get(mime)
@@ -67,6 +166,10 @@ class Output(dict[str, Any]):
     def _binary(self, mime: str) -> builtins.bytes | None:
         value = self.get(mime)
         return base64.b64decode(value) if isinstance(value, str) else None
+
+    def formats(self) -> list[str]:
+        """The MIME types this output has."""
+        return list(self)
 
     @property
     def text(self) -> str | None:
@@ -80,6 +183,10 @@ class Output(dict[str, Any]):
     @property
     def markdown(self) -> str | None:
         return self._text("text/markdown")
+
+    @property
+    def latex(self) -> str | None:
+        return self._text("text/latex")
 
     @property
     def svg(self) -> str | None:
@@ -101,6 +208,9 @@ class Output(dict[str, Any]):
         return self.get("application/json")
 
 
+Result = Output  # the name other sandboxes' clients use for it
+
+
 class _WireFields:
     """`obj["field"]` reads the wire frame: the typed classes used to be plain frames."""
 
@@ -113,14 +223,34 @@ class _WireFields:
         return self.frame.get(key, default)
 
 
+# done.status -> the error's name, and what it means when the server's message says nothing.
+STATUS_ERRORS: dict[str, tuple[str, str]] = {
+    "error": ("NonZeroExit", "the code exited with a non-zero code"),
+    "timeout": ("Timeout", "the run exceeded its time limit"),
+    "memory_limit": ("MemoryLimit", "the run exceeded its memory limit"),
+    "gpu_memory_limit": ("GpuMemoryLimit", "the run exceeded its GPU memory budget"),
+    "output_limit": ("OutputLimit", "the run exceeded the output limit"),
+    "cancelled": ("Cancelled", "the run was interrupted"),
+    "rejected": ("Rejected", "the request was rejected; nothing ran"),
+    "busy": ("Busy", "the appliance is busy; nothing ran"),
+    "internal": ("InternalError", "the appliance failed"),
+}
+
+
 @dataclass(frozen=True)
 class ExecutionError(_WireFields):
-    """The exception the code raised (an `error` frame)."""
+    """Why a run did not end ok, for every status but ok (`status` is done's status).
+
+    When the code raised (an `error` frame), it is that exception: `name` "ZeroDivisionError"
+    or, under a memory limit, "MemoryError". Otherwise it stands for the status: `name`
+    "Timeout", "MemoryLimit", "OutputLimit", "Busy", "Rejected", …, `value` the server's message,
+    `traceback` where the code was when it was stopped, if it said. `raised` tells the two apart."""
 
     name: str
     value: str
     traceback: list[str]
     frame: Frame = field(repr=False, compare=False)
+    status: str = "error"
 
     @classmethod
     def from_frame(cls, frame: Frame) -> ExecutionError:
@@ -131,6 +261,41 @@ class ExecutionError(_WireFields):
             [str(line) for line in tb] if isinstance(tb, list) else [],
             frame,
         )
+
+    @classmethod
+    def from_done(cls, done: Frame, raised: ExecutionError | None) -> ExecutionError:
+        """The error a non-ok `done` stands for; `raised` is the code's own, if it sent one."""
+        status = str(done.get("status") or "internal")
+        # KeyboardInterrupt under a timeout or an interrupt is the appliance's stop, not the code's
+        # error: the status names it, with the traceback of where it stopped the code.
+        if raised is not None and not (status in _STOPS and raised.name == "KeyboardInterrupt"):
+            return dataclasses.replace(raised, status=status)
+        name, meaning = STATUS_ERRORS.get(status, (status, f"the run ended {status}"))
+        message = done.get("message")
+        value = str(message) if message else meaning
+        if status == "error" and not message and isinstance(done.get("exit_code"), int):
+            value = f"the code exited with code {done['exit_code']}"
+        return cls(name, value, raised.traceback if raised is not None else [], done, status)
+
+    @property
+    def raised(self) -> bool:
+        """True when the code raised it (an `error` frame), False for a status the run ended with."""
+        return self.frame.get("type") == "error"
+
+    def __getitem__(self, key: str) -> Any:
+        # A status's error reads like an error frame too (ename/evalue/traceback).
+        if not self.raised and key in _ERROR_FIELDS:
+            return getattr(self, _ERROR_FIELDS[key])
+        return self.frame[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if not self.raised and key in _ERROR_FIELDS:
+            return getattr(self, _ERROR_FIELDS[key])
+        return self.frame.get(key, default)
+
+
+_STOPS = frozenset(("timeout", "cancelled"))
+_ERROR_FIELDS = {"ename": "name", "evalue": "value", "traceback": "traceback"}
 
 
 @dataclass(frozen=True)
@@ -163,6 +328,106 @@ class OutputFile(_WireFields):
         )
 
 
+class Event(dict[str, Any]):
+    """One frame from the server, exactly as sent (a dict: `event["type"]` still works), with
+    typed views; stream() yields the subclass for its type (an unknown type stays an Event)."""
+
+    @property
+    def type(self) -> str:
+        return str(self.get("type", ""))
+
+    @property
+    def id(self) -> str:
+        return str(self.get("id", ""))
+
+
+class StartEvent(Event):
+    """The run got a jail."""
+
+    @property
+    def run(self) -> str | None:
+        return self.get("run")
+
+    @property
+    def session(self) -> str | None:
+        return self.get("session")
+
+
+class StdoutEvent(Event):
+    """Text the code wrote to stdout."""
+
+    @property
+    def text(self) -> str:
+        return str(self.get("text", ""))
+
+
+class StderrEvent(StdoutEvent):
+    """Text the code wrote to stderr."""
+
+
+class ResultEvent(Event):
+    """The cell's value (`result`; `.result.is_main_result`) or a figure or display (`display`)."""
+
+    @property
+    def result(self) -> Output:
+        data = self.get("data")
+        return Output(data if isinstance(data, Mapping) else {}, is_main_result=self.type == "result")
+
+
+class ErrorEvent(Event):
+    """The exception the code raised."""
+
+    @property
+    def error(self) -> ExecutionError:
+        return ExecutionError.from_frame(self)
+
+
+class FileEvent(Event):
+    """A file the run wrote under outputs/."""
+
+    @property
+    def file(self) -> OutputFile:
+        return OutputFile.from_frame(self)
+
+
+class DoneEvent(Event):
+    """The last frame of a request."""
+
+    @property
+    def status(self) -> str:
+        return str(self.get("status") or "internal")
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.get("exit_code")
+
+    @property
+    def message(self) -> str | None:
+        return self.get("message")
+
+
+_EVENTS: dict[str, type[Event]] = {
+    "start": StartEvent,
+    "result": ResultEvent,
+    "display": ResultEvent,
+    "error": ErrorEvent,
+    "file": FileEvent,
+    "done": DoneEvent,
+}
+
+
+def event(frame: Mapping[str, Any]) -> Event:
+    """The typed event for a wire frame."""
+    kind = frame.get("type")
+    if kind == "stream":
+        return (StderrEvent if frame.get("name") == "stderr" else StdoutEvent)(frame)
+    return _EVENTS.get(str(kind), Event)(frame)
+
+
 @dataclass
 class Execution:
     """Everything one request produced, gathered from its frames."""
@@ -172,7 +437,6 @@ class Execution:
     stdout: str = ""
     stderr: str = ""
     results: list[Output] = field(default_factory=list)
-    displays: list[Output] = field(default_factory=list)
     error: ExecutionError | None = None
     files: list[OutputFile] = field(default_factory=list)
     exit_code: int | None = None
@@ -183,9 +447,20 @@ class Execution:
     frames: list[Frame] = field(default_factory=list)
 
     @property
+    def ok(self) -> bool:
+        """The run ended `ok` (then `error` is None)."""
+        return self.status == "ok"
+
+    @property
     def text(self) -> str | None:
-        """The last result's text/plain, if any."""
-        return self.results[-1].text if self.results else None
+        """The main result's (the cell's value's) text/plain, if any."""
+        main = [r for r in self.results if r.is_main_result]
+        return main[-1].text if main else None
+
+    @property
+    def displays(self) -> list[Output]:
+        """The figures and displays alone (`results` holds them too, with the cell's value)."""
+        return [r for r in self.results if not r.is_main_result]
 
     def add(self, frame: Frame) -> None:
         """Take in one frame of this request."""
@@ -199,10 +474,9 @@ class Execution:
                 self.stderr += frame.get("text", "")
             else:
                 self.stdout += frame.get("text", "")
-        elif kind == "result":
-            self.results.append(Output(frame.get("data") or {}))
-        elif kind == "display":
-            self.displays.append(Output(frame.get("data") or {}))
+        elif kind in ("result", "display"):
+            data = frame.get("data")
+            self.results.append(Output(data if isinstance(data, Mapping) else {}, kind == "result"))
         elif kind == "error":
             self.error = ExecutionError.from_frame(frame)
         elif kind == "file":
@@ -213,6 +487,8 @@ class Execution:
             self.duration_ms = frame.get("duration_ms")
             self.message = frame.get("message")
             self.session = frame.get("session") or self.session
+            # Every status but ok has a typed error, so `if ex.error:` misses none of them.
+            self.error = None if self.status == "ok" else ExecutionError.from_done(frame, self.error)
 
     def file(self, path: str) -> OutputFile:
         """The output file at `path` (relative to outputs/); KeyError when there is none."""
@@ -291,34 +567,57 @@ def _wire_gpu(gpu: object) -> dict[str, Any]:
 
 
 class AsyncClient:
-    """One WebSocket connection; use as `async with`."""
+    """One WebSocket connection to the appliance, made again when it drops; use as `async with`.
+
+    `url`: ws://, wss://, http:// or https://, with or without /exec. `reconnect_s`: how long a
+    request waits for a lost appliance to come back (0: fail at once). `lazy`: connect on the
+    first request rather than on entering (a process that may start before the appliance)."""
 
     def __init__(
         self,
-        url: str = "ws://127.0.0.1:9100/exec",
+        url: str = DEFAULT_URL,
         token: str | None = None,
         max_size: int | None = 64 * 1024 * 1024,
+        reconnect_s: float = RECONNECT_S,
+        open_timeout_s: float = 10.0,
+        lazy: bool = False,
     ) -> None:
-        self.url = url
+        self.url = normalise_url(url)
         self.token = token
         self.max_size = max_size
+        self.reconnect_s = reconnect_s
+        self.open_timeout_s = open_timeout_s
+        self.lazy = lazy
+        self.connections = 0  # connections made so far; a session opened on an earlier one may be gone
+        self.unrouted: list[Frame] = []
         self._ws: ClientConnection | None = None
-        self._queues: dict[str, asyncio.Queue[Frame | None]] = {}
+        # request id -> (the connection it was sent on, where the reader puts its frames; None
+        # when that connection closed)
+        self._queues: dict[str, tuple[int, asyncio.Queue[Frame | None]]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._ids = itertools.count(1)
-        self.unrouted: list[Frame] = []
+        self._opened = False
+        self._closing = False
+        self._lock = asyncio.Lock()
+        self._session_seen: dict[str, int] = {}  # session id -> the connection it was last used on
 
     async def __aenter__(self) -> AsyncClient:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
-        self._ws = await websockets.connect(self.url, additional_headers=headers, max_size=self.max_size)
-        self._reader = asyncio.create_task(self._read())
+        self._opened, self._closing = True, False
+        if not self.lazy:
+            await self._connect()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def connected(self) -> bool:
+        """The connection is open now (as far as this end knows)."""
+        return _usable(self._ws)
+
     async def close(self) -> None:
-        """Close the connection; requests still in flight end with ClientError."""
+        """Close the connection; requests still in flight end with ConnectionLost."""
+        self._closing = True
         if self._ws is not None:
             await self._ws.close()
         if self._reader is not None:
@@ -326,57 +625,187 @@ class AsyncClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
 
-    async def _read(self) -> None:
-        if self._ws is None:
-            raise RuntimeError("the client is not connected: use `async with`")
+    async def _connect(self) -> None:
+        """One attempt; the errors are typed."""
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         try:
-            async for raw in self._ws:
-                frame = json.loads(raw)
-                queue = self._queues.get(frame.get("id", "")) if isinstance(frame, dict) else None
-                if queue is None:
+            ws = await websockets.connect(
+                self.url, additional_headers=headers, max_size=self.max_size, open_timeout=self.open_timeout_s
+            )
+        except websockets.InvalidStatus as exc:
+            status = exc.response.status_code
+            said = exc.response.body.decode(errors="replace")[:300] if exc.response.body else ""
+            if status in (401, 403):
+                raise AuthenticationError(
+                    f"the appliance at {self.url} refused the connection (HTTP {status}): {said or 'no reason given'}; "
+                    "check the token (SANDBOX_AUTH_TOKEN)"
+                ) from None
+            raise ConnectionFailed(
+                f"{self.url} answered HTTP {status} instead of accepting a WebSocket: is this the "
+                f"appliance? {said}".rstrip()
+            ) from None
+        except (OSError, TimeoutError, websockets.InvalidHandshake, websockets.InvalidURI) as exc:
+            raise ConnectionFailed(
+                f"could not reach the appliance at {self.url}: {exc or type(exc).__name__}"
+            ) from None
+        self._ws = ws
+        self.connections += 1
+        self._reader = asyncio.create_task(self._read(ws, self.connections))
+
+    async def _ensure_connected(self) -> ClientConnection:
+        """The open connection, made again (with backoff, up to reconnect_s) if it dropped."""
+        if not self._opened:
+            raise RuntimeError("the client is not connected: use `async with`")
+        async with self._lock:
+            if _usable(self._ws):
+                assert self._ws is not None  # noqa: S101 (_usable checked it)
+                return self._ws
+            if self._closing:
+                raise ClientError("the client is closed")
+            deadline = asyncio.get_running_loop().time() + self.reconnect_s
+            delay = _BACKOFF_FIRST_S
+            while True:
+                try:
+                    await self._connect()
+                except ConnectionFailed:
+                    left = deadline - asyncio.get_running_loop().time()
+                    if left <= 0:
+                        raise
+                    await asyncio.sleep(min(delay, left))
+                    delay = min(delay * 2, _BACKOFF_MAX_S)
+                    continue
+                assert self._ws is not None  # noqa: S101 (set by _connect)
+                return self._ws
+
+    def _queue(self, rid: str, connection: int) -> asyncio.Queue[Frame | None]:
+        queue: asyncio.Queue[Frame | None] = asyncio.Queue()
+        self._queues[rid] = (connection, queue)
+        return queue
+
+    async def _read(self, ws: ClientConnection, connection: int) -> None:
+        try:
+            async for raw in ws:
+                try:
+                    frame = json.loads(raw)
+                except (json.JSONDecodeError, TypeError):
+                    self.unrouted.append({"type": "invalid", "raw": str(raw)[:1000]})
+                    continue
+                routed = self._queues.get(frame.get("id", "")) if isinstance(frame, dict) else None
+                if routed is None:
                     self.unrouted.append(frame)
                 else:
-                    queue.put_nowait(frame)
+                    routed[1].put_nowait(event(frame))
         except websockets.ConnectionClosed:
             pass
         finally:
-            for queue in self._queues.values():
-                queue.put_nowait(None)
+            for sent_on, queue in self._queues.values():
+                if sent_on == connection:
+                    queue.put_nowait(None)
+
+    def _lost(self, ws: ClientConnection | None, rid: str) -> ConnectionLost:
+        code = ws.close_code if ws is not None else None
+        reason = ws.close_reason if ws is not None else ""
+        said = f" (close code {code}{': ' + reason if reason else ''})" if code is not None else ""
+        return ConnectionLost(
+            f"the connection to the appliance at {self.url} closed before request {rid} was done{said}; "
+            "its outcome is unknown. The next request reconnects."
+        )
 
     async def send(self, frame: Frame) -> None:
-        """Send a raw frame (stdin, interrupt, close_session, or anything)."""
-        if self._ws is None:
-            raise RuntimeError("the client is not connected: use `async with`")
-        await self._ws.send(json.dumps(frame))
+        """Send a raw frame (stdin, interrupt, close_session, or anything), reconnecting first
+        if the connection dropped."""
+        ws = await self._ensure_connected()
+        try:
+            await ws.send(json.dumps(frame))
+        except websockets.ConnectionClosed:
+            raise self._lost(ws, str(frame.get("id", ""))) from None
 
     def new_id(self) -> str:
-        """A fresh request id, unique on this connection."""
+        """A fresh request id, unique on this client."""
         return f"c{next(self._ids)}"
 
-    async def stream(self, code: str, **options: Unpack[RequestOptions]) -> AsyncGenerator[Frame, None]:
-        """Send an execute request and yield its frames up to and including `done`."""
+    async def stream(self, code: str, **options: Unpack[RequestOptions]) -> AsyncGenerator[Event, None]:
+        """Send an execute request and yield its events up to and including `done`."""
         rid = options.pop("id", None) or self.new_id()
         frame = request_frame(code, rid, **options)  # a bad argument fails here, before anything is sent
-        queue: asyncio.Queue[Frame | None] = asyncio.Queue()
-        self._queues[rid] = queue
+        session = options.get("session")
+        replied = False
         try:
-            await self.send(frame)
-            while True:
-                reply = await queue.get()
-                if reply is None:
-                    raise ClientError(f"connection closed before request {rid} was done")
-                yield reply
-                if reply.get("type") == "done":
-                    return
+            for attempt in range(2):
+                ws = await self._ensure_connected()
+                connection = self.connections
+                queue = self._queue(rid, connection)
+                try:
+                    await ws.send(json.dumps(frame))
+                    sent = True
+                except websockets.ConnectionClosed:
+                    sent = False  # it never left: safe to send again
+                while sent:
+                    reply = await queue.get()
+                    if reply is None:
+                        break
+                    replied = True
+                    self._note_session(reply, session, connection)
+                    yield reply  # type: ignore[misc]  # the reader queues Events
+                    if reply.get("type") == "done":
+                        return
+                # The connection dropped. A clean close with no reply to this request means the
+                # server never took it (it answers all it took before closing): send it again, once.
+                if replied or attempt or (sent and ws.close_code not in _CLEAN_CLOSES):
+                    raise self._lost(ws, rid)
         finally:
             self._queues.pop(rid, None)
 
-    async def execute(self, code: str, **options: Unpack[RequestOptions]) -> Execution:
-        """Run code to the end and gather its output."""
+    def _note_session(self, reply: Frame, session: str | None, connection: int) -> None:
+        """Remember the connection a session was last used on; a session sent on a later one
+        and unknown to the server was lost with the connection."""
+        opened = reply.get("session")
+        if isinstance(opened, str) and opened:
+            self._session_seen[opened] = connection
+        if (
+            reply.get("type") == "done"
+            and reply.get("status") == "rejected"
+            and session not in (None, "new")
+            and self._session_seen.get(str(session), connection) < connection
+            and _no_such_session(str(reply.get("message") or ""))
+        ):
+            self._session_seen.pop(str(session), None)
+            raise SessionLost(str(session), str(reply.get("message")))
+
+    async def execute(self, code: str, **options: Unpack[ExecuteOptions]) -> Execution:
+        """Run code to the end and gather its output, calling the callbacks as it arrives.
+        Raises ConnectionLost if the connection drops mid-run, SessionLost if the session did
+        not survive a reconnect."""
+        on_stdout, on_stderr = options.pop("on_stdout", None), options.pop("on_stderr", None)
+        on_result, on_error = options.pop("on_result", None), options.pop("on_error", None)
+        callbacks = (on_stdout, on_stderr, on_result, on_error) != (None, None, None, None)
         rid = options["id"] = options.get("id") or self.new_id()
         result = Execution(id=rid)
-        async for frame in self.stream(code, **options):
-            result.add(frame)
+        reported: ExecutionError | None = None
+        events = self.stream(code, **options)  # type: ignore[misc]  # the callbacks were popped
+        async with contextlib.aclosing(events):
+            try:
+                async for frame in events:
+                    result.add(frame)
+                    kind = frame.get("type")
+                    if kind == "stream":
+                        name = frame.get("name")
+                        await _call(on_stderr if name == "stderr" else on_stdout, frame.get("text", ""))
+                    elif kind in ("result", "display"):
+                        await _call(on_result, result.results[-1])
+                    # Once per error: done may restate the code's error with its status.
+                    elif result.error is not None and (
+                        reported is None or result.error.frame is not reported.frame
+                    ):
+                        reported = result.error
+                        await _call(on_error, reported)
+            except Exception:
+                # A callback raised: stop the run rather than leave it running unread.
+                running = bool(result.frames) and result.frames[-1].get("type") != "done"
+                if callbacks and running and self.connected:
+                    with contextlib.suppress(ClientError, websockets.ConnectionClosed):
+                        await self.interrupt(rid)
+                raise
         return result
 
     async def stdin(self, rid: str, data: str, eof: bool = False) -> None:
@@ -390,13 +819,14 @@ class AsyncClient:
     async def close_session(self, session: str) -> Frame:
         """End a session and its jail; returns the server's `done` frame."""
         rid = self.new_id()
-        queue: asyncio.Queue[Frame | None] = asyncio.Queue()
-        self._queues[rid] = queue
+        ws = await self._ensure_connected()
+        queue = self._queue(rid, self.connections)
         try:
             await self.send({"type": "close_session", "session": session, "id": rid})
             frame = await queue.get()
             if frame is None:
-                raise ClientError("connection closed")
+                raise self._lost(ws, rid)
+            self._session_seen.pop(session, None)
             return frame
         finally:
             self._queues.pop(rid, None)
@@ -410,10 +840,30 @@ class AsyncClient:
         return await asyncio.to_thread(_get_models, self.url, self.token)
 
 
-def _in_session(options: CellOptions, session: str | None) -> RequestOptions:
+def _usable(ws: ClientConnection | None) -> bool:
+    # A transport already closing (aborted, or its peer gone) is not used for a new request,
+    # even before the close reaches the connection's state.
+    return ws is not None and ws.state is State.OPEN and not ws.transport.is_closing()
+
+
+def _no_such_session(message: str) -> bool:
+    # The server's words for a session it does not have (appliance.sessions.SessionRegistry.get).
+    return message.startswith("no such session") or (
+        message.startswith("session ") and " has ended" in message
+    )
+
+
+async def _call(callback: Callable[[Any], object] | None, value: Any) -> None:
+    if callback is not None:
+        outcome = callback(value)
+        if inspect.isawaitable(outcome):
+            await outcome
+
+
+def _in_session(options: CellExecuteOptions, session: str | None) -> ExecuteOptions:
     if "session" in options:
         raise TypeError("a session's execute() sets 'session' itself")
-    return RequestOptions(**options, session=session or "new")
+    return ExecuteOptions(**options, session=session or "new")
 
 
 class AsyncSession:
@@ -423,9 +873,14 @@ class AsyncSession:
         self.client = client
         self.id: str | None = None
 
-    async def execute(self, code: str, **options: Unpack[CellOptions]) -> Execution:
-        """Run a cell in this session (the first one opens it)."""
-        result = await self.client.execute(code, **_in_session(options, self.id))
+    async def execute(self, code: str, **options: Unpack[CellExecuteOptions]) -> Execution:
+        """Run a cell in this session (the first one opens it). SessionLost if the appliance
+        lost it across a reconnect (the next execute opens a new one)."""
+        try:
+            result = await self.client.execute(code, **_in_session(options, self.id))
+        except SessionLost:
+            self.id = None
+            raise
         if self.id is None and result.session:
             self.id = result.session
         return result
@@ -444,12 +899,46 @@ class AsyncSession:
 
 
 class Client:
-    """Synchronous client over a private event loop thread."""
+    """Synchronous client. Its connection lives on a private event loop in a thread of its own,
+    so it works where a loop already runs in the caller's thread (Jupyter, an async web app);
+    each call blocks the calling thread until its result is in. Callbacks (on_stdout, …) run on
+    that private thread."""
 
-    def __init__(self, url: str = "ws://127.0.0.1:9100/exec", token: str | None = None) -> None:
-        self._runner = asyncio.Runner()
-        self._async = AsyncClient(url, token)
-        self._runner.run(self._async.__aenter__())
+    def __init__(self, url: str = DEFAULT_URL, token: str | None = None, **options: Any) -> None:
+        self._async = AsyncClient(url, token, **options)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="appliance-client", daemon=True)
+        self._thread.start()
+        try:
+            self.run_async(self._async.__aenter__())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def async_client(self) -> AsyncClient:
+        """The AsyncClient underneath, whose coroutines run_async() runs."""
+        return self._async
+
+    @property
+    def url(self) -> str:
+        """The WebSocket URL, normalised."""
+        return self._async.url
+
+    def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of the AsyncClient underneath on the private loop and wait for it."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a sync Client cannot be called from its own callbacks")
+        if self._loop.is_closed():
+            coro.close()
+            raise ClientError("the client is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # Ctrl-C in the caller's thread stops the waiting coroutine too
+            raise
 
     def __enter__(self) -> Client:
         return self
@@ -459,30 +948,47 @@ class Client:
 
     def close(self) -> None:
         """Close the connection and the private loop."""
+        if self._loop.is_closed():
+            return
         with contextlib.suppress(Exception):
-            self._runner.run(self._async.close())
-        self._runner.close()
+            self.run_async(self._async.close())
+        self._stop_loop()
 
-    def execute(self, code: str, **options: Unpack[RequestOptions]) -> Execution:
-        """Run code to the end and gather its output."""
-        return self._runner.run(self._async.execute(code, **options))
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
-    def stream(self, code: str, **options: Unpack[RequestOptions]) -> Iterator[Frame]:
-        """Send an execute request and yield its frames up to and including `done`."""
+    def execute(self, code: str, **options: Unpack[ExecuteOptions]) -> Execution:
+        """Run code to the end and gather its output (AsyncClient.execute)."""
+        return self.run_async(self._async.execute(code, **options))
+
+    def stream(self, code: str, **options: Unpack[RequestOptions]) -> Iterator[Event]:
+        """Send an execute request and yield its events up to and including `done`."""
         agen = self._async.stream(code, **options)
+        try:
+            while True:
+                try:
+                    event = self.run_async(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield event
+        finally:
+            if not self._loop.is_closed():
+                with contextlib.suppress(Exception):
+                    self.run_async(agen.aclose())
 
-        async def step() -> Frame | None:
-            try:
-                return await agen.__anext__()
-            except StopAsyncIteration:
-                return None
+    def stdin(self, rid: str, data: str, eof: bool = False) -> None:
+        """Feed the stdin of running request `rid`."""
+        self.run_async(self._async.stdin(rid, data, eof))
 
-        while (frame := self._runner.run(step())) is not None:
-            yield frame
+    def interrupt(self, rid: str) -> None:
+        """Stop running request `rid` (its done status is `cancelled`)."""
+        self.run_async(self._async.interrupt(rid))
 
     def close_session(self, session: str) -> Frame:
         """End a session and its jail; returns the server's `done` frame."""
-        return self._runner.run(self._async.close_session(session))
+        return self.run_async(self._async.close_session(session))
 
     def session(self) -> Session:
         """A stateful session on this connection, opened by its first `execute`."""
@@ -500,9 +1006,13 @@ class Session:
         self.client = client
         self.id: str | None = None
 
-    def execute(self, code: str, **options: Unpack[CellOptions]) -> Execution:
-        """Run a cell in this session (the first one opens it)."""
-        result = self.client.execute(code, **_in_session(options, self.id))
+    def execute(self, code: str, **options: Unpack[CellExecuteOptions]) -> Execution:
+        """Run a cell in this session (the first one opens it); SessionLost as AsyncSession's."""
+        try:
+            result = self.client.execute(code, **_in_session(options, self.id))
+        except SessionLost:
+            self.id = None
+            raise
         if self.id is None and result.session:
             self.id = result.session
         return result
@@ -520,24 +1030,21 @@ class Session:
         self.close()
 
 
-def _get_models(ws_url: str, token: str | None) -> list[dict[str, Any]]:
-    """GET /v1/models of the appliance whose WebSocket is ws_url (ws -> http, wss -> https)."""
-    parts = urllib.parse.urlsplit(ws_url)
-    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme)
-    if scheme is None:
-        raise ClientError(f"not a ws:// or wss:// URL: {ws_url!r}")
-    # S310: the scheme is http(s), chosen above.
-    req = urllib.request.Request(urllib.parse.urlunsplit((scheme, parts.netloc, "/v1/models", "", "")))  # noqa: S310
+def _get_models(url: str, token: str | None) -> list[dict[str, Any]]:
+    """GET /v1/models of the appliance whose WebSocket is at `url`."""
+    # S310: the scheme is http(s), by http_base's construction.
+    req = urllib.request.Request(http_base(url) + "/v1/models")  # noqa: S310
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 (the scheme is http(s) by construction)
             body = json.load(resp)
     except urllib.error.HTTPError as exc:
-        raise ClientError(
-            f"GET /v1/models answered {exc.code}: {exc.read().decode(errors='replace')[:300]}"
-        ) from None
+        said = exc.read().decode(errors="replace")[:300]
+        if exc.code in (401, 403):
+            raise AuthenticationError(f"GET /v1/models answered {exc.code}: {said}") from None
+        raise ClientError(f"GET /v1/models answered {exc.code}: {said}") from None
     except OSError as exc:
-        raise ClientError(f"GET /v1/models failed: {exc}") from None
+        raise ConnectionFailed(f"GET /v1/models failed: {exc}") from None
     models: list[dict[str, Any]] = body["models"]
     return models

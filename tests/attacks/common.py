@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,13 @@ def attack(name: str, expected: str) -> pytest.MarkDecorator:
     return pytest.mark.attack(name=name, expected=expected)
 
 
-def assert_no_secret(frames: list[dict[str, Any]]) -> None:
+def assert_no_secret(frames: Sequence[dict[str, Any]]) -> None:
     blob = json.dumps(frames, ensure_ascii=False)
     for secret in SECRETS:
         assert secret not in blob, "a server secret reached the client"
 
 
-def assert_one_done(frames: list[dict[str, Any]]) -> None:
+def assert_one_done(frames: Sequence[dict[str, Any]]) -> None:
     dones = [f for f in frames if f.get("type") == "done"]
     assert len(dones) == 1 and frames[-1] is dones[0], f"expected exactly one final done, got {len(dones)}"
 
