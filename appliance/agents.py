@@ -1,19 +1,30 @@
-"""The appliance as a tool for model APIs: one tool definition, rendered for OpenAI and
-Anthropic, and `tool_result()`, which turns a client `Execution` into what the model reads
-back.
+"""The appliance as a tool for model APIs: one tool definition, rendered for OpenAI Chat
+Completions, the OpenAI Responses API and Anthropic, and `tool_result()`, which turns a client
+`Execution` into what the model reads back.
 
     from appliance import agents
-    tools = agents.openai_tools()              # chat.completions.create(..., tools=tools)
-    runner = agents.Dispatcher(client)         # client: an appliance.client.AsyncClient
-    result = await runner.call(call.function.name, call.function.arguments)
-    messages += result.openai(call.id)         # or result.anthropic(block.id) for Claude
+    tools = agents.Dispatcher(client)          # client: an appliance.client.AsyncClient
+    # Chat Completions: chat.completions.create(..., tools=agents.openai_tools())
+    messages.append(assistant_message)         # the assistant turn first, then its results
+    messages += await tools.openai_turn(assistant_message.tool_calls)
+    # Responses: responses.create(..., tools=agents.responses_tools())
+    inputs += response.output
+    inputs += await tools.responses_turn(response.output)
+    # Anthropic: messages.create(..., tools=agents.anthropic_tools())
+    messages += [{"role": "assistant", "content": reply.content}, await tools.anthropic_turn(reply.content)]
 
-The schema has one source (`RUN_PYTHON_PARAMETERS`); the MCP server (appliance.mcp_tools)
-serves the same one. The text a model reads is bounded by `max_chars` whatever the run
-printed: each section that had to be cut carries a visible marker saying how much was cut,
-so a model never mistakes a cut output for the whole of it. Figures become base64 image
-blocks (models that see images get the plot, not its repr); files are listed by name and size.
-Pure functions over data: nothing here does I/O.
+A turn renders every call of one assistant message together, as each API requires: Chat
+Completions gets all `tool` messages right after the assistant message, then one `user` message
+with the figures (tool messages take text only); Responses gets `function_call_output` items
+that carry their images; Anthropic gets one `user` message of `tool_result` blocks.
+
+The schema has one source (`RUN_PYTHON_PARAMETERS`; `strict_schema()` derives the form that
+OpenAI's strict mode takes); the MCP server (appliance.mcp_tools) serves the same one. The text
+a model reads is bounded by `max_chars` whatever the run printed: each section that had to be
+cut carries a visible marker saying how much was cut, so a model never mistakes a cut output
+for the whole of it. Figures become base64 image blocks (models that see images get the plot,
+not its repr); files are listed by name and size. Rendering is pure; only the Dispatcher runs
+code (through its client).
 """
 
 from __future__ import annotations
@@ -22,11 +33,12 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Unpack
 
-from appliance.client import ClientError, Execution, Frame, RequestOptions, SessionLost
+from appliance.client import Client, ClientError, Execution, Frame, RequestOptions, SessionLost
 
 TOOL_NAME = "run_python"
 CLOSE_SESSION_TOOL = "close_session"
@@ -79,12 +91,51 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _IMAGE_MIMES = ("image/png", "image/jpeg")
 
 
-def openai_tool() -> dict[str, Any]:
-    """run_python as an OpenAI `tools=[...]` entry (Chat Completions function tool)."""
-    return {
-        "type": "function",
-        "function": {"name": TOOL_NAME, "description": TOOL_DESCRIPTION, "parameters": RUN_PYTHON_PARAMETERS},
-    }
+def strict_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """`schema` in the form OpenAI's strict mode takes: every object closed
+    (`additionalProperties: false`) with every property required, the optional ones nullable
+    (null means "not given": parse_arguments reads it so), and no `default`s."""
+    return _strict(schema, optional=False)
+
+
+def _strict(node: Mapping[str, Any], optional: bool) -> dict[str, Any]:
+    out = {k: v for k, v in node.items() if k != "default"}
+    if optional:
+        kind = out.get("type")
+        if isinstance(kind, str):
+            out["type"] = [kind, "null"]
+        if isinstance(out.get("enum"), list):
+            out["enum"] = [*out["enum"], None]
+    properties = out.get("properties")
+    if isinstance(properties, Mapping):
+        required = set(out.get("required", ()))
+        out["properties"] = {name: _strict(sub, name not in required) for name, sub in properties.items()}
+        out["required"] = list(properties)
+        out["additionalProperties"] = False
+    items = out.get("items")
+    if isinstance(items, Mapping):
+        out["items"] = _strict(items, optional=False)
+    return out
+
+
+_TOOLS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    (TOOL_NAME, TOOL_DESCRIPTION, RUN_PYTHON_PARAMETERS),
+    (CLOSE_SESSION_TOOL, CLOSE_SESSION_DESCRIPTION, CLOSE_SESSION_PARAMETERS),
+)
+
+
+def _chat_tool(name: str, description: str, parameters: dict[str, Any], strict: bool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name, "description": description, "parameters": parameters}
+    if strict:
+        function.update(parameters=strict_schema(parameters), strict=True)
+    return {"type": "function", "function": function}
+
+
+def openai_tool(strict: bool = False) -> dict[str, Any]:
+    """run_python as an OpenAI Chat Completions `tools=[...]` entry (`strict`: OpenAI's strict
+    mode, with the schema strict_schema() gives; off by default, as other servers that speak
+    this format, llama.cpp's for one, may not take it)."""
+    return _chat_tool(TOOL_NAME, TOOL_DESCRIPTION, RUN_PYTHON_PARAMETERS, strict)
 
 
 def anthropic_tool() -> dict[str, Any]:
@@ -92,31 +143,35 @@ def anthropic_tool() -> dict[str, Any]:
     return {"name": TOOL_NAME, "description": TOOL_DESCRIPTION, "input_schema": RUN_PYTHON_PARAMETERS}
 
 
-def openai_tools() -> list[dict[str, Any]]:
-    """run_python and close_session, OpenAI format."""
-    return [
-        openai_tool(),
-        {
-            "type": "function",
-            "function": {
-                "name": CLOSE_SESSION_TOOL,
-                "description": CLOSE_SESSION_DESCRIPTION,
-                "parameters": CLOSE_SESSION_PARAMETERS,
-            },
-        },
-    ]
+def responses_tool() -> dict[str, Any]:
+    """run_python as an OpenAI Responses API `tools=[...]` entry: strict, with the strict schema."""
+    return _responses_tool(TOOL_NAME, TOOL_DESCRIPTION, RUN_PYTHON_PARAMETERS)
+
+
+def _responses_tool(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "name": name,
+        "description": description,
+        "parameters": strict_schema(parameters),
+        "strict": True,
+    }
+
+
+def openai_tools(strict: bool = False) -> list[dict[str, Any]]:
+    """run_python and close_session, Chat Completions format (answer them with
+    Dispatcher.openai_turn, which handles both)."""
+    return [_chat_tool(name, text, params, strict) for name, text, params in _TOOLS]
+
+
+def responses_tools() -> list[dict[str, Any]]:
+    """run_python and close_session, Responses API format (strict)."""
+    return [_responses_tool(name, text, params) for name, text, params in _TOOLS]
 
 
 def anthropic_tools() -> list[dict[str, Any]]:
     """run_python and close_session, Anthropic format."""
-    return [
-        anthropic_tool(),
-        {
-            "name": CLOSE_SESSION_TOOL,
-            "description": CLOSE_SESSION_DESCRIPTION,
-            "input_schema": CLOSE_SESSION_PARAMETERS,
-        },
-    ]
+    return [{"name": name, "description": text, "input_schema": params} for name, text, params in _TOOLS]
 
 
 class ToolArgumentError(ValueError):
@@ -135,7 +190,9 @@ class RunArguments:
 
 def parse_arguments(arguments: str | Mapping[str, Any]) -> RunArguments:
     """Check a model's run_python arguments (a JSON string, as OpenAI sends them, or a mapping,
-    as Anthropic and MCP do). ToolArgumentError names what is wrong."""
+    as Anthropic and MCP do); an optional field may be null (strict mode sends them so).
+    ToolArgumentError names what is wrong. For close_session, or a call whose tool you do not
+    know yet, use Dispatcher.call (or a turn), which answers every tool."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -149,7 +206,10 @@ def parse_arguments(arguments: str | Mapping[str, Any]) -> RunArguments:
     code = arguments.get("code")
     if not isinstance(code, str):
         raise ToolArgumentError("'code' is required and must be a string")
-    keep_state = arguments.get("keep_state", False)
+    # null means "not given": OpenAI's strict mode sends every optional field, as null when unset.
+    keep_state = arguments.get("keep_state")
+    if keep_state is None:
+        keep_state = False
     if not isinstance(keep_state, bool):
         raise ToolArgumentError("'keep_state' must be true or false")
     session = arguments.get("session")
@@ -166,7 +226,7 @@ def parse_arguments(arguments: str | Mapping[str, Any]) -> RunArguments:
             or not isinstance(item.get("content"), str)
         ):
             raise ToolArgumentError("each file must be an object with string 'path' and 'content'")
-        encoding = item.get("encoding", "utf-8")
+        encoding = item.get("encoding") or "utf-8"
         if encoding == "base64":
             try:
                 files[item["path"]] = base64.b64decode(item["content"], validate=True)
@@ -185,6 +245,10 @@ class Image:
 
     mime: str
     data: str
+
+    def data_url(self) -> str:
+        """The image as a `data:` URL, as OpenAI's image inputs take it."""
+        return f"data:{self.mime};base64,{self.data}"
 
 
 @dataclass(frozen=True)
@@ -206,25 +270,38 @@ class ToolResult:
     is_error: bool
     run: str | None = None
 
+    def openai_tool_message(self, tool_call_id: str) -> dict[str, Any]:
+        """The Chat Completions `tool` message: the text (tool messages take text only; the
+        images go in the user message openai_messages() puts after all of a turn's tool messages)."""
+        return {"role": "tool", "tool_call_id": tool_call_id, "content": self.text}
+
     def openai(self, tool_call_id: str) -> list[dict[str, Any]]:
-        """Chat Completions messages to append: the `tool` message with the text, then, when
-        there are images, a `user` message carrying them (tool messages take text only)."""
-        messages: list[dict[str, Any]] = [
-            {"role": "tool", "tool_call_id": tool_call_id, "content": self.text}
-        ]
+        """This one result as Chat Completions messages: `openai_messages([(tool_call_id, self)])`.
+
+        Only right when the assistant message made this one call: with parallel calls, a user
+        message between two tool messages is refused by the API. Render a whole turn with
+        openai_messages() or Dispatcher.openai_turn()."""
+        warnings.warn(
+            "ToolResult.openai() renders one call alone; with parallel tool calls its user message "
+            "lands between tool messages, which the API refuses: use agents.openai_messages() or "
+            "Dispatcher.openai_turn()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return openai_messages([(tool_call_id, self)])
+
+    def responses(self, call_id: str) -> dict[str, Any]:
+        """A Responses API `function_call_output` input item; the images travel in it, as
+        `input_image` parts with a data URL (that format takes images directly)."""
+        output: str | list[dict[str, Any]] = self.text
         if self.images:
-            parts: list[dict[str, Any]] = [
-                {"type": "text", "text": f"Images from the {TOOL_NAME} call above:"}
-            ]
-            parts += [
-                {"type": "image_url", "image_url": {"url": f"data:{img.mime};base64,{img.data}"}}
-                for img in self.images
-            ]
-            messages.append({"role": "user", "content": parts})
-        return messages
+            output = [{"type": "input_text", "text": self.text}]
+            output += [{"type": "input_image", "image_url": img.data_url()} for img in self.images]
+        return {"type": "function_call_output", "call_id": call_id, "output": output}
 
     def anthropic(self, tool_use_id: str) -> dict[str, Any]:
-        """An Anthropic `tool_result` content block (text and base64 image blocks)."""
+        """An Anthropic `tool_result` content block (text and base64 image blocks); a turn's
+        blocks go together in one user message (anthropic_message())."""
         content: list[dict[str, Any]] = [{"type": "text", "text": self.text}]
         content += [
             {"type": "image", "source": {"type": "base64", "media_type": img.mime, "data": img.data}}
@@ -236,6 +313,35 @@ class ToolResult:
             "content": content,
             "is_error": self.is_error,
         }
+
+
+Answered = Sequence[tuple[str, ToolResult]]
+"""One assistant turn's answered calls: (the call's id, its result), in the order of the calls."""
+
+
+def openai_messages(answered: Answered) -> list[dict[str, Any]]:
+    """Chat Completions messages for one assistant turn, to append after that assistant message:
+    every `tool` message first, in the calls' order (the API requires them contiguous), then,
+    when any run made figures, one `user` message carrying them, each labelled with its call."""
+    messages = [result.openai_tool_message(call_id) for call_id, result in answered]
+    parts: list[dict[str, Any]] = []
+    for call_id, result in answered:
+        if result.images:
+            parts.append({"type": "text", "text": f"Images from the {TOOL_NAME} call {call_id}:"})
+            parts += [{"type": "image_url", "image_url": {"url": img.data_url()}} for img in result.images]
+    if parts:
+        messages.append({"role": "user", "content": parts})
+    return messages
+
+
+def responses_items(answered: Answered) -> list[dict[str, Any]]:
+    """Responses API input items for one turn: a `function_call_output` per call, images inside."""
+    return [result.responses(call_id) for call_id, result in answered]
+
+
+def anthropic_message(answered: Answered) -> dict[str, Any]:
+    """The Anthropic `user` message answering one assistant turn: every `tool_result` block."""
+    return {"role": "user", "content": [result.anthropic(call_id) for call_id, result in answered]}
 
 
 def tool_result(execution: Execution, max_chars: int = DEFAULT_MAX_CHARS, images: bool = True) -> ToolResult:
@@ -469,6 +575,37 @@ class Dispatcher:
             return ToolResult(f"status: not run or outcome unknown\n{exc}", [], [], True)
         return tool_result(execution, self.max_chars, self.images)
 
+    async def openai_turn(self, tool_calls: Iterable[Any] | None) -> list[dict[str, Any]]:
+        """Run every tool call of one Chat Completions assistant message (the SDK's objects or
+        their dicts) and return the messages to append after that assistant message:
+        openai_messages(), so parallel calls stay valid."""
+        answered: list[tuple[str, ToolResult]] = []
+        for call in tool_calls or ():
+            function = _field(call, "function")
+            name, arguments = _field(function, "name"), _field(function, "arguments")
+            answered.append((str(_field(call, "id")), await self.call(str(name), arguments or "{}")))
+        return openai_messages(answered)
+
+    async def responses_turn(self, output: Iterable[Any]) -> list[dict[str, Any]]:
+        """Run every `function_call` item of a Responses API output (other items are skipped)
+        and return the `function_call_output` items to add to the next request's input."""
+        answered: list[tuple[str, ToolResult]] = []
+        for item in output:
+            if _field(item, "type") == "function_call":
+                result = await self.call(str(_field(item, "name")), _field(item, "arguments") or "{}")
+                answered.append((str(_field(item, "call_id")), result))
+        return responses_items(answered)
+
+    async def anthropic_turn(self, content: Iterable[Any]) -> dict[str, Any]:
+        """Run every `tool_use` block of an Anthropic assistant message's content and return the
+        one user message of `tool_result` blocks that must follow it."""
+        answered: list[tuple[str, ToolResult]] = []
+        for block in content:
+            if _field(block, "type") == "tool_use":
+                result = await self.call(str(_field(block, "name")), _field(block, "input") or {})
+                answered.append((str(_field(block, "id")), result))
+        return anthropic_message(answered)
+
     async def close(self) -> bool:
         """End this conversation's session, if one is open."""
         if self.session is None:
@@ -476,3 +613,62 @@ class Dispatcher:
         session, self.session = self.session, None
         done = await self.client.close_session(session)
         return done.get("status") == "ok"
+
+    async def __aenter__(self) -> Dispatcher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _field(obj: Any, name: str) -> Any:
+    """`obj[name]` of a dict, `obj.name` of an SDK object (the turns take either)."""
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+class SyncDispatcher:
+    """Dispatcher for the synchronous appliance.client.Client: the same calls and turns,
+    run on the client's private loop."""
+
+    def __init__(
+        self,
+        client: Client,
+        max_chars: int = DEFAULT_MAX_CHARS,
+        images: bool = True,
+        timeout_ms: int | None = None,
+    ) -> None:
+        self.client = client
+        self.dispatcher = Dispatcher(client.async_client, max_chars, images, timeout_ms)
+
+    @property
+    def session(self) -> str | None:
+        """The appliance session keep_state calls share, once one is open."""
+        return self.dispatcher.session
+
+    def call(self, name: str, arguments: str | Mapping[str, Any]) -> ToolResult:
+        """Dispatcher.call."""
+        return self.client.run_async(self.dispatcher.call(name, arguments))
+
+    def openai_turn(self, tool_calls: Iterable[Any] | None) -> list[dict[str, Any]]:
+        """Dispatcher.openai_turn."""
+        return self.client.run_async(self.dispatcher.openai_turn(tool_calls))
+
+    def responses_turn(self, output: Iterable[Any]) -> list[dict[str, Any]]:
+        """Dispatcher.responses_turn."""
+        return self.client.run_async(self.dispatcher.responses_turn(output))
+
+    def anthropic_turn(self, content: Iterable[Any]) -> dict[str, Any]:
+        """Dispatcher.anthropic_turn."""
+        return self.client.run_async(self.dispatcher.anthropic_turn(content))
+
+    def close(self) -> bool:
+        """Dispatcher.close."""
+        return self.client.run_async(self.dispatcher.close())
+
+    def __enter__(self) -> SyncDispatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

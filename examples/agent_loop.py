@@ -5,10 +5,11 @@
 
 With `--model`, a GGUF model (a path, or a name inside SANDBOX_MODELS_DIR) is run by
 llama-cpp-python's chat completion with tools (OpenAI's message format). Without one, a
-scripted model plays the same part: it asks for one tool call, then answers from what the
-tool returned. Either way the loop is the one an API server runs: the model's tool calls go
-to the appliance, `appliance.agents.tool_result` turns each run into what the model reads
-back (text within a budget, figures as images), until the model answers in plain text.
+scripted model plays the same part: it asks for tool calls (several at once, as OpenAI's
+models do), then answers from what the tools returned. Either way the loop is the one an API
+server runs: the assistant message goes into the history, its tool calls go to the appliance,
+and `appliance.agents.openai_messages` renders the whole turn (every tool message, then one
+user message with the figures), until the model answers in plain text.
 """
 
 from __future__ import annotations
@@ -33,25 +34,33 @@ class ChatModel(Protocol):
     def complete(self, messages: list[Message], tools: list[dict[str, Any]]) -> Message: ...
 
 
+Step = str | list[str] | Callable[[list[Message]], str]
+
+
 @dataclass
 class ScriptedModel:
-    """A model that follows a script: each step is code to run (a tool call) or a function of
-    the conversation so far that gives the final answer."""
+    """A model that follows a script: each step is code to run (a tool call), several pieces of
+    code (parallel tool calls in one assistant message, as OpenAI's models make by default), or
+    a function of the conversation so far that gives the final answer."""
 
-    steps: list[str | Callable[[list[Message]], str]]
+    steps: list[Step]
     calls: int = 0
 
     def complete(self, messages: list[Message], tools: list[dict[str, Any]]) -> Message:
         step = self.steps[min(self.calls, len(self.steps) - 1)]
         self.calls += 1
-        if isinstance(step, str):
-            call = {
-                "id": f"call_{self.calls}",
+        if callable(step):
+            return {"role": "assistant", "content": step(messages)}
+        codes = [step] if isinstance(step, str) else step
+        calls = [
+            {
+                "id": f"call_{self.calls}_{n}",
                 "type": "function",
-                "function": {"name": agents.TOOL_NAME, "arguments": json.dumps({"code": step})},
+                "function": {"name": agents.TOOL_NAME, "arguments": json.dumps({"code": code})},
             }
-            return {"role": "assistant", "content": None, "tool_calls": [call]}
-        return {"role": "assistant", "content": step(messages)}
+            for n, code in enumerate(codes, 1)
+        ]
+        return {"role": "assistant", "content": None, "tool_calls": calls}
 
 
 @dataclass
@@ -99,20 +108,22 @@ async def run_agent(
     ]
     dispatcher = agents.Dispatcher(client, max_chars=max_chars)
     results: list[agents.ToolResult] = []
-    try:
+    async with dispatcher:
         for _ in range(max_turns):
             reply = model.complete(messages, tools)
-            messages.append(reply)
+            messages.append(reply)  # the assistant message first: its tool messages answer it
             calls = reply.get("tool_calls") or []
             if not calls:
                 return Transcript(messages, str(reply.get("content") or ""), results)
-            for call in calls:
-                result = await dispatcher.call(call["function"]["name"], call["function"]["arguments"])
-                results.append(result)
-                messages += result.openai(call["id"])
+            # Every call of the turn, then the messages for all of them: the tool messages
+            # together, then the figures (a user message between tool messages is refused).
+            answered = [
+                (call["id"], await dispatcher.call(call["function"]["name"], call["function"]["arguments"]))
+                for call in calls
+            ]
+            results += [result for _, result in answered]
+            messages += agents.openai_messages(answered)
         return Transcript(messages, None, results)
-    finally:
-        await dispatcher.close()
 
 
 def last_tool_text(messages: list[Message]) -> str:

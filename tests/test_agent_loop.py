@@ -6,6 +6,7 @@ from __future__ import annotations
 from appliance.client import AsyncClient
 from examples.agent_loop import Message, ScriptedModel, answer_with_stdout, last_tool_text, run_agent
 from tests.support import Server
+from tests.test_agents_sdk import CHAT_MESSAGES, chat_order_problems, valid
 
 
 async def test_the_loop_runs_the_models_code_and_the_model_answers_from_the_result(server: Server) -> None:
@@ -37,3 +38,19 @@ async def test_a_figure_reaches_the_model_as_an_image_and_an_error_as_an_error(s
     )
     assert second.is_error and "ZeroDivisionError" in second.text
     assert transcript.answer is not None and "ZeroDivisionError" in transcript.answer
+
+
+async def test_parallel_calls_are_answered_by_contiguous_tool_messages_then_the_figures(
+    server: Server,
+) -> None:
+    figure = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"
+    model = ScriptedModel([[figure, "print(6 * 7)", figure], answer_with_stdout])
+    async with AsyncClient(server.url) as client:
+        transcript = await run_agent(model, client, "Plot twice and multiply.")
+    roles = [m["role"] for m in transcript.messages]
+    assert roles == ["system", "user", "assistant", "tool", "tool", "tool", "user", "assistant"]
+    assert chat_order_problems(transcript.messages) == []
+    valid(CHAT_MESSAGES, transcript.messages)  # as openai's own types take them
+    images = transcript.messages[6]["content"]
+    assert [p["type"] for p in images] == ["text", "image_url", "text", "image_url"]
+    assert "call_1_1" in images[0]["text"] and "call_1_3" in images[2]["text"]

@@ -135,14 +135,18 @@ class TestOnRealRuns:
             "type": "image",
             "source": {"type": "base64", "media_type": "image/png", "data": result.images[0].data},
         }
-        tool_msg, user_msg = result.openai("call_1")
+        tool_msg, user_msg = agents.openai_messages([("call_1", result)])
         assert tool_msg == {"role": "tool", "tool_call_id": "call_1", "content": result.text}
         assert user_msg["content"][1]["image_url"]["url"] == "data:image/png;base64," + result.images[0].data
 
     async def test_without_images_a_figure_is_only_named(self, science: Server) -> None:
         ex = await run(science, "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nNone")
         result = agents.tool_result(ex, images=False)
-        assert result.images == [] and "Figure" in result.text and len(result.openai("c")) == 1
+        assert (
+            result.images == []
+            and "Figure" in result.text
+            and len(agents.openai_messages([("c", result)])) == 1
+        )
 
     async def test_files_are_listed_with_names_and_sizes(self, science: Server) -> None:
         ex = await run(
