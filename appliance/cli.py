@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         help="bearer token (default: env SANDBOX_AUTH_TOKEN)",
     )
     mcp.add_argument("--max-chars", type=int, default=8000, help="text budget of one tool result")
+    mcp.add_argument(
+        "--reconnect-s",
+        type=float,
+        default=10.0,
+        help="how long one call waits for an unreachable appliance before saying so (default 10)",
+    )
     # Listed for --help; its arguments (--quick, --out, ...) belong to benchmarks.suite.
     sub.add_parser("bench", help="run the benchmark suite (python -m benchmarks) from a checkout")
     audit = sub.add_parser("audit", help="run the adversarial security suite and write its report")
@@ -70,20 +76,22 @@ def exec_url(url: str) -> str:
 def _mcp(args: argparse.Namespace) -> int:
     import logging
 
-    from websockets.exceptions import InvalidHandshake
-
-    from appliance.client import ClientError
-    from appliance.mcp_tools import serve_stdio
+    from appliance.mcp_bridge import AuthenticationError, serve_stdio
 
     # stdout carries the protocol: every log line goes to stderr.
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     if args.max_chars < 200:
         print("appliance mcp: --max-chars must be at least 200", file=sys.stderr)
         return 2
+    if not args.reconnect_s >= 0:
+        print("appliance mcp: --reconnect-s must be 0 or more", file=sys.stderr)
+        return 2
+    # An appliance that is not up yet is no reason to exit: the bridge serves and retries on
+    # each call. A refused token is: no retry fixes it.
     try:
-        asyncio.run(serve_stdio(exec_url(args.url), args.token, args.max_chars))
-    except (OSError, InvalidHandshake, ClientError) as exc:  # down, or refused (a 401: the token)
-        print(f"appliance mcp: cannot reach the appliance at {exec_url(args.url)}: {exc}", file=sys.stderr)
+        asyncio.run(serve_stdio(exec_url(args.url), args.token, args.max_chars, args.reconnect_s))
+    except AuthenticationError as exc:
+        print(f"appliance mcp: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass

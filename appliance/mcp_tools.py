@@ -1,6 +1,6 @@
 """The appliance's tools as a Model Context Protocol server, built on the official `mcp` SDK's
-low-level `Server`; transports are elsewhere (stdio here for `appliance mcp`, Streamable HTTP
-at `/mcp` in appliance.mcp_http).
+low-level `Server`; transports are elsewhere (stdio for `appliance mcp` in appliance.mcp_bridge,
+Streamable HTTP at `/mcp` in appliance.mcp_http).
 
 Tools: `run_python` and `close_session`, with the schema of appliance.agents (one source), and
 `list_models`: the model catalogue (GET /v1/models, appliance.tools.catalogue) as JSON text,
@@ -43,7 +43,6 @@ from mcp.shared.exceptions import McpError
 from pydantic import AnyUrl
 
 from appliance import __version__, agents
-from appliance.client import AsyncClient
 
 log = logging.getLogger("appliance.mcp")
 
@@ -302,13 +301,3 @@ def build_server(executor_for: ExecutorFor, max_chars: int = agents.DEFAULT_MAX_
         return [ReadResourceContents(content=item.data, mime_type=item.mime)]
 
     return server
-
-
-async def serve_stdio(url: str, token: str | None, max_chars: int = agents.DEFAULT_MAX_CHARS) -> None:
-    """Serve MCP over stdin/stdout for a local client, running code on the appliance at `url`."""
-    from mcp.server.stdio import stdio_server
-
-    async with AsyncClient(url, token) as client:
-        server = build_server(lambda _ctx: client, max_chars)
-        async with stdio_server() as (read, write):
-            await server.run(read, write, server.create_initialization_options())

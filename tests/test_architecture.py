@@ -39,6 +39,7 @@ BASE = {
     "schema",
     "agents",
     "mcp_tools",
+    "mcp_bridge",
 }
 SERVICE = {"lifecycle", "service", "sessions", "toolprobe"}
 TRANSPORT = {"server", "rest", "transport", "cors", "mcp_http", "parse_worker"}

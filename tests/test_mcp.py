@@ -3,15 +3,18 @@ real subprocess) and over Streamable HTTP at /mcp, both against a real server an
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -46,7 +49,11 @@ def authed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @asynccontextmanager
-async def over_stdio(server: Server, token: str | None = TOKEN) -> AsyncIterator[ClientSession]:
+async def over_stdio(
+    server: Server | int, token: str | None = TOKEN, *extra: str
+) -> AsyncIterator[ClientSession]:
+    """`appliance mcp` as a desktop app starts it, for a server (or a port nothing may be on yet)."""
+    port = server if isinstance(server, int) else server.port
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)}
     if token:
         env["SANDBOX_AUTH_TOKEN"] = token
@@ -54,7 +61,7 @@ async def over_stdio(server: Server, token: str | None = TOKEN) -> AsyncIterator
         command=sys.executable,
         cwd=str(REPO),
         env=env,
-        args=["-m", "appliance", "mcp", "--url", f"ws://127.0.0.1:{server.port}"],
+        args=["-m", "appliance", "mcp", "--url", f"ws://127.0.0.1:{port}", *extra],
     )
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         INITIALIZED[session] = await session.initialize()
@@ -282,7 +289,7 @@ class TestStdioCli:
             timeout=scaled(60),
         )
         assert proc.returncode == 1 and proc.stdout == b""
-        assert b"cannot reach the appliance" in proc.stderr and b"401" in proc.stderr
+        assert b"refused the connection (HTTP 401)" in proc.stderr and b"check the token" in proc.stderr
 
     def test_a_bare_host_and_port_means_its_exec_endpoint(self) -> None:
         assert exec_url("ws://127.0.0.1:9100") == "ws://127.0.0.1:9100/exec"
@@ -355,3 +362,68 @@ class TestResourceBounds:
             store.add(resource(f"appliance://runs/r/outputs/f{i}", 1))
         assert len(store.items) == mcp_tools.RESOURCE_FILES and store.budget.size == mcp_tools.RESOURCE_FILES
         assert next(iter(store.items)).endswith("/f5")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class TestTheStdioBridgeOutlivesTheAppliance:
+    """A desktop app starts `appliance mcp` once; the appliance may start later, stop and come
+    back. The SDK's own client drives a real bridge process against a real server that is
+    started, stopped and started again on the same port."""
+
+    async def test_it_starts_before_the_appliance_and_works_once_it_is_up(self, tmp_path: Path) -> None:
+        port = free_port()
+        async with over_stdio(port, TOKEN, "--reconnect-s", "0") as mcp:
+            assert INITIALIZED[mcp].serverInfo.name == "appliance"
+            assert "run_python" in {t.name for t in (await mcp.list_tools()).tools}
+            down = await mcp.call_tool("run_python", {"code": "2 + 2"})
+            assert (
+                down.isError
+                and f"appliance unreachable at ws://127.0.0.1:{port}/exec, retrying" in text_of(down)
+            ), text_of(down)
+            server = start_server(tmp_path / "first", port=port, SANDBOX_AUTH_TOKEN=TOKEN)
+            try:
+                up = await mcp.call_tool("run_python", {"code": "2 + 2"})
+                assert not up.isError and "--- result ---\n4" in text_of(up), text_of(up)
+                kept = await mcp.call_tool("run_python", {"code": "x = 41", "keep_state": True})
+                assert not kept.isError, text_of(kept)
+                resumed = await mcp.call_tool("run_python", {"code": "x + 1", "keep_state": True})
+                assert "--- result ---\n42" in text_of(resumed), text_of(resumed)
+            finally:
+                server.stop()
+            gone = await mcp.call_tool("run_python", {"code": "x + 1", "keep_state": True})
+            assert gone.isError and "unreachable" in text_of(gone), text_of(gone)
+            again = start_server(tmp_path / "second", port=port, SANDBOX_AUTH_TOKEN=TOKEN)
+            try:
+                # A one-shot call works again on the same bridge, without restarting it ...
+                plain = await mcp.call_tool("run_python", {"code": "6 * 7"})
+                assert not plain.isError and "--- result ---\n42" in text_of(plain), text_of(plain)
+                # ... and the session the restarted appliance no longer has is said to be lost,
+                lost = await mcp.call_tool("run_python", {"code": "x + 1", "keep_state": True})
+                assert lost.isError and "status: not run" in text_of(lost), text_of(lost)
+                assert "session" in text_of(lost) and "keep_state=true again" in text_of(lost), text_of(lost)
+                # after which keep_state opens a new one.
+                fresh = await mcp.call_tool("run_python", {"code": "x = 5\nx", "keep_state": True})
+                assert not fresh.isError and "--- result ---\n5" in text_of(fresh), text_of(fresh)
+            finally:
+                again.stop()
+
+    async def test_a_call_made_while_the_appliance_is_down_waits_for_it_with_backoff(
+        self, tmp_path: Path
+    ) -> None:
+        port = free_port()
+        async with over_stdio(port, TOKEN, "--reconnect-s", str(scaled(300))) as mcp:
+            call = asyncio.create_task(mcp.call_tool("run_python", {"code": "print('came back')"}))
+            # The call is in flight (the bridge retrying) while the appliance starts.
+            server = await asyncio.to_thread(
+                start_server, tmp_path / "late", port=port, SANDBOX_AUTH_TOKEN=TOKEN
+            )
+            try:
+                result = await call
+            finally:
+                server.stop()
+        assert not result.isError and "came back" in text_of(result), text_of(result)
