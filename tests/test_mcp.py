@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
@@ -370,6 +371,48 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class CuttableProxy:
+    """A TCP proxy to a local port whose open connections the test can cut at once."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.port = 0
+        self.accepted = 0
+        self._writers: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> CuttableProxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.cut()
+        if self._server is not None:
+            self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self._writers += [writer, up_writer]
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    async def cut(self) -> int:
+        """Abort every open connection (no close handshake: as a network drop); how many."""
+        writers, self._writers = self._writers, []
+        for writer in writers:
+            writer.transport.abort()
+        return len(writers) // 2
+
+
 class TestTheStdioBridgeOutlivesTheAppliance:
     """A desktop app starts `appliance mcp` once; the appliance may start later, stop and come
     back. The SDK's own client drives a real bridge process against a real server that is
@@ -411,6 +454,20 @@ class TestTheStdioBridgeOutlivesTheAppliance:
                 assert not fresh.isError and "--- result ---\n5" in text_of(fresh), text_of(fresh)
             finally:
                 again.stop()
+
+    async def test_a_dropped_connection_resumes_the_session_the_appliance_still_has(
+        self, authed: Server
+    ) -> None:
+        """The connection drops (a proxy in between cuts it) but the appliance stays up: the
+        next call reconnects and the keep_state session goes on with its variables."""
+        async with CuttableProxy(authed.port) as proxy, over_stdio(proxy.port, TOKEN) as mcp:
+            first = await mcp.call_tool("run_python", {"code": "x = 41", "keep_state": True})
+            assert not first.isError, text_of(first)
+            cut = await proxy.cut()
+            assert cut >= 1  # the bridge's WebSocket was open through the proxy
+            after = await mcp.call_tool("run_python", {"code": "x + 1", "keep_state": True})
+            assert not after.isError and "--- result ---\n42" in text_of(after), text_of(after)
+            assert proxy.accepted >= 2  # it did reconnect
 
     async def test_a_call_made_while_the_appliance_is_down_waits_for_it_with_backoff(
         self, tmp_path: Path
