@@ -19,7 +19,7 @@ from typing import Any
 
 from appliance import outputs, protocol
 from appliance.admission import Admission
-from appliance.errors import ApplianceError, Busy, GpuMemoryLimit, RequestRejected, status_of
+from appliance.errors import ApplianceError, Busy, GpuMemoryLimit, JailFailure, RequestRejected, status_of
 from appliance.jail import channel
 from appliance.jail.cell import CellOutcome, Emit, disk_violation, run_cell
 from appliance.jail.jail import Jail
@@ -397,7 +397,26 @@ class RunService:
         )
         before = await asyncio.to_thread(outputs.snapshot, jail.workdir, self.lifecycle.uid)
         try:
+            jail.thaw()  # frozen since its last cell (`Jail.freeze`)
+        except OSError as exc:
+            await self.sessions.close(session.id, reason="its jail could not be thawed")
+            raise JailFailure(
+                f"session {session.id} has ended: its jail could not be thawed ({exc})"
+            ) from exc
+        try:
             outcome = await self._cell(jail, req, emit, run, keep_alive=True, start=start)
+            # Between cells the jail does nothing: frozen before its outputs are read and its
+            # `done` goes out, still under the session's lock. Fail closed: a jail that does
+            # not freeze is ended, never left running unaccounted.
+            unfrozen: str | None = None
+            if outcome.interpreter_alive:
+                try:
+                    await jail.freeze()
+                except JailFailure as exc:
+                    log.warning(
+                        "session jail not frozen", extra={"session": session.id, "error": exc.message}
+                    )
+                    unfrozen, outcome.interpreter_alive = exc.message, False
         except BaseException:
             await self.sessions.close(session.id, reason="a cell was cut off mid-way")
             raise
@@ -405,7 +424,11 @@ class RunService:
         if not outcome.interpreter_alive:
             await jail.process.kill()
         await self._send_outputs(jail, req.id, run_id, before, emit, outcome)
-        if not outcome.interpreter_alive:
+        if unfrozen is not None:
+            await self.sessions.close(session.id, reason="its jail could not be frozen between cells")
+            note = "the session has ended: its jail could not be frozen between cells"
+            outcome.message = f"{outcome.message}; {note}" if outcome.message else note
+        elif not outcome.interpreter_alive:
             await self.sessions.close(session.id, reason="its interpreter could not be recovered")
             note = "the session has ended: its interpreter could not be recovered"
             outcome.message = f"{outcome.message}; {note}" if outcome.message else note

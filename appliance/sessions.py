@@ -1,8 +1,9 @@
 """Stateful sessions: a leased jail kept across requests, bound to the token that opened it.
 
-Between cells a session holds only its interpreter: the driver kills every process a cell
-left behind before that cell's `done`. What the interpreter keeps (files, threads) stays
-under watch: `check` runs on every idle session each CHECK_S, and a session it finds over
+Between cells a session holds only its interpreter, frozen: the driver kills every process a
+cell left behind before that cell's `done`, and the server freezes the jail's cgroup (and kills
+what a thread started meanwhile) before it sends it (`Jail.freeze`), so threads the interpreter
+keeps run only in a cell. What the interpreter keeps (files, memory) stays under watch: `check` runs on every idle session each CHECK_S, and a session it finds over
 a limit is ended; its next request learns why.
 """
 

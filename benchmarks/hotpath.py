@@ -1,6 +1,6 @@
 """A probe of the warm hot path: `print(2+2)` round trips, with the CPU each one costs.
 
-    python -m benchmarks.hotpath [--runs 200] [--tree DIR ...] [--code 'print(2+2)'] [--floor]
+    python -m benchmarks.hotpath [--runs 200] [--tree DIR ...] [--code 'print(2+2)'] [--floor] [--session]
 
 Starts one appliance per `--tree` (a checkout; default: this one), each in its own cpuacct
 cgroup, and sends one-shot runs to them in turn (interleaved, so a load that comes and goes
@@ -13,7 +13,9 @@ page faults (copy-on-write faults after a fork of the server show there). CPU ti
 less sensitive than wall time to other work on the machine, so it is the figure to compare
 changes by on a busy host. `--floor` adds `benchmarks.floor` to the rotation: the same
 exchange of frames with a warm child and nothing of a sandbox, the least a run can cost
-here. Needs root (cgroups).
+here. `--session` sends every run as a cell of one session per tree instead (what a session's
+cell costs: since the freeze between cells, its thaw at the start and its freeze before `done`).
+Needs root (cgroups).
 """
 
 from __future__ import annotations
@@ -148,10 +150,16 @@ def start_floor(work: Path) -> Target:
     return Target("floor", server, cgroup)
 
 
-async def probe(targets: list[Target], runs: int, code: str, expect: str | None) -> None:
+async def probe(
+    targets: list[Target], runs: int, code: str, expect: str | None, session: bool = False
+) -> None:
     sockets = {t.name: await open_ws(t.server.url) for t in targets}
+    sessions: dict[str, str | None] = {}
     for t in targets:  # one unmeasured run each: the first round trip of a connection is not warm
-        await execute(sockets[t.name], "warmup", code)
+        reply = await execute(sockets[t.name], "warmup", code, "new" if session else None)
+        if session and reply.session is None:
+            raise BenchError(f"{t.name}: the session did not open ({reply.status})")
+        sessions[t.name] = reply.session if session else None
     for i in range(runs):
         order = list(targets)
         random.shuffle(order)
@@ -162,7 +170,7 @@ async def probe(targets: list[Target], runs: int, code: str, expect: str | None)
             pid = t.server.proc.pid
             cpu0, grp0, flt0 = thread_ns(pid), t.usage_ns(), minor_faults(pid)
             t0 = time.perf_counter()
-            reply = await execute(sockets[t.name], f"p{i}", code)
+            reply = await execute(sockets[t.name], f"p{i}", code, sessions[t.name])
             t1 = time.perf_counter()
             cpu1, grp1, flt1 = thread_ns(pid), t.usage_ns(), minor_faults(pid)
             if reply.status != "ok" or (expect is not None and reply.stdout != expect):
@@ -203,6 +211,7 @@ def main() -> None:
     parser.add_argument("--code", default="print(2+2)")
     parser.add_argument("--expect", default="4\n", help="the stdout every run must print ('' for any)")
     parser.add_argument("--floor", action="store_true", help="measure benchmarks.floor beside the trees")
+    parser.add_argument("--session", action="store_true", help="every run a cell of one session per tree")
     args = parser.parse_args()
     unwind_on_sigterm()
     trees: list[Path] = [tree.resolve() for tree in args.tree or [REPO]]
@@ -217,7 +226,9 @@ def main() -> None:
             targets.append(start(name, tree, work))
         if args.floor:
             targets.append(start_floor(work))
-        asyncio.run(probe(targets, args.runs, args.code, args.expect or None))
+        if args.session and args.floor:
+            parser.error("--session: the floor has no sessions")
+        asyncio.run(probe(targets, args.runs, args.code, args.expect or None, args.session))
     finally:
         for t in targets:
             t.server.stop()

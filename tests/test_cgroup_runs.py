@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 from appliance.client import AsyncClient, Execution
+from appliance.errors import JailFailure
 from appliance.jail import cgroups, instance
-from tests.support import Server, scaled, start_server
+from appliance.jail import jail as jail_module
+from tests.support import Server, jail_factory, scaled, start_server
 
 MEMORY_MB = 1024
 
@@ -45,6 +47,11 @@ def instance_dirs(server: Server, tree: cgroups.Hierarchy | None = None) -> dict
 def groups_of(server: Server, controller: str = "memory") -> list[Path]:
     d = instance_dirs(server)[controller]
     return sorted(p for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
+
+
+def _frozen(group: Path) -> bool:
+    version = 1 if (group / "freezer.state").exists() else 2
+    return cgroups.is_frozen(version, (group / cgroups.FREEZE_STATE[version][1]).read_text())
 
 
 def done(ex: Execution) -> dict[str, object]:
@@ -343,6 +350,9 @@ async def test_a_restart_after_kill_9_purges_the_dead_servers_groups(tmp_path: P
         for p in (g / "cgroup.procs").read_text().split()
     ]
     assert held
+    # The session is frozen between cells (`Jail.freeze`; the pool's jails are not): the purge
+    # must kill and thaw it.
+    assert any(_frozen(g) for g in groups_of(s1, "freezer" if _tree().version == 1 else ""))
     os.kill(s1.proc.pid, signal.SIGKILL)
     s1.proc.wait()
     assert any(d.exists() for d in dirs.values())  # the leftover is there
@@ -450,3 +460,33 @@ async def test_a_jail_whose_group_cannot_be_made_never_runs(tmp_path: Path) -> N
         assert s.proc.poll() is None
     finally:
         s.stop()
+
+
+async def test_a_jail_the_kernel_does_not_confirm_frozen_is_killed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Freezing fails closed: a jail whose group never reads frozen (here: the confirmation is
+    made to fail; on a host, a task in an uninterruptible wait) is killed, not left running,
+    and a frozen jail's teardown kills it and removes its group (SIGKILL first, then the thaw
+    that lets a v1 task take it)."""
+    tree, missing = cgroups.open_hierarchy("require")
+    assert tree is not None, missing
+    try:
+        with jail_factory() as factory:
+            factory.cgroups = tree
+            frozen = await factory.launch()
+            await frozen.freeze()
+            assert frozen.cgroup is not None and frozen.cgroup.is_frozen()
+            paths = list(frozen.cgroup.paths.values())
+            pids = frozen.process.tree()
+            await asyncio.wait_for(frozen.destroy(), scaled(10))
+            assert not any(p.exists() for p in paths) and not any(Path(f"/proc/{p}").exists() for p in pids)
+
+            stuck = await factory.launch()
+            monkeypatch.setattr(jail_module, "FREEZE_WAIT_S", 0.05)
+            monkeypatch.setattr(cgroups.Group, "is_frozen", lambda self: False)
+            with pytest.raises(JailFailure, match="did not freeze"):
+                await stuck.freeze()
+            assert stuck.cgroup is not None and not stuck.cgroup.frozen  # thawed to die
+            await asyncio.wait_for(stuck.process.wait(), scaled(10))  # killed: it exits by itself
+            await stuck.destroy()
+    finally:
+        tree.close()

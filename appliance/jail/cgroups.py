@@ -1,7 +1,7 @@
 """Per-run cgroups: a run's limits rendered as file writes (pure), and thin I/O that applies them.
 
-One group per jail, for v1 (one directory per controller: memory, cpu, cpuacct, pids) or v2 (one
-directory in a delegated subtree). `render_v1` / `render_v2` turn `GroupLimits` into ordered writes and
+One group per jail, for v1 (one directory per controller: memory, cpu, cpuacct, pids, freezer) or
+v2 (one directory in a delegated subtree). `render_v1` / `render_v2` turn `GroupLimits` into ordered writes and
 hold all the policy; `Hierarchy` only makes directories, writes files, reads counters and removes.
 
 Layout, under the server's own cgroup of each controller (so the host's placement of the server,
@@ -37,13 +37,18 @@ from appliance.jail import instance as server_instance
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 BASE = "appliance"  # our subtree under the server's own cgroup of each controller
 CPU_PERIOD_US = 100_000
-V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
+V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer")
 V2_CONTROLLERS = ("memory", "cpu", "pids")
 MODES = ("auto", "require", "off")
 TCP_LIMIT = "memory.kmem.tcp.limit_in_bytes"  # v1 socket accounting (`render_v1`)
 RUN_WEIGHT = 100  # v2 cpu.weight of a run (v1 cpu.shares 1024): equal per run
 IDLE_WEIGHT = 10  # a jail starting for the pool (ready, it waits at RUN_WEIGHT): ~ nice 10
 REMOVE_WAIT_S = 5.0
+# A session's jail is frozen between cells (`Group.freeze`): the file that asks for it, what it
+# is written, and what the kernel says once every task is frozen, per cgroup version.
+FREEZE_FILE = {1: ("freezer", "freezer.state"), 2: ("", "cgroup.freeze")}
+FREEZE_STATE = {1: ("freezer", "freezer.state"), 2: ("", "cgroup.events")}
+FREEZE_VALUE = {1: ("FROZEN", "THAWED"), 2: ("1", "0")}
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY
 # What a run's path reads and writes (handout weight, cell-start and cell-end counters, peak
 # reset): Group.prime keeps these open. (controller, file, open flags) per cgroup version.
@@ -54,6 +59,8 @@ PATH_FILES: dict[int, tuple[tuple[str, str, int], ...]] = {
         ("memory", "memory.oom_control", os.O_RDONLY),
         ("memory", "memory.max_usage_in_bytes", os.O_RDONLY),
         ("memory", "memory.max_usage_in_bytes", os.O_WRONLY),
+        ("freezer", "freezer.state", os.O_WRONLY),  # asked and confirmed after a session's cell
+        ("freezer", "freezer.state", os.O_RDONLY),
         ("pids", ".", _DIRECTORY),  # files opened anew (cgroup.procs as a cell ends) from here
     ),
     2: (
@@ -61,6 +68,8 @@ PATH_FILES: dict[int, tuple[tuple[str, str, int], ...]] = {
         ("", "cpu.stat", os.O_RDONLY),
         ("", "memory.events", os.O_RDONLY),
         ("", "memory.peak", os.O_RDONLY),
+        ("", "cgroup.freeze", os.O_WRONLY),
+        ("", "cgroup.events", os.O_RDONLY),
         ("", ".", _DIRECTORY),
     ),
 }
@@ -196,6 +205,14 @@ def counters_v2(read: Callable[[str, str], str]) -> Counters:
     )
 
 
+def is_frozen(version: int, state: str) -> bool:
+    """Whether a group's freezer state file (v1 freezer.state, v2 cgroup.events) says every task
+    of it is frozen: v1 passes through FREEZING (some tasks not yet stopped) to FROZEN."""
+    if version == 1:
+        return state.strip() == "FROZEN"
+    return parse_keyed(state).get("frozen") == 1
+
+
 def owned_kb_of_stat(version: int, stat: str) -> int:
     """Anonymous + shmem (tmpfs, /dev/shm) memory of a group from its memory.stat, in KiB: what
     a run owns, leaving out file pages the kernel can drop (a mmapped model, libraries)."""
@@ -298,7 +315,11 @@ def _remove_instance(dirs: Mapping[str, Path]) -> None:
 
 def remove_paths(paths: Mapping[str, Path]) -> None:
     """Kill every process in these group directories, then remove them (waits for the kernel to
-    let go of the dead: a directory with a dying task in it cannot be removed yet)."""
+    let go of the dead: a directory with a dying task in it cannot be removed yet).
+
+    A frozen group (a session's between cells, or a dead server's) is thawed once its tasks
+    are sent SIGKILL, never before: a v1 frozen task takes the signal only as it thaws, and
+    then dies before it runs another instruction of its own."""
     deadline = time.monotonic() + REMOVE_WAIT_S
     left = dict(paths)
     while left:
@@ -311,6 +332,8 @@ def remove_paths(paths: Mapping[str, Path]) -> None:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
+            if c in ("freezer", ""):
+                _thaw_path(p, 1 if c else 2)
             try:
                 p.rmdir()
                 del left[c]
@@ -321,6 +344,12 @@ def remove_paths(paths: Mapping[str, Path]) -> None:
                     raise
         if left:  # the killed are still leaving (PID-namespace teardown): a short wait
             time.sleep(0.001)
+
+
+def _thaw_path(path: Path, version: int) -> None:
+    controller_file = FREEZE_FILE[version][1]
+    with contextlib.suppress(OSError):  # none there (an older v1 tree), or the group is gone
+        (path / controller_file).write_text(FREEZE_VALUE[version][1])
 
 
 class Group:
@@ -334,6 +363,7 @@ class Group:
         self._kept: dict[tuple[str, str, int], int] = {}
         self._joined: dict[tuple[str, str], str] = {}  # (controller, file) -> its path
         self._removed = False
+        self.frozen = False  # asked to freeze and not thawed since (`freeze`, `thaw`)
 
     # Raw descriptors, not open(): these run on a run's path (handout, cell start and end).
     # The files a run's path reads or writes are opened once, when the group is made (off the
@@ -395,6 +425,24 @@ class Group:
         for w in changes(self.tree.version, self.limits, limits, self.tree.memsw, self.tree.tcpmem):
             self._write(w)
         self.limits = limits
+
+    def freeze(self) -> None:
+        """Ask the kernel to freeze every task of the group, those it forks meanwhile included;
+        `is_frozen` says when all are. Until `thaw` nothing of the group runs, and a signal to
+        one of its tasks (SIGKILL too, on v1) takes effect only then."""
+        controller, file = FREEZE_FILE[self.tree.version]
+        self.frozen = True  # from the request on: whoever ends the group must thaw it
+        self._write(Write(controller, file, FREEZE_VALUE[self.tree.version][0]))
+
+    def is_frozen(self) -> bool:
+        """Whether every task of the group is frozen now (one read)."""
+        return is_frozen(self.tree.version, self._read(*FREEZE_STATE[self.tree.version]))
+
+    def thaw(self) -> None:
+        """Let the group's tasks run again (OSError if the kernel refused)."""
+        controller, file = FREEZE_FILE[self.tree.version]
+        self._write(Write(controller, file, FREEZE_VALUE[self.tree.version][1]))
+        self.frozen = False
 
     def procs_files(self) -> list[Path]:
         """The cgroup.procs of each controller: a process writing "0" into all of them has

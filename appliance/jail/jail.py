@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,8 @@ from appliance.settings import Settings
 log = logging.getLogger("appliance.jail")
 
 READY_TIMEOUT_S = 60.0
+FREEZE_WAIT_S = 2.0  # the longest a session's jail may take to freeze before the session ends
+FREEZE_POLL_S = 0.0005  # the first wait between two looks at the freezer state (doubling)
 
 
 @dataclass
@@ -89,6 +92,51 @@ class Jail:
                 return [pid for pid in members if pid not in skip]
         return proctree.below(inits)
 
+    async def freeze(self) -> None:
+        """Between a session's cells: freeze every process of the jail, and kill what is not the
+        jail's own (`JailProcess.ready_pids`): what a thread of the cell started after the cell
+        ended its leftovers. Nothing of a frozen jail runs, so a session holds no CPU outside
+        SANDBOX_MAX_CONCURRENCY. Confirmed, not assumed: JailFailure unless the kernel says
+        every task is frozen within FREEZE_WAIT_S (a task in an uninterruptible wait may not
+        be). A jail without a cgroup has no freezer: nothing is done (rlimits mode)."""
+        group = self.cgroup
+        if group is None:
+            return
+        try:
+            await self._freeze(group)
+        except BaseException:
+            # Fail closed: the jail is killed, then thawed, so that it dies without running on.
+            self.process.signal_kill()
+            with contextlib.suppress(OSError):
+                group.thaw()
+            raise
+
+    async def _freeze(self, group: Group) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            group.freeze()
+            deadline = loop.time() + FREEZE_WAIT_S
+            wait = 0.0  # the first look again after one turn of the loop: most freezes are done by then
+            while not group.is_frozen():
+                if loop.time() > deadline:
+                    raise JailFailure(f"the session's jail did not freeze within {FREEZE_WAIT_S} s")
+                await asyncio.sleep(wait)
+                wait = min(wait * 2 or FREEZE_POLL_S, 0.05)
+            # Frozen, the member list holds still. On v1 a killed process dies as the group
+            # thaws, before it runs again; on v2 it dies now.
+            own = set(self.process.ready_pids())
+            for pid in group.members() or group.pids():
+                if pid not in own:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        except OSError as exc:
+            raise JailFailure(f"the session's jail could not be frozen: {exc}") from exc
+
+    def thaw(self) -> None:
+        """Let a frozen jail run again (a session's next cell); OSError if the kernel refused."""
+        if self.cgroup is not None and self.cgroup.frozen:
+            self.cgroup.thaw()
+
     def make_ready(self, limits: GroupLimits) -> None:
         """A pooled jail, started at idle CPU weight, becomes ready to hand out: the run's cgroup
         limits (they differ in the weight only) and the baseline its first cell is measured from
@@ -114,6 +162,12 @@ class Jail:
             return
         self._destroyed = True
         try:
+            if self.cgroup is not None and self.cgroup.frozen:
+                # A frozen task takes SIGKILL only as it thaws (v1): the kill goes first, so
+                # that nothing of the jail runs between the thaw and its end.
+                self.process.signal_kill()
+                with contextlib.suppress(OSError):
+                    self.cgroup.thaw()
             await self.process.kill()
         finally:
             if self.tmp_fd is not None:  # an open directory keeps its tmpfs, and its pages, alive

@@ -406,6 +406,11 @@ class JailProcess:
             if fd is not None:
                 self._alive_poll.register(fd, select.POLLIN)
 
+    def ready_pids(self) -> tuple[int, ...]:
+        """The jail's processes as `pin` found them (firejail, the sandbox's init, the driver):
+        all a session's jail may hold between cells. Their PIDs stay theirs while they live."""
+        return self._ready_pids
+
     def inits(self) -> list[int]:
         """firejail's child: the sandbox's PID-namespace init, whose mount namespace holds the
         jail's private /tmp. Pinned once the jail is ready: it is the same process for the

@@ -13,7 +13,7 @@ import pytest
 from appliance.client import AsyncClient
 from tests.attacks.common import TOKEN, assert_contained, assert_no_secret, assert_one_done, attack, run
 from tests.attacks.conftest import hostile_server
-from tests.support import Server
+from tests.support import Server, run_descendants
 
 Observe = Callable[[str], None]
 SHORT = 5000  # ms: the per-request limit most attacks run under
@@ -511,3 +511,112 @@ async def test_loopback_networking_still_works_under_the_socket_bound(
     report = json.loads(lines[-1])
     assert report == {"tcp_echoed_mib": 32, "udp": "pingping"}, (report, ex.stderr[-1500:])
     observe(f"{report}")
+
+
+# Four threads that spin; and (another session) one that restarts `sleep 300` as soon as its
+# last one is killed: a cell's end kills its processes (end_leftovers) just before `done`, so a
+# new one starts just after the cell ended, when no process of the cell is left to be killed.
+SPIN = """
+import threading
+def spin():
+    while True:
+        pass
+for _ in range(4):
+    threading.Thread(target=spin, daemon=True).start()
+print('spinning')
+"""
+RESPAWN = """
+import subprocess, threading
+def respawn():
+    while True:
+        try:
+            subprocess.Popen(['sleep', '300'], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL).wait()
+        except OSError:
+            pass
+threading.Thread(target=respawn, daemon=True).start()
+print('respawning')
+"""
+AGAIN = "import threading\nprint(threading.active_count())"
+# Burns 0.3 s of CPU time in a run of its own: the window over which the sessions must not run.
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\nprint('burnt')"
+V2 = Path("/sys/fs/cgroup/cgroup.controllers").is_file()
+
+
+def _group_dirs(pid: int) -> tuple[Path, Path]:
+    """(the directory whose cgroup.procs lists a process's group, the one that counts its CPU)."""
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    if V2:
+        path = next(ln.split(":", 2)[2] for ln in lines if ln.startswith("0::"))
+        return Path("/sys/fs/cgroup" + path), Path("/sys/fs/cgroup" + path)
+    paths = {c: ln.split(":", 2)[2] for ln in lines for c in ln.split(":", 2)[1].split(",")}
+    cpuacct = next(p for p in Path("/sys/fs/cgroup").iterdir() if "cpuacct" in p.name.split(","))
+    return Path("/sys/fs/cgroup/pids" + paths["pids"]), cpuacct / paths["cpuacct"].lstrip("/")
+
+
+def _members(procs: Path) -> set[int]:
+    return {int(p) for p in (procs / "cgroup.procs").read_text().split()}
+
+
+def _cpu_ns(group: Path) -> int:
+    """The group's CPU time so far, in ns: the kernel's counter, not a clock."""
+    if (group / "cpuacct.usage").is_file():
+        return int((group / "cpuacct.usage").read_text())
+    stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
+    return int(stat["usage_usec"]) * 1000
+
+
+def _leftovers(procs: Path, own: set[int]) -> tuple[list[int], int]:
+    """Processes of the group that are not the jail's own and run on: neither gone, a zombie,
+    nor holding a SIGKILL (which a frozen v1 task takes as it thaws). And how many were killed."""
+    live, killed = [], 0
+    for pid in _members(procs) - own:
+        try:
+            status = dict(ln.split(":\t", 1) for ln in Path(f"/proc/{pid}/status").read_text().splitlines())
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if (int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)) & (1 << (9 - 1)):  # SIGKILL
+            killed += 1
+        elif not status["State"].startswith("Z"):
+            live.append(pid)
+    return live, killed
+
+
+@attack(
+    "two sessions' cells leave threads behind and return: 4 that spin; one that restarts `sleep 300`",
+    "between cells a session's jail is frozen: its CPU counter stands still while another run burns "
+    "0.3 s of CPU, and what a thread started after the cell's end is killed",
+)
+async def test_a_session_does_no_work_between_cells(target: Server, observe: Observe) -> None:
+    notes = []
+    async with AsyncClient(target.url, TOKEN) as c:
+        groups: dict[str, tuple[Path, Path, set[int]]] = {}
+        for _ in ("spin", "respawn"):
+            known = set(run_descendants(target.proc.pid))  # pool off: the sessions' jails only
+            first = await c.execute("print('ready')", session="new", timeout_ms=SHORT)
+            assert first.status == "ok" and first.session, (first.status, first.message)
+            jail = [pid for pid in run_descendants(target.proc.pid) if pid not in known]
+            procs, cpu = _group_dirs(jail[-1])
+            groups[first.session] = (procs, cpu, _members(procs))
+        for cells in ((SPIN, RESPAWN), (AGAIN, AGAIN)):
+            for sid, code in zip(groups, cells, strict=True):
+                ex = await c.execute(code, session=sid, timeout_ms=SHORT)
+                assert ex.status == "ok", (ex.status, ex.message, ex.stderr)
+            before = {
+                sid: (_cpu_ns(cpu), _leftovers(procs, own)) for sid, (procs, cpu, own) in groups.items()
+            }
+            burnt = await c.execute(BURN, timeout_ms=SHORT)  # a one-shot run: a jail of its own
+            assert burnt.status == "ok", (burnt.status, burnt.message)
+            for sid, (procs, cpu, own) in groups.items():
+                (cpu_before, (live, killed)), cpu_after = before[sid], _cpu_ns(cpu)
+                still, _ = _leftovers(procs, own)
+                assert not live and not still, f"processes run on after done: {live} {still}"
+                assert cpu_after == cpu_before, (
+                    f"a session ran {(cpu_after - cpu_before) / 1e6:.1f} ms between cells"
+                )
+                notes.append(f"CPU {cpu_before} ns -> {cpu_after} ns, {killed} started after done killed")
+            if not V2:  # v1: the killed one is there until the group thaws, SIGKILL pending
+                assert before[list(groups)[1]][1][1] >= 1, "the respawned sleep was not found"
+        for sid in groups:
+            await c.close_session(sid)
+    contained = await assert_contained(target)
+    observe(f"{'; '.join(notes)}; {contained}")
