@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from appliance.jail.network import EgressNetwork, check_prerequisites
 from appliance.jail.pool import ProfilePools
 from appliance.jail.profiles import Profile
 from appliance.jail.wheels import check_wheelhouse, stage_wheel_cache
-from appliance.jail.workdir import RunDirs, stage_runtime
+from appliance.jail.workdir import RunDirs, open_base, stage_runtime
 from appliance.metrics import Metrics
 from appliance.protocol import ExecuteRequest, Frame
 from appliance.settings import Settings
@@ -120,6 +121,8 @@ class Lifecycle:
         problem = readable_ancestors_problem(s.tmp_root, host.uid)
         if problem:  # firejail, running as the sandbox uid, must reach the run directories
             raise StartupError(f"SANDBOX_TMP_ROOT is not reachable by the sandbox uid: {problem}")
+        with open_base(s.tmp_root, os.geteuid()):  # before listening: a squatted root stops startup
+            pass
         if s.wheelhouse is not None:
             check_wheelhouse(s.wheelhouse)
             problem = readable_ancestors_problem(s.wheelhouse, host.uid)

@@ -35,7 +35,9 @@ class Settings:
     """Everything the appliance is configured with."""
 
     max_exec_ms: int = 15000
-    tmp_root: Path = Path("/tmp")  # noqa: S108 (only the root: each server makes its own 0711 directory in it)
+    # Where <tmp_root>/appliance/ is made (SANDBOX_TMP_ROOT): root-only by default, so no local
+    # user can make it first (appliance.jail.trust checks the chain whatever is set).
+    tmp_root: Path = Path("/run")
     memory_mb: int = 1024
     max_procs: int = 64
     max_file_mb: int = 100

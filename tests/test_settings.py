@@ -12,7 +12,7 @@ from appliance.settings import from_env
 
 def test_defaults_are_the_documented_ones() -> None:
     s = from_env({})
-    assert s.max_exec_ms == 15000 and s.tmp_root == Path("/tmp") and s.memory_mb == 1024
+    assert s.max_exec_ms == 15000 and s.tmp_root == Path("/run") and s.memory_mb == 1024
     assert s.max_procs == 64 and s.max_file_mb == 100 and s.max_output_bytes == 1048576
     assert s.max_message_bytes == 16777216 and s.uid == 1001 and s.auth_token is None
     assert s.open_ports == () and s.gpu is False and s.preload == ("numpy", "pandas", "matplotlib")

@@ -174,7 +174,7 @@ class TestNeverWritableByAJail:
     def test_the_cache_is_owned_by_the_server_and_not_group_or_world_writable(
         self, served: Server, wheelhouse: Path
     ) -> None:
-        caches = list((Path(served.env.get("SANDBOX_TMP_ROOT", "/tmp")) / "appliance").glob("wheels-*"))
+        caches = list((Path(served.env.get("SANDBOX_TMP_ROOT", "/run")) / "appliance").glob("wheels-*"))
         assert caches
         for cache in caches:
             for path in [cache, *cache.rglob("*")]:

@@ -37,7 +37,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from appliance.errors import StartupError
-from appliance.jail.workdir import staged
+from appliance.jail.workdir import reusable, staged
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_UNPACKED_BYTES = 512 * 1024 * 1024  # per wheel: a zip bomb in the wheelhouse stays a pip matter
@@ -67,8 +67,9 @@ def stage_wheel_cache(wheelhouse: Path, tmp_root: Path) -> Path:
     for wheel in wheels:
         info = wheel.stat()
         digest.update(f"{wheel.name}\0{info.st_size}\0{info.st_mtime_ns}\n".encode())
-    target = tmp_root / "appliance" / f"wheels-{digest.hexdigest()[:16]}"
-    if (target / "manifest.json").exists():
+    name = f"wheels-{digest.hexdigest()[:16]}"
+    target = tmp_root / "appliance" / name
+    if reusable(tmp_root, name, "manifest.json"):  # only a cache wholly the server's own
         return target
     with staged(target, ".wheels-") as staging:
         manifest = _unpack_all(wheels, staging)

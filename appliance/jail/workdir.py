@@ -1,10 +1,15 @@
 """Per-run directories and the shared read-only runtime, under SANDBOX_TMP_ROOT.
 
 Layout:
-    <tmp_root>/appliance/                  0755 root
+    <tmp_root>/appliance/                  0755 the server's uid (root)
         runtime-<hash>/                    0755, read-only in jails: driver, mpl backend, font cache
+        accounts-<uid>-<gid>/              0755, the jails' passwd and group
         srv-<pid ns>-<pid>-<start>/        0711, one per server process (appliance.jail.instance)
             <run id>/                      0700 uid:gid, mounted as /workspace
+
+Nothing here is used or reused before `appliance.jail.trust` has checked it by descriptor:
+the root's chain from `/`, then each directory the server makes or finds. A staged tree
+that is not wholly the server's own is removed and staged again.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import hashlib
 import logging
 import os
 import pwd
+import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +32,7 @@ from pathlib import Path
 from appliance import fstree
 from appliance.errors import StartupError
 from appliance.jail import instance as server_instance
+from appliance.jail import trust
 
 log = logging.getLogger("appliance.workdir")
 
@@ -42,27 +50,37 @@ class RunDirs:
     """Creates, measures and removes run directories for one server process."""
 
     def __init__(self, tmp_root: Path, uid: int, gid: int) -> None:
+        self.root = tmp_root
         self.base = tmp_root / "appliance"
         self.instance = self.base / server_instance.name()
         self.uid = uid
         self.gid = gid
+        self.server_uid = os.geteuid()
         self.accounts: tuple[Path, Path] | None = None  # (passwd, group) for jails; see prepare()
 
     def prepare(self) -> list[Path]:
-        """Create this server's directory; remove those of servers that are gone. Returns them."""
+        """Create this server's directory; remove those of servers that are gone. Returns them.
+        StartupError when the root or anything in it is not the server's own (`trust`)."""
         try:
-            self.base.mkdir(mode=0o755, parents=True, exist_ok=True)
-            os.chmod(self.base, 0o755)
-            self.instance.mkdir(mode=0o711, exist_ok=True)
-            os.chmod(self.instance, 0o711)
-            self.accounts = self.stage_accounts()
+            with self._instance(), open_base(self.root, self.server_uid) as base_fd:
+                self.accounts = self.stage_accounts(base_fd)
         except OSError as exc:
             raise StartupError(f"SANDBOX_TMP_ROOT: cannot create {self.instance}: {exc}") from exc
         return self.purge_stale()
 
-    def stage_accounts(self) -> tuple[Path, Path]:
+    @contextlib.contextmanager
+    def _instance(self) -> Iterator[int]:
+        """This server's checked instance directory, made if absent (again, if an operator
+        cleared the temp root), the whole chain checked anew each time."""
+        with open_base(self.root, self.server_uid) as base_fd:
+            fd = trust.ensure_dir(base_fd, self.base, self.instance.name, 0o711, self.server_uid)
+        with trust.held(fd):
+            yield fd
+
+    def stage_accounts(self, base_fd: int) -> tuple[Path, Path]:
         """A passwd and a group file naming only root and the sandbox user, for the jail's
-        /etc (the host's list its accounts). Written atomically; shared by servers alike."""
+        /etc (the host's list its accounts). Written atomically, by descriptor; shared by
+        servers alike."""
         try:
             user = pwd.getpwuid(self.uid).pw_name
         except KeyError:
@@ -71,20 +89,26 @@ class RunDirs:
             group = grp.getgrgid(self.gid).gr_name
         except KeyError:
             group = user
-        target = self.base / f"accounts-{self.uid}-{self.gid}"
-        target.mkdir(mode=0o755, exist_ok=True)
+        name = f"accounts-{self.uid}-{self.gid}"
         files = {
             "passwd": f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
             f"{user}:x:{self.uid}:{self.gid}::/workspace:/usr/sbin/nologin\n",
             "group": f"root:x:0:\n{group}:x:{self.gid}:\n",
         }
-        for name, text in files.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=target)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(text)
-            os.chmod(tmp, 0o644)
-            os.rename(tmp, target / name)
-        return target / "passwd", target / "group"
+        with trust.held(trust.ensure_dir(base_fd, self.base, name, 0o755, self.server_uid)) as dir_fd:
+            for file, text in files.items():
+                tmp = f".{file}-{secrets.token_hex(8)}"
+                fd = os.open(
+                    tmp,
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o644,
+                    dir_fd=dir_fd,
+                )
+                with os.fdopen(fd, "w") as fh:
+                    os.fchmod(fd, 0o644)
+                    fh.write(text)
+                os.rename(tmp, file, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return self.base / name / "passwd", self.base / name / "group"
 
     def purge_stale(self) -> list[Path]:
         """Kill the jails of servers that are gone and remove their directories (a live server's,
@@ -115,19 +139,22 @@ class RunDirs:
         return self.instance / run_id
 
     def create(self, run_id: str) -> Path:
-        path = self.path(run_id)
-        try:
-            path.mkdir(mode=0o700)
-        except FileNotFoundError:
-            # Our directory was removed from under us (an operator clearing the temp
-            # root): make it again, as prepare() did, rather than fail every run.
-            self.instance.mkdir(mode=0o711, parents=True, exist_ok=True)
-            os.chmod(self.instance, 0o711)
-            path.mkdir(mode=0o700)
-        (path / "outputs").mkdir(mode=0o755)
-        for p in (path / "outputs", path):
-            os.chown(p, self.uid, self.gid)
-        return path
+        """Make run run_id's directory (and its outputs/), owned by the sandbox uid; owner and
+        mode are set on the descriptors made here, never through a path."""
+        with self._instance() as inst:
+            os.mkdir(run_id, 0o700, dir_fd=inst)
+            fd = os.open(run_id, fstree.DIR_FLAGS, dir_fd=inst)
+            try:
+                os.mkdir("outputs", 0o755, dir_fd=fd)
+                out = os.open("outputs", fstree.DIR_FLAGS, dir_fd=fd)
+                try:
+                    os.fchown(out, self.uid, self.gid)
+                finally:
+                    os.close(out)
+                os.fchown(fd, self.uid, self.gid)
+            finally:
+                os.close(fd)
+        return self.path(run_id)
 
     def remove(self, path: Path) -> None:
         """Remove a run directory, whatever the code made of it (links are never followed,
@@ -138,8 +165,52 @@ class RunDirs:
         fstree.remove_tree(self.instance)
 
 
-def stage_runtime(tmp_root: Path, python: Path) -> Path:
-    """Install the in-jail runtime once per content hash; build matplotlib's font cache there."""
+@contextlib.contextmanager
+def open_base(tmp_root: Path, server_uid: int) -> Iterator[int]:
+    """`<tmp_root>/appliance`, made if absent, with the root's whole chain checked (`trust`)."""
+    with trust.held(trust.open_root(tmp_root, server_uid)) as root_fd:
+        fd = trust.ensure_dir(root_fd, tmp_root, "appliance", 0o755, server_uid)
+    with trust.held(fd):
+        yield fd
+
+
+def reusable(tmp_root: Path, name: str, marker: str) -> bool:
+    """Whether `<tmp_root>/appliance/<name>` is a finished staged tree (holding `marker`) that is
+    wholly the server's own. One that is not (a link, another owner, anything writable by
+    others) is removed, to be staged again."""
+    server_uid = os.geteuid()
+    base = tmp_root / "appliance"
+    with open_base(tmp_root, server_uid) as base_fd:
+        try:
+            fd = os.open(name, fstree.DIR_FLAGS, dir_fd=base_fd)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            problem: str | None = f"cannot be opened as a directory ({exc.strerror})"
+        else:
+            with trust.held(fd):
+                problem = trust.policy(os.fstat(fd), server_uid, ancestor=False) or trust.tree_problem(
+                    fd, server_uid
+                )
+                if problem is None:
+                    try:
+                        st = os.stat(marker, dir_fd=fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        return False  # being staged (or left half-made): staged anew beside it
+                    if stat.S_ISREG(st.st_mode):
+                        return True
+                    problem = f"{marker} is not a regular file"
+    log.warning(
+        "removing a staged tree that is not the server's own",
+        extra={"path": str(base / name), "problem": problem},
+    )
+    if not fstree.remove_tree(base / name):
+        raise trust.refusal(base / name, f"is not the server's own ({problem}) and could not be removed")
+    return False
+
+
+def runtime_name(python: Path) -> str:
+    """The runtime's directory name: a hash of what is staged in it (and for which python)."""
     digest = hashlib.sha256()
     for name in RUNTIME_FILES:
         digest.update((SOURCE_DIR / name).read_bytes())
@@ -148,8 +219,15 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
     for module in JAIL_MODULES:
         digest.update(module.name.encode() + module.read_bytes())
     digest.update(str(python).encode())
-    target = tmp_root / "appliance" / f"runtime-{digest.hexdigest()[:16]}"
-    if (target / "ready").exists():
+    return f"runtime-{digest.hexdigest()[:16]}"
+
+
+def stage_runtime(tmp_root: Path, python: Path) -> Path:
+    """Install the in-jail runtime once per content hash; build matplotlib's font cache there.
+    A runtime found there is reused only when it is wholly the server's own (`reusable`)."""
+    name = runtime_name(python)
+    target = tmp_root / "appliance" / name
+    if reusable(tmp_root, name, "ready"):
         return target
     with staged(target, ".runtime-") as staging:
         for name in RUNTIME_FILES:
@@ -185,8 +263,8 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
 @contextlib.contextmanager
 def staged(target: Path, prefix: str) -> Iterator[Path]:
     """A fresh directory beside target to build a read-only tree in; when the block ends
-    normally the tree is published as target, and the staging directory never stays."""
-    target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    normally the tree is published as target, and the staging directory never stays. The
+    caller has checked target's parent (`open_base`)."""
     staging = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
     try:
         yield staging

@@ -9,15 +9,19 @@ import asyncio
 import base64
 import json
 import os
+import shutil
+import stat
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import websockets
 
-from appliance.client import AsyncClient, Execution
+from appliance.client import AsyncClient, Client, Execution
 from appliance.jail import instance
+from appliance.local import ServerStartError
 from tests.attacks.common import SYSCALLS, TOKEN, assert_contained, attack, probe, run
 from tests.attacks.conftest import hostile_server
 from tests.attacks.test_transport import rss_mb
@@ -401,3 +405,112 @@ async def test_the_jail_lists_no_host_account(target: Server, observe: Observe) 
     assert out["passwd"] == sorted(["root", sandbox]), out
     assert len(out["group"]) == 2 and "root" in out["group"], out
     observe(f"passwd: {out['passwd']}; group: {out['group']}")
+
+
+# -- a local user squats the temp root (issue 28, item 2) -------------------------------------
+SQUATTER = 65534  # nobody: any local account that can write in a shared temp root
+
+
+def _squat(root: Path) -> Path:
+    """What a local user does before the server first starts: make `<root>/appliance` their own."""
+    base = root / "appliance"
+    base.mkdir(mode=0o755)
+    os.chown(base, SQUATTER, SQUATTER)
+    return base
+
+
+def _plant_runtime(base: Path, scratch: Path) -> None:
+    """A runtime where the server would stage its own (the name is a hash of public source), its
+    driver writing outputs/PLANTED in front of every cell."""
+    from appliance.jail.workdir import stage_runtime
+
+    real = stage_runtime(scratch, Path(sys.executable))  # the name this server computes
+    planted = base / real.name
+    shutil.copytree(real, planted)
+    driver = planted / "driver.py"
+    source = driver.read_text()
+    head = "from __future__ import annotations\n"
+    driver.write_text(
+        source.replace(head, head + "open('/workspace/outputs/PLANTED', 'w').write('planted')\n", 1)
+    )
+    for path in (planted, *planted.rglob("*")):
+        os.chown(path, SQUATTER, SQUATTER, follow_symlinks=False)
+
+
+def _plant_link(base: Path, name: str, decoy: Path) -> None:
+    decoy.mkdir(mode=0o755)
+    os.chown(decoy, SQUATTER, SQUATTER)
+    (base / name).symlink_to(decoy)
+    os.chown(base / name, SQUATTER, SQUATTER, follow_symlinks=False)
+
+
+# The server's own instance directory is named by its PID namespace, PID and start time: a
+# wrapper that plants a link under that name and then execs the server is what a squatter
+# racing a restart achieves.
+PLANT_INSTANCE = (
+    'ln -s "$1" "$2/srv-$(stat -L -c %i /proc/self/ns/pid)-$$-$(cut -d" " -f22 /proc/$$/stat)"; '
+    'shift 2; exec "$@"'
+)
+
+
+@attack(
+    "a local user makes <SANDBOX_TMP_ROOT>/appliance first and plants a runtime (driver.py + ready), "
+    "a link for the jails' accounts directory or for the server's own srv-* directory",
+    "startup stops (exit 2) naming the directory and the fix; the planted driver never runs and "
+    "nothing is written through the links",
+)
+@pytest.mark.parametrize("plant", ["runtime", "accounts", "instance"])
+def test_a_squatted_temp_root_stops_startup(
+    plant: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, observe: Observe
+) -> None:
+    from tests.support import reachable_tmp_root
+
+    with reachable_tmp_root("appliance-squat-") as root, reachable_tmp_root("appliance-scratch-") as scratch:
+        base = _squat(root)
+        decoy = root / "decoy"
+        wrap: list[str] = []
+        if plant == "runtime":
+            _plant_runtime(base, scratch)
+        elif plant == "accounts":
+            _plant_link(base, "accounts-1001-1001", decoy)
+        else:
+            _plant_link(base, "placeholder", decoy)
+            (base / "placeholder").unlink()
+            wrap = ["sh", "-c", PLANT_INSTANCE, "sh", str(decoy), str(base)]
+        try:
+            srv = start_server(tmp_path, wrap=wrap, SANDBOX_TMP_ROOT=str(root), SANDBOX_POOL_SIZE="0")
+        except ServerStartError as exc:
+            refusal = str(exc)
+        else:
+            try:  # the server took the squatted directory: show what the plant achieved
+                with Client(srv.url) as client:
+                    ex = client.execute("print('tenant')")
+                planted = [f.path for f in ex.files]
+            finally:
+                srv.stop()
+            pytest.fail(
+                f"the server started on a temp root owned by uid {SQUATTER}: files of a tenant's run "
+                f"{planted}, written through the link: {sorted(p.name for p in decoy.glob('*'))}"
+            )
+        assert "server exited 2" in refusal, refusal
+        assert f"{base} is owned by uid {SQUATTER}" in refusal and f"rm -rf {base}" in refusal, refusal
+        if plant != "runtime":
+            assert not list(decoy.iterdir()), "the server wrote through a planted link"
+            assert stat.S_IMODE(decoy.stat().st_mode) == 0o755, "the server changed a planted link's target"
+        observe(refusal.splitlines()[-1][:300])
+
+
+def test_the_planted_runtime_name_is_the_servers_own(tmp_path: Path) -> None:
+    """The name the squatting test plants under is the one a clean server stages: the planting is real."""
+    from tests.support import reachable_tmp_root
+
+    with reachable_tmp_root("appliance-clean-") as root, reachable_tmp_root("appliance-scratch-") as scratch:
+        from appliance.jail.workdir import stage_runtime
+
+        expected = stage_runtime(scratch, Path(sys.executable)).name
+        srv = start_server(tmp_path, SANDBOX_TMP_ROOT=str(root), SANDBOX_POOL_SIZE="0")
+        try:
+            staged = sorted(p.name for p in (root / "appliance").glob("runtime-*"))
+        finally:
+            srv.stop()
+        assert staged == [expected], (staged, expected)
