@@ -18,6 +18,7 @@ from appliance import canary, toolprobe
 from appliance.errors import StartupError
 from appliance.jail import cgroups, sched
 from appliance.jail.cell import run_cell
+from appliance.jail.firejail import lower_own_oom_score
 from appliance.jail.host import HostFacts, import_problem, inspect, readable_ancestors_problem
 from appliance.jail.jail import JailFactory, python_roots
 from appliance.jail.lease import LeaseSource, PoolLeases
@@ -141,6 +142,9 @@ class Lifecycle:
         else:
             log.info("default scheduler slice", extra={"reason": refused})
         host = self.host or self.check_host()
+        refused = lower_own_oom_score()  # a global OOM picks a jail (1000), not the server
+        if refused is not None:
+            log.warning("the server's oom_score_adj stays as it is", extra={"reason": refused})
         self.dirs = RunDirs(s.tmp_root, host.uid, host.gid)
         removed = self.dirs.prepare()
         if removed:

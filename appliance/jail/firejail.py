@@ -142,6 +142,30 @@ _JOIN = (
 )
 
 
+# A global OOM must pick a jail, never the server: jails start at the highest badness, and
+# since root writes it (CAP_SYS_RESOURCE), that is also their floor (oom_score_adj_min), so
+# jailed code cannot lower it; the server lowers its own (`lower_own_oom_score`).
+JAIL_OOM_SCORE_ADJ = 1000
+SERVER_OOM_SCORE_ADJ = -900
+_OOM = f'printf {JAIL_OOM_SCORE_ADJ} > /proc/self/oom_score_adj || exit 126; exec "$@"'
+
+
+def oom_argv() -> list[str]:
+    """The prefix (run as root, first) that makes the launcher and all it starts the OOM
+    killer's first choice, then execs what follows; a failed write runs nothing."""
+    return ["sh", "-c", _OOM, "sh"]
+
+
+def lower_own_oom_score() -> str | None:
+    """Make this process (the server) the OOM killer's last choice; why not, or None."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write(str(SERVER_OOM_SCORE_ADJ))
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
 def join_argv(procs: Sequence[Path]) -> list[str]:
     """The prefix (run as root, first of all) that moves the launching process into the jail's
     cgroup, one cgroup.procs per controller, then execs what follows: firejail and everything it

@@ -26,7 +26,7 @@ from appliance.errors import JailExited, JailFailure, JailStartFailed
 from appliance.jail import checks, proctree
 from appliance.jail.cgroups import Counters, Group, GroupLimits, Hierarchy
 from appliance.jail.devices import GpuDevice
-from appliance.jail.firejail import accounts_argv, drop_argv, join_argv, launcher_env, render_argv
+from appliance.jail.firejail import accounts_argv, drop_argv, join_argv, launcher_env, oom_argv, render_argv
 from appliance.jail.host import HostFacts
 from appliance.jail.network import EgressNetwork, JailLink, enter_argv, expected_interfaces
 from appliance.jail.process import JailProcess
@@ -330,6 +330,8 @@ class JailFactory:
             prefix = accounts_argv(*accounts, prefix)
         if group is not None:
             prefix = join_argv(group.procs_files()) + prefix
+        if self.host.run_as_uid is not None:  # root: the jail is the OOM killer's first choice
+            prefix = oom_argv() + prefix
         return prefix
 
     async def _launch(self, jail_id: str, nice: int, group: Group | None) -> Jail:

@@ -620,3 +620,54 @@ async def test_a_session_does_no_work_between_cells(target: Server, observe: Obs
             await c.close_session(sid)
     contained = await assert_contained(target)
     observe(f"{'; '.join(notes)}; {contained}")
+
+
+def _may_lower_oom_scores(pid: int) -> bool:
+    """Whether process pid holds CAP_SYS_RESOURCE (24), which lowering an oom_score_adj takes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 24 & 1)
+    return False
+
+
+OOM_PROBE = """
+import json, subprocess
+def adj():
+    return int(open('/proc/self/oom_score_adj').read())
+start = adj()
+tries = {}
+for value in ('0', '-1000', '999'):
+    try:
+        with open('/proc/self/oom_score_adj', 'w') as fh:
+            fh.write(value)
+        tries[value] = 'written'
+    except OSError as exc:
+        tries[value] = type(exc).__name__
+child = int(subprocess.run(['cat', '/proc/self/oom_score_adj'], capture_output=True, text=True).stdout)
+print(json.dumps({"start": start, "adj": adj(), "tries": tries, "child": child}))
+"""
+
+
+@attack(
+    "a global OOM (the host out of memory) picks the server, or jailed code lowers its own oom_score_adj",
+    "the server runs at a negative oom_score_adj and every jailed process at 1000, which jailed code "
+    "cannot lower (EACCES): the OOM killer's first choice is always a jail",
+)
+async def test_a_global_oom_picks_a_jail_not_the_server(target: Server, observe: Observe) -> None:
+    server_adj = int(Path(f"/proc/{target.proc.pid}/oom_score_adj").read_text())
+    ex = await run(target, OOM_PROBE)
+    report = json.loads(ex.stdout.strip().splitlines()[-1])
+    assert report["start"] == 1000, f"a jail starts at oom_score_adj {report['start']}"
+    assert report["tries"]["-1000"] != "written", report
+    if _may_lower_oom_scores(target.proc.pid):
+        assert server_adj < 0, f"the server runs at oom_score_adj {server_adj}"
+        assert report["adj"] == 1000 and report["child"] == 1000, report  # 1000 is the jail's floor
+        assert all(v != "written" for v in report["tries"].values()), report
+    else:  # no CAP_SYS_RESOURCE (some containers): no floor can be set, nor a negative score
+        assert server_adj <= 0 and report["adj"] >= server_adj, (server_adj, report)
+        assert "oom_score_adj stays" in target.log.read_text(), (
+            "the server did not say it could not lower its score"
+        )
+    observe(
+        f"server {server_adj}; jail {report['adj']}, its child {report['child']}; lowering: {report['tries']}"
+    )
