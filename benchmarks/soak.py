@@ -1,12 +1,12 @@
-"""Soak: thousands of mixed runs (normal, hostile, concurrent, sessions, malformed, deep
-trees, sparse outputs) and clients that stop reading, against a real server, then a leak
+"""Soak: thousands of mixed runs (normal, hostile, concurrent, sessions, sessions that leave
+spinning threads between cells, malformed, deep trees, sparse outputs) and clients that stop reading, against a real server, then a leak
 audit.
 
     .venv/bin/python -m benchmarks.soak                  # 10,000 requests -> benchmarks/results/soak.{md,json}
     .venv/bin/python -m benchmarks.soak --quick          # 300 requests, printed only
 
 Checks afterwards: every request got exactly one `done`; no process left under the server
-(the pool is off, so any process is a leak); no run directory left under the server's
+(the pool is off, so any process is a leak), nor any of its per-run cgroups; no run directory left under the server's
 SANDBOX_TMP_ROOT; no growth in the server's open file descriptors; the server's RSS before,
 at its peak (sampled throughout) and after, reported.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -29,6 +30,7 @@ from typing import Any
 
 import websockets
 
+from appliance.jail import cgroups, instance
 from tests.support import REPO, Server, start_server
 
 NORMAL = [
@@ -74,6 +76,24 @@ HOSTILE = [
 ]
 # A client that sends this and never reads: the server must neither grow nor keep the run.
 FLOOD = "import os\nb = b'x' * 65536\nwhile True:\n    os.write(1, b)"
+# A session's first cell that leaves threads behind: two that spin and one that restarts a
+# `sleep` as soon as the cell's end kills it. Between cells the jail is frozen and what that
+# thread started is killed; the session's close leaves nothing.
+SPINNING_SESSION = """
+import subprocess, threading
+n = 1
+def spin():
+    while True:
+        pass
+def respawn():
+    while True:
+        try:
+            subprocess.Popen(['sleep', '300']).wait()
+        except OSError:
+            pass
+for target in (spin, spin, respawn):
+    threading.Thread(target=target, daemon=True).start()
+"""
 MALFORMED = [
     "not json",
     "[1]",
@@ -124,9 +144,10 @@ async def worker(url: str, n: int, seq: list[int], total: int, tally: Tally, rng
                     code, ms = rng.choice(HOSTILE)
                     await request(ws, {"id": rid, "code": code, "timeout_ms": ms}, rid, tally, "hostile")
                 elif roll < 0.95:
-                    first = await request(
-                        ws, {"id": rid, "code": "n = 1", "session": "new"}, rid, tally, "session"
+                    kind, code = (
+                        ("spinning session", SPINNING_SESSION) if roll >= 0.91 else ("session", "n = 1")
                     )
+                    first = await request(ws, {"id": rid, "code": code, "session": "new"}, rid, tally, kind)
                     sid = first.get("session")
                     for j in range(2):
                         seq[0] += 1
@@ -135,7 +156,7 @@ async def worker(url: str, n: int, seq: list[int], total: int, tally: Tally, rng
                             {"id": f"{rid}-{j}", "code": "n += 1\nprint(n)", "session": sid},
                             f"{rid}-{j}",
                             tally,
-                            "session",
+                            kind,
                         )
                     if sid:
                         seq[0] += 1
@@ -144,7 +165,7 @@ async def worker(url: str, n: int, seq: list[int], total: int, tally: Tally, rng
                             {"type": "close_session", "id": f"{rid}-c", "session": sid},
                             f"{rid}-c",
                             tally,
-                            "session",
+                            kind,
                         )
                 else:
                     await request(ws, rng.choice(MALFORMED), rid, tally, "malformed")
@@ -179,6 +200,19 @@ def rss_kb(pid: int) -> int:
 
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def leftover_groups(pid: int) -> list[str]:
+    """The per-run cgroups server `pid` still has (the pool is off: any is a leak; a session's
+    frozen group among them would be one its close failed to end)."""
+    tree, _ = cgroups.detect()
+    if tree is None:
+        return []
+    found: set[str] = set()
+    for d in tree.base.values():
+        with contextlib.suppress(FileNotFoundError):
+            found |= {g.name for g in (d / instance.name(pid)).iterdir() if g.is_dir()}
+    return sorted(found)
 
 
 def settle(server: Server, timeout: float = 30) -> tuple[list[int], list[str]]:
@@ -246,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         peak = [rss_before]
         tally, seconds = asyncio.run(soak(server, total, args.concurrency, args.seed, peak))
         procs, dirs = settle(server)
+        groups = leftover_groups(server.proc.pid)
         time.sleep(1)
         rss_after, fds_after = rss_kb(server.proc.pid), fd_count(server.proc.pid)
         alive = server.proc.poll() is None and server.get("/healthz")[0] == 200
@@ -273,6 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "client_errors": tally.errors[:20],
         "leftover_processes": procs,
         "leftover_run_dirs": dirs,
+        "leftover_cgroups": groups,
         "server_fds_before": fds_before,
         "server_fds_after": fds_after,
         "server_rss_mb_before": round(rss_before / 1024, 1),
@@ -289,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         leaks.append("processes")
     if dirs:
         leaks.append("run directories")
+    if groups:
+        leaks.append("cgroups")
     if fds_after > fds_before + 2:
         leaks.append("file descriptors")
     if not alive:

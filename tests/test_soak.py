@@ -13,5 +13,6 @@ def test_a_quick_soak_leaks_nothing() -> None:
     assert result["requests"] >= 300
     assert result["requests_without_exactly_one_done"] == 0 and result["client_errors"] == []
     assert result["leftover_processes"] == [] and result["leftover_run_dirs"] == []
+    assert result["leftover_cgroups"] == [] and result["kinds"].get("spinning session", 0) > 0
     assert result["server_fds_after"] <= result["server_fds_before"] + 2
     assert result["server_alive"] and result["leaks"] == ["none"]
