@@ -75,6 +75,16 @@ def wheelhouse_contents(wheelhouse: str) -> dict[str, list[str]]:
     return found
 
 
+def is_wheelhouse_requirement(req: str) -> bool:
+    """Whether req names a package by name (extras, version specifiers, markers) rather than
+    by a direct reference (`name @ url`), a URL or a path, which pip would take from there
+    instead of from the wheelhouse (--no-index stops only the index)."""
+    name, rest = split_requirement(req)
+    if not name or "@" in rest or "://" in req or "/" in req or "\\" in req or req.endswith(_WHEEL_SUFFIXES):
+        return False
+    return not rest or rest[0] in "[=<>!~;,"
+
+
 def split_requirement(req: str) -> tuple[str, str]:
     """(normalized name, the rest: extras, specifiers, markers) of a requirement string."""
     match = _NAME.match(req)
@@ -199,6 +209,13 @@ class Magics:
             self._fail(2, f"pip: unsupported option(s) {' '.join(bad)}; allowed: {' '.join(PIP_FLAGS)}")
         if not reqs:
             self._fail(2, "pip: name the package(s) to install, e.g. `%pip install requests`")
+        direct = [r for r in reqs if not is_wheelhouse_requirement(r)]
+        if direct:
+            self._fail(
+                2,
+                f"pip: {' '.join(direct)}: direct references, URLs and paths are refused; name "
+                "packages of the appliance's wheelhouse, e.g. `%pip install requests==2.32.3`",
+            )
         if self.wheelhouse is None:
             self._fail(
                 1,

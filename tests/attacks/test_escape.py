@@ -5,8 +5,11 @@ from __future__ import annotations
 import base64
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from appliance.client import AsyncClient
 from tests.attacks.common import SYSCALLS, TOKEN, assert_contained, attack, probe, run
@@ -509,3 +512,44 @@ async def test_upload_paths_that_climb_out_are_rejected(target: Server, observe:
     assert [f["status"] for f in replies] == ["rejected"] * len(seen), replies
     observe("; ".join(f["message"] for f in replies))
     await assert_contained(target)
+
+
+@pytest.fixture(scope="module")
+def with_wheelhouse(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator[Server]:
+    from tests.attacks.conftest import hostile_server
+    from tests.test_wheelhouse import build_wheel
+
+    house = tmp_root / "wheelhouse"
+    house.mkdir(mode=0o755)
+    build_wheel(house, "tinydep", "1.0", "WORD = 'dep'\n")
+    srv = hostile_server(tmp_path_factory.mktemp("pip-server"), tmp_root, SANDBOX_WHEELHOUSE=str(house))
+    yield srv
+    srv.stop()
+
+
+@attack(
+    "%pip install a wheelhouse name by a direct reference to a wheel the code uploaded "
+    "(tinydep@file:///workspace/evil.whl), a URL or a path",
+    "refused before pip runs (wheelhouse only): the uploaded wheel's code is never installed",
+)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "tinydep@file:///workspace/tinydep-9.9-py3-none-any.whl",
+        "tinydep @ file:///workspace/tinydep-9.9-py3-none-any.whl",
+        "/workspace/tinydep-9.9-py3-none-any.whl",
+        "tinydep-9.9-py3-none-any.whl",
+    ],
+)
+async def test_pip_installs_nothing_but_the_wheelhouse(
+    with_wheelhouse: Server, spec: str, tmp_path: Path, observe: Observe
+) -> None:
+    from tests.test_wheelhouse import build_wheel
+
+    evil = build_wheel(tmp_path, "tinydep", "9.9", "WORD = 'PLANTED'\n")
+    code = f"%pip install {spec}\nimport tinydep\nprint('word', tinydep.WORD)"
+    ex = await run(with_wheelhouse, code, files={evil.name: evil.read_bytes()})
+    assert "PLANTED" not in ex.stdout, f"pip installed the uploaded wheel: {ex.stdout[-400:]}"
+    said = ex.error.value if ex.error is not None else ""
+    assert ex.status == "error" and "direct references, URLs and paths are refused" in said, (ex.status, said)
+    observe(f"{spec}: {ex.status}; {said[:200]}")
