@@ -473,12 +473,23 @@ async def test_a_jail_the_kernel_does_not_confirm_frozen_is_killed(monkeypatch: 
         with jail_factory() as factory:
             factory.cgroups = tree
             frozen = await factory.launch()
+            assert frozen.cgroup is not None
+            # A process in the group that is not the jail's own (as one a thread of a cell
+            # starts after the cell's end would be): the freeze kills it.
+            stray = subprocess.Popen(["sleep", "300"])
+            for procs in frozen.cgroup.procs_files():
+                procs.write_text(str(stray.pid))
             await frozen.freeze()
-            assert frozen.cgroup is not None and frozen.cgroup.is_frozen()
+            assert frozen.cgroup.is_frozen()
+            if frozen.cgroup.tree.version == 1:  # frozen, it takes the SIGKILL as it thaws
+                status = Path(f"/proc/{stray.pid}/status").read_text()
+                pending = int(status.split("ShdPnd:")[1].split()[0], 16)
+                assert pending & (1 << (signal.SIGKILL - 1)), status
             paths = list(frozen.cgroup.paths.values())
             pids = frozen.process.tree()
             await asyncio.wait_for(frozen.destroy(), scaled(10))
             assert not any(p.exists() for p in paths) and not any(Path(f"/proc/{p}").exists() for p in pids)
+            assert stray.wait(scaled(10)) == -signal.SIGKILL
 
             stuck = await factory.launch()
             monkeypatch.setattr(jail_module, "FREEZE_WAIT_S", 0.05)

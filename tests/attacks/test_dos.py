@@ -614,8 +614,6 @@ async def test_a_session_does_no_work_between_cells(target: Server, observe: Obs
                     f"a session ran {(cpu_after - cpu_before) / 1e6:.1f} ms between cells"
                 )
                 notes.append(f"CPU {cpu_before} ns -> {cpu_after} ns, {killed} started after done killed")
-            if not V2:  # v1: the killed one is there until the group thaws, SIGKILL pending
-                assert before[list(groups)[1]][1][1] >= 1, "the respawned sleep was not found"
         for sid in groups:
             await c.close_session(sid)
     contained = await assert_contained(target)
