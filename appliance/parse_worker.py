@@ -48,6 +48,8 @@ def count_values(data: str | bytes, most: int) -> str | None:
         return f"the body is not valid JSON: {exc}"
     except RecursionError:
         return "the body is nested too deeply"
+    if protocol.nested_deeper_than(data):
+        return f"the body is nested deeper than {protocol.MAX_JSON_DEPTH} levels"
     seen, stack = 0, [root]
     while stack:
         value = stack.pop()

@@ -22,6 +22,7 @@ from them):
 import base64
 import binascii
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NotRequired, Protocol, get_args
@@ -702,3 +703,25 @@ def done_frame(
     if files_skipped:
         frame["files_skipped"] = files_skipped
     return frame
+
+
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; no request of this API needs more
+_JSON_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+def nested_deeper_than(data: str | bytes, most: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON text opens more than `most` arrays/objects inside each other, judged
+    without parsing (no recursion, no objects): brackets in strings do not count."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    if raw.count(b"[") + raw.count(b"{") <= most:
+        return False
+    depth = 0
+    for match in _JSON_BRACKETS.finditer(_JSON_STRINGS.sub(b"", raw)):
+        if match[0] in (b"[", b"{"):
+            depth += 1
+            if depth > most:
+                return True
+        else:
+            depth -= 1
+    return False

@@ -62,6 +62,11 @@ class FrameParser:
         Busy (over the rate); counted in the parser's child, one at a time like big frames."""
         limits = self._service.limits
         if len(data) <= OFF_LOOP_BYTES:
+            # The SDK's parser recurses: a small body nested thousands deep would end its
+            # session with a 500. Judged here without parsing (bounded by OFF_LOOP_BYTES).
+            if protocol.nested_deeper_than(data):
+                with self._charged(owner):
+                    raise ProtocolError(f"the body is nested deeper than {protocol.MAX_JSON_DEPTH} levels")
             return
         with self._charged(owner):
             protocol.check_size(data, limits)

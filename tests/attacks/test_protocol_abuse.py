@@ -528,3 +528,44 @@ async def test_timeout_cannot_be_raised_and_gpu_is_rejected(target: Server, obse
         gpu = await c.execute("print(1)", gpu={"memory_mb": 1024})
     assert frames[0]["timeout_ms"] == 6000 and gpu.status == "rejected", (frames[0], gpu.message)
     observe(f"timeout_ms capped to {frames[0]['timeout_ms']}; gpu: {gpu.message}")
+
+
+@attack(
+    "an MCP body under 64 KiB nested 3000 deep, sent in the caller's own MCP session",
+    "a JSON-RPC error (400) before the SDK parses it; the server and that MCP session go on",
+)
+async def test_a_deeply_nested_mcp_body_is_refused_and_the_session_lives_on(
+    target: Server, observe: Observe
+) -> None:
+    import httpx
+    from mcp import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with (
+        httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(60)) as http,
+        streamable_http_client(target.http + "/mcp", http_client=http) as (read, write, session_id),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        sid = session_id()
+        assert sid
+        body = b"[" * 3000 + b"]" * 3000
+        answer = await http.post(
+            target.http + "/mcp",
+            content=body,
+            headers={
+                "Content-Type": "application/json",
+                "Accept": "application/json, text/event-stream",
+                "Mcp-Session-Id": sid,
+                "Mcp-Protocol-Version": "2025-06-18",
+            },
+        )
+        assert answer.status_code == 400, (answer.status_code, answer.text[:300])
+        error = answer.json()
+        assert error["jsonrpc"] == "2.0" and "nested deeper" in error["error"]["message"], error
+        tools = await session.list_tools()  # the same MCP session still answers
+        assert {t.name for t in tools.tools} >= {"run_python"}
+    observe(
+        f"{answer.status_code} {error['error']['message']}; the session listed {len(tools.tools)} tools after"
+    )
