@@ -78,6 +78,10 @@ for proto, host, port in TARGETS:
 print(json.dumps(out))
 """
 
+# Cloud metadata services, each given to the fake remote so that only the blocklist stops a
+# run: AWS/GCP/Azure IMDS, Azure WireServer, Alibaba Cloud.
+METADATA = ("169.254.169.254", "168.63.129.16", "100.100.100.200")
+
 
 def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(argv), capture_output=True, text=True, check=check, timeout=30)
@@ -143,17 +147,17 @@ def remote() -> Iterator[Remote]:
             ["ip", "addr", "add", f"198.18.{k}.1/29", "dev", hv],
             ["ip", "addr", "add", f"10.77.{k}.1/30", "dev", hv],
             ["ip", "link", "set", hv, "up"],
-            ["ip", "route", "add", "169.254.169.254/32", "dev", hv, "src", f"198.18.{k}.1"],
+            *(["ip", "route", "add", f"{m}/32", "dev", hv, "src", f"198.18.{k}.1"] for m in METADATA),
             ["ip", "-n", ns, "link", "set", "lo", "up"],
             ["ip", "-n", ns, "addr", "add", f"198.18.{k}.2/29", "dev", "eth0"],
             ["ip", "-n", ns, "addr", "add", f"198.18.{k}.3/29", "dev", "eth0"],
             ["ip", "-n", ns, "addr", "add", f"10.77.{k}.2/30", "dev", "eth0"],
-            ["ip", "-n", ns, "addr", "add", "169.254.169.254/32", "dev", "eth0"],
+            *(["ip", "-n", ns, "addr", "add", f"{m}/32", "dev", "eth0"] for m in METADATA),
             ["ip", "-n", ns, "link", "set", "eth0", "up"],
         ):
             sh(*argv)
         # Never let a probe leave the machine: every test address must route into our veth.
-        for address in (f"198.18.{k}.2", f"198.18.{k}.3", f"10.77.{k}.2", "169.254.169.254"):
+        for address in (f"198.18.{k}.2", f"198.18.{k}.3", f"10.77.{k}.2", *METADATA):
             assert _routed_via(address, hv), f"{address} does not route via {hv}"
         proc = subprocess.Popen(
             [
@@ -178,7 +182,8 @@ def remote() -> Iterator[Remote]:
             proc.kill()
             proc.wait()
         listener.close()
-        sh("ip", "route", "del", "169.254.169.254/32", "dev", hv, check=False)
+        for m in METADATA:
+            sh("ip", "route", "del", f"{m}/32", "dev", hv, check=False)
         sh("ip", "link", "del", hv, check=False)
         sh("ip", "netns", "del", ns, check=False)
 
@@ -247,13 +252,13 @@ async def test_private_and_metadata_addresses_are_refused_on_an_open_port(
     open_server: tuple[Server, int], remote: Remote
 ) -> None:
     srv, _ = open_server
-    for target in (remote.private, "169.254.169.254"):
+    for target in (remote.private, *METADATA):
         assert host_connect(target, remote.port_open).startswith("hello"), target
     got = await probe(
         srv,
         [
             ("tcp", remote.private, remote.port_open),
-            ("tcp", "169.254.169.254", remote.port_open),
+            *(("tcp", m, remote.port_open) for m in METADATA),
             ("tcp", "169.254.169.254", 80),
         ],
     )

@@ -109,7 +109,12 @@ def test_every_private_loopback_link_local_and_metadata_range_is_blocked() -> No
         "224.0.0.0/4",
     ):
         assert net in blocked
-    assert any(IPv4Address("169.254.169.254") in n for n in network.BLOCKED_V4)
+    for metadata in (
+        "169.254.169.254",
+        "168.63.129.16",
+        "100.100.100.200",
+    ):  # IMDS, Azure WireServer, Alibaba
+        assert any(IPv4Address(metadata) in n for n in network.BLOCKED_V4), metadata
     assert "meta nfproto ipv6 jump refuse" in output_chain(network.jail_ruleset(POLICY))
 
 

@@ -49,7 +49,8 @@ log = logging.getLogger("appliance.network")
 
 # Never reachable unless allowed on purpose: "this network", RFC 1918, CGNAT, loopback,
 # link-local (cloud metadata lives at 169.254.169.254), IETF protocol assignments,
-# multicast, reserved and broadcast.
+# multicast, reserved and broadcast; and the metadata services outside those ranges:
+# Azure's WireServer (168.63.129.16) and Alibaba Cloud's (100.100.100.200, also in CGNAT).
 BLOCKED_V4 = tuple(
     ipaddress.IPv4Network(n)
     for n in (
@@ -63,6 +64,8 @@ BLOCKED_V4 = tuple(
         "192.168.0.0/16",
         "224.0.0.0/4",
         "240.0.0.0/4",
+        "168.63.129.16/32",
+        "100.100.100.200/32",
     )
 )
 DNS_PORT = 53
