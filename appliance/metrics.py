@@ -34,6 +34,17 @@ class Metrics:
         self.bytes_streamed = Counter("appliance_bytes_streamed", "Output bytes sent to clients", registry=r)
         self.queue_depth = Gauge("appliance_queue_depth", "Requests waiting for a run slot", registry=r)
         self.active_runs = Gauge("appliance_active_runs", "Runs holding a slot", registry=r)
+        self.frame_buffer = Gauge(
+            "appliance_frame_buffer_bytes",
+            "Bytes reserved by WebSocket messages unfinished or not yet taken (SANDBOX_FRAME_BUFFER_BYTES)",
+            registry=r,
+        )
+        self.frames_refused = Counter(
+            "appliance_frames_refused",
+            "WebSocket frames refused at their header or left unfinished, by reason",
+            ["reason"],
+            registry=r,
+        )
         # Per preload profile (appliance.jail.profiles): which warm jails runs get.
         self.profile_runs = Counter(
             "appliance_profile_runs", "Runs given a jail of this profile", ["profile"], registry=r

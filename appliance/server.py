@@ -21,6 +21,7 @@ from aiohttp import WSMsgType, web
 
 from appliance import cors, mcp_http, protocol, rest
 from appliance.errors import Busy, Cancelled, RequestRejected
+from appliance.framebudget import Closing, FrameBudget, FrameMeter, Refusal
 from appliance.protocol import (
     CloseSessionMessage,
     ExecuteRequest,
@@ -40,10 +41,13 @@ from appliance.transport import (
     send_within,
     until_gone,
 )
+from appliance.wsmeter import HeapTrimmer, MeteredWebSocket, check_aiohttp
 
 log = logging.getLogger("appliance.server")
 
 SERVICE_KEY = web.AppKey("service", RunService)
+FRAME_BUDGET_KEY = web.AppKey("frame_budget", FrameBudget)
+TRIMMER_KEY = web.AppKey("heap_trimmer", HeapTrimmer)
 OWNER = "appliance.owner"  # request key: who the caller is, set by the auth middleware
 
 
@@ -102,6 +106,7 @@ class Connection:
         self.runs: dict[str, Run] = {}
         self._send_lock = asyncio.Lock()
         self._stall_s = service.settings.client_stall_ms / 1000
+        self._answers: set[asyncio.Task[None]] = set()
         self.gone = False
 
     @property
@@ -166,6 +171,15 @@ class Connection:
             else:
                 await self.reject(message.id, f"no such session {message.session!r}")
 
+    def refuse(self, refusal: Refusal) -> None:
+        """Answer a frame the meter skipped at its header (framebudget.py), as if it was read."""
+        if refusal.status == "rejected":  # like any refused frame, it costs its tenant a rate token
+            self.service.charge_rejected(self.owner)
+        frame = protocol.done_frame(protocol.new_request_id(), refusal.status, message=refusal.message)
+        task = asyncio.create_task(self._send_quietly(frame))
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+
     def _forget(self, run: Run) -> None:
         if self.runs.get(run.id) is run:
             del self.runs[run.id]
@@ -199,26 +213,76 @@ class Connection:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class FrameEvents:
+    """What one connection's frame meter reports: refusals go to its Connection (once there is
+    one), closings and releases to the metrics and the heap trimmer."""
+
+    def __init__(self, service: RunService, trimmer: HeapTrimmer) -> None:
+        self._service = service
+        self._trimmer = trimmer
+        self.conn: Connection | None = None
+        self.early: list[Refusal] = []  # refused before the Connection existed
+
+    def refused(self, refusal: Refusal) -> None:
+        reason = "too_big" if refusal.status == "rejected" else "budget"
+        self._service.metrics.frames_refused.labels(reason=reason).inc()
+        if self.conn is None:
+            self.early.append(refusal)
+        else:
+            self.conn.refuse(refusal)
+
+    def closed(self, closing: Closing) -> None:
+        reason = {1009: "too_big", 1008: "deadline"}.get(closing.code, "budget")
+        self._service.metrics.frames_refused.labels(reason=reason).inc()
+
+    def gone(self, freed: int) -> None:
+        self._trimmer.freed(freed)
+
+
 async def exec_socket(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE_KEY]
     settings = service.settings
-    # Frames a little over the limit still get a `rejected` answer; far over, the
-    # transport closes with 1009 (message too big) rather than buffer them.
+    # Every frame is judged at its header (framebudget.py): a message over the limit is never
+    # buffered (a single frame is skipped and answered `rejected`; far over, or fragmented,
+    # the connection closes with 1009), kept ones count against the frame budgets, and a
+    # message must be finished within SANDBOX_FRAME_DEADLINE_MS.
     # No permessage-deflate: a new compressor per message cost ~0.4 ms of server CPU for
     # each small frame (measured: a third of a warm run's server time), and the appliance
     # sits next to the API it serves, where bandwidth is cheap and latency is not.
-    ws = web.WebSocketResponse(
-        autoclose=False, compress=False, max_msg_size=settings.max_message_bytes * 2 + 4096
+    events = FrameEvents(service, request.app[TRIMMER_KEY])
+    meter = FrameMeter(
+        request.app[FRAME_BUDGET_KEY],
+        request[OWNER],
+        settings.max_message_bytes,
+        asyncio.get_running_loop().time,
     )
-    await ws.prepare(request)
-    conn = Connection(ws, request, service, request[OWNER], request.app[PARSER_KEY])
+    ws = MeteredWebSocket(
+        meter,
+        settings.frame_deadline_ms / 1000,
+        events,
+        autoclose=False,
+        compress=False,
+        max_msg_size=settings.max_message_bytes + 1,  # aiohttp's own check: the meter's, as a backstop
+    )
+    try:
+        await ws.prepare(request)
+    except BaseException:
+        if ws.metered is not None:
+            ws.metered.release()
+        raise
+    conn = events.conn = Connection(ws, request, service, request[OWNER], request.app[PARSER_KEY])
+    for refusal in events.early:
+        conn.refuse(refusal)
     request.app["connections"].add(conn)
     half_closed = False
     try:
         while True:
             msg = await ws.receive()
             if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
-                await conn.handle_frame(msg.data)
+                try:
+                    await conn.handle_frame(msg.data)
+                finally:
+                    meter.handled()
             elif msg.type == WSMsgType.CLOSE:
                 half_closed = True
                 break
@@ -237,6 +301,8 @@ async def exec_socket(request: web.Request) -> web.StreamResponse:
         await conn.abort()
         raise
     finally:
+        if ws.metered is not None:
+            ws.metered.release()
         request.app["connections"].discard(conn)
         if not ws.closed:
             with contextlib.suppress(Exception):
@@ -262,6 +328,10 @@ def make_app(service: RunService) -> web.Application:
     app = web.Application(middlewares=[auth_middleware], client_max_size=service.settings.max_message_bytes)
     app[SERVICE_KEY] = service
     parser = app[PARSER_KEY] = FrameParser(service)
+    check_aiohttp()  # frames are metered in front of aiohttp's reader, or not served at all
+    total, per_tenant = service.settings.frame_budget()
+    app[FRAME_BUDGET_KEY] = FrameBudget(total, per_tenant, service.metrics.frame_buffer.set)
+    trimmer = app[TRIMMER_KEY] = HeapTrimmer()
     app["connections"] = set()
 
     async def start_parser(app: web.Application) -> None:
@@ -270,6 +340,7 @@ def make_app(service: RunService) -> web.Application:
 
     async def stop_parser(app: web.Application) -> None:
         await parser.worker.close()
+        trimmer.close()
 
     async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
         cors.add_headers(request, response, service.settings.allowed_origins)

@@ -50,6 +50,12 @@ class Settings:
     max_outputs_bytes: int = 67108864  # all outputs/ files of one run together (SANDBOX_MAX_OUTPUTS_BYTES)
     max_stdin_bytes: int = 1048576  # stdin a run may have waiting for it to read (SANDBOX_MAX_STDIN_BYTES)
     client_stall_ms: int = 10000  # a client that takes no frame this long is dropped
+    # Bytes of WebSocket messages held unfinished or not yet taken (appliance/framebudget.py):
+    # server-wide (0: 4 x max_message_bytes) and per tenant (0: half of it with a tokens file,
+    # else all of it); a message must be finished within frame_deadline_ms of its first header.
+    frame_buffer_bytes: int = 0
+    tenant_frame_buffer_bytes: int = 0
+    frame_deadline_ms: int = 30000
     max_concurrency: int = 4
     max_queue: int = 100
     uid: int = 1001
@@ -96,6 +102,15 @@ class Settings:
     gpu_enforce: str = "strict"  # strict (fail closed) or best-effort (SANDBOX_GPU_ENFORCE)
     cgroups: str = "auto"  # per-run cgroups: auto (where writable), require, off
     cpus: float = 1.0  # CPU quota per run, in CPUs (SANDBOX_CPUS)
+
+    def frame_budget(self) -> tuple[int, int]:
+        """(server-wide, per-tenant) bytes of WebSocket messages the server may hold unfinished or
+        not yet taken, with SANDBOX_FRAME_BUFFER_BYTES / SANDBOX_TENANT_FRAME_BUFFER_BYTES unset (0)
+        filled in: the server 4 messages of the largest size; a tenant half of that when there
+        are tenants (SANDBOX_AUTH_TOKENS_FILE), so that no one tenant holds it all."""
+        total = self.frame_buffer_bytes or 4 * self.max_message_bytes
+        default_tenant = total // 2 if self.auth_tokens_file is not None else total
+        return total, min(total, self.tenant_frame_buffer_bytes or default_tenant)
 
     def gpu_budget_mb(self, asked_mb: int | None) -> int:
         """A run's GPU budget: what it asked for, else SANDBOX_GPU_DEFAULT_MB; 0 outside GPU mode."""
@@ -354,6 +369,9 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         max_outputs_bytes=_int(env, "SANDBOX_MAX_OUTPUTS_BYTES", D.max_outputs_bytes, minimum=0),
         max_stdin_bytes=_int(env, "SANDBOX_MAX_STDIN_BYTES", D.max_stdin_bytes, minimum=1024),
         client_stall_ms=_int(env, "SANDBOX_CLIENT_STALL_MS", D.client_stall_ms, minimum=100),
+        frame_buffer_bytes=_int(env, "SANDBOX_FRAME_BUFFER_BYTES", D.frame_buffer_bytes),
+        tenant_frame_buffer_bytes=_int(env, "SANDBOX_TENANT_FRAME_BUFFER_BYTES", D.tenant_frame_buffer_bytes),
+        frame_deadline_ms=_int(env, "SANDBOX_FRAME_DEADLINE_MS", D.frame_deadline_ms, minimum=100),
         max_concurrency=_int(env, "SANDBOX_MAX_CONCURRENCY", 2 * cpus, minimum=1),
         max_queue=_int(env, "SANDBOX_MAX_QUEUE", D.max_queue),
         uid=_int(env, "SANDBOX_UID", D.uid, minimum=1),

@@ -42,7 +42,7 @@ BASE = {
     "mcp_bridge",
 }
 SERVICE = {"lifecycle", "service", "sessions", "toolprobe"}
-TRANSPORT = {"server", "rest", "transport", "cors", "mcp_http", "parse_worker"}
+TRANSPORT = {"server", "rest", "transport", "cors", "mcp_http", "parse_worker", "framebudget", "wsmeter"}
 CLI = {"cli", "__main__", "audit", "local", "__init__"}
 IN_JAIL = {
     "appliance.jail.driver",

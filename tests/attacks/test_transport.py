@@ -673,3 +673,103 @@ async def test_import_scans_do_no_unbounded_work_on_the_event_loop(
         f"3 runs of {len(mid)} and 3 of {len(huge)} chars ended {sorted(statuses)} (a SyntaxError in the jail); "
         f"the server compiled none of them on its loop; the long ones got the largest profile; {note}"
     )
+
+
+def first_answer(raw: RawSocket, timeout: float) -> tuple[str, object]:
+    """The first thing the server sends on a raw WebSocket: ("done", frame) or ("close", code)."""
+    try:
+        return "done", read_done(raw, timeout)
+    except ConnectionError as exc:
+        text = str(exc)
+        if "closed the WebSocket: b'" in text:
+            payload = eval(text.split("WebSocket: ", 1)[1])  # noqa: S307 (a bytes repr we made)
+            return "close", struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else None
+        return "close", None
+
+
+def frame_buffer_bytes(server: Server) -> float:
+    _status, body = server.get("/metrics", METRICS_TOKEN)
+    for line in body.splitlines():
+        if line.startswith("appliance_frame_buffer_bytes "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no appliance_frame_buffer_bytes in /metrics")
+
+
+@attack(
+    "30 connections announce 15 MiB text frames and 5 announce 31 MiB (SANDBOX_MAX_MESSAGE_BYTES 16 MiB), "
+    "send all but the last MiB and stall",
+    "frames are judged at their headers: the 31 MiB ones are skipped unbuffered and answered `rejected`; "
+    "the 15 MiB ones reserve their size in the frame budgets, those past the tenant's are skipped and "
+    "answered `busy`; the server grows by less than 300 MiB; the kept ones are closed (1008) at "
+    "SANDBOX_FRAME_DEADLINE_MS and everything they held is released; another tenant runs code meanwhile",
+)
+async def test_unfinished_big_frames_cannot_pin_the_servers_memory(
+    tmp_path_factory: pytest.TempPathFactory, tmp_root: Path, observe: Observe
+) -> None:
+    base = tmp_path_factory.mktemp("frames-server")
+    path = base / "tokens.toml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(TENANTS)
+    srv = hostile_server(
+        base,
+        tmp_root,
+        SANDBOX_AUTH_TOKEN="",
+        SANDBOX_AUTH_TOKENS_FILE=str(path),
+        SANDBOX_METRICS_TOKEN=METRICS_TOKEN,
+        SANDBOX_MAX_MESSAGE_BYTES=str(16 << 20),
+        SANDBOX_FRAME_DEADLINE_MS="20000",
+    )
+    socks: list[RawSocket] = []
+    try:
+        before = rss_mb(srv.proc.pid)
+
+        def unfinished(size: int) -> bytes:
+            # A masked text frame (a zero mask: the payload goes as it is) without its last MiB.
+            return struct.pack("!BBQ", 0x81, 0x80 | 127, size) + b"\0\0\0\0" + b" " * (size - (1 << 20))
+
+        big, huge = unfinished(15 << 20), unfinished(31 << 20)
+        socks = [RawSocket(srv, token=FLOOD) for _ in range(35)]
+        wires = [big] * 30 + [huge] * 5
+        await asyncio.gather(
+            *(asyncio.to_thread(sock.sock.sendall, wire) for sock, wire in zip(socks, wires, strict=True))
+        )
+        peak = rss_mb(srv.proc.pid)
+        held = frame_buffer_bytes(srv)
+        # The other tenant is not locked out while the flood holds its share.
+        other = await run(srv, "print('other tenant')", token=LIMITED)
+        answers = await asyncio.gather(*(asyncio.to_thread(first_answer, sock, scaled(60)) for sock in socks))
+        after_close_held = await asyncio.to_thread(
+            lambda: wait_for_value(lambda: frame_buffer_bytes(srv), 0.0, scaled(30))
+        )
+        for sock in socks:
+            sock.close()
+        after = rss_mb(srv.proc.pid)
+        note = await assert_contained(srv, FLOOD)
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.stop()
+    statuses = [
+        a[1]["status"] if a[0] == "done" and isinstance(a[1], dict) else f"close {a[1]}" for a in answers
+    ]
+    kept = statuses[:30].count("close 1008")
+    assert other.status == "ok" and other.stdout == "other tenant\n", other
+    assert statuses[30:] == ["rejected"] * 5, statuses[30:]
+    assert kept == 2 and statuses[:30].count("busy") == 28, statuses[:30]  # the tenant's half of 4 x 16 MiB
+    assert held == 2 * (15 << 20), held
+    assert peak - before < 300, f"the server grew from {before:.0f} to {peak:.0f} MiB"
+    assert after_close_held == 0.0 and after - before < 300, (after_close_held, before, after)
+    observe(
+        f"RSS {before:.0f} -> {peak:.0f} MiB with 35 frames unfinished ({held / 2**20:.0f} MiB reserved); "
+        f"28 answered busy, 5 rejected, 2 closed with 1008 at the deadline; {after:.0f} MiB after; {note}"
+    )
+
+
+def wait_for_value(read: Callable[[], float], wanted: float, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    value = read()
+    while value != wanted and time.monotonic() < deadline:
+        time.sleep(0.2)
+        value = read()
+    return value

@@ -1,0 +1,150 @@
+"""The frame meter (appliance/framebudget.py): frames judged at their headers, in step with the
+reader whatever the chunking, and every reserved byte given back."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+
+from appliance.framebudget import Closing, Fed, FrameBudget, FrameMeter, Refusal
+from appliance.settings import from_env
+
+LIMIT = 1000
+
+
+def frame(opcode: int, payload: bytes, fin: bool = True, announced: int | None = None) -> bytes:
+    """A masked client frame; `announced` overrides the length in the header."""
+    size = len(payload) if announced is None else announced
+    first = (0x80 if fin else 0) | opcode
+    if size < 126:
+        header = struct.pack("!BB", first, 0x80 | size)
+    elif size < 65536:
+        header = struct.pack("!BBH", first, 0x80 | 126, size)
+    else:
+        header = struct.pack("!BBQ", first, 0x80 | 127, size)
+    mask = os.urandom(4)
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def meter(total: int = 10 * LIMIT, tenant: int = 10 * LIMIT, owner: str = "alice") -> FrameMeter:
+    return FrameMeter(FrameBudget(total, tenant), owner, LIMIT, lambda: 0.0)
+
+
+def feed_in_chunks(m: FrameMeter, data: bytes, size: int) -> Fed:
+    out = Fed()
+    for at in range(0, len(data), size):
+        fed = m.feed(data[at : at + size])
+        out.pieces.extend(fed.pieces)
+        out.refusals.extend(fed.refusals)
+        if fed.closing is not None:
+            out.closing = fed.closing
+            break
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 14, 100, 4096])
+def test_kept_frames_reach_the_reader_byte_for_byte_whatever_the_chunking(chunk: int) -> None:
+    stream = (
+        frame(1, b"a" * 10)
+        + frame(9, b"ping")
+        + frame(2, b"b" * 300)
+        + frame(1, b"")
+        + frame(1, b"c" * LIMIT)
+    )
+    m = meter()
+    fed = feed_in_chunks(m, stream, chunk)
+    assert b"".join(fed.pieces) == stream and not fed.refusals and fed.closing is None
+    assert list(m.taken) == [10, 300, 0, LIMIT] and not m.unfinished
+    for _ in range(4):
+        m.handled()
+    assert m.budget.held == 0 and m.budget.by_owner == {}
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, 100000])
+def test_a_frame_over_the_limit_is_skipped_unseen_and_refused_and_the_next_one_passes(chunk: int) -> None:
+    before, big, after = frame(1, b"before"), frame(1, b"x" * (LIMIT + 1)), frame(1, b"after")
+    m = meter()
+    fed = feed_in_chunks(m, before + big + after, chunk)
+    assert b"".join(fed.pieces) == before + after
+    assert fed.refusals == [
+        Refusal("rejected", f"frame of {LIMIT + 1} bytes exceeds SANDBOX_MAX_MESSAGE_BYTES ({LIMIT})")
+    ]
+    assert list(m.taken) == [6, 5] and m.budget.held == 11
+
+
+def test_far_over_the_limit_or_fragmented_over_it_closes_at_the_header() -> None:
+    m = meter()
+    fed = m.feed(frame(1, b"", announced=2 * LIMIT + 1)[:14])
+    assert fed.closing == Closing(1009, "message over SANDBOX_MAX_MESSAGE_BYTES") and not fed.pieces
+    m = meter()
+    fed = m.feed(frame(1, b"x" * 600, fin=False) + frame(0, b"", fin=True, announced=500)[:8])
+    assert fed.closing is not None and fed.closing.code == 1009
+    assert m.closed and m.budget.held == 0  # closing gave back the first fragment
+
+
+def test_fragments_are_reserved_as_they_come_and_released_with_the_message() -> None:
+    m = meter()
+    fed = m.feed(frame(1, b"a" * 400, fin=False) + frame(9, b"") + frame(0, b"b" * 400, fin=False))
+    assert fed.closing is None and m.unfinished and m.budget.held == 800
+    m.feed(frame(0, b"c" * 100, fin=True))
+    assert not m.unfinished and list(m.taken) == [900]
+    m.handled()
+    assert m.budget.held == 0
+
+
+def test_an_unfinished_frame_holds_its_announced_size_until_the_connection_goes() -> None:
+    budget = FrameBudget(10 * LIMIT, 10 * LIMIT)
+    m = FrameMeter(budget, "alice", LIMIT, lambda: 5.0)
+    m.feed(frame(1, b"x" * 900)[:-100])
+    assert m.unfinished and m.started == 5.0 and budget.held == 900
+    assert m.close() == 900 and budget.held == 0 and budget.by_owner == {}
+
+
+def test_the_server_and_tenant_budgets_refuse_with_busy_and_a_fragment_over_them_closes() -> None:
+    budget = FrameBudget(3 * LIMIT, 2 * LIMIT)
+    alice = [FrameMeter(budget, "alice", LIMIT, lambda: 0.0) for _ in range(3)]
+    bob = [FrameMeter(budget, "bob", LIMIT, lambda: 0.0) for _ in range(2)]
+    unfinished = frame(1, b"x" * LIMIT)[:-1]
+    assert [m.feed(unfinished).refusals for m in alice[:2]] == [[], []]
+    fed = alice[2].feed(frame(1, b"x" * LIMIT))
+    assert fed.refusals[0].status == "busy" and "SANDBOX_TENANT_FRAME_BUFFER_BYTES" in fed.refusals[0].message
+    assert not fed.pieces  # skipped: the reader saw none of it
+    assert bob[0].feed(unfinished).refusals == []
+    fed = bob[1].feed(frame(1, b"x" * LIMIT))
+    assert fed.refusals[0].status == "busy" and "SANDBOX_FRAME_BUFFER_BYTES" in fed.refusals[0].message
+    alice[0].close()
+    assert alice[2].feed(frame(1, b"x" * LIMIT)).refusals == []  # room again once one went
+    fed = meter(total=LIMIT).feed(
+        frame(1, b"x" * 10, fin=False) + frame(0, b"x" * LIMIT, announced=LIMIT)[:14]
+    )
+    assert fed.closing is not None and fed.closing.code == 1009
+
+
+def test_a_connection_holds_at_most_two_messages() -> None:
+    m = meter()
+    m.feed(frame(1, b"x" * LIMIT) + frame(1, b"y" * LIMIT))
+    fed = m.feed(frame(1, b"z"))
+    assert fed.refusals[0].status == "busy" and "has not taken" in fed.refusals[0].message
+    m.handled()
+    assert m.feed(frame(1, b"z")).refusals == []
+
+
+def test_protocol_errors_pass_to_the_reader_unjudged() -> None:
+    stray = frame(0, b"x" * 5) + frame(3, b"?")  # a continuation of nothing, a reserved opcode
+    m = meter()
+    fed = m.feed(stray)
+    assert b"".join(fed.pieces) == stray and m.budget.held == 0
+
+
+def test_the_default_budgets_follow_the_message_limit_and_tenants() -> None:
+    single = from_env({"SANDBOX_MAX_MESSAGE_BYTES": "1048576"})
+    assert single.frame_budget() == (4 << 20, 4 << 20)
+    assert from_env(
+        {"SANDBOX_FRAME_BUFFER_BYTES": "100", "SANDBOX_TENANT_FRAME_BUFFER_BYTES": "500"}
+    ).frame_budget() == (
+        100,
+        100,
+    )
+    assert from_env({}).frame_deadline_ms == 30000
