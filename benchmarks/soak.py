@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import json
 import os
 import random
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -184,6 +186,37 @@ async def slow_readers(url: str, rounds: int, tally: Tally) -> None:
             await asyncio.sleep(3.0)
 
 
+async def unfinished_frames(server: Server, rounds: int, tally: Tally) -> None:
+    """Clients that announce a 12 MiB text frame, send half of it and go: what the server
+    reserved for them must all come back (`appliance_frame_buffer_bytes` 0 at the end)."""
+    size = 12 << 20
+    for _ in range(rounds):
+        conns = []
+        for _ in range(4):
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            key = base64.b64encode(os.urandom(16)).decode()
+            writer.write(
+                f"GET /exec HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+            )
+            await reader.readuntil(b"\r\n\r\n")
+            # A masked text frame with a zero mask (the payload goes as it is), half sent.
+            writer.write(struct.pack("!BBQ", 0x81, 0x80 | 127, size) + b"\0\0\0\0" + b" " * (size // 2))
+            await writer.drain()
+            conns.append(writer)
+            tally.kinds["unfinished frame"] += 1
+        await asyncio.sleep(1.0)
+        for writer in conns:
+            writer.close()
+
+
+def frame_buffer_bytes(server: Server) -> float:
+    for line in server.get("/metrics")[1].splitlines():
+        if line.startswith("appliance_frame_buffer_bytes "):
+            return float(line.rsplit(" ", 1)[1])
+    return -1.0
+
+
 async def sample_rss(pid: int, peak: list[int]) -> None:
     while True:
         peak[0] = max(peak[0], rss_kb(pid))
@@ -243,8 +276,10 @@ async def soak(
     )
     # Slow readers come and go alongside the workers, one at a time, for as long as they run.
     readers = asyncio.create_task(slow_readers(server.url, max(1, total // 150), tally))
+    frames = asyncio.create_task(unfinished_frames(server, max(1, total // 100), tally))
     await workers
     await readers
+    await frames
     sampler.cancel()
     return tally, time.monotonic() - started
 
@@ -283,6 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         groups = leftover_groups(server.proc.pid)
         time.sleep(1)
         rss_after, fds_after = rss_kb(server.proc.pid), fd_count(server.proc.pid)
+        frame_bytes_after = frame_buffer_bytes(server)
         alive = server.proc.poll() is None and server.get("/healthz")[0] == 200
     finally:
         server.stop()
@@ -315,6 +351,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "server_rss_mb_peak": round(peak[0] / 1024, 1),
         "server_rss_mb_after": round(rss_after / 1024, 1),
         "server_alive": alive,
+        "frame_buffer_bytes_after": frame_bytes_after,
         "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "commit": commit,
     }
@@ -331,6 +368,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         leaks.append("file descriptors")
     if not alive:
         leaks.append("server died")
+    if frame_bytes_after != 0:
+        leaks.append("bytes reserved for unfinished frames")
     result["leaks"] = leaks or ["none"]
     print(json.dumps(result, indent=2))
     if leaks:

@@ -14,5 +14,8 @@ def test_a_quick_soak_leaks_nothing() -> None:
     assert result["requests_without_exactly_one_done"] == 0 and result["client_errors"] == []
     assert result["leftover_processes"] == [] and result["leftover_run_dirs"] == []
     assert result["leftover_cgroups"] == [] and result["kinds"].get("spinning session", 0) > 0
+    # Unfinished 12 MiB frames: all they reserved came back, and the server did not keep them.
+    assert result["kinds"].get("unfinished frame", 0) > 0 and result["frame_buffer_bytes_after"] == 0
+    assert result["server_rss_mb_peak"] - result["server_rss_mb_before"] < 300, result
     assert result["server_fds_after"] <= result["server_fds_before"] + 2
     assert result["server_alive"] and result["leaks"] == ["none"]
