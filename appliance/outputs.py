@@ -5,25 +5,29 @@ refuses links: directories are walked by descriptor (`jail.fstree`, no symlink f
 no recursion on the code's depth) and files are opened O_NOFOLLOW relative to their
 directory and must be regular, owned by the sandbox uid and singly linked.
 
-What a run gets back is bounded twice: each file by SANDBOX_MAX_FILE_OUT_BYTES, all of a
-run's files together by SANDBOX_MAX_OUTPUTS_BYTES, counted in the bytes actually read (a
-sparse file costs its apparent size, not its blocks). Files are read one at a time as they
+What a run gets back is bounded three times: each file by SANDBOX_MAX_FILE_OUT_BYTES, all of
+a run's files together by SANDBOX_MAX_OUTPUTS_BYTES, counted in the bytes actually read (a
+sparse file costs its apparent size, not its blocks) and at least a block (BLOCK) per file and
+per directory it needs (an empty file still costs an inode and a frame), and their number,
+directories included, by SANDBOX_MAX_OUTPUT_FILES. Files are read one at a time as they
 are sent (`stream`), never all at once; persistence writes the same files as they pass.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import stat
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import fstree
 
 Snapshot = dict[str, tuple[int, int]]
 CHUNK = 1 << 20
+BLOCK = 4096  # what the smallest file or directory costs against the budget
 
 
 @dataclass(frozen=True)
@@ -39,9 +43,25 @@ class Tally:
     """What a streamed collection sent and left out; filled in as `stream` goes."""
 
     budget: int
-    sent_bytes: int = 0
-    skipped: int = 0  # files not returned: past the budget
+    max_entries: int = 1000  # files and the directories they need (SANDBOX_MAX_OUTPUT_FILES)
+    sent_bytes: int = 0  # charged: each file and new directory at least BLOCK
+    entries: int = 0
+    skipped: int = 0  # files not returned: past the budget or the entry cap
     too_deep: int = 0  # directories under outputs/ too deep to be read
+    dirs: set[str] = field(default_factory=set)  # directories already charged
+
+    def charge(self, rel: str, size: int) -> bool:
+        """Count a file of `size` bytes at `rel` (and the directories it needs, once each);
+        False, counting nothing, when that would pass the budget or the entry cap."""
+        parts = rel.split("/")[:-1]
+        new = [d for d in ("/".join(parts[: i + 1]) for i in range(len(parts))) if d not in self.dirs]
+        cost = max(size, BLOCK) + BLOCK * len(new)
+        if self.sent_bytes + cost > self.budget or self.entries + 1 + len(new) > self.max_entries:
+            return False
+        self.sent_bytes += cost
+        self.entries += 1 + len(new)
+        self.dirs.update(new)
+        return True
 
     def note(self) -> str | None:
         """Why some files did not come back, for the run's `done`; None when all did."""
@@ -49,7 +69,8 @@ class Tally:
         if self.skipped:
             parts.append(
                 f"{self.skipped} outputs/ file(s) not returned: together they pass "
-                f"SANDBOX_MAX_OUTPUTS_BYTES ({self.budget} bytes)"
+                f"SANDBOX_MAX_OUTPUTS_BYTES ({self.budget} bytes, at least {BLOCK} per file or "
+                f"directory) or SANDBOX_MAX_OUTPUT_FILES ({self.max_entries} files and directories)"
             )
         if self.too_deep:
             parts.append(f"outputs/ directories nested deeper than {fstree.MAX_DEPTH} levels were not read")
@@ -96,11 +117,14 @@ def stream(
                 tally.skipped += 1
                 continue
             if st.st_size > max_file_bytes:
+                if not tally.charge(entry.rel, 0):  # its frame and entry still cost a block
+                    tally.skipped += 1
+                    continue
                 yield OutputFile(
                     entry.rel, st.st_size, None, f"larger than SANDBOX_MAX_FILE_OUT_BYTES ({max_file_bytes})"
                 )
                 continue
-            if tally.sent_bytes + st.st_size > tally.budget:
+            if not tally.charge(entry.rel, st.st_size):
                 tally.skipped += 1
                 continue
             data = _read(entry, uid, max_file_bytes)
@@ -111,10 +135,12 @@ def stream(
                     entry.rel, len(data), None, f"larger than SANDBOX_MAX_FILE_OUT_BYTES ({max_file_bytes})"
                 )
                 continue
-            if tally.sent_bytes + len(data) > tally.budget:
-                tally.skipped += 1
-                continue
-            tally.sent_bytes += len(data)
+            if len(data) > max(st.st_size, BLOCK):  # it grew since it was listed: charge the rest
+                grown = len(data) - max(st.st_size, BLOCK)
+                if tally.sent_bytes + grown > tally.budget:
+                    tally.skipped += 1
+                    continue
+                tally.sent_bytes += grown
             yield OutputFile(entry.rel, len(data), data)
     finally:
         tally.too_deep = walk.too_deep
@@ -161,34 +187,53 @@ def _read(entry: fstree.Entry, uid: int, limit: int) -> bytes | None:
 
 
 class Persister:
-    """Writes a run's files, as they are sent, under root/<run_id>/ (made fresh for it).
+    """Writes a run's files, as they are sent, under root/<tenant>/<run_id>/ (made fresh for it).
 
+    Each tenant has a directory of its own (`tenant_dir`); every directory is 0700 and every
+    file 0600, the server's: tenants never share one, and only the operator reads them.
     Paths are made one directory at a time relative to descriptors, O_NOFOLLOW: a name
     can never lead outside the run's own directory, and any depth the walk returns fits."""
 
-    def __init__(self, root: Path, run_id: str) -> None:
-        self.base = root / run_id
+    def __init__(self, root: Path, owner: str, run_id: str) -> None:
+        self.root = root
+        self.tenant = tenant_dir(owner)
+        self.base = root / self.tenant / run_id
+        self.run_id = run_id
         self._fd: int | None = None
+
+    def _open_base(self) -> int:
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = fstree.open_dir(self.root)
+        try:
+            for name in (self.tenant, self.run_id):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o700, dir_fd=fd)
+                nxt = os.open(name, fstree.DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = nxt
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
 
     def write(self, item: OutputFile) -> None:
         if item.data is None:
             return
         if self._fd is None:
-            self.base.mkdir(parents=True, exist_ok=True)
-            self._fd = fstree.open_dir(self.base)
+            self._fd = self._open_base()
         parts = item.path.split("/")
         dir_fd = os.dup(self._fd)
         try:
             for part in parts[:-1]:
                 with contextlib.suppress(FileExistsError):
-                    os.mkdir(part, 0o755, dir_fd=dir_fd)
+                    os.mkdir(part, 0o700, dir_fd=dir_fd)
                 nxt = os.open(part, fstree.DIR_FLAGS, dir_fd=dir_fd)
                 os.close(dir_fd)
                 dir_fd = nxt
             fd = os.open(
                 parts[-1],
                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o644,
+                0o600,
                 dir_fd=dir_fd,
             )
             with os.fdopen(fd, "wb") as fh:
@@ -200,3 +245,9 @@ class Persister:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def tenant_dir(owner: str) -> str:
+    """The directory name of a tenant's persisted outputs: a hash of its owner name (itself
+    a hash of its token), the same for every run of that tenant, the token never derivable."""
+    return "t-" + hashlib.sha256(b"outputs\0" + owner.encode()).hexdigest()[:32]

@@ -219,7 +219,7 @@ class RunService:
                         async with session.lock:
                             outcome = await self._session_cell(session, req, emit, run, queued_ms)
                     else:
-                        outcome = await self._one_shot(jail, lease, req, emit, run, queued_ms)
+                        outcome = await self._one_shot(jail, lease, req, emit, run, queued_ms, owner)
         except asyncio.CancelledError:
             self._count("cancelled", started)
             raise
@@ -371,7 +371,7 @@ class RunService:
             run._detach()
 
     async def _one_shot(
-        self, jail: Jail, lease: Lease, req: ExecuteRequest, emit: Emit, run: Run, queued_ms: int
+        self, jail: Jail, lease: Lease, req: ExecuteRequest, emit: Emit, run: Run, queued_ms: int, owner: str
     ) -> CellOutcome:
         run_id = secrets.token_hex(8)
         start = protocol.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req), lease.gpu)
@@ -381,7 +381,7 @@ class RunService:
         # is killed here, and waited for.
         if outputs.has_any(jail.workdir):
             await jail.process.kill()
-            await self._send_outputs(jail, req.id, run_id, None, emit, outcome)
+            await self._send_outputs(jail, req.id, run_id, None, emit, outcome, owner)
         return outcome
 
     async def _session_cell(
@@ -423,7 +423,7 @@ class RunService:
         session.last_used = time.monotonic()
         if not outcome.interpreter_alive:
             await jail.process.kill()
-        await self._send_outputs(jail, req.id, run_id, before, emit, outcome)
+        await self._send_outputs(jail, req.id, run_id, before, emit, outcome, session.owner)
         if unfrozen is not None:
             await self.sessions.close(session.id, reason="its jail could not be frozen between cells")
             note = "the session has ended: its jail could not be frozen between cells"
@@ -458,13 +458,14 @@ class RunService:
         before: outputs.Snapshot | None,
         emit: Emit,
         outcome: CellOutcome,
+        owner: str,
     ) -> None:
         """Stream outputs/ as `file` frames (and persist them), one batch in memory at a time,
         within SANDBOX_MAX_OUTPUTS_BYTES; what was left out is said in the outcome."""
         s = self.settings
-        tally = outputs.Tally(s.max_outputs_bytes)
+        tally = outputs.Tally(s.max_outputs_bytes, s.max_output_files)
         files = outputs.stream(jail.workdir, self.lifecycle.uid, before, s.max_file_out_bytes, tally)
-        keep = outputs.Persister(s.outputs_dir, run_id) if s.outputs_dir is not None else None
+        keep = outputs.Persister(s.outputs_dir, owner, run_id) if s.outputs_dir is not None else None
         try:
             while batch := await asyncio.to_thread(outputs.next_batch, files):
                 for item in batch:

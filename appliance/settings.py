@@ -48,6 +48,9 @@ class Settings:
     max_upload_bytes: int = 8388608
     max_file_out_bytes: int = 8388608
     max_outputs_bytes: int = 67108864  # all outputs/ files of one run together (SANDBOX_MAX_OUTPUTS_BYTES)
+    max_output_files: int = (
+        1000  # outputs/ files (and their directories) one run returns (SANDBOX_MAX_OUTPUT_FILES)
+    )
     max_stdin_bytes: int = 1048576  # stdin a run may have waiting for it to read (SANDBOX_MAX_STDIN_BYTES)
     client_stall_ms: int = 10000  # a client that takes no frame this long is dropped
     # Bytes of WebSocket messages held unfinished or not yet taken (appliance/framebudget.py):
@@ -367,6 +370,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         max_upload_bytes=_int(env, "SANDBOX_MAX_UPLOAD_BYTES", D.max_upload_bytes, minimum=0),
         max_file_out_bytes=_int(env, "SANDBOX_MAX_FILE_OUT_BYTES", D.max_file_out_bytes, minimum=0),
         max_outputs_bytes=_int(env, "SANDBOX_MAX_OUTPUTS_BYTES", D.max_outputs_bytes, minimum=0),
+        max_output_files=_int(env, "SANDBOX_MAX_OUTPUT_FILES", D.max_output_files, minimum=1),
         max_stdin_bytes=_int(env, "SANDBOX_MAX_STDIN_BYTES", D.max_stdin_bytes, minimum=1024),
         client_stall_ms=_int(env, "SANDBOX_CLIENT_STALL_MS", D.client_stall_ms, minimum=100),
         frame_buffer_bytes=_int(env, "SANDBOX_FRAME_BUFFER_BYTES", D.frame_buffer_bytes),

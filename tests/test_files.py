@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import base64
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from appliance import outputs
 from appliance.client import AsyncClient
+from appliance.tenants import owner_of
 from tests.support import Server, start_server
 
 
@@ -41,8 +44,12 @@ async def test_an_outputs_file_comes_back_and_persists_per_run(filesrv: tuple[Se
     assert first.file_bytes("plots/r.txt") == b"result"
     assert first.files[0]["size"] == 6 and first.files[0]["path"] == "plots/r.txt"
     assert first.run and second.run and first.run != second.run
-    assert (outdir / first.run / "plots" / "r.txt").read_bytes() == b"result"
-    assert (outdir / second.run / "plots" / "r.txt").read_bytes() == b"other"
+    tenant = outdir / outputs.tenant_dir(owner_of(None))  # no token: the anonymous tenant
+    assert (tenant / first.run / "plots" / "r.txt").read_bytes() == b"result"
+    assert (tenant / second.run / "plots" / "r.txt").read_bytes() == b"other"
+    for path in (tenant, tenant / first.run, tenant / first.run / "plots"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
+    assert stat.S_IMODE((tenant / first.run / "plots" / "r.txt").stat().st_mode) == 0o600
 
 
 async def test_links_in_outputs_are_never_followed(filesrv: tuple[Server, Path]) -> None:
@@ -55,7 +62,9 @@ async def test_links_in_outputs_are_never_followed(filesrv: tuple[Server, Path])
     async with AsyncClient(server.url) as c:
         ex = await c.execute(code)
     assert [f["path"] for f in ex.files] == ["real.txt"]
-    assert ex.run is not None and not (outdir / ex.run / "passwd").exists()
+    assert (
+        ex.run is not None and not (outdir / outputs.tenant_dir(owner_of(None)) / ex.run / "passwd").exists()
+    )
 
 
 async def test_an_output_over_the_size_cap_is_reported_without_data(filesrv: tuple[Server, Path]) -> None:

@@ -167,7 +167,7 @@ async def test_sparse_outputs_are_bounded_by_the_outputs_budget(
                         break
     finally:
         sampler.cancel()
-    persisted = sum(p.stat().st_size for p in (outputs_dir / run_id).rglob("*") if p.is_file())
+    persisted = sum(p.stat().st_size for p in outputs_dir.glob(f"*/{run_id}/**/*") if p.is_file())
     grew = peak[0] - before
     assert sent <= OUTPUTS_BUDGET, f"{sent} bytes of file frames were sent"
     assert persisted <= OUTPUTS_BUDGET, f"{persisted} bytes were persisted"
@@ -514,3 +514,35 @@ def test_the_planted_runtime_name_is_the_servers_own(tmp_path: Path) -> None:
         finally:
             srv.stop()
         assert staged == [expected], (staged, expected)
+
+
+MANY_ENTRIES = """
+import os
+for i in range(3000):
+    os.mkdir(f'outputs/d{i}')
+    open(f'outputs/d{i}/f', 'w').close()
+print('made')
+"""
+
+
+@attack(
+    "3000 directories under outputs/, one empty file in each: 6000 entries that cost 0 bytes",
+    "every file and directory costs at least a block of SANDBOX_MAX_OUTPUTS_BYTES and their number is "
+    "capped by SANDBOX_MAX_OUTPUT_FILES (1000): output_limit, the rest skipped, at most 1000 entries "
+    "persisted, each tenant's in a 0700 directory of its own",
+)
+async def test_many_empty_outputs_cost_at_least_a_block_each(
+    target: Server, outputs_dir: Path, observe: Observe
+) -> None:
+    ex = await run(target, MANY_ENTRIES)
+    done = ex.frames[-1]
+    assert ex.run is not None
+    persisted = [p for p in outputs_dir.glob(f"*/{ex.run}/**/*")]
+    assert len(ex.files) <= 1000 and len(persisted) <= 1000, (len(ex.files), len(persisted))
+    assert done["status"] == "output_limit" and int(done.get("files_skipped") or 0) > 0, done
+    assert len(ex.files) + int(done.get("files_skipped") or 0) == 3000, done
+    tenants = {p.relative_to(outputs_dir).parts[0] for p in outputs_dir.glob(f"*/{ex.run}")}
+    assert len(tenants) == 1 and stat.S_IMODE((outputs_dir / tenants.pop()).stat().st_mode) == 0o700
+    observe(
+        f"{len(ex.files)} file frames, {len(persisted)} entries persisted, {done['files_skipped']} skipped"
+    )
