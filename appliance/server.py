@@ -36,6 +36,8 @@ from appliance.transport import (
     FrameParser,
     bearer_token,
     exposed_without_token,
+    host_allowed,
+    hosts_to_allow,
     is_gone,
     origin_allowed,
     send_within,
@@ -48,6 +50,8 @@ log = logging.getLogger("appliance.server")
 SERVICE_KEY = web.AppKey("service", RunService)
 FRAME_BUDGET_KEY = web.AppKey("frame_budget", FrameBudget)
 TRIMMER_KEY = web.AppKey("heap_trimmer", HeapTrimmer)
+# Host names allowed besides literals and localhost; None: any (`transport.hosts_to_allow`).
+HOSTS_KEY: web.AppKey[frozenset[str] | None] = web.AppKey("allowed_hosts")
 OWNER = "appliance.owner"  # request key: who the caller is, set by the auth middleware
 
 
@@ -56,6 +60,11 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     """Before any route: a browser origin not allowed gets 403, a missing or wrong token 401
     (/metrics: see `RunService.may_read_metrics`)."""
     service = request.app[SERVICE_KEY]
+    if not host_allowed(request.headers.get("Host"), request.app[HOSTS_KEY]):
+        # DNS rebinding: a page on evil.example, resolved to this server, reads what needs no token.
+        return web.json_response(
+            {"error": "this request's Host is not this server's (SANDBOX_ALLOWED_HOSTS)"}, status=421
+        )
     origins = request.headers.getall("Origin", [])
     if not origin_allowed(
         origins, service.settings.allowed_origins, request.headers.get("Host"), service.requires_token
@@ -327,6 +336,7 @@ async def metrics(request: web.Request) -> web.Response:
 def make_app(service: RunService) -> web.Application:
     app = web.Application(middlewares=[auth_middleware], client_max_size=service.settings.max_message_bytes)
     app[SERVICE_KEY] = service
+    app[HOSTS_KEY] = frozenset(service.settings.allowed_hosts) or None  # serve() judges the bound addresses
     parser = app[PARSER_KEY] = FrameParser(service)
     check_aiohttp()  # frames are metered in front of aiohttp's reader, or not served at all
     total, per_tenant = service.settings.frame_budget()
@@ -368,6 +378,8 @@ async def serve(settings: Settings, host: str, port: int, ready_file: str | None
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
     bound = _bound_port(runner) or port
+    addresses = [str(addr[0]) for addr in runner.addresses if isinstance(addr, tuple) and addr]
+    app[HOSTS_KEY] = hosts_to_allow(settings.allowed_hosts, addresses)
     _warn_if_exposed(service, runner)
     try:
         await service.start(canary_port=bound)

@@ -65,6 +65,9 @@ class Settings:
     auth_token: str | None = field(default=None, repr=False)
     # Browser origins allowed to call the API (SANDBOX_ALLOWED_ORIGINS); empty: none.
     allowed_origins: tuple[str, ...] = ()
+    # Host names requests may carry besides IP literals and localhost (SANDBOX_ALLOWED_HOSTS);
+    # empty: only those on a loopback-only server, any on one bound to a network address.
+    allowed_hosts: tuple[str, ...] = ()
     # The only token /metrics accepts, when set (SANDBOX_METRICS_TOKEN).
     metrics_token: str | None = field(default=None, repr=False)
     max_upload_files: int = 1000  # file entries one request may carry (SANDBOX_MAX_UPLOAD_FILES)
@@ -204,6 +207,24 @@ def _origins(env: Mapping[str, str], name: str) -> tuple[str, ...]:
                 raise SettingsError(f"{name}: {part!r}: port must be 1-65535")
             if canonical != part:  # a browser never sends a default port or a leading zero
                 raise SettingsError(f"{name}: {part!r} would never match; browsers send it as {canonical}")
+        if part not in found:
+            found.append(part)
+    return tuple(found)
+
+
+HOST_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
+
+
+def _hosts(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """Comma-separated host names as `Host` carries them, without a port (lower case)."""
+    found: list[str] = []
+    for part in (p.strip().lower().rstrip(".") for p in env.get(name, "").split(",")):
+        if not part:
+            continue
+        if not HOST_RE.match(part):
+            raise SettingsError(
+                f"{name}: {part!r} is not a host name like appliance.example.com (no port, no wildcard)"
+            )
         if part not in found:
             found.append(part)
     return tuple(found)
@@ -381,6 +402,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         uid=_int(env, "SANDBOX_UID", D.uid, minimum=1),
         auth_token=token,
         allowed_origins=_origins(env, "SANDBOX_ALLOWED_ORIGINS"),
+        allowed_hosts=_hosts(env, "SANDBOX_ALLOWED_HOSTS"),
         metrics_token=_token(env, "SANDBOX_METRICS_TOKEN"),
         max_upload_files=_int(env, "SANDBOX_MAX_UPLOAD_FILES", D.max_upload_files),
         open_ports=_ports(env, "SANDBOX_OPEN_PORTS"),

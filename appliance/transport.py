@@ -141,6 +141,30 @@ def _literal_or_localhost(host: str) -> bool:
     return True
 
 
+def host_allowed(host: str | None, allowed: frozenset[str] | None) -> bool:
+    """Whether a request's `Host` header names this server: any, when `allowed` is None (no
+    check); else an IP literal, `localhost` or a name in `allowed` (SANDBOX_ALLOWED_HOSTS).
+    A DNS-rebinding page's requests carry its own domain in Host, never a literal. No Host
+    at all (HTTP/1.0 tools) is no browser's and passes."""
+    if allowed is None or host is None:
+        return True
+    parsed = _host_port(host, "http")
+    if parsed is None:
+        return False
+    name = parsed[0].rstrip(".")
+    return _literal_or_localhost(name) or name in allowed
+
+
+def hosts_to_allow(configured: tuple[str, ...], bound: Iterable[str]) -> frozenset[str] | None:
+    """The names Host may carry besides literals and localhost: SANDBOX_ALLOWED_HOSTS when
+    set; none when every bound address is loopback; else None, no check (a server on a
+    network address is reached by names the operator did not list: containers' health
+    checks and Kubernetes probes send the pod's address, clients a Service's name)."""
+    if configured:
+        return frozenset(configured)
+    return frozenset() if not exposed_without_token(bound) else None
+
+
 def own_origin(origin: str, host: str | None, tokens: bool) -> bool:
     """Whether `origin` is the origin this request was sent to: its host and port are the
     request's `Host` header (the scheme may differ: TLS may end at a proxy in front).

@@ -22,7 +22,10 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def restsrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("rest"), SANDBOX_AUTH_TOKEN=TOKEN)
+    # appliance.test: the name the docs-page test reaches it by (Host names are checked).
+    srv = start_server(
+        tmp_path_factory.mktemp("rest"), SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_ALLOWED_HOSTS="appliance.test"
+    )
     yield srv
     srv.stop()
 

@@ -156,7 +156,8 @@ def test_own_origin_passes_but_a_rebound_name_does_not(open_server: Server, obse
         {"Content-Type": "application/json", "Host": rebound, "Origin": f"http://{rebound}"},
     )
     seen[rebound] = status
-    assert status == 403 and "ran-cross-site" not in text, text
+    # Refused by its Host (421) before its Origin is looked at: the name is not this server's.
+    assert status == 421 and "ran-cross-site" not in text, text
     # A same-origin page on another port of the same address is another origin.
     other = f"http://127.0.0.1:{port + 1}"
     status, text = post(open_server, "/v1/exec", body, {"Content-Type": "application/json", "Origin": other})
@@ -211,3 +212,32 @@ def test_cors_is_granted_to_listed_origins_only(open_server: Server, observe: Ob
     with urllib.request.urlopen(req, timeout=scaled(60)) as resp:
         assert "Access-Control-Allow-Origin" not in resp.headers  # no Origin, no grant
     observe(f"preflight from {ALLOWED}: 204 with a grant; from {EVIL}, null, a suffix: 403, no grant")
+
+
+@attack(
+    "DNS rebinding: a page on evil.example, resolved to a token-less loopback server, reads "
+    "/v1/models, /metrics and /readyz (its requests carry Host: evil.example)",
+    "421 for every route whose Host is not an IP literal, localhost or in SANDBOX_ALLOWED_HOSTS",
+)
+def test_a_rebound_host_name_reads_nothing(open_server: Server, observe: Observe) -> None:
+    port = open_server.port
+    seen = {}
+    for path in ("/v1/models", "/metrics", "/readyz", "/healthz"):
+        status, _ = open_server.request("GET", path, headers={"Host": f"evil.example:{port}"})
+        seen[path] = status
+    assert all(v == 421 for v in seen.values()), seen
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "127.0.0.1"):
+        status, _ = open_server.request("GET", "/readyz", headers={"Host": host})
+        assert status == 200, (host, status)
+    observe(f"Host evil.example: {seen}; 127.0.0.1 and localhost: 200")
+
+
+def test_listed_host_names_pass(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> None:
+    srv = hostile_server(
+        tmp_path_factory.mktemp("hosts"), tmp_root, SANDBOX_ALLOWED_HOSTS="appliance.internal"
+    )
+    try:
+        assert srv.request("GET", "/healthz", headers={"Host": f"appliance.internal:{srv.port}"})[0] == 200
+        assert srv.request("GET", "/healthz", headers={"Host": "evil.example"})[0] == 421
+    finally:
+        srv.stop()
