@@ -40,7 +40,16 @@ OWNER_SCOPE_KEY = "appliance.owner"  # the ASGI scope key that carries the calle
 MANAGER_KEY = web.AppKey("mcp_manager", StreamableHTTPSessionManager)
 _TASK_KEY = web.AppKey("mcp_manager_task", asyncio.Task)
 _STOP_KEY = web.AppKey("mcp_manager_stop", asyncio.Event)
+_SERVICE_KEY = web.AppKey("mcp_service", RunService)
 SESSIONS_PER_JAIL_SESSION = 8  # MCP sessions need no jail until they keep state; still bounded
+_OPEN_KEY = web.AppKey("mcp_open_sessions", dict)
+
+
+def mcp_session_caps(max_sessions: int, tenants: int) -> tuple[int, int]:
+    """(server-wide, per-tenant) MCP sessions: each tenant gets an equal share of the server's,
+    so that the shares together never exceed it and no tenant can lock another out."""
+    total = max(1, max_sessions) * SESSIONS_PER_JAIL_SESSION
+    return total, max(1, total // max(1, tenants))
 
 
 class ServiceExecutor:
@@ -135,16 +144,35 @@ async def handle(request: web.Request, owner: str) -> web.StreamResponse:
         return _jsonrpc_error(-32600, exc.message, 400)
     except Busy as exc:
         return _jsonrpc_error(-32000, exc.message, 429)
+    service: RunService = request.app[_SERVICE_KEY]
+    opened = _opened_by(request, manager, owner)
+    opening = request.method == "POST" and "mcp-session-id" not in request.headers
+    if opening:
+        _total, per_tenant = mcp_session_caps(
+            service.settings.max_sessions, len(service.tenants) if service.tenants is not None else 1
+        )
+        if len(opened) >= per_tenant:
+            return _jsonrpc_error(
+                -32000,
+                f"this tenant has {len(opened)} MCP sessions open, its share of the server's "
+                f"({per_tenant}); end one (DELETE /mcp) or let one go idle",
+                429,
+            )
     scope = _scope(request, owner)
     response: web.StreamResponse | None = None
     delivered = False
+    # A GET stream ends after SANDBOX_SESSION_IDLE_S (the client may open another): a stream
+    # held open would otherwise keep its session from ever going idle.
+    stream_s = float(service.settings.session_idle_s) if request.method == "GET" else None
 
     async def receive() -> dict[str, Any]:
         nonlocal delivered
         if not delivered:
             delivered = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await until_gone(request)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(stream_s):
+                await until_gone(request)
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
@@ -155,6 +183,8 @@ async def handle(request: web.Request, owner: str) -> web.StreamResponse:
                 key, val = name.decode("latin-1"), value.decode("latin-1")
                 if key.lower() == "content-length":
                     continue  # aiohttp frames the body itself
+                if opening and key.lower() == "mcp-session-id":
+                    opened.add(val)
                 response.headers.add(key, val)
             await response.prepare(request)
         elif message["type"] == "http.response.body" and response is not None:
@@ -171,6 +201,15 @@ async def handle(request: web.Request, owner: str) -> web.StreamResponse:
     return response
 
 
+def _opened_by(request: web.Request, manager: StreamableHTTPSessionManager, owner: str) -> set[str]:
+    """The MCP sessions owner opened that the SDK still has (ended ones are forgotten here)."""
+    every: dict[str, set[str]] = request.app[_OPEN_KEY]
+    live = manager._server_instances  # the SDK's own table: a session is open while it is there
+    mine = {sid for sid in every.get(owner, set()) if sid in live}
+    every[owner] = mine
+    return mine
+
+
 def add_routes(
     app: web.Application, service_key: web.AppKey[Any], owner_for: Callable[[web.Request], str]
 ) -> None:
@@ -179,12 +218,15 @@ def add_routes(
     async def start(app: web.Application) -> None:
         service: RunService = app[service_key]
         settings = service.settings
+        total, _per_tenant = mcp_session_caps(settings.max_sessions, 1)
         manager = StreamableHTTPSessionManager(
             app=mcp_tools.build_server(_executor_for(service)),
             session_idle_timeout=float(settings.session_idle_s),
             max_request_body_size=settings.max_message_bytes,
-            max_sessions=max(1, settings.max_sessions) * SESSIONS_PER_JAIL_SESSION,
+            max_sessions=total,
         )
+        app[_SERVICE_KEY] = service
+        app[_OPEN_KEY] = {}
         started = asyncio.Event()
         stop = asyncio.Event()
 

@@ -773,3 +773,68 @@ def wait_for_value(read: Callable[[], float], wanted: float, timeout: float) -> 
         time.sleep(0.2)
         value = read()
     return value
+
+
+def mcp_initialize(server: Server, token: str) -> tuple[int, str | None]:
+    """POST an MCP initialize; (HTTP status, the new session's id)."""
+    body = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-03-26",
+            "capabilities": {},
+            "clientInfo": {"name": "a", "version": "1"},
+        },
+    }
+    headers = {
+        "Authorization": f"Bearer {token}",
+        "Content-Type": "application/json",
+        "Accept": "application/json, text/event-stream",
+    }
+    req = urllib.request.Request(
+        f"{server.http}/mcp", data=json.dumps(body).encode(), headers=headers, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=scaled(30)) as resp:
+            resp.read()
+            return resp.status, resp.headers.get("mcp-session-id")
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return exc.code, None
+
+
+@attack(
+    "with SANDBOX_MAX_SESSIONS=4 and two tenants, one tenant opens 40 MCP sessions as fast as it can",
+    "MCP sessions count per tenant: each tenant gets an equal share of the server's 32 (16), past it "
+    "`initialize` gets 429 naming the share; the other tenant still opens sessions; ending one frees a place",
+)
+async def test_one_tenant_cannot_take_every_mcp_session(
+    tmp_path_factory: pytest.TempPathFactory, tmp_root: Path, observe: Observe
+) -> None:
+    base = tmp_path_factory.mktemp("mcp-sessions-server")
+    path = base / "tokens.toml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(TENANTS)
+    srv = hostile_server(
+        base, tmp_root, SANDBOX_AUTH_TOKEN="", SANDBOX_AUTH_TOKENS_FILE=str(path), SANDBOX_MAX_SESSIONS="4"
+    )
+    try:
+        flood = [await asyncio.to_thread(mcp_initialize, srv, FLOOD) for _ in range(40)]
+        other = [await asyncio.to_thread(mcp_initialize, srv, LIMITED) for _ in range(3)]
+        opened = [sid for status, sid in flood if status == 200 and sid]
+        deleted, _ = await asyncio.to_thread(
+            srv.request, "DELETE", "/mcp", FLOOD, headers={"mcp-session-id": opened[0]}
+        )
+        again = await asyncio.to_thread(mcp_initialize, srv, FLOOD)
+    finally:
+        srv.stop()
+    statuses = [status for status, _sid in flood]
+    assert statuses == [200] * 16 + [429] * 24, statuses
+    assert [status for status, _sid in other] == [200] * 3, other
+    assert deleted == 200 and again[0] == 200, (deleted, again)
+    observe(
+        "the flooding tenant opened 16 sessions, then 24 x 429; the other tenant opened 3; after a DELETE "
+        "the first opened one more"
+    )
