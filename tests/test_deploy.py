@@ -145,6 +145,31 @@ class TestDockerfiles:
         assert "cudnn" not in lowered.replace("no cudnn", "")
         assert "torch" not in lowered.replace("no pytorch", "")
 
+    def test_the_cuda_stub_link_still_resolves_where_the_smoke_step_mounts_it(self, tmp_path: Path) -> None:
+        # The build stage links stubs/libcuda.so.1 -> libcuda.so; the runtime stage's smoke step
+        # mounts that folder at /tmp/cuda-stubs, where an absolute link into /usr/local/cuda
+        # (absent from the runtime image) dangles and llama_cpp finds no CUDA backend. The
+        # Dockerfile's own `ln -s` is replayed in a folder, the folder is copied elsewhere as a
+        # mount would show it, and the link must resolve there.
+        text = DOCKERFILES[1].read_text()
+        links = [
+            line.split("ln -s", 1)[1].split("\\")[0].split() for line in text.splitlines() if "ln -s " in line
+        ]
+        assert len(links) == 1, links
+        target, link = links[0]
+        assert link == "/usr/local/cuda/lib64/stubs/libcuda.so.1", link
+        build = tmp_path / "build-stubs"
+        build.mkdir()
+        (build / "libcuda.so").write_bytes(b"\x7fELF stub")
+        (build / "libcuda.so.1").symlink_to(target)
+        mounted = tmp_path / "runtime" / "tmp" / "cuda-stubs"
+        shutil.copytree(build, mounted, symlinks=True)  # links kept as links, as a bind mount shows them
+        assert (mounted / "libcuda.so.1").resolve() == (mounted / "libcuda.so").resolve()
+        assert (mounted / "libcuda.so.1").read_bytes() == b"\x7fELF stub"
+        smoke = text[text.index("target=/tmp/cuda-stubs") :]
+        assert "test -e /tmp/cuda-stubs/libcuda.so.1" in smoke
+        assert "llama_cpp, pywhispercpp.model" in smoke.split("backends.probe")[0]
+
 
 class TestKubernetes:
     def test_every_rendered_manifest_is_valid_against_the_bundled_schemas(
