@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 9100
 PYTEST_ARGS ?=
 
-.PHONY: setup system venv cuda-build run test lint check bench audit gpu-kit clean
+.PHONY: setup system venv cuda-build cuda-wheel run test lint check bench audit gpu-kit gpu-rehearsal clean
 
 setup: system venv
 
@@ -58,10 +58,20 @@ bench: setup
 audit: setup
 	$(PY) -m appliance audit
 
+# The CUDA build of llama-cpp-python the kit carries, built once with nvcc into the cache
+# build/cuda-wheel/ (sm_90: H100/H200; CUDA_ARCHS="80;89;90" for more; long on 2 cores).
+cuda-wheel: venv
+	nice -n 10 scripts/cuda-wheel.sh $(PY) build/cuda-wheel
+
 # The offline real-GPU acceptance kit: build/gpu-kit/ and build/gpu-kit.tar.gz, at most 64 MiB
-# (docs/gpu.md, "The acceptance kit"); on the GPU machine: sudo ./gpu-acceptance.sh.
+# (docs/gpu.md, "The acceptance kit"); on the GPU machine, as root:
+#   tar xzf gpu-kit.tar.gz -C /opt && /opt/gpu-kit/gpu-acceptance.sh
 gpu-kit: venv
 	PY=$(PY) scripts/gpu-kit.sh build/gpu-kit
+
+# That command, rehearsed in a bare Debian root with a simulated GPU (tests/test_gpu_kit.py runs it).
+gpu-rehearsal: gpu-kit
+	PY=$(PY) scripts/gpu-rehearsal.sh build/gpu-kit.tar.gz build/gpu-rehearsal
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache

@@ -481,12 +481,25 @@ class Kit:
             base = Path(sys.prefix).parent
         self.models = Path(tempfile.mkdtemp(prefix="kit-models-", dir=base))
         os.chmod(self.models, 0o755)
+        # What gpu-acceptance.sh prepared (--prepared) and whether llama.cpp loaded in its jail.
+        self.prepared: dict[str, Any] = {}
+        self.llama_jail = ""
+        if args.prepared:
+            with contextlib.suppress(OSError, ValueError):
+                self.prepared = dict(json.loads(Path(args.prepared).read_text()))
+            with contextlib.suppress(OSError):
+                self.llama_jail = (Path(args.prepared).parent / "llama-jail").read_text().strip()
+        self.llama_ok = self.llama_jail.startswith("ok ")
+        self._gguf: str | None = None
+        self.session_data: dict[str, Any] | None = None
 
     # -- the server --------------------------------------------------------------------------
     def settings(self, mps: bool = False) -> dict[str, str]:
         env = {
             "SANDBOX_GPU": "1",
-            "SANDBOX_PRELOAD": "",
+            # GPU preload as deployed: warm GPU jails import llama.cpp (where the kit's jail
+            # could load it; the preload and session checks say why not otherwise).
+            "SANDBOX_PRELOAD": "llama_cpp,appliance.tools" if self.llama_ok else "",
             "SANDBOX_POOL_SIZE": "2",
             "SANDBOX_MAX_CONCURRENCY": "16",
             "SANDBOX_MEMORY_MB": str(self.memory_mb),
@@ -581,6 +594,8 @@ class Kit:
         )
 
     async def run(self) -> None:
+        if self.args.prepared:
+            self.results.append(self.kit_prepared())
         await self.check("preflight.driver", self.preflight_driver, 60)
         await self.check("preflight.mig", self.preflight_mig, 10)
         await self.check("preflight.compute_mode", self.preflight_compute_mode, 10)
@@ -589,6 +604,9 @@ class Kit:
         names = [
             "context",
             "readyz",
+            "preload",
+            "session",
+            "inference",
             "jail.visible_device",
             "jail.device_nodes",
             "watchdog.main_thread",
@@ -607,6 +625,9 @@ class Kit:
             try:
                 await self.check("context", self.check_context, 90)
                 await self.check("readyz", self.check_readyz, 30)
+                await self.check("preload", self.check_preload, 90)
+                await self.check("session", self.check_session, 150)
+                self.results.append(self.inference_measured())
                 await self.check("jail.visible_device", self.check_visible, 90)
                 await self.check("jail.device_nodes", self.check_nodes, 90)
                 for how in OVERRUN:
@@ -1189,6 +1210,167 @@ class Kit:
             data=data,
         )
 
+    # -- what the kit prepared, GPU preload, a GPU session, inference -----------------------
+    def kit_prepared(self) -> Check:
+        """gpu-acceptance.sh's preparation: the sandbox user, the setuid firejail and the
+        libraries it lacked, the Python, the libraries found by absolute path, llama.cpp's jail."""
+        p = self.prepared
+        libs = p.get("libraries") or {}
+        found = ", ".join(f"{k} {v or 'NOT FOUND'}" for k, v in libs.items())
+        detail = (
+            f"Python {p.get('python_version')} ({p.get('python')}) -> {p.get('venv')}; firejail {p.get('firejail')}"
+            f" (kit libraries: {', '.join(p.get('kit_libs') or []) or 'none needed'}); {found}; "
+            f"llama.cpp ({p.get('llama') or 'none'}, {p.get('llama_from')}): "
+            f"{self.llama_jail or p.get('llama_problem') or 'not probed'}"
+        )
+        return Check("kit.prepare", PASS, detail, data={**p, "llama_jail": self.llama_jail})
+
+    def llama_missing(self) -> str:
+        """Why llama.cpp is not in the jails, where it is not."""
+        return (
+            self.llama_jail
+            or str(self.prepared.get("llama_problem") or "")
+            or "no llama-cpp-python installed"
+        )
+
+    async def gguf_name(self) -> str | None:
+        """--gguf's model, copied into the models directory (kept for the session and inference)."""
+        if not self.args.gguf:
+            return None
+        if self._gguf is None:
+            self._gguf = (await asyncio.to_thread(place_model, Path(self.args.gguf), self.models)).name
+        return self._gguf
+
+    async def check_preload(self) -> Check:
+        # A GPU run in a warm jail: llama.cpp must already be imported there (SANDBOX_PRELOAD),
+        # and on a GPU it must see the granted device.
+        if not self.llama_ok:
+            return Check("", FAIL, f"GPU preload not possible: {self.llama_missing()}")
+        code = (
+            "import sys, json\n"
+            "pre = 'llama_cpp' in sys.modules\n"
+            "import llama_cpp\n"
+            "print(json.dumps({'preloaded': pre, 'offload': bool(llama_cpp.llama_supports_gpu_offload()),"
+            " 'system': llama_cpp.llama_print_system_info().decode(errors='replace')[:300]}))"
+        )
+        ex, _ = await self.execute(code, self.budget_for(64))
+        if ex.status != "ok":
+            return Check("", FAIL, f"the GPU run ended {ex.status}: {why(ex)}")
+        data = json.loads(ex.stdout.strip().splitlines()[-1])
+        if not data["preloaded"]:
+            return Check(
+                "", FAIL, "a GPU run's warm jail had not imported llama_cpp (SANDBOX_PRELOAD)", data=data
+            )
+        if self.sim:
+            return Check(
+                "",
+                PASS,
+                "llama_cpp preloaded in the warm GPU jail (offload: hardware-only, the stand-in libcuda has no "
+                f"CUDA runtime behind it; llama_supports_gpu_offload() {data['offload']})",
+                data=data,
+            )
+        if not data["offload"]:
+            return Check("", FAIL, "llama_cpp preloaded, but it sees no GPU in the jail", data=data)
+        return Check(
+            "", PASS, "llama_cpp preloaded in the warm GPU jail and offloads to its device", data=data
+        )
+
+    async def check_session(self) -> Check:
+        # A GPU session: the model loaded in the first cell, used again in the next ones without
+        # loading it anew (the same object, in the same interpreter, on the same grant).
+        if not self.llama_ok:
+            return Check("", FAIL, f"no GPU session with llama.cpp: {self.llama_missing()}")
+        name = await self.gguf_name()
+        if name is None:
+            return Check("", SKIP, "no model: add --gguf PATH (the kit passes its own)")
+        from appliance.client import AsyncClient
+
+        budget = self.budget_for(1024)
+        load = (
+            "import time\n"
+            "from appliance.tools import load_llm\n"
+            "t0 = time.perf_counter()\n"
+            # Every layer on the GPU; the simulated GPU has no CUDA runtime, so there the CPU.
+            f"llm = load_llm({name!r}, n_gpu_layers={0 if self.sim else -1})\n"
+            "t1 = time.perf_counter()\n"
+            "out = llm.model('Hello', max_tokens=16, logit_bias={2: -100.0})\n"
+            "t2 = time.perf_counter()\n"
+            "print('SESSION', id(llm), llm.shape.n_gpu_layers, round(t1 - t0, 4), round(t2 - t1, 4),"
+            " out['usage']['completion_tokens'])"
+        )
+        again = (
+            "t1 = time.perf_counter()\n"
+            "out = llm.model('Hello again', max_tokens=16, logit_bias={2: -100.0})\n"
+            "t2 = time.perf_counter()\n"
+            "print('SESSION', id(llm), llm.shape.n_gpu_layers, 0, round(t2 - t1, 4), out['usage']['completion_tokens'])"
+        )
+        cells: list[Any] = []
+        async with AsyncClient(self.server.url) as c:
+            session = c.session()
+            try:
+                for code in (load, again, again):
+                    cells.append(await session.execute(code, gpu={"memory_mb": budget}))
+                    if cells[-1].status != "ok":
+                        break
+                ids = {ex.session for ex in cells}
+            finally:
+                await session.close()
+        bad = next((ex for ex in cells if ex.status != "ok"), None)
+        if bad is not None:
+            return Check(
+                "", FAIL, f"cell {cells.index(bad) + 1} of the GPU session ended {bad.status}: {why(bad)}"
+            )
+        rows = [
+            re.search(r"^SESSION (\d+) (-?\d+) ([\d.]+) ([\d.]+) (\d+)$", ex.stdout, re.M) for ex in cells
+        ]
+        if not all(rows):
+            return Check(
+                "", FAIL, "a cell printed no SESSION line: " + " / ".join(ex.stdout[-200:] for ex in cells)
+            )
+        parsed = [m.groups() for m in rows if m]
+        llm_ids = [r[0] for r in parsed]
+        layers = int(parsed[0][1])
+        data: dict[str, Any] = {
+            "budget_mb": budget,
+            "sessions": sorted(str(i) for i in ids),
+            "llm_ids": llm_ids,
+            "n_gpu_layers": [int(r[1]) for r in parsed],
+            "load_s": float(parsed[0][2]),
+            "generate_s": [float(r[3]) for r in parsed],
+            "tokens": [int(r[4]) for r in parsed],
+        }
+        self.session_data = data
+        if len(ids) != 1 or len(set(llm_ids)) != 1:
+            return Check("", FAIL, f"the cells did not share one session and one model: {data}", data=data)
+        if not self.sim and layers <= 0:
+            return Check("", FAIL, f"the session's model has {layers} layers on the GPU", data=data)
+        return Check(
+            "",
+            PASS,
+            f"one GPU session ({budget} MiB): the model loaded once ({data['load_s']} s, {layers} layers offloaded"
+            f"{' as asked; the simulated GPU runs them on the CPU' if self.sim else ''}) and answered in 3 cells",
+            data=data,
+        )
+
+    def inference_measured(self) -> Check:
+        """INFO: the session's generation speed, and what loading once saves (no verdict)."""
+        data = self.session_data
+        if not self.selected("inference"):
+            return Check("inference", SKIP, "not selected (--only)")
+        if not data:
+            return Check("inference", SKIP, "no GPU session ran (see session)")
+        gen = data["generate_s"]
+        rate = [round(t / s, 1) if s else None for t, s in zip(data["tokens"], gen, strict=True)]
+        later = sum(gen[1:]) / max(1, len(gen) - 1)
+        ratio = round((data["load_s"] + gen[0]) / later, 1) if later else None
+        return Check(
+            "inference",
+            INFO,
+            f"informational, no verdict: {rate} tokens/s per cell ({'CPU, simulated GPU' if self.sim else 'GPU'}); "
+            f"the first cell (load + generate) took {ratio}x a later one's generation",
+            data={**data, "tokens_per_s": rate, "first_vs_later": ratio},
+        )
+
     async def check_llama(self) -> Check:
         # The startup probe's answer (the bindings imported in the jails' Python), once it is in.
         deadline = time.monotonic() + 60
@@ -1206,7 +1388,7 @@ class Kit:
             "machine's CUDA, and the wheels of its requirements (numpy, diskcache, jinja2, typing-extensions)"
         )
         if wheels is None:
-            source = "the kit carries none: a CUDA build is far over its 64 MiB"
+            source = f"the kit's own build, {self.prepared.get('llama') or 'none carried'}"
         elif not await asyncio.to_thread(lambda: sorted(Path(wheels).glob("llama_cpp_python-*.whl"))):
             source = f"--wheels {wheels} holds no llama_cpp_python-*.whl"
         else:
@@ -1219,6 +1401,14 @@ class Kit:
                 SKIP,
                 f"llama-cpp-python does not import in the appliance's Python "
                 f"({llama.get('error') or tools.get('error')}; {source}): {supply}",
+                data=llama,
+            )
+        if self.sim:
+            return Check(
+                "",
+                SKIP,
+                f"hardware-only: llama-cpp-python {llama.get('version')} ({source}) imports, but the simulated "
+                "GPU has no CUDA runtime behind it to offload to",
                 data=llama,
             )
         if not llama.get("gpu_offload"):
@@ -1495,7 +1685,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="size the checks' allocations by this CUDA context cost instead of the measured one",
     )
-    p.add_argument("--gguf", help="a GGUF model for the llama.cpp offload check")
+    p.add_argument("--gguf", help="a GGUF model for the llama.cpp checks (the kit passes its own tiny one)")
+    p.add_argument(
+        "--prepared",
+        default=None,
+        help="gpu-acceptance.sh's prepare.json (what it installed and found; llama-jail beside it)",
+    )
     p.add_argument(
         "--wheels",
         default=None,

@@ -1,154 +1,373 @@
 #!/usr/bin/env bash
 # The real-GPU acceptance run, from the folder `make gpu-kit` builds (docs/gpu.md, "The
-# acceptance kit"). On the GPU machine, as root, offline, in under 8 minutes:
+# acceptance kit"). On a bare GPU machine, as root, offline, in under 8 minutes:
 #
-#   sudo ./gpu-acceptance.sh                  # every check; report in ./report/
-#   sudo ./gpu-acceptance.sh --mps            # plus the MPS section (sets EXCLUSIVE_PROCESS,
-#                                             # starts/stops the daemon, restores the mode)
-#   sudo ./gpu-acceptance.sh --gguf m.gguf --wheels DIR
-#                                             # plus llama.cpp offload: DIR holds a CUDA build of
-#                                             # llama-cpp-python (llama_cpp_python-*.whl, for this
-#                                             # Python and CUDA) and its requirements' wheels; the
-#                                             # kit carries none (far over 64 MiB)
+#   tar xzf gpu-kit.tar.gz -C /opt && /opt/gpu-kit/gpu-acceptance.sh
 #
-# Environment: PYTHON (default: python3.12, python3.11 or python3 of either version),
-# KIT_VENV (default /opt/appliance-gpu-kit/venv: a place the sandbox uid can read, which a
-# kit under /root is not; checked before anything is installed), KIT_WHEELS (as --wheels),
-# KIT_OUT (default ./report), KIT_TIMEOUT (default 470 s for the
-# checks), FIREJAIL (an installed firejail instead of the kit's). Other arguments go to
-# `python -m benchmarks.gpu_acceptance` (see --help there). KIT_RUN="cmd" runs cmd instead of
-# the checks, with the kit's firejail (SANDBOX_FIREJAIL) and venv (VENV), e.g.
-# KIT_RUN="cd ~/appliance && bash benchmarks/gpu_real.sh" for the contention benchmark.
+# The CI rehearsal (scripts/gpu-rehearsal.sh) runs exactly that in a bare Debian root, with
+# KIT_SIMULATE=1 in its environment (simulated devices, the stand-in libcuda and nvidia-smi
+# it finds where a driver's would be). It prepares what a bare machine lacks, then checks:
+#   1. the sandbox user (uid 1001, home /workspace) and /workspace, created if missing;
+#   2. firejail installed from the kit under $KIT_HOME (default /opt/appliance-gpu-kit), owned
+#      by root and setuid (whoever unpacked the kit); the shared libraries it needs that the
+#      host lacks (libapparmor.so.1, libselinux.so.1, libpcre2-8.so.0), and llama.cpp's
+#      libgomp.so.1, go to $KIT_HOME/lib;
+#   3. a Python 3.11/3.12 (PYTHON, else python3.12/python3.11/python3 on PATH, /usr/bin, or a
+#      venv under /opt) whose base interpreter is under /usr (a jail sees no other), and the kit's venv ($KIT_HOME/venv, KIT_VENV) with the appliance and the
+#      kit's CUDA build of llama-cpp-python, installed offline from the kit's wheels;
+#   4. the driver's and CUDA's libraries by absolute path (ldconfig -p, LD_LIBRARY_PATH,
+#      /usr/local/nvidia, /usr/local/cuda, a Python's nvidia/cu13 wheels): libcuda.so.1 (handed
+#      to the appliance as SANDBOX_GPU_LIBCUDA), libcudart.so.13 and libcublas(Lt).so.13;
+# then, in a private mount namespace (the host's files are not changed): firejail's helpers
+# bound over its compiled-in paths, an ld.so.cache of the host's plus $KIT_HOME/lib and the
+# library folders bound over /etc/ld.so.cache (setuid firejail ignores LD_LIBRARY_PATH; jails
+# get a clean environment and read the cache), and one real jail as uid 1001 that runs the
+# venv's Python and imports llama_cpp (fails fast: firejail not setuid, a library missing, an
+# interpreter the jail cannot see). Then the checks (benchmarks/gpu_acceptance.py).
+# The compute mode and MIG are never changed: --mps (which sets EXCLUSIVE_PROCESS) is refused
+# outside simulation. A report, $KIT_OUT (default ./report)/gpu-acceptance.{json,md}, is
+# written in every case, a failure before the checks included. Exit status: 0 when no check
+# FAILed.
 #
-# The kit's firejail is run from this folder: it finds its helpers and seccomp filters only
-# under the paths compiled into it (/usr/lib/x86_64-linux-gnu/firejail, /etc/firejail), so
-# the checks run in a private mount namespace (unshare -m) where the kit's copies are bound
-# over those paths; the host's own files are not changed (missing mount points are created
-# empty and removed afterwards). As root, firejail needs no setuid bit.
-# Whatever happens, the exit trap restores the compute mode the MPS section recorded and
-# stops an MPS daemon the section started. Exit status: 0 when no check FAILed.
+# Environment: PYTHON, KIT_HOME, KIT_VENV, KIT_OUT, KIT_TIMEOUT (default 420 s for the checks),
+# FIREJAIL (an installed setuid firejail instead of the kit's), KIT_SIMULATE=1, KIT_WHEELS /
+# --wheels DIR (another llama-cpp-python build and its wheels), KIT_RUN="cmd" (runs cmd instead
+# of the checks, with SANDBOX_FIREJAIL and VENV set: the GPU CI's contention benchmark). Other
+# arguments go to `python -m benchmarks.gpu_acceptance` (--help there).
 set -euo pipefail
 KIT=$(cd "$(dirname "$0")" && pwd)
 OUT=${KIT_OUT:-$KIT/report}
+KIT_HOME=${KIT_HOME:-/opt/appliance-gpu-kit}
+export KIT_VENV=${KIT_VENV:-$KIT_HOME/venv}
+SANDBOX_UID=1001
 FJ_LIB=/usr/lib/x86_64-linux-gnu/firejail
 FJ_ETC=/etc/firejail
+KIT_LIBS=(libapparmor.so.1 libselinux.so.1 libpcre2-8.so.0 libgomp.so.1)
+CUDA_LIBS=(libcuda.so.1 libnvidia-ml.so.1 libcudart.so.13 libcublas.so.13 libcublasLt.so.13)
+# nvidia-smi where a driver mounted into a machine puts it, when PATH does not say.
+export PATH=$PATH:/usr/local/nvidia/bin
 
-if [ "${KIT_INNER:-}" = 1 ]; then  # inside the private mount namespace
+say() { echo "gpu-acceptance: $*" >&2; }
+
+# ---- inside the private mount namespace --------------------------------------------------------
+if [ "${KIT_INNER:-}" = 1 ]; then
+  fail() { printf '%s\n' "$*" >"$OUT/.kit-failure"; say "$*"; exit 1; }
   if [ -z "${FIREJAIL:-}" ]; then
-    mount --bind "$KIT/firejail$FJ_LIB" "$FJ_LIB"
-    mount --bind "$KIT/firejail$FJ_ETC" "$FJ_ETC"
-    FIREJAIL=$KIT/firejail/usr/bin/firejail
+    mount --bind "$KIT_HOME/firejail$FJ_LIB" "$FJ_LIB"
+    mount --bind "$KIT_HOME/firejail$FJ_ETC" "$FJ_ETC"
+    FIREJAIL=$KIT_HOME/firejail/usr/bin/firejail
   fi
-  if ! "$FIREJAIL" --quiet --noprofile --private-dev -- /bin/true; then
-    echo "gpu-acceptance: firejail ($FIREJAIL) cannot start a jail here" >&2
-    exit 1
+  # Library folders a jail cannot see (outside /usr: the kit's own, a Python's nvidia wheels
+  # under /opt) are bound under /usr/lib/appliance-gpu-kit, and the cache names them there
+  # (not under /usr/local: a jail that whitelists /usr/local/nvidia/lib64 sees nothing else
+  # of /usr/local).
+  i=0
+  conf=$KIT_HOME/ld.so.conf
+  cat /etc/ld.so.conf >"$conf" 2>/dev/null || : >"$conf"
+  while read -r dir; do
+    [ -n "$dir" ] || continue
+    case $dir in
+      /usr/*) echo "$dir" >>"$conf" ;;
+      *) mount --bind "$dir" "/usr/lib/appliance-gpu-kit/$i"; echo "/usr/lib/appliance-gpu-kit/$i" >>"$conf"; i=$((i + 1)) ;;
+    esac
+  done <"$KIT_HOME/lib-dirs"
+  ldconfig -X -f "$conf" -C "$KIT_HOME/ld.so.cache" 2>"$KIT_HOME/ldconfig.log" ||
+    fail "ldconfig failed: $(tail -3 "$KIT_HOME/ldconfig.log")"
+  mount --bind "$KIT_HOME/ld.so.cache" /etc/ld.so.cache
+  # One real jail as the sandbox user before anything else: firejail must be setuid root (a
+  # jail as root would hide it) and find its libraries, and the jail must see the interpreter:
+  # its /tmp is private and, as in the appliance's jails, only the venv is whitelisted (a base
+  # interpreter under /tmp is gone). Started as the appliance starts its jails: a clean
+  # environment, no "--" (firejail would run the command through the login shell, nologin).
+  jail() {
+    setpriv --reuid="$SANDBOX_UID" --regid="$SANDBOX_UID" --clear-groups \
+      env -i PATH=/usr/bin:/bin HOME=/workspace container=docker \
+      "$FIREJAIL" --quiet --noprofile --private-tmp --private-dev \
+      --whitelist="$KIT_VENV" --read-only="$KIT_VENV" \
+      ${JAIL_LIBCUDA_DIR:+--whitelist="$JAIL_LIBCUDA_DIR" --read-only="$JAIL_LIBCUDA_DIR"} \
+      "$KIT_VENV/bin/python" -c "$1" 2>&1
+  }
+  cd /
+  if ! jail_out=$(jail "import sys, appliance; print(sys.executable, sys.version.split()[0])"); then
+    why=""
+    if [ ! -u "$FIREJAIL" ] || [ "$(stat -c %u "$FIREJAIL")" != 0 ]; then why=" ($FIREJAIL is not setuid root)"; fi
+    fail "a jail as uid $SANDBOX_UID failed ($FIREJAIL, $KIT_VENV/bin/python)$why: $(echo "$jail_out" | tail -5 | tr '\n' ' ')"
   fi
-  if [ -n "${KIT_RUN:-}" ]; then  # another command with the kit's firejail and venv (the GPU CI's benchmark)
+  say "a jail as uid $SANDBOX_UID runs $(echo "$jail_out" | tail -1)"
+  # llama.cpp's CUDA build, loaded in a jail through the cache alone: its outcome goes to the
+  # report (the checks that need it fail with it), and the other checks still run.
+  if [ -n "${LLAMA_PROBE:-}" ]; then
+    if jail_out=$(jail "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"); then
+      echo "ok $(echo "$jail_out" | tail -1)" >"$OUT/llama-jail"
+    else
+      echo "llama_cpp does not import in a jail as uid $SANDBOX_UID: $(echo "$jail_out" | tail -3 | tr '\n' ' ')" >"$OUT/llama-jail"
+    fi
+    say "$(cat "$OUT/llama-jail")"
+  fi
+  if [ -n "${KIT_RUN:-}" ]; then
     export SANDBOX_FIREJAIL=$FIREJAIL VENV=$KIT_VENV
     exec bash -c "$KIT_RUN"
   fi
   cd "$KIT"
-  exec env PYTHONPATH="$KIT" timeout "${KIT_TIMEOUT:-470}" "$KIT_VENV/bin/python" -m benchmarks.gpu_acceptance \
-    --out "$OUT" --firejail "$FIREJAIL" --budget-s $(( ${KIT_TIMEOUT:-470} - 20 )) "$@"
+  exec env PYTHONPATH="$KIT" timeout "${KIT_TIMEOUT:-420}" "$KIT_VENV/bin/python" -m benchmarks.gpu_acceptance \
+    --out "$OUT" --firejail "$FIREJAIL" --budget-s $(( ${KIT_TIMEOUT:-420} - 20 )) \
+    --prepared "$OUT/prepare.json" "$@"
 fi
 
-[ "$(id -u)" = 0 ] || { echo "gpu-acceptance: run as root (the appliance starts jails and sets the compute mode)" >&2; exit 1; }
-# The jails run this interpreter as the sandbox uid: one under root's 0700 home (pyenv) cannot.
-usable() {
-  "$1" -c 'import sys; sys.exit(sys.version_info[:2] not in ((3, 11), (3, 12)))' 2>/dev/null &&
-    setpriv --reuid=65534 --regid=65534 --clear-groups "$1" -c pass 2>/dev/null
-}
-if [ -z "${PYTHON:-}" ]; then
-  for candidate in /usr/bin/python3.12 /usr/bin/python3.11 /usr/bin/python3 python3.12 python3.11 python3; do
-    if command -v "$candidate" >/dev/null && usable "$(command -v "$candidate")"; then
-      PYTHON=$(command -v "$candidate"); break
-    fi
-  done
-fi
-[ -n "${PYTHON:-}" ] || { echo "gpu-acceptance: needs Python 3.11 or 3.12 that any uid can run (set PYTHON)" >&2; exit 1; }
-usable "$PYTHON" || { echo "gpu-acceptance: $PYTHON is not Python 3.11/3.12 runnable by the sandbox uid" >&2; exit 1; }
-export KIT_VENV=${KIT_VENV:-/opt/appliance-gpu-kit/venv}
-
-# The jails run $KIT_VENV/bin/python as the sandbox uid, so every folder above the venv must
-# let any uid through (a runner's temp folder or a home directory often does not): the server
-# would refuse to start, after minutes of installing. Checked first, with the fix named.
-mkdir -p "$(dirname "$KIT_VENV")"
-if ! setpriv --reuid=65534 --regid=65534 --clear-groups test -x "$(dirname "$KIT_VENV")"; then
-  echo "gpu-acceptance: KIT_VENV=$KIT_VENV: the sandbox uid cannot reach $(dirname "$KIT_VENV")" \
-       "(a folder above it is not o+x); leave KIT_VENV unset (/opt/appliance-gpu-kit/venv) or pick" \
-       "a place every uid can traverse" >&2
-  exit 1
-fi
-
-# --wheels DIR (or KIT_WHEELS): a CUDA llama-cpp-python for the llama_offload check. Kept in
-# the arguments, so the check can say where its llama-cpp-python came from.
-WHEELS=${KIT_WHEELS:-}
-args=("$@")
-for ((i = 0; i < ${#args[@]}; i++)); do
-  if [ "${args[$i]}" = --wheels ]; then WHEELS=${args[$((i + 1))]:-}; fi
-done
-if [ -n "$WHEELS" ]; then
-  [ -d "$WHEELS" ] || { echo "gpu-acceptance: --wheels/KIT_WHEELS: $WHEELS is not a folder" >&2; exit 1; }
-  WHEELS=$(cd "$WHEELS" && pwd)
-  if [ -n "${KIT_WHEELS:-}" ] && [[ " $* " != *" --wheels "* ]]; then set -- "$@" --wheels "$WHEELS"; fi
-fi
-
-# The appliance and its requirements, from the kit's wheels only. A Python without pip or
-# ensurepip (Debian/Ubuntu without python3-venv) still works: pip runs from its own wheel.
-pip_wheel=$(ls "$KIT"/wheels/pip-*.whl | head -1)
-kit_pip() { "$KIT_VENV/bin/python" "$pip_wheel/pip" install -q --no-index --disable-pip-version-check "$@"; }
-if [ ! -x "$KIT_VENV/bin/appliance" ]; then
-  echo "gpu-acceptance: installing the appliance into $KIT_VENV (offline, from $KIT/wheels)"
-  rm -rf "$KIT_VENV"
-  "$PYTHON" -m venv --without-pip "$KIT_VENV"
-  kit_pip --find-links "$KIT/wheels" appliance nvidia-ml-py
-  chmod -R a+rX "$KIT_VENV"
-fi
-if [ -n "$WHEELS" ]; then
-  llama=$(ls "$WHEELS"/llama_cpp_python-*.whl 2>/dev/null | tail -1 || true)
-  if [ -z "$llama" ]; then
-    echo "gpu-acceptance: $WHEELS holds no llama_cpp_python-*.whl; llama_offload will say so" >&2
-  else
-    # The given build replaces any other of the same version (--force-reinstall); its
-    # requirements come from the folder or the kit. A failure is the check's SKIP, with why.
-    echo "gpu-acceptance: installing $(basename "$llama") into $KIT_VENV (from $WHEELS)"
-    if ! { kit_pip --find-links "$WHEELS" --find-links "$KIT/wheels" --force-reinstall --no-deps "$llama" &&
-           kit_pip --find-links "$WHEELS" --find-links "$KIT/wheels" "$llama"; }; then
-      echo "gpu-acceptance: installing $llama failed; llama_offload will say what does not import" >&2
-    fi
-    chmod -R a+rX "$KIT_VENV"
-  fi
-fi
-
-mkdir -p "$OUT"
+# ---- outside: prepare the host, then the namespace -----------------------------------------------
+STARTED=$(date +%s)
+REASON=""
+STAGE=start
 made=()
-restore() {
-  if [ -s "$OUT/compute-mode.orig" ]; then   # written by the MPS section before it changes anything
-    "$KIT_VENV/bin/python" - "$OUT/compute-mode.orig" "${SMI:-nvidia-smi}" <<'EOF' || true
-import json, subprocess, sys
-for index, mode in json.load(open(sys.argv[1])).items():
-    subprocess.run([*sys.argv[2].split(), "-i", index, "-c", mode.upper()], check=False)
-EOF
-    rm -f "$OUT/compute-mode.orig"
-  fi
-  if [ -s "$OUT/mps-started" ]; then   # the pipe directory of a daemon the MPS section started
-    echo quit | CUDA_MPS_PIPE_DIRECTORY=$(cat "$OUT/mps-started") nvidia-cuda-mps-control || true
-    rm -f "$OUT/mps-started"
-  fi
-  for dir in "${made[@]}"; do rmdir "$dir" 2>/dev/null || true; done
+mkdir -p "$OUT" 2>/dev/null || true
+rm -f "$OUT/gpu-acceptance.json" "$OUT/gpu-acceptance.md" "$OUT/.kit-failure" "$OUT/prepare.json" "$OUT/llama-jail" 2>/dev/null || true
+json_str() { printf '%s' "$1" | tr '\n\t' '  ' | sed 's/\\/\\\\/g; s/"/\\"/g'; }
+# A report in every case: where the checks never ran (or died before writing theirs), one
+# saying at which stage and why.
+report_failure() {
+  local detail=$1 secs=$(( $(date +%s) - STARTED ))
+  mkdir -p "$OUT" || return 0
+  local kit
+  kit=$(tr '\n' ' ' <"$KIT/kit.json" 2>/dev/null || true)
+  printf '{"meta": {"mode": "%s", "host": "%s", "seconds": %s, "when": "%s", "kit": %s, "counts": {"PASS": 0, "FAIL": 1, "SKIP": 0, "INFO": 0}},\n "checks": [{"name": "kit.%s", "status": "FAIL", "detail": "%s", "seconds": %s, "data": {}}]}\n' \
+    "$([ "${SIM:-0}" = 1 ] && echo simulated || echo real-gpu)" "$(hostname 2>/dev/null || echo unknown)" "$secs" \
+    "$(date -u +%FT%TZ)" "${kit:-"{}"}" "$STAGE" "$(json_str "$detail")" "$secs" \
+    >"$OUT/gpu-acceptance.json"
+  printf '# GPU acceptance (failed before the checks)\n\n%s, %s s.\n\nPASS 0, FAIL 1, SKIP 0; INFO 0.\n\n| check | result | detail | s |\n|---|---|---|---|\n| kit.%s | FAIL | %s | %s |\n' \
+    "$(date -u +%FT%TZ)" "$secs" "$STAGE" "$(printf '%s' "$detail" | tr '\n|' ' /')" "$secs" >"$OUT/gpu-acceptance.md"
 }
-trap restore EXIT
-SMI=nvidia-smi
+on_exit() {
+  local rc=$?
+  for dir in "${made[@]}"; do rmdir "$dir" 2>/dev/null || true; done
+  if [ ! -s "$OUT/gpu-acceptance.json" ]; then
+    local detail=${REASON:-"stopped (exit $rc) at stage $STAGE"}
+    if [ -s "$OUT/.kit-failure" ]; then detail=$(cat "$OUT/.kit-failure"); fi
+    report_failure "$detail"
+    [ "$rc" != 0 ] || rc=1
+  fi
+  rm -f "$OUT/.kit-failure"
+  say "report in $OUT/gpu-acceptance.md and .json (exit $rc)"
+  exit "$rc"
+}
+trap on_exit EXIT
+trap 'REASON=${REASON:-"line $LINENO: $BASH_COMMAND failed"}' ERR
+fail() { REASON="$*"; say "$*"; exit 1; }
+
+SIM=${KIT_SIMULATE:-0}
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
-  if [ "${args[$i]}" = --nvidia-smi ]; then SMI=${args[$((i + 1))]}; fi
+  case ${args[$i]} in
+    --simulate) SIM=1 ;;
+    --wheels) KIT_WHEELS=${args[$((i + 1))]:-} ;;
+    --libcuda) LIBCUDA=${args[$((i + 1))]:-} ;;
+    --mps) MPS=1 ;;
+  esac
 done
+if [ "$SIM" = 1 ] && [[ " $* " != *" --simulate "* ]]; then set -- --simulate "$@"; fi
+STAGE=root
+[ "$(id -u)" = 0 ] || fail "run as root (it installs firejail setuid and starts jails)"
+if [ "${MPS:-0}" = 1 ] && [ "$SIM" != 1 ]; then
+  fail "--mps sets EXCLUSIVE_PROCESS and starts an MPS daemon; the kit never changes a machine's compute mode or MIG (simulation only)"
+fi
+
+# 1. The sandbox user and its home.
+STAGE=user
+if ! getent passwd "$SANDBOX_UID" >/dev/null; then
+  getent group "$SANDBOX_UID" >/dev/null || groupadd -g "$SANDBOX_UID" sandbox 2>/dev/null ||
+    echo "sandbox:x:$SANDBOX_UID:" >>/etc/group
+  useradd -u "$SANDBOX_UID" -g "$SANDBOX_UID" -d /workspace -M -s /usr/sbin/nologin sandbox 2>/dev/null ||
+    echo "sandbox:x:$SANDBOX_UID:$SANDBOX_UID::/workspace:/usr/sbin/nologin" >>/etc/passwd
+  say "created the sandbox user (uid $SANDBOX_UID, home /workspace)"
+fi
+home=$(getent passwd "$SANDBOX_UID" | cut -d: -f6)
+[ "$home" = /workspace ] || fail "uid $SANDBOX_UID exists with home $home, not /workspace (the appliance needs /workspace)"
+install -d -o "$SANDBOX_UID" -g "$(getent passwd "$SANDBOX_UID" | cut -d: -f4)" -m 0755 /workspace
+
+# 2. firejail, root-owned and setuid, and the libraries it lacks, in $KIT_HOME.
+STAGE=firejail
+install -d -m 0755 "$KIT_HOME" "$KIT_HOME/lib"
 if [ -z "${FIREJAIL:-}" ]; then
+  rm -rf "$KIT_HOME/firejail"
+  cp -a "$KIT/firejail" "$KIT_HOME/firejail"
+  chown -R root:root "$KIT_HOME/firejail"
+  chmod -R go-w "$KIT_HOME/firejail"
+  chmod 4755 "$KIT_HOME/firejail/usr/bin/firejail"
   for dir in "$FJ_LIB" "$FJ_ETC"; do
     if [ ! -d "$dir" ]; then mkdir -p "$dir"; made+=("$dir"); fi
   done
 fi
+rm -f "$KIT_HOME"/lib/*.so*
+LDCACHE=$(ldconfig -p)   # read once (and grep -q on a pipe would fail it under pipefail)
+have() { grep -E "^[[:space:]]*$1 \(libc6,x86-64" >/dev/null <<<"$LDCACHE"; }
+for lib in "${KIT_LIBS[@]}"; do
+  if ! have "$lib"; then
+    [ -e "$KIT/lib/$lib" ] || fail "the host lacks $lib and the kit carries none"
+    cp "$KIT/lib/$lib" "$KIT_HOME/lib/"
+    say "$lib: the host has none; the kit's (from its Debian package) in $KIT_HOME/lib"
+  fi
+done
+
+# 3. A Python for the kit's venv, which jails run as the sandbox uid.
+STAGE=python
+version_ok() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] not in ((3, 11), (3, 12)))' 2>/dev/null; }
+# The appliance's jails see /usr, /bin and /lib, a private /tmp, and of the rest only the
+# venv they run (whitelisted): the base interpreter the venv points to must live under /usr
+# (or /bin, /lib), not under /opt, /tmp, /root or /home.
+outside_jail_view() {
+  local where
+  where=$("$1" -c 'import os, sys; print(os.path.realpath(sys._base_executable)); print(os.path.realpath(sys.base_prefix))' 2>/dev/null) || return 0
+  grep -q -v -E '^/(usr|bin|sbin|lib|lib64)(/|$)' <<<"$where"
+}
+usable() {
+  version_ok "$1" && ! outside_jail_view "$1" &&
+    setpriv --reuid=65534 --regid=65534 --clear-groups "$1" -c pass 2>/dev/null
+}
+if [ -z "${PYTHON:-}" ]; then
+  for candidate in python3.12 python3.11 python3 /usr/bin/python3.12 /usr/bin/python3.11 \
+      /opt/*/bin/python3 /opt/*/.venv/bin/python3 /opt/*/venv/bin/python3; do
+    path=$(command -v "$candidate" 2>/dev/null || true)
+    [ -n "$path" ] && [ "${path#"$KIT_VENV"/}" = "$path" ] || continue
+    if usable "$path"; then PYTHON=$path; break; fi
+  done
+fi
+[ -n "${PYTHON:-}" ] || fail "no Python 3.11 or 3.12 whose base interpreter is under /usr and that the sandbox uid can run (set PYTHON)"
+version_ok "$PYTHON" || fail "PYTHON=$PYTHON is not Python 3.11 or 3.12"
+outside_jail_view "$PYTHON" && fail "PYTHON=$PYTHON: its base interpreter is not under /usr, so a jail (which sees only /usr, /bin, /lib and the kit's venv) cannot run it; name another with PYTHON="
+usable "$PYTHON" || fail "PYTHON=$PYTHON cannot be run by another uid (a folder above it is not o+x)"
+pyver=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+
+# The venv: the jails run its Python as the sandbox uid, so every folder above it must let any
+# uid through (a runner's temp folder or a home directory often does not).
+mkdir -p "$(dirname "$KIT_VENV")"
+if ! setpriv --reuid=65534 --regid=65534 --clear-groups test -x "$(dirname "$KIT_VENV")"; then
+  fail "KIT_VENV=$KIT_VENV: the sandbox uid cannot reach $(dirname "$KIT_VENV") (a folder above it is not o+x); leave KIT_VENV unset ($KIT_HOME/venv) or pick a place every uid can traverse"
+fi
+STAGE=venv
+pip_wheel=$(ls "$KIT"/wheels/pip-*.whl | head -1)
+kit_pip() { "$KIT_VENV/bin/python" "$pip_wheel/pip" install -q --no-index --disable-pip-version-check "$@"; }
+stamp="$(cat "$KIT/kit.json" 2>/dev/null | sha256sum | cut -c1-16) $PYTHON"
+if [ ! -x "$KIT_VENV/bin/appliance" ] || [ "$(cat "$KIT_VENV/.kit-stamp" 2>/dev/null)" != "$stamp" ]; then
+  say "installing the appliance into $KIT_VENV (Python $pyver from $PYTHON, offline, from $KIT/wheels)"
+  rm -rf "$KIT_VENV"
+  "$PYTHON" -m venv --without-pip "$KIT_VENV"
+  kit_pip --find-links "$KIT/wheels" appliance nvidia-ml-py
+  echo "$stamp" >"$KIT_VENV/.kit-stamp"
+fi
+# llama-cpp-python: the kit's CUDA build, or --wheels DIR's (any build, for llama_offload).
+llama=$(ls "$KIT"/wheels/llama_cpp_python-*.whl 2>/dev/null | tail -1 || true)
+llama_from=kit
+if [ -n "${KIT_WHEELS:-}" ]; then
+  [ -d "$KIT_WHEELS" ] || fail "--wheels/KIT_WHEELS: $KIT_WHEELS is not a folder"
+  KIT_WHEELS=$(cd "$KIT_WHEELS" && pwd)
+  if [[ " $* " != *" --wheels "* ]]; then set -- "$@" --wheels "$KIT_WHEELS"; fi
+  llama=$(ls "$KIT_WHEELS"/llama_cpp_python-*.whl 2>/dev/null | tail -1 || true)
+  llama_from="--wheels $KIT_WHEELS"
+  [ -n "$llama" ] || say "$KIT_WHEELS holds no llama_cpp_python-*.whl; llama_offload will say so"
+fi
+"$KIT_VENV/bin/python" "$pip_wheel/pip" uninstall -q -y llama-cpp-python >/dev/null 2>&1 || true
+llama_problem=""
+site=$("$KIT_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# numpy, llama.cpp's one heavy requirement (16 MiB a Python), is not carried: the machine's
+# Python has one (a PyTorch venv does; Debian's python3-numpy), copied into the kit's venv.
+copy_numpy() {
+  "$PYTHON" - "$site" <<'EOF'
+import glob, importlib.util, os, shutil, sys
+spec = importlib.util.find_spec("numpy")
+if spec is None or not spec.submodule_search_locations:
+    sys.exit("numpy is not installed for " + sys.executable)
+import numpy
+parent = os.path.dirname(list(spec.submodule_search_locations)[0])
+for src in [os.path.join(parent, "numpy")] + glob.glob(os.path.join(parent, "numpy-*-info")) + glob.glob(os.path.join(parent, "numpy.libs")):
+    dst = os.path.join(sys.argv[1], os.path.basename(src))
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, symlinks=True) if os.path.isdir(src) else shutil.copy2(src, dst)
+print(numpy.__version__, "from", parent)
+EOF
+}
+if [ -n "$llama" ]; then
+  say "installing $(basename "$llama") into $KIT_VENV ($llama_from)"
+  reqs=$("$KIT_VENV/bin/python" -c 'import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+for line in z.read(meta).decode().splitlines():
+    if line.startswith("Requires-Dist:") and "extra ==" not in line and not line.split()[1].startswith("numpy"):
+        print(line.split(":", 1)[1].strip().replace(" ", ""))' "$llama")
+  if ! "$KIT_VENV/bin/python" -c 'import numpy' 2>/dev/null; then
+    if got=$(copy_numpy 2>&1); then say "numpy $got"; else llama_problem="llama.cpp needs numpy: $got"; fi
+  fi
+  # shellcheck disable=SC2086  # one requirement a word
+  if [ -z "$llama_problem" ] && ! err=$( { kit_pip --no-deps "$llama" &&
+      { [ -z "$reqs" ] || kit_pip --find-links "$(dirname "$llama")" --find-links "$KIT/wheels" $reqs; }; } 2>&1); then
+    llama_problem="installing $(basename "$llama") failed: $(echo "$err" | tail -2 | tr '\n' ' ')"
+  fi
+  [ -z "$llama_problem" ] || say "$llama_problem"
+fi
+chmod -R a+rX "$KIT_VENV"
+
+# 4. The driver's and CUDA's libraries, by absolute path: ld.so.cache first, then where drivers
+# and toolkits put them when the cache does not name them.
+STAGE=libraries
+search=()
+IFS=: read -r -a ld_path <<<"${LD_LIBRARY_PATH:-}"
+search+=("${ld_path[@]}" /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu /usr/lib64
+         /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda-13*/lib64)
+for py in "$PYTHON" "$KIT_VENV/bin/python"; do
+  while read -r site; do search+=("$site"/nvidia/cu13/lib "$site"/nvidia/*/lib); done \
+    < <("$py" -c 'import site, sys; print("\n".join(p for p in sys.path if p.endswith("-packages")))' 2>/dev/null || true)
+done
+echo "$KIT_HOME/lib" >"$KIT_HOME/lib-dirs"
+declare -A found=()
+for lib in "${CUDA_LIBS[@]}"; do
+  path=$(awk -v l="$lib" '$1 == l && /x86-64/ {print $NF; exit}' <<<"$LDCACHE")
+  if [ -z "$path" ]; then
+    for dir in "${search[@]}"; do
+      if [ -n "$dir" ] && [ -e "$dir/$lib" ]; then path=$(readlink -f "$dir/$lib"); break; fi
+    done
+    [ -z "$path" ] || grep -qx "$(dirname "$path")" "$KIT_HOME/lib-dirs" || dirname "$path" >>"$KIT_HOME/lib-dirs"
+  fi
+  found[$lib]=$path
+done
+LIBCUDA=${LIBCUDA:-${found[libcuda.so.1]}}
+[ -n "$LIBCUDA" ] || fail "libcuda.so.1 not found (ldconfig -p, LD_LIBRARY_PATH, /usr/local/nvidia): is the NVIDIA driver installed?"
+case $LIBCUDA in /*) ;; *) fail "--libcuda $LIBCUDA: an absolute path, please" ;; esac
+[ -e "$LIBCUDA" ] || fail "--libcuda $LIBCUDA does not exist"
+found[libcuda.so.1]=$LIBCUDA
+# The jails' CUDA runtime opens libcuda.so.1 by name: its folder goes into the kit's cache too.
+grep -qx "$(dirname "$LIBCUDA")" "$KIT_HOME/lib-dirs" || grep -F " => $LIBCUDA" >/dev/null <<<"$LDCACHE" ||
+  dirname "$LIBCUDA" >>"$KIT_HOME/lib-dirs"
+if [[ " $* " != *" --libcuda "* ]]; then set -- "$@" --libcuda "$LIBCUDA"; fi
+if [[ " $* " != *" --gguf "* ]] && [ -f "$KIT/models/kit-tiny.gguf" ]; then set -- "$@" --gguf "$KIT/models/kit-tiny.gguf"; fi
+for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13; do
+  if [ -z "${found[$lib]}" ] && [ -n "$llama" ] && [ -z "$llama_problem" ]; then
+    llama_problem="$lib not found (ldconfig -p, LD_LIBRARY_PATH, /usr/local/cuda, a Python's nvidia/cu13 wheels): llama.cpp's CUDA build needs the CUDA 13 runtime and cuBLAS"
+  fi
+done
+n=$(wc -l <"$KIT_HOME/lib-dirs")
+for ((j = 0; j < n; j++)); do install -d -m 0755 "/usr/lib/appliance-gpu-kit/$j"; done
+# What was prepared, for the report (benchmarks.gpu_acceptance --prepared).
+{
+  printf '{"python": "%s", "python_version": "%s", "venv": "%s", "firejail": "%s",' "$PYTHON" "$pyver" "$KIT_VENV" \
+    "${FIREJAIL:-$KIT_HOME/firejail/usr/bin/firejail}"
+  printf ' "kit_libs": [%s],' "$(ls "$KIT_HOME/lib" | sed 's/.*/"&"/' | paste -sd, -)"
+  printf ' "lib_dirs": [%s], "libraries": {' "$(sed 's/.*/"&"/' "$KIT_HOME/lib-dirs" | paste -sd, -)"
+  first=1
+  for lib in "${CUDA_LIBS[@]}"; do
+    [ $first = 1 ] || printf ', '
+    first=0
+    printf '"%s": "%s"' "$lib" "${found[$lib]}"
+  done
+  printf '}, "llama": "%s", "llama_from": "%s", "llama_problem": "%s"}\n' "$(basename "${llama:-}")" \
+    "$(json_str "$llama_from")" "$(json_str "$llama_problem")"
+} >"$OUT/prepare.json"
+export LLAMA_PROBE="" JAIL_LIBCUDA_DIR=""
+# In simulation the appliance names the stand-in libcuda by path, so its jails whitelist that
+# folder (which hides the rest of its parent): the first jail does the same.
+if [ "$SIM" = 1 ]; then JAIL_LIBCUDA_DIR=$(dirname "$LIBCUDA"); fi
+if [ -n "$llama" ] && [ -z "$llama_problem" ]; then LLAMA_PROBE=1; fi
+
+STAGE=jail
 rc=0
-KIT_INNER=1 unshare --mount --propagation private "$0" "$@" || rc=$?
-echo "gpu-acceptance: report in $OUT/gpu-acceptance.md and .json (exit $rc)"
+KIT_INNER=1 KIT_HOME="$KIT_HOME" unshare --mount --propagation private "$0" "$@" || rc=$?
+for ((j = 0; j < n; j++)); do rmdir "/usr/lib/appliance-gpu-kit/$j" 2>/dev/null || true; done
+rmdir /usr/lib/appliance-gpu-kit 2>/dev/null || true
 exit $rc

@@ -16,6 +16,11 @@ PATH="$PATH:/usr/sbin:/sbin" command -v ip >/dev/null || need+=(iproute2)
 PATH="$PATH:/usr/sbin:/sbin" command -v nft >/dev/null || need+=(nftables)
 # A C compiler: llama-cpp-python builds from source, and the GPU tests build a stand-in libcuda.
 { command -v gcc && command -v g++; } >/dev/null || need+=(gcc g++ libc6-dev)
+# The GPU kit's bare-machine rehearsal (tests/test_gpu_kit.py, scripts/gpu-rehearsal.sh) makes a
+# Debian root with debootstrap; the kit run on this host copies /usr/bin/python3's numpy (the
+# kit carries none).
+PATH="$PATH:/usr/sbin:/sbin" command -v debootstrap >/dev/null || need+=(debootstrap)
+/usr/bin/python3 -c 'import numpy' 2>/dev/null || need+=(python3-numpy)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}" >&2
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq

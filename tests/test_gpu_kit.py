@@ -1,13 +1,16 @@
 """The real-GPU acceptance kit end to end, against simulated devices.
 
 `scripts/gpu-kit.sh` (what `make gpu-kit` runs) builds the kit as it would travel to a GPU
-machine; the kit's own `gpu-acceptance.sh` then installs the appliance from the kit's wheels
-into a fresh virtualenv, runs the kit's unpacked firejail (bound over its compiled-in paths in
-a private mount namespace) and every check against a real appliance whose GPU is simulated:
-the simulated NVML backend, the simulated MPS daemon standing in for device memory (late
-frees, thread IDs), the stand-in libcuda (tests/stub_libcuda.c) and nvidia-smi
-(tests/stub_nvidia_smi.py). Only the hardware is left unknown: the checks that need it are
-listed in HARDWARE_ONLY and must SKIP with their reason, never PASS.
+machine; the kit's own `gpu-acceptance.sh` then installs firejail (setuid) and the appliance
+with the kit's llama-cpp-python from the kit's wheels into a fresh virtualenv, runs one jail as
+the sandbox uid, and every check against a real appliance whose GPU is simulated: the
+simulated NVML backend, the simulated MPS daemon standing in for device memory (late frees,
+thread IDs), the stand-in libcuda (tests/stub_libcuda.c) and nvidia-smi
+(tests/stub_nvidia_smi.py); the CUDA 13 runtime and cuBLAS come from PyPI's wheels, reached
+through LD_LIBRARY_PATH only. Only the hardware is left unknown: the checks that need it are
+listed in HARDWARE_ONLY and must SKIP with their reason, never PASS. The bare-machine
+rehearsal (scripts/gpu-rehearsal.sh) runs the same kit with the docs' command in a fresh
+Debian root that lacks the sandbox user, libapparmor and a Python under /usr on PATH.
 """
 
 from __future__ import annotations
@@ -34,13 +37,14 @@ LIMIT_MB = 64
 HARDWARE_ONLY = {
     "preflight.nvidia_uvm": "hardware-only",
     "jail.device_nodes": "hardware-only",
-    # No CUDA build of llama.cpp here (nor in the kit): the reason names the way to supply one.
-    "llama_offload": "--wheels DIR (or KIT_WHEELS=DIR)",
+    # The kit's llama.cpp imports, but nothing here can offload.
+    "llama_offload": "hardware-only",
     "mps": "--mps",  # optional: its own test below
 }
 # Measurements where the appliance promises nothing: INFO, never PASS or FAIL.
-INFO_ONLY = {"contention.overrun_race": "informational, no verdict"}
+INFO_ONLY = {"contention.overrun_race": "informational, no verdict", "inference": "informational, no verdict"}
 EVERY_CHECK = (
+    "kit.prepare",
     "preflight.driver",
     "preflight.mig",
     "preflight.compute_mode",
@@ -48,6 +52,9 @@ EVERY_CHECK = (
     "server",
     "context",
     "readyz",
+    "preload",
+    "session",
+    "inference",
     "jail.visible_device",
     "jail.device_nodes",
     "watchdog.main_thread",
@@ -71,16 +78,31 @@ def scratch() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def cuda_wheel() -> Path | None:
+    """The CUDA build of llama-cpp-python where `make gpu-kit` finds it (`make cuda-wheel`)."""
+    if os.environ.get("CUDA_WHEEL"):
+        return Path(os.environ["CUDA_WHEEL"])
+    found = sorted(REPO.glob("build/cuda-wheel/llama_cpp_python-*.whl"))
+    found += sorted(REPO.parent.glob("shared/cuda-wheel/llama_cpp_python-*.whl"))
+    return found[0] if found else None
+
+
 @pytest.fixture(scope="module")
 def kit(scratch: Path) -> Path:
-    """The kit, built as `make gpu-kit` builds it (downloads cached in ~/.cache/appliance-gpu-kit)."""
+    """The kit, built as `make gpu-kit` builds it (downloads cached in ~/.cache/appliance-gpu-kit).
+    Without a CUDA build of llama-cpp-python here (`make cuda-wheel` takes most of an hour on two
+    cores), it carries the venv's own CPU build instead, which is all a simulated GPU can use;
+    test_the_kit_carries_the_cuda_build then SKIPs, saying so."""
     out = scratch / "gpu-kit"
+    env = {**os.environ, "PY": sys.executable}
+    if cuda_wheel() is None:
+        env["GPU_KIT_LLAMA"] = "venv"
     proc = subprocess.run(
         ["scripts/gpu-kit.sh", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
-        env={**os.environ, "PY": sys.executable},
+        env=env,
         timeout=scaled(600),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -101,17 +123,27 @@ def libcuda(scratch: Path) -> Path:
     return path
 
 
+def kit_env(scratch: Path, out: Path, venv: Path | None = None, **more: str) -> dict[str, str]:
+    """The kit's environment here: its installed firejail and venv in the scratch folder."""
+    return {
+        **os.environ,
+        "KIT_HOME": str(scratch / "kit-home"),
+        "KIT_VENV": str(venv or scratch / "venv"),
+        "KIT_OUT": str(out),
+        **more,
+    }
+
+
 def run_kit(
     kit: Path, scratch: Path, libcuda: Path, name: str, *args: str, venv: Path | None = None
 ) -> tuple[int, dict[str, Any], Path]:
-    """The kit's gpu-acceptance.sh in simulation; (exit status, JSON report, report folder)."""
+    """The kit's gpu-acceptance.sh in simulation; (exit status, JSON report, report folder).
+    The CUDA runtime's libraries are on LD_LIBRARY_PATH only, as a driver's often are."""
     out = scratch / f"report-{name}"
-    env = {
-        **os.environ,
-        "KIT_VENV": str(venv or scratch / "venv"),
-        "KIT_OUT": str(out),
-        "STUB_SMI_STATE": str(scratch / f"smi-{name}.json"),
-    }
+    libs = subprocess.run(
+        ["scripts/gpu-rehearsal.sh", "--cuda-libs"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    env = kit_env(scratch, out, venv, STUB_SMI_STATE=str(scratch / f"smi-{name}.json"), LD_LIBRARY_PATH=libs)
     proc = subprocess.run(
         [
             str(kit / "gpu-acceptance.sh"),
@@ -146,13 +178,37 @@ def test_the_kit_is_small_and_carries_what_a_bare_gpu_machine_lacks(kit: Path) -
             assert any(w.startswith(binary + "-") and f"-{tag}-" in w for w in wheels), (binary, tag, wheels)
     for needed in ("appliance-", "nvidia_ml_py-", "pip-", "mcp-"):
         assert any(w.startswith(needed) for w in wheels), needed
-    assert not any(w.startswith(("numpy-", "matplotlib-", "torch-", "llama_cpp")) for w in wheels), wheels
+    assert not any(w.startswith(("matplotlib-", "torch-", "pandas-")) for w in wheels), wheels
     with zipfile.ZipFile(next((kit / "wheels").glob("appliance-*.whl"))) as whl:
         assert "appliance/gpu/watchdog.py" in whl.namelist()
     assert (kit / "benchmarks" / "gpu_acceptance.py").is_file() and os.access(
         kit / "gpu-acceptance.sh", os.X_OK
     )
-    assert json.loads((kit / "kit.json").read_text())["pythons"] == ["3.11", "3.12"]
+    meta = json.loads((kit / "kit.json").read_text())
+    assert meta["pythons"] == ["3.11", "3.12"]
+    # What a bare machine lacks besides: firejail's libraries and llama.cpp's OpenMP runtime,
+    # llama-cpp-python (the CUDA build) with its requirements but numpy (the machine's Python
+    # brings it), and a model for the GPU session.
+    assert sorted(p.name for p in (kit / "lib").iterdir()) == sorted(
+        ["libapparmor.so.1", "libselinux.so.1", "libpcre2-8.so.0", "libgomp.so.1"]
+    )
+    assert meta["llama"] and meta["llama"] in wheels and meta["llama"].startswith("llama_cpp_python-")
+    assert not any(w.startswith("numpy-") for w in wheels), wheels
+    assert any(w.startswith("diskcache-") for w in wheels) and any(w.startswith("jinja2-") for w in wheels)
+    assert (kit / "models" / "kit-tiny.gguf").stat().st_size > 0
+
+
+def test_the_kit_carries_the_cuda_build(kit: Path) -> None:
+    wheel = cuda_wheel()
+    if wheel is None:
+        pytest.skip("no CUDA build of llama-cpp-python here: make cuda-wheel (needs nvcc; long)")
+    meta = json.loads((kit / "kit.json").read_text())
+    assert meta["cuda_llama"] == wheel.name and "archs=90" in meta["cuda_llama_build"][0], meta
+    with zipfile.ZipFile(kit / "wheels" / wheel.name) as whl:
+        libs = sorted(n.rsplit("/", 1)[1] for n in whl.namelist() if n.startswith("llama_cpp/lib/"))
+        assert all(n.startswith(("llama_cpp/", "llama_cpp_python-")) for n in whl.namelist())
+    # One copy of each library (a wheel has no links), the CUDA backend among them.
+    assert "libggml-cuda.so.0" in libs and not any(n.endswith((".so.0.25.3", "cuda.so")) for n in libs), libs
 
 
 def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
@@ -170,7 +226,7 @@ def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
             assert check["status"] == "INFO" and INFO_ONLY[name] in check["detail"], check
         else:
             assert check["status"] == "PASS", check
-    assert rc == 0 and report["meta"]["counts"]["FAIL"] == 0 and report["meta"]["counts"]["INFO"] == 1
+    assert rc == 0 and report["meta"]["counts"]["FAIL"] == 0 and report["meta"]["counts"]["INFO"] == 2
     assert report["meta"]["mode"] == "simulated"
     # The simulated GPU charges each context, as NVML counts a real one; the kit measured it
     # and sized the allocations of runs meant to stay within their budgets by it.
@@ -195,9 +251,20 @@ def test_every_check_passes_in_simulation_and_only_the_hardware_checks_skip(
         assert set(row["outcomes"]) <= {"ok", "rejected"}, row
     race = checks["contention.overrun_race"]["data"]
     assert race["summary"][0]["n"] == 16 and len(race["overrunners"]) == 2, race
+    # GPU preload and a GPU session: llama.cpp warm in the jail, one model serving three cells.
+    assert checks["preload"]["data"]["preloaded"] is True, checks["preload"]
+    session = checks["session"]["data"]
+    assert len(session["sessions"]) == 1 and len(set(session["llm_ids"])) == 1, session
+    assert checks["inference"]["data"]["tokens_per_s"][0] > 0, checks["inference"]
+    # Found by absolute path: the stand-in libcuda (given), the CUDA runtime on LD_LIBRARY_PATH.
+    libraries = checks["kit.prepare"]["data"]["libraries"]
+    assert libraries["libcuda.so.1"] == str(libcuda), libraries
+    assert libraries["libcublas.so.13"].endswith("/nvidia/cu13/lib/libcublas.so.13"), libraries
+    assert libraries["libcudart.so.13"], libraries  # this host's toolkit may have one in its cache
+    assert checks["kit.prepare"]["data"]["llama_jail"].startswith("ok llama_cpp"), checks["kit.prepare"]
     md = (out / "gpu-acceptance.md").read_text()
     assert all(f"| {name} | {checks[name]['status']} |" in md for name in EVERY_CHECK)
-    assert "INFO 1 (measurements where the appliance promises nothing" in md
+    assert "INFO 2 (measurements where the appliance promises nothing" in md
 
 
 def test_allocations_that_forget_the_cuda_context_fail_the_reclaim_check(
@@ -350,15 +417,117 @@ def test_a_venv_the_sandbox_uid_cannot_reach_is_refused_before_anything_is_insta
     # the server would refuse to start after the install.
     hidden = scratch / "root-only"
     hidden.mkdir(mode=0o700)
+    out = scratch / "report-hidden"
     proc = subprocess.run(
         [str(kit / "gpu-acceptance.sh"), "--simulate"],
-        env={**os.environ, "KIT_VENV": str(hidden / "venv"), "KIT_OUT": str(scratch / "report-hidden")},
+        env=kit_env(scratch, out, hidden / "venv"),
         capture_output=True,
         text=True,
         timeout=scaled(120),
     )
     assert proc.returncode == 1 and "the sandbox uid cannot reach" in proc.stderr, proc.stderr
-    assert "/opt/appliance-gpu-kit/venv" in proc.stderr and not (hidden / "venv").exists()
+    assert f"{scratch}/kit-home/venv" in proc.stderr and not (hidden / "venv").exists()
+    # The report is written all the same, naming the stage and the cause.
+    check = json.loads((out / "gpu-acceptance.json").read_text())["checks"][0]
+    assert check["name"] == "kit.python" and check["status"] == "FAIL" and "cannot reach" in check["detail"]
+
+
+def test_a_failure_before_any_check_still_writes_both_reports(kit: Path, scratch: Path) -> None:
+    out = scratch / "report-nopython"
+    proc = subprocess.run(
+        [str(kit / "gpu-acceptance.sh"), "--simulate"],
+        env=kit_env(scratch, out, PYTHON=str(scratch / "no-such-python")),
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((out / "gpu-acceptance.json").read_text())
+    assert report["meta"]["counts"]["FAIL"] == 1 and report["meta"]["kit"]["pythons"] == ["3.11", "3.12"]
+    assert report["checks"][0]["name"] == "kit.python" and "no-such-python" in report["checks"][0]["detail"]
+    assert "| kit.python | FAIL |" in (out / "gpu-acceptance.md").read_text()
+
+
+def test_mps_is_refused_outside_simulation_the_compute_mode_is_never_changed(
+    kit: Path, scratch: Path
+) -> None:
+    out = scratch / "report-mps-real"
+    proc = subprocess.run(
+        [str(kit / "gpu-acceptance.sh"), "--mps"],
+        env=kit_env(scratch, out),
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert proc.returncode == 1, proc.stderr
+    check = json.loads((out / "gpu-acceptance.json").read_text())["checks"][0]
+    assert check["name"] == "kit.root" and "never changes a machine's compute mode" in check["detail"], check
+
+
+def test_a_firejail_that_is_not_setuid_fails_the_first_jail_run_as_the_sandbox_uid(
+    kit: Path, scratch: Path, libcuda: Path
+) -> None:
+    # As a kit unpacked and installed by a non-root user leaves it. A jail started as root would
+    # not notice (root needs no setuid bit); the kit's first jail runs as uid 1001, before any
+    # check, and names the binary.
+    plain = scratch / "plain-firejail"
+    shutil.copy(kit / "firejail" / "usr" / "bin" / "firejail", plain)
+    os.chmod(plain, 0o755)
+    out = scratch / "report-nosetuid"
+    proc = subprocess.run(
+        [str(kit / "gpu-acceptance.sh"), "--simulate", "--libcuda", str(libcuda)],
+        env=kit_env(scratch, out, FIREJAIL=str(plain)),
+        capture_output=True,
+        text=True,
+        timeout=scaled(600),
+    )
+    assert proc.returncode == 1, proc.stderr
+    check = json.loads((out / "gpu-acceptance.json").read_text())["checks"][0]
+    assert check["name"] == "kit.jail" and f"a jail as uid 1001 failed ({plain}" in check["detail"], check
+    assert f"({plain} is not setuid root)" in check["detail"], check
+
+
+def test_the_kit_runs_green_with_the_docs_command_on_a_bare_debian_root(kit: Path, scratch: Path) -> None:
+    # scripts/gpu-rehearsal.sh: a fresh debootstrap root with no sandbox user, no libapparmor,
+    # the interpreter a venv under /opt, libcuda only under /usr/local/nvidia on
+    # LD_LIBRARY_PATH, the CUDA runtime only in that venv's nvidia wheels; the kit unpacked and
+    # run with `tar xzf gpu-kit.tar.gz -C /opt && /opt/gpu-kit/gpu-acceptance.sh`.
+    if shutil.which("debootstrap", path=os.environ["PATH"] + ":/usr/sbin:/sbin") is None:
+        pytest.fail(
+            "debootstrap is needed for the bare-machine rehearsal (scripts/setup-system.sh installs it)"
+        )
+    out = scratch / "rehearsal"
+    proc = subprocess.run(
+        ["scripts/gpu-rehearsal.sh", str(kit.with_name(kit.name + ".tar.gz")), str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PY": sys.executable},
+        timeout=scaled(1200),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu-acceptance.json").read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    assert sorted(checks) == sorted(c for c in EVERY_CHECK)
+    for name, check in checks.items():
+        if name in HARDWARE_ONLY:
+            assert check["status"] == "SKIP", check
+        elif name in INFO_ONLY:
+            assert check["status"] == "INFO", check
+        else:
+            assert check["status"] == "PASS", check
+    prepared = checks["kit.prepare"]["data"]
+    assert prepared["python"] == "/opt/venv/bin/python3.11", prepared
+    assert prepared["libraries"]["libcuda.so.1"] == "/usr/local/nvidia/lib64/libcuda.so.1", prepared
+    assert prepared["libraries"]["libcublas.so.13"].startswith(
+        "/opt/venv/lib/python3.11/site-packages/nvidia/cu13/lib/"
+    )
+    assert prepared["llama_jail"].startswith("ok llama_cpp"), prepared
+    facts = dict(line.split(": ", 1) for line in (out / "rehearsal.txt").read_text().splitlines())
+    assert facts["passwd"] == "sandbox:x:1001:1001::/workspace:/usr/sbin/nologin", facts
+    assert facts["workspace"] == "1001 755" and facts["firejail"] == "0 -rwsr-xr-x", facts
+    assert facts["kit-libs"].split() == ["libapparmor.so.1", "libgomp.so.1"], facts
+    assert facts["ld.so.cache-unchanged"] == "yes", facts  # the kit's cache lives in its namespace
 
 
 def fake_llama_wheel(folder: Path) -> Path:
@@ -408,7 +577,9 @@ def test_wheels_install_llama_cpp_for_the_offload_check(
     )
     check = {c["name"]: c for c in report["checks"]}["llama_offload"]
     assert check["status"] == "SKIP", check
-    assert f"installed from --wheels {folder}" in check["detail"] and "--gguf PATH" in check["detail"], check
+    assert f"installed from --wheels {folder}" in check["detail"] and "hardware-only" in check["detail"], (
+        check
+    )
     assert check["data"]["version"] == "0.0.1" and check["data"]["gpu_offload"] is True
     assert rc == 0
 
