@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from appliance import canary, toolprobe
 from appliance.errors import StartupError
-from appliance.jail import cgroups, sched
-from appliance.jail.cell import run_cell
+from appliance.jail import cgroups, runfs, sched
+from appliance.jail.cell import disk_entries, run_cell
 from appliance.jail.firejail import lower_own_oom_score
 from appliance.jail.host import HostFacts, import_problem, inspect, readable_ancestors_problem
 from appliance.jail.jail import JailFactory, python_roots
@@ -145,7 +145,14 @@ class Lifecycle:
         refused = lower_own_oom_score()  # a global OOM picks a jail (1000), not the server
         if refused is not None:
             log.warning("the server's oom_score_adj stays as it is", extra={"reason": refused})
-        self.dirs = RunDirs(s.tmp_root, host.uid, host.gid)
+        self.dirs = RunDirs(
+            s.tmp_root, host.uid, host.gid, runfs.for_server(s.max_disk_mb, disk_entries(s.max_disk_mb))
+        )
+        if self.dirs.sizes is None:
+            log.warning(
+                "run directories are not size-limited by the kernel (the server is not root): "
+                "SANDBOX_MAX_DISK_MB is the server's check only"
+            )
         removed = self.dirs.prepare()
         if removed:
             log.info("purged stale run directories", extra={"dirs": [str(p) for p in removed]})

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance import settings as settings_mod
+from appliance.jail import runfs
+from appliance.jail.cell import disk_entries
 from appliance.jail.firejail import launcher_env, render_argv
 from appliance.jail.host import inspect
 from appliance.jail.jail import JailFactory
@@ -47,7 +49,8 @@ def open_factory(env: dict[str, str] | None = None) -> BenchJails:
     full = {"SANDBOX_PYTHON": sys.executable, **(env or {})}
     config = settings_mod.from_env(full)
     host = inspect(config.firejail, config.uid, config.python)
-    dirs = RunDirs(config.tmp_root, host.uid, host.gid)
+    sizes = runfs.for_server(config.max_disk_mb, disk_entries(config.max_disk_mb))
+    dirs = RunDirs(config.tmp_root, host.uid, host.gid, sizes)
     # Not dirs.prepare(): that also purges other servers' stale directories, a server's job.
     dirs.base.mkdir(mode=0o755, parents=True, exist_ok=True)
     dirs.instance.mkdir(mode=0o711, exist_ok=True)

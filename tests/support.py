@@ -154,7 +154,9 @@ def jail_factory(
     run directories removed after."""
     import sys
 
+    from appliance.jail.cell import disk_entries
     from appliance.jail.host import inspect
+    from appliance.jail.runfs import for_server
     from appliance.jail.workdir import RunDirs, stage_runtime
     from appliance.settings import from_env
 
@@ -162,7 +164,12 @@ def jail_factory(
         {"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "0", "SANDBOX_PYTHON": sys.executable, **(env or {})}
     )
     host = inspect(settings.firejail, settings.uid, settings.python)
-    dirs = RunDirs(settings.tmp_root, host.uid, host.gid)
+    dirs = RunDirs(
+        settings.tmp_root,
+        host.uid,
+        host.gid,
+        for_server(settings.max_disk_mb, disk_entries(settings.max_disk_mb)),
+    )
     dirs.prepare()
     try:
         yield cls(settings, host, stage_runtime(settings.tmp_root, settings.python), dirs)

@@ -215,12 +215,16 @@ async def test_runs_go_on_when_the_servers_temp_directory_is_removed_under_it(
 ) -> None:
     import shutil
 
+    from appliance.jail import runfs
+
     with reachable_tmp_root("appliance-gone-") as root:
         srv = start_server(tmp_path_factory.mktemp("gone"), SANDBOX_TMP_ROOT=str(root), SANDBOX_POOL_SIZE="1")
         try:
             await wait_pool_ready(srv, 1)
             instance = run_root(root, srv.proc.pid)
             # The server may remove a jail's directory at the same moment: that one is gone too.
+            # Run directories are tmpfs mounts (`runfs`): an operator must detach them first.
+            runfs.unmount_under(instance)
             shutil.rmtree(instance, onerror=_unless_already_gone)
             results = [await run(srv, f"print({i})") for i in range(3)]
             assert [r.stdout for r in results] == ["0\n", "1\n", "2\n"], results

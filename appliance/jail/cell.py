@@ -284,23 +284,31 @@ def disk_violation(jail: Jail, max_disk_mb: int, inline: bool = False) -> Output
     no name left (unlinked-but-open files, memfds). Blocking: run it in a thread, or `inline`,
     which makes it raise OverBound rather than look at more than the INLINE_ bounds allow.
 
-    Trees are walked by descriptor without following links (`fstree`), so a directory
-    swapped for a symlink mid-walk leads nowhere; one nested deeper than the walk may go
-    cannot be measured, and is over the quota. The private /tmp is not walked where the
-    kernel counts it: `tmpfs_usage`."""
+    Where the run directory is a tmpfs of its own (`runfs`: the kernel also stops writes
+    just past the quota) it is counted as the private /tmp is, by the kernel (`tmpfs_usage`):
+    that count sees files held only by a descriptor in flight (SCM_RIGHTS), which no walk
+    or search of descriptor tables can. Else the tree is walked by descriptor without
+    following links (`fstree`), so a directory swapped for a symlink mid-walk leads nowhere;
+    one nested deeper than the walk may go cannot be measured, and is over the quota."""
     limit = max_disk_mb * 1024 * 1024
-    max_entries = min(MAX_DISK_ENTRIES, limit // ENTRY_BYTES)
+    max_entries = disk_entries(max_disk_mb)
     walk_max = min(max_entries, INLINE_ENTRIES) if inline else max_entries
     root = jail.workdir_fd if jail.workdir_fd is not None else jail.workdir
-    used, entries, too_deep = fstree.usage(root, walk_max)
-    if entries > walk_max < max_entries:
-        raise OverBound(f"the run directory holds more than {walk_max} entries")
     devices: set[int] = set()
-    if jail.workdir_dev is not None:
-        devices.add(jail.workdir_dev)
+    # A run directory that is a tmpfs of its own (`runfs`) is counted as /tmp is, by the
+    # kernel: every page and inode on it, files no process holds included (in flight).
+    own = tmpfs_usage(root) if jail.dirs.sizes is not None else None
+    if own is not None:
+        used, entries, too_deep = own[0], own[1], 0
     else:
-        with contextlib.suppress(OSError):
-            devices.add(os.stat(jail.workdir).st_dev)
+        used, entries, too_deep = fstree.usage(root, walk_max)
+        if entries > walk_max < max_entries:
+            raise OverBound(f"the run directory holds more than {walk_max} entries")
+        if jail.workdir_dev is not None:
+            devices.add(jail.workdir_dev)
+        else:
+            with contextlib.suppress(OSError):
+                devices.add(os.stat(jail.workdir).st_dev)
     inner = jail.process.inits()  # firejail's sandbox init: its namespace holds the /tmp
     # The /tmp held open since the jail was pinned, else found through the init's root.
     counted = tmpfs_usage(jail.tmp_fd) if jail.tmp_fd is not None else None
@@ -336,6 +344,11 @@ def disk_violation(jail: Jail, max_disk_mb: int, inline: bool = False) -> Output
     if used > limit:
         return OutputLimit(f"the run wrote more than SANDBOX_MAX_DISK_MB ({max_disk_mb} MiB) to disk")
     return None
+
+
+def disk_entries(max_disk_mb: int) -> int:
+    """The files and directories a run may create under SANDBOX_MAX_DISK_MB."""
+    return min(MAX_DISK_ENTRIES, max_disk_mb * 1024 * 1024 // ENTRY_BYTES)
 
 
 def tmpfs_usage(tmp: Path | int) -> tuple[int, int] | None:

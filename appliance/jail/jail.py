@@ -23,7 +23,7 @@ from pathlib import Path
 
 from appliance import fstree
 from appliance.errors import JailExited, JailFailure, JailStartFailed
-from appliance.jail import checks, proctree
+from appliance.jail import checks, proctree, runfs
 from appliance.jail.cgroups import Counters, Group, GroupLimits, Hierarchy
 from appliance.jail.devices import GpuDevice
 from appliance.jail.firejail import accounts_argv, drop_argv, join_argv, launcher_env, oom_argv, render_argv
@@ -68,7 +68,11 @@ class Jail:
         and open its private /tmp, whose tmpfs counts what the run keeps there: a cell's end
         then reads that count with one fstatvfs instead of a path lookup through /proc into
         another mount namespace (some 80 us on an idle CPU here). The run directory is opened
-        too: a cell's end walks it from there, without looking its path up again (~30 us)."""
+        too: a cell's end reads its tmpfs's count, or walks it, from there (~30 us).
+
+        Where run directories are sized tmpfs (`RunDirs.sizes`), the /tmp gets the same sizes
+        here, before any code runs (`runfs.resize`): OSError if it cannot, and such a jail
+        must not be used (fail closed)."""
         self.process.pin()
         with contextlib.suppress(OSError):  # the server made it; the jail cannot mount over it
             fd = fstree.open_dir(self.workdir)
@@ -77,6 +81,11 @@ class Jail:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 self.tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        sizes = self.dirs.sizes
+        if sizes is not None:
+            if self.tmp_fd is None:
+                raise OSError(f"the jail's /tmp could not be opened to size it ({tmp})")
+            runfs.resize(self.tmp_fd, sizes)
 
     def run_processes(self, inits: list[int]) -> list[int]:
         """Every process of the jail below firejail's own two (its launcher and the sandbox's
@@ -389,7 +398,11 @@ class JailFactory:
             raise JailFailure("the jail failed its self-check; the run was refused")
         if ready["preload_failed"]:
             log.warning("preload failed", extra={"modules": ready["preload_failed"]})
-        jail.pin()
+        try:
+            jail.pin()
+        except OSError as exc:
+            await jail.destroy()
+            raise JailFailure(f"could not size the jail's writable space: {exc}") from exc
         return jail
 
 

@@ -5,7 +5,8 @@ Layout:
         runtime-<hash>/                    0755, read-only in jails: driver, mpl backend, font cache
         accounts-<uid>-<gid>/              0755, the jails' passwd and group
         srv-<pid ns>-<pid>-<start>/        0711, one per server process (appliance.jail.instance)
-            <run id>/                      0700 uid:gid, mounted as /workspace
+            <run id>/                      0700 uid:gid, mounted as /workspace; a tmpfs
+                                           of its own where the server is root (`runfs`)
 
 Nothing here is used or reused before `appliance.jail.trust` has checked it by descriptor:
 the root's chain from `/`, then each directory the server makes or finds. A staged tree
@@ -32,7 +33,7 @@ from pathlib import Path
 from appliance import fstree
 from appliance.errors import StartupError
 from appliance.jail import instance as server_instance
-from appliance.jail import trust
+from appliance.jail import runfs, trust
 
 log = logging.getLogger("appliance.workdir")
 
@@ -49,13 +50,16 @@ TOOLS_DIR = SOURCE_DIR.parent / "tools"
 class RunDirs:
     """Creates, measures and removes run directories for one server process."""
 
-    def __init__(self, tmp_root: Path, uid: int, gid: int) -> None:
+    def __init__(self, tmp_root: Path, uid: int, gid: int, sizes: runfs.Sizes | None = None) -> None:
         self.root = tmp_root
         self.base = tmp_root / "appliance"
         self.instance = self.base / server_instance.name()
         self.uid = uid
         self.gid = gid
         self.server_uid = os.geteuid()
+        # Each run directory a tmpfs of these sizes (`runfs`), or a plain directory (None: a
+        # server that is not root cannot mount; the disk quota is then the server's check only).
+        self.sizes = sizes
         self.accounts: tuple[Path, Path] | None = None  # (passwd, group) for jails; see prepare()
 
     def prepare(self) -> list[Path]:
@@ -128,8 +132,10 @@ class RunDirs:
                 continue
             if server_instance.gone(owner):  # never one of another PID namespace's
                 # Jails of a server that died (kill -9) outlive it: firejail is setuid, so no
-                # parent-death signal reaches it. Kill them before their directories go.
+                # parent-death signal reaches it. Kill them before their directories go, and
+                # detach their run directories' tmpfs (a removal stops at a mount point).
                 kill_jails_under(entry)
+                runfs.unmount_under(entry)
                 if fstree.remove_tree(entry):
                     removed.append(entry)
         return removed
@@ -140,28 +146,43 @@ class RunDirs:
 
     def create(self, run_id: str) -> Path:
         """Make run run_id's directory (and its outputs/), owned by the sandbox uid; owner and
-        mode are set on the descriptors made here, never through a path."""
+        mode are set on the descriptors made here, never through a path. Where run directories
+        are sized (`sizes`), the directory is a tmpfs of its own, mounted through the
+        instance's descriptor before anything is made in it (fail closed: no mount, no run)."""
         with self._instance() as inst:
             os.mkdir(run_id, 0o700, dir_fd=inst)
-            fd = os.open(run_id, fstree.DIR_FLAGS, dir_fd=inst)
             try:
-                os.mkdir("outputs", 0o755, dir_fd=fd)
-                out = os.open("outputs", fstree.DIR_FLAGS, dir_fd=fd)
+                if self.sizes is not None:
+                    runfs.mount_run(Path(f"/proc/self/fd/{inst}/{run_id}"), self.sizes, self.uid, self.gid)
+                fd = os.open(run_id, fstree.DIR_FLAGS, dir_fd=inst)
                 try:
-                    os.fchown(out, self.uid, self.gid)
+                    os.mkdir("outputs", 0o755, dir_fd=fd)
+                    out = os.open("outputs", fstree.DIR_FLAGS, dir_fd=fd)
+                    try:
+                        os.fchown(out, self.uid, self.gid)
+                    finally:
+                        os.close(out)
+                    os.fchown(fd, self.uid, self.gid)
                 finally:
-                    os.close(out)
-                os.fchown(fd, self.uid, self.gid)
-            finally:
-                os.close(fd)
+                    os.close(fd)
+            except BaseException:
+                self.remove(self.path(run_id))
+                raise
         return self.path(run_id)
 
     def remove(self, path: Path) -> None:
         """Remove a run directory, whatever the code made of it (links are never followed,
-        depth costs no recursion)."""
+        depth costs no recursion); its tmpfs is detached first, which frees its pages once the
+        jail's last process is gone, without walking what it holds."""
+        if self.sizes is not None:
+            try:
+                runfs.unmount(path)
+            except OSError as exc:  # left mounted: the removal below stops at it and says so
+                log.error("cannot unmount a run directory", extra={"path": str(path), "error": str(exc)})
         fstree.remove_tree(path)
 
     def remove_instance(self) -> None:
+        runfs.unmount_under(self.instance)
         fstree.remove_tree(self.instance)
 
 

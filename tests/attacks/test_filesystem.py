@@ -341,8 +341,11 @@ def hold():
         raise OSError(ctypes.get_errno(), "unshare")
     fd = os.open("hidden.bin", os.O_CREAT | os.O_RDWR, 0o600)
     os.unlink("hidden.bin")
-    for _ in range(90):
-        os.write(fd, b"t" * (1 << 20))
+    try:
+        for _ in range(90):
+            os.write(fd, b"t" * (1 << 20))
+    except OSError:  # ENOSPC just past the quota: the run's tmpfs is sized (`runfs`)
+        pass
     held.set()
     threading.Event().wait()
 threading.Thread(target=hold, daemon=True).start()
@@ -546,3 +549,76 @@ async def test_many_empty_outputs_cost_at_least_a_block_each(
     observe(
         f"{len(ex.files)} file frames, {len(persisted)} entries persisted, {done['files_skipped']} skipped"
     )
+
+
+IN_FLIGHT_QUOTA_MB = 50
+# Issue 28's recipe: files written, unlinked, their descriptors sent over a socketpair kept
+# in a global (SCM_RIGHTS) and closed: then no process holds them and no name leads to them.
+IN_FLIGHT = """
+import errno, json, os, socket
+pair = socket.socketpair()
+written, error, block = 0, None, b"d" * (1 << 20)
+os.chdir({where!r})
+for i in range(25):
+    fd = os.open(f"f{{i}}", os.O_CREAT | os.O_RDWR, 0o600)
+    os.unlink(f"f{{i}}")
+    try:
+        for _ in range(40):
+            n = os.write(fd, block)
+            written += n
+            if n < len(block):
+                raise OSError(errno.ENOSPC, "short write")
+    except OSError as exc:
+        error = errno.errorcode.get(exc.errno, str(exc.errno))
+    socket.send_fds(pair[0], [b"f"], [fd])
+    os.close(fd)
+    if error:
+        break
+print(json.dumps({{"written_mib": written >> 20, "error": error}}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def quota_50(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator[Server]:
+    srv = hostile_server(
+        tmp_path_factory.mktemp("in-flight-server"),
+        tmp_root,
+        SANDBOX_MAX_DISK_MB=str(IN_FLIGHT_QUOTA_MB),
+        SANDBOX_MAX_EXEC_MS="30000",
+    )
+    yield srv
+    srv.stop()
+
+
+@attack(
+    f"a session cell writes 25 files of 40 MiB (SANDBOX_MAX_DISK_MB={IN_FLIGHT_QUOTA_MB}), unlinks each and "
+    "keeps its descriptor in flight (SCM_RIGHTS over a socketpair held in a global), in /workspace and in /tmp",
+    "the kernel refuses the write past the quota (ENOSPC: the run's tmpfs is sized), the cell ends "
+    "output_limit, and the session's tmpfs is unmounted and removed when it ends",
+)
+@pytest.mark.parametrize("where", ["/workspace", "/tmp"])
+async def test_files_held_only_in_flight_cannot_pass_the_disk_quota(
+    quota_50: Server, observe: Observe, where: str
+) -> None:
+    from appliance.jail import runfs
+    from tests.support import run_root
+
+    async with AsyncClient(quota_50.url, TOKEN) as client:
+        first = await asyncio.wait_for(
+            client.execute(IN_FLIGHT.format(where=where), session="new"), scaled(120)
+        )
+        after = await asyncio.wait_for(client.execute("print('next')", session=first.session), scaled(60))
+    lines = [ln for ln in first.stdout.splitlines() if ln.startswith("{")]
+    assert lines, (first.status, first.message, first.stderr[-800:])
+    report = json.loads(lines[-1])
+    # The kernel stops the writer just past the quota (the tmpfs holds the quota + 1 MiB) ...
+    assert report["error"] == "ENOSPC" and report["written_mib"] <= IN_FLIGHT_QUOTA_MB + 1, report
+    # ... and the server's check, counting the tmpfs's pages, sees the run over it.
+    assert first.status == "output_limit" and "SANDBOX_MAX_DISK_MB" in str(first.message), first
+    root = run_root(Path(quota_50.env["SANDBOX_TMP_ROOT"]), quota_50.proc.pid)
+    deadline = asyncio.get_running_loop().time() + scaled(15)
+    while (left := runfs.mounts_under(root)) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)  # the session's jail is destroyed after its last done
+    assert left == [], f"run tmpfs still mounted: {left}"
+    note = await assert_contained(quota_50)
+    observe(f"{where}: {report}; cell {first.status}; next request {after.status}; no mount left; {note}")
