@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import Counter
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from appliance import canary, toolprobe
+from appliance import canary, outputs, toolprobe
 from appliance.errors import StartupError
 from appliance.jail import cgroups, runfs, sched
 from appliance.jail.cell import disk_entries, run_cell
@@ -62,6 +64,7 @@ class Lifecycle:
         self.cgroups_missing: list[str] = []  # why not (SANDBOX_CGROUPS=auto falls back)
         self._cgroups_checked = False
         self._task: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None  # SANDBOX_OUTPUTS_RETENTION_S
         self._counted: dict[str, Counter[str]] = {
             k: Counter() for k in ("cold", "runs", "imported", "spawned")
         }
@@ -207,11 +210,29 @@ class Lifecycle:
             },
         )
         self._task = asyncio.create_task(self._canary_loop(), name="canary")
+        if s.outputs_dir is not None and s.outputs_retention_s > 0:
+            self._sweeper = asyncio.create_task(
+                self._sweep_outputs(s.outputs_dir, s.outputs_retention_s), name="outputs-sweeper"
+            )
+
+    async def _sweep_outputs(self, root: Path, retention_s: int) -> None:
+        """Remove persisted runs past their retention, now and then (a tenth of it, 1 s to 1 h)."""
+        every = min(max(retention_s / 10, 1.0), 3600.0)
+        while True:
+            try:
+                removed = await asyncio.to_thread(outputs.sweep, root, retention_s, time.time())
+            except OSError as exc:
+                log.error("could not sweep persisted outputs", extra={"error": str(exc)})
+            else:
+                if removed:
+                    log.info("removed persisted outputs past their retention", extra={"runs": removed})
+            await asyncio.sleep(every)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._sweeper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.tools is not None:
             await self.tools.close()
         if self.gpu is not None:

@@ -251,3 +251,29 @@ def tenant_dir(owner: str) -> str:
     """The directory name of a tenant's persisted outputs: a hash of its owner name (itself
     a hash of its token), the same for every run of that tenant, the token never derivable."""
     return "t-" + hashlib.sha256(b"outputs\0" + owner.encode()).hexdigest()[:32]
+
+
+def sweep(root: Path, max_age_s: float, now: float) -> int:
+    """Remove the persisted runs under root/<tenant>/ whose directory was last changed more
+    than max_age_s before `now` (SANDBOX_OUTPUTS_RETENTION_S); how many went. Links and
+    files at those levels are not the server's layout and are left alone."""
+    removed = 0
+    try:
+        with os.scandir(root) as it:
+            tenants = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return 0
+    for tenant in tenants:
+        try:
+            with os.scandir(tenant) as it:
+                runs = [
+                    (e.path, e.stat(follow_symlinks=False).st_mtime)
+                    for e in it
+                    if e.is_dir(follow_symlinks=False)
+                ]
+        except OSError:
+            continue
+        for path, mtime in runs:
+            if now - mtime > max_age_s and fstree.remove_tree(Path(path)):
+                removed += 1
+    return removed

@@ -87,6 +87,9 @@ class Settings:
     session_idle_s: int = 600
     max_sessions: int = 32
     outputs_dir: Path | None = None
+    outputs_retention_s: int = (
+        604800  # persisted runs older than this are removed; 0: kept (SANDBOX_OUTPUTS_RETENTION_S)
+    )
     python: Path = Path(sys.executable)
     shutdown_grace_s: float = 10.0
     jail_threads: int = 1
@@ -418,6 +421,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         session_idle_s=_int(env, "SANDBOX_SESSION_IDLE_S", D.session_idle_s, minimum=1),
         max_sessions=_int(env, "SANDBOX_MAX_SESSIONS", D.max_sessions),
         outputs_dir=_dir(env, "SANDBOX_OUTPUTS_DIR", None),
+        outputs_retention_s=_int(env, "SANDBOX_OUTPUTS_RETENTION_S", D.outputs_retention_s),
         python=python,
         shutdown_grace_s=_int(env, "SANDBOX_SHUTDOWN_GRACE_MS", int(D.shutdown_grace_s * 1000)) / 1000,
         jail_threads=_int(env, "SANDBOX_JAIL_THREADS", D.jail_threads, minimum=1),

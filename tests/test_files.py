@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import os
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import pytest
 from appliance import outputs
 from appliance.client import AsyncClient
 from appliance.tenants import owner_of
-from tests.support import Server, start_server
+from tests.support import Server, scaled, start_server
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +98,39 @@ async def test_an_upload_through_a_planted_symlink_is_refused(filesrv: tuple[Ser
 
 def test_base64_of_a_file_frame_is_valid() -> None:
     assert base64.b64decode(base64.b64encode(b"x")) == b"x"
+
+
+async def test_persisted_runs_past_their_retention_are_swept(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """SANDBOX_OUTPUTS_RETENTION_S: the server's sweeper removes a persisted run once it is
+    older than that, and only that one; a run's directory of a younger run stays."""
+    outdir = tmp_path_factory.mktemp("retained")
+    server = start_server(
+        tmp_path_factory.mktemp("sweeper"), SANDBOX_OUTPUTS_DIR=str(outdir), SANDBOX_OUTPUTS_RETENTION_S="2"
+    )
+    try:
+        async with AsyncClient(server.url) as c:
+            ex = await c.execute("open('outputs/r.txt', 'w').write('kept a while')")
+        assert ex.status == "ok" and ex.run is not None
+        persisted = outdir / outputs.tenant_dir(owner_of(None)) / ex.run
+        assert persisted.is_dir()
+        deadline = time.monotonic() + scaled(60)
+        while persisted.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not persisted.exists(), "the sweeper did not remove a run past its retention"
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
+    assert "removed persisted outputs past their retention" in server.logs()
+
+
+def test_sweep_removes_only_runs_older_than_the_retention(tmp_path: Path) -> None:
+    old, young = tmp_path / "t-a" / "old", tmp_path / "t-a" / "young"
+    for d in (old, young):
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "f").write_text("x")
+    (tmp_path / "t-a" / "link").symlink_to(young)
+    os.utime(old, (1000, 1000))
+    assert outputs.sweep(tmp_path, 3600, time.time()) == 1
+    assert not old.exists() and young.exists() and (tmp_path / "t-a" / "link").is_symlink()
