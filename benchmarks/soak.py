@@ -32,6 +32,7 @@ from typing import Any
 
 import websockets
 
+from appliance import fstree
 from appliance.jail import cgroups, instance
 from tests.support import REPO, Server, start_server
 
@@ -76,6 +77,7 @@ HOSTILE = [
         5000,
     ),
 ]
+OUTPUT_FILES_CAP = 1000  # SANDBOX_MAX_OUTPUT_FILES's default
 # A client that sends this and never reads: the server must neither grow nor keep the run.
 FLOOD = "import os\nb = b'x' * 65536\nwhile True:\n    os.write(1, b)"
 # A session's first cell that leaves threads behind: two that spin and one that restarts a
@@ -186,6 +188,30 @@ async def slow_readers(url: str, rounds: int, tally: Tally) -> None:
             await asyncio.sleep(3.0)
 
 
+# 2000 directories under outputs/, an empty file in each: 4000 entries that cost no bytes. Each
+# costs a block of SANDBOX_MAX_OUTPUTS_BYTES and SANDBOX_MAX_OUTPUT_FILES caps them per run.
+MANY_ENTRIES = "import os\nfor i in range(2000):\n    os.mkdir(f'outputs/d{i}')\n    open(f'outputs/d{i}/f', 'w').close()"
+
+
+async def many_entry_outputs(url: str, rounds: int, tally: Tally) -> None:
+    """Runs that leave thousands of empty entries under outputs/ (persisted: SANDBOX_OUTPUTS_DIR)."""
+    async with websockets.connect(url, max_size=None) as ws:
+        for i in range(rounds):
+            rid = f"entries-{i}"
+            await request(
+                ws, {"id": rid, "code": MANY_ENTRIES, "timeout_ms": 5000}, rid, tally, "many-entry outputs"
+            )
+
+
+def persisted_entries(root: Path) -> tuple[int, int]:
+    """(entries in the fullest persisted run directory, entries in all) under SANDBOX_OUTPUTS_DIR."""
+    most = total = 0
+    for run in root.glob("*/*"):
+        n = sum(1 for _ in fstree.Walk(run).stats())
+        most, total = max(most, n), total + n
+    return most, total
+
+
 async def unfinished_frames(server: Server, rounds: int, tally: Tally) -> None:
     """Clients that announce a 12 MiB text frame, send half of it and go: what the server
     reserved for them must all come back (`appliance_frame_buffer_bytes` 0 at the end)."""
@@ -277,9 +303,11 @@ async def soak(
     # Slow readers come and go alongside the workers, one at a time, for as long as they run.
     readers = asyncio.create_task(slow_readers(server.url, max(1, total // 150), tally))
     frames = asyncio.create_task(unfinished_frames(server, max(1, total // 100), tally))
+    entries = asyncio.create_task(many_entry_outputs(server.url, max(1, total // 100), tally))
     await workers
     await readers
     await frames
+    await entries
     sampler.cancel()
     return tally, time.monotonic() - started
 
@@ -306,6 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         SANDBOX_MEMORY_MB="512",
         SANDBOX_MAX_OUTPUT_BYTES="65536",
         SANDBOX_MAX_CONCURRENCY="4",
+        SANDBOX_OUTPUTS_DIR=str(work / "persisted"),
     )
     try:
         # Warm up (imports, caches, the first connections) before the baseline is taken.
@@ -319,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         time.sleep(1)
         rss_after, fds_after = rss_kb(server.proc.pid), fd_count(server.proc.pid)
         frame_bytes_after = frame_buffer_bytes(server)
+        entries_most, entries_all = persisted_entries(work / "persisted")
         alive = server.proc.poll() is None and server.get("/healthz")[0] == 200
     finally:
         server.stop()
@@ -352,6 +382,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "server_rss_mb_after": round(rss_after / 1024, 1),
         "server_alive": alive,
         "frame_buffer_bytes_after": frame_bytes_after,
+        "persisted_entries_max_per_run": entries_most,
+        "persisted_entries": entries_all,
         "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "commit": commit,
     }
@@ -370,6 +402,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         leaks.append("server died")
     if frame_bytes_after != 0:
         leaks.append("bytes reserved for unfinished frames")
+    if entries_most > OUTPUT_FILES_CAP:
+        leaks.append("persisted outputs past SANDBOX_MAX_OUTPUT_FILES")
     result["leaks"] = leaks or ["none"]
     print(json.dumps(result, indent=2))
     if leaks:

@@ -16,6 +16,9 @@ def test_a_quick_soak_leaks_nothing() -> None:
     assert result["leftover_cgroups"] == [] and result["kinds"].get("spinning session", 0) > 0
     # Unfinished 12 MiB frames: all they reserved came back, and the server did not keep them.
     assert result["kinds"].get("unfinished frame", 0) > 0 and result["frame_buffer_bytes_after"] == 0
+    # Thousands of empty entries under outputs/ per run: persisted no more than the cap each.
+    assert result["kinds"].get("many-entry outputs", 0) > 0, result["kinds"]
+    assert 0 < result["persisted_entries_max_per_run"] <= soak.OUTPUT_FILES_CAP, result
     assert result["server_rss_mb_peak"] - result["server_rss_mb_before"] < 300, result
     assert result["server_fds_after"] <= result["server_fds_before"] + 2
     assert result["server_alive"] and result["leaks"] == ["none"]
