@@ -33,7 +33,7 @@ from typing import Any
 import websockets
 
 from appliance import fstree
-from appliance.jail import cgroups, instance
+from appliance.jail import cgroups, instance, runfs
 from tests.support import REPO, Server, start_server
 
 NORMAL = [
@@ -149,7 +149,11 @@ async def worker(url: str, n: int, seq: list[int], total: int, tally: Tally, rng
                     await request(ws, {"id": rid, "code": code, "timeout_ms": ms}, rid, tally, "hostile")
                 elif roll < 0.95:
                     kind, code = (
-                        ("spinning session", SPINNING_SESSION) if roll >= 0.91 else ("session", "n = 1")
+                        ("descriptors in flight", IN_FLIGHT)
+                        if roll >= 0.93
+                        else ("spinning session", SPINNING_SESSION)
+                        if roll >= 0.91
+                        else ("session", "n = 1")
                     )
                     first = await request(ws, {"id": rid, "code": code, "session": "new"}, rid, tally, kind)
                     sid = first.get("session")
@@ -176,6 +180,17 @@ async def worker(url: str, n: int, seq: list[int], total: int, tally: Tally, rng
             except (TimeoutError, websockets.ConnectionClosed) as exc:
                 tally.errors.append(f"{rid}: {type(exc).__name__}")
                 return
+
+
+# A session cell that unlinks its files and keeps their descriptors in flight (SCM_RIGHTS
+# over a socketpair held in a global): the run's tmpfs refuses writes past the quota (32 MiB).
+IN_FLIGHT = (
+    "import os, socket\nn = 1\npair = socket.socketpair()\n"
+    "for i in range(4):\n"
+    "    fd = os.open(f'f{i}', os.O_CREAT | os.O_RDWR, 0o600); os.unlink(f'f{i}')\n"
+    "    try:\n        os.write(fd, b'i' * (12 << 20))\n    except OSError:\n        pass\n"
+    "    socket.send_fds(pair[0], [b'f'], [fd]); os.close(fd)"
+)
 
 
 async def slow_readers(url: str, rounds: int, tally: Tally) -> None:
@@ -345,6 +360,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         tally, seconds = asyncio.run(soak(server, total, args.concurrency, args.seed, peak))
         procs, dirs = settle(server)
         groups = leftover_groups(server.proc.pid)
+        mounts = [str(p) for p in runfs.mounts_under(work / "appliance")]
         time.sleep(1)
         rss_after, fds_after = rss_kb(server.proc.pid), fd_count(server.proc.pid)
         frame_bytes_after = frame_buffer_bytes(server)
@@ -375,6 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "leftover_processes": procs,
         "leftover_run_dirs": dirs,
         "leftover_cgroups": groups,
+        "leftover_mounts": mounts,
         "server_fds_before": fds_before,
         "server_fds_after": fds_after,
         "server_rss_mb_before": round(rss_before / 1024, 1),
@@ -396,6 +413,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         leaks.append("run directories")
     if groups:
         leaks.append("cgroups")
+    if mounts:
+        leaks.append("run tmpfs mounts")
     if fds_after > fds_before + 2:
         leaks.append("file descriptors")
     if not alive:
@@ -427,6 +446,7 @@ def render(r: dict[str, Any]) -> str:
         ("requests without exactly one done", r["requests_without_exactly_one_done"]),
         ("processes left under the server (pool off)", len(r["leftover_processes"])),
         ("run directories left", len(r["leftover_run_dirs"])),
+        ("run tmpfs mounts left", len(r.get("leftover_mounts", []))),
         ("server open fds before / after", f"{r['server_fds_before']} / {r['server_fds_after']}"),
         (
             "server RSS before / peak / after",

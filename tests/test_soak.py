@@ -14,6 +14,8 @@ def test_a_quick_soak_leaks_nothing() -> None:
     assert result["requests_without_exactly_one_done"] == 0 and result["client_errors"] == []
     assert result["leftover_processes"] == [] and result["leftover_run_dirs"] == []
     assert result["leftover_cgroups"] == [] and result["kinds"].get("spinning session", 0) > 0
+    # Session cells that keep unlinked files' descriptors in flight: no tmpfs mount outlives a run.
+    assert result["kinds"].get("descriptors in flight", 0) > 0 and result["leftover_mounts"] == [], result
     # Unfinished 12 MiB frames: all they reserved came back, and the server did not keep them.
     assert result["kinds"].get("unfinished frame", 0) > 0 and result["frame_buffer_bytes_after"] == 0
     # Thousands of empty entries under outputs/ per run: persisted no more than the cap each.
