@@ -143,6 +143,9 @@ def reachable_tmp_root(prefix: str) -> Iterator[Path]:
     try:
         yield root
     finally:
+        from appliance.jail import runfs
+
+        runfs.unmount_under(root)  # run tmpfs a killed server (chaos tests) left mounted
         shutil.rmtree(root, ignore_errors=True)
 
 
