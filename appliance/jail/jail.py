@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -35,6 +36,16 @@ from appliance.jail.workdir import RunDirs
 from appliance.settings import Settings
 
 log = logging.getLogger("appliance.jail")
+
+
+@functools.cache
+def _tmp_unsized() -> None:
+    """Say once that jails' /tmp cannot be sized by the kernel here (`Jail.pin`)."""
+    log.warning(
+        "the jails' /tmp cannot be opened to size it (no ptrace access to the jail, as in a "
+        "container without CAP_SYS_PTRACE): /tmp is bounded by the server's disk check only",
+    )
+
 
 READY_TIMEOUT_S = 60.0
 FREEZE_WAIT_S = 2.0  # the longest a session's jail may take to freeze before the session ends
@@ -84,7 +95,11 @@ class Jail:
         sizes = self.dirs.sizes
         if sizes is not None:
             if self.tmp_fd is None:
-                raise OSError(f"the jail's /tmp could not be opened to size it ({tmp})")
+                # A server without ptrace access to the jail (a container's root lacks
+                # CAP_SYS_PTRACE) cannot open /proc/PID/root: /tmp then keeps the bound the
+                # server's check gives it, as before run filesystems were sized.
+                _tmp_unsized()
+                return
             runfs.resize(self.tmp_fd, sizes)
 
     def run_processes(self, inits: list[int]) -> list[int]:
