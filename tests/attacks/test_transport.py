@@ -409,8 +409,8 @@ def healthz_latencies(server: Server, stop: threading.Event, found: list[float])
 
 @attack(
     "5 connections each send a 15.7 MB execute frame of 540,000 file entries",
-    "the frames are refused (SANDBOX_MAX_UPLOAD_FILES) without stalling the event loop: /healthz "
-    "keeps answering while they are processed",
+    "the frames the tenant's frame budget takes are refused (SANDBOX_MAX_UPLOAD_FILES), the rest "
+    "answered busy, without stalling the event loop: /healthz keeps answering while they are processed",
 )
 async def test_frames_costly_to_parse_do_not_stall_the_server(tenanted: Server, observe: Observe) -> None:
     files = [{"path": f"f{i:06d}", "data": ""} for i in range(540_000)]
@@ -440,13 +440,18 @@ async def test_frames_costly_to_parse_do_not_stall_the_server(tenanted: Server, 
             sock.close()
     worst = max(latencies)
     assert worst < scaled(1.0), f"/healthz took {worst:.2f} s to answer while the frames were parsed"
+    # The tenant's share of the frame budget (`framebudget`) holds some of the five: those are
+    # answered `busy` unparsed; the ones it took were parsed and refused.
+    parsed = [a for a in answers if a.get("status") == "rejected"]
+    assert parsed, answers
+    for answer in parsed:
+        assert "SANDBOX_MAX_UPLOAD_FILES" in str(answer.get("message")), answer
     for answer in answers:
-        assert answer.get("status") == "rejected" and "SANDBOX_MAX_UPLOAD_FILES" in str(
-            answer.get("message")
-        ), answer
+        assert answer in parsed or answer.get("status") == "busy", answer
     note = await assert_contained(tenanted, FLOOD)
     observe(
-        f"5 frames of {len(payloads[0]) / 1e6:.1f} MB refused ({answers[0]['message']}); /healthz answered "
+        f"5 frames of {len(payloads[0]) / 1e6:.1f} MB: {len(parsed)} parsed and refused "
+        f"({parsed[0]['message']}), the rest busy; /healthz answered "
         f"{len(latencies)} times meanwhile, the slowest in {worst:.2f} s; {note}"
     )
 
