@@ -95,11 +95,15 @@ async def test_a_run_gets_its_own_group_at_run_weight_and_it_is_gone_after(srv: 
     weight = "cpu.shares" if cpu else "cpu.weight"
     run_weights, idle_weights = ("1024", "100"), ("102", "10")
 
-    def weights() -> dict[str, str]:
+    def weights(populated: bool = False) -> dict[str, str]:
+        """Each group's weight; `populated`: only groups that hold a process (a group just made
+        is at the kernel's default until the server writes its weight, before any process)."""
         found: dict[str, str] = {}
         for g in groups_of(srv, cpu):
             with contextlib.suppress(OSError):  # a group being removed
-                found[g.name] = (g / weight).read_text().strip()
+                value = (g / weight).read_text().strip()
+                if not populated or (g / "cgroup.procs").read_text().strip():
+                    found[g.name] = value
         return found
 
     # Settled: ready (the startup canary, itself a run, has ended) and the warm jails waiting,
@@ -119,9 +123,9 @@ async def test_a_run_gets_its_own_group_at_run_weight_and_it_is_gone_after(srv: 
     # start more (at idle weight), and the last run gets a cold jail (at run weight at once).
     code = "print(open('/proc/self/cgroup').read(), flush=True)\nimport time\ntime.sleep(2)"
     tasks = [asyncio.create_task(run(srv, code)) for _ in range(len(warm) + 1)]
-    seen: dict[str, list[str]] = {}  # every group seen during the runs: its weights, in order
+    seen: dict[str, list[str]] = {}  # every group seen holding a process: its weights, in order
     while not all(t.done() for t in tasks):
-        for name, value in weights().items():
+        for name, value in weights(populated=True).items():
             seen.setdefault(name, []).append(value)
         await asyncio.sleep(0.01)
     own = set()
