@@ -45,6 +45,7 @@ lint: venv
 	$(VENV)/bin/ruff check appliance tests benchmarks examples
 	$(VENV)/bin/ruff format --check appliance tests benchmarks examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports   # the layer contracts (pyproject.toml, [tool.importlinter])
 	scripts/actionlint.sh $(VENV)   # .github/workflows (gpu.yml)
 
 check: lint test

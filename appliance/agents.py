@@ -19,7 +19,7 @@ with the figures (tool messages take text only); Responses gets `function_call_o
 that carry their images; Anthropic gets one `user` message of `tool_result` blocks.
 
 The schema has one source (`RUN_PYTHON_PARAMETERS`; `strict_schema()` derives the form that
-OpenAI's strict mode takes); the MCP server (appliance.mcp_tools) serves the same one. The text
+OpenAI's strict mode takes); the MCP server (appliance.api.mcp_tools) serves the same one. The text
 a model reads is bounded by `max_chars` whatever the run printed: each section that had to be
 cut carries a visible marker saying how much was cut, so a model never mistakes a cut output
 for the whole of it. Figures become base64 image blocks (models that see images get the plot,
@@ -510,7 +510,7 @@ def _fair_share(sizes: list[int], total: int) -> list[int]:
 
 class Executor(Protocol):
     """What runs the code: an appliance.client.AsyncClient, or the server's own service
-    (appliance.mcp_http) for the /mcp endpoint."""
+    (appliance.api.mcp_http) for the /mcp endpoint."""
 
     async def execute(self, code: str, **options: Unpack[RequestOptions]) -> Execution: ...
 

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from appliance.errors import SettingsError, StartupError
+from appliance.core.errors import SettingsError, StartupError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,8 +99,9 @@ def _mcp(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from appliance import logs, settings
-    from appliance.server import serve
+    from appliance import settings
+    from appliance.api.server import serve
+    from appliance.runtime import logs
 
     logs.configure()
     try:

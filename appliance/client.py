@@ -44,7 +44,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.protocol import State
 
-from appliance.protocol import GpuRequest
+from appliance.wire.protocol import GpuRequest
 
 Frame = dict[str, Any]
 T = TypeVar("T")
@@ -847,7 +847,7 @@ def _usable(ws: ClientConnection | None) -> bool:
 
 
 def _no_such_session(message: str) -> bool:
-    # The server's words for a session it does not have (appliance.sessions.SessionRegistry.get).
+    # The server's words for a session it does not have (appliance.core.sessions.SessionRegistry.get).
     return message.startswith("no such session") or (
         message.startswith("session ") and " has ended" in message
     )

@@ -1,4 +1,4 @@
-"""`appliance mcp`: the MCP tools (appliance.mcp_tools) over stdio for a local client (a
+"""`appliance mcp`: the MCP tools (appliance.api.mcp_tools) over stdio for a local client (a
 desktop app, an IDE), running code on an appliance over its WebSocket.
 
 The bridge outlives the appliance: a desktop app starts it once and keeps it. So
@@ -20,6 +20,7 @@ import logging
 from typing import Any, Unpack
 
 from appliance import agents
+from appliance.api.mcp_tools import build_server
 from appliance.client import (
     AsyncClient,
     AuthenticationError,
@@ -28,7 +29,6 @@ from appliance.client import (
     Frame,
     RequestOptions,
 )
-from appliance.mcp_tools import build_server
 
 log = logging.getLogger("appliance.mcp")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import overload
 
-from appliance.errors import SettingsError
+from appliance.core.errors import SettingsError
 
 DEFAULT_PRELOAD = ("numpy", "pandas", "matplotlib")
 # GPU mode also warms the model tools (llama.cpp, whisper.cpp) in pooled jails.
@@ -36,7 +36,7 @@ class Settings:
 
     max_exec_ms: int = 15000
     # Where <tmp_root>/appliance/ is made (SANDBOX_TMP_ROOT): root-only by default, so no local
-    # user can make it first (appliance.jail.trust checks the chain whatever is set).
+    # user can make it first (appliance.sandbox.trust checks the chain whatever is set).
     tmp_root: Path = Path("/run")
     memory_mb: int = 1024
     max_procs: int = 64
@@ -53,7 +53,7 @@ class Settings:
     )
     max_stdin_bytes: int = 1048576  # stdin a run may have waiting for it to read (SANDBOX_MAX_STDIN_BYTES)
     client_stall_ms: int = 10000  # a client that takes no frame this long is dropped
-    # Bytes of WebSocket messages held unfinished or not yet taken (appliance/framebudget.py):
+    # Bytes of WebSocket messages held unfinished or not yet taken (appliance/api/framebudget.py):
     # server-wide (0: 4 x max_message_bytes) and per tenant (0: half of it with a tokens file,
     # else all of it); a message must be finished within frame_deadline_ms of its first header.
     frame_buffer_bytes: int = 0

@@ -1,7 +1,7 @@
 """Start a real appliance (`python -m appliance serve`) as a subprocess and talk to it.
 
 The benchmark measures the product as deployed: a separate server process, real
-firejail jails, a real WebSocket. The server is started by `appliance.local`, the
+firejail jails, a real WebSocket. The server is started by `appliance.runtime.local`, the
 same spawner the tests use.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 
-from appliance import local
-from appliance.local import LocalServer
+from appliance.runtime import local
+from appliance.runtime.local import LocalServer
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 120.0
@@ -30,7 +30,7 @@ class BenchError(RuntimeError):
 
 @dataclass
 class ApplianceServer(LocalServer):
-    """A running appliance subprocess (appliance.local), named for the benchmark's reports."""
+    """A running appliance subprocess (appliance.runtime.local), named for the benchmark's reports."""
 
     name: str = "server"
 

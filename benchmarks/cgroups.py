@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from appliance.client import AsyncClient
-from appliance.jail import cgroups
-from appliance.jail.jail import JailFactory
+from appliance.sandbox import cgroups
+from appliance.sandbox.jail import JailFactory
 from benchmarks.appliance_server import REPO, BenchError, start_appliance, wait_pool_idle
 from benchmarks.jails import open_factory
 from benchmarks.stats import summarize
@@ -75,7 +75,7 @@ def group_costs(tree: cgroups.Hierarchy, limits: cgroups.GroupLimits, n: int) ->
             flip.reverse()
 
         def cell() -> None:
-            base = g.counters(pids=False)  # as appliance.jail.cell does
+            base = g.counters(pids=False)  # as appliance.sandbox.cell does
             g.reset_peak()
             g.counters(pids=False), g.peak_mb(), base
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance import local
+from appliance.runtime import local
 from benchmarks.appliance_server import REPO, BenchError, execute, open_ws, unwind_on_sigterm
 from benchmarks.hotpath import thread_ns
 from benchmarks.stats import percentile

@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from appliance.jail.firejail import launcher_env
+from appliance.sandbox.firejail import launcher_env
 from benchmarks.appliance_server import ApplianceServer, BenchError, execute, open_ws
 from benchmarks.jails import BenchJails, naive_argv
 

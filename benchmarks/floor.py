@@ -9,7 +9,7 @@ without: parse the frame, write the op to the child, send `start`, read the chil
 events (output, then the end of the cell) and send `stream` and `done`. The child runs the
 code with `exec` and writes each event as it happens, as the driver does; it lives on
 across requests, so it is always warmer than a single-use jail. It asks the scheduler for the
-appliance's short slice (`appliance.jail.sched`), so that neither has an edge there.
+appliance's short slice (`appliance.sandbox.sched`), so that neither has an edge there.
 
 `python -m benchmarks.hotpath --floor` measures it beside the appliance, run for run with
 the same client and the same idle time before each run: what the appliance adds to the
@@ -30,7 +30,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from appliance.jail import sched
+from appliance.sandbox import sched
 
 CHILD = "child"
 

@@ -193,7 +193,7 @@ def device_minors(root: Path = Path("/proc/driver/nvidia/gpus")) -> dict[str, in
 def server_ids(root: int) -> set[int]:
     """Every process and thread ID under the appliance's process (its jails included): the IDs
     the watchdog matches NVML's against."""
-    from appliance.jail import proctree
+    from appliance.sandbox import proctree
 
     return proctree.task_ids(set(proctree.tree(root)))
 
@@ -540,7 +540,7 @@ class Kit:
         return env
 
     def start(self, mps: bool = False) -> Any:
-        from appliance import local
+        from appliance.runtime import local
 
         return local.start(self.work / ("srv-mps" if mps else "srv"), self.settings(mps), timeout_s=180)
 
@@ -1427,7 +1427,7 @@ class Kit:
                 "add --gguf PATH (a GGUF file the kit copies into its models directory)",
                 data=llama,
             )
-        from appliance.tools import shaping
+        from appliance.inside.tools import shaping
 
         model = await asyncio.to_thread(place_model, Path(self.args.gguf), self.models)
         info = await asyncio.to_thread(shaping.read_gguf, str(model))

@@ -68,7 +68,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def simulated_level(n: int, samples: list[dict[str, Any]]) -> list[RunRecord]:
-    from appliance.errors import RequestRejected, RunLimit
+    from appliance.core.errors import RequestRejected, RunLimit
     from appliance.gpu.ledger import GpuLedger
     from appliance.gpu.simulated import SimulatedBackend
     from appliance.gpu.watchdog import GpuWatchdog

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance import local
+from appliance.runtime import local
 from benchmarks.appliance_server import (
     REPO,
     ApplianceServer,

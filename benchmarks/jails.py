@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from appliance import settings as settings_mod
-from appliance.jail import runfs
-from appliance.jail.cell import disk_entries
-from appliance.jail.firejail import launcher_env, render_argv
-from appliance.jail.host import inspect
-from appliance.jail.jail import JailFactory
-from appliance.jail.workdir import RunDirs, stage_runtime
+from appliance.sandbox import runfs
+from appliance.sandbox.cell import disk_entries
+from appliance.sandbox.firejail import launcher_env, render_argv
+from appliance.sandbox.host import inspect
+from appliance.sandbox.jail import JailFactory
+from appliance.sandbox.workdir import RunDirs, stage_runtime
 from benchmarks.appliance_server import BenchError
 
 PLACEHOLDER_FD = 3  # render_argv needs an events fd; the naive argv drops it again

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from appliance import local
+from appliance.runtime import local
 from benchmarks.appliance_server import (
     REPO,
     ApplianceServer,
@@ -116,9 +116,11 @@ class Timeline:
 
 def instrument(timeline: Timeline) -> None:
     """Install the marks in this (server) process."""
-    from appliance import outputs, protocol, server, service, transport
-    from appliance.jail import cell, process
-    from appliance.jail import lease as jail_lease
+    from appliance.api import server, transport
+    from appliance.core import service
+    from appliance.sandbox import cell, outputs, process
+    from appliance.sandbox import lease as jail_lease
+    from appliance.wire import protocol
 
     frame_in = server.Connection.handle_frame
 
@@ -215,7 +217,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="appliance-phases-"))
     table = work / "phases.md"
     # The server is this module's `serve`: the shell drops `-m appliance` from the command
-    # appliance.local runs and starts this module with the rest of it.
+    # appliance.runtime.local runs and starts this module with the rest of it.
     wrap = ["sh", "-c", 'shift 2; exec "$0" -m benchmarks.phases "$@"']
     try:
         started = local.start(work, {OUT_ENV: str(table)}, name="phases", wrap=wrap, timeout_s=120, cwd=REPO)

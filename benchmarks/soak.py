@@ -32,8 +32,7 @@ from typing import Any
 
 import websockets
 
-from appliance import fstree
-from appliance.jail import cgroups, instance, runfs
+from appliance.sandbox import cgroups, fstree, instance, runfs
 from tests.support import REPO, Server, start_server
 
 NORMAL = [

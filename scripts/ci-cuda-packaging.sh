@@ -111,7 +111,7 @@ assert any("libwhisper" in pathlib.Path(p).name for p in pwc), loaded
 assert llama_cpp.llama_supports_mmap() in (True, False)
 # The image's smoke step runs the appliance's own probe (standard library, from this checkout):
 # here, CPU backends in both and no ggml clash; there, CUDA in both.
-from appliance.tools import backends
+from appliance.inside.tools import backends
 
 report = backends.probe()
 assert report["ggml_conflicts"] == [], report

@@ -13,8 +13,8 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
-    from appliance import protocol
-    from appliance.protocol import ProtocolError
+    from appliance.wire import protocol
+    from appliance.wire.protocol import ProtocolError
 
 LIMITS = protocol.Limits(max_message_bytes=65536, max_upload_bytes=4096)
 

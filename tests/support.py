@@ -11,11 +11,12 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from appliance import local, parse_worker
-from appliance.jail import instance
-from appliance.jail.jail import JailFactory
-from appliance.jail.proctree import descendants
-from appliance.local import LocalServer
+from appliance.runtime import local
+from appliance.runtime.local import LocalServer
+from appliance.sandbox import instance
+from appliance.sandbox.jail import JailFactory
+from appliance.sandbox.proctree import descendants
+from appliance.wire import parse_worker
 
 REPO = Path(__file__).resolve().parent.parent
 SANDBOX_UID = 1001
@@ -143,7 +144,7 @@ def reachable_tmp_root(prefix: str) -> Iterator[Path]:
     try:
         yield root
     finally:
-        from appliance.jail import runfs
+        from appliance.sandbox import runfs
 
         runfs.unmount_under(root)  # run tmpfs a killed server (chaos tests) left mounted
         shutil.rmtree(root, ignore_errors=True)
@@ -157,10 +158,10 @@ def jail_factory(
     run directories removed after."""
     import sys
 
-    from appliance.jail.cell import disk_entries
-    from appliance.jail.host import inspect
-    from appliance.jail.runfs import for_server
-    from appliance.jail.workdir import RunDirs, stage_runtime
+    from appliance.sandbox.cell import disk_entries
+    from appliance.sandbox.host import inspect
+    from appliance.sandbox.runfs import for_server
+    from appliance.sandbox.workdir import RunDirs, stage_runtime
     from appliance.settings import from_env
 
     settings = from_env(
@@ -182,7 +183,7 @@ def jail_factory(
 
 def run_root(tmp_root: Path, pid: int) -> Path:
     """Where server `pid` (alive, in this PID namespace) keeps its run directories under the
-    SANDBOX_TMP_ROOT `tmp_root`: its instance directory (`appliance.jail.instance`)."""
+    SANDBOX_TMP_ROOT `tmp_root`: its instance directory (`appliance.sandbox.instance`)."""
     return tmp_root / "appliance" / instance.name(pid)
 
 

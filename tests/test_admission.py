@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from appliance.admission import Admission
-from appliance.errors import Busy
+from appliance.core.admission import Admission
+from appliance.core.errors import Busy
 
 
 async def test_runs_beyond_the_limit_wait_in_order_and_the_queue_overflow_is_busy() -> None:

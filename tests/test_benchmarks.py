@@ -236,7 +236,7 @@ def test_the_inference_benchmark_runs_end_to_end_and_reports_its_ratios(tmp_path
 
 
 def test_the_cgroup_benchmark_measures_spawn_with_and_without_side_by_side(tmp_path: Path) -> None:
-    from appliance.jail import cgroups
+    from appliance.sandbox import cgroups
 
     if cgroups.detect()[0] is None:
         pytest.skip("no writable cgroup hierarchy here")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from appliance.canary import ALLOWED_JAIL_ENV, CANARY_CODE, judge, params_file
+from appliance.runtime.canary import ALLOWED_JAIL_ENV, CANARY_CODE, judge, params_file
 
 GOOD = {
     "uid": 1001,

@@ -12,7 +12,7 @@ import gguf
 import pytest
 
 from appliance.client import AsyncClient, Client
-from appliance.tools import catalogue
+from appliance.inside.tools import catalogue
 from tests.models import write_corrupt_model, write_tiny_llama, write_tiny_whisper
 from tests.support import Server, reachable_tmp_root, start_server
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from appliance.client import AsyncClient, Execution
-from appliance.errors import JailFailure
-from appliance.jail import cgroups, instance
-from appliance.jail import jail as jail_module
+from appliance.core.errors import JailFailure
+from appliance.sandbox import cgroups, instance
+from appliance.sandbox import jail as jail_module
 from tests.support import Server, jail_factory, scaled, start_server
 
 MEMORY_MB = 1024
@@ -441,7 +441,7 @@ def test_auto_falls_back_to_rlimits_where_the_hierarchy_is_read_only(tmp_path: P
 
 
 def test_require_refuses_to_start_naming_what_is_missing(tmp_path: Path) -> None:
-    from appliance.local import ServerStartError
+    from appliance.runtime.local import ServerStartError
 
     with pytest.raises(ServerStartError) as err:
         start_server(tmp_path, wrap=READ_ONLY, SANDBOX_CGROUPS="require")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance.jail import cgroups, instance
-from appliance.jail.cgroups import GroupLimits, Write, changes, render_v1, render_v2
-from appliance.jail.firejail import JOIN_FAILED, join_argv
+from appliance.sandbox import cgroups, instance
+from appliance.sandbox.cgroups import GroupLimits, Write, changes, render_v1, render_v2
+from appliance.sandbox.firejail import JOIN_FAILED, join_argv
 from tests.support import descriptors_on
 
 L = GroupLimits(memory_mb=1024, cpus=1.5, max_procs=64)
@@ -273,7 +273,7 @@ def test_a_failing_join_stops_the_launcher_before_anything_runs(
 def test_cgroup_memory_sees_tmpfs_files_that_proc_cannot(tree: cgroups.Hierarchy) -> None:
     """The GPU watchdog's reading (RunMemory) from the run's group: a tmpfs file the run wrote
     and closed is memory it owns, which /proc's mappings never show."""
-    from appliance.jail.memory import CgroupMemory, ProcMemory
+    from appliance.sandbox.memory import CgroupMemory, ProcMemory
 
     g = tree.group(f"t-{uuid.uuid4().hex[:8]}", GroupLimits(memory_mb=512, cpus=1.0, max_procs=16))
     shm = f"/dev/shm/cgroup-test-{uuid.uuid4().hex[:8]}"

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import websockets
 
-from appliance.jail import runfs
-from appliance.jail.proctree import descendants
+from appliance.sandbox import runfs
+from appliance.sandbox.proctree import descendants
 from tests.attacks.common import assert_contained, leftovers, run
 from tests.support import REPO, Server, cmdline, reachable_tmp_root, run_root, scaled, start_server
 
@@ -218,7 +218,7 @@ async def test_a_restart_purges_jails_that_outlived_a_killed_server(tmp_path: Pa
 def warm_jails(server_pid: int) -> dict[str, int]:
     """Each jail's firejail launcher, its sandbox's init and the driver under it (what lives as
     long as the jail: not the short-lived helpers firejail or the driver may run)."""
-    from appliance.jail.proctree import children
+    from appliance.sandbox.proctree import children
 
     found: dict[str, int] = {}
     for launcher in children(server_pid):
@@ -235,7 +235,7 @@ def warm_jails(server_pid: int) -> dict[str, int]:
 
 def _cgroup_instances(pid: int) -> list[Path]:
     """The cgroup instance directories of server `pid` (of this PID namespace), where there are any."""
-    from appliance.jail import cgroups, instance
+    from appliance.sandbox import cgroups, instance
 
     tree, _ = cgroups.detect()
     if tree is None:

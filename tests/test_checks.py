@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.jail.checks import Expected, problems
+from appliance.sandbox.checks import Expected, problems
 
 EXPECTED = Expected(uid=1001, host_pid_ns="pid:[1]", host_net_ns="net:[2]")
 GOOD: dict[str, Any] = {

@@ -39,7 +39,7 @@ from appliance.client import (
     normalise_url,
     request_frame,
 )
-from appliance.protocol import GpuRequest
+from appliance.wire.protocol import GpuRequest
 from tests.support import Server, start_server
 
 T = TypeVar("T")

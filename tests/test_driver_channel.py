@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from appliance.jail import channel
-from appliance.jail.workdir import stage_runtime
+from appliance.inside import channel
+from appliance.sandbox.workdir import stage_runtime
 from tests.support import scaled
 
 
@@ -97,7 +97,14 @@ def driver(tmp_path: Path) -> Iterator[DriverUnderTest]:
     # it can see (kill(-1)), which in a jail is the cell's leftovers and here would be the host's.
     unshare = ["unshare", "--pid", "--fork", "--kill-child", "--"]
     proc = subprocess.Popen(
-        [*unshare, sys.executable, "-I", "-u", str(runtime / "driver.py"), str(events_w)],
+        [
+            *unshare,
+            sys.executable,
+            "-I",
+            "-u",
+            str(runtime / "appliance" / "inside" / "driver.py"),
+            str(events_w),
+        ],
         stdin=control_r,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

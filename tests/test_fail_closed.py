@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from appliance.client import AsyncClient
-from appliance.jail.proctree import descendants
+from appliance.sandbox.proctree import descendants
 from tests.support import REPO, start_server
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
@@ -41,11 +41,12 @@ def test_firejail_that_would_run_code_unjailed_is_refused() -> None:
     script = textwrap.dedent(
         """
         import asyncio, sys
-        from appliance import logs, settings
-        from appliance.errors import JailFailure
-        from appliance.jail import jail as jail_mod
-        from appliance.jail.host import inspect
-        from appliance.jail.workdir import RunDirs, stage_runtime
+        from appliance.runtime import logs
+        from appliance import settings
+        from appliance.core.errors import JailFailure
+        from appliance.sandbox import jail as jail_mod
+        from appliance.sandbox.host import inspect
+        from appliance.sandbox.workdir import RunDirs, stage_runtime
 
         logs.configure()
         jail_mod.launcher_env = lambda: {"PATH": "/usr/bin:/bin"}  # what a naive launcher passes

@@ -1,4 +1,4 @@
-"""The frame meter (appliance/framebudget.py): frames judged at their headers, in step with the
+"""The frame meter (appliance/api/framebudget.py): frames judged at their headers, in step with the
 reader whatever the chunking, and every reserved byte given back."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from appliance.framebudget import Closing, Fed, FrameBudget, FrameMeter, Refusal
+from appliance.api.framebudget import Closing, Fed, FrameBudget, FrameMeter, Refusal
 from appliance.settings import from_env
 
 LIMIT = 1000

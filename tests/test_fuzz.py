@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from appliance import protocol
-from appliance.protocol import ProtocolError
+from appliance.wire import protocol
+from appliance.wire.protocol import ProtocolError
 from tests.support import Server, scaled, start_server
 
 LIMITS = protocol.Limits(max_message_bytes=65536, max_upload_bytes=4096)

@@ -21,7 +21,7 @@ import pytest
 from appliance.client import AsyncClient
 from appliance.gpu import hostcheck
 from appliance.gpu.backend import Device, ProcessUsage
-from appliance.local import ServerStartError
+from appliance.runtime.local import ServerStartError
 from tests import nvml_standin
 from tests.nvml_standin import Host
 from tests.support import Server, scaled, start_server

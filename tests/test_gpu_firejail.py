@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import SettingsError
-from appliance.jail.devices import GpuDevice, gpu_device, hidden_modules
-from appliance.jail.firejail import render_argv
-from appliance.jail.spec import JailLimits, JailSpec
+from appliance.core.errors import SettingsError
+from appliance.sandbox.devices import GpuDevice, gpu_device, hidden_modules
+from appliance.sandbox.firejail import render_argv
+from appliance.sandbox.spec import JailLimits, JailSpec
 from appliance.settings import from_env
 from tests.support import REPO
 
@@ -164,8 +164,8 @@ def test_gpu_mode_without_a_driver_stops_startup_with_a_clear_message(tmp_path: 
 
 def test_gpu_off_never_imports_nvml() -> None:
     code = (
-        "import sys\nfrom appliance.settings import from_env\nfrom appliance.service import RunService\n"
-        "import appliance.server\nApp = RunService(from_env({}))\n"
+        "import sys\nfrom appliance.settings import from_env\nfrom appliance.core.service import RunService\n"
+        "import appliance.api.server\nApp = RunService(from_env({}))\n"
         "assert App.lifecycle.gpu is None\nassert 'pynvml' not in sys.modules, 'pynvml imported'\n"
         "loaded = {m for m in sys.modules if m.startswith('appliance.gpu')}\n"
         "assert not loaded, loaded\n"
@@ -177,7 +177,7 @@ def test_gpu_off_never_imports_nvml() -> None:
 def test_an_mps_jail_shares_only_the_daemons_pipe_directory_and_writes_to_it(tmp_path: Path) -> None:
     import dataclasses
 
-    from appliance.jail.jail import gpu_env
+    from appliance.sandbox.jail import gpu_env
     from appliance.settings import Settings
 
     gpu = gpu_device(0, "GPU-abc", 0, dev_dir=fake_dev(tmp_path), mps_pipe_dir=Path("/tmp/nvidia-mps"))

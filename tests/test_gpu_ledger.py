@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from appliance.errors import Busy, RequestRejected
+from appliance.core.errors import Busy, RequestRejected
 from appliance.gpu.ledger import GpuLedger
 from appliance.gpu.simulated import SimulatedBackend
 from appliance.settings import parse_simulated_devices as parse_spec

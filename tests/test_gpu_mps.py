@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from appliance.client import AsyncClient, Client, Execution
-from appliance.errors import GpuLimitUnavailable
+from appliance.core.errors import GpuLimitUnavailable
 from appliance.gpu.ledger import Grant
 from appliance.gpu.mps import (
     MpsError,
@@ -38,7 +38,7 @@ from appliance.gpu.mps import (
 from appliance.gpu.mps_limits import DeviceMps, MpsLimiter, jail_blockers, judge_probe
 from appliance.gpu.mps_simulated import SimulatedMps
 from appliance.gpu.simulated import SimulatedBackend
-from appliance.jail import channel
+from appliance.inside import channel
 from tests.support import REPO, Server, scaled, start_server
 from tests.test_gpu_server import simulate as simulate_file
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import GpuMemoryLimit, MemoryLimit, RunLimit
+from appliance.core.errors import GpuMemoryLimit, MemoryLimit, RunLimit
 from appliance.gpu.ledger import GpuLedger
 from appliance.gpu.simulated import SimulatedBackend
 from appliance.gpu.watchdog import GpuWatchdog, descendants

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from appliance.transport import exposed_without_token, origin_allowed
+from appliance.api.transport import exposed_without_token, origin_allowed
 
 ALLOWED = ("https://app.example.com", "http://localhost:3000")
 

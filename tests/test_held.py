@@ -8,7 +8,7 @@ import os
 import threading
 from pathlib import Path
 
-from appliance.jail.held import held_bytes
+from appliance.sandbox.held import held_bytes
 
 SIZE = 4 * 1024 * 1024
 CLONE_FILES = 0x400

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from appliance.jail.firejail import accounts_argv, drop_argv, launcher_env, render_argv
-from appliance.jail.spec import JailLimits, JailSpec, jail_env
+from appliance.sandbox.firejail import accounts_argv, drop_argv, launcher_env, render_argv
+from appliance.sandbox.spec import JailLimits, JailSpec, jail_env
 from appliance.settings import Settings
 
 SETTINGS = Settings(python=Path("/srv/venv/bin/python"))

@@ -129,7 +129,7 @@ async def test_a_cell_that_writes_past_the_disk_quota_and_ends_at_once_ends_with
 
 
 # The check as a cell ends runs on the event loop while the run left little to look at
-# (appliance.jail.cell INLINE_*), else in a thread: past each of those bounds the verdict must
+# (appliance.sandbox.cell INLINE_*), else in a thread: past each of those bounds the verdict must
 # be the same. Each variant holds 28 MiB in run-directory files with no name left (only the
 # search for held files can see them) and adds what pushes that search past one bound.
 HOLD_28_MIB = (
@@ -166,10 +166,10 @@ async def test_the_check_on_the_loop_gives_up_past_its_process_bound_and_the_ful
     """A cell's leftover processes are killed before its `done` (and firejail ends them when
     the interpreter exits), so a run cannot reach the check's process bound that way; the
     bound is checked here on a live jail whose cell still runs six children holding the files."""
-    from appliance import protocol
-    from appliance.jail import channel
-    from appliance.jail.cell import INLINE_PROCESSES, disk_violation
-    from appliance.jail.held import OverBound
+    from appliance.inside import channel
+    from appliance.sandbox.cell import INLINE_PROCESSES, disk_violation
+    from appliance.sandbox.held import OverBound
+    from appliance.wire import protocol
 
     # memfds: on no filesystem of the run's, so only the search of its processes finds them
     # (a file unlinked in the run directory is counted by its tmpfs, with no search).
@@ -262,7 +262,7 @@ async def test_past_the_queue_a_request_is_answered_busy_and_nothing_runs(
 def test_disk_usage_stays_on_its_own_filesystem(tmp_path_factory: pytest.TempPathFactory) -> None:
     import subprocess
 
-    from appliance.fstree import usage
+    from appliance.sandbox.fstree import usage
 
     root = tmp_path_factory.mktemp("du")
     (root / "own.bin").write_bytes(b"x" * 200_000)
@@ -282,7 +282,7 @@ def test_disk_usage_stays_on_its_own_filesystem(tmp_path_factory: pytest.TempPat
 def test_the_count_sees_what_the_named_walk_sees(tmp_path: Path) -> None:
     # usage() walks without names or order (Walk.stats): the same entries, links not followed,
     # nothing past the depth bound, as the walk that names them.
-    from appliance.fstree import Walk, usage
+    from appliance.sandbox.fstree import Walk, usage
 
     (tmp_path / "b" / "c").mkdir(parents=True)
     (tmp_path / "b" / "c" / "f.bin").write_bytes(b"x" * 70_000)

@@ -25,7 +25,8 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import McpError
 from pydantic import AnyUrl
 
-from appliance import __version__, mcp_tools
+from appliance import __version__
+from appliance.api import mcp_tools
 from appliance.cli import exec_url
 from appliance.client import AsyncClient
 from tests.models import write_tiny_llama, write_tiny_whisper

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import SettingsError
-from appliance.jail import checks, network
-from appliance.jail.firejail import render_argv
-from appliance.jail.spec import JailLimits, JailSpec
+from appliance.core.errors import SettingsError
+from appliance.sandbox import checks, network
+from appliance.sandbox.firejail import render_argv
+from appliance.sandbox.spec import JailLimits, JailSpec
 from appliance.settings import Settings, from_env
 
 POLICY = network.EgressPolicy(

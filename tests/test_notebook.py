@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from appliance.client import AsyncClient, Execution
-from appliance.jail.notebook import HOOK, SUPPORTED, translate
+from appliance.inside.notebook import HOOK, SUPPORTED, translate
 from tests.support import Server, start_server
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from appliance import openapi, protocol
+from appliance.wire import openapi, protocol
 from tests.support import REPO
 from tests.test_fuzz import frames_like
 
@@ -39,7 +39,7 @@ def validator(definition: str) -> jsonschema.protocols.Validator:
 
 def test_the_committed_frame_schema_is_the_generated_one() -> None:
     assert SCHEMA_FILE.read_text() == openapi.render_frames_schema(), (
-        "docs/protocol.schema.json is stale: python -m appliance.openapi > docs/protocol.schema.json"
+        "docs/protocol.schema.json is stale: python -m appliance.wire.openapi > docs/protocol.schema.json"
     )
 
 

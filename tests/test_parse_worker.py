@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from appliance import protocol
-from appliance.jail import proctree
-from appliance.parse_worker import ParseWorker
-from appliance.protocol import ExecuteRequest, Limits, ProtocolError
+from appliance.sandbox import proctree
+from appliance.wire import protocol
+from appliance.wire.parse_worker import ParseWorker
+from appliance.wire.protocol import ExecuteRequest, Limits, ProtocolError
 from tests.support import scaled
 
 LIMITS = Limits(max_message_bytes=16 << 20, max_upload_bytes=8 << 20)
@@ -89,7 +89,7 @@ def test_the_child_exits_when_its_server_is_killed() -> None:
     """kill -9 of the server closes the child's stdin: the child must not outlive it."""
     code = (
         "import asyncio, os\n"
-        "from appliance.parse_worker import ParseWorker\n"
+        "from appliance.wire.parse_worker import ParseWorker\n"
         "async def main():\n"
         "    w = ParseWorker()\n"
         "    await w.start()\n"

@@ -11,9 +11,9 @@ from typing import Any, Unpack
 import pytest
 
 from appliance.client import AsyncClient, Execution, RequestOptions
-from appliance.jail import proctree
-from appliance.jail.jail import JailFactory
-from appliance.jail.proctree import descendants
+from appliance.sandbox import proctree
+from appliance.sandbox.jail import JailFactory
+from appliance.sandbox.proctree import descendants
 from tests.support import Server, descriptors_on, jail_factory, reachable_tmp_root, run_root, start_server
 
 
@@ -169,7 +169,7 @@ async def test_metrics_report_runs_pool_and_memory(pooled: Server) -> None:
 
 
 def test_the_pool_target_grows_with_the_arrival_rate_within_its_bounds() -> None:
-    from appliance.jail.pool import pool_target
+    from appliance.sandbox.pool import pool_target
 
     base: dict[str, Any] = dict(
         floor=2, ceiling=8, start_s=0.8, have=2, jail_pss_kb=80_000, mem_available_kb=16_000_000
@@ -181,7 +181,7 @@ def test_the_pool_target_grows_with_the_arrival_rate_within_its_bounds() -> None
 
 
 def test_the_pool_target_never_grows_past_what_memory_affords() -> None:
-    from appliance.jail.pool import MEMORY_RESERVE_KB, pool_target
+    from appliance.sandbox.pool import MEMORY_RESERVE_KB, pool_target
 
     tight = MEMORY_RESERVE_KB + 2 * 80_000  # room for two more jails
     assert (
@@ -215,7 +215,7 @@ async def test_runs_go_on_when_the_servers_temp_directory_is_removed_under_it(
 ) -> None:
     import shutil
 
-    from appliance.jail import runfs
+    from appliance.sandbox import runfs
 
     with reachable_tmp_root("appliance-gone-") as root:
         srv = start_server(tmp_path_factory.mktemp("gone"), SANDBOX_TMP_ROOT=str(root), SANDBOX_POOL_SIZE="1")
@@ -240,9 +240,9 @@ def _unless_already_gone(func: object, path: str, exc_info: tuple[type, BaseExce
 
 
 async def test_a_cold_start_that_fails_before_the_driver_is_up_is_tried_once_more() -> None:
-    from appliance.errors import JailStartFailed
-    from appliance.jail.jail import Jail, JailFactory
-    from appliance.jail.pool import JailPool
+    from appliance.core.errors import JailStartFailed
+    from appliance.sandbox.jail import Jail, JailFactory
+    from appliance.sandbox.pool import JailPool
 
     class FirstStartFails(JailFactory):
         """Injects one transient start failure (firejail exiting during setup), then real jails."""

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from appliance.jail import proctree
+from appliance.sandbox import proctree
 from tests.support import scaled
 
 # A child that forks a grandchild which exits at once and is never reaped (a zombie), and a

@@ -12,8 +12,8 @@ from typing import Unpack
 import pytest
 
 from appliance.client import AsyncClient, Execution, RequestOptions
-from appliance.errors import SettingsError
-from appliance.jail.profiles import SCAN_CHARS, Profile, choose, imports_of
+from appliance.core.errors import SettingsError
+from appliance.sandbox.profiles import SCAN_CHARS, Profile, choose, imports_of
 from appliance.settings import from_env
 from tests.support import Server, scaled, start_server
 

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from appliance import protocol
-from appliance.protocol import ExecuteRequest, Limits, ProtocolError, parse_client_frame
 from appliance.settings import from_env
+from appliance.wire import protocol
+from appliance.wire.protocol import ExecuteRequest, Limits, ProtocolError, parse_client_frame
 from tests.support import REPO
 
 LIMITS = Limits(max_message_bytes=4096, max_upload_bytes=100)

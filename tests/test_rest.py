@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from appliance import mcp_http, rest
-from appliance.openapi import openapi_document
+from appliance.api import mcp_http, rest
+from appliance.wire.openapi import openapi_document
 from tests.support import Server, start_server
 
 TOKEN = "rest-token-123456"

@@ -1,4 +1,4 @@
-"""A run's tmpfs (appliance.jail.runfs): sizes and options (pure), mountinfo parsing, and a real
+"""A run's tmpfs (appliance.sandbox.runfs): sizes and options (pure), mountinfo parsing, and a real
 mount, resize and unmount where this process may mount (root)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.jail import runfs
-from appliance.jail.runfs import MIB, Sizes
+from appliance.sandbox import runfs
+from appliance.sandbox.runfs import MIB, Sizes
 
 
 def test_sizes_leave_room_past_the_quota_for_the_servers_check() -> None:

@@ -1,4 +1,4 @@
-"""The server's short scheduler slice (appliance.jail.sched): asked for at startup, kept with
+"""The server's short scheduler slice (appliance.sandbox.sched): asked for at startup, kept with
 the nice value and any policy an operator chose, inherited by what the server starts."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from appliance.client import AsyncClient
-from appliance.jail import sched
+from appliance.sandbox import sched
 from tests.support import Server
 
 # Custom slices for the normal policy came with Linux 6.12; an older kernel accepts the request
@@ -21,11 +21,11 @@ KEEPS_SLICES = _release is not None and (int(_release[1]), int(_release[2])) >= 
 
 PROBE = """
 import json, os, subprocess, sys
-from appliance.jail import sched
+from appliance.sandbox import sched
 before = sched.current_slice()
 refused = sched.request_slice()
 child = subprocess.run(
-    [sys.executable, "-c", "from appliance.jail import sched; print(sched.current_slice())"],
+    [sys.executable, "-c", "from appliance.sandbox import sched; print(sched.current_slice())"],
     capture_output=True, text=True, check=True,
 ).stdout
 print(json.dumps({

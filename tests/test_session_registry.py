@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from appliance import protocol
-from appliance.service import RunService
+from appliance.core.service import RunService
+from appliance.core.tenants import owner_of
 from appliance.settings import from_env
-from appliance.tenants import owner_of
+from appliance.wire import protocol
 
 
 @pytest.fixture

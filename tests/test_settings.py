@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import SettingsError
+from appliance.core.errors import SettingsError
 from appliance.settings import from_env
 
 

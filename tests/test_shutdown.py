@@ -43,7 +43,7 @@ async def test_a_run_longer_than_the_grace_period_is_cancelled_with_a_done(tmp_p
 
 
 def test_a_start_interrupted_before_the_server_is_ready_leaves_no_server(tmp_path: Path) -> None:
-    # Ctrl-C (or a SIGTERM a benchmark turns into an exception) while `appliance.local.start`
+    # Ctrl-C (or a SIGTERM a benchmark turns into an exception) while `appliance.runtime.local.start`
     # waits for the server: the half-started server is stopped, not left running with its pool.
     def interrupt(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt

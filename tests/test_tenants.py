@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import websockets
 
-from appliance import tenants
 from appliance.client import AsyncClient
-from appliance.errors import Busy, SettingsError
+from appliance.core import tenants
+from appliance.core.errors import Busy, SettingsError
 from appliance.settings import from_env
 from tests.support import Server, start_server
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.tools import backends
-from appliance.tools.shaping import choose, estimate_mb, place_whisper, read_gguf, shape_llama
+from appliance.inside.tools import backends
+from appliance.inside.tools.shaping import choose, estimate_mb, place_whisper, read_gguf, shape_llama
 from tests.models import write_tiny_llama, write_tiny_whisper
 from tests.support import REPO
 
@@ -23,7 +23,7 @@ BOTH = textwrap.dedent("""\
     import numpy as np
     import llama_cpp
     from pywhispercpp.model import Model
-    from appliance.tools import backends
+    from appliance.inside.tools import backends
     llm = llama_cpp.Llama(model_path=sys.argv[2], n_ctx=64, n_threads=1, verbose=False)
     text = llm("hello world", max_tokens=4)["choices"][0]["text"]
     whisper = Model(sys.argv[3], redirect_whispercpp_logs_to=None, print_progress=False, n_threads=1)
@@ -102,7 +102,7 @@ def test_a_ggml_soname_taken_by_another_build_is_reported(tmp_path: Path) -> Non
     )
     code = textwrap.dedent(f"""\
         import ctypes, json
-        from appliance.tools import backends
+        from appliance.inside.tools import backends
         ctypes.CDLL({str(tmp_path / "llama" / "libggml-base.so.0")!r}, mode=ctypes.RTLD_GLOBAL)
         lib = ctypes.CDLL({str(native)!r}); lib.which.restype = ctypes.c_char_p
         expected = backends.expected_libraries({str(native)!r})

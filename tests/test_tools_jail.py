@@ -106,20 +106,21 @@ async def test_the_models_directory_is_read_only_in_the_jail(tools_server: Serve
 async def test_the_tools_package_is_the_only_part_of_the_appliance_the_jail_can_import(
     tools_server: Server,
 ) -> None:
-    # The driver's channel is staged as appliance.jail.channel: it and the tools are all the jail sees.
+    # appliance.inside (the driver, its channel, the tools' parts) and appliance.tools, their
+    # public face, are all of the package the jail sees.
     code = (
-        "import appliance, appliance.tools, appliance.jail.channel\n"
+        "import appliance, appliance.tools, appliance.inside.channel\n"
         "print(sorted(n for n in dir(appliance) if not n.startswith('_')))\n"
-        "for m in ('appliance.service', 'appliance.jail.jail', 'appliance.settings'):\n"
+        "for m in ('appliance.core.service', 'appliance.sandbox.jail', 'appliance.settings'):\n"
         "    try:\n        __import__(m)\n    except ImportError:\n        print('no', m)"
     )
     async with AsyncClient(tools_server.url) as c:
         ex = await c.execute(code)
     assert ex.status == "ok", ex
     assert ex.stdout.splitlines() == [
-        "['jail', 'tools']",
-        "no appliance.service",
-        "no appliance.jail.jail",
+        "['inside', 'tools']",
+        "no appliance.core.service",
+        "no appliance.sandbox.jail",
         "no appliance.settings",
     ]
 
@@ -200,7 +201,7 @@ def gpu_tools_server(tmp_path_factory: pytest.TempPathFactory, models: Path) -> 
 async def test_a_warm_gpu_jail_runs_llama_and_whisper_in_one_process(gpu_tools_server: Server) -> None:
     code = (
         "import sys, json, warnings, numpy as np\npreloaded = 'llama_cpp' in sys.modules and "
-        "'pywhispercpp.model' in sys.modules\nfrom appliance import tools\nfrom appliance.tools import backends\n"
+        "'pywhispercpp.model' in sys.modules\nfrom appliance import tools\nfrom appliance.inside.tools import backends\n"
         "with warnings.catch_warnings(record=True) as seen:\n    warnings.simplefilter('always')\n"
         "    llm = tools.load_llm('tiny-llama.gguf')\n"
         "text = llm('hello', max_tokens=4)\nt = tools.transcribe(np.zeros(8000, dtype=np.float32), model='tiny-whisper.bin')\n"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.tools.shaping import GgufError, choose, estimate_mb, read_gguf
+from appliance.inside.tools.shaping import GgufError, choose, estimate_mb, read_gguf
 from tests.models import write_corrupt_model, write_tiny_llama
 
 

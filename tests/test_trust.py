@@ -1,4 +1,4 @@
-"""appliance.jail.trust and the staged trees it guards: ownership checked by descriptor."""
+"""appliance.sandbox.trust and the staged trees it guards: ownership checked by descriptor."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance.errors import StartupError
-from appliance.jail import trust
-from appliance.jail.workdir import open_base, reusable, stage_runtime
+from appliance.core.errors import StartupError
+from appliance.sandbox import trust
+from appliance.sandbox.workdir import open_base, reusable, stage_runtime
 from tests.support import reachable_tmp_root
 
 
@@ -58,11 +58,13 @@ def test_a_staged_runtime_with_a_foreign_file_is_staged_again() -> None:
     with reachable_tmp_root("trust-rt-") as root:
         runtime = stage_runtime(root, Path(sys.executable))
         assert reusable(root, runtime.name, "ready")
-        driver = runtime / "driver.py"
+        driver = runtime / "appliance" / "inside" / "driver.py"
         os.chown(driver, 65534, 65534)
         again = stage_runtime(root, Path(sys.executable))
-        assert again == runtime and os.stat(again / "driver.py").st_uid == os.geteuid()
-        os.chmod(again / "driver.py", 0o666)
+        assert (
+            again == runtime and os.stat(again / "appliance" / "inside" / "driver.py").st_uid == os.geteuid()
+        )
+        os.chmod(again / "appliance" / "inside" / "driver.py", 0o666)
         assert not reusable(root, runtime.name, "ready") and not runtime.exists()
 
 

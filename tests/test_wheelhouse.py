@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from appliance.client import AsyncClient, Execution
-from appliance.jail.wheels import stage_wheel_cache
+from appliance.sandbox.wheels import stage_wheel_cache
 from tests.support import Server, start_server
 
 

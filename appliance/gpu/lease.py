@@ -1,6 +1,6 @@
 """GPU mode: backend, ledger, watchdog and one jail pool per device, behind one lease.
 
-Startup (appliance.lifecycle): `GpuLeases.open(settings)` (a missing driver stops startup
+Startup (appliance.runtime.lifecycle): `GpuLeases.open(settings)` (a missing driver stops startup
 here), `start(make_factory, cpu)`, `probe_mps()`. Per run, one context manager:
 
     async with gpu.lease(request) as lease:   # GPU memory reserved, FIFO (or `busy`)
@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import GpuMemoryLimit, RequestRejected, StartupError
+from appliance.core.errors import GpuMemoryLimit, RequestRejected, StartupError
 from appliance.gpu import hostcheck
 from appliance.gpu.backend import (
     COMPUTE_DEFAULT,
@@ -38,15 +38,15 @@ from appliance.gpu.ledger import GpuLedger, Grant
 from appliance.gpu.mps import DaemonControl, MpsControl, control_socket_present
 from appliance.gpu.mps_limits import MpsLimiter
 from appliance.gpu.watchdog import GpuWatchdog
-from appliance.jail.channel import GRANT_FILE
-from appliance.jail.devices import GpuDevice, gpu_device
-from appliance.jail.host import readable_ancestors_problem
-from appliance.jail.jail import Jail, JailFactory
-from appliance.jail.lease import Held, Lease, LeaseSource, PoolLeases
-from appliance.jail.pool import ProfilePools
-from appliance.jail.profiles import Profile, choose, imports_of
-from appliance.protocol import ExecuteRequest
+from appliance.inside.channel import GRANT_FILE
+from appliance.sandbox.devices import GpuDevice, gpu_device
+from appliance.sandbox.host import readable_ancestors_problem
+from appliance.sandbox.jail import Jail, JailFactory
+from appliance.sandbox.lease import Held, Lease, LeaseSource, PoolLeases
+from appliance.sandbox.pool import ProfilePools
+from appliance.sandbox.profiles import Profile, choose, imports_of
 from appliance.settings import Settings
+from appliance.wire.protocol import ExecuteRequest
 
 log = logging.getLogger("appliance.gpu")
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.errors import Busy, RequestRejected
+from appliance.core.errors import Busy, RequestRejected
 from appliance.gpu.backend import Device, ProcessUsage
 
 

@@ -42,16 +42,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from appliance.errors import ApplianceError, GpuLimitUnavailable, JailExited
+from appliance.core.errors import ApplianceError, GpuLimitUnavailable, JailExited
 from appliance.gpu.backend import GpuBackendError
 from appliance.gpu.ledger import Grant
 from appliance.gpu.mps import MpsControl
-from appliance.jail import channel, proctree
-from appliance.jail.cell import run_cell
-from appliance.protocol import ExecuteRequest, Frame, UploadFile
+from appliance.inside import channel
+from appliance.sandbox import proctree
+from appliance.sandbox.cell import run_cell
+from appliance.wire.protocol import ExecuteRequest, Frame, UploadFile
 
 if TYPE_CHECKING:
-    from appliance.jail.jail import Jail, JailFactory
+    from appliance.sandbox.jail import Jail, JailFactory
 
 log = logging.getLogger("appliance.gpu")
 

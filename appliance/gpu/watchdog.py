@@ -6,7 +6,7 @@ found through `/proc/<pid>/task/<tid>/children`. Each poll (in a thread) reads t
 backend once, sums each run's usage, and reports:
 
 - runs whose GPU memory exceeds their grant + margin (-> `gpu_memory_limit`);
-- runs whose owned host memory (anonymous + shmem, `appliance.jail.memory`; not mmapped
+- runs whose owned host memory (anonymous + shmem, `appliance.sandbox.memory`; not mmapped
   model files or CUDA libraries) exceeds SANDBOX_MEMORY_MB (GPU jails have no RLIMIT_AS,
   so this is their host memory cap -> `memory_limit`);
 - runs whose GPU memory NVML cannot tell (usedGpuMemory unavailable for one of their
@@ -32,12 +32,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from appliance.errors import GpuMemoryLimit, MemoryLimit, RunLimit
+from appliance.core.errors import GpuMemoryLimit, MemoryLimit, RunLimit
 from appliance.gpu.backend import Device, GpuBackend, GpuBackendError, ProcessUsage
 from appliance.gpu.hostcheck import unavailable_text
 from appliance.gpu.ledger import GpuLedger, Grant
-from appliance.jail import proctree
-from appliance.jail.memory import ProcMemory, RunMemory
+from appliance.sandbox import proctree
+from appliance.sandbox.memory import ProcMemory, RunMemory
 
 log = logging.getLogger("appliance.gpu")
 

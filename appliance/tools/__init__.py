@@ -14,13 +14,13 @@ models directory (SANDBOX_MODELS_DIR), never from the network.
 
 from typing import Any
 
-from appliance.tools import catalogue as _catalogue
-from appliance.tools import llm as _llm
-from appliance.tools import whisper as _whisper
-from appliance.tools.catalogue import ModelInfo
-from appliance.tools.llm import Llm, load_llm
-from appliance.tools.models import ModelError, gpu_grant, models_dir, resolve_model
-from appliance.tools.whisper import Transcript, load_whisper, transcribe
+from appliance.inside.tools import catalogue as _catalogue
+from appliance.inside.tools import llm as _llm
+from appliance.inside.tools import whisper as _whisper
+from appliance.inside.tools.catalogue import ModelInfo
+from appliance.inside.tools.llm import Llm, load_llm
+from appliance.inside.tools.models import ModelError, gpu_grant, models_dir, resolve_model
+from appliance.inside.tools.whisper import Transcript, load_whisper, transcribe
 
 
 def models() -> list[ModelInfo]:

@@ -241,7 +241,7 @@ async def test_the_driver_and_interpreter_cannot_be_replaced(target: Server, obs
     code = """
 import errno, json, os, sys
 out = {}
-for p in (os.path.join(os.environ["APPLIANCE_RUNTIME"], "driver.py"), sys.executable, os.__file__):
+for p in (os.path.join(os.environ["APPLIANCE_RUNTIME"], "appliance", "inside", "driver.py"), sys.executable, os.__file__):
     try:
         open(p, "ab").close(); out[p] = "OPENED"
     except OSError as e:

@@ -20,8 +20,8 @@ import pytest
 import websockets
 
 from appliance.client import AsyncClient, Client, Execution
-from appliance.jail import instance
-from appliance.local import ServerStartError
+from appliance.runtime.local import ServerStartError
+from appliance.sandbox import instance
 from tests.attacks.common import SYSCALLS, TOKEN, assert_contained, attack, probe, run
 from tests.attacks.conftest import hostile_server
 from tests.attacks.test_transport import rss_mb
@@ -434,12 +434,12 @@ def _squat(root: Path) -> Path:
 def _plant_runtime(base: Path, scratch: Path) -> None:
     """A runtime where the server would stage its own (the name is a hash of public source), its
     driver writing outputs/PLANTED in front of every cell."""
-    from appliance.jail.workdir import stage_runtime
+    from appliance.sandbox.workdir import stage_runtime
 
     real = stage_runtime(scratch, Path(sys.executable))  # the name this server computes
     planted = base / real.name
     shutil.copytree(real, planted)
-    driver = planted / "driver.py"
+    driver = planted / "appliance" / "inside" / "driver.py"
     source = driver.read_text()
     head = "from __future__ import annotations\n"
     driver.write_text(
@@ -517,7 +517,7 @@ def test_the_planted_runtime_name_is_the_servers_own(tmp_path: Path) -> None:
     from tests.support import reachable_tmp_root
 
     with reachable_tmp_root("appliance-clean-") as root, reachable_tmp_root("appliance-scratch-") as scratch:
-        from appliance.jail.workdir import stage_runtime
+        from appliance.sandbox.workdir import stage_runtime
 
         expected = stage_runtime(scratch, Path(sys.executable)).name
         srv = start_server(tmp_path, SANDBOX_TMP_ROOT=str(root), SANDBOX_POOL_SIZE="0")
@@ -609,7 +609,7 @@ def quota_50(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterat
 async def test_files_held_only_in_flight_cannot_pass_the_disk_quota(
     quota_50: Server, observe: Observe, where: str
 ) -> None:
-    from appliance.jail import runfs
+    from appliance.sandbox import runfs
     from tests.support import run_root
 
     async with AsyncClient(quota_50.url, TOKEN) as client:

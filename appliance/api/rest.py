@@ -1,0 +1,218 @@
+"""REST mirror of the WebSocket protocol, for clients that cannot speak WebSocket.
+
+- `POST /v1/exec`: body = an execute frame; the reply streams the same frames as
+  NDJSON (one JSON object a line), ending with `done`.
+- `POST /v1/sessions`: opens a session (optionally running `code` in it); 201 with its id.
+- `DELETE /v1/sessions/{id}`: ends it; 204, or 404 when there is no such session.
+- `GET /openapi.json` and `GET /docs`: the API description, generated from the protocol's
+  models (appliance.wire.openapi); `/docs` is Swagger UI served from the installed
+  swagger-ui-bundle package, and its page may load nothing from any other origin;
+  `/docs/` redirects to it. Its "Try it out" calls are same-origin, which the `Origin`
+  check lets through (appliance.api.transport.own_origin).
+Bearer auth is applied by the server's middleware to every `/v1` route, and so is the
+`Origin` check; a POST whose body is not `Content-Type: application/json` gets 415.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import swagger_ui_bundle
+from aiohttp import web
+
+from appliance.api.transport import PARSER_KEY, send_within, until_gone
+from appliance.core.errors import Busy, Cancelled
+from appliance.core.service import RunService
+from appliance.wire import protocol
+from appliance.wire.openapi import openapi_document
+from appliance.wire.protocol import ExecuteRequest, ProtocolError
+
+NDJSON = "application/x-ndjson"
+JSON = "application/json"
+
+
+def _rejected(message: str, rid: str | None = None, status: int = 400) -> web.Response:
+    frame = protocol.done_frame(rid or protocol.new_request_id(), "rejected", message=message)
+    return web.json_response(frame, status=status)
+
+
+def _busy(exc: Busy) -> web.Response:
+    return web.json_response(
+        protocol.done_frame(protocol.new_request_id(), exc.status, message=exc.message), status=429
+    )
+
+
+async def _parse(request: web.Request, owner: str, default: str | None = None) -> ExecuteRequest:
+    raw = await request.read()
+    if not raw.strip() and default is not None:
+        raw = default.encode()
+    message = await request.app[PARSER_KEY].parse(raw, owner)
+    if not isinstance(message, ExecuteRequest):
+        raise ProtocolError("this endpoint takes an execute request", getattr(message, "id", None))
+    return message
+
+
+async def exec_ndjson(request: web.Request, service: RunService, owner: str) -> web.StreamResponse:
+    try:
+        req = await _parse(request, owner)
+    except ProtocolError as exc:
+        return _rejected(exc.message, exc.request_id)
+    except Busy as exc:
+        return _busy(exc)
+    response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
+    await response.prepare(request)
+    stall_s = service.settings.client_stall_ms / 1000
+
+    async def emit(frame: protocol.Frame) -> None:
+        await send_within(request, response.write((protocol.encode(frame) + "\n").encode()), stall_s)
+
+    run = service.submit(req, owner, emit)
+    if run.task is None:
+        raise RuntimeError("RunService.submit returned a run without its task")
+    gone = asyncio.create_task(until_gone(request))
+    try:
+        await asyncio.wait([run.task, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not run.task.done():  # the client went away: its run ends now, not at its limit
+            run.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run.task
+    finally:
+        gone.cancel()
+    with contextlib.suppress(ConnectionError, RuntimeError, Cancelled):
+        await response.write_eof()
+    return response
+
+
+async def open_session(request: web.Request, service: RunService, owner: str) -> web.Response:
+    try:
+        req = await _parse(request, owner, default='{"code": ""}')
+    except ProtocolError as exc:
+        return _rejected(exc.message, exc.request_id)
+    except Busy as exc:
+        return _busy(exc)
+    if req.session is not None:
+        return _rejected("POST /v1/sessions opens a new session; leave 'session' out", req.id)
+    frames = await service.open_session(req, owner)
+    done = frames[-1]
+    session = done.get("session")
+    if done.get("status") in ("rejected", "busy", "internal") or not session:
+        code = {"rejected": 400, "busy": 429}.get(str(done.get("status")), 500)
+        return web.json_response(done, status=code)
+    return web.json_response({"session": session, "frames": frames}, status=201)
+
+
+async def close_session(request: web.Request, service: RunService, owner: str) -> web.Response:
+    session_id = request.match_info["session_id"]
+    if await service.close_session(session_id, owner):
+        return web.Response(status=204)
+    return web.json_response({"error": f"no such session {session_id!r}"}, status=404)
+
+
+async def list_models(request: web.Request, service: RunService, owner: str) -> web.Response:
+    """The model catalogue: what SANDBOX_MODELS_DIR holds (auth as every /v1 route)."""
+    return web.json_response(await service.models())
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+# The /docs page: Swagger UI from the installed package. Relative URLs (so it works behind a
+# path prefix), no inline script, and a CSP that lets the browser load nothing from any other
+# origin, whatever the bundle would try (Swagger UI's default validator badge is one such URL).
+_SWAGGER_UI = Path(str(swagger_ui_bundle.swagger_ui_path))
+_DOCS_ASSETS = {
+    "swagger-ui.css": "text/css",
+    "swagger-ui-bundle.js": "application/javascript",
+    "favicon-32x32.png": "image/png",
+}
+_DOCS_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+        "img-src 'self' data:; font-src 'self' data:; connect-src 'self'; "
+        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+_DOCS_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>Appliance API</title>
+<link rel="stylesheet" href="docs/swagger-ui.css">
+<link rel="icon" type="image/png" href="docs/favicon-32x32.png">
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="docs/swagger-ui-bundle.js"></script>
+<script src="docs/init.js"></script>
+</body>
+</html>
+"""
+_DOCS_INIT = """window.onload = function () {
+  window.ui = SwaggerUIBundle({
+    url: "openapi.json",
+    dom_id: "#swagger-ui",
+    validatorUrl: null,
+    deepLinking: true,
+    presets: [SwaggerUIBundle.presets.apis],
+    layout: "BaseLayout"
+  });
+};
+"""
+
+
+async def docs(request: web.Request) -> web.Response:
+    """The OpenAPI document rendered by Swagger UI."""
+    return web.Response(text=_DOCS_PAGE, content_type="text/html", headers=_DOCS_HEADERS)
+
+
+async def docs_slash(request: web.Request) -> web.Response:
+    """`/docs/` is /docs: its page's relative URLs (docs/...) resolve only from /docs. The
+    Location is relative, so it stays right behind a path prefix."""
+    raise web.HTTPPermanentRedirect("../docs")
+
+
+async def docs_asset(request: web.Request) -> web.StreamResponse:
+    name = request.match_info["name"]
+    if name == "init.js":
+        return web.Response(text=_DOCS_INIT, content_type="application/javascript", headers=_DOCS_HEADERS)
+    content_type = _DOCS_ASSETS.get(name)  # a fixed list: no path from the request reaches the disk
+    if content_type is None:
+        raise web.HTTPNotFound()
+    return web.FileResponse(_SWAGGER_UI / name, headers={**_DOCS_HEADERS, "Content-Type": content_type})
+
+
+def add_routes(
+    app: web.Application, service_key: web.AppKey[Any], owner_for: Callable[[web.Request], str]
+) -> None:
+    """Register the REST routes; `owner_for` names the caller (sessions are bound to it).
+    Frames are parsed by the app's FrameParser (`PARSER_KEY`)."""
+
+    def bind(handler: Any) -> Any:
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            if request.method == "POST" and request.content_type != JSON:
+                # A browser sends text/plain, form and multipart bodies across origins with no
+                # CORS preflight; application/json it may only send after one, which only the
+                # origins in SANDBOX_ALLOWED_ORIGINS are granted (appliance.api.cors).
+                return _rejected(f"a POST body must be sent as Content-Type: {JSON}", status=415)
+            response: web.StreamResponse = await handler(
+                request, request.app[service_key], owner_for(request)
+            )
+            return response
+
+        return wrapped
+
+    app.router.add_post("/v1/exec", bind(exec_ndjson))
+    app.router.add_post("/v1/sessions", bind(open_session))
+    app.router.add_delete("/v1/sessions/{session_id}", bind(close_session))
+    app.router.add_get("/v1/models", bind(list_models))
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/docs", docs)
+    app.router.add_get("/docs/", docs_slash)
+    app.router.add_get("/docs/{name}", docs_asset)

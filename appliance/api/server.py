@@ -1,0 +1,444 @@
+"""HTTP + WebSocket transport on one port. Moves frames; all decisions live elsewhere.
+
+Routes: `GET /exec` (WebSocket), `/healthz`, `/readyz`, `/metrics`; `/v1` (rest.py) and
+`/mcp` (mcp_http.py) share the bearer auth below.
+Every route refuses a browser `Origin` that SANDBOX_ALLOWED_ORIGINS does not list (403).
+Half-close: when the client's Close frame arrives while runs are in flight, the
+server keeps streaming them to their `done` and only then answers the Close (RFC
+6455 §5.5.1 lets an endpoint finish sending before it replies with Close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from appliance.api import cors, mcp_http, rest
+from appliance.api.framebudget import Closing, FrameBudget, FrameMeter, Refusal
+from appliance.api.transport import (
+    PARSER_KEY,
+    FrameParser,
+    bearer_token,
+    exposed_without_token,
+    host_allowed,
+    hosts_to_allow,
+    is_gone,
+    origin_allowed,
+    send_within,
+    until_gone,
+)
+from appliance.api.wsmeter import HeapTrimmer, MeteredWebSocket, check_aiohttp
+from appliance.core.errors import Busy, Cancelled, RequestRejected
+from appliance.core.service import Run, RunService
+from appliance.settings import Settings
+from appliance.wire import protocol
+from appliance.wire.protocol import (
+    CloseSessionMessage,
+    ExecuteRequest,
+    InterruptMessage,
+    ProtocolError,
+    StdinMessage,
+)
+
+log = logging.getLogger("appliance.api.server")
+
+SERVICE_KEY = web.AppKey("service", RunService)
+FRAME_BUDGET_KEY = web.AppKey("frame_budget", FrameBudget)
+TRIMMER_KEY = web.AppKey("heap_trimmer", HeapTrimmer)
+# Host names allowed besides literals and localhost; None: any (`transport.hosts_to_allow`).
+HOSTS_KEY: web.AppKey[frozenset[str] | None] = web.AppKey("allowed_hosts")
+OWNER = "appliance.owner"  # request key: who the caller is, set by the auth middleware
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Before any route: a browser origin not allowed gets 403, a missing or wrong token 401
+    (/metrics: see `RunService.may_read_metrics`)."""
+    service = request.app[SERVICE_KEY]
+    if not host_allowed(request.headers.get("Host"), request.app[HOSTS_KEY]):
+        # DNS rebinding: a page on evil.example, resolved to this server, reads what needs no token.
+        return web.json_response(
+            {"error": "this request's Host is not this server's (SANDBOX_ALLOWED_HOSTS)"}, status=421
+        )
+    origins = request.headers.getall("Origin", [])
+    if not origin_allowed(
+        origins, service.settings.allowed_origins, request.headers.get("Host"), service.requires_token
+    ):
+        # A page on another origin may open a WebSocket or send a "simple" POST without any
+        # CORS preflight; only the operator's own list of origins (and the server's own
+        # pages, like /docs) may reach the API.
+        return web.json_response(
+            {"error": "this request's Origin is not in SANDBOX_ALLOWED_ORIGINS"}, status=403
+        )
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        # A CORS preflight carries no token; what it may lead to is decided above (its Origin).
+        return cors.preflight(request, service.settings.allowed_origins)
+    if request.path == "/metrics":
+        if not service.may_read_metrics(bearer_token(request)):
+            return _unauthorized()
+    elif request.path == "/exec" or request.path.startswith(("/v1", "/mcp")):
+        owner = service.identify(bearer_token(request))
+        if owner is None:
+            return _unauthorized()
+        request[OWNER] = owner
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+def _unauthorized() -> web.Response:
+    return web.json_response(
+        {"error": "missing or wrong bearer token"}, status=401, headers={"WWW-Authenticate": "Bearer"}
+    )
+
+
+class Connection:
+    """One WebSocket client: its in-flight requests and a serialised sender."""
+
+    def __init__(
+        self,
+        ws: web.WebSocketResponse,
+        request: web.Request,
+        service: RunService,
+        owner: str,
+        parser: FrameParser,
+    ) -> None:
+        self.ws = ws
+        self.request = request
+        self.service = service
+        self.parser = parser
+        self.owner = owner
+        self.runs: dict[str, Run] = {}
+        self._send_lock = asyncio.Lock()
+        self._stall_s = service.settings.client_stall_ms / 1000
+        self._answers: set[asyncio.Task[None]] = set()
+        self.gone = False
+
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return [run.task for run in self.runs.values() if run.task is not None]
+
+    async def send(self, frame: protocol.Frame) -> None:
+        if self.gone:
+            raise Cancelled("the client disconnected")
+        text = protocol.encode(frame)
+        async with self._send_lock:
+            try:
+                await send_within(self.request, self.ws.send_str(text), self._stall_s)
+            except Cancelled:
+                self.gone = True
+                raise
+
+    async def handle_frame(self, data: str | bytes) -> None:
+        service = self.service
+        try:
+            message = await self.parser.parse(data, self.owner)
+        except ProtocolError as exc:
+            await self.reject(exc.request_id or protocol.new_request_id(), exc.message)
+            return
+        except Busy as exc:
+            await self._send_quietly(
+                protocol.done_frame(protocol.new_request_id(), exc.status, message=exc.message)
+            )
+            return
+        if isinstance(message, ExecuteRequest):
+            if message.id in self.runs:
+                await self.reject(message.id, f"id {message.id!r} is already in use by a running request")
+                return
+            run = service.submit(message, self.owner, self.send)
+            self.runs[message.id] = run
+            if run.task is None:
+                raise RuntimeError("RunService.submit returned a run without its task")
+            run.task.add_done_callback(lambda _task: self._forget(run))
+        elif isinstance(message, StdinMessage):
+            found = self.runs.get(message.id)
+            if found is None:
+                await self.reject(message.id, f"no running request with id {message.id!r} to take stdin")
+                return
+            try:
+                found.stdin(message.data, message.eof)
+            except RequestRejected as exc:
+                await self.reject(message.id, exc.message)
+        elif isinstance(message, InterruptMessage):
+            found = self.runs.get(message.id)
+            if found is None:
+                await self.reject(message.id, f"no running request with id {message.id!r} to interrupt")
+                return
+            found.interrupt()
+        elif isinstance(message, CloseSessionMessage):
+            closed = await service.close_session(message.session, self.owner)
+            if closed:
+                await self._send_quietly(
+                    protocol.done_frame(
+                        message.id, "ok", message=f"session {message.session} closed", session=message.session
+                    )
+                )
+            else:
+                await self.reject(message.id, f"no such session {message.session!r}")
+
+    def refuse(self, refusal: Refusal) -> None:
+        """Answer a frame the meter skipped at its header (framebudget.py), as if it was read."""
+        if refusal.status == "rejected":  # like any refused frame, it costs its tenant a rate token
+            self.service.charge_rejected(self.owner)
+        frame = protocol.done_frame(protocol.new_request_id(), refusal.status, message=refusal.message)
+        task = asyncio.create_task(self._send_quietly(frame))
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+
+    def _forget(self, run: Run) -> None:
+        if self.runs.get(run.id) is run:
+            del self.runs[run.id]
+
+    async def reject(self, rid: str, message: str) -> None:
+        await self._send_quietly(protocol.done_frame(rid, "rejected", message=message))
+
+    async def _send_quietly(self, frame: protocol.Frame) -> None:
+        with contextlib.suppress(Cancelled):
+            await self.send(frame)
+
+    async def finish(self) -> None:
+        """Client half-closed: let in-flight requests stream to their end, unless the
+        connection itself goes away meanwhile (then they are cancelled)."""
+        gone = asyncio.create_task(until_gone(self.request))
+        try:
+            while self.tasks:
+                await asyncio.wait([*self.tasks, gone], return_when=asyncio.FIRST_COMPLETED)
+                if gone.done():
+                    await self.abort()
+                    return
+        finally:
+            gone.cancel()
+
+    async def abort(self) -> None:
+        """Client vanished: cancel in-flight requests (their jails are killed)."""
+        self.gone = True
+        tasks = self.tasks
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class FrameEvents:
+    """What one connection's frame meter reports: refusals go to its Connection (once there is
+    one), closings and releases to the metrics and the heap trimmer."""
+
+    def __init__(self, service: RunService, trimmer: HeapTrimmer) -> None:
+        self._service = service
+        self._trimmer = trimmer
+        self.conn: Connection | None = None
+        self.early: list[Refusal] = []  # refused before the Connection existed
+
+    def refused(self, refusal: Refusal) -> None:
+        reason = "too_big" if refusal.status == "rejected" else "budget"
+        self._service.metrics.frames_refused.labels(reason=reason).inc()
+        if self.conn is None:
+            self.early.append(refusal)
+        else:
+            self.conn.refuse(refusal)
+
+    def closed(self, closing: Closing) -> None:
+        reason = {1009: "too_big", 1008: "deadline"}.get(closing.code, "budget")
+        self._service.metrics.frames_refused.labels(reason=reason).inc()
+
+    def gone(self, freed: int) -> None:
+        self._trimmer.freed(freed)
+
+
+async def exec_socket(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE_KEY]
+    settings = service.settings
+    # Every frame is judged at its header (framebudget.py): a message over the limit is never
+    # buffered (a single frame is skipped and answered `rejected`; far over, or fragmented,
+    # the connection closes with 1009), kept ones count against the frame budgets, and a
+    # message must be finished within SANDBOX_FRAME_DEADLINE_MS.
+    # No permessage-deflate: a new compressor per message cost ~0.4 ms of server CPU for
+    # each small frame (measured: a third of a warm run's server time), and the appliance
+    # sits next to the API it serves, where bandwidth is cheap and latency is not.
+    events = FrameEvents(service, request.app[TRIMMER_KEY])
+    meter = FrameMeter(
+        request.app[FRAME_BUDGET_KEY],
+        request[OWNER],
+        settings.max_message_bytes,
+        asyncio.get_running_loop().time,
+    )
+    ws = MeteredWebSocket(
+        meter,
+        settings.frame_deadline_ms / 1000,
+        events,
+        autoclose=False,
+        compress=False,
+        max_msg_size=settings.max_message_bytes + 1,  # aiohttp's own check: the meter's, as a backstop
+    )
+    try:
+        await ws.prepare(request)
+    except BaseException:
+        if ws.metered is not None:
+            ws.metered.release()
+        raise
+    conn = events.conn = Connection(ws, request, service, request[OWNER], request.app[PARSER_KEY])
+    for refusal in events.early:
+        conn.refuse(refusal)
+    request.app["connections"].add(conn)
+    half_closed = False
+    try:
+        while True:
+            msg = await ws.receive()
+            if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                try:
+                    await conn.handle_frame(msg.data)
+                finally:
+                    meter.handled()
+            elif msg.type == WSMsgType.CLOSE:
+                half_closed = True
+                break
+            elif msg.type == WSMsgType.ERROR and isinstance(ws.exception(), Exception):
+                exc = ws.exception()
+                if "too big" in str(exc).lower() or "size" in str(exc).lower():
+                    log.info("client frame too big; closing", extra={"error": str(exc)})
+                break
+            else:
+                break
+        if half_closed and not is_gone(request):
+            await conn.finish()
+        else:
+            await conn.abort()
+    except asyncio.CancelledError:
+        await conn.abort()
+        raise
+    finally:
+        if ws.metered is not None:
+            ws.metered.release()
+        request.app["connections"].discard(conn)
+        if not ws.closed:
+            with contextlib.suppress(Exception):
+                await ws.close()
+    return ws
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    ready, body = request.app[SERVICE_KEY].readiness()
+    return web.json_response(body, status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = request.app[SERVICE_KEY].metrics_text()
+    return web.Response(body=text, content_type="text/plain", charset="utf-8")
+
+
+def make_app(service: RunService) -> web.Application:
+    app = web.Application(middlewares=[auth_middleware], client_max_size=service.settings.max_message_bytes)
+    app[SERVICE_KEY] = service
+    app[HOSTS_KEY] = frozenset(service.settings.allowed_hosts) or None  # serve() judges the bound addresses
+    parser = app[PARSER_KEY] = FrameParser(service)
+    check_aiohttp()  # frames are metered in front of aiohttp's reader, or not served at all
+    total, per_tenant = service.settings.frame_budget()
+    app[FRAME_BUDGET_KEY] = FrameBudget(total, per_tenant, service.metrics.frame_buffer.set)
+    trimmer = app[TRIMMER_KEY] = HeapTrimmer()
+    app["connections"] = set()
+
+    async def start_parser(app: web.Application) -> None:
+        # In the background: the child's imports must not delay the server's start.
+        app["parser_start"] = asyncio.create_task(parser.worker.start(), name="parser-start")
+
+    async def stop_parser(app: web.Application) -> None:
+        await parser.worker.close()
+        trimmer.close()
+
+    async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+        cors.add_headers(request, response, service.settings.allowed_origins)
+
+    app.on_startup.append(start_parser)
+    app.on_cleanup.append(stop_parser)
+    app.on_response_prepare.append(cors_headers)
+    app.router.add_get("/exec", exec_socket)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    rest.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
+    mcp_http.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
+    return app
+
+
+async def serve(settings: Settings, host: str, port: int, ready_file: str | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then shut down in order: stop accepting, let runs finish
+    within the grace period, cancel the rest, drain the pool."""
+    service = RunService(settings)
+    service.check_host()
+    app = make_app(service)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = _bound_port(runner) or port
+    addresses = [str(addr[0]) for addr in runner.addresses if isinstance(addr, tuple) and addr]
+    app[HOSTS_KEY] = hosts_to_allow(settings.allowed_hosts, addresses)
+    _warn_if_exposed(service, runner)
+    try:
+        await service.start(canary_port=bound)
+    except BaseException:  # a refusal found while starting (e.g. MPS required, not proven)
+        await service.close()
+        await runner.cleanup()
+        raise
+    log.info("listening", extra={"host": host, "port": bound})
+    if ready_file:
+        await asyncio.to_thread(Path(ready_file).write_text, str(bound))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down", extra={"grace_s": settings.shutdown_grace_s})
+    await site.stop()  # 1. stop accepting
+    connections: set[Connection] = app["connections"]
+    pending = [t for c in connections for t in c.tasks]
+    if pending:  # 2. let running work finish within the grace period
+        await asyncio.wait(pending, timeout=settings.shutdown_grace_s)
+    for conn in list(connections):  # 3. cancel the rest: each gets `done` cancelled, then goes
+        for run in list(conn.runs.values()):
+            run.interrupt("the server is shutting down")
+    pending = [t for c in connections for t in c.tasks]
+    if pending:
+        await asyncio.wait(pending, timeout=3.0)
+    for conn in list(connections):
+        await conn.abort()
+        with contextlib.suppress(Exception):
+            await conn.ws.close(code=1001, message=b"server shutting down")
+    await service.close()  # 4. drain the pool and sessions
+    await runner.cleanup()
+    log.info("stopped")
+
+
+def _warn_if_exposed(service: RunService, runner: web.AppRunner) -> None:
+    """No token and a non-loopback address: anyone who can reach it runs code. Allowed (a
+    private network may be the operator's choice), but said loudly, in the log and /readyz."""
+    s = service.settings
+    if s.auth_token is not None or s.auth_tokens_file is not None:
+        return
+    hosts = [str(addr[0]) for addr in runner.addresses if isinstance(addr, tuple) and addr]
+    exposed = exposed_without_token(hosts)
+    if exposed:
+        warning = (
+            f"no SANDBOX_AUTH_TOKEN or SANDBOX_AUTH_TOKENS_FILE, yet listening on "
+            f"{', '.join(sorted(set(exposed)))}: anyone who can reach this port can run code"
+        )
+        service.warnings.append(warning)
+        log.warning(
+            f"UNAUTHENTICATED AND EXPOSED: {warning}",
+            extra={"addresses": exposed, "fix": "set SANDBOX_AUTH_TOKEN, or --host 127.0.0.1"},
+        )
+
+
+def _bound_port(runner: web.AppRunner) -> int | None:
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            return int(addr[1])
+    return None

@@ -1,0 +1,236 @@
+"""What the two transports (WebSocket in server.py, REST in rest.py) share: reading the
+caller's token and origin, parsing frames within bounds, sending with a stall bound, and
+noticing a connection that is gone.
+
+A client that takes no frame for SANDBOX_CLIENT_STALL_MS is dropped: its connection is
+aborted and its runs are cancelled, so it can hold neither a slot nor the server's memory.
+
+No frame can stall the event loop for long (`FrameParser`): its size is checked before any
+parsing, a big one is parsed in a child process (`ParseWorker`), one at a time for the whole
+server, and its file entries are counted before they are validated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
+
+from aiohttp import web
+
+from appliance.core.errors import Busy, Cancelled
+from appliance.core.service import RunService
+from appliance.settings import DEFAULT_PORTS, ORIGIN_RE
+from appliance.wire import protocol
+from appliance.wire.parse_worker import ParseWorker
+from appliance.wire.protocol import ClientMessage, ProtocolError
+
+GONE_POLL_S = 0.25
+# Frames up to this size are parsed on the event loop (well under a millisecond); bigger
+# ones in the parser's child process. Measured: a 14.6 MB frame of 540,000 file entries took
+# 3.5 s to parse and validate on the loop; refused by its entry count, 0.2 s, which a thread
+# would still hold the GIL for (parse_worker.py).
+OFF_LOOP_BYTES = 64 * 1024
+
+
+class FrameParser:
+    """Client frames to typed messages, so that no frame holds the event loop for long.
+
+    A frame that is refused costs its tenant one rate token (`RunService.charge_rejected`),
+    and a tenant whose rate bucket is empty may send no big frame (`busy`, not parsed).
+    """
+
+    def __init__(self, service: RunService, worker: ParseWorker | None = None) -> None:
+        self._service = service
+        self.worker = worker or ParseWorker()
+        self._big = asyncio.Semaphore(1)  # big frames are parsed one at a time, server-wide
+
+    async def parse(self, data: str | bytes, owner: str) -> ClientMessage:
+        """The frame's message; ProtocolError (rejected) or Busy (over the rate) otherwise."""
+        limits = self._service.limits
+        with self._charged(owner):
+            protocol.check_size(data, limits)
+            if len(data) <= OFF_LOOP_BYTES:
+                return protocol.parse_client_frame(data, limits)
+            async with self._big_one(data, owner, "frame"):
+                return await self.worker.parse(data, limits)
+
+    async def screen(self, data: bytes, owner: str) -> None:
+        """For a body another parser reads on the loop (the MCP SDK's): over OFF_LOOP_BYTES,
+        ProtocolError (rejected) unless it holds at most `json_values_allowed` JSON values, or
+        Busy (over the rate); counted in the parser's child, one at a time like big frames."""
+        limits = self._service.limits
+        if len(data) <= OFF_LOOP_BYTES:
+            # The SDK's parser recurses: a small body nested thousands deep would end its
+            # session with a 500. Judged here without parsing (bounded by OFF_LOOP_BYTES).
+            if protocol.nested_deeper_than(data):
+                with self._charged(owner):
+                    raise ProtocolError(f"the body is nested deeper than {protocol.MAX_JSON_DEPTH} levels")
+            return
+        with self._charged(owner):
+            protocol.check_size(data, limits)
+            async with self._big_one(data, owner, "body"):
+                await self.worker.screen(data, json_values_allowed(limits), limits)
+
+    @contextlib.contextmanager
+    def _charged(self, owner: str) -> Iterator[None]:
+        # A refused frame or body costs its tenant one rate token.
+        try:
+            yield
+        except ProtocolError:
+            self._service.charge_rejected(owner)
+            raise
+
+    @contextlib.asynccontextmanager
+    async def _big_one(self, data: str | bytes, owner: str, what: str) -> AsyncIterator[None]:
+        # A tenant with no rate token left may send nothing big; big ones go one at a time.
+        refusal = self._service.over_rate(owner)
+        if refusal is not None:
+            raise Busy(f"{refusal}; a {what} of {len(data)} bytes was not read")
+        async with self._big:
+            yield
+
+
+def json_values_allowed(limits: protocol.Limits) -> int:
+    """The most JSON values a request body may hold: a few per upload entry and a margin for
+    the envelope and options. Parsing that many on the loop takes milliseconds; a body of
+    540,000 values held it for 1.4 s in the MCP SDK's parser."""
+    return 8 * limits.max_upload_files + 4096
+
+
+PARSER_KEY = web.AppKey("parser", FrameParser)
+
+
+def origin_allowed(
+    origins: Iterable[str], allowed: tuple[str, ...], host: str | None = None, tokens: bool = False
+) -> bool:
+    """Whether every `Origin` a request carries is one of SANDBOX_ALLOWED_ORIGINS (exact
+    match) or the server's own origin (`own_origin`: the page came from this server, like
+    /docs). No Origin at all (curl, websocat, SDK clients) is not a browser's cross-site
+    request and passes; `Origin: null` is a browser's and does not."""
+    return all(origin in allowed or own_origin(origin, host, tokens) for origin in origins)
+
+
+def _host_port(hostport: str, scheme: str) -> tuple[str, int] | None:
+    """`host[:port]` as (lower-case host, port), the port defaulting to the scheme's."""
+    hostport = hostport.strip().lower()
+    host, port = hostport, ""
+    if hostport.startswith("["):  # [v6]:port
+        end = hostport.find("]")
+        if end < 0:
+            return None
+        host, rest = hostport[: end + 1], hostport[end + 1 :]
+        if rest and not rest.startswith(":"):
+            return None
+        port = rest[1:]
+    elif ":" in hostport:
+        host, _, port = hostport.rpartition(":")
+    if not host or (port and not port.isdigit()):
+        return None
+    return host, int(port) if port else DEFAULT_PORTS[scheme]
+
+
+def _literal_or_localhost(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def host_allowed(host: str | None, allowed: frozenset[str] | None) -> bool:
+    """Whether a request's `Host` header names this server: any, when `allowed` is None (no
+    check); else an IP literal, `localhost` or a name in `allowed` (SANDBOX_ALLOWED_HOSTS).
+    A DNS-rebinding page's requests carry its own domain in Host, never a literal. No Host
+    at all (HTTP/1.0 tools) is no browser's and passes."""
+    if allowed is None or host is None:
+        return True
+    parsed = _host_port(host, "http")
+    if parsed is None:
+        return False
+    name = parsed[0].rstrip(".")
+    return _literal_or_localhost(name) or name in allowed
+
+
+def hosts_to_allow(configured: tuple[str, ...], bound: Iterable[str]) -> frozenset[str] | None:
+    """The names Host may carry besides literals and localhost: SANDBOX_ALLOWED_HOSTS when
+    set; none when every bound address is loopback; else None, no check (a server on a
+    network address is reached by names the operator did not list: containers' health
+    checks and Kubernetes probes send the pod's address, clients a Service's name)."""
+    if configured:
+        return frozenset(configured)
+    return frozenset() if not exposed_without_token(bound) else None
+
+
+def own_origin(origin: str, host: str | None, tokens: bool) -> bool:
+    """Whether `origin` is the origin this request was sent to: its host and port are the
+    request's `Host` header (the scheme may differ: TLS may end at a proxy in front).
+
+    A DNS-rebinding page controls the name in both headers (evil.example resolving to this
+    server), so without tokens only a Host that no DNS answer can forge passes: an IP
+    literal or `localhost`. With tokens such a page still lacks the bearer token a browser
+    never adds by itself, so any matching Host passes."""
+    match = ORIGIN_RE.match(origin)
+    if match is None or host is None:
+        return False
+    scheme, name, port = match.groups()
+    mine = (name, int(port) if port else DEFAULT_PORTS[scheme])
+    if _host_port(host, scheme) != mine:
+        return False
+    return tokens or _literal_or_localhost(name)
+
+
+def exposed_without_token(hosts: Iterable[str]) -> list[str]:
+    """The bound addresses that are not loopback (a server without a token must not be there)."""
+    found = []
+    for host in hosts:
+        try:
+            loopback = ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            found.append(host)
+    return found
+
+
+def bearer_token(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+async def send_within(request: web.Request, sending: Awaitable[None], stall_s: float) -> None:
+    """Await one send; Cancelled (and the connection aborted) if the client does not take it
+    within stall_s, or if the connection broke."""
+    try:
+        async with asyncio.timeout(stall_s):
+            await sending
+    except TimeoutError:
+        abort(request)
+        raise Cancelled(
+            f"the client took no output for {stall_s:g} s (SANDBOX_CLIENT_STALL_MS); it was disconnected"
+        ) from None
+    except (ConnectionError, RuntimeError) as exc:
+        raise Cancelled("the client disconnected") from exc
+
+
+def abort(request: web.Request) -> None:
+    """Drop the connection now, without a closing handshake."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+def is_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def until_gone(request: web.Request) -> None:
+    """Return once the client's TCP connection is closed (checked every GONE_POLL_S)."""
+    # ASYNC110: aiohttp tells a handler nothing when its client's connection closes: poll.
+    while not is_gone(request):  # noqa: ASYNC110
+        await asyncio.sleep(GONE_POLL_S)

@@ -1,0 +1,77 @@
+"""Bounded concurrency with a bounded FIFO queue: run now, wait in line, or `busy`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from types import TracebackType
+
+from appliance.core.errors import Busy
+
+
+class Admission:
+    """At most `limit` runs at once; at most `max_queue` waiting; the rest are refused."""
+
+    def __init__(self, limit: int, max_queue: int) -> None:
+        self.limit = limit
+        self.max_queue = max_queue
+        self.active = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def must_wait(self) -> bool:
+        """Whether a slot asked for now would wait in line (or be refused)."""
+        return self.active >= self.limit or bool(self._waiters)
+
+    def slot(self) -> Slot:
+        """Hold one run slot (`async with`); entering gives the milliseconds spent queued."""
+        return Slot(self)
+
+    async def _acquire(self) -> int:
+        started = time.monotonic()
+        if self.must_wait():
+            if len(self._waiters) >= self.max_queue:
+                raise Busy(f"the run queue is full ({self.max_queue} waiting); try again later")
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            except BaseException:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+                elif fut.done() and not fut.cancelled():
+                    self._release()  # we were handed a slot we will not use
+                raise
+            return int((time.monotonic() - started) * 1000)
+        self.active += 1
+        return 0
+
+    def _release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # hand our slot over; `active` stays the same
+                return
+        self.active -= 1
+
+
+class Slot:
+    """One run slot of an Admission, held inside `async with`. A class, not a generator-based
+    context manager: every run enters one on its path."""
+
+    __slots__ = ("_admission",)
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    async def __aenter__(self) -> int:
+        return await self._admission._acquire()
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._admission._release()

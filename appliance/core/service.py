@@ -1,0 +1,532 @@
+"""The run service: admission, tenants, sessions, one-shot runs, outputs.
+
+Its public methods are the whole API the transports (server.py, rest.py) use: `identify`
+a caller, `submit` a request (a `Run` handle to feed stdin, interrupt, await), open and
+close sessions, and read `readiness` and `metrics_text`. `execute` sends exactly one
+`done` per request, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import logging
+import secrets
+import time
+from typing import Any
+
+from appliance.core.admission import Admission
+from appliance.core.errors import (
+    ApplianceError,
+    Busy,
+    GpuMemoryLimit,
+    JailFailure,
+    RequestRejected,
+    status_of,
+)
+from appliance.core.sessions import Session, SessionRegistry
+from appliance.core.tenants import Tenants, owner_of
+from appliance.core.tenants import load as load_tenants
+from appliance.inside import channel
+from appliance.inside.tools.catalogue import catalogue
+from appliance.runtime.lifecycle import Lifecycle
+from appliance.runtime.metrics import Metrics
+from appliance.sandbox import outputs
+from appliance.sandbox.cell import CellOutcome, Emit, disk_violation, run_cell
+from appliance.sandbox.jail import Jail
+from appliance.sandbox.lease import Lease
+from appliance.sandbox.process import PipeFull
+from appliance.settings import Settings
+from appliance.wire import protocol
+from appliance.wire.protocol import ExecuteRequest, Frame
+
+log = logging.getLogger("appliance.core.service")
+
+
+class Run:
+    """One request in flight, as its connection holds it: stdin, interrupt, its task."""
+
+    def __init__(self, rid: str, max_stdin_bytes: int) -> None:
+        self.id = rid
+        self.task: asyncio.Task[None] | None = None
+        self._max_stdin = max_stdin_bytes
+        self._jail: Jail | None = None
+        self._pending: list[bytes] = []  # stdin that came before the run had a jail
+        self._interrupt: str | None = None
+
+    def stdin(self, data: str, eof: bool) -> None:
+        """Feed the run's stdin; RequestRejected when more than SANDBOX_MAX_STDIN_BYTES would wait."""
+        ops = ([channel.stdin_op(data)] if data else []) + ([channel.stdin_eof_op()] if eof else [])
+        for op in ops:
+            if self._jail is None:
+                if sum(map(len, self._pending)) + len(op) > self._max_stdin:
+                    raise RequestRejected(self._over_stdin())
+                self._pending.append(op)
+                continue
+            try:
+                self._jail.process.write(op, limit=self._max_stdin)
+            except PipeFull:
+                raise RequestRejected(self._over_stdin()) from None
+            except OSError:
+                return  # the jail is gone; the run is ending
+
+    def interrupt(self, reason: str = "the run was interrupted") -> None:
+        """Stop the run (done status `cancelled`); before it has a jail, as soon as it gets one."""
+        self._interrupt = reason
+        if self._jail is not None:
+            self._jail.process.interrupt(reason)
+
+    def _over_stdin(self) -> str:
+        return (
+            f"stdin for {self.id!r} is refused: more than SANDBOX_MAX_STDIN_BYTES ({self._max_stdin}) "
+            "would wait for the run to read it"
+        )
+
+    def _attach(self, jail: Jail) -> None:
+        """The run's code was handed to the jail: what came early goes after it, in order."""
+        self._jail = jail
+        for op in self._pending:
+            with contextlib.suppress(OSError):
+                jail.process.write(op)
+        self._pending.clear()
+        if self._interrupt is not None:
+            jail.process.interrupt(self._interrupt)
+
+    def _detach(self) -> None:
+        self._jail = None
+
+
+class RunService:
+    """Everything that runs code; one per appliance process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.lifecycle = Lifecycle(settings, self.metrics)
+        self.admission = Admission(settings.max_concurrency, settings.max_queue)
+        self.tenants: Tenants | None = None
+        session_limits: dict[str, int] = {}
+        if settings.auth_tokens_file is not None:
+            self.tenants = Tenants(load_tenants(settings.auth_tokens_file))
+            session_limits = self.tenants.session_limits()
+        self.sessions = SessionRegistry(
+            settings.max_sessions, settings.session_idle_s, self._between_cells, session_limits
+        )
+        self.limits = protocol.Limits.from_settings(settings)
+        self.warnings: list[str] = []  # how this server is exposed less safely than it could be (/readyz)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def check_host(self) -> None:
+        """Fail-closed startup checks (StartupError naming what to fix), before listening."""
+        self.lifecycle.check_host()
+
+    async def start(self, canary_port: int) -> None:
+        await self.lifecycle.start(canary_port)
+        self.sessions.start()
+
+    async def close(self) -> None:
+        await self.sessions.close_all()
+        await self.lifecycle.close()
+
+    # -- callers -----------------------------------------------------------------------------
+    def identify(self, token: str | None) -> str | None:
+        """The owner name of a caller presenting `token` (None: not allowed). Constant time."""
+        if self.tenants is not None:
+            return owner_of(token) if self.tenants.identify(token) is not None else None
+        expected = self.settings.auth_token
+        if expected is not None and not hmac.compare_digest((token or "").encode(), expected.encode()):
+            return None
+        return owner_of(token)
+
+    @property
+    def requires_token(self) -> bool:
+        """Whether every API caller must present a bearer token (SANDBOX_AUTH_TOKEN or tenants)."""
+        return self.tenants is not None or self.settings.auth_token is not None
+
+    def may_read_metrics(self, token: str | None) -> bool:
+        """/metrics: only SANDBOX_METRICS_TOKEN when set; else any caller's token when tokens
+        are configured; open only where everything is. Constant time."""
+        expected = self.settings.metrics_token
+        if expected is not None:
+            return hmac.compare_digest((token or "").encode(), expected.encode())
+        if not self.requires_token:
+            return True
+        return token is not None and self.identify(token) is not None
+
+    def over_rate(self, owner: str) -> str | None:
+        """Why this caller may send no costly frame now (its tenant's rate bucket is empty), or None."""
+        return self.tenants.over_rate(owner) if self.tenants is not None else None
+
+    def charge_rejected(self, owner: str) -> None:
+        """A frame of this caller's was refused: it costs a rate token, like a run."""
+        if self.tenants is not None:
+            self.tenants.charge(owner)
+
+    # -- runs --------------------------------------------------------------------------------
+    def submit(self, req: ExecuteRequest, owner: str, emit: Emit) -> Run:
+        """Start running req in the background; the returned Run takes its stdin and interrupt."""
+        run = Run(req.id, self.settings.max_stdin_bytes)
+        run.task = asyncio.create_task(self.execute(req, owner, emit, run))
+        return run
+
+    async def execute(self, req: ExecuteRequest, owner: str, emit: Emit, run: Run | None = None) -> None:
+        """Run one request end to end; always emits exactly one `done`."""
+        run = run or Run(req.id, self.settings.max_stdin_bytes)
+        started = time.monotonic()
+        outcome: CellOutcome | None = None
+        session_id: str | None = None
+        profile = "?"
+        # The tenant's in-flight slot, held to the end of the run, and its GPU quota, to the end
+        # of the run or of the session it opens. Without tenants there is neither, and the run's
+        # path makes no stack to close (two cost ~0.04 ms of an idle CPU).
+        tenants = self.tenants
+        quota: contextlib.ExitStack | None = None
+        gpu_quota: contextlib.ExitStack | None = None
+        try:
+            if tenants is not None:
+                quota = contextlib.ExitStack()
+                quota.enter_context(tenants.request(owner))
+            session: Session | None = None
+            if req.session not in (None, "new"):
+                session = self.sessions.get(req.session, owner)
+                if session.lock.locked():
+                    raise RequestRejected(f"session {req.session} is busy with another request")
+                _check_session_gpu(session, req)
+            else:
+                if req.session == "new":
+                    self.sessions.check_capacity(owner)
+                gpu_mb = self.settings.gpu_budget_mb(req.gpu.memory_mb if req.gpu is not None else None)
+                if tenants is not None:
+                    gpu_quota = contextlib.ExitStack()
+                    gpu_quota.callback(tenants.hold_gpu(owner, gpu_mb))
+            if not self.lifecycle.started.is_set():
+                await self._until_started(req)
+            if self.admission.must_wait():  # the gauge counts this request while it waits
+                self.metrics.queue_depth.set(self.admission.waiting + 1)
+            if session is not None:
+                session_id, profile = session.id, session.lease.profile
+                async with self.admission.slot() as slot_ms, session.lock:
+                    self._admitted(slot_ms)
+                    outcome = await self._session_cell(session, req, emit, run, slot_ms)
+            else:
+                async with self.lifecycle.leases.lease(req) as lease, self.admission.slot() as slot_ms:
+                    queued_ms = slot_ms + lease.queued_ms
+                    profile = lease.profile
+                    # The gauges move once the code is on its way to the jail (the task's
+                    # first wait), not on the path that gets it there.
+                    asyncio.get_running_loop().call_soon(self._admitted, queued_ms)
+                    jail = await lease.take()
+                    if req.session == "new":
+                        session = self.sessions.add(owner, lease, jail)
+                        lease.keep()
+                        if gpu_quota is not None:  # held as long as the session lives
+                            session.on_close.append(gpu_quota.pop_all().close)
+                        session_id = session.id
+                        async with session.lock:
+                            outcome = await self._session_cell(session, req, emit, run, queued_ms)
+                    else:
+                        outcome = await self._one_shot(jail, lease, req, emit, run, queued_ms, owner)
+        except asyncio.CancelledError:
+            self._count("cancelled", started)
+            raise
+        except Exception as exc:
+            status, message = status_of(exc)
+            if not isinstance(exc, ApplianceError):
+                log.exception("run failed", extra={"request": req.id})
+            self._count(status, started)
+            await _safe_emit(
+                emit,
+                protocol.done_frame(
+                    req.id, status, duration_ms=_ms_since(started), message=message, session=session_id
+                ),
+            )
+            return
+        finally:
+            if gpu_quota is not None:
+                gpu_quota.close()
+            if quota is not None:
+                quota.close()
+        if outcome is None:
+            self.metrics.active_runs.set(self.admission.active)
+            raise RuntimeError(f"run {req.id} ended without an outcome")
+        duration_ms = _ms_since(started)
+        await _safe_emit(
+            emit,
+            protocol.done_frame(
+                req.id,
+                outcome.status,
+                exit_code=outcome.exit_code,
+                duration_ms=duration_ms,
+                cpu_ms=outcome.cpu_ms,
+                max_rss_mb=outcome.max_rss_mb,
+                message=outcome.message,
+                session=session_id,
+                import_ms=outcome.import_ms,
+                files_skipped=outcome.files_skipped,
+            ),
+        )
+        # Counted once `done` is on its way (nothing yields in between: a scrape that follows
+        # `done` sees the run): the client does not wait for the bookkeeping.
+        self._count(outcome.status, started, duration_ms / 1000)
+        self.metrics.bytes_streamed.inc(outcome.output_bytes)
+        if outcome.import_ms is not None:
+            self.metrics.import_seconds.labels(profile=profile).observe(outcome.import_ms / 1000)
+
+    async def open_session(self, req: ExecuteRequest, owner: str) -> list[Frame]:
+        """Open a session running req's code first; the frames it sent (the last is `done`)."""
+        frames: list[Frame] = []
+
+        async def collect(frame: Frame) -> None:
+            frames.append(frame)
+
+        new = ExecuteRequest(
+            id=req.id,
+            code=req.code,
+            session="new",
+            timeout_ms=req.timeout_ms,
+            files=req.files,
+            gpu=req.gpu,
+            stdin_eof=True,
+        )
+        await self.execute(new, owner, collect)
+        return frames
+
+    async def close_session(self, session_id: str, owner: str) -> bool:
+        closed = await self.sessions.close(session_id, owner)
+        self.metrics.sessions.set(len(self.sessions))
+        return closed
+
+    async def models(self) -> dict[str, Any]:
+        """The model catalogue (GET /v1/models): what SANDBOX_MODELS_DIR holds, from the headers."""
+        root = self.settings.models_dir
+        if root is None:
+            return {"models_dir": None, "models": []}
+        found = await asyncio.to_thread(catalogue, str(root))
+        return {"models_dir": str(root), "models": [m.as_dict() for m in found]}
+
+    # -- what the server reports ---------------------------------------------------------------
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """(ready, body) for /readyz."""
+        problems, body = self.lifecycle.readiness()
+        gpu_sessions, gpu_mb = self.sessions.gpu_held()
+        body["sessions"] = {"open": len(self.sessions), "gpu": gpu_sessions, "gpu_memory_mb": gpu_mb}
+        if self.warnings:  # a warning never makes the server unready: it says what to fix
+            body["warning"] = "; ".join(self.warnings)
+        return not problems, {
+            "status": "ready" if not problems else "not ready",
+            "problems": problems,
+            **body,
+        }
+
+    def metrics_text(self) -> bytes:
+        self.lifecycle.update_gauges()
+        self.metrics.sessions.set(len(self.sessions))
+        gpu_sessions, gpu_mb = self.sessions.gpu_held()
+        self.metrics.gpu_sessions.set(gpu_sessions)
+        self.metrics.gpu_session_memory.set(gpu_mb * 1024 * 1024)
+        return self.metrics.render()
+
+    # -- internals -----------------------------------------------------------------------------
+    async def _until_started(self, req: ExecuteRequest) -> None:
+        """A request that came while the appliance starts waits for it, within the queue's
+        bounds and the run's own time limit; then `busy`, never `internal`."""
+        started = self.lifecycle.started
+        if started.is_set():
+            return
+        async with self.admission.slot():
+            try:
+                await asyncio.wait_for(started.wait(), self._timeout_ms(req) / 1000)
+            except TimeoutError:
+                raise Busy(
+                    "the appliance is still starting (its jail pool is not up yet); try again shortly"
+                ) from None
+
+    def _admitted(self, queued_ms: int) -> None:
+        self.metrics.queue_depth.set(self.admission.waiting)
+        self.metrics.queue_seconds.observe(queued_ms / 1000)
+        self.metrics.active_runs.set(self.admission.active)
+
+    def _count(self, status: str, started: float, seconds: float | None = None) -> None:
+        """A run is over (its slot is given back): the gauge of runs holding a slot, the run's
+        status and its duration (`seconds`, else the time since `started`)."""
+        self.metrics.active_runs.set(self.admission.active)
+        self.metrics.runs.labels(status=status).inc()
+        self.metrics.run_seconds.observe(time.monotonic() - started if seconds is None else seconds)
+
+    def _timeout_ms(self, req: ExecuteRequest) -> int:
+        limit = self.settings.max_exec_ms
+        return min(req.timeout_ms, limit) if req.timeout_ms else limit
+
+    async def _cell(
+        self, jail: Jail, req: ExecuteRequest, emit: Emit, run: Run, keep_alive: bool, start: Frame
+    ) -> CellOutcome:
+        s = self.settings
+        try:
+            return await run_cell(
+                jail,
+                req,
+                emit,
+                timeout_ms=self._timeout_ms(req),
+                max_output_bytes=s.max_output_bytes,
+                max_disk_mb=s.max_disk_mb,
+                keep_alive=keep_alive,
+                started=lambda: run._attach(jail),
+                first=start,
+            )
+        finally:
+            run._detach()
+
+    async def _one_shot(
+        self, jail: Jail, lease: Lease, req: ExecuteRequest, emit: Emit, run: Run, queued_ms: int, owner: str
+    ) -> CellOutcome:
+        run_id = secrets.token_hex(8)
+        start = protocol.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req), lease.gpu)
+        outcome = await self._cell(jail, req, emit, run, keep_alive=False, start=start)
+        # The jail is SIGKILLed as the lease ends (`PoolLeases.teardown`), as `done` goes out;
+        # files are read only once every process of the run is gone, so a run with outputs
+        # is killed here, and waited for.
+        if outputs.has_any(jail.workdir):
+            await jail.process.kill()
+            await self._send_outputs(jail, req.id, run_id, None, emit, outcome, owner)
+        return outcome
+
+    async def _session_cell(
+        self, session: Session, req: ExecuteRequest, emit: Emit, run: Run, queued_ms: int
+    ) -> CellOutcome:
+        run_id = secrets.token_hex(8)
+        jail = session.jail
+        if not jail.alive:
+            await self.sessions.close(session.id, reason="its interpreter is gone")
+            raise RequestRejected(f"session {session.id} has ended (its interpreter is gone)")
+        start = protocol.start_frame(
+            req.id, run_id, session.id, queued_ms, self._timeout_ms(req), session.lease.gpu
+        )
+        before = await asyncio.to_thread(outputs.snapshot, jail.workdir, self.lifecycle.uid)
+        try:
+            jail.thaw()  # frozen since its last cell (`Jail.freeze`)
+        except OSError as exc:
+            await self.sessions.close(session.id, reason="its jail could not be thawed")
+            raise JailFailure(
+                f"session {session.id} has ended: its jail could not be thawed ({exc})"
+            ) from exc
+        try:
+            outcome = await self._cell(jail, req, emit, run, keep_alive=True, start=start)
+            # Between cells the jail does nothing: frozen before its outputs are read and its
+            # `done` goes out, still under the session's lock. Fail closed: a jail that does
+            # not freeze is ended, never left running unaccounted.
+            unfrozen: str | None = None
+            if outcome.interpreter_alive:
+                try:
+                    await jail.freeze()
+                except JailFailure as exc:
+                    log.warning(
+                        "session jail not frozen", extra={"session": session.id, "error": exc.message}
+                    )
+                    unfrozen, outcome.interpreter_alive = exc.message, False
+        except BaseException:
+            await self.sessions.close(session.id, reason="a cell was cut off mid-way")
+            raise
+        session.last_used = time.monotonic()
+        if not outcome.interpreter_alive:
+            await jail.process.kill()
+        await self._send_outputs(jail, req.id, run_id, before, emit, outcome, session.owner)
+        if unfrozen is not None:
+            await self.sessions.close(session.id, reason="its jail could not be frozen between cells")
+            note = "the session has ended: its jail could not be frozen between cells"
+            outcome.message = f"{outcome.message}; {note}" if outcome.message else note
+        elif not outcome.interpreter_alive:
+            await self.sessions.close(session.id, reason="its interpreter could not be recovered")
+            note = "the session has ended: its interpreter could not be recovered"
+            outcome.message = f"{outcome.message}; {note}" if outcome.message else note
+        elif outcome.status == GpuMemoryLimit.status:
+            # What went over may still hold the memory (a thread, a cached model): a GPU
+            # session that broke its budget ends, and its grant goes back to the ledger.
+            await self.sessions.close(session.id, reason="a cell went over the session's GPU memory budget")
+            note = "the session has ended: a cell went over its GPU memory budget"
+            outcome.message = f"{outcome.message}; {note}" if outcome.message else note
+        self.metrics.sessions.set(len(self.sessions))
+        return outcome
+
+    async def _between_cells(self, session: Session) -> str | None:
+        """Why an idle session must end now (a watchdog's verdict, its files over the disk
+        quota), or None."""
+        verdict = session.jail.process.violation()
+        if verdict is not None:
+            return f"{verdict.message} (between cells)"
+        found = await asyncio.to_thread(disk_violation, session.jail, self.settings.max_disk_mb)
+        return f"{found.message} between cells" if found is not None else None
+
+    async def _send_outputs(
+        self,
+        jail: Jail,
+        rid: str,
+        run_id: str,
+        before: outputs.Snapshot | None,
+        emit: Emit,
+        outcome: CellOutcome,
+        owner: str,
+    ) -> None:
+        """Stream outputs/ as `file` frames (and persist them), one batch in memory at a time,
+        within SANDBOX_MAX_OUTPUTS_BYTES; what was left out is said in the outcome."""
+        s = self.settings
+        tally = outputs.Tally(s.max_outputs_bytes, s.max_output_files)
+        files = outputs.stream(jail.workdir, self.lifecycle.uid, before, s.max_file_out_bytes, tally)
+        keep = outputs.Persister(s.outputs_dir, owner, run_id) if s.outputs_dir is not None else None
+        try:
+            while batch := await asyncio.to_thread(outputs.next_batch, files):
+                for item in batch:
+                    data = base64.b64encode(item.data).decode() if item.data is not None else None
+                    await emit(protocol.file_frame(rid, item.path, item.size, data, item.message))
+                    del data
+                if keep is not None:
+                    try:
+                        await asyncio.to_thread(_persist_all, keep, batch)
+                    except OSError as exc:
+                        log.error("could not persist outputs", extra={"run": run_id, "error": str(exc)})
+                        keep.close()
+                        keep = None
+                del batch
+        finally:
+            # A cancelled run may leave a batch being read in its thread: the generator then
+            # closes (and its descriptors with it) when it is collected.
+            with contextlib.suppress(ValueError):
+                files.close()
+            if keep is not None:
+                keep.close()
+        note = tally.note()
+        if note is None:
+            return
+        outcome.files_skipped = tally.skipped or None
+        if outcome.status == "ok":
+            outcome.status, outcome.message = "output_limit", note
+        else:
+            outcome.message = f"{outcome.message}; {note}" if outcome.message else note
+
+
+def _persist_all(keep: outputs.Persister, batch: list[outputs.OutputFile]) -> None:
+    for item in batch:
+        keep.write(item)
+
+
+def _check_session_gpu(session: Session, req: ExecuteRequest) -> None:
+    """A later cell runs under the budget the session opened with: it may repeat it, not change it."""
+    if req.gpu is None:
+        return
+    if session.gpu_mb == 0:
+        raise RequestRejected(f"session {session.id} has no GPU; a later cell cannot ask for one")
+    if req.gpu.memory_mb != session.gpu_mb:
+        raise RequestRejected(
+            f"session {session.id} holds a GPU budget of {session.gpu_mb} MiB for its whole life; a later "
+            f"cell cannot ask for {req.gpu.memory_mb} MiB (omit 'gpu', or open a new session)"
+        )
+
+
+async def _safe_emit(emit: Emit, frame: Frame) -> None:
+    with contextlib.suppress(Exception):
+        await emit(frame)
+
+
+def _ms_since(started: float) -> int:
+    return int((time.monotonic() - started) * 1000)

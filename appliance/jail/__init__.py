@@ -1,1 +1,0 @@
-"""The jail core shared by every image: spec, firejail argv, run dirs, process, driver, pool."""

@@ -1,0 +1,1 @@
+"""Assembling the server: startup and shutdown, health, the canary, metrics, logs."""

@@ -1,0 +1,393 @@
+"""What the run service stands on, from startup to shutdown: host checks, run directories,
+the jail factories and pools (one per GPU in GPU mode), the readiness canary and the gauges.
+
+Startup refuses (StartupError, naming what to fix) rather than run jails less confined
+than configured. `started` is set once jails can be leased; runs that arrive before
+wait for it (appliance.core.service).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from appliance.core.errors import StartupError
+from appliance.runtime import canary, toolprobe
+from appliance.runtime.metrics import Metrics
+from appliance.sandbox import cgroups, outputs, runfs, sched
+from appliance.sandbox.cell import disk_entries, run_cell
+from appliance.sandbox.firejail import lower_own_oom_score
+from appliance.sandbox.host import HostFacts, import_problem, inspect, readable_ancestors_problem
+from appliance.sandbox.jail import JailFactory, python_roots
+from appliance.sandbox.lease import LeaseSource, PoolLeases
+from appliance.sandbox.memory import CgroupMemory
+from appliance.sandbox.network import EgressNetwork, check_prerequisites
+from appliance.sandbox.pool import ProfilePools
+from appliance.sandbox.profiles import Profile
+from appliance.sandbox.wheels import check_wheelhouse, stage_wheel_cache
+from appliance.sandbox.workdir import RunDirs, open_base, stage_runtime
+from appliance.settings import Settings
+from appliance.wire.protocol import ExecuteRequest, Frame
+
+if TYPE_CHECKING:  # GPU modules are imported at run time only in GPU mode
+    from appliance.gpu.lease import GpuLeases
+
+GPU_TOOL_MODULES = ("llama_cpp", "pywhispercpp.model")  # what a GPU jail's tools stand on
+log = logging.getLogger("appliance.runtime.lifecycle")
+
+CANARY_EVERY_S = 300.0
+CANARY_RETRY_S = 5.0
+CANARY_TIMEOUT_MS = 15000
+
+
+class Lifecycle:
+    """Owns every long-lived resource of one appliance process."""
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.host: HostFacts | None = None
+        self.dirs: RunDirs | None = None
+        self.network: EgressNetwork | None = None
+        self.cpu: PoolLeases | None = None
+        self.gpu: GpuLeases | None = None  # GPU mode (SANDBOX_GPU=1) only
+        self.started = asyncio.Event()
+        self.ready_problems: list[str] = ["starting"]
+        self.canary_port = 0
+        self.tools: toolprobe.ToolProbe | None = None  # what llama.cpp / whisper.cpp can do here
+        self.cgroups: cgroups.Hierarchy | None = None  # per-run groups, where they can be made
+        self.cgroups_missing: list[str] = []  # why not (SANDBOX_CGROUPS=auto falls back)
+        self._cgroups_checked = False
+        self._task: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None  # SANDBOX_OUTPUTS_RETENTION_S
+        self._counted: dict[str, Counter[str]] = {
+            k: Counter() for k in ("cold", "runs", "imported", "spawned")
+        }
+
+    @property
+    def leases(self) -> LeaseSource:
+        """Where runs take jails: GPU mode's device pools, else the CPU pool."""
+        source: LeaseSource | None = self.gpu if self.gpu is not None else self.cpu
+        if source is None or not self.started.is_set():
+            raise RuntimeError("Lifecycle.leases before start()")
+        return source
+
+    @property
+    def uid(self) -> int:
+        return self.host.uid if self.host is not None else self.settings.uid
+
+    # -- startup -----------------------------------------------------------------------------
+    def check_host(self) -> HostFacts:
+        """Fail-closed startup checks; raises StartupError with what to fix."""
+        s = self.settings
+        if not self._cgroups_checked:  # require: refuse to start, naming what is missing
+            self.cgroups, self.cgroups_missing = cgroups.open_hierarchy(s.cgroups)
+            self._cgroups_checked = True
+            if self.cgroups is None and s.cgroups == "auto":
+                log.warning(
+                    "cgroups unavailable; memory and processes are limited by rlimits only, CPU not at all",
+                    extra={"missing": self.cgroups_missing},
+                )
+            gap = self.cgroups.socket_gap() if self.cgroups is not None else None
+            if gap is not None:
+                log.warning(gap)
+                self.cgroups_missing = [gap]
+        if s.open_ports:
+            check_prerequisites()  # before inspect: /run/netns must exist when /run is judged
+        host = inspect(s.firejail, s.uid, s.python)
+        for root in python_roots(s.python):
+            problem = readable_ancestors_problem(root, host.uid)
+            if problem:
+                raise StartupError(f"SANDBOX_PYTHON's environment is not reachable in the jail: {problem}")
+        if s.gpu and self.gpu is None:
+            from appliance.gpu.lease import GpuLeases  # GPU mode only: NVML is never loaded otherwise
+
+            # No driver, no GPU, or a host where budgets cannot be enforced: StartupError (strict).
+            self.gpu = GpuLeases.open(s, cgroup_memory=self.cgroups is not None)
+            if self.cgroups is not None:  # the watchdog's host-memory reading: the run's group
+                self.gpu.watchdog.memory = CgroupMemory(self.cgroups)
+        if s.gpu:
+            # GPU mode's warm jails preload the model tools; a jail that cannot would only say
+            # so in a log line, and every run would pay the import (or fail) instead.
+            tools = tuple(m for m in s.preload if m in GPU_TOOL_MODULES)
+            problem = import_problem(s.python, tools)
+            if problem is not None:
+                raise StartupError(
+                    f"GPU mode preloads {', '.join(tools)} (SANDBOX_PRELOAD) but SANDBOX_PYTHON ({s.python}) "
+                    f"cannot import them: {problem}; install the gpu extra (pip install '.[gpu]') into it, "
+                    f"or leave them out of SANDBOX_PRELOAD"
+                )
+        problem = readable_ancestors_problem(s.tmp_root, host.uid)
+        if problem:  # firejail, running as the sandbox uid, must reach the run directories
+            raise StartupError(f"SANDBOX_TMP_ROOT is not reachable by the sandbox uid: {problem}")
+        with open_base(s.tmp_root, os.geteuid()):  # before listening: a squatted root stops startup
+            pass
+        if s.wheelhouse is not None:
+            check_wheelhouse(s.wheelhouse)
+            problem = readable_ancestors_problem(s.wheelhouse, host.uid)
+            if problem:  # pip in the jail reads the wheels as the sandbox uid
+                raise StartupError(f"SANDBOX_WHEELHOUSE is not reachable by the sandbox uid: {problem}")
+        self.host = host
+        return host
+
+    async def start(self, canary_port: int) -> None:
+        """Directories, runtime, network, pools, GPU probe; then the canary loop."""
+        s = self.settings
+        # First, so that the jails started below (and the executor's threads) inherit it.
+        refused = sched.request_slice()
+        if refused is None:
+            log.info("short scheduler slice", extra={"slice_us": sched.SLICE_NS // 1000})
+        else:
+            log.info("default scheduler slice", extra={"reason": refused})
+        host = self.host or self.check_host()
+        refused = lower_own_oom_score()  # a global OOM picks a jail (1000), not the server
+        if refused is not None:
+            log.warning("the server's oom_score_adj stays as it is", extra={"reason": refused})
+        self.dirs = RunDirs(
+            s.tmp_root, host.uid, host.gid, runfs.for_server(s.max_disk_mb, disk_entries(s.max_disk_mb))
+        )
+        if self.dirs.sizes is None:
+            log.warning(
+                "run directories are not size-limited by the kernel (the server is not root): "
+                "SANDBOX_MAX_DISK_MB is the server's check only"
+            )
+        removed = self.dirs.prepare()
+        if removed:
+            log.info("purged stale run directories", extra={"dirs": [str(p) for p in removed]})
+        runtime = await asyncio.to_thread(stage_runtime, s.tmp_root, s.python)
+        if toolprobe.wanted(s.models_dir, s.gpu):
+            self.tools = toolprobe.ToolProbe(s.python, s.gpu)
+            self.tools.start(runtime)
+        cache = None
+        if s.wheelhouse is not None:  # unpacked once here, so runs need not install again
+            cache = await asyncio.to_thread(stage_wheel_cache, s.wheelhouse, s.tmp_root)
+        if s.open_ports:
+            self.network = EgressNetwork(s)
+            await self.network.start()
+        network, dirs, groups = self.network, self.dirs, self.cgroups
+        profiles = tuple(Profile(name, modules) for name, modules in s.preload_profiles)
+        pools = ProfilePools.build(
+            profiles,
+            lambda p: JailFactory(
+                s, host, runtime, dirs, network, preload=p.modules, wheel_cache=cache, cgroups=groups
+            ),
+            s.pool_size,
+            max_size=s.pool_max,
+        )
+        pools.start()
+        self.cpu = PoolLeases(pools)
+        if self.gpu is not None:  # warm pools per GPU (and profile), each jail seeing only its GPU
+            self.gpu.start(
+                lambda dev, p: JailFactory(
+                    s,
+                    host,
+                    runtime,
+                    dirs,
+                    network,
+                    gpu=dev,
+                    preload=p.modules,
+                    wheel_cache=cache,
+                    cgroups=groups,
+                ),
+                self.cpu,
+            )
+            await self.gpu.probe_mps()  # layer (b) is reported as enforcing only where proven
+        self.canary_port = canary_port
+        self.started.set()
+        log.info(
+            "appliance started",
+            extra={
+                "firejail": host.firejail,
+                "firejail_version": host.firejail_version,
+                "jail_uid": host.uid,
+                "memory_cap": self.limits()["memory"],
+                "pool_size": s.pool_size,
+            },
+        )
+        self._task = asyncio.create_task(self._canary_loop(), name="canary")
+        if s.outputs_dir is not None and s.outputs_retention_s > 0:
+            self._sweeper = asyncio.create_task(
+                self._sweep_outputs(s.outputs_dir, s.outputs_retention_s), name="outputs-sweeper"
+            )
+
+    async def _sweep_outputs(self, root: Path, retention_s: int) -> None:
+        """Remove persisted runs past their retention, now and then (a tenth of it, 1 s to 1 h)."""
+        every = min(max(retention_s / 10, 1.0), 3600.0)
+        while True:
+            try:
+                removed = await asyncio.to_thread(outputs.sweep, root, retention_s, time.time())
+            except OSError as exc:
+                log.error("could not sweep persisted outputs", extra={"error": str(exc)})
+            else:
+                if removed:
+                    log.info("removed persisted outputs past their retention", extra={"runs": removed})
+            await asyncio.sleep(every)
+
+    async def close(self) -> None:
+        for task in (self._task, self._sweeper):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self.tools is not None:
+            await self.tools.close()
+        if self.gpu is not None:
+            await self.gpu.close()  # and the CPU pool it was given
+        elif self.cpu is not None:
+            await self.cpu.close()
+        if self.network is not None:
+            await self.network.close()
+        if self.dirs is not None:
+            self.dirs.remove_instance()
+        if self.cgroups is not None:
+            await asyncio.to_thread(self.cgroups.close)
+
+    def limits(self) -> dict[str, str]:
+        """Which layer enforces each per-run limit (/readyz "limits")."""
+        if self.cgroups is not None:
+            label = self.cgroups.label
+            return {"memory": label, "cpu": label, "pids": label}
+        return {"memory": "rlimit", "cpu": "none", "pids": "rlimit"}
+
+    # -- readiness ---------------------------------------------------------------------------
+    async def _canary_loop(self) -> None:
+        while True:
+            self.ready_problems = await self.canary()
+            if self.ready_problems:
+                log.error("canary failed; not ready", extra={"problems": self.ready_problems})
+            await asyncio.sleep(CANARY_EVERY_S if not self.ready_problems else CANARY_RETRY_S)
+
+    async def canary(self) -> list[str]:
+        """Run the probe in a real (CPU) jail; every way it is less confined than promised is a problem."""
+        if self.cpu is None:
+            raise RuntimeError("Lifecycle.canary before start()")
+        frames: list[Frame] = []
+
+        async def collect(frame: Frame) -> None:
+            frames.append(frame)
+
+        policy = self.network.policy if self.network is not None else None
+        hosts = [str(a) for a in policy.host_addresses] if policy is not None else []
+        req = ExecuteRequest(
+            id="canary", code=canary.CANARY_CODE, files=(canary.params_file(self.canary_port or 9100, hosts),)
+        )
+        try:
+            async with self.cpu.lease(req) as lease:
+                jail = await lease.take()
+                outcome = await run_cell(
+                    jail,
+                    req,
+                    collect,
+                    timeout_ms=CANARY_TIMEOUT_MS,
+                    max_output_bytes=self.settings.max_output_bytes,
+                    max_disk_mb=self.settings.max_disk_mb,
+                    keep_alive=False,
+                )
+        except Exception as exc:  # noqa: BLE001 (any failure to run the probe is itself the finding: fail closed)
+            return [f"canary could not run: {type(exc).__name__}: {exc}"]
+        stdout = "".join(
+            str(f["text"]) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout"
+        )
+        found = canary.judge(outcome.status, stdout, {self.uid})
+        if found and outcome.message:
+            found[0] += f": {outcome.message}"
+        return found
+
+    def readiness(self) -> tuple[list[str], dict[str, Any]]:
+        """(problems, details) for /readyz: every reason not to send runs here now."""
+        problems = list(self.ready_problems)
+        cpu = self.cpu.pools if self.cpu is not None else None
+        body: dict[str, Any] = {
+            "pool_ready": sum(len(p.ready) for p in cpu.pools.values()) if cpu is not None else 0,
+            "pools": {
+                profile.name: {
+                    "modules": list(profile.modules),
+                    "ready": len(pool.ready),
+                    "starting": pool.starting,
+                    "target": pool.target(),
+                }
+                for profile, pool in cpu.pools.items()
+            }
+            if cpu is not None
+            else {},
+            "memory_cap": self.limits()["memory"],
+            "limits": self.limits(),
+            "cgroups": {
+                "mode": self.settings.cgroups,
+                "enforcing": self.cgroups is not None,
+                "missing": self.cgroups_missing,
+            },
+            "firejail": self.host.firejail_version if self.host else None,
+        }
+        if self.tools is not None:  # per binding: does it import, can it offload to a GPU
+            body["tools"] = self.tools.report()
+            problems += self.tools.problems()
+        if self.gpu is not None:  # GPU mode: each enforcement layer, available or not
+            body["gpu"] = self.gpu.layers()
+            problems += self.gpu.problems()
+            if self.tools is not None and isinstance(body["gpu"].get("shaping"), dict):
+                # Shaping is load_llm's: available where llama_cpp imports in the jails' Python,
+                # as the startup probe found (not merely where this process finds the module).
+                llama = body["tools"].get("llama_cpp") or {}
+                body["gpu"]["shaping"]["available"] = llama.get("available") is True
+                body["gpu"]["shaping"]["gpu_offload"] = llama.get("gpu_offload")
+        return problems, body
+
+    def _pool_sets(self) -> list[ProfilePools]:
+        found = [self.cpu.pools] if self.cpu is not None else []
+        return found + (list(self.gpu.pools.values()) if self.gpu is not None else [])
+
+    def update_gauges(self) -> None:
+        """Pool gauges and counters, read from the pools (when /metrics is scraped)."""
+        m = self.metrics
+        if self.gpu is not None:
+            ledger = self.gpu.ledger
+            waits, ledger.reclaim_waits_s = ledger.reclaim_waits_s, []
+            for wait in waits:
+                m.gpu_reclaim_seconds.observe(wait)
+            m.gpu_reclaim_timeouts.set(sum(b.reclaim_timeouts for b in ledger.books.values()))
+            for reason in self.gpu.degradation():
+                m.gpu_degraded.labels(reason=reason).set(1)
+            mps = self.gpu.mps
+            for uuid in self.gpu.devices:
+                device = mps.devices.get(uuid) if mps is not None else None
+                m.gpu_mps_enforcing.labels(device=uuid).set(
+                    1 if device is not None and device.enforcing and not device.broken else 0
+                )
+                for reason in device.blocked if device is not None else ():
+                    m.gpu_mps_blocked.labels(device=uuid, reason=reason).set(1)
+        sets = self._pool_sets()
+        if not sets:
+            return
+        cpu = sets[0]
+        m.pool_ready.set(sum(len(p.ready) for p in cpu.pools.values()))
+        m.pool_starting.set(sum(p.starting for p in cpu.pools.values()))
+        m.pool_target.set(sum(p.target() for p in cpu.pools.values()))
+        m.jail_pss.set(max(p.jail_pss_kb for p in cpu.pools.values()) * 1024)
+        for profile, pool in cpu.pools.items():
+            m.profile_ready.labels(profile=profile.name).set(len(pool.ready))
+            m.profile_target.labels(profile=profile.name).set(pool.target())
+            m.profile_pss.labels(profile=profile.name).set(pool.jail_pss_kb * 1024)
+        cold: Counter[str] = Counter()
+        runs: Counter[str] = Counter()
+        imported: Counter[str] = Counter()
+        spawned = 0
+        for pools in sets:
+            runs.update(pools.runs)
+            imported.update(pools.imported)
+            for profile, pool in pools.pools.items():
+                cold[profile.name] += pool.cold_starts
+                spawned += pool.factory.spawned
+        m.cold_starts.inc(sum(cold.values()) - sum(self._counted["cold"].values()))
+        m.jails_spawned.inc(spawned - self._counted["spawned"]["all"])
+        for name, value in cold.items():
+            m.profile_cold_starts.labels(profile=name).inc(value - self._counted["cold"][name])
+        for name, value in runs.items():
+            m.profile_runs.labels(profile=name).inc(value - self._counted["runs"][name])
+        for name, value in imported.items():
+            m.preloaded_imports.labels(module=name).inc(value - self._counted["imported"][name])
+        self._counted = {"cold": cold, "runs": runs, "imported": imported, "spawned": Counter(all=spawned)}

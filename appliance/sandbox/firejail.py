@@ -1,0 +1,179 @@
+"""Render a JailSpec to the firejail command line. Pure: no I/O, testable without spawning."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from appliance.sandbox.spec import ETC_FILES, WORKSPACE, JailSpec
+
+MIB = 1024 * 1024
+# Denied on top of firejail's default seccomp list.
+EXTRA_DENIED_SYSCALLS = ("io_uring_setup", "io_uring_enter", "io_uring_register")
+
+
+def render_argv(spec: JailSpec, events_fd: int, firejail: str = "firejail") -> list[str]:
+    """The argv that starts the in-jail driver under firejail, in a fixed, commented order.
+
+    `events_fd` is the descriptor number the driver writes its events to (inherited as is).
+    """
+    argv = [firejail, "--quiet", "--noprofile"]
+    # 1. Identity and privileges: a user namespace holding only the caller's uid, no
+    #    capabilities, no setuid gains, firejail's default seccomp blacklist plus io_uring
+    #    (a large kernel surface no Python code needs; native arch only), no new namespaces
+    #    from inside, and an IPC namespace of its own: System V shared memory, semaphores and
+    #    message queues are neither shared with other runs nor left on the host (the
+    #    namespace's objects go with its last process).
+    argv += [
+        "--noroot",
+        "--caps.drop=all",
+        "--nonewprivs",
+        f"--seccomp={','.join(EXTRA_DENIED_SYSCALLS)}",
+        "--seccomp.block-secondary",
+        "--restrict-namespaces",
+        "--ipc-namespace",
+    ]
+    # 2. Network: a fresh namespace with only a loopback interface; or, in egress mode, the
+    #    filtered namespace appliance.sandbox.network made (firejail is started inside it and
+    #    must not make another), with the configured resolvers as the jail's resolv.conf.
+    if spec.netns is None:
+        argv += ["--net=none"]
+    argv += [f"--dns={server}" for server in spec.dns]
+    # 3. Filesystem: the run directory as /workspace (= HOME, cwd); private /tmp, /dev, /etc;
+    #    everything at the top level that is not needed is blacklisted; the Python
+    #    environment and the runtime are whitelisted and read-only.
+    argv += [
+        f"--private={spec.workdir}",
+        f"--private-cwd={WORKSPACE}",
+        "--private-tmp",
+        "--private-dev",
+        f"--private-etc={','.join(ETC_FILES)}",
+    ]
+    argv += [f"--blacklist={path}" for path in spec.hidden]
+    # 3b. Devices. --private-dev brings every /dev/nvidia[0-9]*, nvidiactl, nvidia-uvm and dri
+    #     node of the host along; CPU jails drop them all (--no3d). A GPU jail keeps them,
+    #     blacklists every one it was not given, and may read /sys/module/nvidia* (drivers
+    #     >= 550 need it; firejail blacklists /sys/module whole).
+    if not spec.gpu:
+        argv.append("--no3d")
+    else:
+        argv.append("--noblacklist=/sys/module")
+        argv += [f"--blacklist={path}" for path in spec.gpu_hidden]
+        # MPS clients connect to the daemon's sockets (and take its lock file) in its pipe dir.
+        argv += [f"--whitelist={path}" for path in spec.gpu_shared]
+    for path in spec.readable:
+        argv += [f"--whitelist={path}", f"--read-only={path}"]
+    # 4. Limits (per process; the user namespace makes RLIMIT_NPROC count this jail only).
+    #    GPU jails get no RLIMIT_AS (CUDA reserves huge virtual ranges): the GPU watchdog
+    #    caps their resident memory instead.
+    if spec.limits.memory_mb is not None and not spec.gpu:
+        argv.append(f"--rlimit-as={spec.limits.memory_mb * MIB}")
+    if spec.nice:
+        argv.append(f"--nice={spec.nice}")
+    argv += [
+        f"--rlimit-nproc={spec.limits.max_procs}",
+        f"--rlimit-fsize={spec.limits.file_mb * MIB}",
+        f"--rlimit-nofile={spec.limits.open_files}",
+    ]
+    # 5. Lifecycle: the driver's event pipe survives firejail's fd cleanup; every process
+    #    left when the driver exits is killed. --deterministic-shutdown costs ~80 ms of wall
+    #    time (no CPU) when a driver exits by itself (benchmarks: "flag costs"); it stays,
+    #    because it is what closes the event pipe then (the sandbox's init holds a copy):
+    #    without it a driver that called os._exit beside a live child is not seen to exit
+    #    until the run's time limit. Jails the server ends are SIGKILLed and pay nothing.
+    argv += [f"--keep-fd={events_fd}", "--deterministic-exit-code", "--deterministic-shutdown"]
+    # 6. Environment: firejail starts from our clean env; these are the only additions.
+    argv += [f"--env={key}={value}" for key, value in spec.env]
+    # 7. The driver: isolated mode (no user site, no PYTHON* vars), unbuffered.
+    # (No "--" before it: firejail 0.9.72 then runs the command through the user's login shell.)
+    argv += [str(spec.python), "-I", "-u", str(spec.driver), str(events_fd)]
+    return argv
+
+
+def launcher_env() -> dict[str, str]:
+    """The environment firejail itself is started with.
+
+    `container=docker` makes firejail sandbox normally inside containers and PID
+    namespaces instead of silently running the program unjailed; every jail is
+    verified afterwards by the driver's self-check anyway.
+    """
+    return {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "container": "docker", "LANG": "C.UTF-8"}
+
+
+def accounts_argv(passwd: Path, group: Path, then: list[str]) -> list[str]:
+    """The prefix (run as root) that gives the jail a minimal /etc/passwd and /etc/group.
+
+    firejail copies the host's /etc/passwd into the jail (less the other human users):
+    every system account of the host would be listed. The server starts firejail in a
+    private mount namespace of its own where those two files are bind mounts of `passwd`
+    and `group`, then runs `then`: the prefix that drops to the sandbox uid (`drop_argv`,
+    or the egress namespace's `enter_argv`) before the setuid firejail runs.
+    """
+    # `env -u PWD`: the shell exports PWD, which the jail must not inherit (the canary checks).
+    script = (
+        'mount --bind "$1" /etc/passwd && mount --bind "$2" /etc/group && shift 2 && exec env -u PWD "$@"'
+    )
+    return [
+        "unshare",
+        "--mount",
+        "--propagation=private",
+        "--",
+        "sh",
+        "-c",
+        script,
+        "sh",
+        str(passwd),
+        str(group),
+        *then,
+    ]
+
+
+def drop_argv(uid: int, gid: int) -> list[str]:
+    """Become the sandbox uid with no groups and no capabilities, then exec what follows."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all", "--"]
+
+
+JOIN_FAILED = 126  # the launcher's exit status when it could not join the jail's cgroup
+# Each cgroup.procs named in turn: writing "0" moves the writer, the shell itself, whose
+# process then becomes what it execs. A write that fails ends it before anything else runs.
+_JOIN = (
+    'n=$1; shift; while [ "$n" -gt 0 ]; do '
+    f'printf 0 > "$1" || exit {JOIN_FAILED}; n=$((n - 1)); shift; done; exec "$@"'
+)
+
+
+# A global OOM must pick a jail, never the server: jails start at the highest badness, and
+# since root writes it (CAP_SYS_RESOURCE), that is also their floor (oom_score_adj_min), so
+# jailed code cannot lower it; the server lowers its own (`lower_own_oom_score`).
+JAIL_OOM_SCORE_ADJ = 1000
+SERVER_OOM_SCORE_ADJ = -900
+_OOM = f'printf {JAIL_OOM_SCORE_ADJ} > /proc/self/oom_score_adj || exit 126; exec "$@"'
+
+
+def oom_argv() -> list[str]:
+    """The prefix (run as root, first) that makes the launcher and all it starts the OOM
+    killer's first choice, then execs what follows; a failed write runs nothing."""
+    return ["sh", "-c", _OOM, "sh"]
+
+
+def lower_own_oom_score() -> str | None:
+    """Make this process (the server) the OOM killer's last choice; why not, or None."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write(str(SERVER_OOM_SCORE_ADJ))
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
+def join_argv(procs: Sequence[Path]) -> list[str]:
+    """The prefix (run as root, first of all) that moves the launching process into the jail's
+    cgroup, one cgroup.procs per controller, then execs what follows: firejail and everything it
+    forks are counted from their first instruction, and a failed join (exit JOIN_FAILED) runs
+    nothing.
+
+    A shell does it, not code in the server's forked child: a child that must run Python before
+    its exec makes the server fork() itself instead of vfork(), and after each such fork every
+    page the server writes takes a copy-on-write fault (250-650 per warm run here).
+    """
+    return ["sh", "-c", _JOIN, "sh", str(len(procs)), *(str(p) for p in procs)]

@@ -1,0 +1,443 @@
+"""One jail: a run directory plus a verified firejail process running the driver.
+
+`JailFactory.launch()` makes a jail in an explicit order:
+  1. create the run directory (owned by the sandbox uid),
+  2. render the spec to a firejail argv (pure),
+  3. start firejail as the sandbox uid with a clean environment,
+  4. wait for the driver's `ready` event and verify its self-check,
+and `Jail.destroy()` undoes all of it, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import secrets
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance.core.errors import JailExited, JailFailure, JailStartFailed
+from appliance.sandbox import checks, fstree, proctree, runfs
+from appliance.sandbox.cgroups import Counters, Group, GroupLimits, Hierarchy
+from appliance.sandbox.devices import GpuDevice
+from appliance.sandbox.firejail import (
+    accounts_argv,
+    drop_argv,
+    join_argv,
+    launcher_env,
+    oom_argv,
+    render_argv,
+)
+from appliance.sandbox.host import HostFacts
+from appliance.sandbox.network import EgressNetwork, JailLink, enter_argv, expected_interfaces
+from appliance.sandbox.process import JailProcess
+from appliance.sandbox.spec import JailLimits, JailSpec, jail_env
+from appliance.sandbox.workdir import DRIVER, RunDirs
+from appliance.settings import Settings
+
+log = logging.getLogger("appliance.sandbox")
+
+
+@functools.cache
+def _tmp_unsized() -> None:
+    """Say once that jails' /tmp cannot be sized by the kernel here (`Jail.pin`)."""
+    log.warning(
+        "the jails' /tmp cannot be opened to size it (no ptrace access to the jail, as in a "
+        "container without CAP_SYS_PTRACE): /tmp is bounded by the server's disk check only",
+    )
+
+
+READY_TIMEOUT_S = 60.0
+FREEZE_WAIT_S = 2.0  # the longest a session's jail may take to freeze before the session ends
+FREEZE_POLL_S = 0.0005  # the first wait between two looks at the freezer state (doubling)
+
+
+@dataclass
+class Jail:
+    """A started, verified jail. Single-use unless a session keeps it."""
+
+    id: str
+    workdir: Path
+    process: JailProcess
+    dirs: RunDirs
+    created: float = field(default_factory=time.monotonic)
+    link: JailLink | None = None  # egress mode: the jail's own network namespace
+    network: EgressNetwork | None = None
+    cgroup: Group | None = None  # the jail's own cgroup (memory, cpu, pids), when enforcing
+    baseline: Counters | None = None  # the group's counters when it became ready (`make_ready`)
+    tmp_fd: int | None = None  # its private /tmp, open from `pin` until `destroy`
+    workdir_fd: int | None = None  # its run directory, open from `pin` until `destroy`
+    workdir_dev: int | None = None  # the run directory's filesystem, read at `pin`
+    _destroyed: bool = False
+
+    @property
+    def alive(self) -> bool:
+        return not self._destroyed and self.process.is_running()
+
+    def pin(self) -> None:
+        """The driver is up and no code has run: pin the jail's processes (`JailProcess.pin`)
+        and open its private /tmp, whose tmpfs counts what the run keeps there: a cell's end
+        then reads that count with one fstatvfs instead of a path lookup through /proc into
+        another mount namespace (some 80 us on an idle CPU here). The run directory is opened
+        too: a cell's end reads its tmpfs's count, or walks it, from there (~30 us).
+
+        Where run directories are sized tmpfs (`RunDirs.sizes`), the /tmp gets the same sizes
+        here, before any code runs (`runfs.resize`): OSError if it cannot, and such a jail
+        must not be used (fail closed)."""
+        self.process.pin()
+        with contextlib.suppress(OSError):  # the server made it; the jail cannot mount over it
+            fd = fstree.open_dir(self.workdir)
+            self.workdir_fd, self.workdir_dev = fd, os.fstat(fd).st_dev
+        tmp = tmp_of(self.process.inits())
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                self.tmp_fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        sizes = self.dirs.sizes
+        if sizes is not None:
+            if self.tmp_fd is None:
+                # A server without ptrace access to the jail (a container's root lacks
+                # CAP_SYS_PTRACE) cannot open /proc/PID/root: /tmp then keeps the bound the
+                # server's check gives it, as before run filesystems were sized.
+                _tmp_unsized()
+                return
+            runfs.resize(self.tmp_fd, sizes)
+
+    def run_processes(self, inits: list[int]) -> list[int]:
+        """Every process of the jail below firejail's own two (its launcher and the sandbox's
+        init, `inits`): what the run made, orphans included. From the cgroup's member list,
+        one read, where the jail has a group (nothing of it can leave it); else from /proc."""
+        if self.cgroup is not None:
+            try:
+                members = self.cgroup.members()
+            except (OSError, ValueError):
+                members = None
+            if members is not None:
+                skip = {self.process.pid, *inits}
+                return [pid for pid in members if pid not in skip]
+        return proctree.below(inits)
+
+    async def freeze(self) -> None:
+        """Between a session's cells: freeze every process of the jail, and kill what is not the
+        jail's own (`JailProcess.ready_pids`): what a thread of the cell started after the cell
+        ended its leftovers. Nothing of a frozen jail runs, so a session holds no CPU outside
+        SANDBOX_MAX_CONCURRENCY. Confirmed, not assumed: JailFailure unless the kernel says
+        every task is frozen within FREEZE_WAIT_S (a task in an uninterruptible wait may not
+        be). A jail without a cgroup has no freezer: nothing is done (rlimits mode)."""
+        group = self.cgroup
+        if group is None:
+            return
+        try:
+            await self._freeze(group)
+        except BaseException:
+            # Fail closed: the jail is killed, then thawed, so that it dies without running on.
+            self.process.signal_kill()
+            with contextlib.suppress(OSError):
+                group.thaw()
+            raise
+
+    async def _freeze(self, group: Group) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            group.freeze()
+            deadline = loop.time() + FREEZE_WAIT_S
+            wait = 0.0  # the first look again after one turn of the loop: most freezes are done by then
+            while not group.is_frozen():
+                if loop.time() > deadline:
+                    raise JailFailure(f"the session's jail did not freeze within {FREEZE_WAIT_S} s")
+                await asyncio.sleep(wait)
+                wait = min(wait * 2 or FREEZE_POLL_S, 0.05)
+            # Frozen, the member list holds still. On v1 a killed process dies as the group
+            # thaws, before it runs again; on v2 it dies now.
+            own = set(self.process.ready_pids())
+            for pid in group.members() or group.pids():
+                if pid not in own:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        except OSError as exc:
+            raise JailFailure(f"the session's jail could not be frozen: {exc}") from exc
+
+    def thaw(self) -> None:
+        """Let a frozen jail run again (a session's next cell); OSError if the kernel refused."""
+        if self.cgroup is not None and self.cgroup.frozen:
+            self.cgroup.thaw()
+
+    def make_ready(self, limits: GroupLimits) -> None:
+        """A pooled jail, started at idle CPU weight, becomes ready to hand out: the run's cgroup
+        limits (they differ in the weight only) and the baseline its first cell is measured from
+        (CPU time, OOM kills, a new peak reading). Done here, off the run's path: waiting ready,
+        the jail runs nothing, so neither changes until a run has it. OSError if the group
+        cannot be written: such a jail must not be handed out."""
+        if self.cgroup is not None:
+            self.cgroup.set_limits(limits)
+            self.baseline = _measure_from_now(self.cgroup)
+
+    def cell_baseline(self) -> Counters | None:
+        """The group's counters a cell is measured from: those taken when the jail became ready,
+        for its first cell; else read now, with a new peak reading. None without a group."""
+        base, self.baseline = self.baseline, None
+        if base is None and self.cgroup is not None:
+            with contextlib.suppress(OSError):
+                base = _measure_from_now(self.cgroup)
+        return base
+
+    async def destroy(self) -> None:
+        """Kill every process of the jail, reap them, remove the run directory and the cgroup."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            if self.cgroup is not None and self.cgroup.frozen:
+                # A frozen task takes SIGKILL only as it thaws (v1): the kill goes first, so
+                # that nothing of the jail runs between the thaw and its end.
+                self.process.signal_kill()
+                with contextlib.suppress(OSError):
+                    self.cgroup.thaw()
+            await self.process.kill()
+        finally:
+            if self.tmp_fd is not None:  # an open directory keeps its tmpfs, and its pages, alive
+                os.close(self.tmp_fd)
+                self.tmp_fd = None
+            if self.workdir_fd is not None:
+                os.close(self.workdir_fd)
+                self.workdir_fd = None
+            try:
+                await asyncio.to_thread(self._remove)
+            finally:
+                if self.network is not None and self.link is not None:
+                    await self.network.release(self.link)
+
+    def _remove(self) -> None:
+        try:
+            self.dirs.remove(self.workdir)
+        finally:
+            if self.cgroup is not None:  # also kills anything of the jail still in it
+                self.cgroup.remove()
+
+
+def _measure_from_now(group: Group) -> Counters:
+    """The group's counters now (CPU time, OOM kills) and a new peak reading from here: what a
+    cell is measured from. OSError if the group cannot be read or written."""
+    base = group.counters(pids=False)
+    group.reset_peak()
+    return base
+
+
+def tmp_of(inner: list[int]) -> Path | None:
+    """A jail's private /tmp as the host sees it, from the children of its firejail process
+    (the sandbox's init, whose mount namespace holds that tmpfs)."""
+    return Path(f"/proc/{inner[0]}/root/tmp") if inner else None
+
+
+class JailFactory:
+    """Makes jails for one server: holds the settings and host facts every spec needs."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        host: HostFacts,
+        runtime: Path,
+        dirs: RunDirs,
+        network: EgressNetwork | None = None,
+        gpu: GpuDevice | None = None,
+        preload: tuple[str, ...] | None = None,
+        wheel_cache: Path | None = None,
+        cgroups: Hierarchy | None = None,
+    ) -> None:
+        self.settings = settings
+        self.cgroups = cgroups  # enforcing: every jail gets its own group before it starts
+        self.run_limits = GroupLimits(
+            memory_mb=settings.memory_mb, cpus=settings.cpus, max_procs=settings.max_procs
+        )
+        self.preload = settings.preload if preload is None else preload  # this factory's profile
+        self.gpu = gpu  # GPU mode: every jail made here sees only this device
+        self.host = host
+        self.runtime = runtime
+        self.dirs = dirs
+        self.network = network
+        self.expected = checks.Expected(
+            uid=host.uid,
+            host_pid_ns=host.pid_ns,
+            host_net_ns=host.net_ns,
+            interfaces=expected_interfaces(network is not None),
+        )
+        self._env = jail_env(settings, settings.python, runtime, self.preload)
+        self._readable = (*python_roots(settings.python), runtime)
+        if settings.models_dir is not None:
+            self._readable += (settings.models_dir,)
+        if settings.wheelhouse is not None:  # whitelisted read-only, like every readable path
+            self._readable += (settings.wheelhouse,)
+        if wheel_cache is not None:  # the server's unpacked wheels (appliance.sandbox.wheels)
+            self._readable += (wheel_cache,)
+            self._env = tuple(sorted((*self._env, ("APPLIANCE_WHEEL_CACHE", str(wheel_cache)))))
+        if gpu is not None:
+            self._env = tuple(sorted(self._env + gpu_env(settings, gpu)))
+            if settings.gpu_libcuda.startswith("/"):  # a driver library outside the usual paths
+                self._readable += (Path(settings.gpu_libcuda).parent,)
+        self.spawned = 0
+
+    def spec(self, workdir: Path, link: JailLink | None = None) -> JailSpec:
+        s = self.settings
+        return JailSpec(
+            workdir=workdir,
+            uid=self.host.uid,
+            gid=self.host.gid,
+            python=s.python,
+            driver=self.runtime / DRIVER,
+            limits=JailLimits(
+                memory_mb=s.memory_mb,
+                max_procs=s.max_procs,
+                file_mb=s.max_file_mb,
+                open_files=s.max_open_files,
+            ),
+            readable=self._readable,
+            root_entries=self.host.root_entries,
+            run_entries=self.host.run_entries,
+            env=self._env,
+            netns=link.netns if link is not None else None,
+            dns=s.egress_dns if link is not None else (),
+            devices=self.gpu.nodes if self.gpu else (),
+            gpu=self.gpu is not None,
+            gpu_hidden=self.gpu.hidden if self.gpu else (),
+            gpu_shared=(self.gpu.mps_pipe_dir,) if self.gpu and self.gpu.mps_pipe_dir else (),
+        )
+
+    async def launch(self, nice: int = 0) -> Jail:
+        """Start and verify a new jail, or raise JailFailure (and leave nothing behind).
+
+        nice > 0 starts it at lower CPU priority (pool refills) and, with cgroups, at idle CPU
+        weight; the pool sets both back for runs once it is ready (`make_ready`).
+        """
+        jail_id = secrets.token_hex(8)
+        group = None
+        if self.cgroups is not None:  # fail closed: no group, no jail
+            limits = self.run_limits.idle() if nice > 0 else self.run_limits
+            try:
+                group = self.cgroups.group(jail_id, limits)
+            except OSError as exc:
+                if group is not None:
+                    await asyncio.to_thread(group.remove)
+                raise JailFailure(f"could not make the jail's cgroup: {exc}") from exc
+        try:
+            return await self._launch(jail_id, nice, group)
+        except BaseException:
+            if group is not None:
+                await asyncio.to_thread(group.remove)
+            raise
+
+    async def _make_workdir(self, jail_id: str) -> Path:
+        """The jail's run directory, made in a thread. A run cancelled meanwhile (its client
+        gone) does not stop the thread: the directory is made, then removed, before the
+        cancellation goes on, so no run directory outlives a run that never got its jail."""
+        making = asyncio.ensure_future(asyncio.to_thread(self.dirs.create, jail_id))
+        try:
+            return await asyncio.shield(making)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await making
+            await asyncio.to_thread(self.dirs.remove, self.dirs.path(jail_id))
+            raise
+
+    def _launcher(self, link: JailLink | None, group: Group | None) -> list[str]:
+        """What runs before firejail, outermost first: join the jail's cgroup (as root), give it
+        the minimal accounts (a private mount namespace), enter its network namespace, and drop
+        to the sandbox uid. All of it is exec'd programs, so the server spawns with vfork and
+        never forks itself (`firejail.join_argv`)."""
+        uid, gid = self.host.uid, self.host.gid
+        # In egress mode root enters the namespace and drops to the sandbox uid itself.
+        prefix = enter_argv(link, uid, gid) if link is not None else []
+        if link is None and self.host.run_as_uid is not None:
+            prefix = drop_argv(uid, gid)
+        accounts = self.dirs.accounts
+        if accounts is not None and prefix:
+            # Root starts it: the jail's /etc/passwd and /etc/group list only root and the
+            # sandbox user (a server that is the sandbox uid itself cannot mount them).
+            prefix = accounts_argv(*accounts, prefix)
+        if group is not None:
+            prefix = join_argv(group.procs_files()) + prefix
+        if self.host.run_as_uid is not None:  # root: the jail is the OOM killer's first choice
+            prefix = oom_argv() + prefix
+        return prefix
+
+    async def _launch(self, jail_id: str, nice: int, group: Group | None) -> Jail:
+        workdir = await self._make_workdir(jail_id)
+        link: JailLink | None = None
+        if self.network is not None:  # egress mode: the filtered namespace first, firejail inside it
+            try:
+                link = await self.network.attach(jail_id)
+            except BaseException:
+                await asyncio.to_thread(self.dirs.remove, workdir)
+                raise
+        spec = dataclasses.replace(self.spec(workdir, link), nice=nice)
+        try:
+            process = await JailProcess.spawn(
+                lambda fd: self._launcher(link, group) + render_argv(spec, fd, self.host.firejail),
+                env=launcher_env(),
+                max_event_bytes=self.settings.max_output_bytes + 65536,
+            )
+        except BaseException as exc:  # a cancelled run's too: it leaves nothing behind
+            await asyncio.to_thread(self.dirs.remove, workdir)
+            if link is not None and self.network is not None:
+                await self.network.release(link)
+            if isinstance(exc, OSError):
+                raise JailFailure(f"could not start firejail: {exc}") from exc
+            raise
+        self.spawned += 1
+        jail = Jail(
+            id=jail_id,
+            workdir=workdir,
+            process=process,
+            dirs=self.dirs,
+            link=link,
+            network=self.network,
+            cgroup=group,
+        )
+        try:
+            ready = await jail.process.wait_event("ready", READY_TIMEOUT_S)
+        except JailExited as exc:
+            await jail.destroy()
+            log.error("jail exited before ready", extra={"output": exc.output, "jail": jail.id})
+            raise JailStartFailed("the jail exited before it was ready") from exc
+        except TimeoutError as exc:
+            await jail.destroy()
+            raise JailFailure("jail did not become ready in time") from exc
+        except BaseException:
+            await jail.destroy()
+            raise
+        if ready["ev"] != "ready":
+            await jail.destroy()
+            raise JailFailure(f"the jail sent {ready['ev']!r} where its ready event was due")
+        found = checks.problems(ready["check"], self.expected)
+        if found:
+            await jail.destroy()
+            log.error("jail refused: self-check failed", extra={"problems": found, "jail": jail_id})
+            raise JailFailure("the jail failed its self-check; the run was refused")
+        if ready["preload_failed"]:
+            log.warning("preload failed", extra={"modules": ready["preload_failed"]})
+        try:
+            jail.pin()
+        except OSError as exc:
+            await jail.destroy()
+            raise JailFailure(f"could not size the jail's writable space: {exc}") from exc
+        return jail
+
+
+def gpu_env(settings: Settings, gpu: GpuDevice) -> tuple[tuple[str, str], ...]:
+    """What a GPU jail adds to the environment: its one device, the CUDA library, MPS."""
+    env = [("CUDA_VISIBLE_DEVICES", gpu.uuid), ("APPLIANCE_LIBCUDA", settings.gpu_libcuda)]
+    if gpu.mps_pipe_dir is not None:
+        env.append(("CUDA_MPS_PIPE_DIRECTORY", str(gpu.mps_pipe_dir)))
+    return tuple(env)
+
+
+def python_roots(python: Path) -> list[Path]:
+    """The directories the jail's interpreter needs besides /usr: its virtualenv, if any."""
+    venv = python.parent.parent
+    if (venv / "pyvenv.cfg").exists():
+        return [venv]
+    return []

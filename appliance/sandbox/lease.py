@@ -1,0 +1,138 @@
+"""A run's hold on a jail, from the moment it is admitted until everything is undone.
+
+    async with leases.lease(request) as lease:      # held in line first (GPU memory, FIFO)
+        async with admission.slot():
+            jail = await lease.take()               # a ready jail, limits armed, watched
+            ...run the cell...
+    # leaving: the jail is killed, reaped and removed; what it held is handed back
+
+`PoolLeases` (here) hands out pooled CPU jails. `appliance.gpu.lease.GpuLeases` hands out
+jails that see one GPU, each under the run's GPU budget; it keeps a `PoolLeases` for runs
+that ask for no GPU. A session `keep()`s its lease past the request and `end()`s it when
+the session closes.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+from types import TracebackType
+from typing import Any
+
+from appliance.sandbox.jail import Jail
+from appliance.sandbox.pool import JailPool, ProfilePools
+from appliance.wire.protocol import ExecuteRequest
+
+
+class Lease(abc.ABC):
+    """One run's (or session's) jail and what must be undone when it ends."""
+
+    def __init__(self, profile: str, queued_ms: int = 0, gpu: dict[str, Any] | None = None) -> None:
+        self.profile = profile  # the preload profile of the jail (appliance.sandbox.profiles)
+        self.queued_ms = queued_ms  # time spent in line for the lease (GPU memory), not the slot
+        self.gpu = gpu  # the start frame's `gpu` field; None for a CPU run
+        self.jail: Jail | None = None
+        self.kept = False
+        self._ended = False
+
+    @abc.abstractmethod
+    async def take(self) -> Jail:
+        """A ready jail for this lease (called once, inside the run's admission slot)."""
+
+    def keep(self) -> None:
+        """A session holds this lease past its first request; it calls `end()` itself."""
+        self.kept = True
+
+    async def end(self) -> None:
+        """Kill, reap and remove the jail and hand back what it held; idempotent."""
+        if self._ended:
+            return
+        self._ended = True
+        await self._end()
+
+    @abc.abstractmethod
+    async def _end(self) -> None: ...
+
+
+class LeaseSource(abc.ABC):
+    """What the run service takes jails from."""
+
+    @abc.abstractmethod
+    def lease(self, req: ExecuteRequest) -> contextlib.AbstractAsyncContextManager[Lease]:
+        """Hold a lease for req: ended on leaving, unless kept by a session."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """End every lease's pending teardown and drain the pools."""
+
+
+class Held(contextlib.AbstractAsyncContextManager[Lease]):
+    """`async with` over a lease: gives it, and ends it on leaving unless a session kept it.
+    A class, not a generator-based context manager: every run enters one on its path."""
+
+    __slots__ = ("lease",)
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+
+    async def __aenter__(self) -> Lease:
+        return self.lease
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self.lease.kept:
+            await self.lease.end()
+
+
+class PoolLease(Lease):
+    def __init__(self, source: PoolLeases, pool: JailPool, profile: str) -> None:
+        super().__init__(profile)
+        self._source = source
+        self._pool = pool
+
+    async def take(self) -> Jail:
+        self.jail = await self._pool.take()
+        return self.jail
+
+    async def _end(self) -> None:
+        if self.jail is None:
+            return
+        if self.kept:  # a session closing: its caller expects the jail gone
+            await self.jail.destroy()
+        else:
+            self._source.teardown(self.jail)
+
+
+class PoolLeases(LeaseSource):
+    """Pooled, single-use CPU jails, one pool per preload profile; a run gets the profile its
+    code fits. A jail's teardown (SIGKILL, reap, remove) starts as the run's `done` goes out
+    (`teardown`)."""
+
+    def __init__(self, pools: ProfilePools) -> None:
+        self.pools = pools
+        self._teardowns: set[asyncio.Task[None]] = set()
+
+    def lease(self, req: ExecuteRequest) -> Held:
+        profile = self.pools.profile_for(req.code)
+        return Held(PoolLease(self, self.pools.pools[profile], profile.name))
+
+    def teardown(self, jail: Jail) -> None:
+        """Kill, reap and remove a one-shot run's jail in a task of its own.
+
+        Its first step SIGKILLs the jail. It runs once the run's task yields, which is after
+        that task has written its `done` (a send waits only for a client that stopped
+        reading), so the kill falls just after `done` instead of just before it: waking the
+        sleeping jail and its teardown cost a warm run ~0.4 ms of its round trip there
+        (`python -m benchmarks.hotpath`). Nothing of the run is left to observe the order:
+        its final disk check, outputs and counters were taken already (while its processes
+        lived, as a forged `done` event allows anyway), and its limits hold until the kill.
+        """
+        task = asyncio.create_task(jail.destroy())
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._teardowns, return_exceptions=True)
+        await self.pools.close()

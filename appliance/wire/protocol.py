@@ -1,0 +1,727 @@
+"""Wire protocol v1 codec: client frames in, typed messages out, server frames back.
+
+Pure data: no I/O and no asyncio. The contract is `shared/design/protocol.md`;
+this module only adds fields, never renames them.
+
+The messages are typed models and are the single source of the published schemas
+(`appliance.wire.openapi` generates the OpenAPI document and `docs/protocol.schema.json`
+from them):
+
+- client -> server: pydantic dataclasses (`ExecuteRequest`, `StdinMessage`, ...). The
+  validation itself runs in pydantic-core; only the checks no schema can say (a path that
+  climbs out, base64, the upload budget, GPU mode) are Python validators, and they run only
+  when the frame carries those fields. A plain execute request (no uploads, no GPU) is
+  checked by `_plain_execute` instead, to the same answer, because every run pays its parse.
+- server -> client: `TypedDict`s (`StreamFrame`, `DoneFrame`, ...). The builders return
+  plain dicts, the cheapest thing to build several times per run, and `encode` serializes
+  them in pydantic-core. Tests check every builder against its TypedDict's schema.
+"""
+
+# No `from __future__ import annotations` here: on Python 3.11 a TypedDict only knows which
+# keys are NotRequired when its annotations are real objects, not strings.
+import base64
+import binascii
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, NotRequired, Protocol, get_args
+
+import pydantic_core
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
+from pydantic.dataclasses import dataclass as model
+from pydantic_core import PydanticCustomError
+from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
+
+from appliance.core.errors import RequestRejected
+
+MAX_ID_CHARS = 128
+MAX_PATH_CHARS = 1024
+Status = Literal[
+    "ok",
+    "error",
+    "timeout",
+    "memory_limit",
+    "output_limit",
+    "cancelled",
+    "gpu_memory_limit",
+    "rejected",
+    "busy",
+    "internal",
+]
+STATUSES: tuple[str, ...] = get_args(Status)
+
+
+class ProtocolError(RequestRejected):
+    """A frame that cannot be accepted; `request_id` is echoed when it could be read."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class LimitSettings(Protocol):
+    """The settings a codec needs (structural, so this layer never imports settings)."""
+
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def max_upload_bytes(self) -> int: ...
+    @property
+    def gpu(self) -> bool: ...
+    @property
+    def max_upload_files(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the codec needs to know to validate a request."""
+
+    max_message_bytes: int
+    max_upload_bytes: int
+    gpu_enabled: bool = False
+    max_upload_files: int = 1000
+
+    @classmethod
+    def from_settings(cls, settings: LimitSettings) -> "Limits":
+        """The one place that turns settings into codec limits (every transport uses it)."""
+        return cls(
+            settings.max_message_bytes,
+            settings.max_upload_bytes,
+            gpu_enabled=settings.gpu,
+            max_upload_files=settings.max_upload_files,
+        )
+
+
+def new_request_id() -> str:
+    """A server-made request id, for requests that carry none."""
+    return "r-" + secrets.token_hex(8)
+
+
+# ---- client -> server messages -------------------------------------------------------------
+# Python validators raise PydanticCustomError; `_rejection` turns every error into the
+# protocol's own message, so a client reads the same words whichever check refused it.
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and value.isprintable()
+
+
+def _request_id(value: object) -> str:
+    if isinstance(value, str) and _is_id(value):
+        return value
+    raise PydanticCustomError("bad_id", "not a printable string of 1-{n} characters", {"n": MAX_ID_CHARS})
+
+
+def _request_id_or_new(value: object) -> str:
+    return new_request_id() if value is None else _request_id(value)
+
+
+_ID_SCHEMA = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_ID_CHARS,
+    "description": "Printable characters; every reply to this request carries it.",
+}
+# A run's id as the client chose it (stdin, interrupt: required, since they address a run).
+RequestId = Annotated[str, PlainValidator(_request_id), WithJsonSchema(_ID_SCHEMA)]
+# An id the server makes when the client sends none (or null).
+OptionalRequestId = Annotated[
+    str,
+    PlainValidator(_request_id_or_new),
+    WithJsonSchema(
+        {"anyOf": [_ID_SCHEMA, {"type": "null"}], "description": "Omitted or null: the server makes one."}
+    ),
+]
+
+
+def _safe_path(path: str) -> str:
+    reason = upload_path_problem(path)
+    if reason:
+        raise PydanticCustomError("path_refused", "{reason}", {"reason": reason})
+    return "/".join(p for p in path.split("/") if p not in ("", "."))
+
+
+def _upload_data(value: object) -> bytes:
+    """Base64 text from the wire, decoded once here; raw bytes from code that builds a request."""
+    if isinstance(value, bytes):
+        return value
+    if not isinstance(value, str):
+        raise PydanticCustomError("data_type", "must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise PydanticCustomError("base64", "is not valid base64") from None
+
+
+_CONFIG = ConfigDict(frozen=True, extra="ignore")
+
+
+@model(config=_CONFIG)
+class UploadFile:
+    """A file the client sends into the run's working directory."""
+
+    path: Annotated[
+        StrictStr,
+        AfterValidator(_safe_path),
+        Field(description="Relative to the working directory; absolute paths, '..' and links are refused."),
+    ]
+    data: Annotated[
+        bytes,
+        PlainValidator(_upload_data),
+        WithJsonSchema({"type": "string", "contentEncoding": "base64", "default": ""}),
+    ] = b""
+
+
+@model(config=_CONFIG)
+class GpuRequest:
+    """The GPU share a run asks for (only with SANDBOX_GPU=1)."""
+
+    memory_mb: Annotated[StrictInt, Field(ge=1, description="Device memory, in MiB.")]
+
+
+def _files_or_empty(value: object) -> object:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise PydanticCustomError("files_type", "must be a list of {path, data} objects")
+    return value
+
+
+@model(config=_CONFIG, kw_only=True)
+class ExecuteRequest:
+    """Run code. Only `code` is required."""
+
+    id: OptionalRequestId = Field(default_factory=new_request_id)
+    code: StrictStr = Field(description="Python source to run.")
+    session: Annotated[StrictStr, Field(min_length=1)] | None = Field(
+        default=None, description='Omit for a one-shot run; "new" opens a session; a session id continues it.'
+    )
+    timeout_ms: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        default=None, description="Lowers SANDBOX_MAX_EXEC_MS for this run, never raises it."
+    )
+    files: Annotated[
+        tuple[UploadFile, ...],
+        BeforeValidator(_files_or_empty, json_schema_input_type=list[UploadFile] | None),
+    ] = Field(default=(), description="Written into the working directory before the code starts.")
+    gpu: GpuRequest | None = Field(default=None, description="Only valid with SANDBOX_GPU=1.")
+    stdin_eof: StrictBool = Field(default=False, description="The run's stdin is closed from the start.")
+    type: Literal["execute"] = "execute"
+
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _gpu_mode(cls, value: object, info: ValidationInfo) -> object:
+        limits = info.context
+        if value is not None and isinstance(limits, Limits) and not limits.gpu_enabled:
+            raise PydanticCustomError(
+                "gpu_off", "'gpu' was requested but this appliance runs without SANDBOX_GPU"
+            )
+        if value is not None and not isinstance(value, (dict, GpuRequest)):
+            raise PydanticCustomError("gpu_type", "'gpu' must be an object like {\"memory_mb\": 2048}")
+        return value
+
+    @field_validator("files", mode="after")
+    @classmethod
+    def _upload_budget(cls, files: tuple[UploadFile, ...], info: ValidationInfo) -> tuple[UploadFile, ...]:
+        limits = info.context
+        seen: set[str] = set()
+        total = 0
+        for i, item in enumerate(files):
+            total += len(item.data)
+            if isinstance(limits, Limits) and total > limits.max_upload_bytes:
+                raise PydanticCustomError(
+                    "rejected",
+                    "files total more than SANDBOX_MAX_UPLOAD_BYTES ({n})",
+                    {"n": limits.max_upload_bytes},
+                )
+            if item.path in seen:
+                raise PydanticCustomError("duplicate", "files[{i}] names a path already given", {"i": i})
+            seen.add(item.path)
+        return files
+
+
+@model(config=_CONFIG)
+class StdinMessage:
+    """Feed a running request's stdin."""
+
+    id: RequestId
+    data: StrictStr = ""
+    eof: StrictBool = Field(default=False, description="Close stdin after this data.")
+    type: Literal["stdin"] = "stdin"
+
+
+@model(config=_CONFIG)
+class InterruptMessage:
+    """Stop a running request (its done status is `cancelled`)."""
+
+    id: RequestId
+    type: Literal["interrupt"] = "interrupt"
+
+
+@model(config=_CONFIG)
+class CloseSessionMessage:
+    """End a session and its jail."""
+
+    session: Annotated[StrictStr, Field(min_length=1)]
+    id: OptionalRequestId = Field(default_factory=new_request_id)
+    type: Literal["close_session"] = "close_session"
+
+
+ClientMessage = ExecuteRequest | StdinMessage | InterruptMessage | CloseSessionMessage
+CLIENT_MESSAGES: dict[str, type[ClientMessage]] = {
+    "execute": ExecuteRequest,
+    "stdin": StdinMessage,
+    "interrupt": InterruptMessage,
+    "close_session": CloseSessionMessage,
+}
+_ADAPTERS: dict[str, TypeAdapter[Any]] = {kind: TypeAdapter(cls) for kind, cls in CLIENT_MESSAGES.items()}
+# When a frame has several problems, name the one the protocol checks first.
+_FIELD_ORDER = {
+    "execute": ("code", "session", "timeout_ms", "gpu", "stdin_eof", "files"),
+    "stdin": ("data", "eof", "id"),
+    "interrupt": ("id",),
+    "close_session": ("session",),
+}
+
+
+def check_size(frame: str | bytes, limits: Limits) -> None:
+    """ProtocolError if the frame is over SANDBOX_MAX_MESSAGE_BYTES: checked before any parsing."""
+    # surrogatepass: a str frame may hold lone surrogates; they are refused later, not crashed on.
+    size = len(frame.encode("utf-8", "surrogatepass") if isinstance(frame, str) else frame)
+    if size > limits.max_message_bytes:
+        raise ProtocolError(
+            f"frame of {size} bytes exceeds SANDBOX_MAX_MESSAGE_BYTES ({limits.max_message_bytes})"
+        )
+
+
+def parse_client_frame(frame: str | bytes, limits: Limits) -> ClientMessage:
+    """Turn one client frame into a typed message, or raise ProtocolError naming the problem."""
+    check_size(frame, limits)
+    # The stdlib decoder, not pydantic's: what counts as JSON on the wire stays exactly as it was.
+    try:
+        obj = json.loads(frame)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"frame is not valid JSON: {exc}") from None
+    except RecursionError:  # "[[[[…" nested deeper than the decoder's stack
+        raise ProtocolError("frame is nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"frame must be a JSON object, got {_json_type(obj)}")
+    plain = _plain_execute(obj)
+    if plain is not None:
+        return plain
+    kind = obj.get("type", "execute")
+    files = obj.get("files")
+    # Counted before any validation: per entry, validation costs far more than decoding did.
+    if kind == "execute" and isinstance(files, list) and len(files) > limits.max_upload_files:
+        raise ProtocolError(
+            f"'files' has {len(files)} entries; SANDBOX_MAX_UPLOAD_FILES allows {limits.max_upload_files}",
+            _optional_id(obj),
+        )
+    adapter = _ADAPTERS.get(kind) if isinstance(kind, str) else None
+    if adapter is None:
+        request_id = _optional_id(obj)
+        if not isinstance(kind, str):
+            raise ProtocolError(f"'type' must be a string, got {_json_type(kind)}", request_id)
+        raise ProtocolError(f"unknown type {kind!r}", request_id or new_request_id())
+    try:
+        message: ClientMessage = adapter.validate_python(obj, context=limits)
+    except ValidationError as exc:
+        raise _rejection(kind, exc, obj) from None
+    return message
+
+
+# The fields a plain execute request may carry: none of them needs more than a type check.
+_PLAIN_EXECUTE_KEYS = frozenset(("type", "id", "code", "session", "timeout_ms", "stdin_eof"))
+
+
+def _plain_execute(obj: dict[str, Any]) -> ExecuteRequest | None:
+    """The ExecuteRequest pydantic would make of obj, when obj is a valid execute request with
+    no uploads and no GPU (what nearly every run sends); None for anything else, which the
+    full validation then accepts or names the problem of.
+
+    Every check here is one pydantic makes of these fields (StrictStr, StrictInt >= 1,
+    StrictBool, the id's rule); a test holds the two to the same answer for any frame. Why
+    not pydantic itself: on a CPU that has been idle, as a warm run's arrives, its validator
+    cost ~0.13 ms more than these checks (the first use of its code after the idle spell),
+    and every run pays it before anything else."""
+    if not obj.keys() <= _PLAIN_EXECUTE_KEYS:
+        return None
+    rid = obj.get("id")
+    code = obj.get("code")
+    session = obj.get("session")
+    timeout_ms = obj.get("timeout_ms")
+    stdin_eof = obj.get("stdin_eof", False)
+    if (
+        obj.get("type", "execute") != "execute"
+        or type(code) is not str
+        or (rid is not None and not _is_id(rid))
+        # pydantic refuses a session with a lone surrogate in it; an ASCII one has none.
+        or (session is not None and (type(session) is not str or not session or not session.isascii()))
+        or (timeout_ms is not None and (type(timeout_ms) is not int or timeout_ms < 1))
+        or type(stdin_eof) is not bool
+    ):
+        return None
+    message = object.__new__(ExecuteRequest)
+    # Set as pydantic sets a validated dataclass's fields (the class is frozen).
+    message.__dict__.update(
+        id=new_request_id() if rid is None else rid,
+        code=code,
+        session=session,
+        timeout_ms=timeout_ms,
+        files=(),
+        gpu=None,
+        stdin_eof=stdin_eof,
+        type="execute",
+    )
+    return message
+
+
+def _rejection(kind: str, exc: ValidationError, obj: dict[str, Any]) -> ProtocolError:
+    """The protocol's message for the first problem (in the order the protocol names them)."""
+    request_id = _optional_id(obj)  # a bad id is named first, and cannot be echoed
+    rid = request_id or new_request_id()
+    order = _FIELD_ORDER[kind]
+    errors = exc.errors(include_url=False)
+    first = min(
+        errors, key=lambda e: order.index(e["loc"][0]) if e["loc"] and e["loc"][0] in order else len(order)
+    )
+    return ProtocolError(_message(kind, first, obj), rid)
+
+
+def _message(kind: str, err: Any, obj: dict[str, Any]) -> str:
+    loc: tuple[int | str, ...] = err["loc"]
+    field = loc[0] if loc else ""
+    custom = err["type"] in ("gpu_off", "gpu_type", "rejected")
+    if custom:
+        return str(err["msg"])
+    if kind == "execute":
+        if field == "code":
+            if err["type"] == "missing":
+                return "missing required field 'code'"
+            return f"'code' must be a string, got {_json_type(obj['code'])}"
+        if field == "session":
+            return "'session' must be null, \"new\" or a session id"
+        if field == "timeout_ms":
+            return "'timeout_ms' must be a positive integer"
+        if field == "gpu":
+            if len(loc) > 1:
+                return "'gpu.memory_mb' must be a positive integer"
+            return "'gpu' must be an object like {\"memory_mb\": 2048}"
+        if field == "stdin_eof":
+            return "'stdin_eof' must be true or false"
+        if field == "files":
+            return _file_message(loc, err, obj)
+    if kind == "stdin":
+        if field == "data":
+            return f"'data' must be a string, got {_json_type(obj['data'])}"
+        if field == "eof":
+            return f"'eof' must be true or false, got {_json_type(obj['eof'])}"
+        return "a 'stdin' frame needs the 'id' of its run"
+    if kind == "interrupt":
+        return "an 'interrupt' frame needs the 'id' of its run"
+    if kind == "close_session":
+        return "'close_session' needs a 'session' string"
+    return f"{'.'.join(map(str, loc)) or 'frame'}: {err['msg']}"  # not reached by any known frame
+
+
+def _file_message(loc: tuple[int | str, ...], err: Any, obj: dict[str, Any]) -> str:
+    if err["type"] == "duplicate":  # named as the client wrote it, not as normalised
+        i = err["ctx"]["i"]
+        return f"files[{i}].path {obj['files'][i]['path']!r} appears twice"
+    if len(loc) == 1:
+        return "'files' must be a list of {path, data} objects"
+    at = f"files[{loc[1]}]"
+    if len(loc) == 2:
+        return f"{at} must be an object"
+    if loc[2] == "path":
+        if err["type"] == "path_refused":
+            return f"{at}.path {err['input']!r} is refused: {err['ctx']['reason']}"
+        return f"{at}.path must be a string"
+    if err["type"] == "base64":
+        return f"{at}.data is not valid base64"
+    return f"{at}.data must be a base64 string"
+
+
+def upload_path_problem(path: str) -> str | None:
+    """Why a client-supplied relative path is unsafe, or None if it is fine."""
+    if not path or len(path) > MAX_PATH_CHARS:
+        return "empty or too long"
+    if "\x00" in path:
+        return "contains a NUL byte"
+    if any("\ud800" <= c <= "\udfff" for c in path):
+        return "is not valid UTF-8 (lone surrogate)"
+    if path.startswith("/"):
+        return "absolute paths are not allowed"
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if not parts:
+        return "names no file"
+    if any(p == ".." for p in parts):
+        return "'..' climbs out of the working directory"
+    if any(len(p.encode()) > 255 for p in parts):
+        return "a path component is longer than 255 bytes"
+    return None
+
+
+def _optional_id(obj: dict[str, Any]) -> str | None:
+    rid = obj.get("id")
+    if rid is None:
+        return None
+    if not _is_id(rid):
+        raise ProtocolError(f"'id' must be a printable string of 1-{MAX_ID_CHARS} characters")
+    return str(rid)
+
+
+def _json_type(value: Any) -> str:
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        int: "number",
+        float: "number",
+        bool: "boolean",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
+
+
+# ---- server -> client frames ---------------------------------------------------------------
+# Frames are plain dicts: that is what the transports and the service pass around. These
+# TypedDicts say their shape, for the schemas, the client and the tests.
+
+MimeBundle = Annotated[
+    dict[str, Any],
+    Field(
+        description="MIME type -> value, as Jupyter shows it: text/plain, text/html, image/png (base64), ..."
+    ),
+]
+
+
+class GpuGrant(TypedDict):
+    """The GPU share a run was granted."""
+
+    index: int
+    uuid: str
+    memory_mb: int
+
+
+class StartFrame(TypedDict):
+    """The run got a jail."""
+
+    type: Literal["start"]
+    id: str
+    run: str
+    session: str | None
+    queued_ms: int
+    gpu: GpuGrant | None
+    timeout_ms: int
+
+
+class StreamFrame(TypedDict):
+    """Output, as the code writes it (every byte it prints travels inside `text`)."""
+
+    type: Literal["stream"]
+    id: str
+    name: Literal["stdout", "stderr"]
+    text: str
+
+
+class DisplayFrame(TypedDict):
+    """A figure or rich object was shown."""
+
+    type: Literal["display"]
+    id: str
+    data: MimeBundle
+
+
+class ResultFrame(TypedDict):
+    """The value of the cell's last expression."""
+
+    type: Literal["result"]
+    id: str
+    data: MimeBundle
+
+
+class ErrorFrame(TypedDict):
+    """The code raised."""
+
+    type: Literal["error"]
+    id: str
+    ename: str
+    evalue: str
+    traceback: list[str]
+
+
+class FileFrame(TypedDict):
+    """A file the run wrote under `outputs/`; `data` is null (with a `message`) when it was too big."""
+
+    type: Literal["file"]
+    id: str
+    path: str
+    size: int
+    data: Annotated[str | None, Field(json_schema_extra={"contentEncoding": "base64"})]
+    message: NotRequired[str]
+
+
+class DoneFrame(TypedDict):
+    """Always last for a request, exactly once."""
+
+    type: Literal["done"]
+    id: str
+    status: Status
+    exit_code: int | None
+    duration_ms: int
+    cpu_ms: int | None
+    max_rss_mb: float | None
+    message: str | None
+    session: NotRequired[str]
+    import_ms: NotRequired[int]  # time the cell spent loading modules its jail had not imported
+    files_skipped: NotRequired[int]  # outputs/ files not returned: past SANDBOX_MAX_OUTPUTS_BYTES
+
+
+ServerFrame = StartFrame | StreamFrame | DisplayFrame | ResultFrame | ErrorFrame | FileFrame | DoneFrame
+SERVER_FRAMES: dict[str, type[Any]] = {
+    "start": StartFrame,
+    "stream": StreamFrame,
+    "display": DisplayFrame,
+    "result": ResultFrame,
+    "error": ErrorFrame,
+    "file": FileFrame,
+    "done": DoneFrame,
+}
+
+
+class SessionOpened(TypedDict):
+    """REST: `POST /v1/sessions` succeeded."""
+
+    session: str
+    frames: list[ServerFrame]
+
+
+class HttpError(TypedDict):
+    """REST: a refusal that is not about a request (auth, an unknown session)."""
+
+    error: str
+
+
+Frame = dict[str, Any]
+
+
+def encode(frame: Frame) -> str:
+    """Serialize a server frame to the text of one WebSocket message."""
+    try:
+        return pydantic_core.to_json(frame).decode()
+    except pydantic_core.PydanticSerializationError:
+        # Text that is not valid Unicode (a lone surrogate): the driver already replaces them,
+        # but encoding must never fail a frame, so escape them as JSON \u escapes instead.
+        return json.dumps(frame, ensure_ascii=True, separators=(",", ":"))
+
+
+def start_frame(
+    rid: str,
+    run: str,
+    session: str | None,
+    queued_ms: int,
+    timeout_ms: int,
+    gpu: dict[str, Any] | None = None,
+) -> Frame:
+    return {
+        "type": "start",
+        "id": rid,
+        "run": run,
+        "session": session,
+        "queued_ms": queued_ms,
+        "gpu": gpu,
+        "timeout_ms": timeout_ms,
+    }
+
+
+def stream_frame(rid: str, name: str, text: str) -> Frame:
+    return {"type": "stream", "id": rid, "name": name, "text": text}
+
+
+def display_frame(rid: str, data: dict[str, Any]) -> Frame:
+    return {"type": "display", "id": rid, "data": data}
+
+
+def result_frame(rid: str, data: dict[str, Any]) -> Frame:
+    return {"type": "result", "id": rid, "data": data}
+
+
+def error_frame(rid: str, ename: str, evalue: str, traceback: list[str]) -> Frame:
+    return {"type": "error", "id": rid, "ename": ename, "evalue": evalue, "traceback": traceback}
+
+
+def file_frame(rid: str, path: str, size: int, data: str | None, message: str | None = None) -> Frame:
+    frame: Frame = {"type": "file", "id": rid, "path": path, "size": size, "data": data}
+    if message:
+        frame["message"] = message
+    return frame
+
+
+def done_frame(
+    rid: str,
+    status: str,
+    *,
+    exit_code: int | None = None,
+    duration_ms: int = 0,
+    cpu_ms: int | None = None,
+    max_rss_mb: float | None = None,
+    message: str | None = None,
+    session: str | None = None,
+    import_ms: int | None = None,
+    files_skipped: int | None = None,
+) -> Frame:
+    if status not in STATUSES:
+        raise ValueError(f"unknown done status {status!r}")
+    frame: Frame = {
+        "type": "done",
+        "id": rid,
+        "status": status,
+        "exit_code": exit_code,
+        "duration_ms": duration_ms,
+        "cpu_ms": cpu_ms,
+        "max_rss_mb": max_rss_mb,
+        "message": message,
+    }
+    if session is not None:
+        frame["session"] = session
+    if import_ms is not None:
+        frame["import_ms"] = import_ms
+    if files_skipped:
+        frame["files_skipped"] = files_skipped
+    return frame
+
+
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; no request of this API needs more
+_JSON_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKETS = re.compile(rb"[\[\]{}]")
+
+
+def nested_deeper_than(data: str | bytes, most: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON text opens more than `most` arrays/objects inside each other, judged
+    without parsing (no recursion, no objects): brackets in strings do not count."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    if raw.count(b"[") + raw.count(b"{") <= most:
+        return False
+    depth = 0
+    for match in _JSON_BRACKETS.finditer(_JSON_STRINGS.sub(b"", raw)):
+        if match[0] in (b"[", b"{"):
+            depth += 1
+            if depth > most:
+                return True
+        else:
+            depth -= 1
+    return False
