@@ -188,7 +188,7 @@ class RunArguments:
     files: dict[str, bytes] = field(default_factory=dict)
 
 
-def parse_arguments(arguments: str | Mapping[str, Any]) -> RunArguments:
+def parse_arguments(arguments: str | Mapping[str, Any]) -> RunArguments:  # noqa: C901, PLR0912 (one check per tool argument, each with its own message)
     """Check a model's run_python arguments (a JSON string, as OpenAI sends them, or a mapping,
     as Anthropic and MCP do); an optional field may be null (strict mode sends them so).
     ToolArgumentError names what is wrong. For close_session, or a call whose tool you do not
@@ -344,7 +344,7 @@ def anthropic_message(answered: Answered) -> dict[str, Any]:
     return {"role": "user", "content": [result.anthropic(call_id) for call_id, result in answered]}
 
 
-def tool_result(execution: Execution, max_chars: int = DEFAULT_MAX_CHARS, images: bool = True) -> ToolResult:
+def tool_result(execution: Execution, max_chars: int = DEFAULT_MAX_CHARS, images: bool = True) -> ToolResult:  # noqa: C901 (one branch per part of an Execution the model reads back)
     """Turn an Execution into what the model reads back.
 
     The text holds the status, stdout, stderr, the last result's text, the error with its last

@@ -573,7 +573,7 @@ class AsyncClient:
     request waits for a lost appliance to come back (0: fail at once). `lazy`: connect on the
     first request rather than on entering (a process that may start before the appliance)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (keyword settings of a public client, each with a default)
         self,
         url: str = DEFAULT_URL,
         token: str | None = None,

@@ -67,7 +67,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-async def simulated_level(n: int, samples: list[dict[str, Any]]) -> list[RunRecord]:
+async def simulated_level(n: int, samples: list[dict[str, Any]]) -> list[RunRecord]:  # noqa: PLR0915 (one benchmark level, its setup, runs and tally in order)
     from appliance.core.errors import RequestRejected, RunLimit
     from appliance.gpu.ledger import GpuLedger
     from appliance.gpu.simulated import SimulatedBackend
@@ -215,7 +215,7 @@ Sampler = Callable[[int, list[dict[str, Any]]], Coroutine[Any, Any, None]]
 OVERRUNNERS = ("llama-overrun", "llama-runaway")  # kinds that use more than their budget
 
 
-async def server_level(
+async def server_level(  # noqa: PLR0913 (one benchmark level's parameters)
     url: str,
     n: int,
     samples: list[dict[str, Any]],

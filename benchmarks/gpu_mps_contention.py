@@ -74,7 +74,7 @@ def build_stub(root: Path) -> Path:
     return lib
 
 
-async def run_config(
+async def run_config(  # noqa: PLR0913 (one benchmark configuration's parameters)
     label: str,
     simulate: str,
     enforcing: bool,
@@ -130,7 +130,7 @@ def overrun_ms(records: list[RunRecord]) -> list[float]:
     return [r.run_ms if r.outcome == "gpu_memory_limit" else 0.0 for r in records if r.kind in OVERRUNNERS]
 
 
-def write(
+def write(  # noqa: PLR0913 (the results and their labels)
     out: Path,
     name: str,
     results: dict[str, list[RunRecord]],

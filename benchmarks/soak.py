@@ -131,7 +131,7 @@ async def request(ws: Any, frame: dict[str, Any] | str, rid: str, tally: Tally, 
             return msg
 
 
-async def worker(url: str, n: int, seq: list[int], total: int, tally: Tally, rng: random.Random) -> None:
+async def worker(url: str, n: int, seq: list[int], total: int, tally: Tally, rng: random.Random) -> None:  # noqa: PLR0913 (a worker's shared counters and its own random source)
     async with websockets.connect(url, max_size=None) as ws:
         while seq[0] < total:
             seq[0] += 1
@@ -326,7 +326,7 @@ async def soak(
     return tally, time.monotonic() - started
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:  # noqa: C901, PLR0915 (the soak's options and report, in order)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -22,7 +22,7 @@ WHISPER_N_AUDIO_CTX = 1500
 WORDS = ("hello", "world", "the", "sandbox", "runs", "code", "gpu", "model", "tiny", "test")
 
 
-def write_tiny_llama(
+def write_tiny_llama(  # noqa: PLR0913 (the model's shape, keyword-only with defaults)
     path: Path,
     *,
     n_embd: int = 64,

@@ -33,7 +33,7 @@ def scaled(seconds: float) -> float:
 Server = LocalServer
 
 
-def start_server(
+def start_server(  # noqa: PLR0913 (the server's launch options, with defaults)
     tmp: Path,
     wrap: list[str] | None = None,
     wait_ready: bool = True,

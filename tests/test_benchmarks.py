@@ -40,7 +40,7 @@ def test_summary_orders_its_percentiles() -> None:
     assert s.p50_ms == pytest.approx(50.5)
 
 
-def _results(
+def _results(  # noqa: PLR0913 (one figure per benchmark row)
     warm: float,
     naive: float,
     jupyter: float,

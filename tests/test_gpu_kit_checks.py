@@ -201,7 +201,7 @@ def driver_info(folder: Path, uuid: str) -> Path:
         ),
     ],
 )
-def test_readyz_is_compared_with_sources_the_server_does_not_read(
+def test_readyz_is_compared_with_sources_the_server_does_not_read(  # noqa: PLR0913 (pytest fixtures and parametrize values)
     scratch: Path, libcuda: Path, case: str, args: tuple[str, ...], expect: str, words: str
 ) -> None:
     resolved = [

@@ -117,7 +117,7 @@ def cuda_fakes(tmp_path: Path, offload_after_build: bool = True) -> tuple[Path, 
         ("1", True, 0, True, "offloads to the GPU"),
     ],
 )
-def test_the_cuda_build_is_opt_in_and_passes_cmake_args(
+def test_the_cuda_build_is_opt_in_and_passes_cmake_args(  # noqa: PLR0913 (pytest fixtures and parametrize values)
     tmp_path: Path, opt_in: str, with_nvcc: bool, rc: int, built: bool, says: str
 ) -> None:
     py, bin_dir, log = cuda_fakes(tmp_path)

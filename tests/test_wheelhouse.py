@@ -21,7 +21,7 @@ from appliance.sandbox.wheels import stage_wheel_cache
 from tests.support import Server, start_server
 
 
-def build_wheel(
+def build_wheel(  # noqa: PLR0913 (the wheel's metadata fields, with defaults)
     folder: Path,
     name: str,
     version: str,

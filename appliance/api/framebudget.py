@@ -141,7 +141,7 @@ class FrameMeter:
         """Bytes this connection holds reserved."""
         return self._message + sum(self.taken)
 
-    def feed(self, data: bytes) -> Fed:
+    def feed(self, data: bytes) -> Fed:  # noqa: C901, PLR0912 (one incremental parser of RFC 6455 frame headers; its states share the buffer)
         fed = Fed()
         if self.closed:
             return fed
@@ -189,7 +189,7 @@ class FrameMeter:
             fed.pieces.append(data[run:] if run else data)
         return fed
 
-    def _judge(self, header: bytes) -> Closing | None:
+    def _judge(self, header: bytes) -> Closing | None:  # noqa: C901 (one verdict per RFC 6455 header rule, in the order they apply)
         opcode, fin = header[0] & 0x0F, bool(header[0] & 0x80)
         size = _payload_size(header)
         self._remaining, self._fin, self._skipping = size, fin, False

@@ -135,7 +135,7 @@ def _jsonrpc_error(code: int, message: str, status: int) -> web.Response:
     )
 
 
-async def handle(request: web.Request, owner: str) -> web.StreamResponse:
+async def handle(request: web.Request, owner: str) -> web.StreamResponse:  # noqa: C901 (the ASGI bridge's receive/send closures share this request's state)
     """One HTTP request of the MCP Streamable HTTP transport, through the SDK's manager."""
     manager = request.app[MANAGER_KEY]
     body = await request.read()

@@ -134,7 +134,7 @@ class Connection:
                 self.gone = True
                 raise
 
-    async def handle_frame(self, data: str | bytes) -> None:
+    async def handle_frame(self, data: str | bytes) -> None:  # noqa: C901, PLR0912 (one dispatch branch per client frame type)
         service = self.service
         try:
             message = await self.parser.parse(data, self.owner)
@@ -249,7 +249,7 @@ class FrameEvents:
         self._trimmer.freed(freed)
 
 
-async def exec_socket(request: web.Request) -> web.StreamResponse:
+async def exec_socket(request: web.Request) -> web.StreamResponse:  # noqa: C901, PLR0912 (the connection's receive loop and its cleanup on every exit path)
     service = request.app[SERVICE_KEY]
     settings = service.settings
     # Every frame is judged at its header (framebudget.py): a message over the limit is never

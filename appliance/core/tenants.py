@@ -104,7 +104,7 @@ def _positive_int(entry: Mapping[str, Any], key: str, where: str) -> int | None:
     return value
 
 
-def parse(text: str, source: str = "SANDBOX_AUTH_TOKENS_FILE") -> tuple[tuple[Tenant, ...], bool]:
+def parse(text: str, source: str = "SANDBOX_AUTH_TOKENS_FILE") -> tuple[tuple[Tenant, ...], bool]:  # noqa: C901, PLR0912 (one check per field of the tenants file, each with its own message)
     """The tenants a file describes, and whether any token in it is plain text. Pure."""
     try:
         doc = tomllib.loads(text)

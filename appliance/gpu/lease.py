@@ -157,7 +157,7 @@ def compute_mode_problem(
 class GpuLeases(LeaseSource):
     """Everything GPU mode adds to a run."""
 
-    def __init__(self, settings: Settings, backend: GpuBackend, cgroup_memory: bool = False) -> None:
+    def __init__(self, settings: Settings, backend: GpuBackend, cgroup_memory: bool = False) -> None:  # noqa: C901 (GPU mode's startup checks in order, each failing closed with its own message)
         self.settings = settings
         self.backend = backend
         raw = backend  # the simulated MPS daemon needs the simulated backend itself

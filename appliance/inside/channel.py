@@ -245,7 +245,7 @@ def take_event(buf: bytes | bytearray) -> int | None:
     return end + 1  # a line (a malformed header, too: its text is then read as lines)
 
 
-def parse_event(line: bytes) -> Event | None:
+def parse_event(line: bytes) -> Event | None:  # noqa: C901, PLR0912 (one branch per event kind of the channel, each validated)
     """One event (what `take_event` measured) from the jail, validated; None for anything
     malformed or unknown."""
     if line.startswith(STREAM + b" "):

@@ -496,7 +496,7 @@ def compile_cell(source: str, filename: str) -> tuple[CodeType | None, CodeType 
 # -- rich output -------------------------------------------------------------------------
 
 
-def mime_bundle(obj: Any) -> dict[str, Any]:
+def mime_bundle(obj: Any) -> dict[str, Any]:  # noqa: C901, PLR0912 (one branch per MIME type a result may carry, as IPython's formatter has)
     """A Jupyter-style MIME bundle for obj; a repr that raises or is huge never breaks it."""
     data: dict[str, Any] = {}
     if _is_figure(obj):

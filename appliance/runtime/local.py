@@ -47,7 +47,7 @@ class LocalServer:
         """(status, body text) of a GET; HTTP errors included, not raised."""
         return self.request("GET", path, token)
 
-    def request(
+    def request(  # noqa: PLR0913 (an HTTP request's parts, keyword options with defaults)
         self,
         method: str,
         path: str,
@@ -87,7 +87,7 @@ class LocalServer:
         return self.proc.returncode
 
 
-def start(
+def start(  # noqa: C901, PLR0913 (the server's launch options, keyword-only with defaults)
     workdir: Path,
     env: Mapping[str, str],
     *,

@@ -58,7 +58,7 @@ class CellOutcome:
     files_skipped: int | None = None  # outputs/ files not returned (SANDBOX_MAX_OUTPUTS_BYTES)
 
 
-async def run_cell(
+async def run_cell(  # noqa: PLR0913 (the cell's inputs and limits, passed down rather than stored on a shared object)
     jail: Jail,
     req: ExecuteRequest,
     emit: Emit,
@@ -120,7 +120,7 @@ def _account(group: Group, base: Counters, outcome: CellOutcome) -> None:
         outcome.status, outcome.message = error.status, error.message
 
 
-async def _run_cell(
+async def _run_cell(  # noqa: C901, PLR0912, PLR0913, PLR0915 (one cell's event loop: each event kind and limit is a branch over the same state)
     jail: Jail,
     req: ExecuteRequest,
     emit: Emit,
@@ -279,7 +279,7 @@ async def final_disk_check(jail: Jail, max_disk_mb: int) -> OutputLimit | None:
         return await asyncio.to_thread(disk_violation, jail, max_disk_mb)
 
 
-def disk_violation(jail: Jail, max_disk_mb: int, inline: bool = False) -> OutputLimit | None:
+def disk_violation(jail: Jail, max_disk_mb: int, inline: bool = False) -> OutputLimit | None:  # noqa: C901, PLR0912 (one walk of the jail's files; each branch is one place a file can hide)
     """Whether the jail's files are over the disk quota, in bytes or in entries: its run
     directory, its private /tmp (a tmpfs of host memory), and what its processes hold with
     no name left (unlinked-but-open files, memfds). Blocking: run it in a thread, or `inline`,

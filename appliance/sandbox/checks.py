@@ -14,7 +14,7 @@ class Expected:
     interfaces: tuple[str, ...] = ("lo",)  # egress mode adds the jail's link (network.expected_interfaces)
 
 
-def problems(report: Any, expected: Expected) -> list[str]:
+def problems(report: Any, expected: Expected) -> list[str]:  # noqa: C901 (one comparison per fact of the jail's self-check report)
     """Every way the report falls short; empty when the jail is exactly as configured."""
     if not isinstance(report, dict):
         return ["no self-check report"]

@@ -213,7 +213,7 @@ def remove_tree(path: Path) -> bool:
         os.close(parent)
 
 
-def _empty(parent: int, name: str, device: int) -> None:
+def _empty(parent: int, name: str, device: int) -> None:  # noqa: C901 (an iterative walk holding few descriptors; each branch one kind of entry)
     """Empty directory `name` (in `parent`) without recursion, holding at most
     REMOVE_HELD_FDS descriptors: a directory found deeper is renamed into the top
     directory and emptied from there later."""

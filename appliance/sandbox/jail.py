@@ -237,7 +237,7 @@ def tmp_of(inner: list[int]) -> Path | None:
 class JailFactory:
     """Makes jails for one server: holds the settings and host facts every spec needs."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the pool's collaborators, injected)
         self,
         settings: Settings,
         host: HostFacts,
@@ -364,7 +364,7 @@ class JailFactory:
             prefix = oom_argv() + prefix
         return prefix
 
-    async def _launch(self, jail_id: str, nice: int, group: Group | None) -> Jail:
+    async def _launch(self, jail_id: str, nice: int, group: Group | None) -> Jail:  # noqa: C901 (one jail's launch steps in order, each undone if a later one fails)
         workdir = await self._make_workdir(jail_id)
         link: JailLink | None = None
         if self.network is not None:  # egress mode: the filtered namespace first, firejail inside it

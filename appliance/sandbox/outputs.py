@@ -99,7 +99,7 @@ def snapshot(workdir: Path, uid: int) -> Snapshot:
     }
 
 
-def stream(
+def stream(  # noqa: C901 (one walk of outputs/; each branch refuses an unsafe or oversize entry)
     workdir: Path, uid: int, before: Snapshot | None, max_file_bytes: int, tally: Tally
 ) -> Generator[OutputFile, None, None]:
     """The files under outputs/ that are new or changed since `before` (all, if None), one at

@@ -91,7 +91,7 @@ class PipeFull(Exception):
 class JailProcess:
     """A running firejail with its pipes; `kill()` always leaves nothing behind."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the process's pipes and limits, handed over by its launcher)
         self,
         proc: asyncio.subprocess.Process,
         control_fd: int,

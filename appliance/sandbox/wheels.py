@@ -123,7 +123,7 @@ def satisfied_by(entry: dict[str, object] | None, specifier: str) -> bool:
         return False
 
 
-def _unpack(wheel: Path, dest: Path) -> list[dict[str, object]] | None:
+def _unpack(wheel: Path, dest: Path) -> list[dict[str, object]] | None:  # noqa: C901 (one wheel's checks in order; each branch refuses an unsafe member or requirement)
     """Unpack one wheel safely; its unconditional requirements ({name, specifier}), or None
     when it cannot be cached (a bad archive, an unsafe member, a marker only pip can judge, a
     requirement packaging cannot read, or one asking for a dependency's extras)."""

@@ -402,7 +402,7 @@ def _rejection(kind: str, exc: ValidationError, obj: dict[str, Any]) -> Protocol
     return ProtocolError(_message(kind, first, obj), rid)
 
 
-def _message(kind: str, err: Any, obj: dict[str, Any]) -> str:
+def _message(kind: str, err: Any, obj: dict[str, Any]) -> str:  # noqa: C901, PLR0912 (one message per pydantic error type a client can cause)
     loc: tuple[int | str, ...] = err["loc"]
     field = loc[0] if loc else ""
     custom = err["type"] in ("gpu_off", "gpu_type", "rejected")
@@ -629,7 +629,7 @@ def encode(frame: Frame) -> str:
         return json.dumps(frame, ensure_ascii=True, separators=(",", ":"))
 
 
-def start_frame(
+def start_frame(  # noqa: PLR0913 (one argument per field of the frame)
     rid: str,
     run: str,
     session: str | None,
@@ -671,7 +671,7 @@ def file_frame(rid: str, path: str, size: int, data: str | None, message: str | 
     return frame
 
 
-def done_frame(
+def done_frame(  # noqa: PLR0913 (one argument per field of the frame)
     rid: str,
     status: str,
     *,

@@ -48,7 +48,7 @@ class ModelInfo:
         return asdict(self)
 
 
-def catalogue(root: str) -> list[ModelInfo]:
+def catalogue(root: str) -> list[ModelInfo]:  # noqa: C901 (one directory walk; each branch refuses an unsafe or unreadable entry)
     """Every GGUF and whisper ggml file under root (sorted by name); [] when root is missing."""
     real_root = os.path.realpath(root)
     if not os.path.isdir(real_root):
