@@ -116,7 +116,7 @@ def http_base(url: str) -> str:
 
 
 class CellOptions(TypedDict, total=False):
-    """The optional fields of an execute request, as keyword arguments (see protocol.md)."""
+    """The optional fields of an execute request, as keyword arguments (see docs/protocol.md)."""
 
     id: str | None
     timeout_ms: int | None

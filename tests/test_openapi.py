@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import re
 from typing import Any
 
 import jsonschema
@@ -180,3 +181,21 @@ def test_well_formed_frames_are_mostly_taken() -> None:
 
     count()
     assert taken >= 50, taken
+
+
+def test_the_protocol_document_names_every_frame_field_and_status() -> None:
+    """docs/protocol.md is the prose of the protocol: a frame type, field or status the code
+    serves and the page does not name fails here (the page grows with the schema)."""
+    doc = (REPO / "docs" / "protocol.md").read_text()
+    named = set(re.findall(r"`([a-z_]+)", doc)) | set(re.findall(r'"([a-z_]+)"', doc))
+    named |= set(re.findall(r"`[a-z_]+\.([a-z_]+)", doc))  # `done.session`, `start.gpu.uuid`
+    named |= set(re.findall(r"`[a-z_]+\.[a-z_]+\.([a-z_]+)", doc))
+    missing = []
+    for name, definition in openapi.frames_schema()["$defs"].items():
+        for field, spec in definition.get("properties", {}).items():
+            if field not in named:
+                missing.append(f"{name}.{field}")
+            if field == "type" and "const" in spec and spec["const"] not in named:
+                missing.append(f"frame type {spec['const']}")
+    missing += [f"status {status}" for status in protocol.STATUSES if status not in named]
+    assert not missing, f"docs/protocol.md does not name: {missing}"

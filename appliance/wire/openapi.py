@@ -65,7 +65,7 @@ def frames_schema() -> dict[str, Any]:
         "title": "Appliance wire protocol v1",
         "description": (
             "The WebSocket frames of GET /exec, each one JSON object in a text frame. Generated "
-            "from appliance.wire.protocol; the prose contract is shared/design/protocol.md. Fields are "
+            "from appliance.wire.protocol; the prose is docs/protocol.md. Fields are "
             "only ever added: a client should ignore fields it does not know."
         ),
         "oneOf": [{"$ref": "#/$defs/ClientFrame"}, {"$ref": "#/$defs/ServerFrame"}],

@@ -1,6 +1,6 @@
 """Wire protocol v1 codec: client frames in, typed messages out, server frames back.
 
-Pure data: no I/O and no asyncio. The contract is `shared/design/protocol.md`;
+Pure data: no I/O and no asyncio. The prose is `docs/protocol.md`;
 this module only adds fields, never renames them.
 
 The messages are typed models and are the single source of the published schemas
