@@ -42,8 +42,8 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check appliance tests benchmarks examples
-	$(VENV)/bin/ruff format --check appliance tests benchmarks examples
+	$(VENV)/bin/ruff check appliance tests benchmarks examples security
+	$(VENV)/bin/ruff format --check appliance tests benchmarks examples security
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports   # the layer contracts (pyproject.toml, [tool.importlinter])
 	scripts/actionlint.sh $(VENV)   # .github/workflows (gpu.yml)
@@ -57,7 +57,7 @@ bench: setup
 
 # The adversarial suite, and its report in security/ (make test runs the attacks, writes nothing).
 audit: setup
-	$(PY) -m appliance audit
+	$(PY) -m security.audit
 
 # The CUDA build of llama-cpp-python the kit carries, built once with nvcc into the cache
 # build/cuda-wheel/ (sm_90: H100/H200; CUDA_ARCHS="80;89;90" for more; long on 2 cores).

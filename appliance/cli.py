@@ -1,4 +1,4 @@
-"""Command line: `appliance serve`, `appliance exec`, `appliance mcp`, `appliance audit`."""
+"""Command line: `appliance serve`, `appliance exec`, `appliance mcp`, `appliance bench`."""
 
 from __future__ import annotations
 
@@ -46,20 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Listed for --help; its arguments (--quick, --out, ...) belong to benchmarks.suite.
     sub.add_parser("bench", help="run the benchmark suite (python -m benchmarks) from a checkout")
-    audit = sub.add_parser("audit", help="run the adversarial security suite and write its report")
-    audit.add_argument("--out", default=None, help="report directory (default: security/ in the checkout)")
-    audit.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments, after --")
     raw = sys.argv[1:] if argv is None else argv
     if raw[:1] == ["bench"]:
         return _bench(raw[1:])
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
-    if args.command == "audit":
-        from appliance.audit import DEFAULT_OUT, run_audit
-
-        extra = [a for a in args.pytest_args if a != "--"]
-        return run_audit(Path(args.out) if args.out else DEFAULT_OUT, extra)
     if args.command == "mcp":
         return _mcp(args)
     return asyncio.run(_exec(args))

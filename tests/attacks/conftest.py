@@ -14,7 +14,7 @@ from pathlib import Path
 import pluggy
 import pytest
 
-from appliance.audit import REPORT_DIR_ENV, AuditRow, default_meta, write_report
+from security.audit import REPORT_DIR_ENV, AuditRow, default_meta, write_report
 from tests.attacks.common import AWS_SECRET, TOKEN
 from tests.support import Server, reachable_tmp_root, start_server
 
@@ -124,7 +124,7 @@ def pytest_runtest_makereport(
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Write the report when `appliance audit` (`make audit`) asked for it, and only then:
+    """Write the report when `python -m security.audit` (`make audit`) asked for it, and only then:
     `make test` runs the same attacks but leaves the committed report as it is."""
     config = session.config
     rows = config.stash[ROWS]

@@ -1,11 +1,14 @@
 """The security audit: run the adversarial suite (tests/attacks) and write its report.
 
 The suite's pytest plugin (`tests/attacks/conftest.py`) gathers one `AuditRow` per
-attack and calls `write_report`; `appliance audit` runs that suite with pytest.
+attack and calls `write_report`; `python -m security.audit` (`make audit`) runs that suite
+with pytest. It lives beside the suite in the checkout, not in the installed package: the
+audit is of a source tree, and the package needs none.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -74,7 +77,7 @@ def write_report(rows: Sequence[AuditRow], out_dir: Path, meta: dict[str, str]) 
         "",
         "Every row is one attack run as real code in a real firejail jail through a real",
         "server (`tests/attacks/`); *contained* means the test asserting the attack fails",
-        "or is contained passed. Regenerate with `appliance audit`.",
+        "or is contained passed. Regenerate with `make audit`.",
         "",
         *(f"- {k}: {v}" for k, v in meta.items()),
         "",
@@ -121,10 +124,7 @@ def default_meta() -> dict[str, str]:
 def run_audit(out_dir: Path = DEFAULT_OUT, pytest_args: Sequence[str] = ()) -> int:
     """Run the adversarial suite with pytest; the report lands in out_dir. Returns pytest's code."""
     if not SUITE.is_dir():
-        print(
-            f"appliance audit: the attack suite is not here ({SUITE}); run it from a source checkout",
-            file=sys.stderr,
-        )
+        print(f"audit: the attack suite is not here ({SUITE})", file=sys.stderr)
         return 2
     env = dict(os.environ)
     env[REPORT_DIR_ENV] = str(out_dir.resolve())
@@ -135,5 +135,20 @@ def run_audit(out_dir: Path = DEFAULT_OUT, pytest_args: Sequence[str] = ()) -> i
     if md.exists():
         print(f"audit report: {md} and {out_dir / 'audit-report.json'}")
     else:
-        print("appliance audit: no report was written (the suite did not run to the end)", file=sys.stderr)
+        print("audit: no report was written (the suite did not run to the end)", file=sys.stderr)
     return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m security.audit", description="run the adversarial security suite and write its report"
+    )
+    parser.add_argument("--out", default=None, help="report directory (default: security/ in the checkout)")
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments, after --")
+    args = parser.parse_args(argv)
+    extra = [a for a in args.pytest_args if a != "--"]
+    return run_audit(Path(args.out) if args.out else DEFAULT_OUT, extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The security audit of a source checkout (`make audit`); not part of the installed package."""
