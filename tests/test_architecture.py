@@ -3,15 +3,20 @@
 The layer rules themselves are import-linter contracts (pyproject.toml, `[tool.importlinter]`;
 `make lint` runs `lint-imports`). Here: the contracts hold, they catch a planted upward import
 (so they can fail), and what is staged into a jail imports nothing but the standard library and
-itself, whatever the depth of the import (a function-level import counts).
+itself, whatever the depth of the import (a function-level import counts). The installed
+package needs no checkout. And the docs name the code truly: every path ARCHITECTURE.md,
+SECURITY.md, CONTRIBUTING.md, README.md and docs/*.md give exists, every `path::name` is
+defined there, and ARCHITECTURE.md describes every import-linter contract.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -137,3 +142,65 @@ def test_the_audit_runs_the_attack_suite_from_the_checkout(tmp_path: Path) -> No
     assert deselected > 100, done.stdout[-2000:]
     assert "no report was written" in done.stderr
     assert not list(tmp_path.iterdir())
+
+
+ARCHITECTURE = ROOT / "ARCHITECTURE.md"
+# A backticked path whose first folder is one of the repository's (not `outputs/`, a jail's
+# folder), optionally naming what it defines: `appliance/core/service.py::RunService.execute`.
+NAMED_PATH = re.compile(
+    r"`((?:appliance|tests|benchmarks|scripts|docs|security|images|deploy|examples|\.github)"
+    r"/[\w./-]*)(?:::([\w.]+))?`"
+)
+
+
+def _defines(path: Path, dotted: str) -> bool:
+    """Whether the module at path defines `dotted` (a function, class, or a class's member)."""
+    scope: list[ast.stmt] = ast.parse(path.read_text()).body
+    for part in dotted.split("."):
+        found: ast.stmt | None = None
+        for node in scope:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == part:
+                found = node
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                found = node if node.target.id == part else found
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+                found = node if part in names else found
+        if found is None:
+            return False
+        scope = found.body if isinstance(found, ast.ClassDef) else []
+    return True
+
+
+DOCS = [
+    "ARCHITECTURE.md",
+    "SECURITY.md",
+    "CONTRIBUTING.md",
+    "README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+]
+
+
+def test_architecture_md_names_the_code_by_path() -> None:
+    named = NAMED_PATH.findall(ARCHITECTURE.read_text())
+    assert len(named) > 100, "ARCHITECTURE.md's paths are not found: has the pattern drifted?"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_path_and_name_a_doc_gives_exists(doc: str) -> None:
+    named = NAMED_PATH.findall((ROOT / doc).read_text())
+    missing = sorted({path for path, _ in named if not (ROOT / path).exists()})
+    assert not missing, f"{doc} names paths that do not exist: {missing}"
+    undefined = sorted(
+        f"{path}::{name}"
+        for path, name in set(named)
+        if name and path.endswith(".py") and not _defines(ROOT / path, name)
+    )
+    assert not undefined, f"{doc} names what its module does not define: {undefined}"
+
+
+def test_architecture_md_names_every_layer_contract() -> None:
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    text = " ".join(ARCHITECTURE.read_text().split())
+    unnamed = [c["name"] for c in contracts if f'"{c["name"]}"' not in text]
+    assert not unnamed, f"ARCHITECTURE.md does not describe these import-linter contracts: {unnamed}"
