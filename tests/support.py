@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 from appliance.runtime import local
 from appliance.runtime.local import LocalServer
@@ -26,6 +29,38 @@ SCALE = float(os.environ.get("APPLIANCE_TEST_TIMEOUT_SCALE", "1"))
 
 def scaled(seconds: float) -> float:
     return seconds * SCALE
+
+
+T = TypeVar("T")
+
+
+def until(cond: Callable[[], T], timeout: float, what: str = "the condition", poll: float = 0.05) -> T:
+    """cond()'s first truthy value, polled until `timeout` (scaled) seconds have passed; then
+    an AssertionError naming `what`. Tests wait on a condition with this, never a fixed sleep."""
+    deadline = time.monotonic() + scaled(timeout)
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not met within {scaled(timeout):.0f} s")
+        time.sleep(poll)
+
+
+async def until_async(
+    cond: Callable[[], T | Awaitable[T]], timeout: float, what: str = "the condition", poll: float = 0.05
+) -> T:
+    """until() for the event loop: cond may be a plain function or a coroutine function."""
+    deadline = time.monotonic() + scaled(timeout)
+    while True:
+        value = cond()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not met within {scaled(timeout):.0f} s")
+        await asyncio.sleep(poll)
 
 
 # One spawner for tests, benchmarks and users: tests add small pools, no preload and

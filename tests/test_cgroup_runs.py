@@ -24,7 +24,7 @@ from appliance.client import AsyncClient, Execution
 from appliance.core.errors import JailFailure
 from appliance.sandbox import cgroups, instance
 from appliance.sandbox import jail as jail_module
-from tests.support import Server, jail_factory, scaled, start_server
+from tests.support import Server, jail_factory, scaled, start_server, until_async
 
 MEMORY_MB = 1024
 
@@ -264,6 +264,7 @@ HOG = (
     "    if os.fork() == 0:\n"
     "        while time.monotonic() < end: pass\n"
     "        os._exit(0)\n"
+    "print('up', flush=True)\n"
     "while time.monotonic() < end: pass\n"
     "for _ in range(39): os.wait()\n"
 )
@@ -290,8 +291,11 @@ async def test_a_40_process_hog_gets_its_quota_and_a_neighbour_keeps_its_cpu(
         for _ in range(3):  # the other engineers' load comes and goes: up to three tries
             alone = await run(s, BURN.format(w=w), timeout_ms=30000)
             assert alone.status == "ok", alone.message
-            hog = asyncio.create_task(run(s, HOG.format(w=w + 3), timeout_ms=40000))
-            await asyncio.sleep(1.5)  # the hog's 40 processes are up
+            up = asyncio.Event()
+            hog = asyncio.create_task(
+                run(s, HOG.format(w=w + 3), timeout_ms=40000, on_stdout=lambda _, up=up: up.set())
+            )
+            await up.wait()  # the hog's 40 processes are up
             near = await run(s, BURN.format(w=w), timeout_ms=30000)
             hogged = await hog
             assert near.status == "ok" and hogged.status == "ok", (near.message, hogged.message)
@@ -365,14 +369,17 @@ async def test_a_restart_after_kill_9_purges_the_dead_servers_groups(tmp_path: P
     s2 = start_server(tmp_path / "two", SANDBOX_CGROUPS="require")
     try:
         assert not any(d.exists() for d in dirs.values()), "the dead server's groups were not purged"
-        await asyncio.sleep(0.2)
-        alive = [
-            p
-            for p in held
-            if Path(f"/proc/{p}").exists()
-            and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        ]
-        assert alive == [], f"processes of the dead server's runs survived the purge: {alive}"
+
+        def alive() -> list[str]:
+            found = []
+            for p in held:
+                with contextlib.suppress(OSError):  # gone meanwhile
+                    if "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]:
+                        found.append(p)
+            return found
+
+        # The purge SIGKILLs them; the kernel tears them down a moment later.
+        await until_async(lambda: not alive(), 10, "the purge ended the dead server's run processes")
         assert all(d.exists() for d in live.values())
         assert all(g.exists() for g in live_groups if g.name in {x.name for x in groups_of(srv)})
     finally:

@@ -82,12 +82,11 @@ async def rest_of(ws: Any) -> list[dict[str, Any]]:
 async def test_kill_9_of_a_jail_part_mid_run_still_ends_with_one_done(server: Server, part: str) -> None:
     ws, procs = await start_sleeper(server)
     assert set(procs) == {"firejail", "init", "driver"}, procs
-    started = time.monotonic()
     os.kill(procs[part], signal.SIGKILL)
     frames = await rest_of(ws)
-    took = time.monotonic() - started
     assert [f["type"] for f in frames].count("done") == 1
-    assert frames[-1]["status"] in ("error", "internal") and took < 5, (frames[-1], took)
+    # The sleeper sleeps a minute: unnoticed, the kill would end it `timeout` at the run's limit.
+    assert frames[-1]["status"] in ("error", "internal"), frames[-1]
     await assert_contained(server)
 
 

@@ -4,17 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import time
+import types
 
 import pytest
 
 from appliance.core.errors import Busy, RequestRejected
+from appliance.gpu import ledger as ledger_module
 from appliance.gpu.ledger import GpuLedger
 from appliance.gpu.simulated import SimulatedBackend
 from appliance.settings import parse_simulated_devices as parse_spec
+from tests.support import until_async
 
 
 def ledger_for(backend: SimulatedBackend, margin_mb: int = 256, max_wait_ms: int = 5000) -> GpuLedger:
     return GpuLedger(backend.devices(), margin_mb=margin_mb, max_wait_ms=max_wait_ms)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The ledger's monotonic clock, set by the test (`clock[0]`): a grant's queued_ms is then
+    exact, whatever the machine's speed. The event loop keeps the real clock."""
+    now = [1000.0]
+    monkeypatch.setattr(ledger_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    return now
 
 
 def test_simulated_device_specs_parse_counts_and_lists() -> None:
@@ -25,15 +37,19 @@ def test_simulated_device_specs_parse_counts_and_lists() -> None:
             parse_spec(bad)
 
 
-async def test_a_run_is_admitted_to_the_device_with_the_most_room() -> None:
+async def test_a_run_is_admitted_to_the_device_with_the_most_room(clock: list[float]) -> None:
     backend = SimulatedBackend((16384, 16384))
     backend.set_foreign_mb(0, 4000)
     ledger = ledger_for(backend)
     ledger.load(backend.devices(), backend.processes(), ours=())
-    grant = await ledger.acquire(2048)
+    asked = asyncio.create_task(ledger.acquire(2048))
+    await asyncio.sleep(0)  # one step of the task: admitted there, not put in line
+    assert ledger.waiting == 0 and ledger.snapshot()[1]["reserved_mb"] == 2048
+    clock[0] += 5  # admission was at the asking: time passing after it is not queue time
+    grant = await asked
     assert (grant.index, grant.uuid, grant.memory_mb) == (1, "GPU-SIM-1", 2048)
     assert grant.frame() == {"index": 1, "uuid": "GPU-SIM-1", "memory_mb": 2048}
-    assert grant.queued_ms < 100
+    assert grant.queued_ms == 0
 
 
 async def test_reserved_plus_margin_plus_foreign_must_fit() -> None:
@@ -60,10 +76,10 @@ async def test_waiting_runs_are_admitted_first_in_first_out() -> None:
         ledger.release(grant)
 
     big = asyncio.create_task(ask("big", 12000))
-    await asyncio.sleep(0.01)
+    await until_async(lambda: ledger.waiting == 1, 10, "big in line")
     small = asyncio.create_task(ask("small", 100))  # would fit beside `big`'s wait, but queues behind it
-    await asyncio.sleep(0.05)
-    assert order == [] and ledger.waiting == 2
+    await until_async(lambda: ledger.waiting == 2, 10, "small in line behind big")
+    assert order == []
     ledger.release(holder)
     await asyncio.gather(big, small)
     assert order == ["big", "small"]
@@ -79,19 +95,20 @@ async def test_a_budget_larger_than_any_device_is_rejected_at_once_not_queued() 
             await ledger.acquire(bad)
 
 
-async def test_reconciliation_counts_memory_of_non_runs_and_frees_it_when_it_goes() -> None:
+async def test_reconciliation_counts_memory_of_non_runs_and_frees_it_when_it_goes(clock: list[float]) -> None:
     backend = SimulatedBackend((16384,))
     ledger = ledger_for(backend)
     backend.set_usage(pid=999_999, index=0, used_mb=10000)  # a process that is not one of our runs
     ledger.load(backend.devices(), backend.processes(), ours=())
     assert ledger.snapshot()[0]["foreign_mb"] == 10000
     waiter = asyncio.create_task(ledger.acquire(8000))
-    await asyncio.sleep(0.05)
+    await until_async(lambda: ledger.waiting == 1, 10, "the run in line")
     assert not waiter.done()
+    clock[0] += 2.5  # the foreign memory is held for 2.5 s of the ledger's clock
     backend.set_usage(pid=999_999, index=0, used_mb=0)
     ledger.load(backend.devices(), backend.processes(), ours=())
     grant = await asyncio.wait_for(waiter, 1)
-    assert grant.queued_ms >= 40
+    assert grant.queued_ms == 2500
 
 
 async def test_usage_of_our_own_runs_is_not_counted_twice() -> None:
@@ -155,7 +172,7 @@ async def test_queued_runs_that_can_no_longer_fit_are_rejected_when_a_device_van
     ledger = ledger_for(big)
     holder = await ledger.acquire(16000)
     waiter = asyncio.create_task(ledger.acquire(15000))
-    await asyncio.sleep(0.02)
+    await until_async(lambda: ledger.waiting == 1, 10, "the run in line")
     assert not waiter.done()
     ledger.load(small.devices(), (), ())  # the 16 GiB device is gone (its holder still runs)
     with pytest.raises(RequestRejected, match="no longer fit"):
@@ -167,7 +184,7 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_frees_nothing_it_did_not_
     ledger = ledger_for(SimulatedBackend((16384,)))
     holder = await ledger.acquire(16000)
     waiter = asyncio.create_task(ledger.acquire(1000))
-    await asyncio.sleep(0.02)
+    await until_async(lambda: ledger.waiting == 1, 10, "the run in line")
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
@@ -194,14 +211,16 @@ async def test_a_released_grant_is_held_until_a_later_reading_no_longer_lists_th
     assert (await waiter).memory_mb == 3000 and ledger.snapshot()[0]["reclaiming"] == 0
 
 
-async def test_a_reclaim_that_outlasts_its_bound_marks_the_device_and_the_memory_stays_foreign() -> None:
+async def test_a_reclaim_that_outlasts_its_bound_marks_the_device_and_the_memory_stays_foreign(
+    clock: list[float],
+) -> None:
     backend = SimulatedBackend((4096,))
-    ledger = GpuLedger(backend.devices(), margin_mb=0, max_wait_ms=60000, reclaim_ms=1)
+    ledger = GpuLedger(backend.devices(), margin_mb=0, max_wait_ms=60000, reclaim_ms=1000)
     grant = await ledger.acquire(3000)
     backend.set_usage(pid=4242, index=0, used_mb=2900)
     ledger.release(grant, ids={4242})
-    await asyncio.sleep(0.01)
-    ledger.load(backend.devices(), backend.processes(), ours=(), taken_at=time.monotonic())
+    clock[0] += 1.001  # past the 1000 ms bound; the run still listed
+    ledger.load(backend.devices(), backend.processes(), ours=(), taken_at=clock[0])
     book = ledger.snapshot()[0]
     assert (
         book["reclaiming"] == 0

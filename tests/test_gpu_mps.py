@@ -39,7 +39,7 @@ from appliance.gpu.mps_limits import DeviceMps, MpsLimiter, jail_blockers, judge
 from appliance.gpu.mps_simulated import SimulatedMps
 from appliance.gpu.simulated import SimulatedBackend
 from appliance.inside import channel
-from tests.support import REPO, Server, scaled, start_server
+from tests.support import REPO, Server, start_server
 from tests.test_gpu_server import simulate as simulate_file
 
 MARGIN_MB = 128
@@ -437,9 +437,8 @@ async def test_a_device_the_probe_did_not_prove_is_not_armed(
     lim.devices["GPU-SIM-0"] = DeviceMps(enforcing=False, note="not proved")
     process = _Process(env, intruder=False)
     try:
-        started = time.monotonic()
         await lim.arm(_Jail(process), GRANT)  # type: ignore[arg-type]
-        assert process.procs == [] and lim.armed == 0 and time.monotonic() - started < scaled(5)
+        assert process.procs == [] and lim.armed == 0
     finally:
         process.close()
 

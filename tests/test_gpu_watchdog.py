@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,13 +17,14 @@ from appliance.core.errors import GpuMemoryLimit, MemoryLimit, RunLimit
 from appliance.gpu.ledger import GpuLedger
 from appliance.gpu.simulated import SimulatedBackend
 from appliance.gpu.watchdog import GpuWatchdog, descendants
+from tests.support import until, until_async
 
 
 @pytest.fixture
 def trees() -> Iterator[list[subprocess.Popen[bytes]]]:
     """Two real process trees (a shell with a grandchild), standing in for two runs' jails."""
     procs = [subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True) for _ in range(2)]
-    time.sleep(0.3)
+    until(lambda: all(descendants(p.pid) - {p.pid} for p in procs), 10, "each shell's sleep started")
     yield procs
     for p in procs:
         os.killpg(p.pid, signal.SIGKILL)
@@ -65,10 +65,18 @@ async def watch_both(
 def test_descendants_follow_every_thread_s_children() -> None:
     proc = subprocess.Popen(["sh", "-c", "sh -c 'sleep 30 & wait' & wait"], start_new_session=True)
     try:
-        time.sleep(0.3)
+
+        def cmdlines() -> set[bytes]:
+            found = set()
+            for pid in descendants(proc.pid):
+                with contextlib.suppress(OSError):  # a process between fork and exec, or gone
+                    found.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0])
+            return found
+
+        # sh, sh, sleep: the innermost starts a moment after the outer shell.
+        until(lambda: b"sleep" in cmdlines(), 10, "the grandchild sleep among the descendants")
         found = descendants(proc.pid)
-        cmdlines = {Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] for pid in found}
-        assert proc.pid in found and len(found) >= 3 and b"sleep" in cmdlines  # sh, sh, sleep
+        assert proc.pid in found and len(found) >= 3
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -137,21 +145,14 @@ async def test_a_plain_exception_from_the_backend_fails_closed_at_once_and_the_l
     backend.inject_fault("NVML library mismatch", plain=True)
     watchdog.start()
     try:
-        for _ in range(200):
-            if stopped:
-                break
-            await asyncio.sleep(0.01)
+        await until_async(lambda: stopped, 10, "the run stopped", poll=0.01)
         assert len(stopped) == 1 and stopped[0].status == "internal"
         assert "NVML library mismatch" in stopped[0].message and "could not be measured" in stopped[0].message
         assert not watchdog.healthy and watchdog.paused and "Exception" in (watchdog.last_error or "")
         polls = backend.calls
-        await asyncio.sleep(0.2)
-        assert backend.calls > polls, "the polling loop is still alive after the exception"
+        await until_async(lambda: backend.calls > polls, 10, "the polling loop alive after the exception")
         backend.inject_fault(None)
-        for _ in range(200):
-            if watchdog.healthy:
-                break
-            await asyncio.sleep(0.01)
+        await until_async(lambda: watchdog.healthy, 10, "the watchdog healthy again", poll=0.01)
         assert watchdog.healthy and not watchdog.paused
     finally:
         await watchdog.close()

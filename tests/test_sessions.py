@@ -10,7 +10,7 @@ import pytest
 import websockets
 
 from appliance.client import AsyncClient
-from tests.support import Server, jail_processes, start_server
+from tests.support import Server, jail_processes, start_server, until_async
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,20 @@ async def test_a_second_cell_while_one_runs_is_rejected_as_busy(sessions: Server
     async with AsyncClient(sessions.url) as c:
         opened = await c.execute("import time", session="new")
         sid = opened.session
-        slow = asyncio.create_task(c.execute("time.sleep(1.5)\n'slow done'", session=sid))
-        await asyncio.sleep(0.5)
+        # The first cell runs until it reads a line, sent once the second has been turned away.
+        up = asyncio.Event()
+        slow = asyncio.create_task(
+            c.execute(
+                "print('up', flush=True)\ninput()\n'slow done'",
+                session=sid,
+                id="slow",
+                on_stdout=lambda _: up.set(),
+            )
+        )
+        await up.wait()
         second = await c.execute("1", session=sid)
         assert second.status == "rejected" and "busy" in (second.message or "")
+        await c.stdin("slow", "\n")
         assert (await slow).text == "'slow done'"
         assert sid is not None
         await c.close_session(sid)
@@ -77,7 +87,10 @@ async def test_an_unknown_session_id_is_rejected(sessions: Server) -> None:
 async def test_an_idle_session_expires(sessions: Server) -> None:
     async with AsyncClient(sessions.url) as c:
         sid = (await c.execute("z = 1", session="new")).session
-        await asyncio.sleep(6)
+        # SANDBOX_SESSION_IDLE_S=3: the registry drops it (the only one open) once idle that long.
+        await until_async(
+            lambda: json.loads(sessions.get("/readyz")[1])["sessions"]["open"] == 0, 30, "expiry"
+        )
         ex = await c.execute("z", session=sid)
     assert ex.status == "rejected"
 

@@ -1,12 +1,11 @@
-"""stdin frames feed input(); interrupt stops a cell within a second."""
+"""stdin frames feed input(); interrupt stops a cell that would otherwise run for a minute."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 from appliance.client import AsyncClient
-from tests.support import Server
+from tests.support import Server, until_async
 
 
 async def test_input_is_answered_by_a_stdin_frame_after_its_prompt(server: Server) -> None:
@@ -40,34 +39,46 @@ async def test_stdin_for_a_finished_run_is_rejected(server: Server) -> None:
         await c.execute("1", id="over")
         rejected = [f async for f in c.stream("1", id="probe")]
         await c.stdin("over", "late\n")
-        await asyncio.sleep(0.3)
+        late = await until_async(
+            lambda: [f for f in c.unrouted if f.get("id") == "over"], 30, "the late stdin's reply"
+        )
     assert rejected[-1]["status"] == "ok"
-    late = [f for f in c.unrouted if f.get("id") == "over"]
     assert late and late[-1]["status"] == "rejected" and "no running request" in late[-1]["message"]
 
 
-async def test_interrupt_stops_a_sleeping_cell_within_a_second(server: Server) -> None:
+async def test_interrupt_stops_a_sleeping_cell(server: Server) -> None:
+    # The cell sleeps a minute and then prints: a `cancelled` done without "woke" is the
+    # interrupt's doing, whatever the machine's speed (the suite's timeout bounds the wait).
     async with AsyncClient(server.url) as c:
+        up = asyncio.Event()
         task = asyncio.create_task(
-            c.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(60)", id="zz")
+            c.execute(
+                "import time\nprint('sleeping', flush=True)\ntime.sleep(60)\nprint('woke')",
+                id="zz",
+                on_stdout=lambda _: up.set(),
+            )
         )
-        await asyncio.sleep(0.5)
-        sent = time.monotonic()
+        await up.wait()
         await c.interrupt("zz")
         ex = await task
-        elapsed = time.monotonic() - sent
-    assert ex.status == "cancelled" and elapsed < 1.0, elapsed
+    assert ex.status == "cancelled", ex
+    assert ex.stdout == "sleeping\n"
 
 
 async def test_interrupt_in_a_session_keeps_the_interpreter(server: Server) -> None:
     async with AsyncClient(server.url) as c, c.session() as s:
         await s.execute("state = 'alive'")
-        task = asyncio.create_task(s.execute("import time\ntime.sleep(60)", id="sz"))
-        await asyncio.sleep(0.5)
-        sent = time.monotonic()
+        up = asyncio.Event()
+        task = asyncio.create_task(
+            s.execute(
+                "import time\nprint('sleeping', flush=True)\ntime.sleep(60)\nstate = 'woke'",
+                id="sz",
+                on_stdout=lambda _: up.set(),
+            )
+        )
+        await up.wait()
         await c.interrupt("sz")
         ex = await task
-        elapsed = time.monotonic() - sent
         after = await s.execute("state")
-    assert ex.status == "cancelled" and elapsed < 1.0
+    assert ex.status == "cancelled", ex
     assert after.text == "'alive'"

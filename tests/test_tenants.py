@@ -263,13 +263,18 @@ async def test_a_tenant_over_its_concurrency_quota_gets_busy_while_others_run(te
         AsyncClient(tenant_server.url, token=ALICE) as alice,
         AsyncClient(tenant_server.url, token=BOB) as bob,
     ):
-        slow = asyncio.create_task(alice.execute("import time\nprint('a', flush=True)\ntime.sleep(3)"))
-        await asyncio.sleep(1.0)
+        # The first run holds alice's one slot until it reads a line, which is sent at the end.
+        up = asyncio.Event()
+        slow = asyncio.create_task(
+            alice.execute("print('a', flush=True)\nprint(input())", id="slow", on_stdout=lambda _: up.set())
+        )
+        await up.wait()
         over = await alice.execute("print('second')")
         assert over.status == "busy" and "max_concurrency=1" in (over.message or "")
         other = await bob.execute("print('bob runs')")
         assert other.stdout == "bob runs\n"
-        assert (await slow).status == "ok"
+        await alice.stdin("slow", "done\n")
+        assert (await slow).stdout == "a\ndone\n"
         assert (await alice.execute("print('after')")).stdout == "after\n"
 
 

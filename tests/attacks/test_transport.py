@@ -162,8 +162,9 @@ async def test_a_stalled_client_cannot_hold_every_slot(target: Server, observe: 
     ex = await run(target, "print('served')", timeout=60)
     waited = time.monotonic() - started
     client.close()
+    # Every slot is held by a run that sleeps an hour: only dropping the stalled client (after
+    # SANDBOX_CLIENT_STALL_MS) frees one within run()'s minute.
     assert ex.status == "ok" and ex.stdout == "served\n", ex
-    assert waited < scaled(STALL_MS / 1000 + 12), f"the other client waited {waited:.1f} s"
     note = await assert_contained(target)
     observe(f"another client's print answered after {waited:.1f} s; {note}")
 
