@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -163,11 +164,29 @@ async def test_no_gpu_or_other_device_nodes_in_cpu_mode(secretive: Server) -> No
     }
 
 
-def test_a_port_the_server_does_not_listen_on_is_really_closed_on_the_host() -> None:
-    # Guards the loopback test above: it must not pass just because nothing listens anywhere.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            pass
+PROBE = (
+    "import socket, sys\n"
+    "for port in map(int, sys.argv[1:]):\n"
+    "    s = socket.socket(); s.settimeout(1)\n"
+    "    try:\n        s.connect(('127.0.0.1', port)); print('reached', port)\n"
+    "    except OSError as e:\n        print('refused', port, e.errno)\n"
+)
+
+
+async def test_host_ports_that_listen_are_reached_from_the_host_and_refused_from_a_run(
+    secretive: Server,
+) -> None:
+    # Guards the loopback test above: it must not pass just because nothing listens. The same
+    # probe reaches the server's port and one this test listens on when run on the host, and
+    # reaches neither from inside a jail.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        ports = [secretive.port, listener.getsockname()[1]]
+        args = [str(p) for p in ports]
+        on_host = subprocess.run(
+            [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=60
+        )
+        in_jail = await run(secretive, f"import sys\nsys.argv[1:] = {args!r}\n" + PROBE)
+    assert on_host.stdout.split("\n")[:2] == [f"reached {p}" for p in ports], on_host
+    assert in_jail.stdout.count("refused") == 2 and "reached" not in in_jail.stdout, in_jail.stdout
