@@ -6,6 +6,7 @@ with a message naming the variable.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import re
@@ -27,6 +28,8 @@ GPU_SIMULATE_MPS = ("off", "on", "ignore-limits")
 # strict refuses (startup error, or a run stopped); best-effort runs on, degraded, said in /readyz and /metrics.
 GPU_ENFORCE = ("strict", "best-effort")
 CGROUP_MODES = ("auto", "require", "off")
+DEFAULT_UIDS = 64  # SANDBOX_UID_RANGE's least size when unset
+MAX_UIDS = 65536  # the most uids SANDBOX_UID_RANGE may span (one lock file each)
 MPS_PIPE_DIR = Path("/tmp/nvidia-mps")  # noqa: S108 (CUDA's own default CUDA_MPS_PIPE_DIRECTORY)
 
 
@@ -62,6 +65,9 @@ class Settings:
     max_concurrency: int = 4
     max_queue: int = 100
     uid: int = 1001
+    # Uids jails take one each, exclusively (SANDBOX_UID_RANGE, appliance.sandbox.uids); (0, 0):
+    # unset, `load` fills in SANDBOX_UID .. SANDBOX_UID + `default_uid_count` - 1.
+    uid_range: tuple[int, int] = (0, 0)
     auth_token: str | None = field(default=None, repr=False)
     # Browser origins allowed to call the API (SANDBOX_ALLOWED_ORIGINS); empty: none.
     allowed_origins: tuple[str, ...] = ()
@@ -148,6 +154,43 @@ def _bool(env: Mapping[str, str], name: str) -> bool:
     if raw in ("1", "true", "yes", "on"):
         return True
     raise SettingsError(f"{name}: expected 0/1, true/false, yes/no or on/off, got {raw!r}")
+
+
+def _uid_range(env: Mapping[str, str], name: str) -> tuple[int, int] | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    first, sep, last = raw.partition("-")
+    try:
+        lo, hi = int(first), int(last) if sep else int(first)
+    except ValueError:
+        raise SettingsError(f"{name}: expected FIRST-LAST (e.g. 1001-1064), got {raw!r}") from None
+    if not 1 <= lo <= hi < 2**32 - 1:
+        raise SettingsError(f"{name}: expected 1 <= FIRST <= LAST < 4294967295, got {raw!r}")
+    if hi - lo >= MAX_UIDS:
+        raise SettingsError(f"{name}: at most {MAX_UIDS} uids, got {hi - lo + 1}")
+    return lo, hi
+
+
+def default_uid_count(settings: Settings) -> int:
+    """How many uids SANDBOX_UID_RANGE spans when unset: SANDBOX_UID (shared: GPU jails, a server
+    that is not root) and one for every jail the server may hold at once (each profile's pool
+    at its most, runs in flight, sessions, the canary), at least DEFAULT_UIDS."""
+    jails = (
+        len(settings.preload_profiles) * settings.pool_max
+        + settings.max_concurrency
+        + settings.max_sessions
+        + 1
+    )
+    return min(MAX_UIDS, max(DEFAULT_UIDS, jails + 1))
+
+
+def _with_uid_range(settings: Settings) -> Settings:
+    """settings with SANDBOX_UID_RANGE filled in where unset: SANDBOX_UID onwards."""
+    if settings.uid_range != Settings.uid_range:
+        return settings
+    last = settings.uid + default_uid_count(settings) - 1
+    return dataclasses.replace(settings, uid_range=(settings.uid, last))
 
 
 def _ports(env: Mapping[str, str], name: str) -> tuple[int, ...]:
@@ -403,6 +446,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         max_concurrency=_int(env, "SANDBOX_MAX_CONCURRENCY", 2 * cpus, minimum=1),
         max_queue=_int(env, "SANDBOX_MAX_QUEUE", D.max_queue),
         uid=_int(env, "SANDBOX_UID", D.uid, minimum=1),
+        uid_range=_uid_range(env, "SANDBOX_UID_RANGE") or D.uid_range,
         auth_token=token,
         allowed_origins=_origins(env, "SANDBOX_ALLOWED_ORIGINS"),
         allowed_hosts=_hosts(env, "SANDBOX_ALLOWED_HOSTS"),
@@ -444,6 +488,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         cgroups=_choice(env, "SANDBOX_CGROUPS", CGROUP_MODES),
         cpus=_cpus(env, "SANDBOX_CPUS", D.cpus),
     )
+    settings = _with_uid_range(settings)
     if settings.pool_max < settings.pool_size:
         raise SettingsError("SANDBOX_POOL_MAX: must be at least SANDBOX_POOL_SIZE")
     if settings.auth_token is not None and settings.auth_tokens_file is not None:

@@ -23,6 +23,8 @@ from appliance.wire import parse_worker
 
 REPO = Path(__file__).resolve().parent.parent
 SANDBOX_UID = 1001
+# The uids jails run as with the default SANDBOX_UID_RANGE (`appliance.sandbox.uids`).
+SANDBOX_UIDS = frozenset(range(SANDBOX_UID, SANDBOX_UID + 64))
 # Timeouts scale with the machine: CI boxes are small and noisy.
 SCALE = float(os.environ.get("APPLIANCE_TEST_TIMEOUT_SCALE", "1"))
 
@@ -105,8 +107,10 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def processes_of_uid(uid: int = SANDBOX_UID) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process whose real uid is uid."""
+def processes_of_uid(uid: int | frozenset[int] = SANDBOX_UIDS) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose real uid is uid (or one of them: by
+    default, any uid a jail may run as)."""
+    uids = frozenset((uid,)) if isinstance(uid, int) else uid
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -120,7 +124,7 @@ def processes_of_uid(uid: int = SANDBOX_UID) -> list[tuple[int, str]]:
             continue
         for line in status.splitlines():
             if line.startswith("Uid:"):
-                if int(line.split()[1]) == uid and "State:\tZ" not in status:
+                if int(line.split()[1]) in uids and "State:\tZ" not in status:
                     found.append((int(entry), cmd))
                 break
     return found
@@ -130,8 +134,11 @@ def frames_of(raw: str) -> list[dict[str, object]]:
     return [json.loads(line) for line in raw.splitlines() if line.strip()]
 
 
-def jail_processes(server: Server, uid: int = SANDBOX_UID, settle_s: float = 5.0) -> list[tuple[int, str]]:
-    """Processes of uid under this server, plus any of uid orphaned to the host's init.
+def jail_processes(
+    server: Server, uid: int | frozenset[int] = SANDBOX_UIDS, settle_s: float = 5.0
+) -> list[tuple[int, str]]:
+    """Processes of uid (by default: of every uid a jail may run as) under this server, plus any
+    orphaned to the host's init.
 
     A run's processes are SIGKILLed as its `done` is sent; the kernel may still be
     tearing them down for a moment, so this waits up to settle_s for them to be gone.
@@ -157,7 +164,7 @@ def run_descendants(root: int) -> list[int]:
     return found
 
 
-def _jail_processes_now(server: Server, uid: int) -> list[tuple[int, str]]:
+def _jail_processes_now(server: Server, uid: int | frozenset[int]) -> list[tuple[int, str]]:
     mine = set(run_descendants(server.proc.pid))
     left = []
     for pid, cmd in processes_of_uid(uid):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.client import AsyncClient, Client
-from tests.support import REPO, Server, frames_of, jail_processes, scaled, until
+from tests.support import REPO, SANDBOX_UID, SANDBOX_UIDS, Server, frames_of, jail_processes, scaled, until
 
 
 async def test_print_arrives_as_a_stream_frame_then_done_ok(server: Server) -> None:
@@ -65,11 +65,20 @@ async def test_output_of_c_level_writes_and_subprocesses_is_streamed(server: Ser
     assert ex.stdout == "raw\nchild\n", ex
 
 
-async def test_the_code_runs_as_uid_1001_with_home_workspace(server: Server) -> None:
-    code = "import os\nprint(os.getuid(), os.getgid(), os.environ['HOME'], os.getcwd())"
+async def test_the_code_runs_as_a_uid_of_its_own_with_home_workspace(server: Server) -> None:
+    code = (
+        "import os, pwd\nprint(os.getuid(), os.getgid(), os.environ['HOME'], os.getcwd(), "
+        "pwd.getpwuid(os.getuid()).pw_name, pwd.getpwuid(os.getuid()).pw_dir)"
+    )
     async with AsyncClient(server.url) as c:
-        ex = await c.execute(code)
-    assert ex.stdout.split() == ["1001", "1001", "/workspace", "/workspace"]
+        first, second = await asyncio.gather(c.execute(code), c.execute(code))
+    seen = []
+    for ex in (first, second):
+        uid, gid, *rest = ex.stdout.split()
+        assert int(uid) in SANDBOX_UIDS and int(uid) != SANDBOX_UID and gid == uid, ex
+        assert rest == ["/workspace", "/workspace", "sandbox", "/workspace"], ex
+        seen.append(uid)
+    assert seen[0] != seen[1], "two jails at once share a uid"
 
 
 async def test_the_jail_has_seccomp_no_new_privs_and_no_capabilities(server: Server) -> None:

@@ -49,12 +49,17 @@ def test_the_argv_drops_every_privilege_and_the_network() -> None:
 
 
 def test_the_minimal_accounts_are_mounted_before_the_uid_is_dropped() -> None:
-    prefix = accounts_argv(Path("/t/passwd"), Path("/t/group"), drop_argv(1001, 1001))
+    prefix = accounts_argv(Path("/t/passwd"), Path("/t/group"), Path("/t/run"), drop_argv(1001, 1001))
     assert prefix[:4] == ["unshare", "--mount", "--propagation=private", "--"]
     script = prefix[6]
-    assert script.index("/etc/passwd") < script.index("/etc/group") < script.index('exec env -u PWD "$@"')
-    assert prefix[8:10] == ["/t/passwd", "/t/group"]
-    assert prefix[10:] == [
+    assert (
+        script.index("/etc/passwd")
+        < script.index("/etc/group")
+        < script.index('"$3" /workspace')
+        < script.index('exec env -u PWD "$@"')
+    )
+    assert prefix[8:11] == ["/t/passwd", "/t/group", "/t/run"]  # the run directory: the home firejail checks
+    assert prefix[11:] == [
         "setpriv",
         "--reuid=1001",
         "--regid=1001",

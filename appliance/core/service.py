@@ -403,7 +403,7 @@ class RunService:
         start = protocol.start_frame(
             req.id, run_id, session.id, queued_ms, self._timeout_ms(req), session.lease.gpu
         )
-        before = await asyncio.to_thread(outputs.snapshot, jail.workdir, self.lifecycle.uid)
+        before = await asyncio.to_thread(outputs.snapshot, jail.workdir, jail.uid)
         try:
             jail.thaw()  # frozen since its last cell (`Jail.freeze`)
         except OSError as exc:
@@ -472,7 +472,7 @@ class RunService:
         within SANDBOX_MAX_OUTPUTS_BYTES; what was left out is said in the outcome."""
         s = self.settings
         tally = outputs.Tally(s.max_outputs_bytes, s.max_output_files)
-        files = outputs.stream(jail.workdir, self.lifecycle.uid, before, s.max_file_out_bytes, tally)
+        files = outputs.stream(jail.workdir, jail.uid, before, s.max_file_out_bytes, tally)
         keep = outputs.Persister(s.outputs_dir, owner, run_id) if s.outputs_dir is not None else None
         try:
             while batch := await asyncio.to_thread(outputs.next_batch, files):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from appliance.core.errors import StartupError
 from appliance.runtime import canary, toolprobe
 from appliance.runtime.metrics import Metrics
-from appliance.sandbox import cgroups, outputs, runfs, sched
+from appliance.sandbox import cgroups, outputs, runfs, sched, uids
 from appliance.sandbox.cell import disk_entries, run_cell
 from appliance.sandbox.firejail import lower_own_oom_score
 from appliance.sandbox.host import HostFacts, import_problem, inspect, readable_ancestors_problem
@@ -53,6 +53,7 @@ class Lifecycle:
         self.metrics = metrics
         self.host: HostFacts | None = None
         self.dirs: RunDirs | None = None
+        self.uids: uids.Uids | None = None  # the uids jails run as (SANDBOX_UID_RANGE)
         self.network: EgressNetwork | None = None
         self.cpu: PoolLeases | None = None
         self.gpu: GpuLeases | None = None  # GPU mode (SANDBOX_GPU=1) only
@@ -100,8 +101,19 @@ class Lifecycle:
         if s.open_ports:
             check_prerequisites()  # before inspect: /run/netns must exist when /run is judged
         host = inspect(s.firejail, s.uid, s.python)
+        # A jail of SANDBOX_UID_RANGE owns nothing on the host: what it must reach, it reaches as
+        # "other" (checked as the range's last uid; SANDBOX_UID's own check follows).
+        reach = (
+            [host.uid]
+            if host.run_as_uid is None or s.uid_range[1] == host.uid
+            else [s.uid_range[1], host.uid]
+        )
+
+        def unreachable(path: Path) -> str | None:
+            return next(filter(None, (readable_ancestors_problem(path, uid) for uid in reach)), None)
+
         for root in python_roots(s.python):
-            problem = readable_ancestors_problem(root, host.uid)
+            problem = unreachable(root)
             if problem:
                 raise StartupError(f"SANDBOX_PYTHON's environment is not reachable in the jail: {problem}")
         if s.gpu and self.gpu is None:
@@ -122,14 +134,14 @@ class Lifecycle:
                     f"cannot import them: {problem}; install the gpu extra (pip install '.[gpu]') into it, "
                     f"or leave them out of SANDBOX_PRELOAD"
                 )
-        problem = readable_ancestors_problem(s.tmp_root, host.uid)
+        problem = unreachable(s.tmp_root)
         if problem:  # firejail, running as the sandbox uid, must reach the run directories
             raise StartupError(f"SANDBOX_TMP_ROOT is not reachable by the sandbox uid: {problem}")
         with open_base(s.tmp_root, os.geteuid()):  # before listening: a squatted root stops startup
             pass
         if s.wheelhouse is not None:
             check_wheelhouse(s.wheelhouse)
-            problem = readable_ancestors_problem(s.wheelhouse, host.uid)
+            problem = unreachable(s.wheelhouse)
             if problem:  # pip in the jail reads the wheels as the sandbox uid
                 raise StartupError(f"SANDBOX_WHEELHOUSE is not reachable by the sandbox uid: {problem}")
         self.host = host
@@ -157,6 +169,7 @@ class Lifecycle:
                 "SANDBOX_MAX_DISK_MB is the server's check only"
             )
         removed = self.dirs.prepare()
+        self.uids = jail_uids = self._jail_uids(host)
         if removed:
             log.info("purged stale run directories", extra={"dirs": [str(p) for p in removed]})
         runtime = await asyncio.to_thread(stage_runtime, s.tmp_root, s.python)
@@ -174,7 +187,15 @@ class Lifecycle:
         pools = ProfilePools.build(
             profiles,
             lambda p: JailFactory(
-                s, host, runtime, dirs, network, preload=p.modules, wheel_cache=cache, cgroups=groups
+                s,
+                host,
+                runtime,
+                dirs,
+                network,
+                preload=p.modules,
+                wheel_cache=cache,
+                cgroups=groups,
+                uids=jail_uids,
             ),
             s.pool_size,
             max_size=s.pool_max,
@@ -205,6 +226,7 @@ class Lifecycle:
                 "firejail": host.firejail,
                 "firejail_version": host.firejail_version,
                 "jail_uid": host.uid,
+                "jail_uids": len(jail_uids.candidates),
                 "memory_cap": self.limits()["memory"],
                 "pool_size": s.pool_size,
             },
@@ -214,6 +236,38 @@ class Lifecycle:
             self._sweeper = asyncio.create_task(
                 self._sweep_outputs(s.outputs_dir, s.outputs_retention_s), name="outputs-sweeper"
             )
+
+    def _jail_uids(self, host: HostFacts) -> uids.Uids:
+        """The uids jails run as: one each from SANDBOX_UID_RANGE where the server is root and
+        the range holds more than SANDBOX_UID, else SANDBOX_UID shared by all (`uids`).
+        StartupError when the lock directory is not the server's own."""
+        s = self.settings
+        first, last = s.uid_range
+        candidates: tuple[int, ...] = ()
+        if host.run_as_uid is None:  # the server is the sandbox uid: it cannot switch to others
+            if last > first:
+                log.warning(
+                    "SANDBOX_UID_RANGE is ignored: a server that is not root runs every jail as itself "
+                    "(SANDBOX_UID), so jails share its per-uid kernel limits"
+                )
+        else:
+            candidates, skipped = uids.usable(first, last, host.uid)
+            if skipped:
+                log.warning(
+                    "uids of SANDBOX_UID_RANGE that have a host account or group are left out",
+                    extra={"uids": list(skipped)},
+                )
+            if not candidates:
+                log.warning(
+                    "SANDBOX_UID_RANGE holds no uid besides SANDBOX_UID: every jail runs as it, and "
+                    "jails share its per-uid kernel limits (inotify instances, descriptors in flight, ...)"
+                )
+        jail_uids = uids.Uids(s.tmp_root, host.uid, host.gid, candidates)
+        try:
+            jail_uids.prepare()
+        except OSError as exc:
+            raise StartupError(f"SANDBOX_TMP_ROOT: cannot make the uids' lock directory: {exc}") from exc
+        return jail_uids
 
     async def _sweep_outputs(self, root: Path, retention_s: int) -> None:
         """Remove persisted runs past their retention, now and then (a tenth of it, 1 s to 1 h)."""
@@ -243,6 +297,8 @@ class Lifecycle:
             await self.network.close()
         if self.dirs is not None:
             self.dirs.remove_instance()
+        if self.uids is not None:
+            self.uids.close()
         if self.cgroups is not None:
             await asyncio.to_thread(self.cgroups.close)
 
@@ -292,7 +348,8 @@ class Lifecycle:
         stdout = "".join(
             str(f["text"]) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout"
         )
-        found = canary.judge(outcome.status, stdout, {self.uid})
+        allowed = self.uids.all() if self.uids is not None else {self.uid}
+        found = canary.judge(outcome.status, stdout, allowed)
         if found and outcome.message:
             found[0] += f": {outcome.message}"
         return found

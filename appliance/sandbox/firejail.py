@@ -100,18 +100,23 @@ def launcher_env() -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "container": "docker", "LANG": "C.UTF-8"}
 
 
-def accounts_argv(passwd: Path, group: Path, then: list[str]) -> list[str]:
+def accounts_argv(passwd: Path, group: Path, home: Path, then: list[str]) -> list[str]:
     """The prefix (run as root) that gives the jail a minimal /etc/passwd and /etc/group.
 
     firejail copies the host's /etc/passwd into the jail (less the other human users):
     every system account of the host would be listed. The server starts firejail in a
     private mount namespace of its own where those two files are bind mounts of `passwd`
-    and `group`, then runs `then`: the prefix that drops to the sandbox uid (`drop_argv`,
+    and `group`, then runs `then`: the prefix that drops to the jail's uid (`drop_argv`,
     or the egress namespace's `enter_argv`) before the setuid firejail runs.
+
+    /workspace, the home `passwd` names, is a bind mount of `home` (the run directory, owned
+    by the jail's uid) there too: firejail refuses a home its user does not own, and a jail
+    of SANDBOX_UID_RANGE has a uid of its own that owns nothing else on the host.
     """
     # `env -u PWD`: the shell exports PWD, which the jail must not inherit (the canary checks).
     script = (
-        'mount --bind "$1" /etc/passwd && mount --bind "$2" /etc/group && shift 2 && exec env -u PWD "$@"'
+        'mount --bind "$1" /etc/passwd && mount --bind "$2" /etc/group && '
+        f'mount --bind "$3" {WORKSPACE} && shift 3 && exec env -u PWD "$@"'
     )
     return [
         "unshare",
@@ -124,6 +129,7 @@ def accounts_argv(passwd: Path, group: Path, then: list[str]) -> list[str]:
         "sh",
         str(passwd),
         str(group),
+        str(home),
         *then,
     ]
 

@@ -19,10 +19,12 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from appliance.core.errors import JailExited, JailFailure, JailStartFailed
+from appliance.core.errors import JailExited, JailFailure, JailStartFailed, StartupError
 from appliance.sandbox import checks, fstree, proctree, runfs
 from appliance.sandbox.cgroups import Counters, Group, GroupLimits, Hierarchy
 from appliance.sandbox.devices import GpuDevice
@@ -38,6 +40,7 @@ from appliance.sandbox.host import HostFacts
 from appliance.sandbox.network import EgressNetwork, JailLink, enter_argv, expected_interfaces
 from appliance.sandbox.process import JailProcess
 from appliance.sandbox.spec import JailLimits, JailSpec, jail_env
+from appliance.sandbox.uids import Held, Uids
 from appliance.sandbox.workdir import DRIVER, RunDirs
 from appliance.settings import Settings
 
@@ -54,6 +57,7 @@ def _tmp_unsized() -> None:
 
 
 READY_TIMEOUT_S = 60.0
+UID_WAIT_S = 30.0  # the longest a launch waits for a free uid of SANDBOX_UID_RANGE
 FREEZE_WAIT_S = 2.0  # the longest a session's jail may take to freeze before the session ends
 FREEZE_POLL_S = 0.0005  # the first wait between two looks at the freezer state (doubling)
 
@@ -74,7 +78,14 @@ class Jail:
     tmp_fd: int | None = None  # its private /tmp, open from `pin` until `destroy`
     workdir_fd: int | None = None  # its run directory, open from `pin` until `destroy`
     workdir_dev: int | None = None  # the run directory's filesystem, read at `pin`
+    held: Held | None = None  # its uid (`uids`), given back once the jail is gone
+    uids: Uids | None = None
     _destroyed: bool = False
+
+    @property
+    def uid(self) -> int:
+        """The uid the jail's code runs as."""
+        return self.held.uid if self.held is not None else self.dirs.uid
 
     @property
     def alive(self) -> bool:
@@ -214,10 +225,28 @@ class Jail:
 
     def _remove(self) -> None:
         try:
-            self.dirs.remove(self.workdir)
+            try:
+                self.dirs.remove(self.workdir)
+            finally:
+                if self.cgroup is not None:  # also kills anything of the jail still in it
+                    self.cgroup.remove()
         finally:
-            if self.cgroup is not None:  # also kills anything of the jail still in it
-                self.cgroup.remove()
+            if self.uids is not None and self.held is not None:  # once its processes are gone
+                self.uids.give_back(self.held)
+
+
+async def _shielded(taking: Coroutine[Any, Any, Held | None], uids: Uids) -> Held | None:
+    """A uid taken in a thread. A launch cancelled meanwhile (its run's client gone) does not stop
+    the thread: the uid it locks is given back before the cancellation goes on."""
+    task = asyncio.ensure_future(taking)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            held = await task
+            if held is not None:
+                await asyncio.to_thread(uids.give_back, held)
+        raise
 
 
 def _measure_from_now(group: Group) -> Counters:
@@ -248,8 +277,11 @@ class JailFactory:
         preload: tuple[str, ...] | None = None,
         wheel_cache: Path | None = None,
         cgroups: Hierarchy | None = None,
+        uids: Uids | None = None,
     ) -> None:
         self.settings = settings
+        # A uid per jail (`uids`), but not for GPU jails: an MPS daemon serves one uid at a time.
+        self.uids = uids if uids is not None and uids.exclusive and gpu is None else None
         self.cgroups = cgroups  # enforcing: every jail gets its own group before it starts
         self.run_limits = GroupLimits(
             memory_mb=settings.memory_mb, cpus=settings.cpus, max_procs=settings.max_procs
@@ -281,12 +313,12 @@ class JailFactory:
                 self._readable += (Path(settings.gpu_libcuda).parent,)
         self.spawned = 0
 
-    def spec(self, workdir: Path, link: JailLink | None = None) -> JailSpec:
+    def spec(self, workdir: Path, link: JailLink | None = None, held: Held | None = None) -> JailSpec:
         s = self.settings
         return JailSpec(
             workdir=workdir,
-            uid=self.host.uid,
-            gid=self.host.gid,
+            uid=held.uid if held is not None else self.host.uid,
+            gid=held.gid if held is not None else self.host.gid,
             python=s.python,
             driver=self.runtime / DRIVER,
             limits=JailLimits(
@@ -314,6 +346,47 @@ class JailFactory:
         weight; the pool sets both back for runs once it is ready (`make_ready`).
         """
         jail_id = secrets.token_hex(8)
+        held = await self._take_uid()
+        try:
+            return await self._launch_as(jail_id, nice, held)
+        except BaseException:
+            if held is not None and self.uids is not None:
+                await asyncio.to_thread(self.uids.give_back, held)
+            raise
+
+    async def _take_uid(self) -> Held | None:
+        """A uid of SANDBOX_UID_RANGE held for the new jail alone, with its accounts staged;
+        None where jails share the sandbox uid. Waits while every uid is held (by this
+        server's jails or another's), up to UID_WAIT_S: JailFailure then."""
+        uids = self.uids
+        if uids is None:
+            return None
+        deadline = time.monotonic() + UID_WAIT_S
+        pause = 0.01
+        while True:
+            try:
+                held = await _shielded(asyncio.to_thread(uids.take), uids)
+            except (OSError, StartupError) as exc:
+                raise JailFailure(f"could not take a uid for the jail: {exc}") from exc
+            if held is not None:
+                break
+            if time.monotonic() > deadline:
+                raise JailFailure(
+                    f"no uid of SANDBOX_UID_RANGE was free for {UID_WAIT_S:.0f} s: every one is held by a "
+                    "jail (widen the range)"
+                )
+            await asyncio.sleep(pause)  # uids are freed by other servers too: nothing to wait on
+            pause = min(pause * 2, 0.25)
+        try:
+            await asyncio.to_thread(self.dirs.accounts_for, held.uid, held.gid)
+        except BaseException as exc:
+            await asyncio.to_thread(uids.give_back, held)
+            if isinstance(exc, (OSError, StartupError)):
+                raise JailFailure(f"could not stage the jail's accounts: {exc}") from exc
+            raise
+        return held
+
+    async def _launch_as(self, jail_id: str, nice: int, held: Held | None) -> Jail:
         group = None
         if self.cgroups is not None:  # fail closed: no group, no jail
             limits = self.run_limits.idle() if nice > 0 else self.run_limits
@@ -324,17 +397,18 @@ class JailFactory:
                     await asyncio.to_thread(group.remove)
                 raise JailFailure(f"could not make the jail's cgroup: {exc}") from exc
         try:
-            return await self._launch(jail_id, nice, group)
+            return await self._launch(jail_id, nice, group, held)
         except BaseException:
             if group is not None:
                 await asyncio.to_thread(group.remove)
             raise
 
-    async def _make_workdir(self, jail_id: str) -> Path:
+    async def _make_workdir(self, jail_id: str, held: Held | None) -> Path:
         """The jail's run directory, made in a thread. A run cancelled meanwhile (its client
         gone) does not stop the thread: the directory is made, then removed, before the
         cancellation goes on, so no run directory outlives a run that never got its jail."""
-        making = asyncio.ensure_future(asyncio.to_thread(self.dirs.create, jail_id))
+        uid, gid = (held.uid, held.gid) if held is not None else (None, None)
+        making = asyncio.ensure_future(asyncio.to_thread(self.dirs.create, jail_id, uid, gid))
         try:
             return await asyncio.shield(making)
         except asyncio.CancelledError:
@@ -343,29 +417,33 @@ class JailFactory:
             await asyncio.to_thread(self.dirs.remove, self.dirs.path(jail_id))
             raise
 
-    def _launcher(self, link: JailLink | None, group: Group | None) -> list[str]:
+    def _launcher(
+        self, link: JailLink | None, group: Group | None, held: Held | None, workdir: Path
+    ) -> list[str]:
         """What runs before firejail, outermost first: join the jail's cgroup (as root), give it
         the minimal accounts (a private mount namespace), enter its network namespace, and drop
-        to the sandbox uid. All of it is exec'd programs, so the server spawns with vfork and
+        to the jail's uid. All of it is exec'd programs, so the server spawns with vfork and
         never forks itself (`firejail.join_argv`)."""
-        uid, gid = self.host.uid, self.host.gid
+        uid, gid = (held.uid, held.gid) if held is not None else (self.host.uid, self.host.gid)
         # In egress mode root enters the namespace and drops to the sandbox uid itself.
         prefix = enter_argv(link, uid, gid) if link is not None else []
         if link is None and self.host.run_as_uid is not None:
             prefix = drop_argv(uid, gid)
-        accounts = self.dirs.accounts
+        accounts = self.dirs.accounts_for(uid, gid) if held is not None else self.dirs.accounts
         if accounts is not None and prefix:
             # Root starts it: the jail's /etc/passwd and /etc/group list only root and the
             # sandbox user (a server that is the sandbox uid itself cannot mount them).
-            prefix = accounts_argv(*accounts, prefix)
+            prefix = accounts_argv(*accounts, workdir, prefix)
         if group is not None:
             prefix = join_argv(group.procs_files()) + prefix
         if self.host.run_as_uid is not None:  # root: the jail is the OOM killer's first choice
             prefix = oom_argv() + prefix
         return prefix
 
-    async def _launch(self, jail_id: str, nice: int, group: Group | None) -> Jail:  # noqa: C901 (one jail's launch steps in order, each undone if a later one fails)
-        workdir = await self._make_workdir(jail_id)
+    async def _launch(  # noqa: C901 (one jail's launch steps in order, each undone if a later one fails)
+        self, jail_id: str, nice: int, group: Group | None, held: Held | None
+    ) -> Jail:
+        workdir = await self._make_workdir(jail_id, held)
         link: JailLink | None = None
         if self.network is not None:  # egress mode: the filtered namespace first, firejail inside it
             try:
@@ -373,10 +451,12 @@ class JailFactory:
             except BaseException:
                 await asyncio.to_thread(self.dirs.remove, workdir)
                 raise
-        spec = dataclasses.replace(self.spec(workdir, link), nice=nice)
+        spec = dataclasses.replace(self.spec(workdir, link, held), nice=nice)
         try:
             process = await JailProcess.spawn(
-                lambda fd: self._launcher(link, group) + render_argv(spec, fd, self.host.firejail),
+                lambda fd: (
+                    self._launcher(link, group, held, workdir) + render_argv(spec, fd, self.host.firejail)
+                ),
                 env=launcher_env(),
                 max_event_bytes=self.settings.max_output_bytes + 65536,
             )
@@ -396,6 +476,8 @@ class JailFactory:
             link=link,
             network=self.network,
             cgroup=group,
+            held=held,
+            uids=self.uids,
         )
         try:
             ready = await jail.process.wait_event("ready", READY_TIMEOUT_S)
@@ -412,7 +494,8 @@ class JailFactory:
         if ready["ev"] != "ready":
             await jail.destroy()
             raise JailFailure(f"the jail sent {ready['ev']!r} where its ready event was due")
-        found = checks.problems(ready["check"], self.expected)
+        expected = self.expected if held is None else dataclasses.replace(self.expected, uid=held.uid)
+        found = checks.problems(ready["check"], expected)
         if found:
             await jail.destroy()
             log.error("jail refused: self-check failed", extra={"problems": found, "jail": jail_id})

@@ -3,7 +3,8 @@
 Layout:
     <tmp_root>/appliance/                  0755 the server's uid (root)
         runtime-<hash>/                    0755, read-only in jails: driver, mpl backend, font cache
-        accounts-<uid>-<gid>/              0755, the jails' passwd and group
+        accounts-<uid>-<gid>/              0755, the jails' passwd and group, one per jail uid
+        uids/                              0700, a lock file per uid of SANDBOX_UID_RANGE (`uids`)
         srv-<pid ns>-<pid>-<start>/        0711, one per server process (appliance.sandbox.instance)
             <run id>/                      0700 uid:gid, mounted as /workspace; a tmpfs
                                            of its own where the server is root (`runfs`)
@@ -68,13 +69,14 @@ class RunDirs:
         # server that is not root cannot mount; the disk quota is then the server's check only).
         self.sizes = sizes
         self.accounts: tuple[Path, Path] | None = None  # (passwd, group) for jails; see prepare()
+        self._staged: dict[tuple[int, int], tuple[Path, Path]] = {}  # accounts_for's, by (uid, gid)
 
     def prepare(self) -> list[Path]:
         """Create this server's directory; remove those of servers that are gone. Returns them.
         StartupError when the root or anything in it is not the server's own (`trust`)."""
         try:
             with self._instance(), open_base(self.root, self.server_uid) as base_fd:
-                self.accounts = self.stage_accounts(base_fd)
+                self.accounts = self.stage_accounts(base_fd, self.uid, self.gid)
         except OSError as exc:
             raise StartupError(f"SANDBOX_TMP_ROOT: cannot create {self.instance}: {exc}") from exc
         return self.purge_stale()
@@ -88,23 +90,36 @@ class RunDirs:
         with trust.held(fd):
             yield fd
 
-    def stage_accounts(self, base_fd: int) -> tuple[Path, Path]:
-        """A passwd and a group file naming only root and the sandbox user, for the jail's
-        /etc (the host's list its accounts). Written atomically, by descriptor; shared by
-        servers alike."""
+    def accounts_for(self, uid: int, gid: int) -> tuple[Path, Path]:
+        """The passwd and group files of a jail that runs as uid:gid (`stage_accounts`), staged
+        on first use by this server. Blocking I/O: call it in a thread. StartupError (a
+        JailFailure to the caller) when the tree is not the server's own."""
+        if (uid, gid) == (self.uid, self.gid) and self.accounts is not None:
+            return self.accounts
+        found = self._staged.get((uid, gid))
+        if found is None:
+            with open_base(self.root, self.server_uid) as base_fd:
+                found = self._staged[uid, gid] = self.stage_accounts(base_fd, uid, gid)
+        return found
+
+    def stage_accounts(self, base_fd: int, uid: int, gid: int) -> tuple[Path, Path]:
+        """A passwd and a group file naming only root and the sandbox user as uid:gid, for
+        the jail's /etc (the host's list its accounts). Written atomically, by descriptor;
+        shared by servers alike. A uid of SANDBOX_UID_RANGE has no host account: it is named
+        `sandbox`, as the jailed code knows its user."""
         try:
-            user = pwd.getpwuid(self.uid).pw_name
+            user = pwd.getpwuid(uid).pw_name
         except KeyError:
             user = "sandbox"
         try:
-            group = grp.getgrgid(self.gid).gr_name
+            group = grp.getgrgid(gid).gr_name
         except KeyError:
             group = user
-        name = f"accounts-{self.uid}-{self.gid}"
+        name = f"accounts-{uid}-{gid}"
         files = {
             "passwd": f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-            f"{user}:x:{self.uid}:{self.gid}::/workspace:/usr/sbin/nologin\n",
-            "group": f"root:x:0:\n{group}:x:{self.gid}:\n",
+            f"{user}:x:{uid}:{gid}::/workspace:/usr/sbin/nologin\n",
+            "group": f"root:x:0:\n{group}:x:{gid}:\n",
         }
         with trust.held(trust.ensure_dir(base_fd, self.base, name, 0o755, self.server_uid)) as dir_fd:
             for file, text in files.items():
@@ -151,25 +166,28 @@ class RunDirs:
         """Where run run_id's directory is (made by `create`)."""
         return self.instance / run_id
 
-    def create(self, run_id: str) -> Path:
-        """Make run run_id's directory (and its outputs/), owned by the sandbox uid; owner and
+    def create(self, run_id: str, uid: int | None = None, gid: int | None = None) -> Path:
+        """Make run run_id's directory (and its outputs/), owned by the jail's uid:gid (default:
+        the shared sandbox uid's); owner and
         mode are set on the descriptors made here, never through a path. Where run directories
         are sized (`sizes`), the directory is a tmpfs of its own, mounted through the
         instance's descriptor before anything is made in it (fail closed: no mount, no run)."""
+        uid = self.uid if uid is None else uid
+        gid = self.gid if gid is None else gid
         with self._instance() as inst:
             os.mkdir(run_id, 0o700, dir_fd=inst)
             try:
                 if self.sizes is not None:
-                    runfs.mount_run(Path(f"/proc/self/fd/{inst}/{run_id}"), self.sizes, self.uid, self.gid)
+                    runfs.mount_run(Path(f"/proc/self/fd/{inst}/{run_id}"), self.sizes, uid, gid)
                 fd = os.open(run_id, fstree.DIR_FLAGS, dir_fd=inst)
                 try:
                     os.mkdir("outputs", 0o755, dir_fd=fd)
                     out = os.open("outputs", fstree.DIR_FLAGS, dir_fd=fd)
                     try:
-                        os.fchown(out, self.uid, self.gid)
+                        os.fchown(out, uid, gid)
                     finally:
                         os.close(out)
-                    os.fchown(fd, self.uid, self.gid)
+                    os.fchown(fd, uid, gid)
                 finally:
                     os.close(fd)
             except BaseException:

@@ -669,3 +669,73 @@ async def test_a_global_oom_picks_a_jail_not_the_server(target: Server, observe:
     observe(
         f"server {server_adj}; jail {report['adj']}, its child {report['child']}; lowering: {report['tries']}"
     )
+
+
+# Puts descriptors in flight over unix sockets (SCM_RIGHTS, the same one 253 times a message)
+# until the kernel refuses (ETOOMANYREFS: a per-uid count, `user->unix_inflight`, against the
+# sender's RLIMIT_NOFILE), keeps them there, and reports; PROBE_INFLIGHT sends one.
+HOG_INFLIGHT = """
+import array, errno, json, os, socket
+PAIRS, refused = [], None
+fd = os.open("/workspace", os.O_RDONLY)
+while refused is None and len(PAIRS) < 64:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    PAIRS.append((a, b))
+    for _ in range(16):
+        try:
+            a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd] * 253))])
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN:
+                refused = errno.errorcode.get(exc.errno, str(exc.errno))
+            break
+print(json.dumps({"refused": refused, "pairs": len(PAIRS), "uid": os.getuid()}))
+"""
+PROBE_INFLIGHT = """
+import array, errno, json, os, socket
+a, b = socket.socketpair()
+try:
+    a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [a.fileno()]))])
+    got = "sent"
+except OSError as exc:
+    got = errno.errorcode.get(exc.errno, str(exc.errno))
+print(json.dumps({"got": got, "uid": os.getuid()}))
+"""
+
+
+@attack(
+    "a session puts descriptors in flight (SCM_RIGHTS) until the kernel's per-uid count refuses "
+    "(ETOOMANYREFS) and keeps them; runs on the same server and on another server send one meanwhile",
+    "each jail runs as a uid of its own (SANDBOX_UID_RANGE): the others still send theirs",
+)
+async def test_a_run_cannot_take_another_jails_per_uid_limits(
+    target: Server, observe: Observe, tmp_path_factory: pytest.TempPathFactory, tmp_root: Path
+) -> None:
+    other = hostile_server(tmp_path_factory.mktemp("uid-server"), tmp_root)
+    try:
+        async with AsyncClient(target.url, TOKEN) as c:
+            hog = await c.execute(HOG_INFLIGHT, session="new", timeout_ms=SHORT)
+            sid = hog.session
+            assert hog.status == "ok" and sid, (hog.status, hog.message, hog.stderr[-800:])
+            try:
+                took = json.loads(hog.stdout.splitlines()[-1])
+                assert took["refused"] == "ETOOMANYREFS", took
+                seen = {}
+                for name, server in (("same server", target), ("another server", other)):
+                    ex = await run(server, PROBE_INFLIGHT, timeout_ms=SHORT)
+                    assert ex.status == "ok", (ex.status, ex.message, ex.stderr[-800:])
+                    seen[name] = json.loads(ex.stdout.splitlines()[-1])
+            finally:
+                await c.close_session(sid)
+        for name, got in seen.items():
+            assert got["got"] == "sent", (
+                f"a run on the {name} could not send a descriptor: {got} (the hog: {took})"
+            )
+            assert got["uid"] != took["uid"], f"a run on the {name} shares the hog's uid {took['uid']}"
+        observe(
+            f"the session (uid {took['uid']}) filled its in-flight descriptor count (ETOOMANYREFS); runs as "
+            f"uids {seen['same server']['uid']} (same server) and {seen['another server']['uid']} "
+            f"(another server) each sent one"
+        )
+    finally:
+        other.stop()

@@ -1,0 +1,240 @@
+"""A uid per jail, so that concurrent jails share no per-uid kernel limit.
+
+The kernel counts some limits per uid across the whole host, whatever namespace a process is
+in: inotify instances and watches (fs.inotify.max_user_*), descriptors in flight over unix
+sockets (RLIMIT_NOFILE of the sender's user), processes (RLIMIT_NPROC), POSIX message queue
+bytes (RLIMIT_MSGQUEUE). Were every jail one uid, one run could take them all and another
+tenant's run, on this server or another, would get EMFILE or EAGAIN.
+
+So each CPU jail runs as a uid of its own from SANDBOX_UID_RANGE, held exclusively for its
+whole life against every server on the host that shares SANDBOX_TMP_ROOT: a lock file per uid
+in `<tmp root>/appliance/uids/` (0700, made and checked by `trust` like the rest of that
+tree), taken with flock. The kernel drops a lock with the last descriptor of it, so a server
+killed with -9 frees its uids while its jails live on (firejail is setuid: no parent-death
+signal reaches it); hence a uid is taken only when no process of it runs, and given back only
+once every process of its jail is gone.
+
+SANDBOX_UID is never taken exclusively: it stays the one uid that jails share where a uid each
+cannot be had: a range of that uid alone (all jails share it, as before ranges), GPU jails (an
+MPS daemon serves one uid at a time), and a server that is not root (it cannot switch uids).
+
+The uids of the range need no account on the host (the server gives each jail a passwd and
+group naming its uid, `RunDirs.accounts_for`); one that has an account, or a group of its
+number, is left out, so that a jail never acts as a user of the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import grp
+import logging
+import os
+import pwd
+import random
+import signal
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance.sandbox import trust
+from appliance.sandbox.workdir import open_base
+
+log = logging.getLogger("appliance.uids")
+
+LOCKS = "uids"  # under <tmp root>/appliance
+GIVE_BACK_WAIT_S = 5.0  # the longest a uid's last processes may take to die before it is set aside
+
+
+@dataclass
+class Held:
+    """A jail's uid and gid, and the locked file that holds the uid (None: the shared uid, or
+    given back: `Uids.give_back` is done once, whoever calls it again)."""
+
+    uid: int
+    gid: int
+    fd: int | None = None
+
+
+def usable(first: int, last: int, shared: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(uids jails may hold exclusively, uids left out because the host has an account or a
+    group of that number) of the range first..last; the shared uid is in neither."""
+    taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+    ok: list[int] = []
+    skipped: list[int] = []
+    for uid in range(first, last + 1):
+        if uid == shared:
+            continue
+        (skipped if uid in taken else ok).append(uid)
+    return tuple(ok), tuple(skipped)
+
+
+def uids_in_use() -> set[int]:
+    """Every uid (real, effective, saved or filesystem) a process of this PID namespace has,
+    zombies included (they still count against RLIMIT_NPROC)."""
+    found: set[int] = set()
+    for pid in _pids():
+        uids = _uids_of(pid)
+        if uids is not None:
+            found.update(uids)
+    return found
+
+
+def processes_of(uid: int) -> list[int]:
+    """Every process of this PID namespace that has uid as any of its uids."""
+    return [pid for pid in _pids() if uid in (_uids_of(pid) or ())]
+
+
+def _pids() -> list[int]:
+    return [int(e) for e in os.listdir("/proc") if e.isdigit()]
+
+
+def _uids_of(pid: int) -> tuple[int, ...] | None:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            text = fh.read()
+    except OSError:
+        return None  # gone meanwhile
+    start = text.find(b"\nUid:")
+    if start < 0:
+        return None
+    line = text[start + 5 : text.find(b"\n", start + 1)]
+    try:
+        return tuple(int(part) for part in line.split())
+    except ValueError:
+        return None
+
+
+@dataclass
+class Uids:
+    """The uids one server's jails run as (see the module's docstring)."""
+
+    tmp_root: Path
+    shared_uid: int
+    shared_gid: int
+    candidates: tuple[int, ...]  # those held exclusively; empty: every jail shares shared_uid
+    _cursor: int = field(default_factory=lambda: random.randrange(1 << 30))  # noqa: S311 (spread, not secrecy)
+    _aside: list[Held] = field(default_factory=list)  # given back with processes left: still held
+    _aside_lock: threading.Lock = field(default_factory=threading.Lock)  # take/give_back run in threads
+
+    @property
+    def exclusive(self) -> bool:
+        return bool(self.candidates)
+
+    def shared(self) -> Held:
+        return Held(self.shared_uid, self.shared_gid)
+
+    def all(self) -> set[int]:
+        """Every uid a jail of this server may run as."""
+        return {self.shared_uid, *self.candidates}
+
+    def prepare(self) -> None:
+        """Make (or check) the lock directory now, so that a squatted one stops startup."""
+        if self.exclusive:
+            with self._lock_dir():
+                pass
+
+    def take(self) -> Held | None:
+        """Lock a uid of the range that no process runs as; None when every one is held or
+        busy. Blocking I/O (one scan of /proc, a few opens): call it in a thread."""
+        self._retry_aside()
+        busy = uids_in_use()
+        n = len(self.candidates)
+        start, self._cursor = self._cursor, self._cursor + 1
+        with self._lock_dir() as dir_fd:
+            for i in range(n):
+                uid = self.candidates[(start + i) % n]
+                if uid in busy:
+                    continue
+                fd = _lock(dir_fd, uid, os.geteuid())
+                if fd is not None:
+                    # The scan came before the lock: a process of uid seen by neither was
+                    # started by a holder since, and a holder gives a uid back only once its
+                    # processes are gone.
+                    return Held(uid, uid, fd)
+        return None
+
+    def give_back(self, held: Held) -> None:
+        """Free a jail's uid once no process of it is left: any still there (the jail is
+        destroyed: they are its own, since the uid was held) are killed and waited for; a uid
+        whose processes will not die is kept locked, set aside, and tried again later."""
+        fd, held.fd = held.fd, None
+        if fd is None:
+            return
+        if not _gone(held.uid, GIVE_BACK_WAIT_S):
+            log.error("a jail's uid still has processes: kept until they are gone", extra={"uid": held.uid})
+            with self._aside_lock:
+                self._aside.append(Held(held.uid, held.gid, fd))
+            return
+        os.close(fd)  # unlocks
+
+    def close(self) -> None:
+        """The server ends: uids set aside stay locked only as long as this process lives."""
+        with self._aside_lock:
+            aside, self._aside = self._aside, []
+        for held in aside:
+            if held.fd is not None:
+                os.close(held.fd)
+
+    def _retry_aside(self) -> None:
+        with self._aside_lock:
+            aside, self._aside = self._aside, []
+        for held in aside:
+            if processes_of(held.uid):
+                with self._aside_lock:
+                    self._aside.append(held)
+            elif held.fd is not None:
+                os.close(held.fd)
+
+    @contextlib.contextmanager
+    def _lock_dir(self) -> Iterator[int]:
+        server_uid = os.geteuid()
+        with open_base(self.tmp_root, server_uid) as base_fd:
+            fd = trust.ensure_dir(base_fd, self.tmp_root / "appliance", LOCKS, 0o700, server_uid)
+        with trust.held(fd):
+            yield fd
+
+
+def _lock(dir_fd: int, uid: int, server_uid: int) -> int | None:
+    """The uid's lock file, opened and flocked; None when another holds it (or the file is not
+    the server's own: the directory is 0700 root, so only root could have made it otherwise)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
+    try:
+        fd = os.open(str(uid), flags, 0o600, dir_fd=dir_fd)
+    except OSError as exc:
+        log.error("cannot open a uid's lock file", extra={"uid": uid, "error": str(exc)})
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != server_uid:
+            log.error("a uid's lock file is not the server's own: uid left out", extra={"uid": uid})
+            os.close(fd)
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _gone(uid: int, wait_s: float) -> bool:
+    """Kill every process of uid and wait up to wait_s for them to be gone; whether they are."""
+    deadline = time.monotonic() + wait_s
+    pause = 0.001
+    while True:
+        left = processes_of(uid)
+        if not left:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(pause)  # a killed process's teardown is the kernel's: nothing to wait on
+        pause = min(pause * 2, 0.05)

@@ -1,0 +1,117 @@
+"""A uid per jail (appliance.sandbox.uids): held exclusively across servers, never one a process
+still runs as, given back only once its processes are gone; the range leaves host accounts out."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance.sandbox import uids
+from appliance.sandbox.uids import Uids
+from tests.support import reachable_tmp_root, until
+
+# Far from any account or jail of this host (tests of the real server use 1001 onwards).
+FIRST = 3_900_000
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    with reachable_tmp_root("appliance-uids-") as path:
+        yield path
+
+
+def running_as(uid: int) -> list[int]:
+    """The processes of uid, once there are any (setpriv switches after it has started)."""
+    return until(lambda: uids.processes_of(uid), 10, f"a process of uid {uid}")
+
+
+def pool(root: Path, n: int = 3) -> Uids:
+    u = Uids(root, 1001, 1001, tuple(range(FIRST, FIRST + n)))
+    u.prepare()
+    return u
+
+
+def test_the_range_leaves_out_the_shared_uid_and_host_accounts() -> None:
+    ok, skipped = uids.usable(0, 2, shared=1)
+    assert 1 not in ok and 1 not in skipped
+    assert 0 in skipped  # root has an account
+    assert 2 in ok or 2 in skipped
+    assert uids.usable(FIRST, FIRST + 2, shared=1001) == ((FIRST, FIRST + 1, FIRST + 2), ())
+
+
+def test_a_uid_is_held_by_one_jail_until_given_back(root: Path) -> None:
+    u = pool(root)
+    held = [u.take() for _ in range(3)]
+    assert all(h is not None for h in held)
+    assert len({h.uid for h in held if h is not None}) == 3
+    assert u.take() is None, "a fourth jail got a uid already held"
+    first = held[0]
+    assert first is not None
+    u.give_back(first)
+    again = u.take()
+    assert again is not None and again.uid == first.uid
+    u.give_back(first)  # a second give-back does nothing (the uid is held again)
+    assert u.take() is None
+
+
+def test_another_server_cannot_take_a_held_uid(root: Path) -> None:
+    u = pool(root, 1)
+    held = u.take()
+    assert held is not None
+    # Another process (another server) sharing the temp root finds the uid locked.
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom appliance.sandbox.uids import Uids\n"
+        f"u = Uids(Path(sys.argv[1]), 1001, 1001, ({FIRST},))\nprint(u.take())"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code, str(root)], capture_output=True, text=True, check=True
+    )
+    assert other.stdout.strip() == "None", other
+    u.give_back(held)
+    other = subprocess.run(
+        [sys.executable, "-c", code, str(root)], capture_output=True, text=True, check=True
+    )
+    assert f"uid={FIRST}" in other.stdout, other
+
+
+def test_a_uid_a_process_still_runs_as_is_not_taken(root: Path) -> None:
+    # A jail of a server killed with -9 outlives its server's locks: its uid stays busy.
+    orphan = subprocess.Popen(
+        ["setpriv", f"--reuid={FIRST}", f"--regid={FIRST}", "--clear-groups", "sleep", "60"]
+    )
+    try:
+        u = pool(root, 2)
+        assert running_as(FIRST) == [orphan.pid]
+        held = u.take()
+        assert held is not None and held.uid == FIRST + 1
+        assert u.take() is None
+    finally:
+        orphan.kill()
+        orphan.wait()
+
+
+def test_giving_back_kills_what_is_left_of_the_jail(root: Path) -> None:
+    u = pool(root, 1)
+    held = u.take()
+    assert held is not None
+    # Left behind and orphaned, as a jail's daemon is: its parent is gone, init reaps it.
+    drop = f"setpriv --reuid={FIRST} --regid={FIRST} --clear-groups"
+    subprocess.run(["sh", "-c", f"{drop} sleep 60 >/dev/null 2>&1 &"], check=True)
+    assert running_as(FIRST), "the leftover did not start"
+    u.give_back(held)
+    assert uids.processes_of(FIRST) == [], "a process of the uid outlived its give-back"
+    assert u.take() is not None
+
+
+def test_a_squatted_lock_directory_stops_startup(root: Path) -> None:
+    base = root / "appliance"
+    base.mkdir(mode=0o755, exist_ok=True)
+    (base / "uids").mkdir(mode=0o777)
+    os.chmod(base / "uids", 0o777)
+    with pytest.raises(Exception, match="writable by others"):
+        pool(root)
