@@ -164,8 +164,8 @@ def test_gpu_mode_without_a_driver_stops_startup_with_a_clear_message(tmp_path: 
 
 def test_gpu_off_never_imports_nvml() -> None:
     code = (
-        "import sys\nfrom appliance.settings import from_env\nfrom appliance.core.service import RunService\n"
-        "import appliance.api.server\nApp = RunService(from_env({}))\n"
+        "import sys\nfrom appliance.settings import from_env\nfrom appliance.runtime.lifecycle import build_service\n"
+        "import appliance.api.server\nApp = build_service(from_env({}))\n"
         "assert App.lifecycle.gpu is None\nassert 'pynvml' not in sys.modules, 'pynvml imported'\n"
         "loaded = {m for m in sys.modules if m.startswith('appliance.gpu')}\n"
         "assert not loaded, loaded\n"

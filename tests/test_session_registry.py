@@ -9,13 +9,14 @@ import pytest
 
 from appliance.core.service import RunService
 from appliance.core.tenants import owner_of
+from appliance.runtime.lifecycle import build_service
 from appliance.settings import from_env
 from appliance.wire import protocol
 
 
 @pytest.fixture
 async def appliance() -> AsyncIterator[RunService]:
-    app = RunService(
+    app = build_service(
         from_env({"SANDBOX_PRELOAD": "", "SANDBOX_POOL_SIZE": "0", "SANDBOX_PYTHON": sys.executable})
     )
     await app.start(canary_port=0)

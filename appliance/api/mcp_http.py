@@ -67,7 +67,9 @@ class ServiceExecutor:
         result = Execution(id=rid)
         try:
             frame = request_frame(code, rid, **options)
-            message = protocol.parse_client_frame(json.dumps(frame), self.service.limits)
+            message = protocol.parse_client_frame(
+                json.dumps(frame), protocol.Limits.from_settings(self.service.settings)
+            )
         except (TypeError, ProtocolError) as exc:
             result.add(protocol.done_frame(rid, "rejected", message=getattr(exc, "message", str(exc))))
             return result

@@ -36,6 +36,7 @@ from appliance.api.transport import (
 from appliance.api.wsmeter import HeapTrimmer, MeteredWebSocket, check_aiohttp
 from appliance.core.errors import Busy, Cancelled, RequestRejected
 from appliance.core.service import Run, RunService
+from appliance.runtime.lifecycle import build_service
 from appliance.settings import Settings
 from appliance.wire import protocol
 from appliance.wire.protocol import (
@@ -371,7 +372,7 @@ def make_app(service: RunService) -> web.Application:
 async def serve(settings: Settings, host: str, port: int, ready_file: str | None = None) -> None:
     """Run until SIGTERM/SIGINT, then shut down in order: stop accepting, let runs finish
     within the grace period, cancel the rest, drain the pool."""
-    service = RunService(settings)
+    service = build_service(settings)
     service.check_host()
     app = make_app(service)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)

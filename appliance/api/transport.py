@@ -43,12 +43,13 @@ class FrameParser:
 
     def __init__(self, service: RunService, worker: ParseWorker | None = None) -> None:
         self._service = service
+        self._limits = protocol.Limits.from_settings(service.settings)
         self.worker = worker or ParseWorker()
         self._big = asyncio.Semaphore(1)  # big frames are parsed one at a time, server-wide
 
     async def parse(self, data: str | bytes, owner: str) -> ClientMessage:
         """The frame's message; ProtocolError (rejected) or Busy (over the rate) otherwise."""
-        limits = self._service.limits
+        limits = self._limits
         with self._charged(owner):
             protocol.check_size(data, limits)
             if len(data) <= OFF_LOOP_BYTES:
@@ -60,7 +61,7 @@ class FrameParser:
         """For a body another parser reads on the loop (the MCP SDK's): over OFF_LOOP_BYTES,
         ProtocolError (rejected) unless it holds at most `json_values_allowed` JSON values, or
         Busy (over the rate); counted in the parser's child, one at a time like big frames."""
-        limits = self._service.limits
+        limits = self._limits
         if len(data) <= OFF_LOOP_BYTES:
             # The SDK's parser recurses: a small body nested thousands deep would end its
             # session with a 500. Judged here without parsing (bounded by OFF_LOOP_BYTES).

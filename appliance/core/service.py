@@ -15,9 +15,11 @@ import hmac
 import logging
 import secrets
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from appliance.core.admission import Admission
+from appliance.core.domain import CellOutcome, Emit, Frame, PipeFull, Request, RunRequest
 from appliance.core.errors import (
     ApplianceError,
     Busy,
@@ -26,40 +28,32 @@ from appliance.core.errors import (
     RequestRejected,
     status_of,
 )
+from appliance.core.ports import Catalogue, Cells, Clock, Frames, Jail, Lease, Metrics, Outputs, Runtime
 from appliance.core.sessions import Session, SessionRegistry
 from appliance.core.tenants import Tenants, owner_of
 from appliance.core.tenants import load as load_tenants
-from appliance.inside import channel
-from appliance.inside.tools.catalogue import catalogue
-from appliance.runtime.lifecycle import Lifecycle
-from appliance.runtime.metrics import Metrics
-from appliance.sandbox import outputs
-from appliance.sandbox.cell import CellOutcome, Emit, disk_violation, run_cell
-from appliance.sandbox.jail import Jail
-from appliance.sandbox.lease import Lease
-from appliance.sandbox.process import PipeFull
 from appliance.settings import Settings
-from appliance.wire import protocol
-from appliance.wire.protocol import ExecuteRequest, Frame
 
 log = logging.getLogger("appliance.core.service")
+
+StdinOps = Callable[[str, bool], Sequence[bytes]]  # (data, eof) -> the channel bytes for them
 
 
 class Run:
     """One request in flight, as its connection holds it: stdin, interrupt, its task."""
 
-    def __init__(self, rid: str, max_stdin_bytes: int) -> None:
+    def __init__(self, rid: str, max_stdin_bytes: int, stdin_ops: StdinOps) -> None:
         self.id = rid
         self.task: asyncio.Task[None] | None = None
         self._max_stdin = max_stdin_bytes
+        self._stdin_ops = stdin_ops
         self._jail: Jail | None = None
         self._pending: list[bytes] = []  # stdin that came before the run had a jail
         self._interrupt: str | None = None
 
     def stdin(self, data: str, eof: bool) -> None:
         """Feed the run's stdin; RequestRejected when more than SANDBOX_MAX_STDIN_BYTES would wait."""
-        ops = ([channel.stdin_op(data)] if data else []) + ([channel.stdin_eof_op()] if eof else [])
-        for op in ops:
+        for op in self._stdin_ops(data, eof):
             if self._jail is None:
                 if sum(map(len, self._pending)) + len(op) > self._max_stdin:
                     raise RequestRejected(self._over_stdin())
@@ -99,12 +93,27 @@ class Run:
 
 
 class RunService:
-    """Everything that runs code; one per appliance process."""
+    """Everything that runs code; one per appliance process. What it stands on is given to it
+    (appliance.runtime.lifecycle.build_service assembles the real parts)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(  # noqa: PLR0913 (one keyword per part the service is given)
+        self,
+        settings: Settings,
+        *,
+        runtime: Runtime,
+        cells: Cells,
+        metrics: Metrics,
+        frames: Frames,
+        catalogue: Catalogue,
+        clock: Clock = time.monotonic,
+    ) -> None:
         self.settings = settings
-        self.metrics = Metrics()
-        self.lifecycle = Lifecycle(settings, self.metrics)
+        self.metrics = metrics
+        self.lifecycle = runtime
+        self.cells = cells
+        self.frames = frames
+        self.clock = clock
+        self._catalogue = catalogue
         self.admission = Admission(settings.max_concurrency, settings.max_queue)
         self.tenants: Tenants | None = None
         session_limits: dict[str, int] = {}
@@ -112,9 +121,8 @@ class RunService:
             self.tenants = Tenants(load_tenants(settings.auth_tokens_file))
             session_limits = self.tenants.session_limits()
         self.sessions = SessionRegistry(
-            settings.max_sessions, settings.session_idle_s, self._between_cells, session_limits
+            settings.max_sessions, settings.session_idle_s, self._between_cells, session_limits, clock=clock
         )
-        self.limits = protocol.Limits.from_settings(settings)
         self.warnings: list[str] = []  # how this server is exposed less safely than it could be (/readyz)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -165,16 +173,16 @@ class RunService:
             self.tenants.charge(owner)
 
     # -- runs --------------------------------------------------------------------------------
-    def submit(self, req: ExecuteRequest, owner: str, emit: Emit) -> Run:
+    def submit(self, req: RunRequest, owner: str, emit: Emit) -> Run:
         """Start running req in the background; the returned Run takes its stdin and interrupt."""
-        run = Run(req.id, self.settings.max_stdin_bytes)
+        run = self._new_run(req)
         run.task = asyncio.create_task(self.execute(req, owner, emit, run))
         return run
 
-    async def execute(self, req: ExecuteRequest, owner: str, emit: Emit, run: Run | None = None) -> None:  # noqa: C901, PLR0912, PLR0915 (one run's steps in order; every exception maps to done.status here, in one place)
+    async def execute(self, req: RunRequest, owner: str, emit: Emit, run: Run | None = None) -> None:  # noqa: C901, PLR0912, PLR0915 (one run's steps in order; every exception maps to done.status here, in one place)
         """Run one request end to end; always emits exactly one `done`."""
-        run = run or Run(req.id, self.settings.max_stdin_bytes)
-        started = time.monotonic()
+        run = run or self._new_run(req)
+        started = self.clock()
         outcome: CellOutcome | None = None
         session_id: str | None = None
         profile = "?"
@@ -189,7 +197,7 @@ class RunService:
                 quota = contextlib.ExitStack()
                 quota.enter_context(tenants.request(owner))
             session: Session | None = None
-            if req.session not in (None, "new"):
+            if req.session is not None and req.session != "new":
                 session = self.sessions.get(req.session, owner)
                 if session.lock.locked():
                     raise RequestRejected(f"session {req.session} is busy with another request")
@@ -238,8 +246,8 @@ class RunService:
             self._count(status, started)
             await _safe_emit(
                 emit,
-                protocol.done_frame(
-                    req.id, status, duration_ms=_ms_since(started), message=message, session=session_id
+                self.frames.done_frame(
+                    req.id, status, duration_ms=self._ms_since(started), message=message, session=session_id
                 ),
             )
             return
@@ -251,10 +259,10 @@ class RunService:
         if outcome is None:
             self.metrics.active_runs.set(self.admission.active)
             raise RuntimeError(f"run {req.id} ended without an outcome")
-        duration_ms = _ms_since(started)
+        duration_ms = self._ms_since(started)
         await _safe_emit(
             emit,
-            protocol.done_frame(
+            self.frames.done_frame(
                 req.id,
                 outcome.status,
                 exit_code=outcome.exit_code,
@@ -274,14 +282,14 @@ class RunService:
         if outcome.import_ms is not None:
             self.metrics.import_seconds.labels(profile=profile).observe(outcome.import_ms / 1000)
 
-    async def open_session(self, req: ExecuteRequest, owner: str) -> list[Frame]:
+    async def open_session(self, req: RunRequest, owner: str) -> list[Frame]:
         """Open a session running req's code first; the frames it sent (the last is `done`)."""
         frames: list[Frame] = []
 
         async def collect(frame: Frame) -> None:
             frames.append(frame)
 
-        new = ExecuteRequest(
+        new = Request(
             id=req.id,
             code=req.code,
             session="new",
@@ -303,7 +311,7 @@ class RunService:
         root = self.settings.models_dir
         if root is None:
             return {"models_dir": None, "models": []}
-        found = await asyncio.to_thread(catalogue, str(root))
+        found = await asyncio.to_thread(self._catalogue, str(root))
         return {"models_dir": str(root), "models": [m.as_dict() for m in found]}
 
     # -- what the server reports ---------------------------------------------------------------
@@ -329,7 +337,13 @@ class RunService:
         return self.metrics.render()
 
     # -- internals -----------------------------------------------------------------------------
-    async def _until_started(self, req: ExecuteRequest) -> None:
+    def _new_run(self, req: RunRequest) -> Run:
+        return Run(req.id, self.settings.max_stdin_bytes, self.cells.stdin_ops)
+
+    def _ms_since(self, started: float) -> int:
+        return int((self.clock() - started) * 1000)
+
+    async def _until_started(self, req: RunRequest) -> None:
         """A request that came while the appliance starts waits for it, within the queue's
         bounds and the run's own time limit; then `busy`, never `internal`."""
         started = self.lifecycle.started
@@ -353,24 +367,21 @@ class RunService:
         status and its duration (`seconds`, else the time since `started`)."""
         self.metrics.active_runs.set(self.admission.active)
         self.metrics.runs.labels(status=status).inc()
-        self.metrics.run_seconds.observe(time.monotonic() - started if seconds is None else seconds)
+        self.metrics.run_seconds.observe(self.clock() - started if seconds is None else seconds)
 
-    def _timeout_ms(self, req: ExecuteRequest) -> int:
+    def _timeout_ms(self, req: RunRequest) -> int:
         limit = self.settings.max_exec_ms
         return min(req.timeout_ms, limit) if req.timeout_ms else limit
 
     async def _cell(  # noqa: PLR0913 (the run's parts, passed down rather than stored on a shared object)
-        self, jail: Jail, req: ExecuteRequest, emit: Emit, run: Run, keep_alive: bool, start: Frame
+        self, jail: Jail, req: RunRequest, emit: Emit, run: Run, keep_alive: bool, start: Frame
     ) -> CellOutcome:
-        s = self.settings
         try:
-            return await run_cell(
+            return await self.cells.run(
                 jail,
                 req,
                 emit,
                 timeout_ms=self._timeout_ms(req),
-                max_output_bytes=s.max_output_bytes,
-                max_disk_mb=s.max_disk_mb,
                 keep_alive=keep_alive,
                 started=lambda: run._attach(jail),
                 first=start,
@@ -379,31 +390,31 @@ class RunService:
             run._detach()
 
     async def _one_shot(  # noqa: PLR0913 (the run's parts, passed down rather than stored on a shared object)
-        self, jail: Jail, lease: Lease, req: ExecuteRequest, emit: Emit, run: Run, queued_ms: int, owner: str
+        self, jail: Jail, lease: Lease, req: RunRequest, emit: Emit, run: Run, queued_ms: int, owner: str
     ) -> CellOutcome:
         run_id = secrets.token_hex(8)
-        start = protocol.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req), lease.gpu)
+        start = self.frames.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req), lease.gpu)
         outcome = await self._cell(jail, req, emit, run, keep_alive=False, start=start)
         # The jail is SIGKILLed as the lease ends (`PoolLeases.teardown`), as `done` goes out;
         # files are read only once every process of the run is gone, so a run with outputs
         # is killed here, and waited for.
-        if outputs.has_any(jail.workdir):
+        if self.cells.has_outputs(jail):
             await jail.process.kill()
             await self._send_outputs(jail, req.id, run_id, None, emit, outcome, owner)
         return outcome
 
     async def _session_cell(
-        self, session: Session, req: ExecuteRequest, emit: Emit, run: Run, queued_ms: int
+        self, session: Session, req: RunRequest, emit: Emit, run: Run, queued_ms: int
     ) -> CellOutcome:
         run_id = secrets.token_hex(8)
         jail = session.jail
         if not jail.alive:
             await self.sessions.close(session.id, reason="its interpreter is gone")
             raise RequestRejected(f"session {session.id} has ended (its interpreter is gone)")
-        start = protocol.start_frame(
+        start = self.frames.start_frame(
             req.id, run_id, session.id, queued_ms, self._timeout_ms(req), session.lease.gpu
         )
-        before = await asyncio.to_thread(outputs.snapshot, jail.workdir, jail.uid)
+        before = await self.cells.snapshot(jail)
         try:
             jail.thaw()  # frozen since its last cell (`Jail.freeze`)
         except OSError as exc:
@@ -428,7 +439,7 @@ class RunService:
         except BaseException:
             await self.sessions.close(session.id, reason="a cell was cut off mid-way")
             raise
-        session.last_used = time.monotonic()
+        session.last_used = self.clock()
         if not outcome.interpreter_alive:
             await jail.process.kill()
         await self._send_outputs(jail, req.id, run_id, before, emit, outcome, session.owner)
@@ -452,65 +463,39 @@ class RunService:
     async def _between_cells(self, session: Session) -> str | None:
         """Why an idle session must end now (a watchdog's verdict, its files over the disk
         quota), or None."""
-        verdict = session.jail.process.violation()
-        if verdict is not None:
-            return f"{verdict.message} (between cells)"
-        found = await asyncio.to_thread(disk_violation, session.jail, self.settings.max_disk_mb)
-        return f"{found.message} between cells" if found is not None else None
+        return await self.cells.between_cells(session.jail)
 
     async def _send_outputs(  # noqa: PLR0913 (the run's parts, passed down rather than stored on a shared object)
         self,
         jail: Jail,
         rid: str,
         run_id: str,
-        before: outputs.Snapshot | None,
+        before: object | None,
         emit: Emit,
         outcome: CellOutcome,
         owner: str,
     ) -> None:
-        """Stream outputs/ as `file` frames (and persist them), one batch in memory at a time,
-        within SANDBOX_MAX_OUTPUTS_BYTES; what was left out is said in the outcome."""
-        s = self.settings
-        tally = outputs.Tally(s.max_outputs_bytes, s.max_output_files)
-        files = outputs.stream(jail.workdir, jail.uid, before, s.max_file_out_bytes, tally)
-        keep = outputs.Persister(s.outputs_dir, owner, run_id) if s.outputs_dir is not None else None
-        try:
-            while batch := await asyncio.to_thread(outputs.next_batch, files):
+        """Stream outputs/ as `file` events (the sandbox persists them), one batch in memory at
+        a time, within SANDBOX_MAX_OUTPUTS_BYTES; what was left out is said in the outcome."""
+        found: Outputs = self.cells.outputs(jail, before, owner, run_id)
+        async with contextlib.aclosing(found.batches()) as batches:
+            async for batch in batches:
                 for item in batch:
                     data = base64.b64encode(item.data).decode() if item.data is not None else None
-                    await emit(protocol.file_frame(rid, item.path, item.size, data, item.message))
+                    await emit(self.frames.file_frame(rid, item.path, item.size, data, item.message))
                     del data
-                if keep is not None:
-                    try:
-                        await asyncio.to_thread(_persist_all, keep, batch)
-                    except OSError as exc:
-                        log.error("could not persist outputs", extra={"run": run_id, "error": str(exc)})
-                        keep.close()
-                        keep = None
                 del batch
-        finally:
-            # A cancelled run may leave a batch being read in its thread: the generator then
-            # closes (and its descriptors with it) when it is collected.
-            with contextlib.suppress(ValueError):
-                files.close()
-            if keep is not None:
-                keep.close()
-        note = tally.note()
+        note = found.note()
         if note is None:
             return
-        outcome.files_skipped = tally.skipped or None
+        outcome.files_skipped = found.skipped or None
         if outcome.status == "ok":
             outcome.status, outcome.message = "output_limit", note
         else:
             outcome.message = f"{outcome.message}; {note}" if outcome.message else note
 
 
-def _persist_all(keep: outputs.Persister, batch: list[outputs.OutputFile]) -> None:
-    for item in batch:
-        keep.write(item)
-
-
-def _check_session_gpu(session: Session, req: ExecuteRequest) -> None:
+def _check_session_gpu(session: Session, req: RunRequest) -> None:
     """A later cell runs under the budget the session opened with: it may repeat it, not change it."""
     if req.gpu is None:
         return
@@ -526,7 +511,3 @@ def _check_session_gpu(session: Session, req: ExecuteRequest) -> None:
 async def _safe_emit(emit: Emit, frame: Frame) -> None:
     with contextlib.suppress(Exception):
         await emit(frame)
-
-
-def _ms_since(started: float) -> int:
-    return int((time.monotonic() - started) * 1000)

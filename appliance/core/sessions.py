@@ -20,8 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from appliance.core.errors import Busy, RequestRejected
-from appliance.sandbox.jail import Jail
-from appliance.sandbox.lease import Lease
+from appliance.core.ports import Clock, Jail, Lease
 
 log = logging.getLogger("appliance.core.sessions")
 
@@ -58,8 +57,11 @@ class SessionRegistry:
         idle_s: float,
         check: Check | None = None,
         owner_limits: dict[str, int] | None = None,
+        *,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.limit = limit
+        self.clock = clock
         self.idle_s = idle_s
         self.owner_limits = owner_limits or {}  # per-tenant max_sessions (appliance.core.tenants)
         self._check = check
@@ -88,7 +90,9 @@ class SessionRegistry:
 
     def add(self, owner: str, lease: Lease, jail: Jail) -> Session:
         self.check_capacity(owner)
-        session = Session(id=secrets.token_hex(16), owner=owner, lease=lease, jail=jail)  # 128 random bits
+        session = Session(
+            id=secrets.token_hex(16), owner=owner, lease=lease, jail=jail, last_used=self.clock()
+        )  # 128 random bits
         self._sessions[session.id] = session
         return session
 
@@ -122,7 +126,7 @@ class SessionRegistry:
     async def _watch_idle(self) -> None:
         while True:
             await asyncio.sleep(min(CHECK_S, self.idle_s / 2))
-            now = time.monotonic()
+            now = self.clock()
             for session in list(self._sessions.values()):
                 if session.lock.locked():
                     continue  # a cell runs: its own watchdogs hold the limits

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from appliance.core.domain import RunRequest
 from appliance.core.errors import GpuMemoryLimit, RequestRejected, StartupError
 from appliance.gpu import hostcheck
 from appliance.gpu.backend import (
@@ -46,7 +47,6 @@ from appliance.sandbox.lease import Held, Lease, LeaseSource, PoolLeases
 from appliance.sandbox.pool import ProfilePools
 from appliance.sandbox.profiles import Profile, choose, imports_of
 from appliance.settings import Settings
-from appliance.wire.protocol import ExecuteRequest
 
 log = logging.getLogger("appliance.gpu")
 
@@ -306,12 +306,12 @@ class GpuLeases(LeaseSource):
         self.backend.close()
 
     # -- per run ---------------------------------------------------------------------------
-    def budget_mb(self, req: ExecuteRequest) -> int:
+    def budget_mb(self, req: RunRequest) -> int:
         """The run's GPU budget: its own, else SANDBOX_GPU_DEFAULT_MB (0: the run gets no GPU)."""
         return self.settings.gpu_budget_mb(req.gpu.memory_mb if req.gpu is not None else None)
 
     @contextlib.asynccontextmanager
-    async def lease(self, req: ExecuteRequest) -> AsyncIterator[Lease]:
+    async def lease(self, req: RunRequest) -> AsyncIterator[Lease]:
         """Hold the run's GPU reservation (in line, FIFO) and, once taken, its armed jail."""
         mb = self.budget_mb(req)
         if mb <= 0:

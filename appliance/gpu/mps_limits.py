@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from appliance.core.domain import File, Frame, Request
 from appliance.core.errors import ApplianceError, GpuLimitUnavailable, JailExited
 from appliance.gpu.backend import GpuBackendError
 from appliance.gpu.ledger import Grant
@@ -49,7 +50,6 @@ from appliance.gpu.mps import MpsControl
 from appliance.inside import channel
 from appliance.sandbox import proctree
 from appliance.sandbox.cell import run_cell
-from appliance.wire.protocol import ExecuteRequest, Frame, UploadFile
 
 if TYPE_CHECKING:
     from appliance.sandbox.jail import Jail, JailFactory
@@ -353,8 +353,8 @@ async def _run_probe(jail: Jail, params: dict[str, Any]) -> dict[str, Any]:
     async def collect(frame: Frame) -> None:
         frames.append(frame)
 
-    req = ExecuteRequest(
-        id="mps-probe", code=PROBE_CODE, files=(UploadFile("mps-probe.json", json.dumps(params).encode()),)
+    req = Request(
+        id="mps-probe", code=PROBE_CODE, files=(File("mps-probe.json", json.dumps(params).encode()),)
     )
     outcome = await run_cell(
         jail, req, collect, timeout_ms=30000, max_output_bytes=65536, max_disk_mb=16, keep_alive=False

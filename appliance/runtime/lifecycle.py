@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from appliance.core.errors import StartupError
+from appliance.core.service import RunService
+from appliance.inside.tools.catalogue import catalogue
 from appliance.runtime import canary, toolprobe
 from appliance.runtime.metrics import Metrics
 from appliance.sandbox import cgroups, outputs, runfs, sched, uids
@@ -24,6 +26,7 @@ from appliance.sandbox.cell import disk_entries, run_cell
 from appliance.sandbox.firejail import lower_own_oom_score
 from appliance.sandbox.host import HostFacts, import_problem, inspect, readable_ancestors_problem
 from appliance.sandbox.jail import JailFactory, python_roots
+from appliance.sandbox.jailcells import JailCells
 from appliance.sandbox.lease import LeaseSource, PoolLeases
 from appliance.sandbox.memory import CgroupMemory
 from appliance.sandbox.network import EgressNetwork, check_prerequisites
@@ -32,6 +35,7 @@ from appliance.sandbox.profiles import Profile
 from appliance.sandbox.wheels import check_wheelhouse, stage_wheel_cache
 from appliance.sandbox.workdir import RunDirs, open_base, stage_runtime
 from appliance.settings import Settings
+from appliance.wire import protocol
 from appliance.wire.protocol import ExecuteRequest, Frame
 
 if TYPE_CHECKING:  # GPU modules are imported at run time only in GPU mode
@@ -43,6 +47,21 @@ log = logging.getLogger("appliance.runtime.lifecycle")
 CANARY_EVERY_S = 300.0
 CANARY_RETRY_S = 5.0
 CANARY_TIMEOUT_MS = 15000
+
+
+def build_service(settings: Settings) -> RunService:
+    """The run service on its real parts: this process's metrics, its lifecycle (host checks,
+    pools, canary) as lease source, cells in firejail jails, frames spelt by the wire module."""
+    metrics = Metrics()
+    lifecycle = Lifecycle(settings, metrics)
+    return RunService(
+        settings,
+        runtime=lifecycle,
+        cells=JailCells(settings),
+        metrics=metrics,
+        frames=protocol,
+        catalogue=catalogue,
+    )
 
 
 class Lifecycle:

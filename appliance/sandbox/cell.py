@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
+from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
 from appliance.core.errors import Cancelled, MemoryLimit, OutputLimit, RunLimit, RunTimeout
 from appliance.inside import channel
 from appliance.sandbox import fstree
@@ -27,9 +27,6 @@ from appliance.sandbox.held import Bound, OverBound, held_bytes
 from appliance.sandbox.jail import Jail, tmp_of
 from appliance.sandbox.process import Event, Exited, InterruptRequest, Overflow, Stream, Violation
 from appliance.wire import protocol
-from appliance.wire.protocol import ExecuteRequest, Frame
-
-Emit = Callable[[Frame], Awaitable[None]]
 
 INTERRUPT_GRACE_S = 0.8
 DISK_CHECK_S = 0.25
@@ -45,22 +42,14 @@ INLINE_PROCESSES = 4  # processes below the sandbox's init
 INLINE_HELD = Bound(fds=64, threads=8, maps_bytes=96 * 1024)  # per table / process
 
 
-@dataclass
-class CellOutcome:
-    status: str
-    exit_code: int | None = None
-    cpu_ms: int | None = None
-    max_rss_mb: float | None = None
-    message: str | None = None
-    interpreter_alive: bool = True
-    output_bytes: int = 0
-    import_ms: int | None = None
-    files_skipped: int | None = None  # outputs/ files not returned (SANDBOX_MAX_OUTPUTS_BYTES)
+def stdin_ops(data: str, eof: bool) -> list[bytes]:
+    """The channel ops that hand `data` (then an end of file) to the running cell's stdin."""
+    return ([channel.stdin_op(data)] if data else []) + ([channel.stdin_eof_op()] if eof else [])
 
 
 async def run_cell(  # noqa: PLR0913 (the cell's inputs and limits, passed down rather than stored on a shared object)
     jail: Jail,
-    req: ExecuteRequest,
+    req: RunRequest,
     emit: Emit,
     *,
     timeout_ms: int,
@@ -122,7 +111,7 @@ def _account(group: Group, base: Counters, outcome: CellOutcome) -> None:
 
 async def _run_cell(  # noqa: C901, PLR0912, PLR0913, PLR0915 (one cell's event loop: each event kind and limit is a branch over the same state)
     jail: Jail,
-    req: ExecuteRequest,
+    req: RunRequest,
     emit: Emit,
     *,
     timeout_ms: int,

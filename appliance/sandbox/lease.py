@@ -20,9 +20,9 @@ import contextlib
 from types import TracebackType
 from typing import Any
 
+from appliance.core.domain import RunRequest
 from appliance.sandbox.jail import Jail
 from appliance.sandbox.pool import JailPool, ProfilePools
-from appliance.wire.protocol import ExecuteRequest
 
 
 class Lease(abc.ABC):
@@ -59,7 +59,7 @@ class LeaseSource(abc.ABC):
     """What the run service takes jails from."""
 
     @abc.abstractmethod
-    def lease(self, req: ExecuteRequest) -> contextlib.AbstractAsyncContextManager[Lease]:
+    def lease(self, req: RunRequest) -> contextlib.AbstractAsyncContextManager[Lease]:
         """Hold a lease for req: ended on leaving, unless kept by a session."""
 
     @abc.abstractmethod
@@ -114,7 +114,7 @@ class PoolLeases(LeaseSource):
         self.pools = pools
         self._teardowns: set[asyncio.Task[None]] = set()
 
-    def lease(self, req: ExecuteRequest) -> Held:
+    def lease(self, req: RunRequest) -> Held:
         profile = self.pools.profile_for(req.code)
         return Held(PoolLease(self, self.pools.pools[profile], profile.name))
 

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.core.domain import PipeFull
 from appliance.core.errors import JailExited, RunLimit
 from appliance.inside import channel
 from appliance.sandbox import proctree
@@ -82,10 +83,6 @@ class InterruptRequest:
 
 Output = Stream | Event | Overflow | Exited
 Item = Output | Violation | InterruptRequest
-
-
-class PipeFull(Exception):
-    """A bounded `write` would have buffered more than its limit for the driver."""
 
 
 class JailProcess:

@@ -1,0 +1,102 @@
+"""The run service's own data: a run request, the events it sends, how a cell ended.
+
+A request reaches the core as any object of `RunRequest`'s shape: the wire's `ExecuteRequest`
+is one (the api layer hands it over as it parsed it, no copy on the hot path), `Request` is
+the core's own, for the runs it makes itself (a session's first cell). Events are plain
+mappings built through the injected `Frames` (appliance.core.ports): the core decides what
+to say and when, the wire module how it is spelt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+Frame = dict[str, Any]  # an event as the caller reads it (docs/protocol.md spells its fields)
+Emit = Callable[[Frame], Awaitable[None]]
+
+
+class Upload(Protocol):
+    """A file the request writes into the run's working directory before the code starts."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+
+class GpuAsk(Protocol):
+    """The GPU share a request asks for."""
+
+    @property
+    def memory_mb(self) -> int: ...
+
+
+class RunRequest(Protocol):
+    """What a run is asked to do; validated already (the codec refuses what breaks a limit)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def code(self) -> str: ...
+
+    @property
+    def session(self) -> str | None: ...
+
+    @property
+    def timeout_ms(self) -> int | None: ...
+
+    @property
+    def files(self) -> Sequence[Upload]: ...
+
+    @property
+    def gpu(self) -> GpuAsk | None: ...
+
+    @property
+    def stdin_eof(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class File:
+    path: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    memory_mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A run request the core makes itself (a `RunRequest`)."""
+
+    id: str
+    code: str
+    session: str | None = None
+    timeout_ms: int | None = None
+    files: Sequence[Upload] = ()
+    gpu: GpuAsk | None = None
+    stdin_eof: bool = False
+
+
+@dataclass
+class CellOutcome:
+    """How one cell ended: what its `done` reports."""
+
+    status: str
+    exit_code: int | None = None
+    cpu_ms: int | None = None
+    max_rss_mb: float | None = None
+    message: str | None = None
+    interpreter_alive: bool = True
+    output_bytes: int = 0
+    import_ms: int | None = None
+    files_skipped: int | None = None  # outputs/ files not returned (SANDBOX_MAX_OUTPUTS_BYTES)
+
+
+class PipeFull(Exception):
+    """A bounded write would have buffered more than its limit for the jail's driver."""

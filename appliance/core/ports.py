@@ -1,0 +1,262 @@
+"""What the run service stands on, as interfaces: the composition root
+(appliance.runtime.lifecycle.build_service) gives it the real ones, tests give it fakes.
+
+Each is the narrowest shape the service uses: it never sees a firejail, a cgroup, a pipe,
+a Prometheus registry or the wire codec, only these.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import Any, Protocol
+
+from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
+
+Clock = Callable[[], float]  # monotonic seconds (time.monotonic)
+
+
+# -- jails -------------------------------------------------------------------------------------
+class JailProcess(Protocol):
+    """The jail's interpreter, as the service reaches it between the sandbox's own steps."""
+
+    def write(self, data: bytes, limit: int | None = None) -> None:
+        """Queue channel bytes for the driver; PipeFull past `limit`, OSError once it is gone."""
+
+    def interrupt(self, reason: str) -> None:
+        """Ask the current cell to stop (it ends `cancelled`)."""
+
+    async def kill(self) -> None:
+        """Kill every process of the jail and reap them."""
+
+
+class Jail(Protocol):
+    """A leased jail: single-use, unless a session keeps it (frozen between its cells)."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def process(self) -> JailProcess: ...
+
+    def thaw(self) -> None: ...
+
+    async def freeze(self) -> None:
+        """Stop everything in the jail until `thaw`; JailFailure when it cannot."""
+
+
+class Lease(Protocol):
+    """One run's (or session's) hold on a jail and on what it costs (a GPU grant)."""
+
+    @property
+    def profile(self) -> str: ...
+
+    @property
+    def queued_ms(self) -> int: ...
+
+    @property
+    def gpu(self) -> dict[str, Any] | None: ...
+
+    async def take(self) -> Jail:
+        """The lease's ready jail (called once, inside the run's admission slot)."""
+
+    def keep(self) -> None:
+        """A session holds the lease past the request; it calls `end` itself."""
+
+    async def end(self) -> None:
+        """Kill, reap and remove the jail, and hand back what it held; idempotent."""
+
+
+class LeaseSource(Protocol):
+    """Where runs take jails from (CPU pools, or GPU mode's device pools)."""
+
+    def lease(self, req: RunRequest) -> contextlib.AbstractAsyncContextManager[Lease]:
+        """Hold a lease for req (in line, where a GPU budget must wait); ended on leaving
+        unless kept by a session."""
+
+
+class OutputFile(Protocol):
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def data(self) -> bytes | None: ...
+
+    @property
+    def message(self) -> str | None: ...
+
+
+class Outputs(Protocol):
+    """A run's outputs/ files, read in batches; what was left out is known at the end."""
+
+    def batches(self) -> AsyncGenerator[Sequence[OutputFile], None]: ...
+
+    def note(self) -> str | None:
+        """Why some files did not come back (for `done`), or None."""
+
+    @property
+    def skipped(self) -> int: ...
+
+
+class Cells(Protocol):
+    """The sandbox's work on a leased jail, for the run service."""
+
+    def stdin_ops(self, data: str, eof: bool) -> list[bytes]:
+        """Channel bytes that hand `data` (and an end of file) to the run's stdin."""
+
+    async def run(  # noqa: PLR0913 (the cell, its limit and its hooks, keywords after the jail and request)
+        self,
+        jail: Jail,
+        req: RunRequest,
+        emit: Emit,
+        *,
+        timeout_ms: int,
+        keep_alive: bool,
+        started: Callable[[], None],
+        first: Frame,
+    ) -> CellOutcome:
+        """Run req's code in the jail, `first` then its output events through emit, within
+        the limits; how it ended (its `done` is the service's)."""
+
+    async def between_cells(self, jail: Jail) -> str | None:
+        """Why an idle session's jail must end now (a watchdog's verdict, over its disk
+        quota), or None."""
+
+    def has_outputs(self, jail: Jail) -> bool: ...
+
+    async def snapshot(self, jail: Jail) -> object:
+        """What outputs/ holds now, for `outputs` to send only what a cell changed."""
+
+    def outputs(self, jail: Jail, before: object | None, owner: str, run_id: str) -> Outputs:
+        """The new or changed outputs/ files (all, if before is None), kept where configured."""
+
+
+# -- what the service stands on --------------------------------------------------------------
+class Runtime(Protocol):
+    """The long-lived machinery: host checks, pools, canary (appliance.runtime.lifecycle)."""
+
+    @property
+    def started(self) -> asyncio.Event: ...
+
+    @property
+    def leases(self) -> LeaseSource: ...
+
+    def check_host(self) -> object:
+        """Fail-closed startup checks: StartupError naming what to fix."""
+
+    async def start(self, canary_port: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def readiness(self) -> tuple[list[str], dict[str, Any]]:
+        """(problems, details) for /readyz."""
+
+    def update_gauges(self) -> None: ...
+
+
+class Frames(Protocol):
+    """How the service's own events are spelt (the wire module is one)."""
+
+    def start_frame(  # noqa: PLR0913 (one argument per field of the event)
+        self,
+        rid: str,
+        run: str,
+        session: str | None,
+        queued_ms: int,
+        timeout_ms: int,
+        gpu: dict[str, Any] | None = None,
+    ) -> Frame: ...
+
+    def file_frame(
+        self, rid: str, path: str, size: int, data: str | None, message: str | None = None
+    ) -> Frame: ...
+
+    def done_frame(  # noqa: PLR0913 (one argument per field of the event)
+        self,
+        rid: str,
+        status: str,
+        *,
+        exit_code: int | None = None,
+        duration_ms: int = 0,
+        cpu_ms: int | None = None,
+        max_rss_mb: float | None = None,
+        message: str | None = None,
+        session: str | None = None,
+        import_ms: int | None = None,
+        files_skipped: int | None = None,
+    ) -> Frame: ...
+
+
+class ModelInfo(Protocol):
+    def as_dict(self) -> dict[str, Any]: ...
+
+
+Catalogue = Callable[[str], Sequence[ModelInfo]]  # the models a directory holds
+
+
+# -- metrics -------------------------------------------------------------------------------------
+class Gauge(Protocol):
+    def set(self, value: float) -> None: ...
+
+
+class Counter(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+
+class Histogram(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+class CounterFamily(Protocol):
+    def labels(self, *values: str, **labels: str) -> Counter: ...
+
+
+class HistogramFamily(Protocol):
+    def labels(self, *values: str, **labels: str) -> Histogram: ...
+
+
+class Metrics(Protocol):
+    """The series the service moves, and the rendering of them all (/metrics)."""
+
+    @property
+    def runs(self) -> CounterFamily: ...
+
+    @property
+    def run_seconds(self) -> Histogram: ...
+
+    @property
+    def queue_seconds(self) -> Histogram: ...
+
+    @property
+    def queue_depth(self) -> Gauge: ...
+
+    @property
+    def active_runs(self) -> Gauge: ...
+
+    @property
+    def bytes_streamed(self) -> Counter: ...
+
+    @property
+    def import_seconds(self) -> HistogramFamily: ...
+
+    @property
+    def sessions(self) -> Gauge: ...
+
+    @property
+    def gpu_sessions(self) -> Gauge: ...
+
+    @property
+    def gpu_session_memory(self) -> Gauge: ...
+
+    # The transports' own series, kept with the rest so that one registry renders them all.
+    @property
+    def frames_refused(self) -> CounterFamily: ...
+
+    @property
+    def frame_buffer(self) -> Gauge: ...
+
+    def render(self) -> bytes: ...
