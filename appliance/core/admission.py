@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from types import TracebackType
 
 from appliance.core.errors import Busy
@@ -13,8 +14,9 @@ from appliance.core.errors import Busy
 class Admission:
     """At most `limit` runs at once; at most `max_queue` waiting; the rest are refused."""
 
-    def __init__(self, limit: int, max_queue: int) -> None:
+    def __init__(self, limit: int, max_queue: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
+        self._clock = clock
         self.max_queue = max_queue
         self.active = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -32,7 +34,7 @@ class Admission:
         return Slot(self)
 
     async def _acquire(self) -> int:
-        started = time.monotonic()
+        started = self._clock()
         if self.must_wait():
             if len(self._waiters) >= self.max_queue:
                 raise Busy(f"the run queue is full ({self.max_queue} waiting); try again later")
@@ -46,7 +48,7 @@ class Admission:
                 elif fut.done() and not fut.cancelled():
                     self._release()  # we were handed a slot we will not use
                 raise
-            return int((time.monotonic() - started) * 1000)
+            return int((self._clock() - started) * 1000)
         self.active += 1
         return 0
 

@@ -114,7 +114,7 @@ class RunService:
         self.frames = frames
         self.clock = clock
         self._catalogue = catalogue
-        self.admission = Admission(settings.max_concurrency, settings.max_queue)
+        self.admission = Admission(settings.max_concurrency, settings.max_queue, clock)
         self.tenants: Tenants | None = None
         session_limits: dict[str, int] = {}
         if settings.auth_tokens_file is not None:
