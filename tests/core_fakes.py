@@ -1,0 +1,290 @@
+"""Fakes of what the run service stands on (appliance.core.ports), for core unit tests that
+need no root, no firejail and no server: a lease source handing out jails that are objects,
+cells run by a script, a clock moved by hand, metrics that remember what they were told."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from appliance.core.domain import CellOutcome, Emit, Frame, PipeFull, RunRequest
+from appliance.core.ports import Jail, Outputs
+from appliance.core.service import RunService
+from appliance.settings import from_env
+from appliance.wire import protocol
+
+
+class FakeClock:
+    """Monotonic seconds that move only when a test moves them."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeProcess:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.interrupts: list[str] = []
+        self.killed = False
+
+    def write(self, data: bytes, limit: int | None = None) -> None:
+        if self.killed:
+            raise OSError("the jail is gone")
+        if limit is not None and len(data) > limit:
+            raise PipeFull(f"more than {limit} bytes")
+        self.written.append(data)
+
+    def interrupt(self, reason: str) -> None:
+        self.interrupts.append(reason)
+
+    async def kill(self) -> None:
+        self.killed = True
+
+
+class FakeJail:
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.process = FakeProcess()
+        self.frozen = False
+        self.ended = False
+
+    @property
+    def alive(self) -> bool:
+        return not self.ended and not self.process.killed
+
+    def thaw(self) -> None:
+        self.frozen = False
+
+    async def freeze(self) -> None:
+        self.frozen = True
+
+
+class FakeLease:
+    def __init__(self, source: FakeLeases) -> None:
+        self.profile = "default"
+        self.queued_ms = 0
+        self.gpu: dict[str, Any] | None = None
+        self.jail: FakeJail | None = None
+        self.kept = False
+        self.ended = False
+        self._source = source
+
+    async def take(self) -> FakeJail:
+        self.jail = self._source.new_jail()
+        return self.jail
+
+    def keep(self) -> None:
+        self.kept = True
+
+    async def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self.jail is not None:
+            self.jail.ended = True
+
+
+class FakeLeases:
+    """A lease source; `fail` makes every lease raise it instead."""
+
+    def __init__(self) -> None:
+        self.leases: list[FakeLease] = []
+        self.fail: BaseException | None = None
+        self.jails = 0
+
+    def new_jail(self) -> FakeJail:
+        self.jails += 1
+        return FakeJail(self.jails)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, req: RunRequest) -> AsyncIterator[FakeLease]:
+        if self.fail is not None:
+            raise self.fail
+        lease = FakeLease(self)
+        self.leases.append(lease)
+        try:
+            yield lease
+        finally:
+            if not lease.kept:
+                await lease.end()
+
+
+Script = Callable[[FakeJail, RunRequest, Emit], Awaitable[CellOutcome]]
+
+
+async def echo(jail: FakeJail, req: RunRequest, emit: Emit) -> CellOutcome:
+    """A cell that prints its code and ends ok."""
+    await emit(protocol.stream_frame(req.id, "stdout", req.code))
+    return CellOutcome("ok", exit_code=0, output_bytes=len(req.code))
+
+
+class NoOutputs:
+    async def batches(self) -> AsyncGenerator[Sequence[Any], None]:
+        return
+        yield
+
+    def note(self) -> str | None:
+        return None
+
+    @property
+    def skipped(self) -> int:
+        return 0
+
+
+class FakeCells:
+    """Runs each cell by `script` (`echo` unless a test sets another); `running` is set once
+    a cell has its code and has sent its `start`."""
+
+    def __init__(self) -> None:
+        self.script: Script = echo
+        self.runs: list[tuple[FakeJail, str]] = []
+        self.running = asyncio.Event()
+
+    def stdin_ops(self, data: str, eof: bool) -> list[bytes]:
+        return ([b"stdin:" + data.encode()] if data else []) + ([b"eof"] if eof else [])
+
+    async def run(  # noqa: PLR0913 (the port's signature)
+        self,
+        jail: Jail,
+        req: RunRequest,
+        emit: Emit,
+        *,
+        timeout_ms: int,
+        keep_alive: bool,
+        started: Callable[[], None],
+        first: Frame,
+    ) -> CellOutcome:
+        assert isinstance(jail, FakeJail)
+        jail.process.write(b"run:" + req.code.encode())
+        self.runs.append((jail, req.code))
+        started()
+        await emit(first)
+        self.running.set()
+        return await self.script(jail, req, emit)
+
+    async def between_cells(self, jail: Jail) -> str | None:
+        return None
+
+    def has_outputs(self, jail: Jail) -> bool:
+        return False
+
+    async def snapshot(self, jail: Jail) -> object:
+        return {}
+
+    def outputs(self, jail: Jail, before: object | None, owner: str, run_id: str) -> Outputs:
+        return NoOutputs()
+
+
+class FakeRuntime:
+    def __init__(self, leases: FakeLeases) -> None:
+        self.started = asyncio.Event()
+        self._leases = leases
+
+    @property
+    def leases(self) -> FakeLeases:
+        return self._leases
+
+    def check_host(self) -> None:
+        return None
+
+    async def start(self, canary_port: int) -> None:
+        self.started.set()
+
+    async def close(self) -> None:
+        return None
+
+    def readiness(self) -> tuple[list[str], dict[str, Any]]:
+        return [], {}
+
+    def update_gauges(self) -> None:
+        return None
+
+
+class Series:
+    """A gauge, counter and histogram at once: remembers every value it was given."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self.children: dict[tuple[Any, ...], Series] = {}
+
+    def set(self, value: float) -> None:
+        self.values.append(value)
+
+    def inc(self, amount: float = 1) -> None:
+        self.values.append(amount)
+
+    def observe(self, amount: float) -> None:
+        self.values.append(amount)
+
+    def labels(self, *values: str, **labels: str) -> Series:
+        return self.children.setdefault(values or tuple(sorted(labels.items())), Series())
+
+    def count(self, **labels: str) -> float:
+        return sum(self.labels(**labels).values)
+
+
+class FakeMetrics:
+    def __init__(self) -> None:
+        self.runs = Series()
+        self.run_seconds = Series()
+        self.queue_seconds = Series()
+        self.queue_depth = Series()
+        self.active_runs = Series()
+        self.bytes_streamed = Series()
+        self.import_seconds = Series()
+        self.sessions = Series()
+        self.gpu_sessions = Series()
+        self.gpu_session_memory = Series()
+        self.frames_refused = Series()
+        self.frame_buffer = Series()
+
+    def render(self) -> bytes:
+        return b""
+
+
+class Core:
+    """A RunService on fakes, with the fakes at hand."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.clock = FakeClock()
+        self.leases = FakeLeases()
+        self.cells = FakeCells()
+        self.metrics = FakeMetrics()
+        self.runtime = FakeRuntime(self.leases)
+        self.runtime.started.set()  # `start` would also start the idle-session reaper
+        self.service = RunService(
+            from_env(env or {}),
+            runtime=self.runtime,
+            cells=self.cells,
+            metrics=self.metrics,
+            frames=protocol,
+            catalogue=lambda root: [],
+            clock=self.clock,
+        )
+
+    async def run(self, code: str, owner: str = "alice", **fields: Any) -> list[Frame]:
+        """Run one request to its `done`; the frames it sent."""
+        frames: list[Frame] = []
+
+        async def emit(frame: Frame) -> None:
+            frames.append(frame)
+
+        await self.service.execute(protocol.ExecuteRequest(code=code, **fields), owner, emit)
+        return frames
+
+
+async def until(condition: Callable[[], bool], turns: int = 1000) -> None:
+    """Let the event loop run until `condition` holds (at most `turns` turns; no clock involved)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")

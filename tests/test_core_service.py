@@ -1,0 +1,265 @@
+"""The run service on fakes of the sandbox (tests/core_fakes.py): admission and its queue,
+sessions, how errors become `done`, interrupt and cancellation. No root, jail or server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
+from appliance.core.errors import Busy, JailFailure, RequestRejected
+from appliance.core.service import Run
+from appliance.wire import protocol
+from tests.core_fakes import Core, FakeJail, Script, until
+
+
+def submit(core: Core, code: str, **fields: object) -> tuple[Run, list[Frame]]:
+    frames: list[Frame] = []
+
+    async def emit(frame: Frame) -> None:
+        frames.append(frame)
+
+    req = protocol.ExecuteRequest(code=code, **fields)  # type: ignore[arg-type]
+    return core.service.submit(req, "alice", emit), frames
+
+
+def held(gate: asyncio.Event) -> Script:
+    """A cell script that prints its code, then waits for `gate`."""
+
+    async def script(jail: FakeJail, req: RunRequest, emit: Emit) -> CellOutcome:
+        await emit(protocol.stream_frame(req.id, "stdout", req.code))
+        await gate.wait()
+        return CellOutcome("ok", exit_code=0)
+
+    return script
+
+
+class TestOneShotRuns:
+    async def test_a_run_sends_start_its_output_and_exactly_one_done(self) -> None:
+        core = Core()
+        frames = await core.run("print(2 + 2)")
+        assert [f["type"] for f in frames] == ["start", "stream", "done"]
+        assert frames[-1]["status"] == "ok" and frames[-1]["exit_code"] == 0
+        assert frames[0]["queued_ms"] == 0 and frames[0]["session"] is None
+        assert core.metrics.runs.count(status="ok") == 1
+
+    async def test_its_jail_is_single_use_and_its_lease_ends_with_the_run(self) -> None:
+        core = Core()
+        await core.run("1")
+        await core.run("2")
+        first, second = core.leases.leases
+        assert first.ended and second.ended
+        assert core.cells.runs[0][0] is not core.cells.runs[1][0]
+
+    async def test_the_code_goes_first_and_stdin_sent_early_follows_it_in_order(self) -> None:
+        core = Core()
+        gate = asyncio.Event()
+        core.cells.script = held(gate)
+        run, _ = submit(core, "input()")
+        run.stdin("a", eof=False)  # before the run has a jail
+        run.stdin("b", eof=True)
+        await core.cells.running.wait()
+        run.stdin("c", eof=False)  # after: straight to the jail
+        jail = core.cells.runs[0][0]
+        assert jail.process.written == [b"run:input()", b"stdin:a", b"stdin:b", b"eof", b"stdin:c"]
+        gate.set()
+        assert run.task is not None
+        await run.task
+
+    async def test_stdin_past_its_bound_while_the_run_waits_is_refused_by_name(self) -> None:
+        core = Core({"SANDBOX_MAX_STDIN_BYTES": "1024"})
+        core.runtime.started.clear()  # the run cannot reach a jail yet
+        run, _ = submit(core, "input()")
+        run.stdin("x" * 1000, eof=False)
+        with pytest.raises(RequestRejected, match="SANDBOX_MAX_STDIN_BYTES"):
+            run.stdin("x" * 100, eof=False)
+        assert run.task is not None
+        run.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run.task
+
+
+class TestAdmission:
+    async def test_runs_past_the_limit_wait_in_line_and_past_the_queue_are_busy(self) -> None:
+        core = Core({"SANDBOX_MAX_CONCURRENCY": "1", "SANDBOX_MAX_QUEUE": "1"})
+        gate = asyncio.Event()
+        core.cells.script = held(gate)
+        first, first_frames = submit(core, "first")
+        await core.cells.running.wait()
+        second, second_frames = submit(core, "second")
+        await until(lambda: core.service.admission.waiting == 1)
+        third = await core.run("third")
+        assert third[-1]["type"] == "done" and third[-1]["status"] == "busy"
+        assert "queue is full" in third[-1]["message"]
+        assert len(third) == 1  # refused before any jail: no `start`
+        core.clock.advance(0.25)
+        gate.set()
+        assert first.task is not None and second.task is not None
+        await asyncio.gather(first.task, second.task)
+        assert first_frames[-1]["status"] == second_frames[-1]["status"] == "ok"
+        assert second_frames[0]["type"] == "start" and second_frames[0]["queued_ms"] == 250
+        assert 1 in core.metrics.queue_depth.values  # the waiting run was counted
+        assert core.metrics.runs.count(status="busy") == 1
+        assert core.service.admission.active == 0
+
+    async def test_a_run_that_comes_while_the_appliance_starts_waits_for_it(self) -> None:
+        core = Core()
+        core.runtime.started.clear()
+        run, frames = submit(core, "early")
+        await until(lambda: core.service.admission.active == 1)  # waiting, within the queue
+        assert frames == []
+        core.runtime.started.set()
+        assert run.task is not None
+        await run.task
+        assert frames[-1]["status"] == "ok"
+
+
+class TestSessions:
+    async def test_a_session_runs_its_cells_in_the_jail_it_opened_with(self) -> None:
+        core = Core()
+        opened = await core.run("x = 1", session="new")
+        sid = opened[-1]["session"]
+        assert opened[-1]["status"] == "ok" and isinstance(sid, str)
+        assert opened[0]["session"] == sid
+        again = await core.run("x", session=sid)
+        assert again[-1]["status"] == "ok" and again[-1]["session"] == sid
+        (lease,) = core.leases.leases  # one lease for the whole session
+        jails = [jail for jail, _ in core.cells.runs]
+        assert jails[0] is jails[1] and lease.kept and not lease.ended
+        assert jails[0].frozen  # between cells the jail does nothing
+        assert await core.service.close_session(sid, "alice")
+        assert lease.ended and not jails[0].alive
+
+    async def test_another_owners_session_is_reported_as_missing(self) -> None:
+        core = Core()
+        sid = (await core.run("secret = 1", session="new"))[-1]["session"]
+        theirs = (await core.run("secret", owner="mallory", session=sid))[-1]
+        missing = (await core.run("secret", owner="mallory", session="f" * 32))[-1]
+        assert theirs["status"] == missing["status"] == "rejected"
+        assert theirs["message"].replace(sid, "X") == missing["message"].replace("f" * 32, "X")
+        assert len(core.cells.runs) == 1
+
+    async def test_a_busy_session_refuses_a_second_cell(self) -> None:
+        core = Core()
+        sid = (await core.run("1", session="new"))[-1]["session"]
+        gate = asyncio.Event()
+        core.cells.script = held(gate)
+        core.cells.running.clear()
+        run, frames = submit(core, "slow", session=sid)
+        await core.cells.running.wait()
+        refused = await core.run("2", session=sid)
+        assert refused[-1]["status"] == "rejected" and "busy" in refused[-1]["message"]
+        gate.set()
+        assert run.task is not None
+        await run.task
+        assert frames[-1]["status"] == "ok"
+
+    async def test_sessions_past_their_cap_are_refused_by_name(self) -> None:
+        core = Core({"SANDBOX_MAX_SESSIONS": "1"})
+        await core.run("1", session="new")
+        over = await core.run("1", session="new")
+        assert over[-1]["status"] == "rejected" and "SANDBOX_MAX_SESSIONS" in over[-1]["message"]
+        assert len(core.leases.leases) == 1
+
+    async def test_a_session_whose_cell_was_cut_off_is_ended(self) -> None:
+        core = Core()
+        sid = (await core.run("1", session="new"))[-1]["session"]
+        gate = asyncio.Event()
+        core.cells.script = held(gate)
+        core.cells.running.clear()
+        run, _ = submit(core, "slow", session=sid)
+        await core.cells.running.wait()
+        assert run.task is not None
+        run.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run.task
+        assert len(core.service.sessions) == 0 and core.leases.leases[0].ended
+        after = await core.run("1", session=sid)
+        assert after[-1]["status"] == "rejected" and "cut off" in after[-1]["message"]
+
+
+class TestErrorsBecomeDone:
+    @pytest.mark.parametrize(
+        ("error", "status", "message"),
+        [
+            (Busy("no GPU memory free"), "busy", "no GPU memory free"),
+            (RequestRejected("bad gpu budget"), "rejected", "bad gpu budget"),
+            (JailFailure("the jail did not start"), "internal", "the jail did not start"),
+            (RuntimeError("/secret/path leaked"), "internal", "internal error"),
+        ],
+    )
+    async def test_a_failure_to_lease_ends_the_run_with_one_done(
+        self, error: Exception, status: str, message: str
+    ) -> None:
+        core = Core()
+        core.leases.fail = error
+        frames = await core.run("1")
+        assert frames == [frames[-1]] and frames[-1]["type"] == "done"
+        assert (frames[-1]["status"], frames[-1]["message"]) == (status, message)
+        assert core.metrics.runs.count(status=status) == 1
+
+    async def test_a_cell_that_fails_ends_with_one_done_and_its_lease_ended(self) -> None:
+        core = Core()
+
+        async def broken(jail: FakeJail, req: RunRequest, emit: Emit) -> CellOutcome:
+            raise RuntimeError("driver protocol error at 0xdeadbeef")
+
+        core.cells.script = broken
+        frames = await core.run("1")
+        assert [f["type"] for f in frames] == ["start", "done"]
+        assert (frames[-1]["status"], frames[-1]["message"]) == ("internal", "internal error")
+        assert core.leases.leases[0].ended
+
+    async def test_a_client_that_stopped_reading_cannot_keep_done_from_being_counted(self) -> None:
+        core = Core()
+
+        async def gone(frame: Frame) -> None:
+            if frame["type"] == "done":
+                raise ConnectionResetError
+
+        await core.service.execute(protocol.ExecuteRequest(code="1"), "alice", gone)
+        assert core.metrics.runs.count(status="ok") == 1 and core.leases.leases[0].ended
+
+    async def test_done_reports_the_duration_by_the_injected_clock(self) -> None:
+        core = Core()
+
+        async def slow(jail: FakeJail, req: RunRequest, emit: Emit) -> CellOutcome:
+            core.clock.advance(1.5)
+            return CellOutcome("ok", exit_code=0)
+
+        core.cells.script = slow
+        frames = await core.run("1")
+        assert frames[-1]["duration_ms"] == 1500
+        assert core.metrics.run_seconds.values == [1.5]
+
+
+class TestInterruptAndCancel:
+    async def test_an_interrupt_before_the_run_has_a_jail_reaches_it_once_it_has_one(self) -> None:
+        core = Core()
+        gate = asyncio.Event()
+        core.cells.script = held(gate)
+        run, _ = submit(core, "while True: pass")
+        run.interrupt("stop it")
+        await core.cells.running.wait()
+        jail = core.cells.runs[0][0]
+        assert jail.process.interrupts == ["stop it"]
+        run.interrupt("again")  # while it runs: straight to the jail
+        assert jail.process.interrupts == ["stop it", "again"]
+        gate.set()
+        assert run.task is not None
+        await run.task
+
+    async def test_a_cancelled_run_frees_its_slot_ends_its_lease_and_is_counted(self) -> None:
+        core = Core({"SANDBOX_MAX_CONCURRENCY": "1"})
+        core.cells.script = held(asyncio.Event())
+        run, frames = submit(core, "while True: pass")
+        await core.cells.running.wait()
+        assert run.task is not None
+        run.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run.task
+        assert [f["type"] for f in frames] == ["start", "stream"]  # the caller is gone: no done
+        assert core.leases.leases[0].ended
+        assert core.service.admission.active == 0
+        assert core.metrics.runs.count(status="cancelled") == 1
