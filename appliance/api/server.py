@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from appliance.api import cors, mcp_http, rest
+from appliance.api import cors, e2b, mcp_http, rest
 from appliance.api.framebudget import Closing, FrameBudget, FrameMeter, Refusal
 from appliance.api.transport import (
     PARSER_KEY,
@@ -366,6 +366,7 @@ def make_app(service: RunService) -> web.Application:
     app.router.add_get("/metrics", metrics)
     rest.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
     mcp_http.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
+    e2b.add_routes(app, SERVICE_KEY)  # authenticates its own callers: E2B's headers, not bearer
     return app
 
 

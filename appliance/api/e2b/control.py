@@ -1,0 +1,173 @@
+"""E2B's control API: create, list, describe, kill, time out and connect to sandboxes.
+
+Every call names its caller with `X-API-Key`, a token the native API would take as a bearer
+token (SANDBOX_AUTH_TOKEN, or a tenant's from SANDBOX_AUTH_TOKENS_FILE): a missing or wrong
+key is 401, which the SDK raises as AuthenticationException. A sandbox is found only by its
+owner: another tenant's reads as 404, exactly like one that never existed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from appliance.api.e2b import shapes
+from appliance.api.e2b.engine import Refused, Sandboxes, as_refused
+from appliance.api.e2b.registry import Sandbox
+from appliance.api.e2b.shapes import BadRequest
+from appliance.api.transport import PARSER_KEY
+from appliance.core.errors import ApplianceError
+
+SANDBOXES_KEY = web.AppKey("e2b_sandboxes", Sandboxes)
+
+
+def reply(status: int, message: str) -> web.Response:
+    return web.json_response(shapes.error(status, message), status=status)
+
+
+def owner_of(request: web.Request) -> str | None:
+    service = request.app[SANDBOXES_KEY].service
+    return service.identify(request.headers.get("X-API-Key"))
+
+
+async def read_json(request: web.Request, owner: str) -> object:
+    """The body as JSON, screened like a native frame first (size, nesting; a big one counted
+    in the parser's child), so no body holds the event loop or the stack."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    await request.app[PARSER_KEY].screen(raw, owner)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise BadRequest("the body is not JSON") from None
+
+
+def _not_found(sandbox_id: str) -> web.Response:
+    return reply(404, f"sandbox {sandbox_id[:64]!r} not found")
+
+
+def handler(fn: Any) -> Any:
+    """Authenticate, then map every refusal to E2B's error body, in one place."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        owner = owner_of(request)
+        if owner is None:
+            return reply(401, "missing or wrong X-API-Key")
+        try:
+            response: web.StreamResponse = await fn(request, request.app[SANDBOXES_KEY], owner)
+        except BadRequest as exc:
+            return reply(400, str(exc))
+        except Refused as exc:
+            return reply(exc.status, exc.message)
+        except ApplianceError as exc:
+            refused = as_refused(exc)
+            return reply(refused.status, refused.message)
+        return response
+
+    return wrapped
+
+
+def _sandbox(request: web.Request, sandboxes: Sandboxes, owner: str) -> Sandbox | None:
+    return sandboxes.owned(request.match_info["sandbox_id"], owner)
+
+
+def _detail(sandboxes: Sandboxes, sandbox: Sandbox) -> dict[str, Any]:
+    s = sandboxes.service.settings
+    return shapes.detail(sandbox, s.cpus, s.memory_mb, s.max_disk_mb)
+
+
+async def create(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+    template, timeout_s, metadata, envs = shapes.new_sandbox(await read_json(request, owner))
+    sandbox = await sandboxes.create(owner, template, timeout_s, metadata, envs)
+    return web.json_response(shapes.created(sandbox), status=201)
+
+
+async def listing(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+    q = request.query
+    page, token = shapes.listing(
+        sandboxes.of_owner(owner),
+        shapes.metadata_filter(q.get("metadata")),
+        q.get("state"),
+        shapes.page_limit(q.get("limit")),
+        q.get("nextToken"),
+        q.get("template"),
+        q.get("order"),
+    )
+    headers = {"x-next-token": token} if token else {}
+    return web.json_response([_detail(sandboxes, s) for s in page], headers=headers)
+
+
+async def info(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+    sandbox = _sandbox(request, sandboxes, owner)
+    if sandbox is None:
+        return _not_found(request.match_info["sandbox_id"])
+    return web.json_response({**_detail(sandboxes, sandbox), "envdAccessToken": sandbox.token})
+
+
+async def kill(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+    sandbox = _sandbox(request, sandboxes, owner)
+    if sandbox is None:
+        return _not_found(request.match_info["sandbox_id"])
+    await sandboxes.kill(sandbox)
+    return web.Response(status=204)
+
+
+async def set_timeout(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+    sandbox = _sandbox(request, sandboxes, owner)
+    if sandbox is None:
+        return _not_found(request.match_info["sandbox_id"])
+    body = await read_json(request, owner)
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    sandboxes.set_timeout(sandbox, shapes.timeout_s(body.get("timeout"), default=None))
+    return web.Response(status=204)
+
+
+async def connect(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+    """Connect to a running sandbox (nothing is ever paused here); a timeout given extends it."""
+    sandbox = _sandbox(request, sandboxes, owner)
+    if sandbox is None:
+        return _not_found(request.match_info["sandbox_id"])
+    body = await read_json(request, owner)
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    if body.get("timeout") is not None:
+        sandboxes.set_timeout(sandbox, shapes.timeout_s(body.get("timeout")))
+    return web.json_response(shapes.created(sandbox), status=200)
+
+
+def not_supported(feature: str) -> Any:
+    """Features of E2B's cloud with no counterpart here yet: the SDK's error, naming the feature."""
+
+    async def answer(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+        sandbox_id = request.match_info.get("sandbox_id")
+        if sandbox_id is not None and sandboxes.owned(sandbox_id, owner) is None:
+            return _not_found(sandbox_id)
+        return reply(501, f"{feature} is not supported by this server (the appliance); see docs/e2b.md")
+
+    return answer
+
+
+def add_routes(app: web.Application, prefix: str) -> None:
+    r = app.router
+    for base in (f"{prefix}/sandboxes", f"{prefix}/v2/sandboxes"):
+        r.add_post(base, handler(create))
+        r.add_get(base, handler(listing))
+        r.add_post(f"{base}/{{sandbox_id}}/connect", handler(connect))
+    r.add_get(f"{prefix}/sandboxes/metrics", handler(not_supported("metrics")))  # before {sandbox_id}
+    one = f"{prefix}/sandboxes/{{sandbox_id}}"
+    r.add_get(one, handler(info))
+    r.add_delete(one, handler(kill))
+    r.add_post(f"{one}/timeout", handler(set_timeout))
+    r.add_post(f"{one}/pause", handler(not_supported("pause")))
+    r.add_post(f"{one}/resume", handler(not_supported("resume")))
+    r.add_post(f"{one}/snapshots", handler(not_supported("snapshots")))
+    r.add_post(f"{one}/fork", handler(not_supported("fork")))
+    r.add_post(f"{one}/refreshes", handler(not_supported("refreshes")))
+    r.add_get(f"{one}/metrics", handler(not_supported("metrics")))
+    r.add_get(f"{one}/logs", handler(not_supported("logs")))
+    r.add_put(f"{one}/network", handler(not_supported("network updates")))
+    r.add_get(f"{prefix}/snapshots", handler(not_supported("snapshots")))

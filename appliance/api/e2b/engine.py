@@ -1,0 +1,204 @@
+"""E2B sandboxes on the run service: each code context is a session, every cell a request.
+
+Nothing here reaches a jail but through `RunService` (submit, execute, close_session), so a
+sandbox is under the same admission, tenant quotas, limits and watchdogs as a native session.
+A sandbox ends at its timeout (the reaper), when killed, or when its default context's session
+ends (idle past SANDBOX_SESSION_IDLE_S, or over a limit between cells).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from appliance.api.e2b import registry
+from appliance.api.e2b.registry import Context, Registry, Sandbox
+from appliance.core.errors import ApplianceError, Busy, RequestRejected
+from appliance.core.service import Run, RunService
+from appliance.wire import protocol
+from appliance.wire.protocol import ExecuteRequest, Frame
+
+log = logging.getLogger("appliance.api.e2b")
+
+REAP_S = 0.5
+WORKDIR = "/workspace"  # the jail's working directory: what a context reports as its cwd
+
+
+@dataclass
+class Refused(Exception):
+    """A call the server did not carry out: an HTTP status and a message for the SDK."""
+
+    status: int
+    message: str
+
+
+def _refusal(done: Frame) -> Refused:
+    status = str(done.get("status"))
+    message = str(done.get("message") or status)
+    return Refused({"busy": 429, "rejected": 400}.get(status, 500), message)
+
+
+def _setup_code(envs: dict[str, str]) -> str:
+    """A cell that puts envs into the interpreter's environment, binding no name of the user's."""
+    if not envs:
+        return ""
+    return f"__import__('os').environ.update(__import__('json').loads({json.dumps(json.dumps(envs))}))"
+
+
+def set_envs_code(envs: dict[str, str]) -> str:
+    """Per-call env vars: remember what they replace (on the os module, out of the user's
+    namespace), then set them; `RESTORE_ENVS_CODE` puts the environment back after the cell."""
+    payload = json.dumps(json.dumps(envs))
+    return (
+        "(lambda os, new: (setattr(os, '_appliance_e2b_env', {k: os.environ.get(k) for k in new}), "
+        f"os.environ.update(new)))(__import__('os'), __import__('json').loads({payload}))"
+    )
+
+
+RESTORE_ENVS_CODE = (
+    "(lambda os: [os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v) "
+    "for k, v in os.__dict__.pop('_appliance_e2b_env', {}).items()])(__import__('os'))"
+)
+
+
+class Sandboxes:
+    def __init__(self, service: RunService, clock: Callable[[], float] = time.time) -> None:
+        self.service = service
+        self.registry = Registry()
+        self.clock = clock
+        self._reaper: asyncio.Task[None] | None = None
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap(), name="e2b-reaper")
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for sandbox in self.registry.all():
+            await self.kill(sandbox)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_S)
+            for sandbox in self.registry.expired(self.clock()):
+                try:
+                    await self.kill(sandbox)
+                except Exception:  # one sandbox's teardown must not stop the others'
+                    log.exception("could not end an expired E2B sandbox", extra={"sandbox": sandbox.id})
+
+    # -- sandboxes --------------------------------------------------------------------------
+    async def create(
+        self, owner: str, template: str, timeout_s: int, metadata: dict[str, str], envs: dict[str, str]
+    ) -> Sandbox:
+        now = self.clock()
+        sandbox = Sandbox(
+            id=registry.new_id(),
+            owner=owner,
+            template=template,
+            token=registry.new_token(),
+            started_at=now,
+            end_at=now + timeout_s,
+            metadata=metadata,
+            envs=envs,
+        )
+        default = await self.new_context(sandbox)
+        sandbox.default = default.id
+        self.registry.add(sandbox)
+        return sandbox
+
+    async def kill(self, sandbox: Sandbox) -> None:
+        self.registry.remove(sandbox.id)
+        for ctx in list(sandbox.contexts.values()):
+            await self.service.close_session(ctx.session, sandbox.owner)
+        sandbox.contexts.clear()
+
+    def owned(self, sandbox_id: str, owner: str) -> Sandbox | None:
+        return self._alive(self.registry.owned(sandbox_id, owner))
+
+    def reached(self, sandbox_id: str, token: str | None) -> Sandbox | None:
+        return self._alive(self.registry.reached(sandbox_id, token))
+
+    def of_owner(self, owner: str) -> list[Sandbox]:
+        return [s for s in self.registry.of_owner(owner) if self._alive(s) is not None]
+
+    def _alive(self, sandbox: Sandbox | None) -> Sandbox | None:
+        """The sandbox, unless it is past its end or its default context's session has ended
+        (then it is forgotten here; its other sessions end with it, by the reaper)."""
+        if sandbox is None:
+            return None
+        if sandbox.end_at <= self.clock() or not self._session_alive(sandbox, sandbox.default):
+            sandbox.end_at = min(sandbox.end_at, self.clock())  # the reaper ends the rest
+            return None
+        return sandbox
+
+    def _session_alive(self, sandbox: Sandbox, context_id: str) -> bool:
+        ctx = sandbox.contexts.get(context_id)
+        if ctx is None:
+            return False
+        try:
+            self.service.sessions.get(ctx.session, sandbox.owner)
+        except RequestRejected:
+            return False
+        return True
+
+    def set_timeout(self, sandbox: Sandbox, timeout_s: int) -> None:
+        sandbox.end_at = self.clock() + timeout_s
+
+    # -- contexts ---------------------------------------------------------------------------
+    async def new_context(self, sandbox: Sandbox, context_id: str | None = None) -> Context:
+        """Open a session for a context (its own jail and interpreter) with the sandbox's env vars."""
+        req = ExecuteRequest(code=_setup_code(sandbox.envs), stdin_eof=True)
+        frames = await self.service.open_session(req, sandbox.owner)
+        done = frames[-1]
+        session = done.get("session")
+        if done.get("status") != "ok" or not isinstance(session, str):
+            if isinstance(session, str):  # opened, but its first cell failed: not kept
+                await self.service.close_session(session, sandbox.owner)
+            raise _refusal(done)
+        ctx = Context(id=context_id or registry.new_id(), session=session, cwd=WORKDIR)
+        sandbox.contexts[ctx.id] = ctx
+        return ctx
+
+    async def remove_context(self, sandbox: Sandbox, ctx: Context) -> None:
+        sandbox.contexts.pop(ctx.id, None)
+        await self.service.close_session(ctx.session, sandbox.owner)
+
+    async def restart_context(self, sandbox: Sandbox, ctx: Context) -> Context:
+        """A fresh interpreter under the same context id. The old session ends first, so a
+        tenant at its session quota can restart too; if the new one cannot open, the context
+        is gone (and with the default context, its sandbox)."""
+        await self.remove_context(sandbox, ctx)
+        return await self.new_context(sandbox, ctx.id)
+
+    # -- cells ------------------------------------------------------------------------------
+    async def quiet_cell(self, sandbox: Sandbox, ctx: Context, code: str) -> None:
+        """Run a cell of the server's own (env vars in, env vars out); its output is dropped."""
+        frames: list[Frame] = []
+
+        async def collect(frame: Frame) -> None:
+            frames.append(frame)
+
+        req = ExecuteRequest(code=code, session=ctx.session, stdin_eof=True)
+        await self.service.execute(req, sandbox.owner, collect)
+        done = frames[-1] if frames else protocol.done_frame(req.id, "internal", message="no reply")
+        if done.get("status") != "ok":
+            raise _refusal(done)
+
+    def submit(
+        self, sandbox: Sandbox, ctx: Context, code: str, emit: Callable[[Frame], Awaitable[None]]
+    ) -> Run:
+        req = ExecuteRequest(code=code, session=ctx.session, stdin_eof=True)
+        return self.service.submit(req, sandbox.owner, emit)
+
+
+def as_refused(exc: ApplianceError) -> Refused:
+    return Refused(429 if isinstance(exc, Busy) else 400, exc.message)

@@ -1,0 +1,79 @@
+"""Which E2B sandboxes live, whose they are, and when they end; pure (the clock is passed in).
+
+A sandbox holds one or more code contexts, each an appliance session (one jail, its own
+interpreter). A sandbox is found only by its owner (control API) or by its id together with
+its access token (sandbox traffic); anything else reads as missing, so another tenant's
+sandbox looks exactly like one that never existed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Context:
+    id: str
+    session: str  # the appliance session that holds its interpreter
+    cwd: str
+    executions: int = 0
+
+
+@dataclass
+class Sandbox:
+    id: str
+    owner: str
+    template: str
+    token: str
+    started_at: float  # wall clock, seconds
+    end_at: float
+    metadata: dict[str, str]
+    envs: dict[str, str]
+    default: str = ""  # the default context's id
+    contexts: dict[str, Context] = field(default_factory=dict)
+
+
+def new_id() -> str:
+    return secrets.token_hex(10)  # 80 random bits; the access token holds 256 more
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._live: dict[str, Sandbox] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def add(self, sandbox: Sandbox) -> None:
+        self._live[sandbox.id] = sandbox
+
+    def owned(self, sandbox_id: str, owner: str) -> Sandbox | None:
+        found = self._live.get(sandbox_id)
+        if found is None or not hmac.compare_digest(found.owner, owner):
+            return None
+        return found
+
+    def reached(self, sandbox_id: str, token: str | None) -> Sandbox | None:
+        """The sandbox sandbox traffic names, when its access token matches (constant time)."""
+        found = self._live.get(sandbox_id)
+        if found is None or token is None or not hmac.compare_digest(found.token.encode(), token.encode()):
+            return None
+        return found
+
+    def of_owner(self, owner: str) -> list[Sandbox]:
+        return [s for s in self._live.values() if hmac.compare_digest(s.owner, owner)]
+
+    def remove(self, sandbox_id: str) -> Sandbox | None:
+        return self._live.pop(sandbox_id, None)
+
+    def expired(self, now: float) -> list[Sandbox]:
+        return [s for s in self._live.values() if s.end_at <= now]
+
+    def all(self) -> list[Sandbox]:
+        return list(self._live.values())
