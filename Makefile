@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 9100
 PYTEST_ARGS ?=
 
-.PHONY: setup system venv cuda-build cuda-wheel run test lint check bench audit gpu-kit gpu-rehearsal clean
+.PHONY: setup system venv cuda-build cuda-wheel run test test-fast lint check bench audit gpu-kit gpu-rehearsal clean
 
 setup: system venv
 
@@ -40,6 +40,11 @@ run: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast tier (tests/tiers.py): no server, no jail, no firejail, no root; the venv must exist
+# (`make setup` once). Any user may run it.
+test-fast:
+	$(PY) -m pytest -m fast -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check appliance tests benchmarks examples security

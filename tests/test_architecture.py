@@ -126,6 +126,7 @@ def test_the_installed_package_imports_nothing_that_only_a_checkout_has() -> Non
                 )
 
 
+@pytest.mark.host  # runs the attack suite: real servers
 def test_the_audit_runs_the_attack_suite_from_the_checkout(tmp_path: Path) -> None:
     """`make audit` is `python -m security.audit`: it collects tests/attacks with its report
     plugin (here no attack is selected, so nothing runs and no report is written)."""

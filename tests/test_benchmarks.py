@@ -21,6 +21,9 @@ from benchmarks.hotpath import CPUACCT
 from benchmarks.stats import percentile, summarize
 from tests.support import REPO, scaled
 
+# Needs root, firejail or a real server: never in the fast tier (tests/tiers.py).
+pytestmark = pytest.mark.host
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -17,6 +17,9 @@ from appliance.sandbox.cgroups import GroupLimits, Write, changes, render_v1, re
 from appliance.sandbox.firejail import JOIN_FAILED, join_argv
 from tests.support import descriptors_on
 
+# Needs root, firejail or a real server: never in the fast tier (tests/tiers.py).
+pytestmark = pytest.mark.host
+
 L = GroupLimits(memory_mb=1024, cpus=1.5, max_procs=64)
 
 

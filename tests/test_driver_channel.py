@@ -19,6 +19,9 @@ from appliance.inside import channel
 from appliance.sandbox.workdir import stage_runtime
 from tests.support import scaled
 
+# Needs root, firejail or a real server: never in the fast tier (tests/tiers.py).
+pytestmark = pytest.mark.host
+
 
 class DriverUnderTest:
     def __init__(self, proc: subprocess.Popen[bytes], control: int, events: int) -> None:

@@ -147,6 +147,7 @@ def test_gpu_settings_are_validated_with_the_variable_named() -> None:
             from_env(env)
 
 
+@pytest.mark.host  # starts a server
 def test_gpu_mode_without_a_driver_stops_startup_with_a_clear_message(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")}
     env.update({"SANDBOX_GPU": "1", "SANDBOX_PYTHON": sys.executable, "SANDBOX_TMP_ROOT": str(tmp_path)})

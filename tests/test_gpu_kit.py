@@ -30,7 +30,8 @@ import pytest
 
 from tests.support import REPO, scaled
 
-pytestmark = pytest.mark.slow
+# Needs root, firejail and make: never in the fast tier (tests/tiers.py).
+pytestmark = [pytest.mark.slow, pytest.mark.host]
 
 LIMIT_MB = 64
 # Checks that cannot run without the hardware, and why (the reason must say so).

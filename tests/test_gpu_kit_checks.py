@@ -26,7 +26,8 @@ import pytest
 
 from tests.support import REPO, scaled
 
-pytestmark = pytest.mark.slow
+# Runs the acceptance kit's checks against real servers: never in the fast tier (tests/tiers.py).
+pytestmark = [pytest.mark.slow, pytest.mark.host]
 
 
 @pytest.fixture(scope="module")

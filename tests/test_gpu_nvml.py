@@ -25,6 +25,9 @@ from tests import nvml_standin
 from tests.nvml_standin import Host
 from tests.support import REPO, scaled
 
+# Needs root (unshare of a PID namespace): never in the fast tier (tests/tiers.py).
+pytestmark = pytest.mark.host
+
 MIB = 1 << 20
 
 

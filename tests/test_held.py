@@ -8,7 +8,12 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
+
 from appliance.sandbox.held import held_bytes
+
+# unshare(CLONE_FILES) and other processes' descriptors need root: never in the fast tier (tests/tiers.py).
+pytestmark = pytest.mark.host
 
 SIZE = 4 * 1024 * 1024
 CLONE_FILES = 0x400

@@ -15,6 +15,9 @@ import pytest
 
 from tests.support import REPO
 
+# Needs root, firejail or a real server: never in the fast tier (tests/tiers.py).
+pytestmark = pytest.mark.host
+
 ODD = "a b 'c' \"d\" $HOME `x` ;e"
 
 

@@ -131,6 +131,7 @@ def test_without_allowances_no_rule_opens_a_private_network() -> None:
     ]
 
 
+@pytest.mark.host  # nft --check needs CAP_NET_ADMIN
 def test_both_rulesets_are_valid_nftables() -> None:
     for ruleset in (network.jail_ruleset(POLICY), network.host_ruleset(POLICY)):
         result = nft_check(ruleset)

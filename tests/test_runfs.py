@@ -13,6 +13,9 @@ import pytest
 from appliance.sandbox import runfs
 from appliance.sandbox.runfs import MIB, Sizes
 
+# Needs root, firejail or a real server: never in the fast tier (tests/tiers.py).
+pytestmark = pytest.mark.host
+
 
 def test_sizes_leave_room_past_the_quota_for_the_servers_check() -> None:
     s = Sizes.of(50, 12800)

@@ -13,6 +13,9 @@ from appliance.runtime.lifecycle import build_service
 from appliance.settings import from_env
 from appliance.wire import protocol
 
+# Starts the server's lifecycle in process (jails, root): never in the fast tier (tests/tiers.py).
+pytestmark = pytest.mark.host
+
 
 @pytest.fixture
 async def appliance() -> AsyncIterator[RunService]:

@@ -6,6 +6,9 @@ import pytest
 
 from benchmarks import soak
 
+# Needs root, firejail or a real server: never in the fast tier (tests/tiers.py).
+pytestmark = pytest.mark.host
+
 
 @pytest.mark.slow
 def test_a_quick_soak_leaks_nothing() -> None:

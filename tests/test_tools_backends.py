@@ -33,6 +33,7 @@ BOTH = textwrap.dedent("""\
     """)
 
 
+@pytest.mark.slow  # loads llama.cpp and whisper.cpp for real: not in the fast tier
 @pytest.mark.parametrize("order", ["llama_cpp,pywhispercpp.model", "pywhispercpp.model,llama_cpp"])
 def test_llama_and_whisper_load_and_run_in_one_process_each_on_its_own_ggml(
     tmp_path: Path, order: str

@@ -33,6 +33,7 @@ def test_the_policy() -> None:
     assert trust.policy(_st(stat.S_IFREG | 0o644, 0), 0, ancestor=True) is not None
 
 
+@pytest.mark.host  # chown to another user needs root
 def test_a_root_under_another_users_directory_is_refused() -> None:
     with reachable_tmp_root("trust-anc-") as root:
         os.chown(root, 65534, 65534)
