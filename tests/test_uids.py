@@ -79,6 +79,7 @@ def test_another_server_cannot_take_a_held_uid(root: Path) -> None:
     assert f"uid={FIRST}" in other.stdout, other
 
 
+@pytest.mark.host  # setpriv to another uid needs root (tests/tiers.py)
 def test_a_uid_a_process_still_runs_as_is_not_taken(root: Path) -> None:
     # A jail of a server killed with -9 outlives its server's locks: its uid stays busy.
     orphan = subprocess.Popen(
@@ -95,6 +96,7 @@ def test_a_uid_a_process_still_runs_as_is_not_taken(root: Path) -> None:
         orphan.wait()
 
 
+@pytest.mark.host  # setpriv to another uid needs root (tests/tiers.py)
 def test_giving_back_kills_what_is_left_of_the_jail(root: Path) -> None:
     u = pool(root, 1)
     held = u.take()
