@@ -158,8 +158,20 @@ class Runtime(Protocol):
     def update_gauges(self) -> None: ...
 
 
-class Frames(Protocol):
-    """How the service's own events are spelt (the wire module is one)."""
+class CellFrames(Protocol):
+    """How a cell's outputs are spelt as they go out (the wire module is one)."""
+
+    def stream_frame(self, rid: str, name: str, text: str) -> Frame: ...
+
+    def display_frame(self, rid: str, data: dict[str, Any]) -> Frame: ...
+
+    def result_frame(self, rid: str, data: dict[str, Any]) -> Frame: ...
+
+    def error_frame(self, rid: str, ename: str, evalue: str, traceback: list[str]) -> Frame: ...
+
+
+class Frames(CellFrames, Protocol):
+    """How the service's own events, and a cell's, are spelt (the wire module is one)."""
 
     def start_frame(  # noqa: PLR0913 (one argument per field of the event)
         self,

@@ -347,26 +347,54 @@ async def open_cuda_context(jail: Jail, libcuda: str) -> None:
         raise GpuLimitUnavailable(f"the jail could not create its CUDA context: {event.get('error')}")
 
 
+class _ProbeOutput:
+    """The probe cell's output, recorded as it comes (its `CellFrames`): its stdout, and the
+    first error it raised. No frame of it leaves the server."""
+
+    def __init__(self) -> None:
+        self.stdout: list[str] = []
+        self.error: str | None = None
+
+    def stream_frame(self, rid: str, name: str, text: str) -> Frame:
+        if name == "stdout":
+            self.stdout.append(text)
+        return {}
+
+    def display_frame(self, rid: str, data: dict[str, Any]) -> Frame:
+        return {}
+
+    def result_frame(self, rid: str, data: dict[str, Any]) -> Frame:
+        return {}
+
+    def error_frame(self, rid: str, ename: str, evalue: str, traceback: list[str]) -> Frame:
+        if self.error is None:
+            self.error = f"{ename}: {evalue}"
+        return {}
+
+
 async def _run_probe(jail: Jail, params: dict[str, Any]) -> dict[str, Any]:
-    frames: list[Frame] = []
+    async def drop(frame: Frame) -> None:
+        return None
 
-    async def collect(frame: Frame) -> None:
-        frames.append(frame)
-
+    output = _ProbeOutput()
     req = Request(
         id="mps-probe", code=PROBE_CODE, files=(File("mps-probe.json", json.dumps(params).encode()),)
     )
     outcome = await run_cell(
-        jail, req, collect, timeout_ms=30000, max_output_bytes=65536, max_disk_mb=16, keep_alive=False
-    )
-    stdout = "".join(
-        str(f.get("text", "")) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout"
+        jail,
+        req,
+        drop,
+        timeout_ms=30000,
+        max_output_bytes=65536,
+        max_disk_mb=16,
+        keep_alive=False,
+        frames=output,
     )
     if outcome.status != "ok":
-        errors = [f for f in frames if f.get("type") == "error"]
-        detail = f"{errors[0].get('ename')}: {errors[0].get('evalue')}" if errors else outcome.message
+        detail = output.error or outcome.message
         raise ValueError(f"the probe run ended {outcome.status} ({detail})")
-    result = json.loads(stdout.strip().splitlines()[-1])
+    lines = "".join(output.stdout).strip().splitlines()
+    result = json.loads(lines[-1]) if lines else None
     if not isinstance(result, dict):
         raise ValueError("the probe printed no result")
     return result

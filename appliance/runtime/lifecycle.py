@@ -57,7 +57,7 @@ def build_service(settings: Settings) -> RunService:
     return RunService(
         settings,
         runtime=lifecycle,
-        cells=JailCells(settings),
+        cells=JailCells(settings, protocol),
         metrics=metrics,
         frames=protocol,
         catalogue=catalogue,
@@ -361,6 +361,7 @@ class Lifecycle:
                     max_output_bytes=self.settings.max_output_bytes,
                     max_disk_mb=self.settings.max_disk_mb,
                     keep_alive=False,
+                    frames=protocol,
                 )
         except Exception as exc:  # noqa: BLE001 (any failure to run the probe is itself the finding: fail closed)
             return [f"canary could not run: {type(exc).__name__}: {exc}"]

@@ -20,13 +20,13 @@ from pathlib import Path
 
 from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
 from appliance.core.errors import Cancelled, MemoryLimit, OutputLimit, RunLimit, RunTimeout
+from appliance.core.ports import CellFrames
 from appliance.inside import channel
 from appliance.sandbox import fstree
 from appliance.sandbox.cgroups import Counters, Group
 from appliance.sandbox.held import Bound, OverBound, held_bytes
 from appliance.sandbox.jail import Jail, tmp_of
 from appliance.sandbox.process import Event, Exited, InterruptRequest, Overflow, Stream, Violation
-from appliance.wire import protocol
 
 INTERRUPT_GRACE_S = 0.8
 DISK_CHECK_S = 0.25
@@ -56,6 +56,7 @@ async def run_cell(  # noqa: PLR0913 (the cell's inputs and limits, passed down 
     max_output_bytes: int,
     max_disk_mb: int,
     keep_alive: bool,
+    frames: CellFrames,
     started: Callable[[], None] | None = None,
     first: Frame | None = None,
 ) -> CellOutcome:
@@ -77,6 +78,7 @@ async def run_cell(  # noqa: PLR0913 (the cell's inputs and limits, passed down 
         max_output_bytes=max_output_bytes,
         max_disk_mb=max_disk_mb,
         keep_alive=keep_alive,
+        frames=frames,
         started=started,
         base=base,
         first=first,
@@ -118,6 +120,7 @@ async def _run_cell(  # noqa: C901, PLR0912, PLR0913, PLR0915 (one cell's event 
     max_output_bytes: int,
     max_disk_mb: int,
     keep_alive: bool,
+    frames: CellFrames,
     started: Callable[[], None] | None,
     base: Counters | None,
     first: Frame | None,
@@ -225,7 +228,7 @@ async def _run_cell(  # noqa: C901, PLR0912, PLR0913, PLR0915 (one cell's event 
             if sent > max_output_bytes:
                 process.stop(over)  # taken next, before anything already waiting behind it
                 continue
-            frame = _frame_for(rid, item)
+            frame = _frame_for(rid, item, frames)
             if frame is None or stopping is not None:
                 continue
             if isinstance(item, Event) and item.body["ev"] == "error" and item.body["memory"]:
@@ -244,19 +247,19 @@ async def _run_cell(  # noqa: C901, PLR0912, PLR0913, PLR0915 (one cell's event 
             watchdog.cancel()
 
 
-def _frame_for(rid: str, item: Stream | Event) -> Frame | None:
+def _frame_for(rid: str, item: Stream | Event, frames: CellFrames) -> Frame | None:
     """Only these driver events become frames; the server stamps the id itself."""
     if isinstance(item, Stream):
-        return protocol.stream_frame(rid, item.name, item.text) if item.text else None
+        return frames.stream_frame(rid, item.name, item.text) if item.text else None
     body = item.body
     if body["ev"] == "stream":
-        return protocol.stream_frame(rid, body["name"], body["text"]) if body["text"] else None
+        return frames.stream_frame(rid, body["name"], body["text"]) if body["text"] else None
     if body["ev"] == "result":
-        return protocol.result_frame(rid, body["data"])
+        return frames.result_frame(rid, body["data"])
     if body["ev"] == "display":
-        return protocol.display_frame(rid, body["data"])
+        return frames.display_frame(rid, body["data"])
     if body["ev"] == "error":
-        return protocol.error_frame(rid, body["ename"], body["evalue"], body["traceback"])
+        return frames.error_frame(rid, body["ename"], body["evalue"], body["traceback"])
     return None
 
 

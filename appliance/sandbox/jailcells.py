@@ -13,6 +13,7 @@ import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 
 from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
+from appliance.core.ports import CellFrames
 from appliance.core.ports import Jail as AnyJail
 from appliance.sandbox import outputs
 from appliance.sandbox.cell import disk_violation, run_cell, stdin_ops
@@ -29,10 +30,12 @@ def _own(jail: AnyJail) -> Jail:
 
 
 class JailCells:
-    """Cells in firejail jails, under the settings' per-run limits."""
+    """Cells in firejail jails, under the settings' per-run limits, their outputs spelt by
+    `frames`."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, frames: CellFrames) -> None:
         self.settings = settings
+        self.frames = frames
 
     def stdin_ops(self, data: str, eof: bool) -> list[bytes]:
         return stdin_ops(data, eof)
@@ -57,6 +60,7 @@ class JailCells:
             max_output_bytes=s.max_output_bytes,
             max_disk_mb=s.max_disk_mb,
             keep_alive=keep_alive,
+            frames=self.frames,
             started=started,
             first=first,
         )
