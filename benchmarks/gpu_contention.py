@@ -69,6 +69,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def simulated_level(n: int, samples: list[dict[str, Any]]) -> list[RunRecord]:  # noqa: PLR0915 (one benchmark level, its setup, runs and tally in order)
     from appliance.core.errors import RequestRejected, RunLimit
+    from appliance.core.tasks import TaskScope
     from appliance.gpu.ledger import GpuLedger
     from appliance.gpu.simulated import SimulatedBackend
     from appliance.gpu.watchdog import GpuWatchdog
@@ -76,7 +77,8 @@ async def simulated_level(n: int, samples: list[dict[str, Any]]) -> list[RunReco
     backend = SimulatedBackend((DEVICE_MB,))
     ledger = GpuLedger(backend.devices(), margin_mb=MARGIN_MB, max_wait_ms=120_000)
     watchdog = GpuWatchdog(backend, ledger, margin_mb=MARGIN_MB, host_memory_mb=None, interval_s=0.1)
-    watchdog.start()
+    tasks = await TaskScope("benchmark").open()
+    watchdog.start(tasks)
     t0 = time.monotonic()
 
     async def sampler() -> None:
@@ -131,6 +133,7 @@ async def simulated_level(n: int, samples: list[dict[str, Any]]) -> list[RunReco
     finally:
         sample_task.cancel()
         await watchdog.close()
+        await tasks.close()
     over = [s for s in samples if s["n"] == n and s["used_mb"] > DEVICE_MB]
     if over:  # a device over its memory is an out-of-memory failure for whoever allocated last
         for r in records:

@@ -12,6 +12,7 @@ from typing import Any
 from appliance.core.domain import CellOutcome, Emit, Frame, PipeFull, RunRequest
 from appliance.core.ports import Jail, Outputs
 from appliance.core.service import RunService
+from appliance.core.tasks import TaskScope
 from appliance.settings import from_env
 from appliance.wire import protocol
 
@@ -260,6 +261,7 @@ class Core:
         self.metrics = FakeMetrics()
         self.runtime = FakeRuntime(self.leases)
         self.runtime.started.set()  # `start` would also start the idle-session reaper
+        self.tasks = TaskScope("test")  # what submitted runs are tasks of (a connection's, in the server)
         self.service = RunService(
             from_env(env or {}),
             runtime=self.runtime,

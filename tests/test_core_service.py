@@ -14,14 +14,17 @@ from appliance.wire import protocol
 from tests.core_fakes import Core, FakeJail, Script, until
 
 
-def submit(core: Core, code: str, **fields: object) -> tuple[Run, list[Frame]]:
+async def submit(core: Core, code: str, **fields: object) -> tuple[Run, list[Frame]]:
+    """Start a run as a task of the test's scope, as a connection does; its Run and frames."""
     frames: list[Frame] = []
 
     async def emit(frame: Frame) -> None:
         frames.append(frame)
 
     req = protocol.ExecuteRequest(code=code, **fields)  # type: ignore[arg-type]
-    return core.service.submit(req, "alice", emit), frames
+    if not core.tasks.running:
+        await core.tasks.open()
+    return core.service.submit(req, "alice", emit, core.tasks), frames
 
 
 def held(gate: asyncio.Event) -> Script:
@@ -56,7 +59,7 @@ class TestOneShotRuns:
         core = Core()
         gate = asyncio.Event()
         core.cells.script = held(gate)
-        run, _ = submit(core, "input()")
+        run, _ = await submit(core, "input()")
         run.stdin("a", eof=False)  # before the run has a jail
         run.stdin("b", eof=True)
         await core.cells.running.wait()
@@ -70,7 +73,7 @@ class TestOneShotRuns:
     async def test_stdin_past_its_bound_while_the_run_waits_is_refused_by_name(self) -> None:
         core = Core({"SANDBOX_MAX_STDIN_BYTES": "1024"})
         core.runtime.started.clear()  # the run cannot reach a jail yet
-        run, _ = submit(core, "input()")
+        run, _ = await submit(core, "input()")
         run.stdin("x" * 1000, eof=False)
         with pytest.raises(RequestRejected, match="SANDBOX_MAX_STDIN_BYTES"):
             run.stdin("x" * 100, eof=False)
@@ -85,9 +88,9 @@ class TestAdmission:
         core = Core({"SANDBOX_MAX_CONCURRENCY": "1", "SANDBOX_MAX_QUEUE": "1"})
         gate = asyncio.Event()
         core.cells.script = held(gate)
-        first, first_frames = submit(core, "first")
+        first, first_frames = await submit(core, "first")
         await core.cells.running.wait()
-        second, second_frames = submit(core, "second")
+        second, second_frames = await submit(core, "second")
         await until(lambda: core.service.admission.waiting == 1)
         third = await core.run("third")
         assert third[-1]["type"] == "done" and third[-1]["status"] == "busy"
@@ -106,7 +109,7 @@ class TestAdmission:
     async def test_a_run_that_comes_while_the_appliance_starts_waits_for_it(self) -> None:
         core = Core()
         core.runtime.started.clear()
-        run, frames = submit(core, "early")
+        run, frames = await submit(core, "early")
         await until(lambda: core.service.admission.active == 1)  # waiting, within the queue
         assert frames == []
         core.runtime.started.set()
@@ -146,7 +149,7 @@ class TestSessions:
         gate = asyncio.Event()
         core.cells.script = held(gate)
         core.cells.running.clear()
-        run, frames = submit(core, "slow", session=sid)
+        run, frames = await submit(core, "slow", session=sid)
         await core.cells.running.wait()
         refused = await core.run("2", session=sid)
         assert refused[-1]["status"] == "rejected" and "busy" in refused[-1]["message"]
@@ -168,7 +171,7 @@ class TestSessions:
         gate = asyncio.Event()
         core.cells.script = held(gate)
         core.cells.running.clear()
-        run, _ = submit(core, "slow", session=sid)
+        run, _ = await submit(core, "slow", session=sid)
         await core.cells.running.wait()
         assert run.task is not None
         run.task.cancel()
@@ -239,7 +242,7 @@ class TestInterruptAndCancel:
         core = Core()
         gate = asyncio.Event()
         core.cells.script = held(gate)
-        run, _ = submit(core, "while True: pass")
+        run, _ = await submit(core, "while True: pass")
         run.interrupt("stop it")
         await core.cells.running.wait()
         jail = core.cells.runs[0][0]
@@ -253,7 +256,7 @@ class TestInterruptAndCancel:
     async def test_a_cancelled_run_frees_its_slot_ends_its_lease_and_is_counted(self) -> None:
         core = Core({"SANDBOX_MAX_CONCURRENCY": "1"})
         core.cells.script = held(asyncio.Event())
-        run, frames = submit(core, "while True: pass")
+        run, frames = await submit(core, "while True: pass")
         await core.cells.running.wait()
         assert run.task is not None
         run.task.cancel()

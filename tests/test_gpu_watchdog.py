@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from appliance.core.errors import GpuMemoryLimit, MemoryLimit, RunLimit
+from appliance.core.tasks import TaskScope
 from appliance.gpu.ledger import GpuLedger
 from appliance.gpu.simulated import SimulatedBackend
 from appliance.gpu.watchdog import GpuWatchdog, descendants
@@ -143,7 +144,8 @@ async def test_a_plain_exception_from_the_backend_fails_closed_at_once_and_the_l
     stopped: list[RunLimit] = []
     watchdog.watch("a", 1, await ledger.acquire(10), stopped.append)
     backend.inject_fault("NVML library mismatch", plain=True)
-    watchdog.start()
+    tasks = await TaskScope("test").open()
+    watchdog.start(tasks)
     try:
         await until_async(lambda: stopped, 10, "the run stopped", poll=0.01)
         assert len(stopped) == 1 and stopped[0].status == "internal"
@@ -156,6 +158,7 @@ async def test_a_plain_exception_from_the_backend_fails_closed_at_once_and_the_l
         assert watchdog.healthy and not watchdog.paused
     finally:
         await watchdog.close()
+        await tasks.close()
 
 
 async def test_gpu_memory_nvml_reports_under_a_thread_id_is_the_run_s_and_is_enforced(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 from appliance.api import mcp_tools
-from appliance.api.transport import PARSER_KEY, until_gone
+from appliance.api.transport import PARSER_KEY, TASKS_KEY, until_gone
 from appliance.client import Execution, Frame, RequestOptions, request_frame
 from appliance.core.errors import Busy
 from appliance.core.service import RunService
@@ -240,7 +240,7 @@ def add_routes(
 
         app[MANAGER_KEY] = manager
         app[_STOP_KEY] = stop
-        app[_TASK_KEY] = asyncio.create_task(run_manager())
+        app[_TASK_KEY] = app[TASKS_KEY].spawn(run_manager(), name="mcp-manager")
         await started.wait()
 
     async def stop(app: web.Application) -> None:

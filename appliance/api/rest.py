@@ -27,6 +27,7 @@ from aiohttp import web
 from appliance.api.transport import PARSER_KEY, send_within, until_gone
 from appliance.core.errors import Busy, Cancelled
 from appliance.core.service import RunService
+from appliance.core.tasks import TaskScope
 from appliance.wire import protocol
 from appliance.wire.openapi import openapi_document
 from appliance.wire.protocol import ExecuteRequest, ProtocolError
@@ -70,18 +71,15 @@ async def exec_ndjson(request: web.Request, service: RunService, owner: str) -> 
     async def emit(frame: protocol.Frame) -> None:
         await send_within(request, response.write((protocol.encode(frame) + "\n").encode()), stall_s)
 
-    run = service.submit(req, owner, emit)
-    if run.task is None:
-        raise RuntimeError("RunService.submit returned a run without its task")
-    gone = asyncio.create_task(until_gone(request))
-    try:
+    # The request's scope owns its run and the watch for its client: neither outlives the handler.
+    async with TaskScope("rest-run") as tasks:
+        run = service.submit(req, owner, emit, tasks)
+        if run.task is None:
+            raise RuntimeError("RunService.submit returned a run without its task")
+        gone = tasks.spawn(until_gone(request), name="client-watch")
         await asyncio.wait([run.task, gone], return_when=asyncio.FIRST_COMPLETED)
-        if not run.task.done():  # the client went away: its run ends now, not at its limit
-            run.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await run.task
-    finally:
-        gone.cancel()
+        # Either the run ended, or the client went away and its run ends now, not at its limit.
+        await tasks.cancel(run.task, gone)
     with contextlib.suppress(ConnectionError, RuntimeError, Cancelled):
         await response.write_eof()
     return response

@@ -23,6 +23,7 @@ from appliance.api import cors, e2b, mcp_http, rest
 from appliance.api.framebudget import Closing, FrameBudget, FrameMeter, Refusal
 from appliance.api.transport import (
     PARSER_KEY,
+    TASKS_KEY,
     FrameParser,
     bearer_token,
     exposed_without_token,
@@ -36,6 +37,7 @@ from appliance.api.transport import (
 from appliance.api.wsmeter import HeapTrimmer, MeteredWebSocket, check_aiohttp
 from appliance.core.errors import Busy, Cancelled, RequestRejected
 from appliance.core.service import Run, RunService
+from appliance.core.tasks import TaskScope
 from appliance.runtime.lifecycle import build_service
 from appliance.settings import Settings
 from appliance.wire import protocol
@@ -54,6 +56,9 @@ FRAME_BUDGET_KEY = web.AppKey("frame_budget", FrameBudget)
 TRIMMER_KEY = web.AppKey("heap_trimmer", HeapTrimmer)
 # Host names allowed besides literals and localhost; None: any (`transport.hosts_to_allow`).
 HOSTS_KEY: web.AppKey[frozenset[str] | None] = web.AppKey("allowed_hosts")
+# How long a run the shutdown interrupts has to end and send its `done`: the cell's interrupt
+# grace (sandbox.cell.INTERRUPT_GRACE_S), its kill, and a client slower than usual to take it.
+STOPPING_S = 3.0
 OWNER = "appliance.owner"  # request key: who the caller is, set by the auth middleware
 
 
@@ -99,25 +104,26 @@ def _unauthorized() -> web.Response:
 
 
 class Connection:
-    """One WebSocket client: its in-flight requests and a serialised sender."""
+    """One WebSocket client: its in-flight requests and a serialised sender. Its runs, the
+    answers to refused frames and the watch for its client's going are tasks of its scope,
+    which `exec_socket` holds open for as long as the socket lives."""
 
     def __init__(
         self,
         ws: web.WebSocketResponse,
         request: web.Request,
         service: RunService,
-        owner: str,
-        parser: FrameParser,
+        scope: TaskScope,
     ) -> None:
+        self.scope = scope
         self.ws = ws
         self.request = request
         self.service = service
-        self.parser = parser
-        self.owner = owner
+        self.parser = request.app[PARSER_KEY]
+        self.owner: str = request[OWNER]
         self.runs: dict[str, Run] = {}
         self._send_lock = asyncio.Lock()
         self._stall_s = service.settings.client_stall_ms / 1000
-        self._answers: set[asyncio.Task[None]] = set()
         self.gone = False
 
     @property
@@ -151,7 +157,10 @@ class Connection:
             if message.id in self.runs:
                 await self.reject(message.id, f"id {message.id!r} is already in use by a running request")
                 return
-            run = service.submit(message, self.owner, self.send)
+            if not self.scope.running:  # shutdown has closed this connection's scope
+                await self.reject(message.id, "the server is shutting down")
+                return
+            run = service.submit(message, self.owner, self.send, self.scope)
             self.runs[message.id] = run
             if run.task is None:
                 raise RuntimeError("RunService.submit returned a run without its task")
@@ -186,10 +195,10 @@ class Connection:
         """Answer a frame the meter skipped at its header (framebudget.py), as if it was read."""
         if refusal.status == "rejected":  # like any refused frame, it costs its tenant a rate token
             self.service.charge_rejected(self.owner)
+        if not self.scope.running:  # the connection is going: there is no one to answer
+            return
         frame = protocol.done_frame(protocol.new_request_id(), refusal.status, message=refusal.message)
-        task = asyncio.create_task(self._send_quietly(frame))
-        self._answers.add(task)
-        task.add_done_callback(self._answers.discard)
+        self.scope.spawn(self._send_quietly(frame), name="refusal")
 
     def _forget(self, run: Run) -> None:
         if self.runs.get(run.id) is run:
@@ -205,7 +214,7 @@ class Connection:
     async def finish(self) -> None:
         """Client half-closed: let in-flight requests stream to their end, unless the
         connection itself goes away meanwhile (then they are cancelled)."""
-        gone = asyncio.create_task(until_gone(self.request))
+        gone = self.scope.spawn(until_gone(self.request), name="client-watch")
         try:
             while self.tasks:
                 await asyncio.wait([*self.tasks, gone], return_when=asyncio.FIRST_COMPLETED)
@@ -218,10 +227,10 @@ class Connection:
     async def abort(self) -> None:
         """Client vanished: cancel in-flight requests (their jails are killed)."""
         self.gone = True
-        tasks = self.tasks
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.scope.cancel(*self.tasks)
+
+
+CONNECTIONS_KEY: web.AppKey[set[Connection]] = web.AppKey("connections")
 
 
 class FrameEvents:
@@ -250,7 +259,27 @@ class FrameEvents:
         self._trimmer.freed(freed)
 
 
-async def exec_socket(request: web.Request) -> web.StreamResponse:  # noqa: C901, PLR0912 (the connection's receive loop and its cleanup on every exit path)
+async def _receive(conn: Connection, ws: MeteredWebSocket, meter: FrameMeter) -> bool:
+    """Hand the client's frames to its connection until it closes; True if it half-closed."""
+    while True:
+        msg = await ws.receive()
+        if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+            try:
+                await conn.handle_frame(msg.data)
+            finally:
+                meter.handled()
+        elif msg.type == WSMsgType.CLOSE:
+            return True
+        elif msg.type == WSMsgType.ERROR and isinstance(ws.exception(), Exception):
+            exc = ws.exception()
+            if "too big" in str(exc).lower() or "size" in str(exc).lower():
+                log.info("client frame too big; closing", extra={"error": str(exc)})
+            return False
+        else:
+            return False
+
+
+async def exec_socket(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE_KEY]
     settings = service.settings
     # Every frame is judged at its header (framebudget.py): a message over the limit is never
@@ -281,40 +310,22 @@ async def exec_socket(request: web.Request) -> web.StreamResponse:  # noqa: C901
         if ws.metered is not None:
             ws.metered.release()
         raise
-    conn = events.conn = Connection(ws, request, service, request[OWNER], request.app[PARSER_KEY])
-    for refusal in events.early:
-        conn.refuse(refusal)
-    request.app["connections"].add(conn)
-    half_closed = False
+    conns = request.app[CONNECTIONS_KEY]
+    conn: Connection | None = None
     try:
-        while True:
-            msg = await ws.receive()
-            if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
-                try:
-                    await conn.handle_frame(msg.data)
-                finally:
-                    meter.handled()
-            elif msg.type == WSMsgType.CLOSE:
-                half_closed = True
-                break
-            elif msg.type == WSMsgType.ERROR and isinstance(ws.exception(), Exception):
-                exc = ws.exception()
-                if "too big" in str(exc).lower() or "size" in str(exc).lower():
-                    log.info("client frame too big; closing", extra={"error": str(exc)})
-                break
+        async with TaskScope("connection") as scope:  # nothing this connection started outlives it
+            conn = events.conn = Connection(ws, request, service, scope)
+            for refusal in events.early:
+                conn.refuse(refusal)
+            conns.add(conn)
+            if await _receive(conn, ws, meter) and not is_gone(request):
+                await conn.finish()  # the client half-closed: its runs stream to their end
             else:
-                break
-        if half_closed and not is_gone(request):
-            await conn.finish()
-        else:
-            await conn.abort()
-    except asyncio.CancelledError:
-        await conn.abort()
-        raise
+                await conn.abort()
     finally:
         if ws.metered is not None:
             ws.metered.release()
-        request.app["connections"].discard(conn)
+        conns.discard(conn)
         if not ws.closed:
             with contextlib.suppress(Exception):
                 await ws.close()
@@ -344,15 +355,19 @@ def make_app(service: RunService) -> web.Application:
     total, per_tenant = service.settings.frame_budget()
     app[FRAME_BUDGET_KEY] = FrameBudget(total, per_tenant, service.metrics.frame_buffer.set)
     trimmer = app[TRIMMER_KEY] = HeapTrimmer()
-    app["connections"] = set()
+    app[CONNECTIONS_KEY] = set()
+    tasks = app[TASKS_KEY] = TaskScope("server")
 
     async def start_parser(app: web.Application) -> None:
+        await tasks.open()
         # In the background: the child's imports must not delay the server's start.
-        app["parser_start"] = asyncio.create_task(parser.worker.start(), name="parser-start")
+        tasks.spawn(parser.worker.start(), name="parser-start")
 
     async def stop_parser(app: web.Application) -> None:
+        await tasks.wait()  # a start still spawning the child ends first: then close stops it
         await parser.worker.close()
-        trimmer.close()
+        await trimmer.close()
+        await tasks.close()
 
     async def cors_headers(request: web.Request, response: web.StreamResponse) -> None:
         cors.add_headers(request, response, service.settings.allowed_origins)
@@ -400,23 +415,35 @@ async def serve(settings: Settings, host: str, port: int, ready_file: str | None
     await stop.wait()
     log.info("shutting down", extra={"grace_s": settings.shutdown_grace_s})
     await site.stop()  # 1. stop accepting
-    connections: set[Connection] = app["connections"]
-    pending = [t for c in connections for t in c.tasks]
-    if pending:  # 2. let running work finish within the grace period
-        await asyncio.wait(pending, timeout=settings.shutdown_grace_s)
-    for conn in list(connections):  # 3. cancel the rest: each gets `done` cancelled, then goes
+    await _close_connections(app[CONNECTIONS_KEY], settings)  # 2. and 3.
+    await service.close()  # 4. the sessions, then the lifecycle's scope: pools, watchdogs, canary
+    await runner.cleanup()  # 5. the server's own scope
+    log.info("stopped")
+
+
+async def _close_connections(connections: set[Connection], settings: Settings) -> None:
+    """Shutdown's steps 2 and 3, against one deadline, SANDBOX_SHUTDOWN_GRACE_MS + STOPPING_S
+    from now: runs finish within the grace period; those still going are interrupted and
+    have STOPPING_S to send their `done` (cancelled); then each connection's scope is closed
+    (what is left is cancelled and awaited) and its socket closed with 1001."""
+    loop = asyncio.get_running_loop()
+    interrupt_at = loop.time() + settings.shutdown_grace_s
+    deadline = interrupt_at + STOPPING_S
+    conns = list(connections)
+    runs = [t for c in conns for t in c.tasks]
+    if runs:
+        await asyncio.wait(runs, timeout=max(0.0, interrupt_at - loop.time()))
+    for conn in conns:
         for run in list(conn.runs.values()):
             run.interrupt("the server is shutting down")
-    pending = [t for c in connections for t in c.tasks]
-    if pending:
-        await asyncio.wait(pending, timeout=3.0)
-    for conn in list(connections):
-        await conn.abort()
+    runs = [t for c in conns for t in c.tasks]
+    if runs:
+        await asyncio.wait(runs, timeout=max(0.0, deadline - loop.time()))
+    for conn in conns:
+        conn.gone = True
+        await conn.scope.close()
         with contextlib.suppress(Exception):
             await conn.ws.close(code=1001, message=b"server shutting down")
-    await service.close()  # 4. drain the pool and sessions
-    await runner.cleanup()
-    log.info("stopped")
 
 
 def _warn_if_exposed(service: RunService, runner: web.AppRunner) -> None:

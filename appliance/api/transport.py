@@ -21,6 +21,7 @@ from aiohttp import web
 
 from appliance.core.errors import Busy, Cancelled
 from appliance.core.service import RunService
+from appliance.core.tasks import TaskScope
 from appliance.settings import DEFAULT_PORTS, ORIGIN_RE
 from appliance.wire import protocol
 from appliance.wire.parse_worker import ParseWorker
@@ -101,6 +102,9 @@ def json_values_allowed(limits: protocol.Limits) -> int:
 
 
 PARSER_KEY = web.AppKey("parser", FrameParser)
+# The server's own tasks (the parser child's start, MCP's session manager): opened at the app's
+# startup, closed at its cleanup (`server.make_app`).
+TASKS_KEY = web.AppKey("tasks", TaskScope)
 
 
 def origin_allowed(

@@ -15,6 +15,7 @@ big free), so `malloc_trim` runs, in a thread, at most once a second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -109,6 +110,7 @@ class MeteredReader:
             self._timer.cancel()
             self._timer = None
         self._timer_for = started
+        # Timers, not tasks: the reader keeps the one handle and cancels it at release.
         if started is not None:  # the meter's clock is the loop's
             self._timer = asyncio.get_running_loop().call_at(started + self._deadline_s, self._expired)
 
@@ -179,6 +181,7 @@ class HeapTrimmer:
         """size bytes of frames were let go; trim soon if that was a lot."""
         if size < TRIM_AFTER_BYTES or self._trim is None or self._pending is not None:
             return
+        # A timer, then a thread: the trimmer keeps both handles, and `close` ends them.
         self._pending = asyncio.get_running_loop().call_later(TRIM_EVERY_S, self._run)
 
     def _run(self) -> None:
@@ -186,7 +189,11 @@ class HeapTrimmer:
         if self._trim is not None and (self._running is None or self._running.done()):
             self._running = asyncio.get_running_loop().run_in_executor(None, self._trim, 0)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Cancel a trim not begun; wait for one running in its thread (the trimmer owns both)."""
         if self._pending is not None:
             self._pending.cancel()
             self._pending = None
+        if self._running is not None:
+            with contextlib.suppress(Exception):
+                await self._running

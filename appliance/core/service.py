@@ -30,6 +30,7 @@ from appliance.core.errors import (
 )
 from appliance.core.ports import Catalogue, Cells, Clock, Frames, Jail, Lease, Metrics, Outputs, Runtime
 from appliance.core.sessions import Session, SessionRegistry
+from appliance.core.tasks import TaskScope
 from appliance.core.tenants import Tenants, owner_of
 from appliance.core.tenants import load as load_tenants
 from appliance.settings import Settings
@@ -124,6 +125,7 @@ class RunService:
             settings.max_sessions, settings.session_idle_s, self._between_cells, session_limits, clock=clock
         )
         self.warnings: list[str] = []  # how this server is exposed less safely than it could be (/readyz)
+        self.tasks = TaskScope("service")  # the session reaper's owner
 
     # -- lifecycle ---------------------------------------------------------------------------
     def check_host(self) -> None:
@@ -132,10 +134,12 @@ class RunService:
 
     async def start(self, canary_port: int) -> None:
         await self.lifecycle.start(canary_port)
-        self.sessions.start()
+        await self.tasks.open()
+        self.sessions.start(self.tasks)
 
     async def close(self) -> None:
         await self.sessions.close_all()
+        await self.tasks.close()
         await self.lifecycle.close()
 
     # -- callers -----------------------------------------------------------------------------
@@ -173,10 +177,11 @@ class RunService:
             self.tenants.charge(owner)
 
     # -- runs --------------------------------------------------------------------------------
-    def submit(self, req: RunRequest, owner: str, emit: Emit) -> Run:
-        """Start running req in the background; the returned Run takes its stdin and interrupt."""
+    def submit(self, req: RunRequest, owner: str, emit: Emit, tasks: TaskScope) -> Run:
+        """Start running req as a task of `tasks` (its caller's scope: a connection, a request);
+        the returned Run takes its stdin and interrupt."""
         run = self._new_run(req)
-        run.task = asyncio.create_task(self.execute(req, owner, emit, run))
+        run.task = tasks.spawn(self.execute(req, owner, emit, run), name=f"run-{req.id}")
         return run
 
     async def execute(self, req: RunRequest, owner: str, emit: Emit, run: Run | None = None) -> None:  # noqa: C901, PLR0912, PLR0915 (one run's steps in order; every exception maps to done.status here, in one place)

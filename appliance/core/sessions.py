@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from appliance.core.errors import Busy, RequestRejected
 from appliance.core.ports import Clock, Jail, Lease
+from appliance.core.tasks import TaskScope
 
 log = logging.getLogger("appliance.core.sessions")
 
@@ -77,9 +78,9 @@ class SessionRegistry:
         held = [s.gpu_mb for s in self._sessions.values() if s.gpu_mb > 0]
         return len(held), sum(held)
 
-    def start(self) -> None:
+    def start(self, owner: TaskScope) -> None:
         if self._reaper is None:
-            self._reaper = asyncio.create_task(self._watch_idle(), name="session-reaper")
+            self._reaper = owner.spawn(self._watch_idle(), name="session-reaper")
 
     def check_capacity(self, owner: str | None = None) -> None:
         if len(self._sessions) >= self.limit:

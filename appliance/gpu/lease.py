@@ -25,6 +25,7 @@ from typing import Any
 
 from appliance.core.domain import RunRequest
 from appliance.core.errors import GpuMemoryLimit, RequestRejected, StartupError
+from appliance.core.tasks import TaskScope
 from appliance.gpu import hostcheck
 from appliance.gpu.backend import (
     COMPUTE_DEFAULT,
@@ -257,8 +258,10 @@ class GpuLeases(LeaseSource):
             backend.close()
             raise
 
-    def start(self, make_factory: Callable[[GpuDevice, Profile], JailFactory], cpu: PoolLeases) -> None:
-        """Warm pools per device and profile; start the watchdog."""
+    def start(
+        self, make_factory: Callable[[GpuDevice, Profile], JailFactory], cpu: PoolLeases, owner: TaskScope
+    ) -> None:
+        """Warm pools per device and profile; start the watchdog (their tasks are `owner`'s)."""
         self.cpu = cpu
         fullest = max(self.profiles, key=lambda p: len(p.modules))
         for dev in self.devices.values():
@@ -269,10 +272,10 @@ class GpuLeases(LeaseSource):
             pools = ProfilePools.build(
                 self.profiles, functools.partial(make_factory, device), self.settings.pool_size
             )
-            pools.start()
+            pools.start(owner)
             self.pools[dev.uuid] = pools
             self.factories[dev.uuid] = pools.pools[fullest].factory
-        self.watchdog.start()
+        self.watchdog.start(owner)
         log.info("GPU mode started", extra={"backend": self.backend.name, "devices": self.ledger.snapshot()})
 
     async def probe_mps(self) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from appliance.core.errors import GpuMemoryLimit, MemoryLimit, RunLimit
+from appliance.core.tasks import TaskScope
 from appliance.gpu.backend import Device, GpuBackend, GpuBackendError, ProcessUsage
 from appliance.gpu.hostcheck import unavailable_text
 from appliance.gpu.ledger import GpuLedger, Grant
@@ -146,9 +147,9 @@ class GpuWatchdog:
                 return True
         return False
 
-    def start(self) -> None:
+    def start(self, owner: TaskScope) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="gpu-watchdog")
+            self._task = owner.spawn(self._loop(), name="gpu-watchdog")
 
     async def close(self) -> None:
         self._closing = True

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from appliance.core.errors import StartupError
 from appliance.core.service import RunService
+from appliance.core.tasks import TaskScope
 from appliance.inside.tools.catalogue import catalogue
 from appliance.runtime import canary, toolprobe
 from appliance.runtime.metrics import Metrics
@@ -83,6 +84,9 @@ class Lifecycle:
         self.cgroups: cgroups.Hierarchy | None = None  # per-run groups, where they can be made
         self.cgroups_missing: list[str] = []  # why not (SANDBOX_CGROUPS=auto falls back)
         self._cgroups_checked = False
+        # Owns every background task below the connections: canary, sweeper, pool refills (and
+        # their jail starts), teardowns, tool probe, GPU watchdog.
+        self.tasks = TaskScope("lifecycle")
         self._task: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None  # SANDBOX_OUTPUTS_RETENTION_S
         self._counted: dict[str, Counter[str]] = {
@@ -169,6 +173,7 @@ class Lifecycle:
     async def start(self, canary_port: int) -> None:
         """Directories, runtime, network, pools, GPU probe; then the canary loop."""
         s = self.settings
+        await self.tasks.open()
         # First, so that the jails started below (and the executor's threads) inherit it.
         refused = sched.request_slice()
         if refused is None:
@@ -194,7 +199,7 @@ class Lifecycle:
         runtime = await asyncio.to_thread(stage_runtime, s.tmp_root, s.python)
         if toolprobe.wanted(s.models_dir, s.gpu):
             self.tools = toolprobe.ToolProbe(s.python, s.gpu)
-            self.tools.start(runtime)
+            self.tools.start(runtime, self.tasks)
         cache = None
         if s.wheelhouse is not None:  # unpacked once here, so runs need not install again
             cache = await asyncio.to_thread(stage_wheel_cache, s.wheelhouse, s.tmp_root)
@@ -219,8 +224,8 @@ class Lifecycle:
             s.pool_size,
             max_size=s.pool_max,
         )
-        pools.start()
-        self.cpu = PoolLeases(pools)
+        pools.start(self.tasks)
+        self.cpu = PoolLeases(pools, self.tasks)
         if self.gpu is not None:  # warm pools per GPU (and profile), each jail seeing only its GPU
             self.gpu.start(
                 lambda dev, p: JailFactory(
@@ -235,6 +240,7 @@ class Lifecycle:
                     cgroups=groups,
                 ),
                 self.cpu,
+                self.tasks,
             )
             await self.gpu.probe_mps()  # layer (b) is reported as enforcing only where proven
         self.canary_port = canary_port
@@ -250,9 +256,9 @@ class Lifecycle:
                 "pool_size": s.pool_size,
             },
         )
-        self._task = asyncio.create_task(self._canary_loop(), name="canary")
+        self._task = self.tasks.spawn(self._canary_loop(), name="canary")
         if s.outputs_dir is not None and s.outputs_retention_s > 0:
-            self._sweeper = asyncio.create_task(
+            self._sweeper = self.tasks.spawn(
                 self._sweep_outputs(s.outputs_dir, s.outputs_retention_s), name="outputs-sweeper"
             )
 
@@ -302,16 +308,17 @@ class Lifecycle:
             await asyncio.sleep(every)
 
     async def close(self) -> None:
-        for task in (self._task, self._sweeper):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        """In order: the canary and sweeper, the tool probe, the pools (each cancels its refill
+        loop, whose scope ends its jail starts, then waits for teardowns and destroys the ready
+        jails), the network, the directories; last, the scope cancels whatever task is left."""
+        await self.tasks.cancel(self._task, self._sweeper)
         if self.tools is not None:
             await self.tools.close()
         if self.gpu is not None:
             await self.gpu.close()  # and the CPU pool it was given
         elif self.cpu is not None:
             await self.cpu.close()
+        await self.tasks.close()
         if self.network is not None:
             await self.network.close()
         if self.dirs is not None:

@@ -17,6 +17,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from appliance.core.tasks import TaskScope
+
 log = logging.getLogger("appliance.runtime.toolprobe")
 
 PROBE_TIMEOUT_S = 120.0
@@ -66,14 +68,14 @@ class ToolProbe:
         self.result: dict[str, Any] | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def start(self, runtime: Path) -> None:
-        """Begin probing (in a thread: the imports take a second or more)."""
+    def start(self, runtime: Path, owner: TaskScope) -> None:
+        """Begin probing (in a thread: the imports take a second or more), as a task of `owner`."""
 
         async def probe() -> None:
             self.result = await asyncio.to_thread(run_probe, self.python, runtime)
             log.info("model tools probed", extra={"tools": self.result})
 
-        self._task = asyncio.create_task(probe(), name="tool-probe")
+        self._task = owner.spawn(probe(), name="tool-probe")
 
     async def close(self) -> None:
         if self._task is not None:

@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from appliance.core.domain import RunRequest
+from appliance.core.tasks import TaskScope
 from appliance.sandbox.jail import Jail
 from appliance.sandbox.pool import JailPool, ProfilePools
 
@@ -110,8 +111,9 @@ class PoolLeases(LeaseSource):
     code fits. A jail's teardown (SIGKILL, reap, remove) starts as the run's `done` goes out
     (`teardown`)."""
 
-    def __init__(self, pools: ProfilePools) -> None:
+    def __init__(self, pools: ProfilePools, owner: TaskScope) -> None:
         self.pools = pools
+        self._owner = owner  # the teardown tasks' owner
         self._teardowns: set[asyncio.Task[None]] = set()
 
     def lease(self, req: RunRequest) -> Held:
@@ -129,7 +131,7 @@ class PoolLeases(LeaseSource):
         its final disk check, outputs and counters were taken already (while its processes
         lived, as a forged `done` event allows anyway), and its limits hold until the kill.
         """
-        task = asyncio.create_task(jail.destroy())
+        task = self._owner.spawn(jail.destroy(), name="jail-teardown")
         self._teardowns.add(task)
         task.add_done_callback(self._teardowns.discard)
 

@@ -23,6 +23,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from appliance.core.errors import JailFailure, JailStartFailed
+from appliance.core.tasks import TaskScope
 from appliance.sandbox.jail import Jail, JailFactory
 from appliance.sandbox.profiles import Profile, choose, imports_of
 
@@ -89,21 +90,25 @@ class JailPool:
         self._arrivals: deque[float] = deque()
         self._start_s: deque[float] = deque(maxlen=20)
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._watchers: set[asyncio.Task[None]] = set()
+        self._task: asyncio.Task[None] | None = None  # the refill loop, a child of its owner's scope
+        self._nudge: asyncio.TimerHandle | None = None
         self._closing = False
         self._failures = 0
 
-    def start(self) -> None:
+    def start(self, owner: TaskScope) -> None:
         if self._task is None and self.size > 0:
-            self._task = asyncio.create_task(self._refill_loop(), name="pool-refill")
+            self._task = owner.spawn(self._refill_loop(), name="pool-refill")
 
     async def take(self) -> Jail:
         """A ready jail from the pool, or a cold-started one when none is ready."""
         self._arrivals.append(time.monotonic())
         # Refill a moment later: a jail start is CPU-heavy and the run that just took a
         # jail usually finishes within milliseconds; starting now would compete with it.
-        asyncio.get_running_loop().call_later(REFILL_DELAY_S, self._wake.set)
+        # A timer, not a task: it only sets an event, and the pool keeps its handle and
+        # cancels it at close (one pending nudge at a time).
+        loop = asyncio.get_running_loop()
+        if self._nudge is None or self._nudge.when() <= loop.time():
+            self._nudge = loop.call_later(REFILL_DELAY_S, self._wake.set)
         while self.ready:
             jail = self.ready.popleft()
             if jail.alive:
@@ -134,22 +139,23 @@ class JailPool:
         )
 
     async def _refill_loop(self) -> None:
-        while not self._closing:
-            await self._retire_stale()
-            target = self.target()
-            parallel = 2 if target - len(self.ready) > 2 else 1
-            while self.starting < parallel and len(self.ready) + self.starting < target:
-                self.starting += 1
-                task = asyncio.create_task(self._start_one())
-                self._watchers.add(task)
-                task.add_done_callback(self._watchers.discard)
-            while len(self.ready) > target and len(self.ready) > self.size:
-                await self.ready.pop().destroy()  # shrink back once the burst is over
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), TICK_S)
+        # The loop's scope owns the jail starts and the idle jails' watchers: cancelling the
+        # loop (close) cancels them and waits for them.
+        async with TaskScope("pool-jails") as jails:
+            while not self._closing:
+                await self._retire_stale()
+                target = self.target()
+                parallel = 2 if target - len(self.ready) > 2 else 1
+                while self.starting < parallel and len(self.ready) + self.starting < target:
+                    self.starting += 1
+                    jails.spawn(self._start_one(jails), name="pool-jail-start")
+                while len(self.ready) > target and len(self.ready) > self.size:
+                    await self.ready.pop().destroy()  # shrink back once the burst is over
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), TICK_S)
 
-    async def _start_one(self) -> None:
+    async def _start_one(self, jails: TaskScope) -> None:
         started = time.monotonic()
         try:
             if self._closing:
@@ -183,9 +189,7 @@ class JailPool:
             await jail.destroy()
             return
         self.ready.append(jail)
-        watcher = asyncio.create_task(self._watch(jail))
-        self._watchers.add(watcher)
-        watcher.add_done_callback(self._watchers.discard)
+        jails.spawn(self._watch(jail), name="pool-jail-watch")
 
     async def _watch(self, jail: Jail) -> None:
         # A jail's driver exiting while it waits in the pool means it is no longer usable.
@@ -205,13 +209,12 @@ class JailPool:
     async def close(self) -> None:
         self._closing = True
         self._wake.set()
-        if self._task is not None:
+        if self._nudge is not None:
+            self._nudge.cancel()
+        if self._task is not None:  # its scope cancels and awaits the starts and watchers
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for watcher in list(self._watchers):
-            watcher.cancel()
-        await asyncio.gather(*self._watchers, return_exceptions=True)
         while self.ready:
             await self.ready.popleft().destroy()
 
@@ -248,9 +251,9 @@ class ProfilePools:
             self.imported.update(imports & self._preloaded)
         return profile
 
-    def start(self) -> None:
+    def start(self, owner: TaskScope) -> None:
         for pool in self.pools.values():
-            pool.start()
+            pool.start(owner)
 
     async def close(self) -> None:
         for pool in self.pools.values():

@@ -1,0 +1,118 @@
+"""Who owns a background task: a `TaskScope`, an asyncio.TaskGroup with a start and an end.
+
+Every task the server starts is a child of one scope (structured concurrency): the
+server's (started with the app, closed at its cleanup), a connection's (its runs and
+answers), the lifecycle's (canary, sweeper, pool refills, watchdogs, teardowns), or a
+scope a coroutine holds while it runs (a pool's jail starts, a REST run and its client
+watch). Closing a scope cancels its children and waits for all of them: nothing it
+started outlives it. `tests/test_tasks.py` keeps raw `create_task`, `call_later` and
+kin out of the package but for the owners it names.
+
+Unlike a bare TaskGroup, a child's unexpected error ends that child only: it is logged,
+and neither its siblings (other runs, warm jails) nor the scope's holder are cancelled,
+as before there were owners (asyncio logs a task's unretrieved error the same way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine, Iterable
+from types import TracebackType
+from typing import Any
+
+log = logging.getLogger("appliance.tasks")
+
+
+class TaskScope:
+    """Owns a set of tasks from `open()` (or `async with`) to `close()`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._group = asyncio.TaskGroup()
+        self._children: set[asyncio.Task[None]] = set()
+        self._state = "new"  # new -> open -> closing -> closed
+        self._closed = asyncio.Event()
+
+    async def open(self) -> TaskScope:
+        if self._state != "new":
+            raise RuntimeError(f"task scope {self.name!r} was opened already")
+        await self._group.__aenter__()
+        self._state = "open"
+        return self
+
+    async def __aenter__(self) -> TaskScope:
+        return await self.open()
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def running(self) -> bool:
+        """Whether `spawn` is allowed now (opened, not closing)."""
+        return self._state == "open"
+
+    def spawn(self, coro: Coroutine[Any, Any, None], *, name: str | None = None) -> asyncio.Task[None]:
+        """Start `coro` as a child. A closed (or closing) scope refuses: what asks for a task
+        then must do its work itself or not at all, never leave it unowned."""
+        if self._state != "open":
+            coro.close()
+            raise RuntimeError(f"task scope {self.name!r} is {self._state}: it starts no task")
+        task = self._group.create_task(self._guarded(coro), name=name)
+        self._children.add(task)
+        task.add_done_callback(self._children.discard)
+        # A child cancelled before its first step never awaited `coro`: close it (a no-op for
+        # one that ran), as a task made straight from `coro` would have.
+        task.add_done_callback(lambda _task: coro.close())
+        return task
+
+    async def _guarded(self, coro: Coroutine[Any, Any, None]) -> None:
+        try:
+            await coro
+        except Exception:
+            log.exception("background task failed", extra={"scope": self.name})
+
+    @property
+    def tasks(self) -> frozenset[asyncio.Task[None]]:
+        """The children still running."""
+        return frozenset(self._children)
+
+    async def wait(
+        self, timeout_s: float | None = None, tasks: Iterable[asyncio.Task[None]] | None = None
+    ) -> bool:
+        """Let `tasks` (default: all children) finish, for at most `timeout_s`; True if they did."""
+        pending = set(self._children if tasks is None else tasks)
+        if not pending:
+            return True
+        _done, left = await asyncio.wait(pending, timeout=timeout_s)
+        return not left
+
+    async def cancel(self, *tasks: asyncio.Task[None] | None) -> None:
+        """Cancel some children (None: skipped) and wait until they have ended."""
+        chosen = [t for t in tasks if t is not None]
+        for task in chosen:
+            task.cancel()
+        if chosen:
+            await asyncio.wait(chosen)
+
+    async def close(self) -> None:
+        """Cancel every child and wait until all have ended (a child's own cleanup included).
+        A second caller waits for the first one's close to end."""
+        if self._state in ("closing", "closed"):
+            await self._closed.wait()
+            return
+        if self._state == "new":
+            self._state = "closed"
+            self._closed.set()
+            return
+        self._state = "closing"
+        for task in list(self._children):
+            task.cancel()
+        try:
+            # Exited as a TaskGroup is at the end of its block: it waits for every child.
+            await self._group.__aexit__(None, None, None)
+        finally:
+            self._state = "closed"
+            self._closed.set()

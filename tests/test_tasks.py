@@ -1,0 +1,262 @@
+"""Structured concurrency: every task the server starts has an owner (appliance.core.tasks).
+
+The package starts tasks only through a `TaskScope` (or a TaskGroup held in an `async with`);
+a raw create_task, ensure_future, call_soon, call_later or run_in_executor is allowed only
+where ALLOWED names it, with the owner that keeps and ends it.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import shutil
+from pathlib import Path
+
+import pytest
+
+from appliance.core.tasks import TaskScope
+
+PACKAGE = Path(__file__).resolve().parent.parent / "appliance"
+
+# Calls that start a task, or schedule a callback, that nobody holds unless someone keeps it.
+RAW = frozenset(
+    {
+        "create_task",
+        "ensure_future",
+        "call_soon",
+        "call_soon_threadsafe",
+        "call_later",
+        "call_at",
+        "run_in_executor",
+        "run_coroutine_threadsafe",
+        "Task",
+    }
+)
+
+# (module, function, call) -> its owner and why the raw call stays.
+ALLOWED: dict[tuple[str, str, str], str] = {
+    ("core/tasks.py", "TaskScope.spawn", "create_task"): "the owner itself: its TaskGroup's create_task",
+    ("sandbox/pool.py", "JailPool.take", "call_later"): "the refill nudge: the pool cancels it at close",
+    ("sandbox/cell.py", "_run_cell", "call_later"): "the disk watchdog's timer: cancelled in its finally",
+    ("sandbox/cell.py", "_run_cell", "create_task"): "the disk watchdog: cancelled in run_cell's finally",
+    ("sandbox/jail.py", "JailFactory._make_workdir", "ensure_future"): "awaited in place, shielded",
+    ("sandbox/jail.py", "_shielded", "ensure_future"): "awaited in place, shielded; again when cancelled",
+    ("api/wsmeter.py", "MeteredReader._arm", "call_at"): "the frame deadline: cancelled at release",
+    ("api/wsmeter.py", "MeteredReader._expired", "call_later"): "the same timer, re-armed",
+    ("api/wsmeter.py", "HeapTrimmer.freed", "call_later"): "a trim timer: cancelled at close",
+    ("api/wsmeter.py", "HeapTrimmer._run", "run_in_executor"): "malloc_trim in a thread: close awaits it",
+    ("core/service.py", "RunService.execute", "call_soon"): "a gauge update next loop turn: holds nothing",
+}
+
+# The client distribution (moving to client/, issue 30): its tasks are its caller's, in the
+# caller's process, not the server's.
+CLIENT_SIDE = frozenset({"client.py", "agents.py", "mcp_bridge.py"})
+
+
+def _group_names(func: ast.AST) -> set[str]:
+    """Names bound by `async with asyncio.TaskGroup() as NAME` in this function: structured."""
+    names: set[str] = set()
+    for node in ast.walk(func):
+        if isinstance(node, ast.AsyncWith):
+            for item in node.items:
+                call = item.context_expr
+                if (
+                    isinstance(call, ast.Call)
+                    and _name_of(call.func) == "TaskGroup"
+                    and isinstance(item.optional_vars, ast.Name)
+                ):
+                    names.add(item.optional_vars.id)
+    return names
+
+
+def _name_of(func: ast.expr) -> str | None:
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    if isinstance(func, ast.Name):
+        return func.id
+    return None
+
+
+def raw_calls(root: Path) -> list[tuple[str, str, str, int]]:
+    """(module, enclosing function, call, line) of every raw task start under root."""
+    found: list[tuple[str, str, str, int]] = []
+    for path in sorted(root.rglob("*.py")):
+        module = path.relative_to(root).as_posix()
+        if module in CLIENT_SIDE:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+
+        def visit(node: ast.AST, scope: list[str], groups: set[str], module: str = module) -> None:
+            if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                scope = [*scope, node.name]
+                if not isinstance(node, ast.ClassDef):
+                    groups = groups | _group_names(node)
+            if isinstance(node, ast.Call):
+                name = _name_of(node.func)
+                if name == "Task" and not (
+                    isinstance(node.func, ast.Attribute) and _is_asyncio(node.func.value)
+                ):
+                    name = None  # a class of ours named Task, not asyncio's
+                structured = (
+                    name == "create_task"
+                    and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id in groups
+                )
+                if name in RAW and not structured:
+                    found.append((module, ".".join(scope) or "<module>", name, node.lineno))
+            for child in ast.iter_child_nodes(node):
+                visit(child, scope, groups)
+
+        visit(tree, [], set())
+    return found
+
+
+def _is_asyncio(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id == "asyncio"
+
+
+def unowned(root: Path) -> list[str]:
+    return [
+        f"{module}:{line} {func}: {call}"
+        for module, func, call, line in raw_calls(root)
+        if (module, func, call) not in ALLOWED
+    ]
+
+
+def test_every_task_the_package_starts_has_an_owner() -> None:
+    assert unowned(PACKAGE) == [], (
+        "start it in a TaskScope (appliance.core.tasks), or name its owner in ALLOWED"
+    )
+
+
+PLANTED = {
+    "fresh task": ("api/planted.py", "import asyncio\n\nasync def f():\n    asyncio.create_task(f())\n"),
+    "loop's task": ("runtime/planted.py", "import asyncio\n\ndef f(loop):\n    loop.create_task(g())\n"),
+    "timer": (
+        "sandbox/planted.py",
+        "import asyncio\n\ndef f():\n    asyncio.get_running_loop().call_later(1, f)\n",
+    ),
+    "future": ("gpu/planted.py", "from asyncio import ensure_future\n\ndef f(c):\n    ensure_future(c)\n"),
+    "executor": ("core/planted.py", "import asyncio\n\ndef f(loop):\n    loop.run_in_executor(None, f)\n"),
+    "Task()": ("api/planted2.py", "import asyncio\n\ndef f(c):\n    asyncio.Task(c)\n"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED))
+def test_a_raw_task_start_planted_in_a_copy_of_the_package_is_found(tmp_path: Path, kind: str) -> None:
+    copy = tmp_path / "appliance"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    module, source = PLANTED[kind]
+    (copy / module).write_text(source)
+    assert [line.split(" ")[0] for line in unowned(copy)] == [f"{module}:4"]
+
+
+def test_an_allowed_call_moved_to_another_function_of_its_module_is_found(tmp_path: Path) -> None:
+    copy = tmp_path / "appliance"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    pool = copy / "sandbox/pool.py"
+    pool.write_text(pool.read_text() + "\n\ndef later(loop):\n    loop.call_later(1, later)\n")
+    assert [line.split(" ", 1)[1] for line in unowned(copy)] == ["later: call_later"]
+
+
+def test_a_task_group_held_in_an_async_with_is_structured(tmp_path: Path) -> None:
+    root = tmp_path / "appliance"
+    root.mkdir()
+    (root / "m.py").write_text(
+        "import asyncio\n\nasync def f(c, d):\n    async with asyncio.TaskGroup() as tg:\n"
+        "        tg.create_task(c)\n    other.create_task(d)\n"
+    )
+    assert unowned(root) == ["m.py:6 f: create_task"]
+
+
+# -- TaskScope ---------------------------------------------------------------------------------
+
+
+async def forever() -> None:
+    await asyncio.Event().wait()
+
+
+async def test_closing_a_scope_cancels_its_children_and_waits_for_their_cleanup() -> None:
+    cleaned: list[str] = []
+    started = asyncio.Event()
+
+    async def child(name: str) -> None:
+        try:
+            started.set()
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0)  # a cleanup that itself awaits is waited for too
+            cleaned.append(name)
+
+    scope = await TaskScope("test").open()
+    tasks = [scope.spawn(child("a")), scope.spawn(child("b"))]
+    await started.wait()
+    await scope.close()
+    assert sorted(cleaned) == ["a", "b"] and all(t.cancelled() for t in tasks)
+    assert scope.tasks == frozenset()
+
+
+async def test_a_child_s_error_ends_that_child_only_and_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    async def fails() -> None:
+        raise ValueError("boom")
+
+    async with TaskScope("test") as scope:
+        sibling = scope.spawn(forever())
+        failing = scope.spawn(fails())
+        await asyncio.wait([failing])
+        assert not sibling.done(), "a sibling of a failed child is left running"
+    assert sibling.cancelled()
+    assert any("background task failed" in r.message and r.exc_info for r in caplog.records)
+
+
+async def test_a_closed_scope_starts_nothing() -> None:
+    scope = await TaskScope("test").open()
+    await scope.close()
+    assert not scope.running
+    coro = forever()
+    with pytest.raises(RuntimeError, match="closed"):
+        scope.spawn(coro)
+    assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED, "refused, yet left never-awaited"
+
+
+async def test_a_second_close_waits_for_the_first_to_end() -> None:
+    release = asyncio.Event()
+    ended: list[str] = []
+
+    async def slow_cleanup() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await release.wait()
+            ended.append("child")
+
+    scope = await TaskScope("test").open()
+    scope.spawn(slow_cleanup())
+    await asyncio.sleep(0)
+    first = asyncio.ensure_future(scope.close())
+    second = asyncio.ensure_future(scope.close())
+    await asyncio.sleep(0)
+    assert not second.done(), "a second close returned while the first still waits for a child"
+    release.set()
+    await asyncio.gather(first, second)
+    assert ended == ["child"]
+
+
+async def test_wait_lets_children_finish_within_a_bound() -> None:
+    scope = await TaskScope("test").open()
+    quick = scope.spawn(asyncio.sleep(0))
+    stuck = scope.spawn(forever())
+    assert await scope.wait(tasks=[quick]) is True
+    assert await scope.wait(timeout_s=0, tasks=[stuck]) is False
+    await scope.close()
+    assert stuck.cancelled()
+
+
+async def test_a_child_cancelled_before_its_first_step_leaves_no_coroutine_unawaited() -> None:
+    scope = await TaskScope("test").open()
+    coro = forever()
+    scope.spawn(coro)
+    await scope.close()  # before the child ever ran
+    assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
