@@ -10,7 +10,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from typing import Any
 
 from appliance.core.domain import CellOutcome, Emit, Frame, PipeFull, RunRequest
-from appliance.core.ports import Jail, Outputs
+from appliance.core.errors import JailFailure
+from appliance.core.ports import Jail, OutputFile, Outputs
 from appliance.core.service import RunService
 from appliance.core.tasks import TaskScope
 from appliance.settings import from_env
@@ -56,6 +57,7 @@ class FakeJail:
         self.process = FakeProcess()
         self.frozen = False
         self.ended = False
+        self.refuse_freeze: str | None = None  # freeze() fails with this
 
     @property
     def alive(self) -> bool:
@@ -65,6 +67,8 @@ class FakeJail:
         self.frozen = False
 
     async def freeze(self) -> None:
+        if self.refuse_freeze is not None:
+            raise JailFailure(self.refuse_freeze)
         self.frozen = True
 
 
@@ -72,7 +76,7 @@ class FakeLease:
     def __init__(self, source: FakeLeases) -> None:
         self.profile = "default"
         self.queued_ms = 0
-        self.gpu: dict[str, Any] | None = None
+        self.gpu: dict[str, Any] | None = source.gpu
         self.jail: FakeJail | None = None
         self.kept = False
         self.ended = False
@@ -99,6 +103,7 @@ class FakeLeases:
     def __init__(self) -> None:
         self.leases: list[FakeLease] = []
         self.fail: BaseException | None = None
+        self.gpu: dict[str, Any] | None = None  # the grant each lease holds (GPU mode)
         self.jails = 0
 
     def new_jail(self) -> FakeJail:
@@ -127,17 +132,30 @@ async def echo(jail: FakeJail, req: RunRequest, emit: Emit) -> CellOutcome:
     return CellOutcome("ok", exit_code=0, output_bytes=len(req.code))
 
 
-class NoOutputs:
-    async def batches(self) -> AsyncGenerator[Sequence[Any], None]:
-        return
-        yield
+class FakeFile:
+    def __init__(self, path: str, data: bytes | None, message: str | None = None) -> None:
+        self.path, self.data, self.message = path, data, message
+        self.size = len(data) if data is not None else 0
+
+
+class FakeOutputs:
+    """The files a run left (one batch), and why others were left out."""
+
+    def __init__(self, files: Sequence[OutputFile] = (), note: str | None = None, skipped: int = 0) -> None:
+        self.files = files
+        self._note = note
+        self._skipped = skipped
+
+    async def batches(self) -> AsyncGenerator[Sequence[OutputFile], None]:
+        if self.files:
+            yield self.files
 
     def note(self) -> str | None:
-        return None
+        return self._note
 
     @property
     def skipped(self) -> int:
-        return 0
+        return self._skipped
 
 
 class FakeCells:
@@ -148,6 +166,8 @@ class FakeCells:
         self.script: Script = echo
         self.runs: list[tuple[FakeJail, str]] = []
         self.running = asyncio.Event()
+        self.left = FakeOutputs()  # what each run leaves in outputs/
+        self.read_outputs_of: list[tuple[FakeJail, bool]] = []  # (jail, was it killed first)
 
     def stdin_ops(self, data: str, eof: bool) -> list[bytes]:
         return ([b"stdin:" + data.encode()] if data else []) + ([b"eof"] if eof else [])
@@ -175,13 +195,15 @@ class FakeCells:
         return None
 
     def has_outputs(self, jail: Jail) -> bool:
-        return False
+        return bool(self.left.files) or self.left.note() is not None
 
     async def snapshot(self, jail: Jail) -> object:
         return {}
 
     def outputs(self, jail: Jail, before: object | None, owner: str, run_id: str) -> Outputs:
-        return NoOutputs()
+        assert isinstance(jail, FakeJail)
+        self.read_outputs_of.append((jail, jail.process.killed))
+        return self.left
 
 
 class FakeRuntime:

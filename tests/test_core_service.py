@@ -11,7 +11,7 @@ from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
 from appliance.core.errors import Busy, JailFailure, RequestRejected
 from appliance.core.service import Run
 from appliance.wire import protocol
-from tests.core_fakes import Core, FakeJail, Script, until
+from tests.core_fakes import Core, FakeFile, FakeJail, FakeOutputs, Script, until
 
 
 async def submit(core: Core, code: str, **fields: object) -> tuple[Run, list[Frame]]:
@@ -180,6 +180,74 @@ class TestSessions:
         assert len(core.service.sessions) == 0 and core.leases.leases[0].ended
         after = await core.run("1", session=sid)
         assert after[-1]["status"] == "rejected" and "cut off" in after[-1]["message"]
+
+
+class TestOutputs:
+    async def test_a_runs_files_follow_its_output_and_what_was_left_out_makes_it_output_limit(self) -> None:
+        core = Core()
+        note = "1 outputs/ file(s) not returned"
+        core.cells.left = FakeOutputs(
+            [FakeFile("a.txt", b"hi"), FakeFile("big.bin", None, "too big")], note, 1
+        )
+        frames = await core.run("1")
+        assert [f["type"] for f in frames] == ["start", "stream", "file", "file", "done"]
+        assert (frames[2]["path"], frames[2]["data"], frames[2]["size"]) == ("a.txt", "aGk=", 2)
+        assert frames[3]["data"] is None and frames[3]["message"] == "too big"
+        assert (frames[-1]["status"], frames[-1]["message"]) == ("output_limit", note)
+        assert frames[-1]["files_skipped"] == 1
+        ((_jail, killed_first),) = core.cells.read_outputs_of
+        assert killed_first  # files are read only once every process of the run is gone
+
+    async def test_a_failed_run_keeps_its_status_and_the_note_is_added(self) -> None:
+        core = Core()
+
+        async def fails(jail: FakeJail, req: RunRequest, emit: Emit) -> CellOutcome:
+            return CellOutcome("error", exit_code=1, message="the interpreter exited with code 1")
+
+        core.cells.script = fails
+        core.cells.left = FakeOutputs([], "outputs/ directories nested too deep were not read")
+        done = (await core.run("1"))[-1]
+        assert done["status"] == "error"
+        assert done["message"] == (
+            "the interpreter exited with code 1; outputs/ directories nested too deep were not read"
+        )
+
+
+class TestSessionsEnd:
+    async def test_a_session_whose_jail_does_not_freeze_is_ended_and_its_done_says_so(self) -> None:
+        core = Core()
+
+        async def refuse(jail: FakeJail, req: RunRequest, emit: Emit) -> CellOutcome:
+            jail.refuse_freeze = "the freezer did not confirm FROZEN"
+            return CellOutcome("ok", exit_code=0)
+
+        core.cells.script = refuse
+        done = (await core.run("1", session="new"))[-1]
+        assert done["status"] == "ok"
+        assert "could not be frozen between cells" in done["message"]
+        assert len(core.service.sessions) == 0 and core.leases.leases[0].ended
+        after = (await core.run("1", session=done["session"]))[-1]
+        assert after["status"] == "rejected" and "could not be frozen" in after["message"]
+
+    async def test_a_session_whose_interpreter_died_is_ended(self) -> None:
+        core = Core()
+
+        async def dies(jail: FakeJail, req: RunRequest, emit: Emit) -> CellOutcome:
+            return CellOutcome("error", exit_code=None, interpreter_alive=False)
+
+        core.cells.script = dies
+        done = (await core.run("import os; os._exit(1)", session="new"))[-1]
+        assert "its interpreter could not be recovered" in done["message"]
+        assert core.cells.runs[0][0].process.killed and len(core.service.sessions) == 0
+
+    async def test_a_later_cell_cannot_change_the_gpu_budget_its_session_holds(self) -> None:
+        core = Core()
+        core.leases.gpu = {"memory_mb": 512}
+        sid = (await core.run("1", session="new"))[-1]["session"]
+        changed = (await core.run("1", session=sid, gpu=protocol.GpuRequest(memory_mb=1024)))[-1]
+        assert changed["status"] == "rejected" and "512 MiB for its whole life" in changed["message"]
+        same = (await core.run("1", session=sid, gpu=protocol.GpuRequest(memory_mb=512)))[-1]
+        assert same["status"] == "ok"
 
 
 class TestErrorsBecomeDone:
