@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -20,74 +18,37 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="0.0.0.0")  # noqa: S104
     serve.add_argument("--port", type=int, default=9100)
     serve.add_argument("--ready-file", help=argparse.SUPPRESS)
-    ex = sub.add_parser("exec", help="run code (or a .py file) on an appliance and stream the output")
-    ex.add_argument("code", help="Python source, or a path to a .py file, or - for stdin")
-    ex.add_argument("--url", default=os.environ.get("APPLIANCE_URL", "ws://127.0.0.1:9100/exec"))
-    ex.add_argument("--token", default=os.environ.get("SANDBOX_AUTH_TOKEN"))
-    ex.add_argument("--timeout-ms", type=int)
-    ex.add_argument("--json", action="store_true", help="print raw frames as JSON lines")
-    mcp = sub.add_parser("mcp", help="serve run_python to a local agent client over MCP (stdio)")
-    mcp.add_argument(
-        "--url",
-        default=os.environ.get("APPLIANCE_URL", "ws://127.0.0.1:9100"),
-        help="the appliance to run code on (default ws://127.0.0.1:9100; env APPLIANCE_URL)",
-    )
-    mcp.add_argument(
-        "--token",
-        default=os.environ.get("SANDBOX_AUTH_TOKEN"),
-        help="bearer token (default: env SANDBOX_AUTH_TOKEN)",
-    )
-    mcp.add_argument("--max-chars", type=int, default=8000, help="text budget of one tool result")
-    mcp.add_argument(
-        "--reconnect-s",
-        type=float,
-        default=10.0,
-        help="how long one call waits for an unreachable appliance before saying so (default 10)",
-    )
+    # Listed for --help: both are the client's commands (appliance_client.cli), run from there.
+    sub.add_parser("exec", help="run code on an appliance and stream the output (needs appliance-client)")
+    sub.add_parser("mcp", help="serve run_python to a local agent over MCP stdio (needs appliance-client)")
     # Listed for --help; its arguments (--quick, --out, ...) belong to benchmarks.suite.
     sub.add_parser("bench", help="run the benchmark suite (python -m benchmarks) from a checkout")
     raw = sys.argv[1:] if argv is None else argv
     if raw[:1] == ["bench"]:
         return _bench(raw[1:])
+    if raw[:1] in (["exec"], ["mcp"]):
+        return _client_command(raw)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
-    if args.command == "mcp":
-        return _mcp(args)
-    return asyncio.run(_exec(args))
+    parser.error(f"unknown command {args.command}")
+    return 2  # parser.error exits; this line is for the type checker
 
 
-def exec_url(url: str) -> str:
-    """The WebSocket endpoint of an appliance URL: `ws://host:9100` means `ws://host:9100/exec`."""
-    scheme, sep, rest = url.partition("://")
-    if sep and "/" not in rest:
-        return f"{scheme}://{rest}/exec"
-    return url
-
-
-def _mcp(args: argparse.Namespace) -> int:
-    import logging
-
-    from appliance.mcp_bridge import AuthenticationError, serve_stdio
-
-    # stdout carries the protocol: every log line goes to stderr.
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-    if args.max_chars < 200:
-        print("appliance mcp: --max-chars must be at least 200", file=sys.stderr)
-        return 2
-    if not args.reconnect_s >= 0:
-        print("appliance mcp: --reconnect-s must be 0 or more", file=sys.stderr)
-        return 2
-    # An appliance that is not up yet is no reason to exit: the bridge serves and retries on
-    # each call. A refused token is: no retry fixes it.
+def _client_command(argv: list[str]) -> int:
+    """`appliance exec` and `appliance mcp` are the client distribution's commands
+    (appliance_client.cli): the server package never imports the client, so they run only
+    where the client is installed too (`make setup` installs both)."""
     try:
-        asyncio.run(serve_stdio(exec_url(args.url), args.token, args.max_chars, args.reconnect_s))
-    except AuthenticationError as exc:
-        print(f"appliance mcp: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        pass
-    return 0
+        from appliance_client import cli as client_cli
+    except ImportError:
+        print(
+            f"appliance {argv[0]}: this command is the client's: install it with `pip install ./client` "
+            "(`pip install './client[mcp]'` for mcp), or run `appliance-exec` / `appliance-mcp`",
+            file=sys.stderr,
+        )
+        return 2
+    return client_cli.main(argv)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -120,54 +81,3 @@ def _bench(argv: list[str]) -> int:
         return 2
     # S603: our interpreter; the operator's own arguments
     return subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=repo, check=False).returncode  # noqa: S603
-
-
-def _read_code(arg: str) -> str:
-    if arg == "-":
-        return sys.stdin.read()
-    path = Path(arg)
-    if arg.endswith(".py") and path.is_file():
-        return path.read_text()
-    return arg
-
-
-async def _exec(args: argparse.Namespace) -> int:
-    from appliance.client import AsyncClient
-
-    code = _read_code(args.code)
-    status, exit_code = "internal", None
-    async with AsyncClient(args.url, args.token) as client:
-        async for frame in client.stream(code, timeout_ms=args.timeout_ms):
-            if args.json:
-                print(json.dumps(frame), flush=True)
-            else:
-                _render(frame)
-            if frame.get("type") == "done":
-                status, exit_code = frame.get("status", "internal"), frame.get("exit_code")
-    if status == "ok":
-        return 0
-    return exit_code if isinstance(exit_code, int) and exit_code > 0 else 1
-
-
-def _render(frame: dict[str, object]) -> None:
-    kind = frame.get("type")
-    if kind == "stream":
-        out = sys.stderr if frame.get("name") == "stderr" else sys.stdout
-        out.write(str(frame.get("text", "")))
-        out.flush()
-    elif kind == "result":
-        data = frame.get("data")
-        if isinstance(data, dict):
-            print(data.get("text/plain", ""), flush=True)
-    elif kind == "display":
-        data = frame.get("data")
-        kinds = ", ".join(sorted(data)) if isinstance(data, dict) else "?"
-        print(f"[display: {kinds}]", flush=True)
-    elif kind == "error":
-        tb = frame.get("traceback")
-        if isinstance(tb, list):
-            sys.stderr.write("\n".join(str(line) for line in tb) + "\n")
-    elif kind == "file":
-        print(f"[file: outputs/{frame.get('path')} ({frame.get('size')} bytes)]", flush=True)
-    elif kind == "done" and frame.get("status") != "ok":
-        print(f"[{frame.get('status')}] {frame.get('message') or ''}".rstrip(), file=sys.stderr, flush=True)

@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from appliance.client import AsyncClient
 from appliance.sandbox import cgroups
 from appliance.sandbox.jail import JailFactory
+from appliance_client.client import AsyncClient
 from benchmarks.appliance_server import REPO, BenchError, start_appliance, wait_pool_idle
 from benchmarks.jails import open_factory
 from benchmarks.stats import summarize

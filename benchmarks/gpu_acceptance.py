@@ -552,7 +552,7 @@ class Kit:
 
     async def execute(self, code: str, budget_mb: int | None, server: Any = None) -> tuple[Any, float]:
         """Run code in a jail with this GPU budget; (Execution, wall time when done arrived)."""
-        from appliance.client import AsyncClient
+        from appliance_client.client import AsyncClient
 
         fields: dict[str, Any] = {"gpu": {"memory_mb": budget_mb}} if budget_mb else {}
         async with AsyncClient((server or self.server).url) as c:
@@ -1283,7 +1283,7 @@ class Kit:
         name = await self.gguf_name()
         if name is None:
             return Check("", SKIP, "no model: add --gguf PATH (the kit passes its own)")
-        from appliance.client import AsyncClient
+        from appliance_client.client import AsyncClient
 
         budget = self.budget_for(1024)
         load = (

@@ -237,7 +237,7 @@ async def server_level(  # noqa: PLR0913 (one benchmark level's parameters)
     acceptance kit measures it). NVML's reading of a run is its context plus what it
     allocates, so a run that is not an overrunner allocates its use less the context, and at
     most its budget less the context and slack_mb: it stays within its grant as NVML counts it."""
-    from appliance.client import AsyncClient
+    from appliance_client.client import AsyncClient
 
     async def one(c: Any, i: int) -> RunRecord:
         kind, budget, uses, secs = mix[i % len(mix)]

@@ -142,7 +142,7 @@ async def measure(
     url: str, models: Path, reps: int, tokens: int, quick: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(in the jail, outside): one-shot loads, then session cells and whisper, interleaved."""
-    from appliance.client import AsyncClient
+    from appliance_client.client import AsyncClient
 
     sessions: list[str] = []
 

@@ -8,7 +8,7 @@ llama-cpp-python's chat completion with tools (OpenAI's message format). Without
 scripted model plays the same part: it asks for tool calls (several at once, as OpenAI's
 models do), then answers from what the tools returned. Either way the loop is the one an API
 server runs: the assistant message goes into the history, its tool calls go to the appliance,
-and `appliance.agents.openai_messages` renders the whole turn (every tool message, then one
+and `appliance_client.agents.openai_messages` renders the whole turn (every tool message, then one
 user message with the figures), until the model answers in plain text.
 """
 
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from appliance import agents
-from appliance.client import AsyncClient
+from appliance_client import agents
+from appliance_client.client import AsyncClient
 
 Message = dict[str, Any]
 

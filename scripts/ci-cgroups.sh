@@ -36,7 +36,7 @@ log "podman run --cgroupns=private (SANDBOX_CGROUPS=require, SANDBOX_MEMORY_MB=5
 "${PODMAN[@]}" exec -i "$NAME" /opt/appliance/venv/bin/python - <<'PY' || die "cgroups are not enforcing in the container"
 import json, time, urllib.error, urllib.request
 
-from appliance.client import Client
+from appliance_client.client import Client
 
 body: dict = {}
 for _ in range(900):

@@ -250,7 +250,7 @@ if [ ! -x "$KIT_VENV/bin/appliance" ] || [ "$(cat "$KIT_VENV/.kit-stamp" 2>/dev/
   say "installing the appliance into $KIT_VENV (Python $pyver from $PYTHON, offline, from $KIT/wheels)"
   rm -rf "$KIT_VENV"
   "$PYTHON" -m venv --without-pip "$KIT_VENV"
-  kit_pip --find-links "$KIT/wheels" appliance nvidia-ml-py
+  kit_pip --find-links "$KIT/wheels" appliance appliance-client nvidia-ml-py
   echo "$stamp" >"$KIT_VENV/.kit-stamp"
 fi
 # llama-cpp-python: the kit's CUDA build, or --wheels DIR's (any build, for llama_offload).

@@ -68,10 +68,14 @@ rm -rf "$OUT/lib.full"
 missing=$(LD_LIBRARY_PATH="$OUT/lib" ldd "$OUT/firejail/usr/bin/firejail" | grep 'not found' || true)
 [ -z "$missing" ] || { echo "gpu-kit: firejail still lacks: $missing" >&2; exit 1; }
 
-# 2. The appliance's wheel, built from this checkout (no network).
+# 2. The appliance's wheel and its client's, built from this checkout (no network).
 "$PY" -m pip wheel -q --no-deps -w "$OUT/wheels" . >"$OUT/.wheel.log" 2>&1 || { cat "$OUT/.wheel.log" >&2; exit 1; }
 rm -f "$OUT/.wheel.log"
 wheel=$(ls "$OUT"/wheels/appliance-*.whl)
+# The client distribution (client/): the acceptance checks reach the server through it. Its one
+# requirement (websockets) is among the appliance's own.
+"$PY" -m pip wheel -q --no-deps -w "$OUT/wheels" ./client >"$OUT/.wheel.log" 2>&1 || { cat "$OUT/.wheel.log" >&2; exit 1; }
+rm -f "$OUT/.wheel.log"
 
 # 3. Its requirements for each Python, binary wheels only, cached by what is required.
 key=$( (unzip -p "$wheel" '*.dist-info/METADATA' | grep '^Requires-Dist' | grep -v 'extra ==';

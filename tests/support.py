@@ -22,6 +22,9 @@ from appliance.sandbox.proctree import descendants
 from appliance.wire import parse_worker
 
 REPO = Path(__file__).resolve().parent.parent
+# A subprocess's PYTHONPATH for this checkout's server and client distribution (client/), whether
+# or not they are installed (`make setup` installs both; a worktree's own code comes first).
+CHECKOUT_PATH = os.pathsep.join((str(REPO), str(REPO / "client")))
 SANDBOX_UID = 1001
 # The uids jails run as with the default SANDBOX_UID_RANGE (`appliance.sandbox.uids`).
 SANDBOX_UIDS = frozenset(range(SANDBOX_UID, SANDBOX_UID + 64))

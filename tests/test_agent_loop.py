@@ -3,7 +3,7 @@ server: the model's tool calls become real runs and what it reads back is checke
 
 from __future__ import annotations
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from examples.agent_loop import Message, ScriptedModel, answer_with_stdout, last_tool_text, run_agent
 from tests.support import Server
 from tests.test_agents_sdk import CHAT_MESSAGES, chat_order_problems, valid

@@ -1,4 +1,4 @@
-"""appliance.agents: one tool definition for two model APIs, and tool results a model can read
+"""appliance_client.agents: one tool definition for two model APIs, and tool results a model can read
 within a budget, checked on real runs against a real server and real jails."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import jsonschema
 import pytest
 
-from appliance import agents
-from appliance.client import AsyncClient, Execution
+from appliance_client import agents
+from appliance_client.client import AsyncClient, Execution
 from tests.support import Server, start_server
 
 

@@ -1,4 +1,4 @@
-"""appliance.agents against the official SDKs' own types (openai, anthropic): every tool
+"""appliance_client.agents against the official SDKs' own types (openai, anthropic): every tool
 definition and every message a turn renders is validated as the SDK's typed request params,
 parallel tool calls and images included, and the order of the messages is the one each API
 requires. The SDKs are never asked to send anything: this is offline, on their types.
@@ -41,8 +41,8 @@ from openai.types.responses import (
 )
 from pydantic import TypeAdapter
 
-from appliance import agents
-from appliance.client import AsyncClient, Execution
+from appliance_client import agents
+from appliance_client.client import AsyncClient, Execution
 from tests.support import Server
 
 CHAT_MESSAGES = TypeAdapter(list[ChatCompletionMessageParam])

@@ -11,8 +11,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from appliance.client import AsyncClient, Client
 from appliance.inside.tools import catalogue
+from appliance_client.client import AsyncClient, Client
 from tests.models import write_corrupt_model, write_tiny_llama, write_tiny_whisper
 from tests.support import Server, reachable_tmp_root, start_server
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance.client import AsyncClient, Execution
 from appliance.core.errors import JailFailure
 from appliance.sandbox import cgroups, instance
 from appliance.sandbox import jail as jail_module
+from appliance_client.client import AsyncClient, Execution
 from tests.support import Server, jail_factory, scaled, start_server, until_async
 
 MEMORY_MB = 1024

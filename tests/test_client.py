@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from appliance import agents
-from appliance.client import (
+from appliance_client import agents
+from appliance_client.client import (
     AsyncClient,
     AuthenticationError,
     Client,
@@ -39,7 +39,7 @@ from appliance.client import (
     normalise_url,
     request_frame,
 )
-from appliance.wire.protocol import GpuRequest
+from appliance_client.protocol import GpuRequest
 from tests.support import Server, start_server
 
 T = TypeVar("T")

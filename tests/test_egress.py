@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from tests.support import Server, scaled, start_server
 
 TOKEN = "egress-test-token-" + secrets.token_hex(8)

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from appliance.client import AsyncClient, Client
-from tests.support import REPO, SANDBOX_UID, SANDBOX_UIDS, Server, frames_of, jail_processes, scaled, until
+from appliance_client.client import AsyncClient, Client
+from tests.support import (
+    CHECKOUT_PATH,
+    REPO,
+    SANDBOX_UID,
+    SANDBOX_UIDS,
+    Server,
+    frames_of,
+    jail_processes,
+    scaled,
+    until,
+)
 
 
 async def test_print_arrives_as_a_stream_frame_then_done_ok(server: Server) -> None:
@@ -161,6 +172,7 @@ def test_the_cli_streams_a_run_to_the_terminal(server: Server, tmp_path) -> None
         text=True,
         timeout=60,
         cwd=REPO,
+        env={**os.environ, "PYTHONPATH": CHECKOUT_PATH},
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == "from file\n42\n"
@@ -170,6 +182,7 @@ def test_the_cli_streams_a_run_to_the_terminal(server: Server, tmp_path) -> None
         text=True,
         timeout=60,
         cwd=REPO,
+        env={**os.environ, "PYTHONPATH": CHECKOUT_PATH},
     )
     assert bad.returncode == 4
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.client import AsyncClient
 from appliance.sandbox.proctree import descendants
+from appliance_client.client import AsyncClient
 from tests.support import REPO, start_server
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]

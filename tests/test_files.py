@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance.client import AsyncClient
 from appliance.core.tenants import owner_of
 from appliance.sandbox import outputs
+from appliance_client.client import AsyncClient
 from tests.support import Server, scaled, start_server
 
 

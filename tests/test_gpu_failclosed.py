@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from appliance.client import AsyncClient
 from appliance.gpu import hostcheck
 from appliance.gpu.backend import Device, ProcessUsage
 from appliance.runtime.local import ServerStartError
+from appliance_client.client import AsyncClient
 from tests import nvml_standin
 from tests.nvml_standin import Host
 from tests.support import Server, scaled, start_server

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from tests.support import REPO, scaled, start_server
 
 pytestmark = pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")

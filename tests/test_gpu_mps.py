@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 
-from appliance.client import AsyncClient, Client, Execution
 from appliance.core.errors import GpuLimitUnavailable
 from appliance.gpu.ledger import Grant
 from appliance.gpu.mps import (
@@ -39,6 +38,7 @@ from appliance.gpu.mps_limits import DeviceMps, MpsLimiter, jail_blockers, judge
 from appliance.gpu.mps_simulated import SimulatedMps
 from appliance.gpu.simulated import SimulatedBackend
 from appliance.inside import channel
+from appliance_client.client import AsyncClient, Client, Execution
 from tests.support import REPO, Server, start_server
 from tests.test_gpu_server import simulate as simulate_file
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.client import Client
+from appliance_client.client import Client
 from tests.support import start_server
 
 SIMULATED = {"SANDBOX_GPU": "1", "SANDBOX_GPU_BACKEND": "simulated", "SANDBOX_GPU_SIMULATE": "1x4096"}

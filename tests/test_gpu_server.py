@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from appliance.client import AsyncClient
 from appliance.gpu.watchdog import descendants
+from appliance_client.client import AsyncClient
 from tests.support import Server, cmdline, scaled, start_server, until_async
 
 MARGIN_MB = 128

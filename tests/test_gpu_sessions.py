@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from appliance.client import AsyncClient
 from appliance.core import tenants
 from appliance.core.errors import Busy
 from appliance.sandbox.proctree import descendants
+from appliance_client.client import AsyncClient
 from tests.models import write_tiny_llama
 from tests.support import Server, reachable_tmp_root, scaled, start_server, until_async
 from tests.test_gpu_server import simulate

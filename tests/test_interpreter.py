@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from appliance.client import AsyncClient, Execution
+from appliance_client.client import AsyncClient, Execution
 from tests.support import Server, start_server
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.client import AsyncClient, Execution
+from appliance_client.client import AsyncClient, Execution
 from tests.support import REPO, Server, start_server
 
 SECRET = "AKIAFAKESECRET0123456789"

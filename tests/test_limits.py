@@ -10,7 +10,7 @@ from typing import Unpack
 
 import pytest
 
-from appliance.client import AsyncClient, Execution, RequestOptions
+from appliance_client.client import AsyncClient, Execution, RequestOptions
 from tests.support import Server, jail_factory, jail_processes, start_server
 
 

@@ -27,10 +27,10 @@ from pydantic import AnyUrl
 
 from appliance import __version__
 from appliance.api import mcp_tools
-from appliance.cli import exec_url
-from appliance.client import AsyncClient
+from appliance_client.cli import exec_url
+from appliance_client.client import AsyncClient
 from tests.models import write_tiny_llama, write_tiny_whisper
-from tests.support import REPO, Server, scaled, start_server
+from tests.support import CHECKOUT_PATH, REPO, Server, scaled, start_server
 
 TOKEN = "mcp-test-token-0123456789abcdef"
 FIGURE = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nNone"
@@ -56,7 +56,7 @@ async def over_stdio(
 ) -> AsyncIterator[ClientSession]:
     """`appliance mcp` as a desktop app starts it, for a server (or a port nothing may be on yet)."""
     port = server if isinstance(server, int) else server.port
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(REPO)}
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": CHECKOUT_PATH}
     if token:
         env["SANDBOX_AUTH_TOKEN"] = token
     params = StdioServerParameters(
@@ -281,7 +281,7 @@ class TestSessionLifetime:
 
 class TestStdioCli:
     def test_a_wrong_token_ends_the_stdio_server_with_a_message(self, authed: Server) -> None:
-        env = {"PATH": os.environ.get("PATH", ""), "SANDBOX_AUTH_TOKEN": "wrong"}
+        env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": CHECKOUT_PATH, "SANDBOX_AUTH_TOKEN": "wrong"}
         proc = subprocess.run(
             [sys.executable, "-m", "appliance", "mcp", "--url", f"ws://127.0.0.1:{authed.port}"],
             cwd=REPO,

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from appliance.client import AsyncClient, Execution
 from appliance.inside.notebook import HOOK, SUPPORTED, translate
+from appliance_client.client import AsyncClient, Execution
 from tests.support import SANDBOX_UIDS, Server, start_server
 
 

@@ -10,10 +10,10 @@ from typing import Any, Unpack
 
 import pytest
 
-from appliance.client import AsyncClient, Execution, RequestOptions
 from appliance.sandbox import proctree
 from appliance.sandbox.jail import JailFactory
 from appliance.sandbox.proctree import descendants
+from appliance_client.client import AsyncClient, Execution, RequestOptions
 from tests.support import Server, descriptors_on, jail_factory, reachable_tmp_root, run_root, start_server
 
 

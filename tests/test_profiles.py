@@ -11,10 +11,10 @@ from typing import Unpack
 
 import pytest
 
-from appliance.client import AsyncClient, Execution, RequestOptions
 from appliance.core.errors import SettingsError
 from appliance.sandbox.profiles import SCAN_CHARS, Profile, choose, imports_of
 from appliance.settings import from_env
+from appliance_client.client import AsyncClient, Execution, RequestOptions
 from tests.support import Server, scaled, start_server
 
 BARE = Profile("bare", ())

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from typing import Any
 
-from appliance.client import AsyncClient
 from appliance.sandbox import sched
+from appliance_client.client import AsyncClient
 from tests.support import Server
 
 # Custom slices for the normal policy came with Linux 6.12; an older kernel accepts the request

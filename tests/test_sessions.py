@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import websockets
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from tests.support import Server, jail_processes, start_server, until_async
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import websockets
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from tests.support import cmdline, jail_processes, start_server
 
 

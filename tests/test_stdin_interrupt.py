@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from tests.support import Server, until_async
 
 

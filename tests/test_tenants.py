@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import websockets
 
-from appliance.client import AsyncClient
 from appliance.core import tenants
 from appliance.core.errors import Busy, SettingsError
 from appliance.settings import from_env
+from appliance_client.client import AsyncClient
 from tests.support import Server, start_server
 
 ALICE = "alice-" + secrets.token_hex(12)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from tests.models import write_corrupt_model, write_tiny_llama, write_tiny_whisper
 from tests.support import Server, scaled, start_server
 

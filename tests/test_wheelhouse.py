@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.client import AsyncClient, Execution
 from appliance.sandbox.wheels import stage_wheel_cache
+from appliance_client.client import AsyncClient, Execution
 from tests.support import Server, start_server
 
 

@@ -18,19 +18,18 @@ owner through the server's RunService directly, with its sessions bound to that 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
-import json
 from collections.abc import Callable
-from typing import Any, Unpack
+from typing import Any
 
 from aiohttp import web
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
-from appliance.api import mcp_tools
+from appliance.api import mcp_tools, tool_calls
 from appliance.api.transport import PARSER_KEY, TASKS_KEY, until_gone
-from appliance.client import Execution, Frame, RequestOptions, request_frame
 from appliance.core.errors import Busy
 from appliance.core.service import RunService
 from appliance.wire import protocol
@@ -54,48 +53,49 @@ def mcp_session_caps(max_sessions: int, tenants: int) -> tuple[int, int]:
 
 
 class ServiceExecutor:
-    """agents.Executor on the server's own RunService, as one owner: no loopback WebSocket,
-    the same validation (protocol.parse_client_frame) and limits as any other request."""
+    """mcp_tools.Executor on the server's own RunService, as one owner: a tool call goes
+    straight to the service, no loopback WebSocket and no client in between, with the same
+    validation and limits as a request on /exec (protocol.parse_client_frame_object)."""
 
     def __init__(self, service: RunService, owner: str) -> None:
         self.service = service
         self.owner = owner
 
-    async def execute(self, code: str, **options: Unpack[RequestOptions]) -> Execution:
-        """Run code to the end and gather its frames into an Execution."""
+    async def execute(self, args: tool_calls.RunArguments, session: str | None) -> tool_calls.Outcome:
+        """Run a call's code to the end and gather its frames."""
         rid = protocol.new_request_id()
-        result = Execution(id=rid)
+        outcome = tool_calls.Outcome()
+        frame: dict[str, Any] = {"type": "execute", "id": rid, "code": args.code}
+        if session is not None:
+            frame["session"] = session
+        if args.files:
+            frame["files"] = [
+                {"path": path, "data": base64.b64encode(data).decode()} for path, data in args.files.items()
+            ]
         try:
-            frame = request_frame(code, rid, **options)
-            message = protocol.parse_client_frame(
-                json.dumps(frame), protocol.Limits.from_settings(self.service.settings)
+            message = protocol.parse_client_frame_object(
+                frame, protocol.Limits.from_settings(self.service.settings)
             )
-        except (TypeError, ProtocolError) as exc:
-            result.add(protocol.done_frame(rid, "rejected", message=getattr(exc, "message", str(exc))))
-            return result
-        if not isinstance(message, ExecuteRequest):  # request_frame builds only execute frames
-            result.add(
-                protocol.done_frame(rid, "rejected", message=f"not an execute request: {message.type}")
-            )
-            return result
+        except ProtocolError as exc:
+            outcome.add(protocol.done_frame(rid, "rejected", message=exc.message))
+            return outcome
+        if not isinstance(message, ExecuteRequest):  # the frame above is an execute frame
+            raise TypeError(f"not an execute request: {message.type}")
 
         async def emit(out: protocol.Frame) -> None:
-            result.add(out)
+            outcome.add(out)
 
         await self.service.execute(message, self.owner, emit)
-        return result
+        return outcome
 
     async def models(self) -> list[dict[str, Any]]:
         """The model catalogue, as GET /v1/models gives it."""
         found: list[dict[str, Any]] = (await self.service.models())["models"]
         return found
 
-    async def close_session(self, session: str) -> Frame:
-        """End one of this owner's sessions."""
-        rid = protocol.new_request_id()
-        if await self.service.close_session(session, self.owner):
-            return protocol.done_frame(rid, "ok", message=f"session {session} closed", session=session)
-        return protocol.done_frame(rid, "rejected", message=f"no such session {session!r}")
+    async def close_session(self, session: str) -> bool:
+        """End one of this owner's sessions; False when it has none of that id."""
+        return await self.service.close_session(session, self.owner)
 
 
 def _executor_for(service: RunService) -> mcp_tools.ExecutorFor:

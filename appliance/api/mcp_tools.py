@@ -1,11 +1,13 @@
 """The appliance's tools as a Model Context Protocol server, built on the official `mcp` SDK's
-low-level `Server`; transports are elsewhere (stdio for `appliance mcp` in appliance.mcp_bridge,
-Streamable HTTP at `/mcp` in appliance.api.mcp_http).
+low-level `Server`, served at `/mcp` over Streamable HTTP (appliance.api.mcp_http). The client
+distribution's stdio bridge (`appliance-mcp`) serves the same tools from its own copy
+(appliance_client.mcp_server), which the server does not import; tests/test_client_package.py
+checks that the two agree.
 
-Tools: `run_python` and `close_session`, with the schema of appliance.agents (one source), and
+Tools: `run_python` and `close_session`, defined in appliance.api.tool_calls, and
 `list_models`: the model catalogue (GET /v1/models, appliance.inside.tools.catalogue) as JSON text,
 the names being what `load_llm` / `transcribe` take inside `run_python`.
-A result comes back as text content (appliance.agents.tool_result, within a budget), image
+A result comes back as text content (appliance.api.tool_calls.tool_result, within a budget), image
 content for figures, and the files the run wrote under outputs/ as embedded resources.
 
 Resources: the same files are listed by `resources/list` and read by `resources/read`
@@ -15,8 +17,8 @@ there is no way to name another tenant's. The server keeps the most recent files
 up to RESOURCE_FILES / RESOURCE_BYTES, and of all sessions together up to RESOURCE_BYTES_ALL
 (oldest first, whichever session's); older ones are dropped from the list.
 
-State: each MCP session (a stdio process, or one `Mcp-Session-Id` over HTTP) gets its own
-agents.Dispatcher through the SDK's per-session lifespan. Calls with `keep_state: true` run in
+State: each MCP session (one `Mcp-Session-Id`) gets its own Dispatcher through the SDK's
+per-session lifespan. Calls with `keep_state: true` run in
 that MCP session's one appliance session, opened on first use and closed by `close_session`
 or when the MCP session ends. Calls without it get a fresh jail each time.
 """
@@ -30,9 +32,9 @@ import json
 import logging
 import mimetypes
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import anyio
@@ -42,7 +44,9 @@ from mcp.server.lowlevel.helper_types import ReadResourceContents
 from mcp.shared.exceptions import McpError
 from pydantic import AnyUrl
 
-from appliance import __version__, agents
+from appliance import __version__
+from appliance.api import tool_calls
+from appliance.api.tool_calls import ToolResult
 
 log = logging.getLogger("appliance.mcp")
 
@@ -162,32 +166,82 @@ class ResourceStore:
         return found
 
 
+class Executor(Protocol):
+    """What runs a tool call's code for one caller (appliance.api.mcp_http: the RunService)."""
+
+    async def execute(self, args: tool_calls.RunArguments, session: str | None) -> tool_calls.Outcome: ...
+
+    async def close_session(self, session: str) -> bool: ...
+
+    async def models(self) -> list[dict[str, Any]]: ...
+
+
+class Dispatcher:
+    """Runs one MCP session's tool calls on an Executor: keep_state calls share one appliance
+    session, opened on first use and ended by close_session (or `close()`)."""
+
+    def __init__(self, executor: Executor, max_chars: int = tool_calls.DEFAULT_MAX_CHARS) -> None:
+        self.executor = executor
+        self.max_chars = max_chars
+        self.session: str | None = None
+
+    async def call(self, name: str, arguments: str | Mapping[str, Any]) -> ToolResult:
+        """One tool call by name, answered as a ToolResult (bad arguments too: the model reads why)."""
+        if name == tool_calls.CLOSE_SESSION_TOOL:
+            closed = await self.close()
+            return ToolResult("session closed" if closed else "there was no open session", [], [], False)
+        if name != tool_calls.TOOL_NAME:
+            return ToolResult(
+                f"unknown tool {name!r}; the tools are {tool_calls.TOOL_NAME} and "
+                f"{tool_calls.CLOSE_SESSION_TOOL}",
+                [],
+                [],
+                True,
+            )
+        try:
+            args = tool_calls.parse_arguments(arguments)
+        except tool_calls.ToolArgumentError as exc:
+            return ToolResult(f"bad arguments: {exc}", [], [], True)
+        session = args.session or ((self.session or "new") if args.keep_state else None)
+        outcome = await self.executor.execute(args, session)
+        if args.keep_state and not args.session and outcome.session:
+            self.session = outcome.session
+        return tool_calls.tool_result(outcome, self.max_chars)
+
+    async def close(self) -> bool:
+        """End this MCP session's appliance session, if one is open."""
+        if self.session is None:
+            return False
+        session, self.session = self.session, None
+        return await self.executor.close_session(session)
+
+
 @dataclass
 class McpSessionState:
     """What one MCP session holds: its dispatcher, made on its first tool call, and the
     output files its runs sent."""
 
-    dispatcher: agents.Dispatcher | None = None
+    dispatcher: Dispatcher | None = None
     resources: ResourceStore = field(default_factory=ResourceStore)
 
 
 # Names the Executor a tool call runs on, from the SDK's request context (the HTTP transport
-# reads the caller's identity from it; stdio has one client for the whole process).
-ExecutorFor = Callable[[Any], agents.Executor]
+# reads the caller's identity from it).
+ExecutorFor = Callable[[Any], Executor]
 
 
 def tools() -> list[types.Tool]:
-    """The MCP tool list, from appliance.agents' definitions."""
+    """The MCP tool list, from appliance.api.tool_calls' definitions."""
     return [
         types.Tool(
-            name=agents.TOOL_NAME,
-            description=agents.TOOL_DESCRIPTION,
-            inputSchema=agents.RUN_PYTHON_PARAMETERS,
+            name=tool_calls.TOOL_NAME,
+            description=tool_calls.TOOL_DESCRIPTION,
+            inputSchema=tool_calls.RUN_PYTHON_PARAMETERS,
         ),
         types.Tool(
-            name=agents.CLOSE_SESSION_TOOL,
-            description=agents.CLOSE_SESSION_DESCRIPTION,
-            inputSchema=agents.CLOSE_SESSION_PARAMETERS,
+            name=tool_calls.CLOSE_SESSION_TOOL,
+            description=tool_calls.CLOSE_SESSION_DESCRIPTION,
+            inputSchema=tool_calls.CLOSE_SESSION_PARAMETERS,
         ),
         types.Tool(
             name=LIST_MODELS_TOOL, description=LIST_MODELS_DESCRIPTION, inputSchema=LIST_MODELS_PARAMETERS
@@ -195,7 +249,7 @@ def tools() -> list[types.Tool]:
     ]
 
 
-async def list_models(executor: agents.Executor) -> types.CallToolResult:
+async def list_models(executor: Executor) -> types.CallToolResult:
     """The catalogue as one text block of JSON (an error result, saying why, if it cannot be read)."""
     try:
         models = await executor.models()
@@ -211,7 +265,7 @@ async def list_models(executor: agents.Executor) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(type="text", text=text)], isError=False)
 
 
-def output_resources(result: agents.ToolResult) -> list[OutputResource]:
+def output_resources(result: ToolResult) -> list[OutputResource]:
     """The files a result carries (not those too big to send: its text lists them)."""
     run = result.run or "unknown"
     return [
@@ -228,8 +282,8 @@ def output_resources(result: agents.ToolResult) -> list[OutputResource]:
     ]
 
 
-def to_mcp(result: agents.ToolResult) -> types.CallToolResult:
-    """An agents.ToolResult as MCP content: text, images, and each sent file as a resource."""
+def to_mcp(result: ToolResult) -> types.CallToolResult:
+    """A ToolResult as MCP content: text, images, and each sent file as a resource."""
     content: list[types.ContentBlock] = [types.TextContent(type="text", text=result.text)]
     content += [types.ImageContent(type="image", data=img.data, mimeType=img.mime) for img in result.images]
     for item in output_resources(result):
@@ -244,7 +298,9 @@ def to_mcp(result: agents.ToolResult) -> types.CallToolResult:
     return types.CallToolResult(content=content, isError=result.is_error)
 
 
-def build_server(executor_for: ExecutorFor, max_chars: int = agents.DEFAULT_MAX_CHARS) -> Server[Any, Any]:
+def build_server(
+    executor_for: ExecutorFor, max_chars: int = tool_calls.DEFAULT_MAX_CHARS
+) -> Server[Any, Any]:
     """The MCP server; `executor_for(request_context)` gives the Executor of a session's calls."""
 
     budget = ResourceBudget()  # shared by every MCP session of this server
@@ -276,14 +332,14 @@ def build_server(executor_for: ExecutorFor, max_chars: int = agents.DEFAULT_MAX_
 
     @server.call_tool(validate_input=False)  # type: ignore[untyped-decorator]
     async def call_tool(name: str, arguments: dict[str, Any]) -> types.CallToolResult:
-        # Arguments are checked by agents.parse_arguments, whose messages name the problem for
+        # Arguments are checked by tool_calls.parse_arguments, whose messages name the problem for
         # the model, rather than by the SDK's generic schema validation.
         ctx = server.request_context
         state: McpSessionState = ctx.lifespan_context
         if state.dispatcher is None:
-            state.dispatcher = agents.Dispatcher(executor_for(ctx), max_chars=max_chars)
+            state.dispatcher = Dispatcher(executor_for(ctx), max_chars=max_chars)
         if name == LIST_MODELS_TOOL:
-            return await list_models(state.dispatcher.client)
+            return await list_models(state.dispatcher.executor)
         result = await state.dispatcher.call(name, arguments)
         for item in output_resources(result):
             state.resources.add(item)

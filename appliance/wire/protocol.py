@@ -320,6 +320,12 @@ def parse_client_frame(frame: str | bytes, limits: Limits) -> ClientMessage:
         raise ProtocolError("frame is nested too deeply") from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"frame must be a JSON object, got {_json_type(obj)}")
+    return parse_client_frame_object(obj, limits)
+
+
+def parse_client_frame_object(obj: dict[str, Any], limits: Limits) -> ClientMessage:
+    """parse_client_frame for a frame already decoded (MCP's tool calls build theirs in the
+    server): the same checks, messages and limits, but the frame size, which the caller bounds."""
     plain = _plain_execute(obj)
     if plain is not None:
         return plain

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from appliance.client import AsyncClient, Execution
+from appliance_client.client import AsyncClient, Execution
 from tests.support import Server, run_descendants, run_root, scaled
 
 # The hostile server is started with these in its environment; no frame may ever carry them.

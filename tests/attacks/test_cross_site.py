@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import websockets
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from tests.attacks.common import attack
 from tests.attacks.conftest import hostile_server
 from tests.support import Server, frames_of, scaled

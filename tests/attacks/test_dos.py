@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from tests.attacks.common import TOKEN, assert_contained, assert_no_secret, assert_one_done, attack, run
 from tests.attacks.conftest import hostile_server
 from tests.support import Server, run_descendants

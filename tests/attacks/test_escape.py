@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from tests.attacks.common import SYSCALLS, TOKEN, assert_contained, attack, probe, run
 from tests.support import Server
 

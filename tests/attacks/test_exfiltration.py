@@ -8,8 +8,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from appliance.client import AsyncClient
 from appliance.runtime.canary import ALLOWED_JAIL_ENV
+from appliance_client.client import AsyncClient
 from tests.attacks.common import AWS_SECRET, TOKEN, attack, probe, run, run_dirs
 from tests.support import REPO, Server, run_root
 

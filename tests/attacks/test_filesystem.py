@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import websockets
 
-from appliance.client import AsyncClient, Client, Execution
 from appliance.runtime.local import ServerStartError
 from appliance.sandbox import instance
+from appliance_client.client import AsyncClient, Client, Execution
 from tests.attacks.common import SYSCALLS, TOKEN, assert_contained, attack, probe, run
 from tests.attacks.conftest import hostile_server
 from tests.attacks.test_transport import rss_mb

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import websockets
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from tests.attacks.common import (
     TOKEN,
     assert_contained,

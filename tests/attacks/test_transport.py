@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.client import AsyncClient
+from appliance_client.client import AsyncClient
 from tests.attacks.common import TOKEN, assert_contained, attack, run
 from tests.attacks.conftest import hostile_server
 from tests.support import Server, run_descendants, scaled, start_server

@@ -1,4 +1,4 @@
-"""`appliance mcp`: the MCP tools (appliance.api.mcp_tools) over stdio for a local client (a
+"""`appliance-mcp` (or `appliance mcp`): the MCP tools (appliance_client.mcp_server) over stdio for a local client (a
 desktop app, an IDE), running code on an appliance over its WebSocket.
 
 The bridge outlives the appliance: a desktop app starts it once and keeps it. So
@@ -11,7 +11,7 @@ The bridge outlives the appliance: a desktop app starts it once and keeps it. So
   unreachable at URL, retrying"), and the next call tries again;
 - a keep_state session the appliance still has after a reconnect goes on; one it lost (it
   restarted) is reported plainly in the tool result, and the next keep_state call opens a new
-  one (appliance.agents.Dispatcher, on the client's SessionLost).
+  one (appliance_client.agents.Dispatcher, on the client's SessionLost).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Unpack
 
-from appliance import agents
-from appliance.api.mcp_tools import build_server
-from appliance.client import (
+from appliance_client import agents
+from appliance_client.client import (
     AsyncClient,
     AuthenticationError,
     ConnectionFailed,
@@ -29,6 +28,7 @@ from appliance.client import (
     Frame,
     RequestOptions,
 )
+from appliance_client.mcp_server import build_server
 
 log = logging.getLogger("appliance.mcp")
 

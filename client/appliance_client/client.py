@@ -44,7 +44,7 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.protocol import State
 
-from appliance.wire.protocol import GpuRequest
+from appliance_client.protocol import GpuRequest
 
 Frame = dict[str, Any]
 T = TypeVar("T")
@@ -558,7 +558,7 @@ def _wire_files(files: object) -> list[dict[str, str]]:
 
 def _wire_gpu(gpu: object) -> dict[str, Any]:
     if isinstance(gpu, GpuRequest):
-        return {"memory_mb": gpu.memory_mb}
+        return gpu.to_wire()
     if isinstance(gpu, Mapping):
         return dict(gpu)
     raise TypeError(

@@ -2,8 +2,8 @@
 Completions, the OpenAI Responses API and Anthropic, and `tool_result()`, which turns a client
 `Execution` into what the model reads back.
 
-    from appliance import agents
-    tools = agents.Dispatcher(client)          # client: an appliance.client.AsyncClient
+    from appliance_client import agents
+    tools = agents.Dispatcher(client)          # client: an appliance_client.client.AsyncClient
     # Chat Completions: chat.completions.create(..., tools=agents.openai_tools())
     messages.append(assistant_message)         # the assistant turn first, then its results
     messages += await tools.openai_turn(assistant_message.tool_calls)
@@ -19,7 +19,8 @@ with the figures (tool messages take text only); Responses gets `function_call_o
 that carry their images; Anthropic gets one `user` message of `tool_result` blocks.
 
 The schema has one source (`RUN_PYTHON_PARAMETERS`; `strict_schema()` derives the form that
-OpenAI's strict mode takes); the MCP server (appliance.api.mcp_tools) serves the same one. The text
+OpenAI's strict mode takes); the MCP servers (the stdio bridge's, and the appliance's own /mcp)
+serve the same one. The text
 a model reads is bounded by `max_chars` whatever the run printed: each section that had to be
 cut carries a visible marker saying how much was cut, so a model never mistakes a cut output
 for the whole of it. Figures become base64 image blocks (models that see images get the plot,
@@ -38,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Unpack
 
-from appliance.client import Client, ClientError, Execution, Frame, RequestOptions, SessionLost
+from appliance_client.client import Client, ClientError, Execution, Frame, RequestOptions, SessionLost
 
 TOOL_NAME = "run_python"
 CLOSE_SESSION_TOOL = "close_session"
@@ -509,8 +510,8 @@ def _fair_share(sizes: list[int], total: int) -> list[int]:
 
 
 class Executor(Protocol):
-    """What runs the code: an appliance.client.AsyncClient, or the server's own service
-    (appliance.api.mcp_http) for the /mcp endpoint."""
+    """What runs the code: an appliance_client.client.AsyncClient (or the stdio bridge's
+    reconnecting wrapper of one, appliance_client.mcp_bridge.BridgeExecutor)."""
 
     async def execute(self, code: str, **options: Unpack[RequestOptions]) -> Execution: ...
 
@@ -629,7 +630,7 @@ def _field(obj: Any, name: str) -> Any:
 
 
 class SyncDispatcher:
-    """Dispatcher for the synchronous appliance.client.Client: the same calls and turns,
+    """Dispatcher for the synchronous appliance_client.client.Client: the same calls and turns,
     run on the client's private loop."""
 
     def __init__(

@@ -1,0 +1,302 @@
+"""The appliance's tools as a Model Context Protocol server, built on the official `mcp` SDK's
+low-level `Server`, for the stdio bridge (appliance_client.mcp_bridge, `appliance-mcp`); the
+appliance serves the same tools itself at `/mcp` (the server's appliance.api.mcp_tools, which
+this package does not import: tests/test_client_package.py checks that the two agree).
+
+Tools: `run_python` and `close_session`, with the schema of appliance_client.agents (one source),
+and `list_models`: the model catalogue (GET /v1/models) as JSON text, the names being what
+`load_llm` / `transcribe` take inside `run_python`.
+A result comes back as text content (appliance_client.agents.tool_result, within a budget), image
+content for figures, and the files the run wrote under outputs/ as embedded resources.
+
+Resources: the same files are listed by `resources/list` and read by `resources/read`
+(`appliance://runs/<run>/outputs/<path>`), from what this MCP session's own calls received,
+the most recent ones up to RESOURCE_FILES / RESOURCE_BYTES, and of all sessions together up to
+RESOURCE_BYTES_ALL (oldest first); older ones are dropped from the list.
+
+State: the MCP session gets its own agents.Dispatcher through the SDK's per-session lifespan.
+Calls with `keep_state: true` run in that MCP session's one appliance session, opened on first
+use and closed by `close_session` or when the MCP session ends. Calls without it get a fresh jail
+each time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import mimetypes
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import anyio
+from mcp import types
+from mcp.server.lowlevel import Server
+from mcp.server.lowlevel.helper_types import ReadResourceContents
+from mcp.shared.exceptions import McpError
+from pydantic import AnyUrl
+
+from appliance_client import __version__, agents
+
+log = logging.getLogger("appliance.mcp")
+
+SERVER_NAME = "appliance"
+CLOSE_TIMEOUT_S = 10.0  # closing an appliance session when its MCP session ends
+LIST_MODELS_TOOL = "list_models"
+LIST_MODELS_DESCRIPTION = (
+    "List the models the appliance holds (its SANDBOX_MODELS_DIR): name, kind (llm: GGUF for "
+    "llama.cpp; whisper: whisper.cpp), size, architecture, quantisation, parameters and the GPU "
+    "memory a full offload needs. Load one inside run_python with "
+    "`from appliance.tools import load_llm; llm = load_llm(NAME)` or `transcribe(audio, model=NAME)`."
+)
+SERVER_INSTRUCTIONS = (
+    "run_python runs Python in a fresh jail (keep_state: true keeps one session's variables); "
+    "files a run writes under outputs/ come back in its result and stay listed as resources."
+)
+LIST_MODELS_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+RESOURCE_FILES = 64  # the most output files one MCP session keeps readable ...
+RESOURCE_BYTES = 16 * 1024 * 1024  # ... and their most bytes in all (oldest dropped first)
+RESOURCE_BYTES_ALL = 64 * 1024 * 1024  # what all MCP sessions of one server keep together
+RESOURCE_NOT_FOUND = -32002  # the MCP specification's code for an unknown resource
+
+
+@dataclass(frozen=True)
+class OutputResource:
+    """One file a run of this session wrote, as sent in its tool result."""
+
+    uri: str
+    path: str
+    run: str
+    mime: str
+    data: bytes
+
+
+class ResourceBudget:
+    """The bytes every session's ResourceStore holds together, on one server: past
+    RESOURCE_BYTES_ALL the oldest file of any session is dropped, so many MCP sessions
+    cannot add up to the server's memory."""
+
+    def __init__(self, limit: int = RESOURCE_BYTES_ALL) -> None:
+        self.limit = limit
+        self.size = 0
+        self._held: OrderedDict[tuple[int, str], tuple[ResourceStore, int]] = OrderedDict()
+
+    def take(self, store: ResourceStore, uri: str, size: int) -> None:
+        self._held[(id(store), uri)] = (store, size)
+        self.size += size
+        while self.size > self.limit and self._held:
+            (_, old_uri), (owner, old_size) = self._held.popitem(last=False)
+            self.size -= old_size
+            owner.forget(old_uri)
+
+    def give(self, store: ResourceStore, uri: str) -> None:
+        entry = self._held.pop((id(store), uri), None)
+        if entry is not None:
+            self.size -= entry[1]
+
+
+class ResourceStore:
+    """The output files one MCP session received, newest last, within its own bounds
+    (RESOURCE_FILES, RESOURCE_BYTES) and the server's (ResourceBudget)."""
+
+    def __init__(self, budget: ResourceBudget | None = None) -> None:
+        self.items: OrderedDict[str, OutputResource] = OrderedDict()
+        self.size = 0
+        self.budget = budget if budget is not None else ResourceBudget()
+
+    def add(self, item: OutputResource) -> None:
+        self.drop(item.uri)
+        if len(item.data) > min(RESOURCE_BYTES, self.budget.limit):
+            return
+        self.items[item.uri] = item
+        self.size += len(item.data)
+        self.budget.take(self, item.uri, len(item.data))
+        while len(self.items) > RESOURCE_FILES or self.size > RESOURCE_BYTES:
+            self.drop(next(iter(self.items)))
+
+    def forget(self, uri: str) -> None:
+        """Drop a file the budget already let go of."""
+        item = self.items.pop(uri, None)
+        if item is not None:
+            self.size -= len(item.data)
+
+    def drop(self, uri: str) -> None:
+        self.forget(uri)
+        self.budget.give(self, uri)
+
+    def clear(self) -> None:
+        """The MCP session ended: its files leave the server's budget."""
+        for uri in list(self.items):
+            self.drop(uri)
+
+    def listed(self) -> list[types.Resource]:
+        return [
+            types.Resource(
+                uri=AnyUrl(item.uri),
+                name=item.path,
+                title=f"outputs/{item.path} of run {item.run}",
+                mimeType=item.mime,
+                size=len(item.data),
+            )
+            for item in self.items.values()
+        ]
+
+    def read(self, uri: str) -> OutputResource:
+        found = self.items.get(uri)
+        if found is None:
+            raise McpError(
+                types.ErrorData(
+                    code=RESOURCE_NOT_FOUND,
+                    message=f"no resource {uri} in this MCP session: only files written by this "
+                    f"session's own runs are readable, the latest ones it still keeps",
+                )
+            )
+        return found
+
+
+@dataclass
+class McpSessionState:
+    """What one MCP session holds: its dispatcher, made on its first tool call, and the
+    output files its runs sent."""
+
+    dispatcher: agents.Dispatcher | None = None
+    resources: ResourceStore = field(default_factory=ResourceStore)
+
+
+# Names the Executor a tool call runs on, from the SDK's request context (the HTTP transport
+# reads the caller's identity from it; stdio has one client for the whole process).
+ExecutorFor = Callable[[Any], agents.Executor]
+
+
+def tools() -> list[types.Tool]:
+    """The MCP tool list, from appliance_client.agents' definitions."""
+    return [
+        types.Tool(
+            name=agents.TOOL_NAME,
+            description=agents.TOOL_DESCRIPTION,
+            inputSchema=agents.RUN_PYTHON_PARAMETERS,
+        ),
+        types.Tool(
+            name=agents.CLOSE_SESSION_TOOL,
+            description=agents.CLOSE_SESSION_DESCRIPTION,
+            inputSchema=agents.CLOSE_SESSION_PARAMETERS,
+        ),
+        types.Tool(
+            name=LIST_MODELS_TOOL, description=LIST_MODELS_DESCRIPTION, inputSchema=LIST_MODELS_PARAMETERS
+        ),
+    ]
+
+
+async def list_models(executor: agents.Executor) -> types.CallToolResult:
+    """The catalogue as one text block of JSON (an error result, saying why, if it cannot be read)."""
+    try:
+        models = await executor.models()
+    except Exception as exc:  # noqa: BLE001 (Executor is a protocol: whatever its transport raises, the model reads why)
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=f"the model catalogue could not be read: {exc}")],
+            isError=True,
+        )
+    if not models:
+        text = "no models: the appliance's models directory (SANDBOX_MODELS_DIR) is not set or holds none"
+    else:
+        text = json.dumps({"models": models}, indent=1)
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], isError=False)
+
+
+def output_resources(result: agents.ToolResult) -> list[OutputResource]:
+    """The files a result carries (not those too big to send: its text lists them)."""
+    run = result.run or "unknown"
+    return [
+        OutputResource(
+            # As the SDK's AnyUrl writes it, so that a client's resources/read finds it.
+            uri=str(AnyUrl(f"appliance://runs/{quote(run, safe='')}/outputs/{quote(item.path)}")),
+            path=item.path,
+            run=run,
+            mime=mimetypes.guess_type(item.path)[0] or "application/octet-stream",
+            data=item.data,
+        )
+        for item in result.files
+        if item.data is not None
+    ]
+
+
+def to_mcp(result: agents.ToolResult) -> types.CallToolResult:
+    """An agents.ToolResult as MCP content: text, images, and each sent file as a resource."""
+    content: list[types.ContentBlock] = [types.TextContent(type="text", text=result.text)]
+    content += [types.ImageContent(type="image", data=img.data, mimeType=img.mime) for img in result.images]
+    for item in output_resources(result):
+        content.append(
+            types.EmbeddedResource(
+                type="resource",
+                resource=types.BlobResourceContents(
+                    uri=AnyUrl(item.uri), mimeType=item.mime, blob=base64.b64encode(item.data).decode()
+                ),
+            )
+        )
+    return types.CallToolResult(content=content, isError=result.is_error)
+
+
+def build_server(executor_for: ExecutorFor, max_chars: int = agents.DEFAULT_MAX_CHARS) -> Server[Any, Any]:
+    """The MCP server; `executor_for(request_context)` gives the Executor of a session's calls."""
+
+    budget = ResourceBudget()  # shared by every MCP session of this server
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Server[Any, Any]) -> AsyncIterator[McpSessionState]:
+        state = McpSessionState(resources=ResourceStore(budget))
+        try:
+            yield state
+        finally:
+            state.resources.clear()
+            if state.dispatcher is not None and state.dispatcher.session is not None:
+                # The MCP session is over: end its appliance session now rather than at the
+                # idle timeout. Shielded: this also runs while the transport is cancelled.
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                        await state.dispatcher.close()
+
+    server: Server[Any, Any] = Server(
+        SERVER_NAME,
+        version=__version__,
+        instructions=SERVER_INSTRUCTIONS,
+        lifespan=lifespan,
+    )
+
+    @server.list_tools()  # type: ignore[no-untyped-call, untyped-decorator]
+    async def list_tools() -> list[types.Tool]:
+        return tools()
+
+    @server.call_tool(validate_input=False)  # type: ignore[untyped-decorator]
+    async def call_tool(name: str, arguments: dict[str, Any]) -> types.CallToolResult:
+        # Arguments are checked by agents.parse_arguments, whose messages name the problem for
+        # the model, rather than by the SDK's generic schema validation.
+        ctx = server.request_context
+        state: McpSessionState = ctx.lifespan_context
+        if state.dispatcher is None:
+            state.dispatcher = agents.Dispatcher(executor_for(ctx), max_chars=max_chars)
+        if name == LIST_MODELS_TOOL:
+            return await list_models(state.dispatcher.client)
+        result = await state.dispatcher.call(name, arguments)
+        for item in output_resources(result):
+            state.resources.add(item)
+        return to_mcp(result)
+
+    @server.list_resources()  # type: ignore[no-untyped-call, untyped-decorator]
+    async def list_resources() -> list[types.Resource]:
+        state: McpSessionState = server.request_context.lifespan_context
+        return state.resources.listed()
+
+    @server.read_resource()  # type: ignore[no-untyped-call, untyped-decorator]
+    async def read_resource(uri: AnyUrl) -> list[ReadResourceContents]:
+        state: McpSessionState = server.request_context.lifespan_context
+        item = state.resources.read(str(uri))
+        return [ReadResourceContents(content=item.data, mime_type=item.mime)]
+
+    return server
