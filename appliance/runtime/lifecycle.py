@@ -22,7 +22,7 @@ from appliance.core.tasks import TaskScope
 from appliance.inside.tools.catalogue import catalogue
 from appliance.runtime import canary, toolprobe
 from appliance.runtime.metrics import Metrics
-from appliance.sandbox import cgroups, outputs, runfs, sched, uids
+from appliance.sandbox import cgroups, nslimits, outputs, runfs, sched, uids
 from appliance.sandbox.cell import disk_entries, run_cell
 from appliance.sandbox.firejail import lower_own_oom_score
 from appliance.sandbox.host import HostFacts, import_problem, inspect, readable_ancestors_problem
@@ -287,6 +287,10 @@ class Lifecycle:
                     "SANDBOX_UID_RANGE holds no uid besides SANDBOX_UID: every jail runs as it, and "
                     "jails share its per-uid kernel limits (inotify instances, descriptors in flight, ...)"
                 )
+        # The counts a jail's user namespace charges to root (nslimits): room for every jail of
+        # the range at its cap, and the host's own share.
+        for problem in nslimits.raise_host(last - first + 1):
+            log.warning("a host limit stays below what the jails may hold", extra={"problem": problem})
         jail_uids = uids.Uids(s.tmp_root, host.uid, host.gid, candidates)
         try:
             jail_uids.prepare()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.core.errors import JailExited, JailFailure, JailStartFailed, StartupError
-from appliance.sandbox import checks, fstree, proctree, runfs
+from appliance.sandbox import checks, fstree, nslimits, proctree, runfs
 from appliance.sandbox.cgroups import Counters, Group, GroupLimits, Hierarchy
 from appliance.sandbox.devices import GpuDevice
 from appliance.sandbox.firejail import (
@@ -53,6 +53,16 @@ def _tmp_unsized() -> None:
     log.warning(
         "the jails' /tmp cannot be opened to size it (no ptrace access to the jail, as in a "
         "container without CAP_SYS_PTRACE): /tmp is bounded by the server's disk check only",
+    )
+
+
+@functools.cache
+def _uncapped(why: str) -> None:
+    """Say once per reason that jails run without their per-namespace caps (`nslimits`)."""
+    log.warning(
+        "jails' inotify and fanotify counts are not capped per jail: together they may exhaust "
+        "root's on the host",
+        extra={"reason": why},
     )
 
 
@@ -507,7 +517,25 @@ class JailFactory:
         except OSError as exc:
             await jail.destroy()
             raise JailFailure(f"could not size the jail's writable space: {exc}") from exc
+        await self._cap(jail)
         return jail
+
+    async def _cap(self, jail: Jail) -> None:
+        """Cap the counts the jail's user namespace charges to root (`nslimits`) before any code
+        runs. A jail without a namespace of its own is refused; one the server cannot reach
+        (no ptrace access, as in a container) is used uncapped, said once in the log."""
+        inits = jail.process.inits()
+        try:
+            why = await nslimits.cap_jail(inits[0]) if inits else "its sandbox's init is gone"
+        except BaseException:
+            await jail.destroy()
+            raise
+        if why is None:
+            return
+        if "no user namespace" in why:
+            await jail.destroy()
+            raise JailFailure(f"the jail {why}")
+        _uncapped(why)
 
 
 def gpu_env(settings: Settings, gpu: GpuDevice) -> tuple[tuple[str, str], ...]:

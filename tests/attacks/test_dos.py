@@ -4,7 +4,10 @@ with exactly one `done`, leave no process or run directory behind, and leave the
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -739,3 +742,73 @@ async def test_a_run_cannot_take_another_jails_per_uid_limits(
         )
     finally:
         other.stop()
+
+
+# Takes inotify instances until the kernel refuses one, keeps them in a global, and reports;
+# PROBE_INOTIFY asks for one.
+JAIL_INOTIFY = 16  # nslimits.JAIL_CAPS: a jail's own inotify instances
+HOG_INOTIFY = """
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+HELD = []
+while len(HELD) < 100000:
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        break
+    HELD.append(fd)
+print(json.dumps({"held": len(HELD), "errno": ctypes.get_errno(), "uid": os.getuid()}))
+"""
+PROBE_INOTIFY = """
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+print(json.dumps({"fd": fd, "errno": ctypes.get_errno(), "uid": os.getuid()}))
+"""
+
+
+@attack(
+    "a session takes every inotify instance the kernel gives it and keeps them (a count charged "
+    "to root, who owns every jail's user namespace); runs on the same server, on another server "
+    "and root on the host ask for one meanwhile",
+    "each jail is capped in its own user namespace (16) and the host's limit holds every jail at "
+    "its cap: the others still get theirs",
+)
+async def test_a_run_cannot_take_every_jails_inotify_instances(
+    target: Server, observe: Observe, tmp_path_factory: pytest.TempPathFactory, tmp_root: Path
+) -> None:
+    other = hostile_server(tmp_path_factory.mktemp("inotify-server"), tmp_root)
+    try:
+        async with AsyncClient(target.url, TOKEN) as c:
+            hog = await c.execute(HOG_INOTIFY, session="new", timeout_ms=SHORT)
+            sid = hog.session
+            assert hog.status == "ok" and sid, (hog.status, hog.message, hog.stderr[-800:])
+            try:
+                took = json.loads(hog.stdout.splitlines()[-1])
+                assert took["errno"] == errno.EMFILE and 0 < took["held"] <= JAIL_INOTIFY, took
+                seen = {}
+                for name, server in (("same server", target), ("another server", other)):
+                    ex = await run(server, PROBE_INOTIFY, timeout_ms=SHORT)
+                    assert ex.status == "ok", (ex.status, ex.message, ex.stderr[-800:])
+                    seen[name] = json.loads(ex.stdout.splitlines()[-1])
+                host = _host_inotify()
+            finally:
+                await c.close_session(sid)
+        for name, got in seen.items():
+            assert got["fd"] >= 0, f"a run on the {name} got no inotify instance: {got} (the hog held {took})"
+        assert host is None, f"root on the host got no inotify instance: {host} (the hog held {took})"
+        observe(
+            f"the session held {took['held']} inotify instances, then EMFILE; runs on the same server and "
+            "another server, and root on the host, each got one"
+        )
+    finally:
+        other.stop()
+
+
+def _host_inotify() -> str | None:
+    """Whether root on the host can have an inotify instance now: None, or why not."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        return errno.errorcode.get(ctypes.get_errno(), "?")
+    os.close(fd)
+    return None
