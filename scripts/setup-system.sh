@@ -29,6 +29,8 @@ fi
 fj=$(command -v firejail)
 if [ ! -u "$fj" ]; then echo "setup: $fj is not setuid root" >&2; exit 1; fi
 
+# Only SANDBOX_UID needs an account: the other uids of SANDBOX_UID_RANGE (one per jail) get
+# theirs inside each jail from the server, and a uid with a host account is left out of it.
 if ! getent passwd "$SANDBOX_UID" >/dev/null; then
   getent group "$SANDBOX_UID" >/dev/null || $SUDO groupadd -g "$SANDBOX_UID" sandbox
   $SUDO useradd -u "$SANDBOX_UID" -g "$SANDBOX_UID" -d /workspace -M -s /usr/sbin/nologin sandbox
