@@ -20,6 +20,7 @@ from appliance.api.e2b import registry
 from appliance.api.e2b.registry import Context, Registry, Sandbox
 from appliance.core.errors import ApplianceError, Busy, RequestRejected
 from appliance.core.service import Run, RunService
+from appliance.core.tasks import TaskScope
 from appliance.wire import protocol
 from appliance.wire.protocol import ExecuteRequest, Frame
 
@@ -74,9 +75,9 @@ class Sandboxes:
         self._reaper: asyncio.Task[None] | None = None
 
     # -- lifetime ---------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, owner: TaskScope) -> None:
         if self._reaper is None:
-            self._reaper = asyncio.create_task(self._reap(), name="e2b-reaper")
+            self._reaper = owner.spawn(self._reap(), name="e2b-reaper")
 
     async def close(self) -> None:
         if self._reaper is not None:
@@ -194,10 +195,15 @@ class Sandboxes:
             raise _refusal(done)
 
     def submit(
-        self, sandbox: Sandbox, ctx: Context, code: str, emit: Callable[[Frame], Awaitable[None]]
+        self,
+        sandbox: Sandbox,
+        ctx: Context,
+        code: str,
+        emit: Callable[[Frame], Awaitable[None]],
+        tasks: TaskScope,
     ) -> Run:
         req = ExecuteRequest(code=code, session=ctx.session, stdin_eof=True)
-        return self.service.submit(req, sandbox.owner, emit)
+        return self.service.submit(req, sandbox.owner, emit, tasks)
 
 
 def as_refused(exc: ApplianceError) -> Refused:

@@ -26,6 +26,7 @@ from appliance.api.e2b.registry import Context, Sandbox
 from appliance.api.e2b.shapes import BadRequest
 from appliance.api.transport import send_within, until_gone
 from appliance.core.errors import ApplianceError, Cancelled
+from appliance.core.tasks import TaskScope
 from appliance.wire.protocol import Frame
 
 INTERPRETER_PORT = "49999"
@@ -155,10 +156,12 @@ async def execute(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) 
     if envs:
         await sandboxes.quiet_cell(sandbox, ctx, engine.set_envs_code(envs))
     try:
-        run = stream.run = sandboxes.submit(sandbox, ctx, code, stream.emit)
-        if run.task is None:
-            raise RuntimeError("RunService.submit returned a run without its task")
-        await _until_done(request, stream, run.task)
+        # The request's scope owns its run and the watch for its client: neither outlives it.
+        async with TaskScope("e2b-run") as tasks:
+            run = stream.run = sandboxes.submit(sandbox, ctx, code, stream.emit, tasks)
+            if run.task is None:
+                raise RuntimeError("RunService.submit returned a run without its task")
+            await _until_done(request, stream, run.task, tasks)
     finally:
         if envs:
             with contextlib.suppress(Refused, ApplianceError):
@@ -172,10 +175,12 @@ async def execute(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) 
     return stream.response
 
 
-async def _until_done(request: web.Request, stream: Stream, task: asyncio.Task[None]) -> None:
+async def _until_done(
+    request: web.Request, stream: Stream, task: asyncio.Task[None], tasks: TaskScope
+) -> None:
     """Await the cell; if the client goes away meanwhile, interrupt it (its context lives on),
     and cancel it only if it does not end within INTERRUPT_GRACE_S."""
-    gone = asyncio.create_task(until_gone(request))
+    gone = tasks.spawn(until_gone(request), name="client-watch")
     try:
         await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
         if not task.done():

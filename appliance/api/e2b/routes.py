@@ -8,6 +8,7 @@ from aiohttp import web
 
 from appliance.api.e2b import control, interpreter
 from appliance.api.e2b.engine import Sandboxes
+from appliance.api.transport import TASKS_KEY
 
 PREFIX = "/e2b"
 
@@ -18,7 +19,7 @@ def add_routes(app: web.Application, service_key: web.AppKey[Any]) -> None:
     sandboxes = app[control.SANDBOXES_KEY] = Sandboxes(app[service_key])
 
     async def start(app: web.Application) -> None:
-        sandboxes.start()
+        sandboxes.start(app[TASKS_KEY])  # the server's scope, opened by an earlier startup step
 
     async def stop(app: web.Application) -> None:
         await sandboxes.close()
