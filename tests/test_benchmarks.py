@@ -353,3 +353,21 @@ def test_a_terminated_probe_stops_its_servers_and_removes_its_groups(tmp_path: P
     while (left := [pid for pid in members if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, "the probe's server or its jails were left running"
+
+
+def test_the_uid_benchmark_measures_spawn_shared_and_own_side_by_side(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.uids", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "uids_quick.json").read_text())
+    s = doc["summary"]
+    assert s["shared"]["n"] == s["own"]["n"] == 3 and s["cap"]["n"] == 6
+    assert s["take"]["n"] == s["give_back"]["n"] == 10
+    assert all(s[k]["p50_ms"] > 0 for k in ("shared", "own", "take", "give_back", "cap"))
+    assert doc["spawn_ratio_p50"] > 0
+    assert "a uid of its own" in (tmp_path / "uids_quick.md").read_text()
