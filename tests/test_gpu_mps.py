@@ -37,7 +37,8 @@ from appliance.gpu.mps import (
 from appliance.gpu.mps_limits import DeviceMps, MpsLimiter, jail_blockers, judge_probe
 from appliance.gpu.mps_simulated import SimulatedMps
 from appliance.gpu.simulated import SimulatedBackend
-from appliance.inside import channel
+from appliance.inside import channel as jail_end
+from appliance.sandbox import channel
 from appliance_client.client import AsyncClient, Client, Execution
 from tests.support import REPO, Server, start_server
 from tests.test_gpu_server import simulate as simulate_file
@@ -349,7 +350,7 @@ class _Process:
         return proc
 
     def write(self, data: bytes, limit: int | None = None) -> None:
-        op = channel.parse_op(data)
+        op = jail_end.parse_op(data)  # what the driver would read
         assert op is not None and op["op"] == "cuda_context"
         self.asked = True
 

@@ -166,7 +166,7 @@ async def test_the_check_on_the_loop_gives_up_past_its_process_bound_and_the_ful
     """A cell's leftover processes are killed before its `done` (and firejail ends them when
     the interpreter exits), so a run cannot reach the check's process bound that way; the
     bound is checked here on a live jail whose cell still runs six children holding the files."""
-    from appliance.inside import channel
+    from appliance.sandbox import channel
     from appliance.sandbox.cell import INLINE_PROCESSES, disk_violation
     from appliance.sandbox.held import OverBound
     from appliance.wire import protocol

@@ -40,7 +40,7 @@ from appliance.gpu.ledger import GpuLedger, Grant
 from appliance.gpu.mps import DaemonControl, MpsControl, control_socket_present
 from appliance.gpu.mps_limits import MpsLimiter
 from appliance.gpu.watchdog import GpuWatchdog
-from appliance.inside.channel import GRANT_FILE
+from appliance.sandbox.channel import GRANT_FILE
 from appliance.sandbox.devices import GpuDevice, gpu_device
 from appliance.sandbox.host import readable_ancestors_problem
 from appliance.sandbox.jail import Jail, JailFactory

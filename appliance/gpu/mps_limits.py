@@ -47,8 +47,7 @@ from appliance.core.errors import ApplianceError, GpuLimitUnavailable, JailExite
 from appliance.gpu.backend import GpuBackendError
 from appliance.gpu.ledger import Grant
 from appliance.gpu.mps import MpsControl
-from appliance.inside import channel
-from appliance.sandbox import proctree
+from appliance.sandbox import channel, proctree
 from appliance.sandbox.cell import run_cell
 
 if TYPE_CHECKING:

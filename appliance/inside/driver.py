@@ -320,14 +320,7 @@ class Driver:
             return None
         if op["op"] == "run":
             # The code and the files follow the header on the same pipe, exactly as counted.
-            code = self.control.read_exactly(op["code_bytes"]).decode("utf-8", "surrogatepass")
-            files = [
-                (
-                    self.control.read_exactly(f["path_bytes"]).decode("utf-8", "surrogatepass"),
-                    self.control.read_exactly(f["size"]),
-                )
-                for f in op["files"]
-            ]
+            code, files = channel.read_run(op, self.control.read_exactly)
             # The cell's stdin is made here, in order with the stdin messages that follow; the
             # first cell's was made as the driver started, off the run's path.
             buffer, self.first_stdin = self.first_stdin or StdinBuffer(), None

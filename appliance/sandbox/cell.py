@@ -21,8 +21,7 @@ from pathlib import Path
 from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
 from appliance.core.errors import Cancelled, MemoryLimit, OutputLimit, RunLimit, RunTimeout
 from appliance.core.ports import CellFrames
-from appliance.inside import channel
-from appliance.sandbox import fstree
+from appliance.sandbox import channel, fstree
 from appliance.sandbox.cgroups import Counters, Group
 from appliance.sandbox.held import Bound, OverBound, held_bytes
 from appliance.sandbox.jail import Jail, tmp_of

@@ -30,8 +30,7 @@ from typing import Any
 
 from appliance.core.domain import PipeFull
 from appliance.core.errors import JailExited, RunLimit
-from appliance.inside import channel
-from appliance.sandbox import proctree
+from appliance.sandbox import channel, proctree
 
 READ_CHUNK = 65536
 HIGH_WATER_BYTES = 256 * 1024  # stop reading the jail's pipes above this much waiting output ...
@@ -102,8 +101,7 @@ class JailProcess:
         self._fds = {"stdout": out_fd, "stderr": err_fd}
         self._events_fd = events_fd
         self._decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in self._fds}
-        self._event_buf = bytearray()
-        self._max_event_bytes = max_event_bytes
+        self._events = channel.EventDecoder(max_event_bytes)
         self._output: deque[Output] = deque()
         self._urgent: deque[Violation | InterruptRequest] = deque()
         self._waiting_bytes = 0
@@ -311,19 +309,15 @@ class JailProcess:
                 self._exited = True
                 self._put(Exited())
             return
-        self._event_buf += chunk
-        while (size := channel.take_event(self._event_buf)) is not None:
-            line = bytes(self._event_buf[:size])
-            del self._event_buf[:size]
+        self._events.feed(chunk)
+        while (got := self._events.next()) is not None:
+            if isinstance(got, channel.Oversized):
+                self._put(Overflow(got.limit))
+                continue
+            # What the code wrote before this event goes first: the wire keeps program order.
             self._drain("stdout")
             self._drain("stderr")
-            body = channel.parse_event(line)
-            if body is not None:
-                self._put(Event(body, len(line)))
-        # An event's text may be as long as the bound, its `stream` header besides.
-        if len(self._event_buf) > self._max_event_bytes + channel.HEADER_BYTES:
-            self._event_buf.clear()
-            self._put(Overflow(self._max_event_bytes))
+            self._put(Event(got.event, got.nbytes))
 
     def _close_fd(self, fd: int) -> None:
         if fd in self._closed_fds:
