@@ -140,3 +140,15 @@ def test_cgroups_mode_and_cpus_default_and_reject_nonsense() -> None:
     ):
         with pytest.raises(SettingsError, match=name):
             from_env({name: bad})
+
+
+def test_the_uid_range_defaults_to_the_sandbox_uid_onwards_sized_for_every_jail() -> None:
+    assert from_env({}).uid_range == (1001, 1064)  # 2 x 8 pooled + 4 runs + 32 sessions + canary < 64
+    assert from_env({"SANDBOX_UID": "2000"}).uid_range == (2000, 2063)
+    bigger = from_env({"SANDBOX_MAX_SESSIONS": "100"})
+    assert bigger.uid_range == (1001, 1001 + 2 * 8 + bigger.max_concurrency + 100 + 1)
+    assert from_env({"SANDBOX_UID_RANGE": "1001"}).uid_range == (1001, 1001)
+    assert from_env({"SANDBOX_UID_RANGE": " 200000-200063 "}).uid_range == (200000, 200063)
+    for bad in ("1064-1001", "0-10", "a-b", "1-2-3", "1-70000"):
+        with pytest.raises(SettingsError, match="SANDBOX_UID_RANGE"):
+            from_env({"SANDBOX_UID_RANGE": bad})
