@@ -303,3 +303,15 @@ async def test_async_sdk() -> None:
     finally:
         await sb.kill()
     assert not await sb.is_running()
+
+
+def test_calls_on_one_context_take_turns_and_keep_their_env_vars(sandbox: Sandbox) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    sandbox.run_code("import os, time\nseen = []")
+    code = "time.sleep(0.2)\nseen.append(os.environ.get('WHO'))\nos.environ.get('WHO')"
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda who: sandbox.run_code(code, envs={"WHO": who}).text, "abcd"))
+    assert texts == ["'a'", "'b'", "'c'", "'d'"]  # each cell saw its own call's value
+    assert sorted(eval(str(sandbox.run_code("seen").text))) == ["a", "b", "c", "d"]  # noqa: S307 (a list repr of ours)
+    assert sandbox.run_code("'WHO' in os.environ").text == "False"

@@ -153,19 +153,22 @@ async def execute(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) 
     envs = shapes.env_vars(body.get("env_vars"), "env_vars")
     ctx = _context(sandbox, body.get("context_id"))
     stream = Stream(request, ctx, sandboxes.service.settings.client_stall_ms / 1000)
-    if envs:
-        await sandboxes.quiet_cell(sandbox, ctx, engine.set_envs_code(envs))
-    try:
-        # The request's scope owns its run and the watch for its client: neither outlives it.
-        async with TaskScope("e2b-run") as tasks:
-            run = stream.run = sandboxes.submit(sandbox, ctx, code, stream.emit, tasks)
-            if run.task is None:
-                raise RuntimeError("RunService.submit returned a run without its task")
-            await _until_done(request, stream, run.task, tasks)
-    finally:
+    # One call at a time per context, as a kernel takes them: a second waits rather than being
+    # refused, and a call's env vars are never set or put back in the middle of another's cell.
+    async with ctx.lock:
         if envs:
-            with contextlib.suppress(Refused, ApplianceError):
-                await sandboxes.quiet_cell(sandbox, ctx, engine.RESTORE_ENVS_CODE)
+            await sandboxes.quiet_cell(sandbox, ctx, engine.set_envs_code(envs))
+        try:
+            # The request's scope owns its run and the watch for its client: neither outlives it.
+            async with TaskScope("e2b-run") as tasks:
+                run = stream.run = sandboxes.submit(sandbox, ctx, code, stream.emit, tasks)
+                if run.task is None:
+                    raise RuntimeError("RunService.submit returned a run without its task")
+                await _until_done(request, stream, run.task, tasks)
+        finally:
+            if envs:
+                with contextlib.suppress(Refused, ApplianceError):
+                    await sandboxes.quiet_cell(sandbox, ctx, engine.RESTORE_ENVS_CODE)
     if stream.response is None:
         done = stream.refused or {}
         status = str(done.get("status"))

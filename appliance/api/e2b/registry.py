@@ -8,6 +8,7 @@ sandbox looks exactly like one that never existed.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import secrets
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ class Context:
     session: str  # the appliance session that holds its interpreter
     cwd: str
     executions: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call at a time, as a kernel
 
 
 @dataclass
