@@ -49,10 +49,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("core/service.py", "RunService.execute", "call_soon"): "a gauge update next loop turn: holds nothing",
 }
 
-# The client distribution (moving to client/, issue 30): its tasks are its caller's, in the
-# caller's process, not the server's.
-CLIENT_SIDE = frozenset({"client.py", "agents.py", "mcp_bridge.py"})
-
 
 def _group_names(func: ast.AST) -> set[str]:
     """Names bound by `async with asyncio.TaskGroup() as NAME` in this function: structured."""
@@ -83,8 +79,6 @@ def raw_calls(root: Path) -> list[tuple[str, str, str, int]]:
     found: list[tuple[str, str, str, int]] = []
     for path in sorted(root.rglob("*.py")):
         module = path.relative_to(root).as_posix()
-        if module in CLIENT_SIDE:
-            continue
         tree = ast.parse(path.read_text(), str(path))
 
         def visit(node: ast.AST, scope: list[str], groups: set[str], module: str = module) -> None:
