@@ -314,7 +314,8 @@ class Lifecycle:
     async def close(self) -> None:
         """In order: the canary and sweeper, the tool probe, the pools (each cancels its refill
         loop, whose scope ends its jail starts, then waits for teardowns and destroys the ready
-        jails), the network, the directories; last, the scope cancels whatever task is left."""
+        jails); then the scope cancels whatever task is left, before the network, directories,
+        uids and cgroups the tasks stood on go."""
         await self.tasks.cancel(self._task, self._sweeper)
         if self.tools is not None:
             await self.tools.close()
