@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from appliance.api import mcp_tools, tool_calls
 from appliance.wire import protocol
-from appliance_client import agents, mcp_server
+from appliance_client import agents, cli, mcp_server
 from appliance_client.client import CellOptions, Execution, request_frame
 from appliance_client.protocol import GpuRequest
 from tests.support import REPO
@@ -65,6 +65,13 @@ class TestApart:
         )
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.strip() == "[]"
+
+    def test_its_commands_take_their_own_arguments(self, capsys: pytest.CaptureFixture[str]) -> None:
+        assert cli.mcp_main(["--url", "ws://127.0.0.1:9", "--max-chars", "10"]) == 2
+        assert "--max-chars must be at least 200" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            cli.exec_main(["--help"])
+        assert capsys.readouterr().out.startswith("usage: appliance-exec [-h]")
 
     def test_the_client_has_its_own_project(self) -> None:
         project = (CLIENT / "pyproject.toml").read_text()

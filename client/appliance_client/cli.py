@@ -25,13 +25,23 @@ def parser(prog: str = "appliance") -> argparse.ArgumentParser:
     """`exec` and `mcp`, with their arguments."""
     top = argparse.ArgumentParser(prog=prog, description="Run code on an appliance; serve it to agents")
     sub = top.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("exec", help="run code (or a .py file) on an appliance and stream the output")
+    exec_arguments(
+        sub.add_parser("exec", help="run code (or a .py file) on an appliance and stream the output")
+    )
+    mcp_arguments(sub.add_parser("mcp", help="serve run_python to a local agent client over MCP (stdio)"))
+    return top
+
+
+def exec_arguments(ex: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ex.add_argument("code", help="Python source, or a path to a .py file, or - for stdin")
     ex.add_argument("--url", default=os.environ.get("APPLIANCE_URL", "ws://127.0.0.1:9100/exec"))
     ex.add_argument("--token", default=os.environ.get("SANDBOX_AUTH_TOKEN"))
     ex.add_argument("--timeout-ms", type=int)
     ex.add_argument("--json", action="store_true", help="print raw frames as JSON lines")
-    mcp = sub.add_parser("mcp", help="serve run_python to a local agent client over MCP (stdio)")
+    return ex
+
+
+def mcp_arguments(mcp: argparse.ArgumentParser) -> argparse.ArgumentParser:
     mcp.add_argument(
         "--url",
         default=os.environ.get("APPLIANCE_URL", "ws://127.0.0.1:9100"),
@@ -49,7 +59,7 @@ def parser(prog: str = "appliance") -> argparse.ArgumentParser:
         default=10.0,
         help="how long one call waits for an unreachable appliance before saying so (default 10)",
     )
-    return top
+    return mcp
 
 
 def main(argv: list[str] | None = None, prog: str = "appliance") -> int:
@@ -62,15 +72,27 @@ def main(argv: list[str] | None = None, prog: str = "appliance") -> int:
 
 def mcp_main(argv: list[str] | None = None) -> int:
     """`appliance-mcp [--url URL] [--token T] ...`: the stdio MCP bridge."""
-    return main(["mcp", *(sys.argv[1:] if argv is None else argv)], prog="appliance-mcp")
+    top = argparse.ArgumentParser(
+        prog="appliance-mcp", description="serve run_python to a local agent over MCP"
+    )
+    return _mcp(mcp_arguments(top).parse_args(argv))
 
 
 def exec_main(argv: list[str] | None = None) -> int:
     """`appliance-exec CODE [--url URL] ...`: run code and stream its output."""
-    return main(["exec", *(sys.argv[1:] if argv is None else argv)], prog="appliance-exec")
+    top = argparse.ArgumentParser(prog="appliance-exec", description="run code on an appliance")
+    return asyncio.run(_exec(exec_arguments(top).parse_args(argv)))
 
 
 def _mcp(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("mcp") is None:  # the bridge's extra, not the client's own need
+        print(
+            "appliance mcp: the bridge needs the MCP SDK: pip install 'appliance-client[mcp]'",
+            file=sys.stderr,
+        )
+        return 2
     from appliance_client.mcp_bridge import AuthenticationError, serve_stdio
 
     # stdout carries the protocol: every log line goes to stderr.
