@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from appliance.core.errors import StartupError
 from appliance.sandbox import instance as server_instance
+from appliance.sandbox import signals
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 BASE = "appliance"  # our subtree under the server's own cgroup of each controller
@@ -331,7 +331,7 @@ def remove_paths(paths: Mapping[str, Path]) -> None:
                 continue
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
+                    signals.kill(int(pid))
             if c in ("freezer", ""):
                 _thaw_path(p, 1 if c else 2)
             try:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from appliance.sandbox import signals
+
 PREFIX = "srv-"
 
 
@@ -82,9 +84,6 @@ def gone(owner: Owner) -> bool:
     if owner.start is not None:
         return start_time(owner.pid) != owner.start
     try:
-        os.kill(owner.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
+        return signals.exists(owner.pid) is False
+    except ValueError:  # not a PID of one process: nothing this server can judge gone
         return False
-    return False

@@ -17,7 +17,6 @@ import functools
 import logging
 import os
 import secrets
-import signal
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.core.errors import JailExited, JailFailure, JailStartFailed, StartupError
-from appliance.sandbox import checks, fstree, nslimits, proctree, runfs
+from appliance.sandbox import checks, fstree, nslimits, proctree, runfs, signals
 from appliance.sandbox.cgroups import Counters, Group, GroupLimits, Hierarchy
 from appliance.sandbox.devices import GpuDevice
 from appliance.sandbox.firejail import (
@@ -179,7 +178,7 @@ class Jail:
             for pid in group.members() or group.pids():
                 if pid not in own:
                     with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                        signals.kill(pid)
         except OSError as exc:
             raise JailFailure(f"the session's jail could not be frozen: {exc}") from exc
 

@@ -22,7 +22,6 @@ import contextlib
 import errno
 import os
 import select
-import signal
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from typing import Any
 
 from appliance.core.domain import PipeFull
 from appliance.core.errors import JailExited, RunLimit
-from appliance.sandbox import channel, proctree
+from appliance.sandbox import channel, proctree, signals
 
 READ_CHUNK = 65536
 HIGH_WATER_BYTES = 256 * 1024  # stop reading the jail's pipes above this much waiting output ...
@@ -417,7 +416,7 @@ class JailProcess:
         if self._init_fds:
             for fd in self._init_fds:
                 try:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    signals.kill_by_pidfd(fd)
                 except ProcessLookupError:  # gone already
                     pass
                 except OSError:
@@ -428,7 +427,7 @@ class JailProcess:
             return
         for pid in proctree.children(self.pid) or [self.pid]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
+                signals.kill(pid)
 
     async def kill(self) -> None:
         """KILL the sandbox's PID-namespace init, which takes every process of the jail with

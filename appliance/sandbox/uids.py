@@ -32,7 +32,6 @@ import logging
 import os
 import pwd
 import random
-import signal
 import stat
 import threading
 import time
@@ -40,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.sandbox import trust
+from appliance.sandbox import signals, trust
 from appliance.sandbox.workdir import open_base
 
 log = logging.getLogger("appliance.uids")
@@ -234,7 +233,7 @@ def _gone(uid: int, wait_s: float) -> bool:
         if time.monotonic() > deadline:
             return False
         for pid in left:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError, ValueError):
+                signals.kill(pid)
         time.sleep(pause)  # a killed process's teardown is the kernel's: nothing to wait on
         pause = min(pause * 2, 0.05)

@@ -24,7 +24,6 @@ import os
 import pwd
 import secrets
 import shutil
-import signal
 import stat
 import subprocess
 import tempfile
@@ -32,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from appliance.core.errors import StartupError
-from appliance.sandbox import fstree, runfs, trust
+from appliance.sandbox import fstree, runfs, signals, trust
 from appliance.sandbox import instance as server_instance
 
 log = logging.getLogger("appliance.workdir")
@@ -341,8 +340,8 @@ def kill_jails_under(instance: Path) -> list[int]:
             continue
         if any(arg.startswith(prefix) for arg in args):
             try:
-                os.kill(int(entry), signal.SIGKILL)
+                signals.kill(int(entry))
                 killed.append(int(entry))
-            except OSError:
+            except (OSError, ValueError):
                 continue
     return killed

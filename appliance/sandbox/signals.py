@@ -1,0 +1,51 @@
+"""The one place the server signals a process (tests/test_signals.py keeps it so).
+
+Every kill of a jail's process, a cgroup's member, a dead server's jail, and every "is it
+still there" goes through here, so what may be signalled is decided once: a PID that names
+no single process (0: our own process group; negative: a group, or every process we may
+signal) is refused before the kernel sees it, since a count read from /proc or a cgroup file
+that came out 0 or -1 would otherwise kill the server itself. The callers keep their own
+policy (what to kill, what a vanished process means): these raise what the kernel says.
+
+Signalling by pidfd (`kill_by_pidfd`) is preferred where the caller holds one: it cannot
+reach another process that reused the PID. Processes the server started as children
+(`asyncio.subprocess.Process`, `subprocess.Popen`) are signalled through their own
+objects, which reap them; the code inside a jail (appliance.inside) signals within its own
+PID namespace and cannot import this module.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def kill(pid: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Send sig (SIGKILL unless told) to the one process pid. ProcessLookupError if it is
+    gone, PermissionError if it is not ours to signal; ValueError for a PID that names no
+    single process."""
+    os.kill(_one(pid), sig)
+
+
+def kill_by_pidfd(fd: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Send sig (SIGKILL unless told) to the process a pidfd holds. ProcessLookupError if it
+    has exited."""
+    signal.pidfd_send_signal(fd, sig)
+
+
+def exists(pid: int) -> bool | None:
+    """Whether a process pid exists: True, False, or None when it exists but is not ours to
+    signal (so nothing more is known of it). Sends no signal (signal 0 only checks)."""
+    try:
+        os.kill(_one(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return None
+    return True
+
+
+def _one(pid: int) -> int:
+    if isinstance(pid, bool) or pid <= 0:
+        raise ValueError(f"not the PID of one process: {pid}")
+    return pid
