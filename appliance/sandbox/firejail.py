@@ -1,4 +1,5 @@
-"""Render a JailSpec to the firejail command line. Pure: no I/O, testable without spawning."""
+"""Render a JailSpec to the firejail command line, one section per isolation concern (as
+nsjail renders its config). Pure: no I/O, testable without spawning."""
 
 from __future__ import annotations
 
@@ -13,81 +14,121 @@ EXTRA_DENIED_SYSCALLS = ("io_uring_setup", "io_uring_enter", "io_uring_register"
 
 
 def render_argv(spec: JailSpec, events_fd: int, firejail: str = "firejail") -> list[str]:
-    """The argv that starts the in-jail driver under firejail, in a fixed, commented order.
+    """The argv that starts the in-jail driver under firejail: one section per isolation
+    concern, each a pure function of the spec, in this fixed order.
 
     `events_fd` is the descriptor number the driver writes its events to (inherited as is).
     """
-    argv = [firejail, "--quiet", "--noprofile"]
-    # 1. Identity and privileges: a user namespace holding only the caller's uid, no
-    #    capabilities, no setuid gains, firejail's default seccomp blacklist plus io_uring
-    #    (a large kernel surface no Python code needs; native arch only), no new namespaces
-    #    from inside, and an IPC namespace of its own: System V shared memory, semaphores and
-    #    message queues are neither shared with other runs nor left on the host (the
-    #    namespace's objects go with its last process).
-    argv += [
-        "--noroot",
-        "--caps.drop=all",
-        "--nonewprivs",
-        f"--seccomp={','.join(EXTRA_DENIED_SYSCALLS)}",
-        "--seccomp.block-secondary",
-        "--restrict-namespaces",
-        "--ipc-namespace",
+    return [
+        firejail,
+        "--quiet",
+        "--noprofile",
+        *privileges_argv(),
+        *seccomp_argv(),
+        *namespaces_argv(spec),
+        *mounts_argv(spec),
+        *devices_argv(spec),
+        *readable_argv(spec),
+        *resources_argv(spec),
+        *lifecycle_argv(events_fd),
+        *env_argv(spec),
+        *command_argv(spec, events_fd),
     ]
-    # 2. Network: a fresh namespace with only a loopback interface; or, in egress mode, the
-    #    filtered namespace appliance.sandbox.network made (firejail is started inside it and
-    #    must not make another), with the configured resolvers as the jail's resolv.conf.
+
+
+def privileges_argv() -> list[str]:
+    """A user namespace holding only the caller's uid, no capabilities, no setuid gains."""
+    return ["--noroot", "--caps.drop=all", "--nonewprivs"]
+
+
+def seccomp_argv() -> list[str]:
+    """firejail's default seccomp blacklist plus io_uring (a large kernel surface no Python
+    code needs), native architecture only."""
+    return [f"--seccomp={','.join(EXTRA_DENIED_SYSCALLS)}", "--seccomp.block-secondary"]
+
+
+def namespaces_argv(spec: JailSpec) -> list[str]:
+    """No new namespaces from inside; an IPC namespace of its own (System V shared memory,
+    semaphores and message queues are neither shared with other runs nor left on the host:
+    they go with its last process). Network: a fresh namespace with only a loopback
+    interface; or, in egress mode, the filtered namespace appliance.sandbox.network made
+    (firejail is started inside it and must not make another), with the configured
+    resolvers as the jail's resolv.conf."""
+    argv = ["--restrict-namespaces", "--ipc-namespace"]
     if spec.netns is None:
-        argv += ["--net=none"]
-    argv += [f"--dns={server}" for server in spec.dns]
-    # 3. Filesystem: the run directory as /workspace (= HOME, cwd); private /tmp, /dev, /etc;
-    #    everything at the top level that is not needed is blacklisted; the Python
-    #    environment and the runtime are whitelisted and read-only.
-    argv += [
+        argv.append("--net=none")
+    return argv + [f"--dns={server}" for server in spec.dns]
+
+
+def mounts_argv(spec: JailSpec) -> list[str]:
+    """The run directory as /workspace (= HOME, cwd); private /tmp, /dev, /etc; everything
+    at the top level that is not needed blacklisted."""
+    return [
         f"--private={spec.workdir}",
         f"--private-cwd={WORKSPACE}",
         "--private-tmp",
         "--private-dev",
         f"--private-etc={','.join(ETC_FILES)}",
+        *(f"--blacklist={path}" for path in spec.hidden),
     ]
-    argv += [f"--blacklist={path}" for path in spec.hidden]
-    # 3b. Devices. --private-dev brings every /dev/nvidia[0-9]*, nvidiactl, nvidia-uvm and dri
-    #     node of the host along; CPU jails drop them all (--no3d). A GPU jail keeps them,
-    #     blacklists every one it was not given, and may read /sys/module/nvidia* (drivers
-    #     >= 550 need it; firejail blacklists /sys/module whole).
+
+
+def devices_argv(spec: JailSpec) -> list[str]:
+    """--private-dev brings every /dev/nvidia[0-9]*, nvidiactl, nvidia-uvm and dri node of
+    the host along; CPU jails drop them all (--no3d). A GPU jail keeps them, blacklists every
+    one it was not given, may read /sys/module/nvidia* (drivers >= 550 need it; firejail
+    blacklists /sys/module whole), and reaches the MPS daemon's pipe dir (its sockets and
+    lock file)."""
     if not spec.gpu:
-        argv.append("--no3d")
-    else:
-        argv.append("--noblacklist=/sys/module")
-        argv += [f"--blacklist={path}" for path in spec.gpu_hidden]
-        # MPS clients connect to the daemon's sockets (and take its lock file) in its pipe dir.
-        argv += [f"--whitelist={path}" for path in spec.gpu_shared]
-    for path in spec.readable:
-        argv += [f"--whitelist={path}", f"--read-only={path}"]
-    # 4. Limits (per process; the user namespace makes RLIMIT_NPROC count this jail only).
-    #    GPU jails get no RLIMIT_AS (CUDA reserves huge virtual ranges): the GPU watchdog
-    #    caps their resident memory instead.
+        return ["--no3d"]
+    return [
+        "--noblacklist=/sys/module",
+        *(f"--blacklist={path}" for path in spec.gpu_hidden),
+        *(f"--whitelist={path}" for path in spec.gpu_shared),
+    ]
+
+
+def readable_argv(spec: JailSpec) -> list[str]:
+    """The Python environment and the runtime: whitelisted, read-only."""
+    return [arg for path in spec.readable for arg in (f"--whitelist={path}", f"--read-only={path}")]
+
+
+def resources_argv(spec: JailSpec) -> list[str]:
+    """Limits per process (the user namespace makes RLIMIT_NPROC count this jail only), and
+    the jail's priority. GPU jails get no RLIMIT_AS (CUDA reserves huge virtual ranges): the
+    GPU watchdog caps their resident memory instead."""
+    argv = []
     if spec.limits.memory_mb is not None and not spec.gpu:
         argv.append(f"--rlimit-as={spec.limits.memory_mb * MIB}")
     if spec.nice:
         argv.append(f"--nice={spec.nice}")
-    argv += [
+    return [
+        *argv,
         f"--rlimit-nproc={spec.limits.max_procs}",
         f"--rlimit-fsize={spec.limits.file_mb * MIB}",
         f"--rlimit-nofile={spec.limits.open_files}",
     ]
-    # 5. Lifecycle: the driver's event pipe survives firejail's fd cleanup; every process
-    #    left when the driver exits is killed. --deterministic-shutdown costs ~80 ms of wall
-    #    time (no CPU) when a driver exits by itself (benchmarks: "flag costs"); it stays,
-    #    because it is what closes the event pipe then (the sandbox's init holds a copy):
-    #    without it a driver that called os._exit beside a live child is not seen to exit
-    #    until the run's time limit. Jails the server ends are SIGKILLed and pay nothing.
-    argv += [f"--keep-fd={events_fd}", "--deterministic-exit-code", "--deterministic-shutdown"]
-    # 6. Environment: firejail starts from our clean env; these are the only additions.
-    argv += [f"--env={key}={value}" for key, value in spec.env]
-    # 7. The driver: isolated mode (no user site, no PYTHON* vars), unbuffered.
-    # (No "--" before it: firejail 0.9.72 then runs the command through the user's login shell.)
-    argv += [str(spec.python), "-I", "-u", str(spec.driver), str(events_fd)]
-    return argv
+
+
+def lifecycle_argv(events_fd: int) -> list[str]:
+    """The driver's event pipe survives firejail's fd cleanup; every process left when the
+    driver exits is killed. --deterministic-shutdown costs wall time (no CPU) when a driver
+    exits by itself (benchmarks: "flag costs"); it stays, because it is what closes the
+    event pipe then (the sandbox's init holds a copy): without it a driver that called
+    os._exit beside a live child is not seen to exit until the run's time limit. Jails the
+    server ends are SIGKILLed and pay nothing."""
+    return [f"--keep-fd={events_fd}", "--deterministic-exit-code", "--deterministic-shutdown"]
+
+
+def env_argv(spec: JailSpec) -> list[str]:
+    """firejail starts from our clean env; these are the only additions."""
+    return [f"--env={key}={value}" for key, value in spec.env]
+
+
+def command_argv(spec: JailSpec, events_fd: int) -> list[str]:
+    """The driver: isolated mode (no user site, no PYTHON* vars), unbuffered. (No "--"
+    before it: firejail 0.9.72 then runs the command through the user's login shell.)"""
+    return [str(spec.python), "-I", "-u", str(spec.driver), str(events_fd)]
 
 
 def launcher_env() -> dict[str, str]:
