@@ -1,5 +1,7 @@
 """What the run service stands on, from startup to shutdown: host checks, run directories,
-the jail factories and pools (one per GPU in GPU mode), the readiness canary and the gauges.
+the jail factories and pools, the readiness canary and the gauges. What a mode adds (GPU mode:
+device pools, ledger, watchdog, MPS) is its provisioner's (appliance.sandbox.provisioner),
+chosen once here by `provisioner_for`.
 
 Startup refuses (StartupError, naming what to fix) rather than run jails less confined
 than configured. `started` is set once jails can be leased; runs that arrive before
@@ -14,7 +16,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from appliance.core.errors import StartupError
 from appliance.core.service import RunService
@@ -25,24 +27,20 @@ from appliance.runtime.metrics import Metrics
 from appliance.sandbox import cgroups, nslimits, outputs, runfs, sched, uids
 from appliance.sandbox.cell import disk_entries, run_cell
 from appliance.sandbox.firejail import lower_own_oom_score
-from appliance.sandbox.host import HostFacts, import_problem, inspect, readable_ancestors_problem
+from appliance.sandbox.host import HostFacts, inspect, readable_ancestors_problem
 from appliance.sandbox.jail import JailFactory, python_roots
 from appliance.sandbox.jailcells import JailCells
 from appliance.sandbox.lease import LeaseSource, PoolLeases
-from appliance.sandbox.memory import CgroupMemory
 from appliance.sandbox.network import EgressNetwork, check_prerequisites
 from appliance.sandbox.pool import ProfilePools
 from appliance.sandbox.profiles import Profile
+from appliance.sandbox.provisioner import PlainProvisioner, Provisioner
 from appliance.sandbox.wheels import check_wheelhouse, stage_wheel_cache
 from appliance.sandbox.workdir import RunDirs, open_base, stage_runtime
 from appliance.settings import Settings
 from appliance.wire import protocol
 from appliance.wire.protocol import ExecuteRequest, Frame
 
-if TYPE_CHECKING:  # GPU modules are imported at run time only in GPU mode
-    from appliance.gpu.lease import GpuLeases
-
-GPU_TOOL_MODULES = ("llama_cpp", "pywhispercpp.model")  # what a GPU jail's tools stand on
 log = logging.getLogger("appliance.runtime.lifecycle")
 
 CANARY_EVERY_S = 300.0
@@ -54,7 +52,7 @@ def build_service(settings: Settings) -> RunService:
     """The run service on its real parts: this process's metrics, its lifecycle (host checks,
     pools, canary) as lease source, cells in firejail jails, frames spelt by the wire module."""
     metrics = Metrics()
-    lifecycle = Lifecycle(settings, metrics)
+    lifecycle = Lifecycle(settings, metrics, provisioner_for(settings, metrics))
     return RunService(
         settings,
         runtime=lifecycle,
@@ -65,18 +63,29 @@ def build_service(settings: Settings) -> RunService:
     )
 
 
+def provisioner_for(settings: Settings, metrics: Metrics) -> Provisioner:
+    """The one place the mode is chosen: SANDBOX_GPU=1 wraps the sandbox's jails with GPU mode;
+    otherwise the plain provisioner (and no GPU module, NVML least of all, is ever imported)."""
+    if settings.gpu:
+        from appliance.gpu.provisioner import GpuProvisioner  # GPU mode only: NVML is never loaded otherwise
+
+        return GpuProvisioner(settings, metrics)
+    return PlainProvisioner()
+
+
 class Lifecycle:
     """Owns every long-lived resource of one appliance process."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, provisioner: Provisioner | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.provisioner: Provisioner = provisioner if provisioner is not None else PlainProvisioner()
         self.host: HostFacts | None = None
         self.dirs: RunDirs | None = None
         self.uids: uids.Uids | None = None  # the uids jails run as (SANDBOX_UID_RANGE)
         self.network: EgressNetwork | None = None
         self.cpu: PoolLeases | None = None
-        self.gpu: GpuLeases | None = None  # GPU mode (SANDBOX_GPU=1) only
+        self._leases: LeaseSource | None = None  # the provisioner's, wrapping the CPU pools
         self.started = asyncio.Event()
         self.ready_problems: list[str] = ["starting"]
         self.canary_port = 0
@@ -85,7 +94,7 @@ class Lifecycle:
         self.cgroups_missing: list[str] = []  # why not (SANDBOX_CGROUPS=auto falls back)
         self._cgroups_checked = False
         # Owns every background task below the connections: canary, sweeper, pool refills (and
-        # their jail starts), teardowns, tool probe, GPU watchdog.
+        # their jail starts), teardowns, tool probe, the provisioner's (GPU watchdog).
         self.tasks = TaskScope("lifecycle")
         self._task: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None  # SANDBOX_OUTPUTS_RETENTION_S
@@ -95,8 +104,9 @@ class Lifecycle:
 
     @property
     def leases(self) -> LeaseSource:
-        """Where runs take jails: GPU mode's device pools, else the CPU pool."""
-        source: LeaseSource | None = self.gpu if self.gpu is not None else self.cpu
+        """Where runs take jails: the provisioner's lease source (the CPU pools, or GPU mode's
+        device pools wrapping them)."""
+        source = self._leases
         if source is None or not self.started.is_set():
             raise RuntimeError("Lifecycle.leases before start()")
         return source
@@ -106,7 +116,7 @@ class Lifecycle:
         return self.host.uid if self.host is not None else self.settings.uid
 
     # -- startup -----------------------------------------------------------------------------
-    def check_host(self) -> HostFacts:  # noqa: C901, PLR0912 (the fail-closed startup checks, one branch per requirement, in order)
+    def check_host(self) -> HostFacts:  # noqa: C901 (the fail-closed startup checks, one branch per requirement, in order)
         """Fail-closed startup checks; raises StartupError with what to fix."""
         s = self.settings
         if not self._cgroups_checked:  # require: refuse to start, naming what is missing
@@ -139,24 +149,9 @@ class Lifecycle:
             problem = unreachable(root)
             if problem:
                 raise StartupError(f"SANDBOX_PYTHON's environment is not reachable in the jail: {problem}")
-        if s.gpu and self.gpu is None:
-            from appliance.gpu.lease import GpuLeases  # GPU mode only: NVML is never loaded otherwise
-
-            # No driver, no GPU, or a host where budgets cannot be enforced: StartupError (strict).
-            self.gpu = GpuLeases.open(s, cgroup_memory=self.cgroups is not None)
-            if self.cgroups is not None:  # the watchdog's host-memory reading: the run's group
-                self.gpu.watchdog.memory = CgroupMemory(self.cgroups)
-        if s.gpu:
-            # GPU mode's warm jails preload the model tools; a jail that cannot would only say
-            # so in a log line, and every run would pay the import (or fail) instead.
-            tools = tuple(m for m in s.preload if m in GPU_TOOL_MODULES)
-            problem = import_problem(s.python, tools)
-            if problem is not None:
-                raise StartupError(
-                    f"GPU mode preloads {', '.join(tools)} (SANDBOX_PRELOAD) but SANDBOX_PYTHON ({s.python}) "
-                    f"cannot import them: {problem}; install the gpu extra (pip install '.[gpu]') into it, "
-                    f"or leave them out of SANDBOX_PRELOAD"
-                )
+        # The mode's own requirements (GPU mode: no driver, no GPU, or a host where budgets
+        # cannot be enforced stops startup here).
+        self.provisioner.check_host(self.cgroups)
         problem = unreachable(s.tmp_root)
         if problem:  # firejail, running as the sandbox uid, must reach the run directories
             raise StartupError(f"SANDBOX_TMP_ROOT is not reachable by the sandbox uid: {problem}")
@@ -171,7 +166,7 @@ class Lifecycle:
         return host
 
     async def start(self, canary_port: int) -> None:
-        """Directories, runtime, network, pools, GPU probe; then the canary loop."""
+        """Directories, runtime, network, pools, the provisioner's start; then the canary loop."""
         s = self.settings
         await self.tasks.open()
         # First, so that the jails started below (and the executor's threads) inherit it.
@@ -197,8 +192,8 @@ class Lifecycle:
         if removed:
             log.info("purged stale run directories", extra={"dirs": [str(p) for p in removed]})
         runtime = await asyncio.to_thread(stage_runtime, s.tmp_root, s.python)
-        if toolprobe.wanted(s.models_dir, s.gpu):
-            self.tools = toolprobe.ToolProbe(s.python, s.gpu)
+        if toolprobe.wanted(s.models_dir, self.provisioner.offload):
+            self.tools = toolprobe.ToolProbe(s.python, self.provisioner.offload)
             self.tools.start(runtime, self.tasks)
         cache = None
         if s.wheelhouse is not None:  # unpacked once here, so runs need not install again
@@ -226,23 +221,23 @@ class Lifecycle:
         )
         pools.start(self.tasks)
         self.cpu = PoolLeases(pools, self.tasks)
-        if self.gpu is not None:  # warm pools per GPU (and profile), each jail seeing only its GPU
-            self.gpu.start(
-                lambda dev, p: JailFactory(
-                    s,
-                    host,
-                    runtime,
-                    dirs,
-                    network,
-                    gpu=dev,
-                    preload=p.modules,
-                    wheel_cache=cache,
-                    cgroups=groups,
-                ),
-                self.cpu,
-                self.tasks,
-            )
-            await self.gpu.probe_mps()  # layer (b) is reported as enforcing only where proven
+        # The mode's pools beside the CPU ones (GPU mode: per device, each jail seeing only its
+        # device, sharing no uid), and the lease source runs take from.
+        self._leases = await self.provisioner.start(
+            lambda dev, p: JailFactory(
+                s,
+                host,
+                runtime,
+                dirs,
+                network,
+                gpu=dev,
+                preload=p.modules,
+                wheel_cache=cache,
+                cgroups=groups,
+            ),
+            self.cpu,
+            self.tasks,
+        )
         self.canary_port = canary_port
         self.started.set()
         log.info(
@@ -319,10 +314,7 @@ class Lifecycle:
         await self.tasks.cancel(self._task, self._sweeper)
         if self.tools is not None:
             await self.tools.close()
-        if self.gpu is not None:
-            await self.gpu.close()  # and the CPU pool it was given
-        elif self.cpu is not None:
-            await self.cpu.close()
+        await self.provisioner.close()  # and the CPU pool it was given
         await self.tasks.close()
         if self.network is not None:
             await self.network.close()
@@ -415,40 +407,18 @@ class Lifecycle:
         if self.tools is not None:  # per binding: does it import, can it offload to a GPU
             body["tools"] = self.tools.report()
             problems += self.tools.problems()
-        if self.gpu is not None:  # GPU mode: each enforcement layer, available or not
-            body["gpu"] = self.gpu.layers()
-            problems += self.gpu.problems()
-            if self.tools is not None and isinstance(body["gpu"].get("shaping"), dict):
-                # Shaping is load_llm's: available where llama_cpp imports in the jails' Python,
-                # as the startup probe found (not merely where this process finds the module).
-                llama = body["tools"].get("llama_cpp") or {}
-                body["gpu"]["shaping"]["available"] = llama.get("available") is True
-                body["gpu"]["shaping"]["gpu_offload"] = llama.get("gpu_offload")
+        found, fields = self.provisioner.readiness(body.get("tools"))  # GPU mode: each layer
+        problems += found
+        body.update(fields)
         return problems, body
 
     def _pool_sets(self) -> list[ProfilePools]:
-        found = [self.cpu.pools] if self.cpu is not None else []
-        return found + (list(self.gpu.pools.values()) if self.gpu is not None else [])
+        return [self.cpu.pools, *self.provisioner.pool_sets()] if self.cpu is not None else []
 
-    def update_gauges(self) -> None:  # noqa: C901 (one gauge per pool and GPU fact, read where /metrics is scraped)
+    def update_gauges(self) -> None:
         """Pool gauges and counters, read from the pools (when /metrics is scraped)."""
         m = self.metrics
-        if self.gpu is not None:
-            ledger = self.gpu.ledger
-            waits, ledger.reclaim_waits_s = ledger.reclaim_waits_s, []
-            for wait in waits:
-                m.gpu_reclaim_seconds.observe(wait)
-            m.gpu_reclaim_timeouts.set(sum(b.reclaim_timeouts for b in ledger.books.values()))
-            for reason in self.gpu.degradation():
-                m.gpu_degraded.labels(reason=reason).set(1)
-            mps = self.gpu.mps
-            for uuid in self.gpu.devices:
-                device = mps.devices.get(uuid) if mps is not None else None
-                m.gpu_mps_enforcing.labels(device=uuid).set(
-                    1 if device is not None and device.enforcing and not device.broken else 0
-                )
-                for reason in device.blocked if device is not None else ():
-                    m.gpu_mps_blocked.labels(device=uuid, reason=reason).set(1)
+        self.provisioner.update_gauges()
         sets = self._pool_sets()
         if not sets:
             return
