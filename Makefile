@@ -7,6 +7,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 HOST ?= 127.0.0.1
 PORT ?= 9100
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: the suite mostly waits (jails and servers starting), so
+# more workers than cores; a module stays on one worker (its server starts once) and tests marked
+# `exclusive` run alone (tests/exclusive.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 4
 
 .PHONY: setup system venv cuda-build cuda-wheel run test test-fast lint check bench audit gpu-kit gpu-rehearsal clean
 
@@ -40,7 +44,7 @@ run: setup
 	SUDO="$(SUDO)" scripts/serve.sh $(VENV) --host $(HOST) --port $(PORT)
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The fast tier (tests/tiers.py): no server, no jail, no firejail, no root; the venv must exist
 # (`make setup` once). Any user may run it.

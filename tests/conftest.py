@@ -1,11 +1,11 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests import tiers
+from tests import exclusive, tiers
 from tests.support import Server, start_server
 
 
@@ -14,10 +14,26 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "host: needs root, firejail, mounts or cgroups (never in the fast tier)"
     )
+    config.addinivalue_line("markers", "exclusive: runs while no other test runs (tests/exclusive.py)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tiers.classify(items)
+    for item in items:
+        # `--dist loadgroup` keeps a module on one worker, so its module-scoped server is started
+        # once; a test may name a group of its own to go with another module's.
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    root = exclusive.lock_root(item.config)
+    if root is None:
+        yield
+        return
+    with exclusive.turn(root, item.get_closest_marker("exclusive") is not None):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -21,8 +21,9 @@ from benchmarks.hotpath import CPUACCT
 from benchmarks.stats import percentile, summarize
 from tests.support import REPO, scaled
 
-# Needs root, firejail or a real server: never in the fast tier (tests/tiers.py).
-pytestmark = pytest.mark.host
+# Needs root, firejail or a real server: never in the fast tier (tests/tiers.py); benchmarks
+# measure the host, so each has it to itself under pytest-xdist (tests/exclusive.py).
+pytestmark = [pytest.mark.host, pytest.mark.exclusive]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -408,6 +408,7 @@ def healthz_latencies(server: Server, stop: threading.Event, found: list[float])
         time.sleep(0.05)
 
 
+@pytest.mark.exclusive  # /healthz's latency is measured: no other test's load beside it
 @attack(
     "5 connections each send a 15.7 MB execute frame of 540,000 file entries",
     "the frames the tenant's frame budget takes are refused (SANDBOX_MAX_UPLOAD_FILES), the rest "
@@ -457,6 +458,7 @@ async def test_frames_costly_to_parse_do_not_stall_the_server(tenanted: Server, 
     )
 
 
+@pytest.mark.exclusive  # /healthz's latency is measured: no other test's load beside it
 @attack(
     "3 MCP tools/call bodies of 8.1 MB, each with 540,000 upload entries, POSTed to /mcp at once",
     "each body is refused (400, a JSON-RPC error naming the limit) before the MCP SDK parses it on "

@@ -1,0 +1,50 @@
+"""tests/exclusive.py: an exclusive test holds the host alone; others share it."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.exclusive import lock_root, turn
+
+
+def can_lock(path: Path, mode: int) -> bool:
+    """Whether another holder (a descriptor of its own) could take `mode` on path now."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def test_a_shared_turn_admits_other_shared_turns_and_holds_off_an_exclusive_one(tmp_path: Path) -> None:
+    with turn(tmp_path, exclusive=False):
+        assert can_lock(tmp_path / "run.lock", fcntl.LOCK_SH)
+        assert not can_lock(tmp_path / "run.lock", fcntl.LOCK_EX)
+        assert can_lock(tmp_path / "gate.lock", fcntl.LOCK_EX), "the gate is held only while entering"
+        with turn(tmp_path, exclusive=False):  # another worker's test, beside it
+            pass
+    assert can_lock(tmp_path / "run.lock", fcntl.LOCK_EX)
+
+
+def test_an_exclusive_turn_holds_off_every_other_test(tmp_path: Path) -> None:
+    with turn(tmp_path, exclusive=True):
+        assert not can_lock(tmp_path / "gate.lock", fcntl.LOCK_EX), "no test may start"
+        assert not can_lock(tmp_path / "run.lock", fcntl.LOCK_SH), "no test may run"
+    assert can_lock(tmp_path / "gate.lock", fcntl.LOCK_EX)
+    assert can_lock(tmp_path / "run.lock", fcntl.LOCK_EX)
+
+
+def test_locks_are_taken_only_in_an_xdist_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert lock_root(SimpleNamespace()) is None, "no xdist, or a pytest a test started: no lock"
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    root = lock_root(SimpleNamespace(workerinput={"testrunuid": "abc123"}))
+    assert root == tmp_path / "appliance-tests-abc123" and root.is_dir()
+    assert root.stat().st_mode & 0o777 == 0o700
