@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from appliance.gpu.simulated import SimulatedBackend
 from appliance.inside import channel as jail_end
 from appliance.sandbox import channel
 from appliance_client.client import AsyncClient, Client, Execution
-from tests.support import REPO, Server, start_server
+from tests.support import REPO, Server, start_server, until
 from tests.test_gpu_server import simulate as simulate_file
 
 MARGIN_MB = 128
@@ -544,7 +543,10 @@ def test_the_daemon_client_speaks_nvidia_cuda_mps_control_line_by_line(tmp_path:
     pipe.mkdir()
     server = subprocess.Popen(["setpriv", "--reuid=1001", "--regid=1001", "--clear-groups", "sleep", "30"])
     try:
-        time.sleep(0.2)
+        # The stand-in server is the uid's once setpriv has switched to it (before its exec).
+        until(
+            lambda: "\nUid:\t1001\t" in Path(f"/proc/{server.pid}/status").read_text(), 10, "setpriv to 1001"
+        )
         (pipe / "pending").write_text(f"{server.pid}\n")
         (pipe / "clients").write_text("4242\n4343\n")
         daemon = DaemonControl(pipe, binary=str(tool))
