@@ -10,8 +10,9 @@ that the pipes are not read, so the jail's writes block in the jail, and the ser
 memory stays bounded whatever the code writes and however slowly the client reads.
 Limits (`stop`) and interrupts jump the line: they are taken before any waiting output.
 
-Writes to the driver (`write`) are buffered and flushed as the pipe takes them; a caller
-that may be fed without bound (stdin from a client) passes a limit.
+Writes to the driver (`write`) are buffered and flushed as the pipe takes them, by the
+control pipe's own class (appliance/sandbox/control.py); a caller that may be fed without
+bound (stdin from a client) passes a limit.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.core.domain import PipeFull
 from appliance.core.errors import JailExited, RunLimit
 from appliance.sandbox import channel, proctree, signals
+from appliance.sandbox.control import ControlPipe
 
 READ_CHUNK = 65536
 HIGH_WATER_BYTES = 256 * 1024  # stop reading the jail's pipes above this much waiting output ...
@@ -96,7 +97,6 @@ class JailProcess:
         max_event_bytes: int,
     ) -> None:
         self._proc = proc
-        self._control_fd = control_fd
         self._fds = {"stdout": out_fd, "stderr": err_fd}
         self._events_fd = events_fd
         self._decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in self._fds}
@@ -112,10 +112,7 @@ class JailProcess:
         for fd in (out_fd, err_fd, events_fd):
             os.set_blocking(fd, False)
             self._loop.add_reader(fd, self._on_readable, fd)
-        os.set_blocking(control_fd, False)
-        self._write_buf = bytearray()
-        self._writer_added = False
-        self._flushed: list[asyncio.Future[None]] = []
+        self._control = ControlPipe(control_fd, self._loop)
         self._ready_pids: tuple[int, ...] = ()
         self._init_fds: list[int] = []  # pidfds of the jail's PID-namespace init (see pin)
         self._launcher_fd: int | None = None  # pidfd of firejail itself (see pin)
@@ -331,52 +328,12 @@ class JailProcess:
 
     # -- writing -------------------------------------------------------------------------
     def write(self, data: bytes, limit: int | None = None) -> None:
-        """Queue channel bytes for the driver without blocking; they go out as the pipe takes them.
-
-        With `limit`, raises PipeFull rather than hold more than that many unsent bytes.
-        Raises BrokenPipeError once the control channel is closed.
-        """
-        fd = self._control_fd
-        if fd in self._closed_fds:
-            raise BrokenPipeError("jail control channel is closed")
-        if limit is not None and len(self._write_buf) + len(data) > limit:
-            raise PipeFull(f"more than {limit} bytes are already waiting for the jail")
-        was_empty = not self._write_buf
-        self._write_buf += data
-        if was_empty:
-            self._flush()
+        """Queue channel bytes for the driver without blocking (see ControlPipe.write)."""
+        self._control.write(data, limit)
 
     async def flushed(self) -> None:
         """Wait until the driver's pipe has taken everything written so far."""
-        if not self._write_buf:
-            return
-        done: asyncio.Future[None] = self._loop.create_future()
-        self._flushed.append(done)
-        await done
-
-    def _flush(self) -> None:
-        fd = self._control_fd
-        while self._write_buf:
-            try:
-                written = os.write(fd, self._write_buf)
-            except BlockingIOError:
-                self._loop.add_writer(fd, self._flush)
-                self._writer_added = True
-                return
-            except OSError:  # the driver is gone (EPIPE) or the fd was closed
-                self._write_buf.clear()
-                self._close_fd(fd)  # which removes its writer, if any
-                self._writer_added = False
-                break
-            del self._write_buf[:written]
-        if self._writer_added:  # asked for only when the pipe was full (not on a run's path)
-            self._writer_added = False
-            with contextlib.suppress(Exception):
-                self._loop.remove_writer(fd)
-        waiters, self._flushed = self._flushed, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        await self._control.flushed()
 
     # -- ending --------------------------------------------------------------------------
     def pin(self) -> None:
@@ -490,8 +447,9 @@ class JailProcess:
         return await self._proc.wait()
 
     def _close_all(self) -> None:
-        for fd in (self._fds["stdout"], self._fds["stderr"], self._events_fd, self._control_fd):
+        for fd in (self._fds["stdout"], self._fds["stderr"], self._events_fd):
             self._close_fd(fd)
+        self._control.close()
         for fd in self._init_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -501,11 +459,6 @@ class JailProcess:
             with contextlib.suppress(OSError):
                 os.close(self._launcher_fd)
             self._launcher_fd = None
-        self._write_buf.clear()
-        waiters, self._flushed = self._flushed, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
 
 
 def _size(item: Output) -> int:
