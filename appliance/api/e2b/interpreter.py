@@ -8,7 +8,7 @@ wrong token get the same 404, so nothing tells a stranger which ids exist.
 `POST /execute` streams NDJSON lines as the SDK parses them. The reply is prepared only once
 the run has started, so a cell refused before it runs (busy, over a quota) gets an HTTP error
 the SDK raises. A client that stops reading (or goes away) costs the cell: it is interrupted
-once a write waits SANDBOX_CLIENT_STALL_MS, and the context's interpreter lives on.
+once a write waits SANDBOX_CLIENT_STALL_MS; its context lives on if the interpreter recovers.
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ async def execute(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) 
 async def _until_done(
     request: web.Request, stream: Stream, task: asyncio.Task[None], tasks: TaskScope
 ) -> None:
-    """Await the cell; if the client goes away meanwhile, interrupt it (its context lives on),
+    """Await the cell; if the client goes away meanwhile, interrupt it (its context lives on if the interpreter recovers),
     and cancel it only if it does not end within INTERRUPT_GRACE_S."""
     gone = tasks.spawn(until_gone(request), name="client-watch")
     try:
