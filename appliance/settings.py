@@ -127,12 +127,6 @@ class Settings:
         default_tenant = total // 2 if self.auth_tokens_file is not None else total
         return total, min(total, self.tenant_frame_buffer_bytes or default_tenant)
 
-    def gpu_budget_mb(self, asked_mb: int | None) -> int:
-        """A run's GPU budget: what it asked for, else SANDBOX_GPU_DEFAULT_MB; 0 outside GPU mode."""
-        if not self.gpu:
-            return 0
-        return asked_mb if asked_mb is not None else self.gpu_default_mb
-
 
 def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
     raw = env.get(name)

@@ -11,7 +11,7 @@ from typing import Any
 
 from appliance.core.domain import CellOutcome, Emit, Frame, PipeFull, RunRequest
 from appliance.core.errors import JailFailure
-from appliance.core.ports import Jail, OutputFile, Outputs
+from appliance.core.ports import GpuBudget, Jail, OutputFile, Outputs
 from appliance.core.service import RunService
 from appliance.core.tasks import TaskScope
 from appliance.settings import from_env
@@ -276,7 +276,7 @@ class FakeMetrics:
 class Core:
     """A RunService on fakes, with the fakes at hand."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, gpu: GpuBudget | None = None) -> None:
         self.clock = FakeClock()
         self.leases = FakeLeases()
         self.cells = FakeCells()
@@ -291,6 +291,7 @@ class Core:
             metrics=self.metrics,
             frames=protocol,
             catalogue=lambda root: [],
+            gpu=gpu,
             clock=self.clock,
         )
 

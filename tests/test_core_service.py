@@ -4,14 +4,19 @@ sessions, how errors become `done`, interrupt and cancellation. No root, jail or
 from __future__ import annotations
 
 import asyncio
+import secrets
+from pathlib import Path
 
 import pytest
 
 from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
 from appliance.core.errors import Busy, JailFailure, RequestRejected
 from appliance.core.service import Run
+from appliance.core.tenants import owner_of
 from appliance.wire import protocol
 from tests.core_fakes import Core, FakeFile, FakeJail, FakeOutputs, Script, until
+
+ALICE = "alice-" + secrets.token_hex(12)
 
 
 async def submit(core: Core, code: str, **fields: object) -> tuple[Run, list[Frame]]:
@@ -248,6 +253,46 @@ class TestSessionsEnd:
         assert changed["status"] == "rejected" and "512 MiB for its whole life" in changed["message"]
         same = (await core.run("1", session=sid, gpu=protocol.GpuRequest(memory_mb=512)))[-1]
         assert same["status"] == "ok"
+
+
+class AskedOrDefault:
+    """GPU mode's budget rule in small: a run holds what it asks for, else 1000 MiB."""
+
+    def budget_mb(self, req: RunRequest) -> int:
+        return req.gpu.memory_mb if req.gpu is not None else 1000
+
+
+class TestTheGpuBudgetIsGiven:
+    """The service charges a tenant's GPU quota with what the budget it is given says, and has
+    no rule of its own (appliance.core.ports.GpuBudget)."""
+
+    @staticmethod
+    def tenants(tmp_path: Path) -> dict[str, str]:
+        path = tmp_path / "tenants.toml"
+        path.write_text(f'[[tenant]]\nname = "alice"\ntoken = "{ALICE}"\nmax_gpu_mb = 1500\n')
+        path.chmod(0o600)
+        return {"SANDBOX_AUTH_TOKENS_FILE": str(path)}
+
+    async def test_a_session_holds_its_budget_of_the_tenants_gpu_quota_until_it_ends(
+        self, tmp_path: Path
+    ) -> None:
+        core = Core(self.tenants(tmp_path), gpu=AskedOrDefault())
+        owner = owner_of(ALICE)
+        first = (await core.run("1", owner=owner, session="new"))[-1]
+        assert first["status"] == "ok"
+        refused = (await core.run("1", owner=owner, session="new"))[-1]
+        assert refused["status"] == "busy" and "max_gpu_mb=1500: 1000 MiB held" in refused["message"]
+        small = (await core.run("1", owner=owner, gpu=protocol.GpuRequest(memory_mb=500)))[-1]
+        assert small["status"] == "ok"  # a one-shot run fits beside the session, and gives it back
+        await core.service.sessions.close(first["session"], reason="test")
+        assert (await core.run("1", owner=owner, session="new"))[-1]["status"] == "ok"
+
+    async def test_by_default_no_run_holds_gpu_memory(self, tmp_path: Path) -> None:
+        core = Core(self.tenants(tmp_path))
+        owner = owner_of(ALICE)
+        asks = protocol.GpuRequest(memory_mb=1000)
+        done = [(await core.run("1", owner=owner, session="new", gpu=asks))[-1] for _ in range(3)]
+        assert [d["status"] for d in done] == ["ok"] * 3
 
 
 class TestErrorsBecomeDone:

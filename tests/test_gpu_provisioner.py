@@ -16,7 +16,6 @@ from appliance.gpu.provisioner import GpuProvisioner
 from appliance.runtime.lifecycle import Lifecycle, provisioner_for
 from appliance.runtime.metrics import Metrics
 from appliance.sandbox.devices import GpuDevice
-from appliance.sandbox.jail import JailFactory
 from appliance.sandbox.lease import PoolLeases
 from appliance.sandbox.profiles import Profile
 from appliance.sandbox.provisioner import PlainProvisioner
@@ -59,9 +58,9 @@ class FactoryLog:
     def __init__(self) -> None:
         self.devices: list[GpuDevice] = []
 
-    def __call__(self, device: GpuDevice, profile: Profile) -> JailFactory:
+    def __call__(self, device: GpuDevice, profile: Profile) -> Any:
         self.devices.append(device)
-        return cast(JailFactory, object())
+        return object()  # never asked for a jail: the pools' size is 0
 
 
 def test_without_gpu_mode_the_composition_root_picks_the_plain_provisioner() -> None:
@@ -150,3 +149,11 @@ def test_the_gpu_provisioner_moves_gpu_modes_gauges() -> None:
     assert 'appliance_gpu_mps_enforcing{device="GPU-SIM-0"} 0.0' in text
     assert 'appliance_gpu_mps_enforcing{device="GPU-SIM-1"} 0.0' in text
     assert "appliance_gpu_reclaim_timeouts 0.0" in text
+
+
+def test_a_runs_gpu_budget_is_the_provisioners_its_ask_or_the_default_in_gpu_mode_none_without() -> None:
+    asks, silent = ExecuteRequest(code="1", gpu=GpuRequest(memory_mb=300)), ExecuteRequest(code="1")
+    gpu = GpuProvisioner(gpu_settings(gpu_default_mb=700), Metrics())
+    assert (gpu.budget_mb(asks), gpu.budget_mb(silent)) == (300, 700)
+    plain = PlainProvisioner()
+    assert (plain.budget_mb(asks), plain.budget_mb(silent)) == (0, 0)

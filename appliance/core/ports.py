@@ -68,6 +68,21 @@ class Lease(Protocol):
         """Kill, reap and remove the jail, and hand back what it held; idempotent."""
 
 
+class GpuBudget(Protocol):
+    """What a run's GPU ask amounts to: the provisioner's answer (GPU mode's counts the ask or
+    SANDBOX_GPU_DEFAULT_MB; without GPU mode every run is 0, `NoGpu`)."""
+
+    def budget_mb(self, req: RunRequest) -> int:
+        """MiB of GPU memory the run (or the session it opens) holds; 0: it gets no GPU."""
+
+
+class NoGpu:
+    """The service's default: no run holds GPU memory."""
+
+    def budget_mb(self, req: RunRequest) -> int:
+        return 0
+
+
 class LeaseSource(Protocol):
     """Where runs take jails from (CPU pools, or GPU mode's device pools)."""
 

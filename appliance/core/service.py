@@ -28,7 +28,19 @@ from appliance.core.errors import (
     RequestRejected,
     status_of,
 )
-from appliance.core.ports import Catalogue, Cells, Clock, Frames, Jail, Lease, Metrics, Outputs, Runtime
+from appliance.core.ports import (
+    Catalogue,
+    Cells,
+    Clock,
+    Frames,
+    GpuBudget,
+    Jail,
+    Lease,
+    Metrics,
+    NoGpu,
+    Outputs,
+    Runtime,
+)
 from appliance.core.sessions import Session, SessionRegistry
 from appliance.core.tasks import TaskScope
 from appliance.core.tenants import Tenants, owner_of
@@ -106,6 +118,7 @@ class RunService:
         metrics: Metrics,
         frames: Frames,
         catalogue: Catalogue,
+        gpu: GpuBudget | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
         self.settings = settings
@@ -115,6 +128,7 @@ class RunService:
         self.frames = frames
         self.clock = clock
         self._catalogue = catalogue
+        self.gpu: GpuBudget = gpu if gpu is not None else NoGpu()  # what a run's GPU ask costs
         self.admission = Admission(settings.max_concurrency, settings.max_queue, clock)
         self.tenants: Tenants | None = None
         session_limits: dict[str, int] = {}
@@ -210,7 +224,7 @@ class RunService:
             else:
                 if req.session == "new":
                     self.sessions.check_capacity(owner)
-                gpu_mb = self.settings.gpu_budget_mb(req.gpu.memory_mb if req.gpu is not None else None)
+                gpu_mb = self.gpu.budget_mb(req)
                 if tenants is not None:
                     gpu_quota = contextlib.ExitStack()
                     gpu_quota.callback(tenants.hold_gpu(owner, gpu_mb))
@@ -501,7 +515,10 @@ class RunService:
 
 
 def _check_session_gpu(session: Session, req: RunRequest) -> None:
-    """A later cell runs under the budget the session opened with: it may repeat it, not change it."""
+    """A later cell runs under the budget the session opened with: it may repeat it, not change it.
+
+    The session's contract with its client, in any mode: a session opened without a GPU (as
+    every session is without GPU mode) refuses a cell that asks for one."""
     if req.gpu is None:
         return
     if session.gpu_mb == 0:

@@ -52,6 +52,11 @@ from appliance.settings import Settings
 log = logging.getLogger("appliance.gpu")
 
 
+def budget_mb(settings: Settings, req: RunRequest) -> int:
+    """A run's GPU budget: its own, else SANDBOX_GPU_DEFAULT_MB (0: the run gets no GPU)."""
+    return req.gpu.memory_mb if req.gpu is not None else settings.gpu_default_mb
+
+
 def open_backend(settings: Settings) -> GpuBackend:
     """The backend SANDBOX_GPU_BACKEND names; StartupError (clear, actionable) if it cannot start."""
     if settings.gpu_backend == "simulated":
@@ -310,8 +315,7 @@ class GpuLeases(LeaseSource):
 
     # -- per run ---------------------------------------------------------------------------
     def budget_mb(self, req: RunRequest) -> int:
-        """The run's GPU budget: its own, else SANDBOX_GPU_DEFAULT_MB (0: the run gets no GPU)."""
-        return self.settings.gpu_budget_mb(req.gpu.memory_mb if req.gpu is not None else None)
+        return budget_mb(self.settings, req)
 
     @contextlib.asynccontextmanager
     async def lease(self, req: RunRequest) -> AsyncIterator[Lease]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from appliance.core.domain import RunRequest
 from appliance.core.errors import StartupError
 from appliance.core.ports import Gauge, Histogram
 from appliance.core.tasks import TaskScope
-from appliance.gpu.lease import GpuLeases
+from appliance.gpu.lease import GpuLeases, budget_mb
 from appliance.sandbox.cgroups import Hierarchy
 from appliance.sandbox.host import import_problem
 from appliance.sandbox.lease import LeaseSource, PoolLeases
@@ -61,6 +62,10 @@ class GpuProvisioner:
     @property
     def offload(self) -> bool:
         return True
+
+    def budget_mb(self, req: RunRequest) -> int:
+        """The run's GPU budget (what its tenant's GPU quota is charged): its ask, else the default."""
+        return budget_mb(self.settings, req)
 
     def check_host(self, cgroups: Hierarchy | None) -> None:
         """Open the backend and judge the host (strict: any gap is a StartupError); the GPU

@@ -52,14 +52,15 @@ def build_service(settings: Settings) -> RunService:
     """The run service on its real parts: this process's metrics, its lifecycle (host checks,
     pools, canary) as lease source, cells in firejail jails, frames spelt by the wire module."""
     metrics = Metrics()
-    lifecycle = Lifecycle(settings, metrics, provisioner_for(settings, metrics))
+    provisioner = provisioner_for(settings, metrics)
     return RunService(
         settings,
-        runtime=lifecycle,
+        runtime=Lifecycle(settings, metrics, provisioner),
         cells=JailCells(settings, protocol),
         metrics=metrics,
         frames=protocol,
         catalogue=catalogue,
+        gpu=provisioner,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from appliance.core.domain import RunRequest
 from appliance.core.tasks import TaskScope
 from appliance.sandbox.cgroups import Hierarchy
 from appliance.sandbox.devices import GpuDevice
@@ -26,11 +27,15 @@ MakeFactory = Callable[[GpuDevice, Profile], JailFactory]  # a jail factory for 
 
 class Provisioner(Protocol):
     """The mode's steps, called by the lifecycle in this order: `check_host` (fail closed),
-    `start` (after the CPU pools), then `readiness`/`update_gauges` while serving, `close`."""
+    `start` (after the CPU pools), then `readiness`/`update_gauges` while serving, `close`.
+    The run service is given it as its `appliance.core.ports.GpuBudget` (`budget_mb`)."""
 
     @property
     def offload(self) -> bool:
         """Whether the jails' model tools are expected to offload to a GPU (the tool probe)."""
+
+    def budget_mb(self, req: RunRequest) -> int:
+        """The GPU memory a run holds (the run service's `GpuBudget`); 0: no GPU."""
 
     def check_host(self, cgroups: Hierarchy | None) -> None:
         """What the mode needs from the host; StartupError naming what to fix."""
@@ -61,6 +66,9 @@ class PlainProvisioner:
     @property
     def offload(self) -> bool:
         return False
+
+    def budget_mb(self, req: RunRequest) -> int:
+        return 0
 
     def check_host(self, cgroups: Hierarchy | None) -> None:
         return None
