@@ -103,11 +103,14 @@ async def test_uploads_over_the_size_limit_are_rejected(guarded: Server) -> None
 
 async def test_a_duplicate_id_while_the_first_runs_is_rejected_without_disturbing_it(guarded: Server) -> None:
     async with connect(guarded) as ws:
-        await ws.send(json.dumps({"id": "same", "code": "import time\ntime.sleep(1)\nprint('first')"}))
+        # The first runs until it reads a line, sent only once the duplicate has been answered.
+        await ws.send(json.dumps({"id": "same", "code": "print(input())"}))
         await ws.send(json.dumps({"id": "same", "code": "print('second')"}))
         frames: list[dict[str, Any]] = []
         while len([f for f in frames if f["type"] == "done"]) < 2:
             frames.append(json.loads(await ws.recv()))
+            if frames[-1]["type"] == "done" and len([f for f in frames if f["type"] == "done"]) == 1:
+                await ws.send(json.dumps({"type": "stdin", "id": "same", "data": "first\n"}))
     dones = [f for f in frames if f["type"] == "done"]
     assert dones[0]["status"] == "rejected" and "already in use" in dones[0]["message"]
     assert dones[1]["status"] == "ok"
