@@ -32,11 +32,10 @@ log "podman run --cgroupns=private (SANDBOX_CGROUPS=require, SANDBOX_MEMORY_MB=5
     --security-opt apparmor=unconfined -e SANDBOX_CGROUPS=require -e SANDBOX_MEMORY_MB=512 \
     "${EXTRA[@]}" "$IMAGE" >/dev/null || die "podman run failed"
 
-# Inside the container, with the image's own Python and client: nothing needed on the host.
+# Inside the container, with the image's own Python and the REST endpoint (the image carries
+# the server only, not the client package): nothing needed on the host.
 "${PODMAN[@]}" exec -i "$NAME" /opt/appliance/venv/bin/python - <<'PY' || die "cgroups are not enforcing in the container"
 import json, time, urllib.error, urllib.request
-
-from appliance_client.client import Client
 
 body: dict = {}
 for _ in range(900):
@@ -53,9 +52,16 @@ code = ("import subprocess, sys\n"
         "child = 'b = bytearray(300 << 20); import time; time.sleep(20)'\n"
         "ps = [subprocess.Popen([sys.executable, '-c', child]) for _ in range(4)]\n"
         "print([p.wait() for p in ps])\n")
-with Client("ws://127.0.0.1:9100/exec") as client:
-    ex = client.execute(code, timeout_ms=30000)
-print("four children of 300 MiB under 512 MiB:", ex.status, ex.message)
-assert ex.status == "memory_limit", (ex.status, ex.message, ex.stdout, ex.stderr[-300:])
+request = urllib.request.Request(
+    "http://127.0.0.1:9100/v1/exec",
+    data=json.dumps({"type": "execute", "id": "ci-cgroups", "code": code, "timeout_ms": 30000}).encode(),
+    headers={"Content-Type": "application/json"},
+)
+with urllib.request.urlopen(request, timeout=120) as r:
+    frames = [json.loads(line) for line in r.read().splitlines() if line.strip()]
+done = frames[-1]
+stderr = "".join(f.get("text", "") for f in frames if f.get("type") == "stream" and f.get("name") == "stderr")
+print("four children of 300 MiB under 512 MiB:", done.get("status"), done.get("message"))
+assert done.get("type") == "done" and done.get("status") == "memory_limit", (done, stderr[-300:])
 PY
 log "OK: /readyz reports cgroups enforcing memory, cpu and pids; an over-limit run ended memory_limit"
