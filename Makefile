@@ -44,7 +44,7 @@ run: setup
 	SUDO="$(SUDO)" scripts/serve.sh $(VENV) --host $(HOST) --port $(PORT)
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The fast tier (tests/tiers.py): no server, no jail, no firejail, no root; the venv must exist
 # (`make setup` once). Any user may run it.

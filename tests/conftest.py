@@ -18,12 +18,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Under pytest-xdist, `make test` distributes by file (--dist loadfile): a module stays on
+    # one worker, so its module-scoped server and fixtures are made once and never twice at once.
     tiers.classify(items)
-    for item in items:
-        # `--dist loadgroup` keeps a module on one worker, so its module-scoped server is started
-        # once; a test may name a group of its own to go with another module's.
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 @pytest.hookimpl(hookwrapper=True)
