@@ -341,6 +341,7 @@ async def test_what_a_session_cell_leaves_counts_against_the_session_between_cel
             await c.close_session(sid)
 
 
+@pytest.mark.exclusive  # any server starting meanwhile (another worker's) would purge the leftover first
 async def test_a_restart_after_kill_9_purges_the_dead_servers_groups(tmp_path: Path, srv: Server) -> None:
     """kill -9 leaves the server's groups (and what runs in them); the next start removes them,
     and never touches the groups of a server that is still alive (`srv`)."""

@@ -188,6 +188,9 @@ async def test_a_server_killed_mid_run_takes_its_running_jail_with_it(
     assert living(procs) == []
 
 
+# Any server that starts meanwhile purges a dead server's groups and what runs in them (as it
+# should), so under pytest-xdist another worker's server could end this jail before the restart.
+@pytest.mark.exclusive
 async def test_a_restart_purges_jails_that_outlived_a_killed_server(tmp_path: Path, chaos_root: Path) -> None:
     first = start_server(tmp_path / "first", SANDBOX_POOL_SIZE="0", SANDBOX_TMP_ROOT=str(chaos_root))
     instance = run_root(chaos_root, first.proc.pid)
