@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import overload
 
+from appliance.core.egress import Rules, parse_rules
 from appliance.core.errors import SettingsError
 
 DEFAULT_PRELOAD = ("numpy", "pandas", "matplotlib")
@@ -83,6 +84,12 @@ class Settings:
     ] = ()  # private IPv4 networks runs may reach (SANDBOX_EGRESS_ALLOW_NETS)
     egress_dns: tuple[str, ...] = ()  # resolvers reachable when 53 is open (SANDBOX_EGRESS_DNS)
     egress_subnet: str = "10.216.0.0/16"  # jail links are /30s carved from it (SANDBOX_EGRESS_SUBNET)
+    # Names runs may reach through the egress proxy (SANDBOX_EGRESS_ALLOW_DOMAINS); when set,
+    # the proxy is a jail's only way out (appliance.sandbox.egressproxy).
+    egress_allow_domains: Rules = ()
+    egress_proxy_port: int = 3128  # where the proxy listens on each jail's link (SANDBOX_EGRESS_PROXY_PORT)
+    egress_idle_ms: int = 60000  # a proxied flow with no byte either way this long is closed
+    egress_log: Path | None = None  # a JSON line per flow, appended here (SANDBOX_EGRESS_LOG)
     auth_tokens_file: Path | None = None  # several tenants (SANDBOX_AUTH_TOKENS_FILE); see tenants.py
     gpu: bool = False
     preload: tuple[str, ...] = DEFAULT_PRELOAD
@@ -450,6 +457,12 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         egress_allow_nets=_ipv4(env, "SANDBOX_EGRESS_ALLOW_NETS", networks=True),
         egress_dns=_ipv4(env, "SANDBOX_EGRESS_DNS", networks=False),
         egress_subnet=(_ipv4(env, "SANDBOX_EGRESS_SUBNET", networks=True) or (D.egress_subnet,))[0],
+        egress_allow_domains=parse_rules(
+            env.get("SANDBOX_EGRESS_ALLOW_DOMAINS", "").split(","), "SANDBOX_EGRESS_ALLOW_DOMAINS"
+        ),
+        egress_proxy_port=_int(env, "SANDBOX_EGRESS_PROXY_PORT", D.egress_proxy_port, minimum=1),
+        egress_idle_ms=_int(env, "SANDBOX_EGRESS_IDLE_MS", D.egress_idle_ms, minimum=100),
+        egress_log=_dir(env, "SANDBOX_EGRESS_LOG", None),
         auth_tokens_file=_dir(env, "SANDBOX_AUTH_TOKENS_FILE", None),
         gpu=gpu,
         preload=preload,
@@ -492,15 +505,26 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
             "SANDBOX_METRICS_TOKEN: must differ from SANDBOX_AUTH_TOKEN (a scraper's token "
             "must not be able to run code)"
         )
-    if 53 in settings.open_ports and not settings.egress_dns:
-        # Fail closed: DNS goes only to resolvers named on purpose, never to whatever answers.
-        raise SettingsError("SANDBOX_OPEN_PORTS: 53 is listed but SANDBOX_EGRESS_DNS names no resolver")
-    if settings.egress_dns and 53 not in settings.open_ports:
-        raise SettingsError("SANDBOX_EGRESS_DNS: set, but SANDBOX_OPEN_PORTS does not list 53")
-    if ipaddress.ip_network(settings.egress_subnet).prefixlen > 28:
-        raise SettingsError("SANDBOX_EGRESS_SUBNET: too small; use a /28 or larger (one /30 per jail)")
+    _check_egress(settings)
     if settings.gpu_simulate_mps != "off" and settings.gpu_backend != "simulated":
         raise SettingsError("SANDBOX_GPU_SIMULATE_MPS: needs SANDBOX_GPU_BACKEND=simulated")
     if settings.gpu_backend == "simulated" and not settings.gpu:
         raise SettingsError("SANDBOX_GPU_BACKEND: 'simulated' needs SANDBOX_GPU=1")
     return settings
+
+
+def _check_egress(settings: Settings) -> None:
+    """The egress settings together: what one needs of another."""
+    if 53 in settings.open_ports and not settings.egress_dns:
+        # Fail closed: DNS goes only to resolvers named on purpose, never to whatever answers.
+        raise SettingsError("SANDBOX_OPEN_PORTS: 53 is listed but SANDBOX_EGRESS_DNS names no resolver")
+    if settings.egress_dns and 53 not in settings.open_ports and not settings.egress_allow_domains:
+        # With names allowed, it is the proxy's resolver; else only jails would use it.
+        raise SettingsError(
+            "SANDBOX_EGRESS_DNS: set, but SANDBOX_OPEN_PORTS does not list 53 "
+            "and SANDBOX_EGRESS_ALLOW_DOMAINS is empty"
+        )
+    if settings.egress_proxy_port > 65535:
+        raise SettingsError("SANDBOX_EGRESS_PROXY_PORT: must be a TCP port (1-65535)")
+    if ipaddress.ip_network(settings.egress_subnet).prefixlen > 28:
+        raise SettingsError("SANDBOX_EGRESS_SUBNET: too small; use a /28 or larger (one /30 per jail)")

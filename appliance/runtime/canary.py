@@ -81,6 +81,9 @@ ALLOWED_JAIL_ENV = {
     "CUDA_VISIBLE_DEVICES",
     "APPLIANCE_WHEELHOUSE",
     "APPLIANCE_WHEEL_CACHE",  # paths only (appliance.inside.magics)
+    # Names mode: the jail's own proxy on its link (appliance.sandbox.network.proxy_env).
+    *(f"{k}_proxy" for k in ("http", "https", "no")),
+    *(f"{k}_PROXY" for k in ("HTTP", "HTTPS", "NO")),
 }
 
 

@@ -23,6 +23,7 @@ from appliance.core.service import RunService
 from appliance.core.tasks import TaskScope
 from appliance.inside.tools.catalogue import catalogue
 from appliance.runtime import canary, toolprobe
+from appliance.runtime.egresslog import EgressAudit
 from appliance.runtime.metrics import Metrics
 from appliance.sandbox import cgroups, nslimits, outputs, runfs, sched, uids
 from appliance.sandbox.cell import disk_entries, run_cell
@@ -85,6 +86,7 @@ class Lifecycle:
         self.dirs: RunDirs | None = None
         self.uids: uids.Uids | None = None  # the uids jails run as (SANDBOX_UID_RANGE)
         self.network: EgressNetwork | None = None
+        self.audit: EgressAudit | None = None
         self.cpu: PoolLeases | None = None
         self._leases: LeaseSource | None = None  # the provisioner's, wrapping the CPU pools
         self.started = asyncio.Event()
@@ -132,7 +134,7 @@ class Lifecycle:
             if gap is not None:
                 log.warning(gap)
                 self.cgroups_missing = [gap]
-        if s.open_ports:
+        if s.open_ports or s.egress_allow_domains:
             check_prerequisites()  # before inspect: /run/netns must exist when /run is judged
         host = inspect(s.firejail, s.uid, s.python)
         # A jail of SANDBOX_UID_RANGE owns nothing on the host: what it must reach, it reaches as
@@ -199,8 +201,9 @@ class Lifecycle:
         cache = None
         if s.wheelhouse is not None:  # unpacked once here, so runs need not install again
             cache = await asyncio.to_thread(stage_wheel_cache, s.wheelhouse, s.tmp_root)
-        if s.open_ports:
-            self.network = EgressNetwork(s)
+        if s.open_ports or s.egress_allow_domains:
+            self.audit = EgressAudit(self.metrics, s.egress_log)
+            self.network = EgressNetwork(s, self.audit)
             await self.network.start()
         network, dirs, groups = self.network, self.dirs, self.cgroups
         profiles = tuple(Profile(name, modules) for name, modules in s.preload_profiles)
@@ -319,6 +322,8 @@ class Lifecycle:
         await self.tasks.close()
         if self.network is not None:
             await self.network.close()
+        if self.audit is not None:
+            self.audit.close()
         if self.dirs is not None:
             self.dirs.remove_instance()
         if self.uids is not None:

@@ -32,6 +32,18 @@ class Metrics:
             "appliance_gpu_session_memory_bytes", "GPU memory budgets held by open sessions", registry=r
         )
         self.bytes_streamed = Counter("appliance_bytes_streamed", "Output bytes sent to clients", registry=r)
+        self.egress_flows = Counter(
+            "appliance_egress_flows",
+            "Connections through the egress proxy, by decision (allowed, denied, failed)",
+            ["decision"],
+            registry=r,
+        )
+        self.egress_bytes = Counter(
+            "appliance_egress_bytes",
+            "Bytes through the egress proxy, by direction (up: from jails)",
+            ["direction"],
+            registry=r,
+        )
         self.queue_depth = Gauge("appliance_queue_depth", "Requests waiting for a run slot", registry=r)
         self.active_runs = Gauge("appliance_active_runs", "Runs holding a slot", registry=r)
         self.frame_buffer = Gauge(

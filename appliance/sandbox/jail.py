@@ -36,7 +36,7 @@ from appliance.sandbox.firejail import (
     render_argv,
 )
 from appliance.sandbox.host import HostFacts
-from appliance.sandbox.network import EgressNetwork, JailLink, enter_argv, expected_interfaces
+from appliance.sandbox.network import EgressNetwork, JailLink, enter_argv, expected_interfaces, proxy_env
 from appliance.sandbox.process import JailProcess
 from appliance.sandbox.spec import JailLimits, JailSpec, jail_env
 from appliance.sandbox.uids import Held, Uids
@@ -339,14 +339,21 @@ class JailFactory:
             readable=self._readable,
             root_entries=self.host.root_entries,
             run_entries=self.host.run_entries,
-            env=self._env,
+            env=self._link_env(link),
             netns=link.netns if link is not None else None,
-            dns=s.egress_dns if link is not None else (),
+            dns=s.egress_dns if link is not None and 53 in s.open_ports else (),
             devices=self.gpu.nodes if self.gpu else (),
             gpu=self.gpu is not None,
             gpu_hidden=self.gpu.hidden if self.gpu else (),
             gpu_shared=(self.gpu.mps_pipe_dir,) if self.gpu and self.gpu.mps_pipe_dir else (),
         )
+
+    def _link_env(self, link: JailLink | None) -> tuple[tuple[str, str], ...]:
+        """The environment, with the jail's own proxy in names mode."""
+        policy = self.network.policy if self.network is not None else None
+        if link is None or policy is None or policy.proxy_port is None:
+            return self._env
+        return tuple(sorted((*self._env, *proxy_env(policy, link))))
 
     async def launch(self, nice: int = 0) -> Jail:
         """Start and verify a new jail, or raise JailFailure (and leave nothing behind).

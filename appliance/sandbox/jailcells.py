@@ -13,10 +13,12 @@ import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 
 from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
+from appliance.core.egress import Layers
 from appliance.core.ports import CellFrames
 from appliance.core.ports import Jail as AnyJail
 from appliance.sandbox import outputs
 from appliance.sandbox.cell import disk_violation, run_cell, stdin_ops
+from appliance.sandbox.egressproxy import Scope
 from appliance.sandbox.jail import Jail
 from appliance.settings import Settings
 
@@ -52,18 +54,28 @@ class JailCells:
         first: Frame,
     ) -> CellOutcome:
         s = self.settings
-        return await run_cell(
-            _own(jail),
-            req,
-            emit,
-            timeout_ms=timeout_ms,
-            max_output_bytes=s.max_output_bytes,
-            max_disk_mb=s.max_disk_mb,
-            keep_alive=keep_alive,
-            frames=self.frames,
-            started=started,
-            first=first,
-        )
+        own = _own(jail)
+        # Names mode: the jail's flows are this run's from here to its end (its ledger).
+        proxy = own.network.proxy if own.network is not None else None
+        link = own.link if proxy is not None else None
+        if proxy is not None and link is not None:
+            proxy.begin(link, Scope(Layers(s.egress_allow_domains), req.id))
+        try:
+            return await run_cell(
+                own,
+                req,
+                emit,
+                timeout_ms=timeout_ms,
+                max_output_bytes=s.max_output_bytes,
+                max_disk_mb=s.max_disk_mb,
+                keep_alive=keep_alive,
+                frames=self.frames,
+                started=started,
+                first=first,
+            )
+        finally:
+            if proxy is not None and link is not None:
+                proxy.end(link)
 
     async def between_cells(self, jail: AnyJail) -> str | None:
         own = _own(jail)

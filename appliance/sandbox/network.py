@@ -21,6 +21,10 @@ own addresses and the jail links are refused unless a network is allowed on purp
 (`SANDBOX_EGRESS_ALLOW_NETS`; the host and the links never can be). IPv6 never leaves.
 DNS: only when 53 is listed, and then only to the resolvers in `SANDBOX_EGRESS_DNS`.
 
+Names mode (`SANDBOX_EGRESS_ALLOW_DOMAINS`): the jail's filter lets out only TCP to the
+egress proxy on its own link's host end (appliance.sandbox.egressproxy), and DNS as above;
+the proxy applies the address rules to IP literals itself (`address_refusal`).
+
 The I/O part (`EgressNetwork`) installs the host table at startup (atomically, and
 idempotently: a stale table of a crashed run is replaced), makes and removes one
 namespace per jail, and removes everything at shutdown. Any failure stops startup
@@ -41,9 +45,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from appliance.core.egress import Layers
 from appliance.core.errors import JailFailure, StartupError
 from appliance.settings import Settings
+
+if TYPE_CHECKING:
+    from appliance.sandbox.egressproxy import EgressProxy, OnFlow
 
 log = logging.getLogger("appliance.network")
 
@@ -85,6 +94,9 @@ class EgressPolicy:
     dns: tuple[IPv4Address, ...]  # the only resolvers; only when 53 is in ports
     subnet: IPv4Network  # jail links are /30s carved from it
     host_addresses: tuple[IPv4Address, ...]  # the host's own addresses, never reachable
+    # Names mode (SANDBOX_EGRESS_ALLOW_DOMAINS): the proxy's port on each link's host end, and
+    # then the proxy is a jail's only way out (its address rules apply to IP literals there).
+    proxy_port: int | None = None
 
     @property
     def tag(self) -> str:
@@ -141,6 +153,7 @@ def policy_of(settings: Settings, host_addresses: Sequence[IPv4Address]) -> Egre
         dns=tuple(IPv4Address(a) for a in settings.egress_dns),
         subnet=IPv4Network(settings.egress_subnet),
         host_addresses=tuple(sorted(set(host_addresses))),
+        proxy_port=settings.egress_proxy_port if settings.egress_allow_domains else None,
     )
 
 
@@ -162,14 +175,44 @@ def _set(items: Sequence[object]) -> str:
     return "{ " + ", ".join(str(i) for i in items) + " }"
 
 
+def address_refusal(policy: EgressPolicy, address: IPv4Address) -> str | None:
+    """Why no allowance may reach this address (the same ranges the rulesets refuse), or None.
+
+    The proxy asks this of every address it is asked for or a name resolves to."""
+    if any(address in net for net in policy.never):
+        return "the host itself or a jail link"
+    if any(address in net for net in policy.allow_nets):
+        return None
+    if any(address in net for net in BLOCKED_V4):
+        return "a private, loopback, link-local, metadata or reserved address"
+    return None
+
+
+def proxy_env(policy: EgressPolicy, link: JailLink) -> tuple[tuple[str, str], ...]:
+    """The proxy settings every HTTP client in the jail reads (names mode), or none."""
+    if policy.proxy_port is None:
+        return ()
+    url = f"http://{link.gateway}:{policy.proxy_port}"
+    local = "localhost,127.0.0.1,::1"
+    return tuple(
+        (name, value)
+        for key, value in (("http_proxy", url), ("https_proxy", url), ("no_proxy", local))
+        for name in (key, key.upper())
+    )
+
+
 def _decisions(policy: EgressPolicy, accept: str, refuse: str) -> list[str]:
-    """The egress decision, first match wins; shared by both rulesets."""
+    """The egress decision, first match wins; shared by both rulesets. In names mode nothing
+    but DNS to the named resolvers (when 53 is listed) leaves directly: the rest goes
+    through the proxy, which applies the address rules itself."""
     rules = [f"ip daddr {_set(policy.never)} {refuse}"]
     if policy.dns and DNS_PORT in policy.ports:
         rules += [
             f"ip daddr {_set(policy.dns)} udp dport {DNS_PORT} {accept}",
             f"ip daddr {_set(policy.dns)} tcp dport {DNS_PORT} {accept}",
         ]
+    if policy.proxy_port is not None:
+        return [*rules, refuse]
     if policy.tcp_ports and policy.allow_nets:
         rules.append(f"ip daddr {_set(policy.allow_nets)} tcp dport {_set(policy.tcp_ports)} {accept}")
     rules.append(f"ip daddr {_set(BLOCKED_V4)} {refuse}")
@@ -179,8 +222,12 @@ def _decisions(policy: EgressPolicy, accept: str, refuse: str) -> list[str]:
     return rules
 
 
-def jail_ruleset(policy: EgressPolicy) -> str:
-    """The nftables ruleset loaded inside each jail's namespace (`nft -f -`)."""
+def jail_ruleset(policy: EgressPolicy, link: JailLink | None = None) -> str:
+    """The nftables ruleset loaded inside each jail's namespace (`nft -f -`); in names mode
+    the jail's own proxy listener (its link's host end) is the one host address it reaches."""
+    proxy = []
+    if policy.proxy_port is not None and link is not None:
+        proxy = [f"    ip daddr {link.gateway} tcp dport {policy.proxy_port} accept"]
     lines = [
         "table inet jail {",
         "  chain refuse {",
@@ -200,6 +247,7 @@ def jail_ruleset(policy: EgressPolicy) -> str:
         '    oifname "lo" accept',
         "    ct state established,related accept",
         "    meta nfproto ipv6 jump refuse",
+        *proxy,
         *(f"    {rule}" for rule in _decisions(policy, "accept", "jump refuse")),
         "  }",
         "}",
@@ -210,6 +258,15 @@ def jail_ruleset(policy: EgressPolicy) -> str:
 def host_ruleset(policy: EgressPolicy) -> str:
     """The host's table for this server, replacing any stale copy atomically (`nft -f -`)."""
     jails = f'"{policy.if_prefix}*"'
+    proxy: list[str] = []
+    if policy.proxy_port is not None:
+        # The proxy's listeners: from a jail's own link only; refused from anywhere else,
+        # the host's own processes included (the proxy also checks which jail it is).
+        tcp = f"ip daddr {policy.subnet} tcp dport {policy.proxy_port}"
+        proxy = [
+            f"    iifname {jails} {tcp} accept",
+            f"    {tcp} reject with tcp reset",
+        ]
     lines = [
         # Declaring then deleting makes the load idempotent: one transaction, no gap.
         f"table inet {policy.table} {{}}",
@@ -217,6 +274,7 @@ def host_ruleset(policy: EgressPolicy) -> str:
         f"table inet {policy.table} {{",
         "  chain input {",
         "    type filter hook input priority -10; policy accept;",
+        *proxy,
         f"    iifname {jails} drop",
         "  }",
         "  chain forward {",
@@ -330,18 +388,34 @@ def check_prerequisites() -> None:
 
 
 class EgressNetwork:
-    """Installs and removes one server's egress filter and its jails' namespaces."""
+    """Installs and removes one server's egress filter and its jails' namespaces, and in
+    names mode the proxy's listener on each jail's link (appliance.sandbox.egressproxy)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, on_flow: OnFlow | None = None) -> None:
         self.settings = settings
         self.policy: EgressPolicy | None = None
+        self.proxy: EgressProxy | None = None
+        self._on_flow = on_flow
         self._free: set[int] = set()
         self._next = 0
         self._lock = asyncio.Lock()
 
     async def start(self) -> EgressPolicy:
         """Install the host side; raise StartupError if it cannot be installed exactly."""
-        return await asyncio.to_thread(self._start)
+        policy = await asyncio.to_thread(self._start)
+        if policy.proxy_port is not None:
+            from appliance.sandbox.egressproxy import EgressProxy
+            from appliance.sandbox.egressresolve import Resolver
+
+            s = self.settings
+            self.proxy = EgressProxy(
+                policy,
+                Layers(s.egress_allow_domains),
+                Resolver([str(a) for a in policy.dns]),
+                s.egress_idle_ms / 1000,
+                self._on_flow,
+            )
+        return policy
 
     def _start(self) -> EgressPolicy:
         check_prerequisites()
@@ -408,7 +482,15 @@ class EgressNetwork:
             self._next = max(self._next, index + 1)
         link = link_for(self.policy, index, jail_id)
         try:
-            await asyncio.to_thread(self._make, link, jail_ruleset(self.policy))
+            await asyncio.to_thread(self._make, link, jail_ruleset(self.policy, link))
+            if self.proxy is not None:
+                try:
+                    await self.proxy.listen(link)
+                except OSError as exc:
+                    log.error("egress proxy cannot listen", extra={"link": link.host_if, "error": str(exc)})
+                    raise JailFailure(
+                        "the jail's egress proxy could not listen; the run was refused"
+                    ) from exc
         except BaseException:
             await self.release(link)
             raise
@@ -428,6 +510,8 @@ class EgressNetwork:
 
     async def release(self, link: JailLink) -> None:
         """Remove a jail's namespace and link (its processes are already gone); free the index."""
+        if self.proxy is not None:
+            await self.proxy.unlisten(link)
         await asyncio.to_thread(self._remove, link.netns, link.host_if)
         async with self._lock:
             self._free.add(link.index)
@@ -457,6 +541,8 @@ class EgressNetwork:
         policy = self.policy
         if policy is None:
             return
+        if self.proxy is not None:
+            await self.proxy.close()
         await asyncio.to_thread(self._purge, policy)
         await asyncio.to_thread(_run, ["nft", "delete", "table", "inet", policy.table])
         self.policy = None

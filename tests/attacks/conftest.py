@@ -27,6 +27,7 @@ CLASS_OF_FILE = {
     "test_transport": "transport and time",
     "test_cross_site": "cross-site requests",
     "test_filesystem": "filesystem and IPC",
+    "test_egress": "egress by name",
 }
 OBSERVED = pytest.StashKey[str]()
 ROWS = pytest.StashKey[list[AuditRow]]()

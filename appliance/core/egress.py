@@ -1,0 +1,186 @@
+"""Egress by name: the allowlist rules (`SANDBOX_EGRESS_ALLOW_DOMAINS`, a tenant's
+`egress_allow_domains`, a request's `egress.allow`) and the decision they make. Pure.
+
+A rule is `host:port`: an exact name (`api.example.com:443`), a wildcard that matches
+names below a domain but not the domain itself (`*.pypi.org:443`), or an IPv4 literal
+(`203.0.113.7:443`, exact). Names are compared lower case, without a trailing dot.
+
+Layers narrow: a flow is allowed by name only when every layer given (the server's, the
+tenant's, the request's) has a rule for it, so a tenant or a request can never open what
+the server does not. Whether the address a name resolves to may be reached at all is the
+sandbox's question (its blocklist), asked after this one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from appliance.core.errors import SettingsError
+
+LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+NAME_RE = re.compile(rf"^{LABEL}(\.{LABEL})*$")
+MAX_NAME = 253
+MAX_RULES = 1000  # one layer's rules; a longer list is a mistake, not a policy
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One allowlist entry."""
+
+    host: str  # the name (for a wildcard: the domain below which names match), or an IPv4 literal
+    port: int
+    wildcard: bool = False
+
+    def __str__(self) -> str:
+        return f"{'*.' if self.wildcard else ''}{self.host}:{self.port}"
+
+    def matches(self, host: str, port: int) -> bool:
+        if port != self.port:
+            return False
+        if self.wildcard:
+            return host.endswith("." + self.host)
+        return host == self.host
+
+
+Rules = tuple[Rule, ...]
+
+
+def normal_host(raw: str) -> str | None:
+    """`raw` as rules compare it (lower case, no trailing dot), or None if it is no host name
+    or IPv4 literal (IPv6, an empty label, a character outside letters, digits and '-')."""
+    host = raw.strip().lower().removesuffix(".")
+    if not host or len(host) > MAX_NAME:
+        return None
+    if is_ipv4(host):
+        return str(ipaddress.IPv4Address(host))
+    return host if NAME_RE.match(host) else None
+
+
+def is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def parse_rule(entry: str) -> Rule:
+    """One `host:port` entry; ValueError saying what is wrong with it."""
+    text = entry.strip()
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("needs a port, like api.example.com:443 (1-65535)")
+    wildcard = host.startswith("*.")
+    if wildcard:
+        host = host[2:]
+    if "*" in host:
+        raise ValueError("a wildcard may only be a leading '*.'")
+    name = normal_host(host)
+    if name is None:
+        raise ValueError("is not a host name or an IPv4 address (IPv6 egress is not supported)")
+    if wildcard and is_ipv4(name):
+        raise ValueError("a wildcard needs a domain name, not an address")
+    if wildcard and "." not in name:
+        raise ValueError("a wildcard over a top-level domain would match too much")
+    return Rule(name, int(port), wildcard)
+
+
+def parse_rules(entries: Iterable[str], source: str) -> Rules:
+    """Every entry parsed; SettingsError naming `source` and the first entry that is wrong."""
+    rules: list[Rule] = []
+    for entry in entries:
+        if not entry.strip():
+            continue
+        try:
+            rule = parse_rule(entry)
+        except ValueError as exc:
+            raise SettingsError(f"{source}: {entry.strip()!r} {exc}") from None
+        if rule not in rules:
+            rules.append(rule)
+    if len(rules) > MAX_RULES:
+        raise SettingsError(f"{source}: more than {MAX_RULES} rules")
+    return tuple(rules)
+
+
+def first_match(rules: Rules, host: str, port: int) -> Rule | None:
+    for rule in rules:
+        if rule.matches(host, port):
+            return rule
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Layers:
+    """The rules a run's flows are held to: the server's, then any narrowing ones."""
+
+    server: Rules
+    narrowing: tuple[tuple[str, Rules], ...] = ()  # (who, rules): "tenant", "request"
+
+    def narrowed(self, who: str, rules: Rules | None) -> Layers:
+        return self if rules is None else Layers(self.server, (*self.narrowing, (who, rules)))
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether a name (or literal) may be asked for at all, before any address is looked at."""
+
+    allowed: bool
+    rule: str | None  # the server's rule that allowed it
+    why: str | None  # why it was refused
+
+
+def decide_name(layers: Layers, host: str, port: int, ip_allowed: bool = False) -> Verdict:
+    """The by-name decision for host:port (host already `normal_host`).
+
+    `ip_allowed`: the host is an IPv4 literal the server's address rules (SANDBOX_OPEN_PORTS,
+    SANDBOX_EGRESS_ALLOW_NETS) already allow; narrowing layers still apply to it.
+    """
+    rule = first_match(layers.server, host, port)
+    if rule is None and not ip_allowed:
+        return Verdict(False, None, f"{host}:{port} is not in the allowlist")
+    for who, rules in layers.narrowing:
+        if first_match(rules, host, port) is None:
+            return Verdict(False, None, f"{host}:{port} is not in the {who}'s allowlist")
+    return Verdict(True, str(rule) if rule is not None else "address rules", None)
+
+
+def describe(rules: Sequence[Rule]) -> list[str]:
+    return [str(r) for r in rules]
+
+
+ALLOWED = "allowed"
+DENIED = "denied"
+
+
+@dataclass(slots=True)
+class Flow:
+    """One connection a run asked the proxy for, and what became of it (`done.egress`)."""
+
+    host: str  # as asked for (a name, or an IPv4 literal)
+    port: int
+    decision: str  # ALLOWED or DENIED
+    rule: str | None = None  # the server rule that allowed it ("address rules" for a literal)
+    why: str | None = None  # why it was denied
+    address: str | None = None  # the checked address it was connected to
+    bytes_up: int = 0  # from the jail
+    bytes_down: int = 0  # to the jail
+    duration_ms: int = 0
+    started: float = 0.0  # monotonic seconds; not reported
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "host": self.host,
+            "port": self.port,
+            "decision": self.decision,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "duration_ms": self.duration_ms,
+        }
+        for key in ("rule", "why", "address"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out

@@ -1,0 +1,538 @@
+"""The egress proxy: a jail's only way out when names are allowed (`SANDBOX_EGRESS_ALLOW_DOMAINS`).
+
+An HTTP/1.1 forward proxy in the server's event loop. It listens on each jail's link only
+(the host end of its veth, `SANDBOX_EGRESS_PROXY_PORT`), and takes connections only from
+that jail's address: the listener a connection came in on says which jail, and so which
+run, it belongs to. Jails get `HTTP_PROXY`/`HTTPS_PROXY` pointing here and no other route
+(appliance.sandbox.network renders the filters).
+
+For each connection, one flow:
+  * `CONNECT host:port` (TLS) or one plain `GET http://host/...` (absolute URI);
+  * the name is decided by the run's layers (appliance.core.egress); an IPv4 literal by
+    the address rules as before (SANDBOX_OPEN_PORTS, SANDBOX_EGRESS_ALLOW_NETS);
+  * the proxy resolves the name itself, checks every address against the blocklist, and
+    connects to the checked address (no second lookup: no rebinding);
+  * in a tunnel to a name, the ClientHello's server name must be that name (no domain
+    fronting), read with a bounded parser (appliance.sandbox.tlshello) before a byte goes on;
+  * a plain request goes on alone, its Host set from its URI and `Connection: close`,
+    so a connection carries exactly one request to exactly the host decided on.
+
+The request head is parsed by h11 (a maintained HTTP/1.1 parser, bounded by
+`MAX_HEAD_BYTES`); the proxy is written here rather than taken whole from a proxy library
+because each step above (which run a connection is, resolve-once, check-then-connect, the
+SNI peek, the per-run ledger) sits between the parsing and the connecting that such
+libraries do in one piece. Bounds: the head's size and time, connections per jail at once,
+a flow with no byte either way for `SANDBOX_EGRESS_IDLE_MS`, and a peer that never reads
+(its writes wait at most that long too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address
+
+import h11
+
+from appliance.core.egress import (
+    ALLOWED,
+    DENIED,
+    Flow,
+    Layers,
+    decide_name,
+    is_ipv4,
+    normal_host,
+)
+from appliance.sandbox import tlshello
+from appliance.sandbox.egressresolve import ResolveError, Resolver
+from appliance.sandbox.network import EgressPolicy, JailLink, address_refusal
+
+log = logging.getLogger("appliance.egress")
+
+FAILED = "failed"  # allowed, but the far end could not be reached
+MAX_HEAD_BYTES = 16384
+HEAD_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64  # one jail's connections through the proxy at once
+MAX_FLOWS = 256  # flows one run's ledger lists; past it they are counted only
+MAX_DENIALS_TOLD = 32  # denials one run is told of as they happen; past it, in `done` only
+CHUNK = 65536
+HOP_HEADERS = {
+    b"connection",
+    b"proxy-connection",
+    b"keep-alive",
+    b"proxy-authorization",
+    b"proxy-authenticate",
+    b"te",
+    b"trailer",
+    b"upgrade",
+    b"host",
+}
+
+OnDenied = Callable[[Flow], Awaitable[None]]
+OnFlow = Callable[[Flow, "Scope | None"], None]
+
+
+class Scope:
+    """One run's use of the proxy: the layers its flows are held to, and its ledger."""
+
+    def __init__(self, layers: Layers, request_id: str, on_denied: OnDenied | None = None) -> None:
+        self.layers = layers
+        self.request_id = request_id
+        self.on_denied = on_denied
+        self.flows: list[Flow] = []
+        self.omitted = 0
+        self.told = 0
+
+    def record(self, flow: Flow) -> None:
+        if len(self.flows) < MAX_FLOWS:
+            self.flows.append(flow)
+        else:
+            self.omitted += 1
+
+    def ledger(self) -> list[Flow]:
+        """The flows so far; those still open are given their duration until now."""
+        now = time.monotonic()
+        for flow in self.flows:
+            if flow.started and not flow.duration_ms:
+                flow.duration_ms = int((now - flow.started) * 1000)
+        return list(self.flows)
+
+
+@dataclass
+class _Jail:
+    link: JailLink
+    server: asyncio.Server
+    conns: set[asyncio.Task[None]] = field(default_factory=set)
+    scope: Scope | None = None
+
+
+class _Refused(Exception):
+    """A flow is refused before any byte went on: the reply status and why."""
+
+    def __init__(self, status: int, why: str) -> None:
+        super().__init__(why)
+        self.status = status
+        self.why = why
+
+
+REASONS = {400: "Bad Request", 403: "Forbidden", 405: "Method Not Allowed", 502: "Bad Gateway", 503: "Busy"}
+
+
+def _reply(status: int, why: str) -> bytes:
+    body = f"appliance egress proxy: {why}\n".encode("ascii", "replace")
+    head = (
+        f"HTTP/1.1 {status} {REASONS.get(status, 'Error')}\r\n"
+        "Content-Type: text/plain; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class EgressProxy:
+    """The proxy of one server: a listener per jail link, the flows of each jail's run."""
+
+    def __init__(
+        self,
+        policy: EgressPolicy,
+        layers: Layers,
+        resolver: Resolver,
+        idle_s: float,
+        on_flow: OnFlow | None = None,
+    ) -> None:
+        self.policy = policy
+        self.layers = layers  # the server's own (a run's scope may narrow them)
+        self.resolver = resolver
+        self.idle_s = idle_s
+        self.on_flow = on_flow
+        self._jails: dict[int, _Jail] = {}
+
+    # -- jails ------------------------------------------------------------------------------
+    async def listen(self, link: JailLink) -> None:
+        """Listen on the jail's link; OSError if the address cannot be bound."""
+        port = self.policy.proxy_port
+        if port is None:
+            raise RuntimeError("EgressProxy.listen without a proxy port")
+        holder: list[_Jail] = []
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await self._serve(holder[0], reader, writer)
+
+        server = await asyncio.start_server(serve, host=str(link.gateway), port=port, backlog=MAX_CONNECTIONS)
+        state = _Jail(link, server)
+        holder.append(state)
+        self._jails[link.index] = state
+
+    async def unlisten(self, link: JailLink) -> None:
+        """Stop listening for the jail and end its connections."""
+        state = self._jails.pop(link.index, None)
+        if state is None or state.link != link:
+            return
+        state.server.close()
+        for task in list(state.conns):
+            task.cancel()
+        for task in list(state.conns):
+            with contextlib.suppress(BaseException):
+                await task
+
+    def begin(self, link: JailLink, scope: Scope) -> None:
+        """From now on the jail's flows are the run's (held to its layers, in its ledger)."""
+        state = self._jails.get(link.index)
+        if state is not None:
+            state.scope = scope
+
+    def end(self, link: JailLink) -> Scope | None:
+        """The run is over: its scope, and no run for the jail until the next `begin`."""
+        state = self._jails.get(link.index)
+        if state is None:
+            return None
+        scope, state.scope = state.scope, None
+        return scope
+
+    async def close(self) -> None:
+        for state in list(self._jails.values()):
+            await self.unlisten(state.link)
+
+    # -- one connection ---------------------------------------------------------------------
+    async def _serve(self, state: _Jail, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            state.conns.add(task)
+        try:
+            peer = writer.get_extra_info("peername")
+            if not peer or peer[0] != str(state.link.address):
+                return  # another jail's (or anyone else's) connection to this jail's listener
+            if len(state.conns) > MAX_CONNECTIONS:
+                writer.write(_reply(503, f"more than {MAX_CONNECTIONS} connections at once"))
+                return
+            await self._handle(state, reader, writer)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, h11.ProtocolError):
+            pass
+        finally:
+            if task is not None:
+                state.conns.discard(task)
+            await self._close(writer)
+
+    async def _head(self, reader: asyncio.StreamReader) -> tuple[h11.Connection, h11.Request] | None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        taken = 0
+        async with asyncio.timeout(HEAD_TIMEOUT_S):
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    if taken > MAX_HEAD_BYTES:  # h11's own bound looks only at what is unparsed
+                        raise h11.RemoteProtocolError("the request head is too long")
+                    data = await reader.read(min(4096, MAX_HEAD_BYTES + 1 - taken))
+                    taken += len(data)
+                    conn.receive_data(data)
+                    if not data and conn.their_state is h11.IDLE:
+                        return None
+                    continue
+                if isinstance(event, h11.Request):
+                    return conn, event
+                return None
+
+    async def _handle(self, state: _Jail, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            got = await self._head(reader)
+        except h11.RemoteProtocolError:
+            writer.write(_reply(400, "not an HTTP/1.1 proxy request (or a head over 16 KiB)"))
+            return
+        if got is None:
+            return
+        conn, request = got
+        target = request.target.decode("ascii", "replace")
+        if request.method == b"CONNECT":
+            host, sep, port_text = target.rpartition(":")
+            if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+                writer.write(_reply(400, "CONNECT needs host:port"))
+                return
+            await self._tunnel(state, conn, reader, writer, host, int(port_text))
+            return
+        try:
+            url = urllib.parse.urlsplit(target)
+            port = url.port or 80
+        except ValueError:
+            writer.write(_reply(400, "the request's URI is not valid"))
+            return
+        if url.scheme != "http" or not url.hostname or url.username or url.password:
+            writer.write(_reply(400, "a proxied request needs an absolute http:// URI (use CONNECT for TLS)"))
+            return
+        await self._forward(state, conn, request, reader, writer, url, port)
+
+    async def _decide(self, state: _Jail, host_raw: str, port: int) -> tuple[Flow, IPv4Address | None]:
+        """The flow's decision and, when allowed, the checked address to connect to."""
+        host = normal_host(host_raw) if ":" not in host_raw and "[" not in host_raw else None
+        flow = Flow(host=host or host_raw[:253], port=port, decision=DENIED, started=time.monotonic())
+        scope = state.scope
+        if host is None:
+            flow.why = "not a host name or IPv4 address (IPv6 egress is not supported)"
+        elif scope is None:
+            flow.why = "no run is active in this jail"
+        elif is_ipv4(host):
+            address = IPv4Address(host)
+            refusal = address_refusal(self.policy, address)
+            by_address = refusal is None and port in self.policy.tcp_ports
+            verdict = decide_name(scope.layers, host, port, ip_allowed=by_address)
+            if refusal is not None:
+                flow.why = f"{address} is {refusal}"
+            elif not verdict.allowed:
+                flow.why = verdict.why
+            else:
+                flow.decision, flow.rule, flow.address = ALLOWED, verdict.rule, str(address)
+                return flow, address
+        else:
+            verdict = decide_name(scope.layers, host, port)
+            if not verdict.allowed:
+                flow.why = verdict.why
+            else:
+                try:
+                    addresses = await self.resolver.resolve(host)
+                except ResolveError as exc:
+                    flow.why = str(exc)
+                    return flow, None
+                for address in addresses:
+                    refusal = address_refusal(self.policy, address)
+                    if refusal is not None:
+                        flow.why = f"{host} resolves to {address}, {refusal}"
+                        return flow, None
+                flow.decision, flow.rule, flow.address = ALLOWED, verdict.rule, str(addresses[0])
+                return flow, addresses[0]
+        return flow, None
+
+    async def _record(self, state: _Jail, flow: Flow) -> None:
+        """A flow is decided: into the run's ledger; a denial is told to the run at once."""
+        scope = state.scope
+        if scope is not None:
+            scope.record(flow)
+            if flow.decision == DENIED and scope.on_denied is not None and scope.told < MAX_DENIALS_TOLD:
+                scope.told += 1
+                with contextlib.suppress(Exception):
+                    await scope.on_denied(flow)
+
+    def _finish(self, state: _Jail, flow: Flow) -> None:
+        flow.duration_ms = max(1, int((time.monotonic() - flow.started) * 1000)) if flow.started else 0
+        if self.on_flow is not None:
+            try:
+                self.on_flow(flow, state.scope)
+            except Exception:
+                log.exception("egress flow hook failed")
+
+    async def _open(
+        self, flow: Flow, address: IPv4Address
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                return await asyncio.open_connection(str(address), flow.port, limit=CHUNK)
+        except (OSError, TimeoutError) as exc:
+            flow.decision = FAILED
+            flow.why = f"{address}:{flow.port} could not be reached ({getattr(exc, 'strerror', None) or type(exc).__name__})"
+            raise _Refused(502, flow.why) from None
+
+    async def _tunnel(  # noqa: PLR0913 (one connection's parts)
+        self,
+        state: _Jail,
+        conn: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        host_raw: str,
+        port: int,
+    ) -> None:
+        flow, address = await self._decide(state, host_raw, port)
+        try:
+            if address is None:
+                await self._record(state, flow)
+                writer.write(_reply(403, flow.why or "denied"))
+                return
+            try:
+                up_reader, up_writer = await self._open(flow, address)
+            except _Refused as refused:
+                await self._record(state, flow)
+                writer.write(_reply(refused.status, refused.why))
+                return
+            try:
+                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                first, _ = conn.trailing_data
+                first = bytes(first)
+                if not is_ipv4(flow.host):
+                    hello = await self._hello(flow, reader, first)
+                    if hello is None:
+                        await self._record(state, flow)
+                        return
+                    first = hello
+                await self._record(state, flow)
+                if first:
+                    up_writer.write(first)
+                    flow.bytes_up += len(first)
+                await self._pipe(flow, reader, writer, up_reader, up_writer)
+            finally:
+                await self._close(up_writer)
+        finally:
+            self._finish(state, flow)
+
+    async def _close(self, writer: asyncio.StreamWriter) -> None:
+        """Close after what is buffered has gone, within the idle time; else drop it."""
+        try:
+            writer.close()
+            async with asyncio.timeout(self.idle_s):
+                await writer.wait_closed()
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            writer.transport.abort()
+
+    async def _hello(self, flow: Flow, reader: asyncio.StreamReader, buf: bytes) -> bytes | None:
+        """The tunnel's ClientHello, once its server name is the CONNECT host; None (and the
+        flow denied) otherwise."""
+        hello = tlshello.parse(buf)
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                while hello.more and len(buf) < tlshello.MAX_HELLO_BYTES:
+                    data = await reader.read(tlshello.MAX_HELLO_BYTES - len(buf))
+                    if not data:
+                        break
+                    buf += data
+                    hello = tlshello.parse(buf)
+        except TimeoutError:
+            pass
+        why: str | None = None
+        if hello.more:
+            why = "the tunnel sent no complete TLS ClientHello"
+        elif hello.problem is not None:
+            why = f"{hello.problem}; a tunnel to a name must carry TLS"
+        elif hello.sni is None:
+            why = "the TLS ClientHello names no server (SNI)"
+        elif hello.sni.removesuffix(".") != flow.host:
+            why = f"the TLS server name {hello.sni[:253]!r} is not the CONNECT host {flow.host}"
+        if why is None:
+            return buf
+        flow.decision, flow.why, flow.rule = DENIED, why, None
+        return None
+
+    async def _forward(  # noqa: PLR0913 (one connection's parts)
+        self,
+        state: _Jail,
+        conn: h11.Connection,
+        request: h11.Request,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        url: urllib.parse.SplitResult,
+        port: int,
+    ) -> None:
+        host_raw = url.hostname or ""
+        flow, address = await self._decide(state, host_raw, port)
+        try:
+            if address is None:
+                await self._record(state, flow)
+                writer.write(_reply(403, flow.why or "denied"))
+                return
+            try:
+                up_reader, up_writer = await self._open(flow, address)
+            except _Refused as refused:
+                await self._record(state, flow)
+                writer.write(_reply(refused.status, refused.why))
+                return
+            await self._record(state, flow)
+            try:
+                await self._send_request(flow, conn, request, reader, up_writer, url, port)
+                await self._pump(flow, up_reader, writer, down=True, last=[time.monotonic()])
+            finally:
+                await self._close(up_writer)
+        finally:
+            self._finish(state, flow)
+
+    async def _send_request(  # noqa: PLR0913 (one request's parts)
+        self,
+        flow: Flow,
+        conn: h11.Connection,
+        request: h11.Request,
+        reader: asyncio.StreamReader,
+        up: asyncio.StreamWriter,
+        url: urllib.parse.SplitResult,
+        port: int,
+    ) -> None:
+        """The request alone, in origin form, to the decided host: Host from the URI (never
+        the client's own), `Connection: close`, its body re-framed by h11."""
+        out = h11.Connection(h11.CLIENT)
+        authority = flow.host if port == 80 else f"{flow.host}:{port}"
+        path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+        headers = [(b"host", authority.encode())]
+        headers += [(k, v) for k, v in request.headers if k.lower() not in HOP_HEADERS]
+        headers.append((b"connection", b"close"))
+        data = out.send(h11.Request(method=request.method, target=path.encode(), headers=headers))
+        up.write(data or b"")
+        flow.bytes_up += len(data or b"")
+        async with asyncio.timeout(self.idle_s):
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    chunk = await reader.read(CHUNK)
+                    if not chunk:
+                        raise asyncio.IncompleteReadError(b"", None)
+                    conn.receive_data(chunk)
+                    continue
+                if isinstance(event, h11.Data):
+                    data = out.send(h11.Data(data=event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    data = out.send(h11.EndOfMessage())
+                else:
+                    return
+                up.write(data or b"")
+                flow.bytes_up += len(data or b"")
+                await up.drain()
+                if isinstance(event, h11.EndOfMessage):
+                    return
+
+    async def _pipe(
+        self,
+        flow: Flow,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        up_reader: asyncio.StreamReader,
+        up_writer: asyncio.StreamWriter,
+    ) -> None:
+        last = [time.monotonic()]
+        with contextlib.suppress(ExceptionGroup):
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._pump(flow, reader, up_writer, down=False, last=last))
+                group.create_task(self._pump(flow, up_reader, writer, down=True, last=last))
+
+    async def _pump(
+        self,
+        flow: Flow,
+        src: asyncio.StreamReader,
+        dst: asyncio.StreamWriter,
+        *,
+        down: bool,
+        last: list[float],
+    ) -> None:
+        """Copy src to dst until src ends (then half-close dst), or until neither way has moved
+        a byte for the idle time; a dst that does not read within it ends the flow."""
+        idle = self.idle_s
+        while True:
+            try:
+                async with asyncio.timeout(idle):
+                    data = await src.read(CHUNK)
+            except TimeoutError:
+                if time.monotonic() - last[0] >= idle:
+                    raise
+                continue
+            if not data:
+                with contextlib.suppress(OSError, RuntimeError):
+                    if dst.can_write_eof():
+                        dst.write_eof()
+                return
+            dst.write(data)
+            if down:
+                flow.bytes_down += len(data)
+            else:
+                flow.bytes_up += len(data)
+            last[0] = time.monotonic()
+            async with asyncio.timeout(idle):
+                await dst.drain()

@@ -1,0 +1,74 @@
+"""How the egress proxy turns a name into IPv4 addresses: the host's resolver, or the
+resolvers in `SANDBOX_EGRESS_DNS` asked directly (dnspython). Only A records: egress is
+IPv4 only. The addresses are checked and connected to by the proxy itself, never looked
+up a second time, so a name cannot answer one address to the check and another to the
+connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Sequence
+from ipaddress import IPv4Address
+
+import dns.asyncresolver
+import dns.exception
+import dns.resolver
+
+RESOLVE_TIMEOUT_S = 5.0
+MAX_ADDRESSES = 16  # a longer answer is cut: every kept address is checked
+
+
+class ResolveError(Exception):
+    """The name has no usable answer (why in the message)."""
+
+
+class Resolver:
+    def __init__(self, servers: Sequence[str] = (), timeout_s: float = RESOLVE_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._dns: dns.asyncresolver.Resolver | None = None
+        if servers:
+            resolver = dns.asyncresolver.Resolver(configure=False)
+            resolver.nameservers = list(servers)
+            resolver.lifetime = timeout_s
+            resolver.timeout = timeout_s / 2
+            self._dns = resolver
+
+    async def resolve(self, name: str) -> list[IPv4Address]:
+        """The name's IPv4 addresses, in the answer's order (at most MAX_ADDRESSES)."""
+        found = await (self._ask_dns(name) if self._dns is not None else self._ask_host(name))
+        if not found:
+            raise ResolveError(f"{name} has no IPv4 address")
+        return found[:MAX_ADDRESSES]
+
+    async def _ask_dns(self, name: str) -> list[IPv4Address]:
+        if self._dns is None:
+            return []
+        try:
+            answer = await self._dns.resolve(name, "A", search=False)
+        except dns.resolver.NXDOMAIN:
+            raise ResolveError(f"{name} does not exist (NXDOMAIN)") from None
+        except dns.resolver.NoAnswer:
+            raise ResolveError(f"{name} has no IPv4 address") from None
+        except dns.exception.Timeout:
+            raise ResolveError(f"no answer for {name} in time") from None
+        except dns.exception.DNSException as exc:
+            raise ResolveError(f"{name} could not be resolved ({type(exc).__name__})") from None
+        return [IPv4Address(r.address) for r in answer]
+
+    async def _ask_host(self, name: str) -> list[IPv4Address]:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                infos = await loop.getaddrinfo(name, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
+        except TimeoutError:
+            raise ResolveError(f"no answer for {name} in time") from None
+        except OSError as exc:
+            raise ResolveError(f"{name} could not be resolved ({exc.strerror or exc})") from None
+        found: list[IPv4Address] = []
+        for info in infos:
+            address = IPv4Address(info[4][0])
+            if address not in found:
+                found.append(address)
+        return found

@@ -1,0 +1,215 @@
+"""Egress by name: jailed code trying to get past the egress proxy (domain fronting, a name
+that resolves to a private address, a Host header that lies, a tunnel that is not TLS, the
+proxy from somewhere else). A fake internet (tests/fakenet.py) serves every name; each
+attack is paired with a control in the same run that shows the way it tries does answer.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from appliance_client.client import AsyncClient
+from tests.attacks.common import TOKEN, attack
+from tests.attacks.conftest import hostile_server
+from tests.fakenet import DOMAIN, FakeNet, fake_internet
+from tests.support import Server
+
+D = DOMAIN
+
+# Jailed helpers: the proxy from the environment, spoken to by hand.
+HELPERS = r"""
+import json, os, socket, ssl, urllib.parse
+PROXY = urllib.parse.urlsplit(os.environ["HTTP_PROXY"])
+open("/tmp/ca.pem", "w").write(CA_PEM)
+ctx = ssl.create_default_context(cafile="/tmp/ca.pem")
+def proxy_conn():
+    return socket.create_connection((PROXY.hostname, PROXY.port), timeout=15)
+def read_all(s):
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except OSError as e:
+        out += ("[%s]" % type(e).__name__).encode()
+    return out.decode(errors="replace")
+def connect(target):
+    s = proxy_conn()
+    s.sendall(("CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (target, target)).encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = s.recv(1)
+        if not chunk:
+            break
+        head += chunk
+    return s, head.decode(errors="replace")
+def tls_get(target, sni, host):
+    s, head = connect(target)
+    if " 200 " not in head:
+        return "refused: " + head.split("\r\n")[0]
+    try:
+        t = ctx.wrap_socket(s, server_hostname=sni)
+        t.sendall(("GET /hello HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % host).encode())
+        return read_all(t).split("\r\n\r\n")[-1]
+    except OSError as e:
+        return "%s: %s" % (type(e).__name__, e)
+def raw(data):
+    s = proxy_conn(); s.sendall(data)
+    return read_all(s)
+"""
+
+
+@dataclass
+class Target:
+    net: FakeNet
+    server: Server
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator[Target]:
+    base = tmp_path_factory.mktemp("egress-attacks")
+    with fake_internet(base / "net") as net:
+        srv = hostile_server(
+            base / "server",
+            tmp_root,
+            SANDBOX_EGRESS_ALLOW_DOMAINS=f"api.{D}:443,api.{D}:80,private.{D}:80,mixed.{D}:80",
+            SANDBOX_EGRESS_DNS=net.dns,
+            SANDBOX_EGRESS_SUBNET=f"10.218.{net.k}.0/24",
+            SANDBOX_MAX_EXEC_MS="30000",
+        )
+        try:
+            yield Target(net, srv)
+        finally:
+            srv.stop()
+
+
+async def run(t: Target, body: str) -> dict[str, str]:
+    code = f"CA_PEM = {json.dumps(t.net.ca.read_text())}\n" + HELPERS + body
+    async with AsyncClient(t.server.url, token=TOKEN) as c:
+        ex = await c.execute(code, timeout_ms=30000)
+    assert ex.status == "ok", (ex.status, ex.error, ex.stderr, ex.stdout)
+    return dict(json.loads(ex.stdout.splitlines()[-1]))
+
+
+@attack(
+    "domain fronting: a tunnel to an allowed name whose TLS names another host",
+    "refused before a byte goes on",
+)
+async def test_sni_must_be_the_connect_host(target: Target, observe: Callable[[str], None]) -> None:
+    got = await run(
+        target,
+        f"print(json.dumps({{'control': tls_get('api.{D}:443', 'api.{D}', 'api.{D}'),"
+        f" 'fronted': tls_get('api.{D}:443', 'other.{D}', 'other.{D}')}}))",
+    )
+    observe(json.dumps(got))
+    assert got["control"] == f"hello api.{D} at {target.net.public}:443 /hello", got
+    assert "hello" not in got["fronted"] and "Error" in got["fronted"], got
+
+
+@attack("a name allowed by the list that resolves to a private address", "refused by the proxy's own check")
+async def test_a_name_resolving_to_a_private_address_is_refused(
+    target: Target, observe: Callable[[str], None]
+) -> None:
+    with socket.create_connection((target.net.private, 80), timeout=5) as s:  # control: it answers
+        s.sendall(b"GET /hello HTTP/1.0\r\n\r\n")
+        assert b"200" in s.recv(100)
+    got = await run(
+        target,
+        "import urllib.request\n"
+        "def get(url):\n"
+        "    try:\n"
+        "        return urllib.request.urlopen(url, timeout=15).read().decode()\n"
+        "    except urllib.error.HTTPError as e:\n"
+        "        return 'HTTP %d %s' % (e.code, e.read().decode().strip())\n"
+        f"print(json.dumps({{'control': get('http://api.{D}/hello'), 'private': get('http://private.{D}/hello'),"
+        f" 'mixed': get('http://mixed.{D}/hello')}}))",
+    )
+    observe(json.dumps(got))
+    assert got["control"].startswith(f"hello api.{D}"), got
+    assert got["private"].startswith("HTTP 403") and f"resolves to {target.net.private}" in got["private"], (
+        got
+    )
+    assert got["mixed"].startswith("HTTP 403") and f"resolves to {target.net.private}" in got["mixed"], got
+
+
+@attack(
+    "a plain request to an allowed name carrying another Host, and a second request pipelined after it",
+    "the Host is the URI's; one request per connection",
+)
+async def test_plain_http_host_and_pipelining(target: Target, observe: Callable[[str], None]) -> None:
+    got = await run(
+        target,
+        f"one = 'GET http://api.{D}/hello HTTP/1.1\\r\\nHost: other.{D}\\r\\n\\r\\n'\n"
+        f"two = 'GET http://other.{D}/second HTTP/1.1\\r\\nHost: other.{D}\\r\\n\\r\\n'\n"
+        "print(json.dumps({'answer': raw((one + two).encode())}))",
+    )
+    observe(json.dumps(got))
+    answer = got["answer"]
+    assert f"hello api.{D} at {target.net.public}:80 /hello" in answer, got
+    assert (
+        answer.count("HTTP/1.1 200") == 1 and "/second" not in answer and f"hello other.{D}" not in answer
+    ), got
+
+
+@attack("a CONNECT tunnel to an allowed name that carries plain HTTP (no TLS, no SNI to check)", "refused")
+async def test_a_tunnel_to_a_name_must_carry_tls(target: Target, observe: Callable[[str], None]) -> None:
+    got = await run(
+        target,
+        f"s, head = connect('api.{D}:80')\n"
+        f"s.sendall(b'GET /hello HTTP/1.1\\r\\nHost: other.{D}\\r\\nConnection: close\\r\\n\\r\\n')\n"
+        "print(json.dumps({'head': head.split('\\r\\n')[0], 'answer': read_all(s)}))",
+    )
+    observe(json.dumps(got))
+    assert "200" in got["head"], got  # the name and port are allowed ...
+    assert "hello" not in got["answer"], got  # ... but nothing that is not TLS goes through
+
+
+@attack(
+    "IPv6 and malformed targets, a 20 KiB request head, a CONNECT with no port",
+    "each refused with a reason; the proxy keeps serving",
+)
+async def test_malformed_requests_are_refused(target: Target, observe: Callable[[str], None]) -> None:
+    got = await run(
+        target,
+        "big = 'GET http://api."
+        + D
+        + "/ HTTP/1.1\\r\\nHost: x\\r\\nX-Big: ' + 'a' * 20000 + '\\r\\n\\r\\n'\n"
+        "print(json.dumps({'v6': connect('[::1]:443')[1].split('\\r\\n')[0],"
+        " 'noport': connect('api." + D + "')[1].split('\\r\\n')[0],"
+        " 'big': raw(big.encode()).split('\\r\\n')[0],"
+        " 'after': tls_get('api." + D + ":443', 'api." + D + "', 'api." + D + "')}))",
+    )
+    observe(json.dumps(got))
+    assert " 403 " in got["v6"] and " 400 " in got["noport"] and " 400 " in got["big"], got
+    assert got["after"].startswith(f"hello api.{D}"), got
+
+
+@attack(
+    "the egress proxy from outside its jail: from the host itself",
+    "refused (the proxy listens on jail links only)",
+)
+async def test_the_proxy_is_not_reachable_from_the_host(
+    target: Target, observe: Callable[[str], None]
+) -> None:
+    async with AsyncClient(target.server.url, token=TOKEN) as c:
+        session = await c.execute(
+            "import os; print(os.environ['HTTP_PROXY'])", session="new", timeout_ms=30000
+        )
+        try:
+            live = session.stdout.strip().removeprefix("http://").split(":")
+            try:  # the session's jail, and so its listener, is alive meanwhile
+                socket.create_connection((live[0], int(live[1])), timeout=3).close()
+                refused = "connected"
+            except OSError as exc:
+                refused = type(exc).__name__
+        finally:
+            if session.session:
+                await c.close_session(session.session)
+    observe(f"{live}: {refused}")
+    assert live[0].startswith("10.218."), live
+    assert refused == "ConnectionRefusedError", refused
