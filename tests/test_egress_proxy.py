@@ -5,10 +5,12 @@ several names). Every refusal is paired with a control that shows the target ans
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
 import socket
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +30,7 @@ ALLOW = (
 # Runs in the jail: CA_PEM, CHECKS spliced in by the test (test data). Each check is a client
 # nobody here wrote, used the way its docs say, with the proxy from the environment only.
 PROBE = r"""
-import json, os, socket, ssl, subprocess, urllib.request
+import json, os, socket, ssl, subprocess, sys, urllib.request
 open("/tmp/ca.pem", "w").write(CA_PEM)
 ctx = ssl.create_default_context(cafile="/tmp/ca.pem")
 def urllib_get(url):
@@ -64,6 +66,25 @@ def raw():
         socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP); return "opened"
     except OSError as e:
         return type(e).__name__
+def requests_get(url):
+    import requests
+    try:
+        r = requests.get(url, verify="/tmp/ca.pem", timeout=20)
+        return "%d %s" % (r.status_code, r.text)
+    except requests.RequestException as e:
+        return "%s: %s" % (type(e).__name__, e)
+def httpx_get(url):
+    import httpx
+    try:
+        r = httpx.get(url, verify=ctx, timeout=20)
+        return "%d %s" % (r.status_code, r.text)
+    except httpx.HTTPError as e:
+        return "%s: %s" % (type(e).__name__, e)
+def pip_download(index, name):
+    p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                        "--no-cache-dir", "--cert", "/tmp/ca.pem", "--index-url", index, "-d", "/tmp/dl", name],
+                       capture_output=True, text=True)
+    return "rc=%d %s" % (p.returncode, sorted(os.listdir("/tmp/dl")) if os.path.isdir("/tmp/dl") else p.stderr[-600:])
 def env():
     return {k: os.environ.get(k) for k in ("HTTP_PROXY", "https_proxy", "NO_PROXY")}
 out = {}
@@ -130,6 +151,8 @@ async def test_allowed_names_are_reached_with_urllib_and_curl(setup: Setup) -> N
             ("urllib_http", "urllib_get", [f"http://api.{d}/hello?q=1"]),
             ("curl_https", "curl", [f"https://api.{d}/hello"]),
             ("curl_wild", "curl", [f"https://x.wild.{d}/hello"]),
+            ("requests", "requests_get", [f"https://api.{d}/hello"]),
+            ("httpx", "httpx_get", [f"https://api.{d}/hello"]),
             ("env", "env", []),
         ],
     )
@@ -137,6 +160,7 @@ async def test_allowed_names_are_reached_with_urllib_and_curl(setup: Setup) -> N
     assert got["urllib_http"] == f"200 hello api.{d} at {setup.net.public}:80 /hello?q=1", got
     assert got["curl_https"] == f"rc=0 hello api.{d} at {setup.net.public}:443 /hello", got
     assert got["curl_wild"] == f"rc=0 hello x.wild.{d} at {setup.net.public}:443 /hello", got
+    assert got["requests"] == got["httpx"] == f"200 hello api.{d} at {setup.net.public}:443 /hello", got
     env = got["env"]
     assert isinstance(env, dict) and env["HTTP_PROXY"] == env["https_proxy"], env
     assert str(env["HTTP_PROXY"]).startswith("http://10.217.") and env["NO_PROXY"], env
@@ -215,6 +239,36 @@ async def test_flows_are_counted_and_logged(setup: Setup) -> None:
         r["host"] == f"other.{d}" and r["decision"] == "denied" and "allowlist" in r["why"] for r in lines
     )
     assert os.stat(setup.log).st_mode & 0o077 == 0
+
+
+def _tiny_wheel(files: Path) -> str:
+    """A wheel of one empty module, and a PEP 503 simple index for it, in the fake internet."""
+    name = "tinypkg-0.1-py3-none-any.whl"
+    meta = "tinypkg-0.1.dist-info"
+    members = {
+        "tinypkg.py": b"",
+        f"{meta}/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\nVersion: 0.1\n",
+        f"{meta}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{path},,\n" for path in members) + f"{meta}/RECORD,,\n"
+    (files / "files").mkdir(exist_ok=True)
+    with zipfile.ZipFile(files / "files" / name, "w") as whl:
+        for path, data in members.items():
+            whl.writestr(path, data)
+        whl.writestr(f"{meta}/RECORD", record)
+    digest = hashlib.sha256((files / "files" / name).read_bytes()).hexdigest()
+    index = files / "simple" / "tinypkg"
+    index.mkdir(parents=True, exist_ok=True)
+    (index / "index.html").write_text(f'<a href="/files/{name}#sha256={digest}">{name}</a>\n')
+    for path in (files / "files" / name, index / "index.html"):
+        path.chmod(0o644)
+    return name
+
+
+async def test_pip_downloads_from_an_allowed_index_name(setup: Setup) -> None:
+    name = _tiny_wheel(setup.net.files)
+    got = await probe(setup, [("pip", "pip_download", [f"https://pypi.{DOMAIN}/simple/", "tinypkg"])])
+    assert got["pip"] == f"rc=0 {[name]}", got
 
 
 def test_the_fake_internet_is_only_local(setup: Setup) -> None:
