@@ -260,8 +260,8 @@ def _tiny_wheel(files: Path) -> str:
     index = files / "simple" / "tinypkg"
     index.mkdir(parents=True, exist_ok=True)
     (index / "index.html").write_text(f'<a href="/files/{name}#sha256={digest}">{name}</a>\n')
-    for path in (files / "files" / name, index / "index.html"):
-        path.chmod(0o644)
+    for made in (files / "files" / name, index / "index.html"):
+        made.chmod(0o644)
     return name
 
 
