@@ -71,6 +71,9 @@ class FakeJail:
             raise JailFailure(self.refuse_freeze)
         self.frozen = True
 
+    def limit_memory(self, memory_mb: int) -> None:
+        self.memory_mb = memory_mb
+
 
 class FakeLease:
     def __init__(self, source: FakeLeases) -> None:

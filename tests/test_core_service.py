@@ -88,6 +88,44 @@ class TestOneShotRuns:
             await run.task
 
 
+class TestAMemoryLimitOfItsOwn:
+    async def test_a_lower_limit_is_set_on_the_jail_before_the_code(self) -> None:
+        core = Core()
+        await core.run("1", memory_mb=256)
+        await core.run("2", memory_mb=core.service.settings.memory_mb + 1)  # never raised
+        await core.run("3")
+        lowered, above, plain = (lease.jail for lease in core.leases.leases)
+        assert getattr(lowered, "memory_mb", None) == 256
+        assert not hasattr(above, "memory_mb") and not hasattr(plain, "memory_mb")
+
+    async def test_a_session_keeps_the_limit_it_opened_with(self) -> None:
+        core = Core()
+        opened = await core.run("1", session="new", memory_mb=128)
+        sid = opened[-1]["session"]
+        later = await core.run("2", session=sid, memory_mb=64)
+        assert later[-1]["status"] == "rejected"
+        assert "memory limit was set when it opened" in later[-1]["message"]
+        assert (await core.run("3", session=sid))[-1]["status"] == "ok"
+
+    async def test_a_limit_the_jail_cannot_take_is_rejected_before_the_code(self) -> None:
+        core = Core()
+
+        def refuse(memory_mb: int) -> None:
+            raise RequestRejected(f"no cgroup for {memory_mb}")
+
+        original = core.leases.new_jail
+
+        def new_jail() -> FakeJail:
+            jail = original()
+            jail.limit_memory = refuse  # type: ignore[method-assign]
+            return jail
+
+        core.leases.new_jail = new_jail  # type: ignore[method-assign]
+        frames = await core.run("print(1)", memory_mb=100)
+        assert frames[-1]["status"] == "rejected" and "no cgroup for 100" in frames[-1]["message"]
+        assert core.cells.runs == [] and core.leases.leases[0].ended
+
+
 class TestAdmission:
     async def test_runs_past_the_limit_wait_in_line_and_past_the_queue_are_busy(self) -> None:
         core = Core({"SANDBOX_MAX_CONCURRENCY": "1", "SANDBOX_MAX_QUEUE": "1"})

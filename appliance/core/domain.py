@@ -58,6 +58,10 @@ class RunRequest(Protocol):
     @property
     def stdin_eof(self) -> bool: ...
 
+    @property
+    def memory_mb(self) -> int | None:
+        """A memory limit below SANDBOX_MEMORY_MB for this run (or the session it opens)."""
+
 
 @dataclass(frozen=True, slots=True)
 class File:
@@ -81,6 +85,7 @@ class Request:
     files: Sequence[Upload] = ()
     gpu: GpuAsk | None = None
     stdin_eof: bool = False
+    memory_mb: int | None = None
 
 
 @dataclass

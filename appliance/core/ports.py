@@ -45,6 +45,11 @@ class Jail(Protocol):
     async def freeze(self) -> None:
         """Stop everything in the jail until `thaw`; JailFailure when it cannot."""
 
+    def limit_memory(self, memory_mb: int) -> None:
+        """Lower the jail's memory limit (its cgroup) to memory_mb for the rest of its life;
+        never raises it. RequestRejected when the kernel cannot enforce it (no cgroup, or
+        the jail already holds more), before anything of the run's code ran."""
+
 
 class Lease(Protocol):
     """One run's (or session's) hold on a jail and on what it costs (a GPU grant)."""

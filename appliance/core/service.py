@@ -220,6 +220,10 @@ class RunService:
                 session = self.sessions.get(req.session, owner)
                 if session.lock.locked():
                     raise RequestRejected(f"session {req.session} is busy with another request")
+                if req.memory_mb is not None:
+                    raise RequestRejected(
+                        f"session {req.session}'s memory limit was set when it opened; leave 'memory_mb' out"
+                    )
                 _check_session_gpu(session, req)
             else:
                 if req.session == "new":
@@ -245,6 +249,8 @@ class RunService:
                     # first wait), not on the path that gets it there.
                     asyncio.get_running_loop().call_soon(self._admitted, queued_ms)
                     jail = await lease.take()
+                    if req.memory_mb is not None and req.memory_mb < self.settings.memory_mb:
+                        jail.limit_memory(req.memory_mb)  # before any of the run's code
                     if req.session == "new":
                         session = self.sessions.add(owner, lease, jail)
                         lease.keep()
@@ -316,6 +322,7 @@ class RunService:
             files=req.files,
             gpu=req.gpu,
             stdin_eof=True,
+            memory_mb=req.memory_mb,
         )
         await self.execute(new, owner, collect)
         return frames

@@ -90,7 +90,7 @@ async def run_cell(  # noqa: PLR0913 (the cell's inputs and limits, passed down 
 def memory_limit(group: Group) -> MemoryLimit:
     """What a run whose group hit its memory limit is told."""
     return MemoryLimit(
-        f"the run hit its memory limit: SANDBOX_MEMORY_MB ({group.limits.memory_mb} MiB) "
+        f"the run hit its memory limit ({group.limits.memory_mb} MiB: SANDBOX_MEMORY_MB or the run's memory_mb) "
         "for all its processes, /tmp and page cache together; the kernel killed a process of it"
     )
 

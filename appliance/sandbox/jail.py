@@ -19,11 +19,11 @@ import os
 import secrets
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from appliance.core.errors import JailExited, JailFailure, JailStartFailed, StartupError
+from appliance.core.errors import JailExited, JailFailure, JailStartFailed, RequestRejected, StartupError
 from appliance.sandbox import checks, fstree, nslimits, proctree, runfs, signals
 from appliance.sandbox.cgroups import Counters, Group, GroupLimits, Hierarchy
 from appliance.sandbox.devices import GpuDevice
@@ -196,6 +196,27 @@ class Jail:
         if self.cgroup is not None:
             self.cgroup.set_limits(limits)
             self.baseline = _measure_from_now(self.cgroup)
+
+    def limit_memory(self, memory_mb: int) -> None:
+        """Lower the group's memory limit for the rest of this jail's life (a run or session
+        that asked for less than SANDBOX_MEMORY_MB); never raises it. RequestRejected where
+        the kernel cannot hold the jail to it: no cgroup (rlimits mode), or the kernel
+        refused the write (v1: the jail already holds more than that)."""
+        group = self.cgroup
+        if group is None:
+            raise RequestRejected(
+                f"a memory limit of {memory_mb} MiB cannot be enforced here: this server runs without "
+                "cgroups (rlimits mode); leave the limit out to run under SANDBOX_MEMORY_MB"
+            )
+        if memory_mb >= group.limits.memory_mb:
+            return
+        try:
+            group.set_limits(replace(group.limits, memory_mb=memory_mb))
+        except OSError as exc:
+            raise RequestRejected(
+                f"a memory limit of {memory_mb} MiB could not be set on the run's cgroup ({exc.strerror}): "
+                "the interpreter may already hold more"
+            ) from None
 
     def cell_baseline(self) -> Counters | None:
         """The group's counters a cell is measured from: those taken when the jail became ready,

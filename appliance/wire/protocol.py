@@ -220,6 +220,10 @@ class ExecuteRequest:
     ] = Field(default=(), description="Written into the working directory before the code starts.")
     gpu: GpuRequest | None = Field(default=None, description="Only valid with SANDBOX_GPU=1.")
     stdin_eof: StrictBool = Field(default=False, description="The run's stdin is closed from the start.")
+    memory_mb: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        default=None,
+        description="Lowers SANDBOX_MEMORY_MB (the run's cgroup) for this run or the session it opens, never raises it.",
+    )
     type: Literal["execute"] = "execute"
 
     @field_validator("gpu", mode="before")
@@ -291,7 +295,7 @@ CLIENT_MESSAGES: dict[str, type[ClientMessage]] = {
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {kind: TypeAdapter(cls) for kind, cls in CLIENT_MESSAGES.items()}
 # When a frame has several problems, name the one the protocol checks first.
 _FIELD_ORDER = {
-    "execute": ("code", "session", "timeout_ms", "gpu", "stdin_eof", "files"),
+    "execute": ("code", "session", "timeout_ms", "gpu", "stdin_eof", "memory_mb", "files"),
     "stdin": ("data", "eof", "id"),
     "interrupt": ("id",),
     "close_session": ("session",),
@@ -391,6 +395,7 @@ def _plain_execute(obj: dict[str, Any]) -> ExecuteRequest | None:
         files=(),
         gpu=None,
         stdin_eof=stdin_eof,
+        memory_mb=None,
         type="execute",
     )
     return message
@@ -429,6 +434,8 @@ def _message(kind: str, err: Any, obj: dict[str, Any]) -> str:  # noqa: C901, PL
             return "'gpu' must be an object like {\"memory_mb\": 2048}"
         if field == "stdin_eof":
             return "'stdin_eof' must be true or false"
+        if field == "memory_mb":
+            return "'memory_mb' must be a positive integer (MiB)"
         if field == "files":
             return _file_message(loc, err, obj)
     if kind == "stdin":
