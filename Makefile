@@ -26,10 +26,11 @@ venv: $(VENV)/.installed
 
 # Debian's /usr/bin/python3: a pyenv python in root's 0700 home cannot run as uid 1001.
 # cuda-build.sh here only says how to ask for the CUDA build where nvcc is present.
-$(VENV)/.installed: pyproject.toml client/pyproject.toml
+$(VENV)/.installed: pyproject.toml client/pyproject.toml tests/requirements-nodeps.txt
 	@if [ ! -x $(PY) ]; then $(SUDO) mkdir -p $(dir $(VENV)) && $(SUDO) chown "$$(id -u)" $(dir $(VENV)) 2>/dev/null; /usr/bin/python3 -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[science,test,gpu,bench]'
+	$(PY) -m pip install -q --no-deps -r tests/requirements-nodeps.txt   # pinned; why: the file's comments
 	$(PY) -m pip install -q -e './client[mcp]'   # the client distribution (client/pyproject.toml)
 	@APPLIANCE_CUDA_BUILD=0 scripts/cuda-build.sh $(PY)
 	@touch $@

@@ -1,7 +1,8 @@
 """HTTP + WebSocket transport on one port. Moves frames; all decisions live elsewhere.
 
 Routes: `GET /exec` (WebSocket), `/healthz`, `/readyz`, `/metrics`; `/v1` (rest.py) and
-`/mcp` (mcp_http.py) share the bearer auth below.
+`/mcp` (mcp_http.py) share the bearer auth below, and so do SandboxFusion's routes (fusion/),
+whose token may also come as an HTTP Basic password.
 Every route refuses a browser `Origin` that SANDBOX_ALLOWED_ORIGINS does not list (403).
 Half-close: when the client's Close frame arrives while runs are in flight, the
 server keeps streaming them to their `done` and only then answers the Close (RFC
@@ -19,7 +20,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from appliance.api import cors, e2b, mcp_http, rest
+from appliance.api import cors, e2b, fusion, mcp_http, rest
 from appliance.api.framebudget import Closing, FrameBudget, FrameMeter, Refusal
 from appliance.api.transport import (
     PARSER_KEY,
@@ -90,6 +91,13 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
             return _unauthorized()
     elif request.path == "/exec" or request.path.startswith(("/v1", "/mcp")):
         owner = service.identify(bearer_token(request))
+        if owner is None:
+            return _unauthorized()
+        request[OWNER] = owner
+    elif request.path in fusion.PATHS:
+        # SandboxFusion's clients send no headers of their own: the token may come as the
+        # password of HTTP Basic auth, from the client's URL.
+        owner = service.identify(fusion.token(request))
         if owner is None:
             return _unauthorized()
         request[OWNER] = owner
@@ -382,6 +390,7 @@ def make_app(service: RunService) -> web.Application:
     rest.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
     mcp_http.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
     e2b.add_routes(app, SERVICE_KEY)  # authenticates its own callers: E2B's headers, not bearer
+    fusion.add_routes(app, SERVICE_KEY, lambda request: str(request[OWNER]))
     return app
 
 

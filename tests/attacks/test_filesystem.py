@@ -13,7 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -631,3 +631,73 @@ async def test_files_held_only_in_flight_cannot_pass_the_disk_quota(
     assert left == [], f"run tmpfs still mounted: {left}"
     note = await assert_contained(quota_50)
     observe(f"{where}: {report}; cell {first.status}; next request {after.status}; no mount left; {note}")
+
+
+# -- SandboxFusion's file names (/run_code: `files` in, `fetch_files` out) -------------------------
+CLIMBING = ["../escape.txt", "/etc/cron.d/escape", "in/../../escape.txt", "a\x00b"]
+
+
+def fusion(target: Server, body: Mapping[str, object]) -> tuple[int, dict[str, object]]:
+    """POST /run_code as SandboxFusion's clients do, the token as an HTTP Basic password."""
+    auth = "Basic " + base64.b64encode(f"trainer:{TOKEN}".encode()).decode()
+    status, text = target.request(
+        "POST", "/run_code", body=body, timeout=scaled(60), headers={"Authorization": auth}
+    )
+    return status, json.loads(text)
+
+
+@attack(
+    "SandboxFusion file names that are absolute, climb out or hold a NUL, in `files` and in `fetch_files`",
+    "400 with a SandboxError naming the refused name before any jail is used; the next run works",
+)
+async def test_fusion_file_names_that_climb_out_are_refused(target: Server, observe: Observe) -> None:
+    seen = []
+    for name in CLIMBING:
+        for body in (
+            {"code": "print(1)", "language": "python", "files": {name: base64.b64encode(b"x").decode()}},
+            {"code": "print(1)", "language": "python", "fetch_files": ["ok.txt", name]},
+        ):
+            status, answer = await asyncio.to_thread(fusion, target, body)
+            field = "file name" if "files" in body else "fetch_files entry"
+            assert status == 400, (name, status, answer)
+            assert answer["status"] == "SandboxError", answer
+            assert f"{field} {name!r} is refused" in str(answer["message"]), answer
+            seen.append(status)
+    note = await assert_contained(target)
+    observe(f"{len(seen)} requests, all 400 SandboxError naming the name; {note}")
+
+
+@attack(
+    "a program plants links where /run_code's fetch reads (a file linked to /etc/passwd and /proc/self/environ, "
+    "and outputs/.fusion-fetch itself linked to /tmp), then asks for them in `fetch_files`",
+    "no link is followed: the linked names are left out of `files`, the regular file comes back, nothing is "
+    "read through the links on the host, and the next run works",
+)
+async def test_fusion_fetch_follows_no_link(target: Server, observe: Observe) -> None:
+    code = (
+        "import os\n"
+        "os.symlink('/etc/passwd', 'passwd')\n"
+        "os.symlink('/proc/self/environ', 'environ')\n"
+        "os.makedirs('real', exist_ok=True)\n"
+        "os.symlink('real', 'dirlink')\n"
+        "open('real/plain.txt', 'w').write('plain')\n"
+        "os.makedirs('outputs', exist_ok=True)\n"
+        "os.symlink('/tmp', 'outputs/.fusion-fetch')\n"
+    )
+    body = {
+        "code": code,
+        "language": "python",
+        "fetch_files": ["passwd", "environ", "dirlink/plain.txt", "real/plain.txt"],
+    }
+    status, answer = await asyncio.to_thread(fusion, target, body)
+    assert status == 200, answer
+    files = answer["files"]
+    assert isinstance(files, dict)
+    # outputs/.fusion-fetch is the program's link: the server reads no file through it.
+    assert files == {}, files
+    planted_dir = {**body, "code": code.replace("os.symlink('/tmp', 'outputs/.fusion-fetch')\n", "")}
+    status, answer = await asyncio.to_thread(fusion, target, planted_dir)
+    assert status == 200, answer
+    assert answer["files"] == {"real/plain.txt": base64.b64encode(b"plain").decode()}, answer
+    note = await assert_contained(target)
+    observe(f"planted fetch dir: no files; plain tree: only real/plain.txt came back; {note}")
