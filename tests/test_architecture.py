@@ -76,8 +76,18 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-# Imported lazily by the tools and the display code, when jailed code uses them; never needed.
-JAIL_THIRD_PARTY = {"numpy", "matplotlib", "llama_cpp", "pywhispercpp", "PIL", "pandas", "IPython"}
+# Imported lazily by the tools and the display code, when jailed code uses them, and by the
+# snapshot code (cloudpickle, a dependency of the appliance), when a snapshot is asked for.
+JAIL_THIRD_PARTY = {
+    "numpy",
+    "matplotlib",
+    "llama_cpp",
+    "pywhispercpp",
+    "PIL",
+    "pandas",
+    "IPython",
+    "cloudpickle",
+}
 
 
 def test_what_a_jail_is_given_imports_only_the_standard_library_and_itself() -> None:

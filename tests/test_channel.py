@@ -301,6 +301,12 @@ class TestSharedFacts:
     def test_both_ends_name_the_same_grant_file(self) -> None:
         assert jail_end.GRANT_FILE == host_end.GRANT_FILE
 
+    def test_both_ends_name_the_same_snapshot_archive_and_report(self) -> None:
+        assert jail_end.SNAPSHOT_ARCHIVE == host_end.SNAPSHOT_ARCHIVE
+        assert jail_end.SNAPSHOT_MIME == host_end.SNAPSHOT_MIME
+        for op in (host_end.snapshot_op(), host_end.restore_op()):
+            assert jail_end.parse_op(op) == json.loads(op)
+
     def test_both_ends_mark_the_counted_messages_alike(self) -> None:
         assert (jail_end.RUN, jail_end.STREAM, jail_end.DONE) == (
             host_end.RUN,

@@ -57,7 +57,20 @@ class CudaContextOp(TypedDict):
     lib: str
 
 
-Op = RunOp | StdinOp | StdinEofOp | InterruptOp | CudaContextOp
+class StateOp(TypedDict):
+    """`snapshot` (write the session's state to SNAPSHOT_ARCHIVE in the cwd) or `restore`
+    (read it from there): done on the main thread like a cell, reported by a `display` of
+    SNAPSHOT_MIME, then `done`."""
+
+    op: Literal["snapshot", "restore"]
+
+
+Op = RunOp | StdinOp | StdinEofOp | InterruptOp | CudaContextOp | StateOp
+
+# The archive a `snapshot` writes and a `restore` reads, in the cwd, and the MIME type of the
+# report; the server's end states the same (a test checks they agree).
+SNAPSHOT_ARCHIVE = ".appliance-snapshot.tar"
+SNAPSHOT_MIME = "application/vnd.appliance.snapshot+json"
 
 
 # What the lines of numbers may hold: ASCII digits, at most 19 (a C long; int() of a few
@@ -100,6 +113,8 @@ def parse_op(line: bytes) -> Op | None:
         return cast(Op, {"op": op})
     if op == "cuda_context" and isinstance(obj.get("lib"), str):
         return cast(CudaContextOp, obj)
+    if op in ("snapshot", "restore"):
+        return cast(StateOp, {"op": op})
     return None
 
 

@@ -45,7 +45,7 @@ if RUNTIME not in sys.path:
     # it shadows nothing of the interpreter's own.
     sys.path.append(RUNTIME)
 
-from appliance.inside import channel, magics, notebook  # noqa: E402  (needs the runtime on the path, above)
+from appliance.inside import channel, magics, notebook, snapshot  # noqa: E402  (needs the runtime on the path, above)
 
 MAX_TEXT_CHARS = 256 * 1024
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
@@ -243,6 +243,9 @@ class Cell:
         self.stdin = stdin
 
 
+Item = Cell | channel.CudaContextOp | channel.StateOp  # what the main thread does, in order
+
+
 class ControlReader:
     """The control pipe, read in lines and exact byte counts through a buffer of its own, so
     that the main thread can tell whether it read past the first cell (`pending`)."""
@@ -295,7 +298,7 @@ class Driver:
         self.doorbell = os.eventfd(0, os.EFD_CLOEXEC)
         self.waker.register(self.doorbell, select.EPOLLIN)
         # What the main thread runs, in order: SimpleQueue's get() is one lock, not a condition.
-        self.runs: queue.SimpleQueue[Cell | channel.CudaContextOp | None] = queue.SimpleQueue()
+        self.runs: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         # Held until the main thread has read up to the first cell: the reader thread reads
         # from then on. A lock, not an Event: releasing it is one C call on the run's path.
         self.handed_over = threading.Lock()
@@ -311,7 +314,7 @@ class Driver:
         self.imports = ImportClock()
 
     # -- control channel ----------------------------------------------------------------
-    def take(self, raw: bytes) -> Cell | channel.CudaContextOp | None:
+    def take(self, raw: bytes) -> Item | None:
         """Act on one control line: stdin and interrupts at once; a `run` (its code and files
         follow on the pipe) or a `cuda_context` is returned for the main thread to do.
         EOFError when the pipe closed mid-message: the server is gone."""
@@ -328,8 +331,8 @@ class Driver:
                 buffer.close_input()
             self.stdin = buffer
             return Cell(code, files, buffer)
-        if op["op"] == "cuda_context":
-            return op  # on the main thread, where the code will run, before it
+        if op["op"] in ("cuda_context", "snapshot", "restore"):
+            return op  # on the main thread, where the code runs (a GPU run's context: before it)
         if op["op"] == "stdin":
             self.stdin.feed(op["data"])
         elif op["op"] == "stdin_eof":
@@ -338,7 +341,7 @@ class Driver:
             signal.pthread_kill(self.main_ident, signal.SIGINT)
         return None
 
-    def first_cell(self) -> Cell | None:
+    def first_cell(self) -> Cell | channel.StateOp | None:
         """Read the control channel on the main thread up to the first cell (None: it closed).
 
         A pooled jail's one run then starts where it was read, with no second thread to
@@ -349,8 +352,12 @@ class Driver:
                 item = self.take(raw)
                 if isinstance(item, Cell):
                     return item
-                if item is not None:  # GPU jails: the run's CUDA context, before any code
+                if item is None:
+                    continue
+                if item["op"] == "cuda_context":  # GPU jails: the run's CUDA context, before any code
                     self.events.emit(open_cuda_context(item["lib"]))
+                elif item["op"] in ("snapshot", "restore"):  # a restored session's first step
+                    return item
         except EOFError:
             pass
         return None
@@ -392,13 +399,15 @@ class Driver:
         # cell comes (but a GPU run's CUDA context, which the cgroup counts to the run too), and
         # the two getrusage calls are then not on the run's path (~0.05 ms after an idle spell).
         before: tuple[float, int] | None = _usage()
-        item: Cell | channel.CudaContextOp | None = self.first_cell()
+        item: Item | None = self.first_cell()
         self.hand_over()
         while item is not None:
             if isinstance(item, Cell):
                 self.run(item, before or _usage())
-            else:
+            elif item["op"] == "cuda_context":
                 self.events.emit(open_cuda_context(item["lib"]))
+            else:
+                self.state(item, before or _usage())
             before = None
             item = self.runs.get()
 
@@ -426,6 +435,49 @@ class Driver:
                 "import_ms": int(self.imports.seconds * 1000),
             }
         )
+
+    def state(self, op: channel.StateOp, before: tuple[float, int]) -> None:
+        """A `snapshot` or `restore` op, reported like a cell: a `display` of SNAPSHOT_MIME
+        with what was kept or restored (an `error` if it failed), then `done`. Pickling and
+        unpickling run the objects' own code (__reduce__, __setstate__): it runs here, in the
+        jail, as a cell's code does, interruptible and under the cell's limits."""
+        exit_code = 0
+        try:
+            self.in_user_code = True
+            try:
+                if op["op"] == "snapshot":
+                    hook = self.namespace.get(notebook.HOOK)
+                    paths = list(hook.paths) if isinstance(hook, magics.Magics) else []
+                    report = snapshot.save(self.namespace, paths)
+                else:
+                    report = snapshot.restore(self.adopt)
+            finally:
+                self.in_user_code = False
+            self.events.emit({"ev": "display", "data": {channel.SNAPSHOT_MIME: report}})
+        except BaseException as exc:  # noqa: BLE001 (whatever stops it is reported as the op's error)
+            self.in_user_code = False
+            self.events.emit(error_event(exc, skip_driver=False))
+            exit_code = 1
+        end_leftovers()
+        after = _usage()
+        self.events.emit(
+            {
+                "ev": "done",
+                "exit_code": exit_code,
+                "cpu_ms": int((after[0] - before[0]) * 1000),
+                "max_rss_mb": round(after[1] / 1024, 1),
+                "import_ms": None,
+            }
+        )
+
+    def adopt(self, namespace: dict[str, Any], paths: list[str]) -> None:
+        """A restored namespace becomes the interpreter's: the very dict the restored functions
+        have as their globals (appliance.inside.snapshot), with the driver's own names, and a
+        notebook hook that knows the installs' paths (`%pip install` of the saved session)."""
+        hook = magics.Magics(namespace, os.environ)
+        hook.paths = list(paths)
+        namespace.update({"__name__": "__main__", "__builtins__": builtins, notebook.HOOK: hook})
+        self.namespace = namespace
 
     def run_cell(self, code: str) -> int:
         self.cell_count += 1

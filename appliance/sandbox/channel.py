@@ -13,7 +13,9 @@ The wire (this docstring is its one description):
     the cell's code (UTF-8), then each uploaded file's path (UTF-8) and contents, as they
     are. Counted bytes, not JSON: neither side escapes or parses the code.
   - every other op is one JSON object on one line: `{"op":"stdin","data":STR}`,
-    `{"op":"stdin_eof"}`, `{"op":"interrupt"}`, `{"op":"cuda_context","lib":STR}`.
+    `{"op":"stdin_eof"}`, `{"op":"interrupt"}`, `{"op":"cuda_context","lib":STR}`,
+    `{"op":"snapshot"}`, `{"op":"restore"}` (a session's state to or from SNAPSHOT_ARCHIVE in
+    the jail's cwd, done like a cell: a `display` of SNAPSHOT_MIME reports it, then `done`).
 - events (driver -> server, the fd named in the driver's argv): one *event* a line.
   - `stream`: a header line `stream NAME BYTES` (NAME stdout or stderr), then exactly BYTES
     of UTF-8 text, which may hold newlines.
@@ -43,6 +45,11 @@ from typing import Any, Literal, TypedDict
 # tools inside the jail to shape their work to. It enforces nothing. The jail's end states
 # the same name (a test checks they agree).
 GRANT_FILE = ".appliance-gpu.json"
+
+# The archive the driver's `snapshot` op writes and `restore` reads, in the jail's cwd, and the
+# MIME type of the `display` that reports either (appliance.inside.snapshot writes them).
+SNAPSHOT_ARCHIVE = ".appliance-snapshot.tar"
+SNAPSHOT_MIME = "application/vnd.appliance.snapshot+json"
 
 HEADER_BYTES = 64  # the longest a `stream` header may be, its newline included
 
@@ -87,6 +94,14 @@ def interrupt_op() -> bytes:
 
 def cuda_context_op(lib: str) -> bytes:
     return _json_line({"op": "cuda_context", "lib": lib})
+
+
+def snapshot_op() -> bytes:
+    return _json_line({"op": "snapshot"})
+
+
+def restore_op() -> bytes:
+    return _json_line({"op": "restore"})
 
 
 def _json_line(op: dict[str, str]) -> bytes:
