@@ -103,6 +103,11 @@ class Settings:
     outputs_retention_s: int = (
         604800  # persisted runs older than this are removed; 0: kept (SANDBOX_OUTPUTS_RETENTION_S)
     )
+    # Session snapshots (appliance.sandbox.snapshots): where they are kept (None: snapshots are
+    # off), the most one may weigh, and how many one tenant may keep.
+    snapshot_dir: Path | None = None
+    max_snapshot_mb: int = 1024
+    max_snapshots: int = 16
     python: Path = Path(sys.executable)
     shutdown_grace_s: float = 10.0
     jail_threads: int = 1
@@ -473,6 +478,9 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         max_sessions=_int(env, "SANDBOX_MAX_SESSIONS", D.max_sessions),
         outputs_dir=_dir(env, "SANDBOX_OUTPUTS_DIR", None),
         outputs_retention_s=_int(env, "SANDBOX_OUTPUTS_RETENTION_S", D.outputs_retention_s),
+        snapshot_dir=_dir(env, "SANDBOX_SNAPSHOT_DIR", None),
+        max_snapshot_mb=_int(env, "SANDBOX_MAX_SNAPSHOT_MB", D.max_snapshot_mb, minimum=1),
+        max_snapshots=_int(env, "SANDBOX_MAX_SNAPSHOTS", D.max_snapshots, minimum=1),
         python=python,
         shutdown_grace_s=_int(env, "SANDBOX_SHUTDOWN_GRACE_MS", int(D.shutdown_grace_s * 1000)) / 1000,
         jail_threads=_int(env, "SANDBOX_JAIL_THREADS", D.jail_threads, minimum=1),

@@ -4,6 +4,11 @@
   NDJSON (one JSON object a line), ending with `done`.
 - `POST /v1/sessions`: opens a session (optionally running `code` in it); 201 with its id.
 - `DELETE /v1/sessions/{id}`: ends it; 204, or 404 when there is no such session.
+- `POST /v1/sessions/{id}/snapshot`: keeps the session's state; 201 with the snapshot
+  (`{"snapshot", "bytes", "skipped", ...}`). `POST /v1/sessions` with `from_snapshot` opens a
+  session restored from one (a fork, as often as asked).
+- `GET` / `DELETE /v1/snapshots/{id}`: a snapshot of the caller's tenant (another tenant's id
+  is answered exactly as an unknown one: 404).
 - `GET /openapi.json` and `GET /docs`: the API description, generated from the protocol's
   models (appliance.wire.openapi); `/docs` is Swagger UI served from the installed
   swagger-ui-bundle package, and its page may load nothing from any other origin;
@@ -25,7 +30,7 @@ import swagger_ui_bundle
 from aiohttp import web
 
 from appliance.api.transport import PARSER_KEY, send_within, until_gone
-from appliance.core.errors import Busy, Cancelled
+from appliance.core.errors import ApplianceError, Busy, Cancelled, UnknownSession, UnknownSnapshot, status_of
 from appliance.core.service import RunService
 from appliance.core.tasks import TaskScope
 from appliance.wire import protocol
@@ -108,6 +113,42 @@ async def close_session(request: web.Request, service: RunService, owner: str) -
     if await service.close_session(session_id, owner):
         return web.Response(status=204)
     return web.json_response({"error": f"no such session {session_id!r}"}, status=404)
+
+
+def _refused(exc: ApplianceError) -> web.Response:
+    """A snapshot route's refusal: its HTTP status from the error's kind (one place)."""
+    status, message = status_of(exc)
+    if isinstance(exc, (UnknownSession, UnknownSnapshot)):
+        code = 404
+    else:
+        code = {"rejected": 400, "busy": 429, "internal": 500}.get(status, 422)
+    return web.json_response({"error": message, "status": status}, status=code)
+
+
+async def snapshot_session(request: web.Request, service: RunService, owner: str) -> web.Response:
+    try:
+        info = await service.snapshot_session(request.match_info["session_id"], owner)
+    except ApplianceError as exc:
+        return _refused(exc)
+    return web.json_response(info.as_dict(), status=201)
+
+
+async def get_snapshot(request: web.Request, service: RunService, owner: str) -> web.Response:
+    try:
+        info = await service.find_snapshot(request.match_info["snapshot_id"], owner)
+    except ApplianceError as exc:
+        return _refused(exc)
+    return web.json_response(info.as_dict())
+
+
+async def delete_snapshot(request: web.Request, service: RunService, owner: str) -> web.Response:
+    try:
+        deleted = await service.delete_snapshot(request.match_info["snapshot_id"], owner)
+    except ApplianceError as exc:
+        return _refused(exc)
+    if deleted:
+        return web.Response(status=204)
+    return _refused(UnknownSnapshot(f"no such snapshot {request.match_info['snapshot_id'][:64]!r}"))
 
 
 async def list_models(request: web.Request, service: RunService, owner: str) -> web.Response:
@@ -209,6 +250,9 @@ def add_routes(
     app.router.add_post("/v1/exec", bind(exec_ndjson))
     app.router.add_post("/v1/sessions", bind(open_session))
     app.router.add_delete("/v1/sessions/{session_id}", bind(close_session))
+    app.router.add_post("/v1/sessions/{session_id}/snapshot", bind(snapshot_session))
+    app.router.add_get("/v1/snapshots/{snapshot_id}", bind(get_snapshot))
+    app.router.add_delete("/v1/snapshots/{snapshot_id}", bind(delete_snapshot))
     app.router.add_get("/v1/models", bind(list_models))
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/docs", docs)

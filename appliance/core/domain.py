@@ -62,6 +62,10 @@ class RunRequest(Protocol):
     def memory_mb(self) -> int | None:
         """A memory limit below SANDBOX_MEMORY_MB for this run (or the session it opens)."""
 
+    @property
+    def from_snapshot(self) -> str | None:
+        """A snapshot id: the new session this request opens starts from it."""
+
 
 @dataclass(frozen=True, slots=True)
 class File:
@@ -86,6 +90,7 @@ class Request:
     gpu: GpuAsk | None = None
     stdin_eof: bool = False
     memory_mb: int | None = None
+    from_snapshot: str | None = None
 
 
 @dataclass

@@ -46,6 +46,14 @@ class RequestRejected(ApplianceError):
     status = "rejected"
 
 
+class UnknownSession(RequestRejected):
+    """No open session of that id for this tenant (another tenant's is reported exactly so)."""
+
+
+class UnknownSnapshot(RequestRejected):
+    """No snapshot of that id for this tenant (another tenant's is reported exactly so)."""
+
+
 class Busy(ApplianceError):
     """The run queue is full; nothing ran."""
 

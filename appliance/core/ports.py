@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
+from appliance.core.errors import RequestRejected
 
 Clock = Callable[[], float]  # monotonic seconds (time.monotonic)
 
@@ -292,3 +294,97 @@ class Metrics(Protocol):
     def frame_buffer(self) -> Gauge: ...
 
     def render(self) -> bytes: ...
+
+
+# -- snapshots -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A kept snapshot, as its manifest (written by the server) says."""
+
+    id: str
+    bytes: int
+    created: float  # Unix time
+    gpu_mb: int  # the GPU budget of the session it was taken of; a restore asks for it again
+    profile: str  # the session's preload profile
+    skipped: tuple[str, ...]  # "name: why", for what did not pickle or was not a file
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "snapshot": self.id,
+            "bytes": self.bytes,
+            "created": self.created,
+            "gpu_memory_mb": self.gpu_mb,
+            "profile": self.profile,
+            "skipped": list(self.skipped),
+        }
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """What a session's jail reported as it wrote its state (untrusted, bounded): its
+    `skipped` list goes into the manifest; the archive stays in the jail until `keep`."""
+
+    skipped: tuple[str, ...]
+
+
+class Snapshots(Protocol):
+    """Session snapshots: the jail writes and reads its own state (the only place a pickle is
+    ever read); the server keeps the bytes (appliance.sandbox.snapshots)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def check_host(self) -> None:
+        """Startup: the store's directory is the server's own (StartupError naming it)."""
+
+    def check_quota(self, owner: str) -> None:
+        """RequestRejected when this tenant keeps SANDBOX_MAX_SNAPSHOTS already."""
+
+    async def save(self, jail: Jail, timeout_ms: int) -> SavedState:
+        """Have the (thawed) jail write its state; RunLimit / JailFailure / RequestRejected."""
+
+    async def keep(
+        self, jail: Jail, owner: str, saved: SavedState, *, gpu_mb: int, profile: str
+    ) -> SnapshotInfo:
+        """Copy the (frozen) jail's state into the store, within the quotas, and drop it there."""
+
+    async def find(self, owner: str, snapshot_id: str) -> SnapshotInfo:
+        """A tenant's snapshot; UnknownSnapshot for any other id (another tenant's too)."""
+
+    async def delete(self, owner: str, snapshot_id: str) -> bool: ...
+
+    async def restore(self, jail: Jail, owner: str, snapshot_id: str, timeout_ms: int) -> None:
+        """Copy the snapshot into a fresh jail and have it read it there; RunLimit / JailFailure /
+        RequestRejected when it cannot."""
+
+
+class NoSnapshots:
+    """The service's default: snapshots are off (no SANDBOX_SNAPSHOT_DIR)."""
+
+    enabled = False
+
+    def check_host(self) -> None:
+        return None
+
+    def _off(self) -> RequestRejected:
+        return RequestRejected("snapshots are off on this appliance (it has no SANDBOX_SNAPSHOT_DIR)")
+
+    def check_quota(self, owner: str) -> None:
+        raise self._off()
+
+    async def save(self, jail: Jail, timeout_ms: int) -> SavedState:
+        raise self._off()
+
+    async def keep(
+        self, jail: Jail, owner: str, saved: SavedState, *, gpu_mb: int, profile: str
+    ) -> SnapshotInfo:
+        raise self._off()
+
+    async def find(self, owner: str, snapshot_id: str) -> SnapshotInfo:
+        raise self._off()
+
+    async def delete(self, owner: str, snapshot_id: str) -> bool:
+        raise self._off()
+
+    async def restore(self, jail: Jail, owner: str, snapshot_id: str, timeout_ms: int) -> None:
+        raise self._off()

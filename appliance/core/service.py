@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from appliance.core.admission import Admission
-from appliance.core.domain import CellOutcome, Emit, Frame, PipeFull, Request, RunRequest
+from appliance.core.domain import CellOutcome, Emit, Frame, Gpu, PipeFull, Request, RunRequest
 from appliance.core.errors import (
     ApplianceError,
     Busy,
@@ -38,8 +38,11 @@ from appliance.core.ports import (
     Lease,
     Metrics,
     NoGpu,
+    NoSnapshots,
     Outputs,
     Runtime,
+    SnapshotInfo,
+    Snapshots,
 )
 from appliance.core.sessions import Session, SessionRegistry
 from appliance.core.tasks import TaskScope
@@ -119,6 +122,7 @@ class RunService:
         frames: Frames,
         catalogue: Catalogue,
         gpu: GpuBudget | None = None,
+        snapshots: Snapshots | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
         self.settings = settings
@@ -129,6 +133,7 @@ class RunService:
         self.clock = clock
         self._catalogue = catalogue
         self.gpu: GpuBudget = gpu if gpu is not None else NoGpu()  # what a run's GPU ask costs
+        self.snapshots: Snapshots = snapshots if snapshots is not None else NoSnapshots()
         self.admission = Admission(settings.max_concurrency, settings.max_queue, clock)
         self.tenants: Tenants | None = None
         session_limits: dict[str, int] = {}
@@ -145,6 +150,7 @@ class RunService:
     def check_host(self) -> None:
         """Fail-closed startup checks (StartupError naming what to fix), before listening."""
         self.lifecycle.check_host()
+        self.snapshots.check_host()
 
     async def start(self, canary_port: int) -> None:
         await self.lifecycle.start(canary_port)
@@ -216,6 +222,9 @@ class RunService:
                 quota = contextlib.ExitStack()
                 quota.enter_context(tenants.request(owner))
             session: Session | None = None
+            restoring = req.from_snapshot
+            if restoring is not None:
+                req = await self._from_snapshot(req, owner, restoring)
             if req.session is not None and req.session != "new":
                 session = self.sessions.get(req.session, owner)
                 if session.lock.locked():
@@ -256,8 +265,10 @@ class RunService:
                         lease.keep()
                         if gpu_quota is not None:  # held as long as the session lives
                             session.on_close.append(gpu_quota.pop_all().close)
-                        session_id = session.id
                         async with session.lock:
+                            if restoring is not None:
+                                await self._restore(session, restoring)
+                            session_id = session.id
                             outcome = await self._session_cell(session, req, emit, run, queued_ms)
                     else:
                         outcome = await self._one_shot(jail, lease, req, emit, run, queued_ms, owner)
@@ -323,9 +334,102 @@ class RunService:
             gpu=req.gpu,
             stdin_eof=True,
             memory_mb=req.memory_mb,
+            from_snapshot=req.from_snapshot,
         )
         await self.execute(new, owner, collect)
         return frames
+
+    # -- snapshots -----------------------------------------------------------------------------
+    async def snapshot_session(self, session_id: str, owner: str) -> SnapshotInfo:
+        """Keep a session's state (its files, its globals that pickle) as a snapshot of its
+        tenant's: the jail writes it, between two cells, under an admission slot and the
+        cell's limits; the server keeps the bytes. The session goes on as it was."""
+        store = self.snapshots
+        session = self.sessions.get(session_id, owner)
+        if session.lock.locked():
+            raise RequestRejected(f"session {session_id} is busy with another request")
+        await asyncio.to_thread(store.check_quota, owner)
+        async with self.admission.slot(), session.lock:
+            jail = session.jail
+            if not jail.alive:
+                await self.sessions.close(session.id, reason="its interpreter is gone")
+                raise RequestRejected(f"session {session.id} has ended (its interpreter is gone)")
+            try:
+                jail.thaw()
+            except OSError as exc:
+                await self.sessions.close(session.id, reason="its jail could not be thawed")
+                raise JailFailure(
+                    f"session {session.id} has ended: its jail could not be thawed ({exc})"
+                ) from exc
+            try:
+                saved = await store.save(jail, self.settings.max_exec_ms)
+            except JailFailure:
+                await self.sessions.close(session.id, reason="its interpreter did not survive a snapshot")
+                raise
+            except BaseException:
+                await self._refreeze(session)
+                raise
+            if not await self._refreeze(session):
+                raise JailFailure(f"session {session.id} has ended: its jail could not be frozen")
+            session.last_used = self.clock()
+            return await store.keep(jail, owner, saved, gpu_mb=session.gpu_mb, profile=session.lease.profile)
+
+    async def find_snapshot(self, snapshot_id: str, owner: str) -> SnapshotInfo:
+        return await self.snapshots.find(owner, snapshot_id)
+
+    async def delete_snapshot(self, snapshot_id: str, owner: str) -> bool:
+        return await self.snapshots.delete(owner, snapshot_id)
+
+    async def _refreeze(self, session: Session) -> bool:
+        """Freeze a session's jail again after a snapshot; a jail that does not freeze ends."""
+        if not session.jail.alive:
+            await self.sessions.close(session.id, reason="its interpreter is gone")
+            return False
+        try:
+            await session.jail.freeze()
+        except JailFailure:
+            await self.sessions.close(session.id, reason="its jail could not be frozen between cells")
+            return False
+        return True
+
+    async def _from_snapshot(self, req: RunRequest, owner: str, snapshot_id: str) -> RunRequest:
+        """A request that opens a session from a snapshot, with the snapshot's GPU budget as its
+        ask (admitted as any new GPU session's); RequestRejected when it cannot be."""
+        if req.session != "new":
+            raise RequestRejected('\'from_snapshot\' opens a new session: send it with "session": "new"')
+        info = await self.snapshots.find(owner, snapshot_id)
+        if info.gpu_mb == 0:
+            return req
+        if not self.settings.gpu:
+            raise RequestRejected(
+                f"snapshot {snapshot_id} is of a GPU session ({info.gpu_mb} MiB); this appliance runs "
+                "without SANDBOX_GPU"
+            )
+        if req.gpu is not None and req.gpu.memory_mb != info.gpu_mb:
+            raise RequestRejected(
+                f"snapshot {snapshot_id} is of a session with a GPU budget of {info.gpu_mb} MiB; its "
+                f"restore asks for that again (omit 'gpu', or ask for {info.gpu_mb})"
+            )
+        return Request(
+            id=req.id,
+            code=req.code,
+            session="new",
+            timeout_ms=req.timeout_ms,
+            files=req.files,
+            gpu=Gpu(info.gpu_mb),
+            stdin_eof=req.stdin_eof,
+            memory_mb=req.memory_mb,
+            from_snapshot=snapshot_id,
+        )
+
+    async def _restore(self, session: Session, snapshot_id: str) -> None:
+        """A new session's jail reads the snapshot before its first cell; if it cannot, the
+        session ends and the request says why."""
+        try:
+            await self.snapshots.restore(session.jail, session.owner, snapshot_id, self.settings.max_exec_ms)
+        except BaseException:
+            await self.sessions.close(session.id, reason="its snapshot could not be restored")
+            raise
 
     async def close_session(self, session_id: str, owner: str) -> bool:
         closed = await self.sessions.close(session_id, owner)

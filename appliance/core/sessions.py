@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from appliance.core.errors import Busy, RequestRejected
+from appliance.core.errors import Busy, RequestRejected, UnknownSession
 from appliance.core.ports import Clock, Jail, Lease
 from appliance.core.tasks import TaskScope
 
@@ -103,8 +103,8 @@ class SessionRegistry:
         if session is None or not hmac.compare_digest(session.owner, owner):
             ended = self._ended.get(session_id)
             if ended is not None and hmac.compare_digest(ended[0], owner):
-                raise RequestRejected(f"session {session_id} has ended: {ended[1]}")
-            raise RequestRejected(f"no such session {session_id!r} (it may have expired or been closed)")
+                raise UnknownSession(f"session {session_id} has ended: {ended[1]}")
+            raise UnknownSession(f"no such session {session_id!r} (it may have expired or been closed)")
         return session
 
     async def close(self, session_id: str, owner: str | None = None, reason: str | None = None) -> bool:

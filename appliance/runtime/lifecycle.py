@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.core.errors import StartupError
+from appliance.core.ports import Snapshots
 from appliance.core.service import RunService
 from appliance.core.tasks import TaskScope
 from appliance.inside.tools.catalogue import catalogue
@@ -36,6 +37,7 @@ from appliance.sandbox.network import EgressNetwork, check_prerequisites
 from appliance.sandbox.pool import ProfilePools
 from appliance.sandbox.profiles import Profile
 from appliance.sandbox.provisioner import PlainProvisioner, Provisioner
+from appliance.sandbox.snapshots import JailSnapshots, SnapshotStore
 from appliance.sandbox.wheels import check_wheelhouse, stage_wheel_cache
 from appliance.sandbox.workdir import RunDirs, open_base, stage_runtime
 from appliance.settings import Settings
@@ -62,7 +64,18 @@ def build_service(settings: Settings) -> RunService:
         frames=protocol,
         catalogue=catalogue,
         gpu=provisioner,
+        snapshots=snapshots_for(settings),
     )
+
+
+def snapshots_for(settings: Settings) -> Snapshots | None:
+    """Session snapshots where SANDBOX_SNAPSHOT_DIR is set (checked at startup), else none."""
+    if settings.snapshot_dir is None:
+        return None
+    store = SnapshotStore(
+        settings.snapshot_dir, settings.max_snapshot_mb * 1024 * 1024, settings.max_snapshots
+    )
+    return JailSnapshots(settings, protocol, store)
 
 
 def provisioner_for(settings: Settings, metrics: Metrics) -> Provisioner:

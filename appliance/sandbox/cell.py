@@ -58,9 +58,12 @@ async def run_cell(  # noqa: PLR0913 (the cell's inputs and limits, passed down 
     frames: CellFrames,
     started: Callable[[], None] | None = None,
     first: Frame | None = None,
+    op: bytes | None = None,
 ) -> CellOutcome:
     """Run req.code in jail and stream its frames; returns how the cell ended.
 
+    `op` replaces the `run` op the cell sends the driver (a session's `snapshot` or `restore`,
+    which the driver does like a cell, under the same limits).
     keep_alive (sessions): on a limit, first try to stop only the cell (KeyboardInterrupt);
     otherwise the caller kills the jail, so here the cell is simply abandoned.
     `started` is called once the code is on its way to the driver: stdin written after
@@ -81,6 +84,7 @@ async def run_cell(  # noqa: PLR0913 (the cell's inputs and limits, passed down 
         started=started,
         base=base,
         first=first,
+        op=op,
     )
     if group is not None and base is not None:
         _account(group, base, outcome)
@@ -123,12 +127,17 @@ async def _run_cell(  # noqa: C901, PLR0912, PLR0913, PLR0915 (one cell's event 
     started: Callable[[], None] | None,
     base: Counters | None,
     first: Frame | None,
+    op: bytes | None = None,
 ) -> CellOutcome:
     loop = asyncio.get_running_loop()
     process = jail.process
     rid = req.id
     deadline = loop.time() + timeout_ms / 1000
-    process.write(channel.run_op(req.code, [(f.path, f.data) for f in req.files], req.stdin_eof))
+    process.write(
+        op
+        if op is not None
+        else channel.run_op(req.code, [(f.path, f.data) for f in req.files], req.stdin_eof)
+    )
     # Made once the code is on its way: the driver starts on it meanwhile.
     timed_out = RunTimeout(f"the run exceeded its {timeout_ms} ms time limit")
     over = OutputLimit(f"the run wrote more than SANDBOX_MAX_OUTPUT_BYTES ({max_output_bytes} bytes)")

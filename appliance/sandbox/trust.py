@@ -50,28 +50,32 @@ def policy(st: os.stat_result, server_uid: int, ancestor: bool) -> str | None:
     return None
 
 
-def fix_for(path: Path) -> str:
+TMP_ROOT = "SANDBOX_TMP_ROOT"
+
+
+def fix_for(path: Path, setting: str = TMP_ROOT) -> str:
+    where = " (the default is /run)" if setting == TMP_ROOT else ""
     return (
-        f"check what it holds, then remove it (rm -rf {path}) or set SANDBOX_TMP_ROOT to a directory "
-        f"only root can write in (the default is /run)"
+        f"check what it holds, then remove it (rm -rf {path}) or set {setting} to a directory "
+        f"only root can write in{where}"
     )
 
 
-def refusal(path: Path, why: str) -> StartupError:
+def refusal(path: Path, why: str, setting: str = TMP_ROOT) -> StartupError:
     return StartupError(
-        f"SANDBOX_TMP_ROOT: {path} {why}: the server trusts only what it owns; {fix_for(path)}"
+        f"{setting}: {path} {why}: the server trusts only what it owns; {fix_for(path, setting)}"
     )
 
 
-def open_root(root: Path, server_uid: int) -> int:
+def open_root(root: Path, server_uid: int, setting: str = TMP_ROOT) -> int:
     """A descriptor of `root` (an absolute path), every component from `/` checked as an
     ancestor (a missing one is made, 0755); StartupError naming the first that fails."""
     if not root.is_absolute():
-        raise StartupError(f"SANDBOX_TMP_ROOT: {root} is not an absolute path")
+        raise StartupError(f"{setting}: {root} is not an absolute path")
     fd = os.open("/", fstree.DIR_FLAGS)
     path = Path("/")
     try:
-        _check(fd, path, server_uid, ancestor=True)
+        _check(fd, path, server_uid, ancestor=True, setting=setting)
         for part in root.parts[1:]:
             path = path / part
             with contextlib.suppress(FileExistsError):  # made here (as before): its parent is checked
@@ -79,17 +83,19 @@ def open_root(root: Path, server_uid: int) -> int:
             try:
                 child = os.open(part, fstree.DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
-                raise refusal(path, _open_problem(exc)) from exc
+                raise refusal(path, _open_problem(exc), setting) from exc
             os.close(fd)
             fd = child
-            _check(fd, path, server_uid, ancestor=True)
+            _check(fd, path, server_uid, ancestor=True, setting=setting)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def ensure_dir(parent_fd: int, parent: Path, name: str, mode: int, server_uid: int) -> int:
+def ensure_dir(  # noqa: PLR0913 (the directory, its mode, and whose setting it is)
+    parent_fd: int, parent: Path, name: str, mode: int, server_uid: int, setting: str = TMP_ROOT
+) -> int:
     """A descriptor of directory `name` in the (checked) directory parent_fd, made with `mode`
     if absent; an existing one must be the server's own and writable by it alone (its mode
     is then set to `mode`, by descriptor). StartupError otherwise."""
@@ -99,9 +105,9 @@ def ensure_dir(parent_fd: int, parent: Path, name: str, mode: int, server_uid: i
     try:
         fd = os.open(name, fstree.DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
-        raise refusal(path, _open_problem(exc)) from exc
+        raise refusal(path, _open_problem(exc), setting) from exc
     try:
-        _check(fd, path, server_uid, ancestor=False)
+        _check(fd, path, server_uid, ancestor=False, setting=setting)
         os.fchmod(fd, mode)
     except BaseException:
         os.close(fd)
@@ -127,10 +133,10 @@ def tree_problem(dir_fd: int, server_uid: int) -> str | None:
     return None
 
 
-def _check(fd: int, path: Path, server_uid: int, ancestor: bool) -> None:
+def _check(fd: int, path: Path, server_uid: int, ancestor: bool, setting: str = TMP_ROOT) -> None:
     why = policy(os.fstat(fd), server_uid, ancestor)
     if why is not None:
-        raise refusal(path, why)
+        raise refusal(path, why, setting)
 
 
 def _open_problem(exc: OSError) -> str:

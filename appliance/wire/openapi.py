@@ -25,7 +25,11 @@ from appliance.wire import protocol
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 _CLIENT = {cls.__name__: cls for cls in protocol.CLIENT_MESSAGES.values()}
 _SERVER = {td.__name__: td for td in protocol.SERVER_FRAMES.values()}
-_REST = {"SessionOpened": protocol.SessionOpened, "HttpError": protocol.HttpError}
+_REST = {
+    "SessionOpened": protocol.SessionOpened,
+    "HttpError": protocol.HttpError,
+    "Snapshot": protocol.Snapshot,
+}
 
 
 def _definitions(ref_template: str) -> dict[str, Any]:
@@ -105,6 +109,8 @@ def _json(schema: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
 
 
+_SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
+_SNAPSHOT_ID = {"name": "snapshot_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _UNAUTHORIZED = {"description": "missing or wrong bearer token", "content": _json("HttpError")}
 _NOT_JSON = {
     "description": "the body was not sent as Content-Type: application/json; nothing ran",
@@ -248,7 +254,8 @@ def openapi_document() -> dict[str, Any]:
             },
             "/v1/sessions": {
                 "post": {
-                    "summary": "Open a stateful session (optionally running code in it)",
+                    "summary": "Open a stateful session (optionally running code in it; `from_snapshot`: "
+                    "restored from a snapshot, a fork)",
                     "requestBody": {"required": False, "content": _json("ExecuteRequest")},
                     "responses": {
                         "201": {
@@ -275,6 +282,51 @@ def openapi_document() -> dict[str, Any]:
                         "401": _UNAUTHORIZED,
                     },
                 }
+            },
+            "/v1/sessions/{session_id}/snapshot": {
+                "post": {
+                    "summary": "Keep the session's state (its files and the globals that pickle) as a snapshot",
+                    "description": (
+                        "What does not pickle (locks, sockets, threads, open files, generators) is named "
+                        "in `skipped`. The session goes on. Needs SANDBOX_SNAPSHOT_DIR."
+                    ),
+                    "parameters": [_SESSION_ID],
+                    "responses": {
+                        "201": {"description": "kept", "content": _json("Snapshot")},
+                        "400": {
+                            "description": "rejected (over a quota, snapshots off)",
+                            "content": _json("HttpError"),
+                        },
+                        "404": {"description": "no such session", "content": _json("HttpError")},
+                        "422": {
+                            "description": "the jail could not write it within the cell's limits",
+                            "content": _json("HttpError"),
+                        },
+                        "429": {"description": "busy", "content": _json("HttpError")},
+                        "401": _UNAUTHORIZED,
+                        "415": _NOT_JSON,
+                    },
+                }
+            },
+            "/v1/snapshots/{snapshot_id}": {
+                "get": {
+                    "summary": "A snapshot of this tenant's",
+                    "parameters": [_SNAPSHOT_ID],
+                    "responses": {
+                        "200": {"description": "the snapshot", "content": _json("Snapshot")},
+                        "404": {"description": "no such snapshot", "content": _json("HttpError")},
+                        "401": _UNAUTHORIZED,
+                    },
+                },
+                "delete": {
+                    "summary": "Delete a snapshot of this tenant's",
+                    "parameters": [_SNAPSHOT_ID],
+                    "responses": {
+                        "204": {"description": "deleted"},
+                        "404": {"description": "no such snapshot", "content": _json("HttpError")},
+                        "401": _UNAUTHORIZED,
+                    },
+                },
             },
             "/v1/models": {
                 "get": {

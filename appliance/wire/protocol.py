@@ -224,6 +224,11 @@ class ExecuteRequest:
         default=None,
         description="Lowers SANDBOX_MEMORY_MB (the run's cgroup) for this run or the session it opens, never raises it.",
     )
+    from_snapshot: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = Field(
+        default=None,
+        description='With "session": "new" (or POST /v1/sessions): the new session starts from this snapshot '
+        "(its files and globals), with its GPU budget.",
+    )
     type: Literal["execute"] = "execute"
 
     @field_validator("gpu", mode="before")
@@ -295,7 +300,7 @@ CLIENT_MESSAGES: dict[str, type[ClientMessage]] = {
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {kind: TypeAdapter(cls) for kind, cls in CLIENT_MESSAGES.items()}
 # When a frame has several problems, name the one the protocol checks first.
 _FIELD_ORDER = {
-    "execute": ("code", "session", "timeout_ms", "gpu", "stdin_eof", "memory_mb", "files"),
+    "execute": ("code", "session", "timeout_ms", "gpu", "stdin_eof", "memory_mb", "from_snapshot", "files"),
     "stdin": ("data", "eof", "id"),
     "interrupt": ("id",),
     "close_session": ("session",),
@@ -396,6 +401,7 @@ def _plain_execute(obj: dict[str, Any]) -> ExecuteRequest | None:
         gpu=None,
         stdin_eof=stdin_eof,
         memory_mb=None,
+        from_snapshot=None,
         type="execute",
     )
     return message
@@ -436,6 +442,8 @@ def _message(kind: str, err: Any, obj: dict[str, Any]) -> str:  # noqa: C901, PL
             return "'stdin_eof' must be true or false"
         if field == "memory_mb":
             return "'memory_mb' must be a positive integer (MiB)"
+        if field == "from_snapshot":
+            return "'from_snapshot' must be a snapshot id (a string)"
         if field == "files":
             return _file_message(loc, err, obj)
     if kind == "stdin":
@@ -624,9 +632,21 @@ class SessionOpened(TypedDict):
 
 
 class HttpError(TypedDict):
-    """REST: a refusal that is not about a request (auth, an unknown session)."""
+    """REST: a refusal that is not about a request (auth, an unknown session or snapshot)."""
 
     error: str
+    status: NotRequired[str]  # a done status naming the kind of refusal (`rejected`, `busy`, ...)
+
+
+class Snapshot(TypedDict):
+    """REST: a kept snapshot (`POST /v1/sessions/{id}/snapshot`, `GET /v1/snapshots/{id}`)."""
+
+    snapshot: str  # its id
+    bytes: int  # its size as kept
+    skipped: list[str]  # "name: why" for each global that did not pickle, each file not kept
+    created: float  # Unix time
+    gpu_memory_mb: int  # the session's GPU budget (0: none); a restore asks for it again
+    profile: str  # the session's preload profile
 
 
 Frame = dict[str, Any]

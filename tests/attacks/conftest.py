@@ -28,6 +28,7 @@ CLASS_OF_FILE = {
     "test_cross_site": "cross-site requests",
     "test_filesystem": "filesystem and IPC",
     "test_egress": "egress by name",
+    "test_snapshots": "snapshots",
 }
 OBSERVED = pytest.StashKey[str]()
 ROWS = pytest.StashKey[list[AuditRow]]()
