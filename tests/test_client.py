@@ -302,6 +302,7 @@ def typed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         SANDBOX_MAX_FILE_OUT_BYTES="1000",
         SANDBOX_MAX_OUTPUT_BYTES="100000",
         SANDBOX_AUTH_TOKEN=TOKEN,
+        SANDBOX_SNAPSHOT_DIR=str(tmp_path_factory.mktemp("client-snapshots") / "store"),
     )
     yield srv
     srv.stop()
@@ -378,9 +379,43 @@ def test_the_sync_client_and_its_session_take_the_same_typed_arguments(typed: Se
         with c.session() as s:
             s.execute("x = 20", timeout_ms=10000)
             again = s.execute("x + 1")
-            with pytest.raises(TypeError, match="sets 'session' itself"):
+            with pytest.raises(TypeError, match="sets 'session' and 'from_snapshot' itself"):
                 s.execute("1", session="other")  # type: ignore[call-arg]
     assert ex.stdout == "sync\n" and again.text == "21" and again.session
+
+
+def test_a_session_snapshot_forks_into_new_sessions(typed: Server) -> None:
+    with Client(typed.url, TOKEN) as c:
+        with c.session() as s:
+            with pytest.raises(ClientError, match="not open yet"):
+                s.snapshot()
+            s.execute("import threading\nx = 20\nlock = threading.Lock()")
+            taken = s.snapshot()
+            s.execute("x = 0")  # the session goes on; the snapshot keeps x = 20
+        assert taken["skipped"][0].startswith("lock: ") and c.snapshot_info(taken["snapshot"]) == taken
+        with c.session(from_snapshot=taken["snapshot"]) as fork:
+            first = fork.execute("x += 1\nx")
+            second = fork.execute("x")
+        with c.session(from_snapshot=taken["snapshot"]) as other:
+            other_x = other.execute("x")
+        c.delete_snapshot(taken["snapshot"])
+        with pytest.raises(ClientError, match="404"):
+            c.snapshot_info(taken["snapshot"])
+    assert (first.text, second.text, other_x.text) == ("21", "21", "20")
+    assert fork.id is None and first.session != other_x.session
+
+
+async def test_the_async_client_takes_and_restores_snapshots(typed: Server) -> None:
+    async with AsyncClient(typed.url, TOKEN) as c:
+        s = c.session()
+        await s.execute("y = 'kept'")
+        taken = await s.snapshot()
+        await s.close()
+        fork = c.session(from_snapshot=taken["snapshot"])
+        got = await fork.execute("y")
+        await fork.close()
+        await c.delete_snapshot(taken["snapshot"])
+    assert got.text == "'kept'"
 
 
 @pytest.mark.parametrize("form", ["{http}", "{http}/", "{http}/exec", "{ws}", "{ws}/exec"])

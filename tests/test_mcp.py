@@ -45,7 +45,13 @@ WRITE_TWO = (
 
 @pytest.fixture(scope="module")
 def authed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("mcp"), SANDBOX_PRELOAD="matplotlib", SANDBOX_AUTH_TOKEN=TOKEN)
+    base = tmp_path_factory.mktemp("mcp")
+    srv = start_server(
+        base,
+        SANDBOX_PRELOAD="matplotlib",
+        SANDBOX_AUTH_TOKEN=TOKEN,
+        SANDBOX_SNAPSHOT_DIR=str(base / "snapshots"),
+    )
     yield srv
     srv.stop()
 
@@ -97,13 +103,42 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 
 class TestBothTransports:
-    async def test_the_tools_are_run_python_close_session_and_list_models(
+    async def test_the_tools_are_run_python_close_session_list_models_and_snapshots(
         self, authed: Server, transport: str
     ) -> None:
         async with TRANSPORTS[transport](authed) as mcp:
             listed = await mcp.list_tools()
-            assert [t.name for t in listed.tools] == ["run_python", "close_session", "list_models"]
+            assert [t.name for t in listed.tools] == [
+                "run_python",
+                "close_session",
+                "list_models",
+                "snapshot_session",
+                "restore_snapshot",
+            ]
             assert listed.tools[0].inputSchema["required"] == ["code"]
+
+    async def test_a_snapshot_of_the_session_restores_into_a_new_one(
+        self, authed: Server, transport: str
+    ) -> None:
+        async with TRANSPORTS[transport](authed) as mcp:
+            none = await mcp.call_tool("snapshot_session", {})
+            assert none.isError and "no open session" in text_of(none)
+            await mcp.call_tool(
+                "run_python",
+                {"code": "import threading\nx = 41\nlock = threading.Lock()", "keep_state": True},
+            )
+            taken = await mcp.call_tool("snapshot_session", {})
+            assert not taken.isError, text_of(taken)
+            info = json.loads(text_of(taken))
+            assert info["skipped"] and info["skipped"][0].startswith("lock: ")
+            await mcp.call_tool("run_python", {"code": "x = 0", "keep_state": True})
+            restored = await mcp.call_tool("restore_snapshot", {"snapshot": info["snapshot"]})
+            assert not restored.isError, text_of(restored)
+            after = await mcp.call_tool("run_python", {"code": "x + 1", "keep_state": True})
+            assert "--- result ---\n42" in text_of(after)
+            unknown = await mcp.call_tool("restore_snapshot", {"snapshot": "0" * 32})
+            assert unknown.isError and "no such snapshot" in text_of(unknown)
+            await mcp.call_tool("close_session", {})
 
     async def test_a_figure_comes_back_as_image_content(self, authed: Server, transport: str) -> None:
         async with TRANSPORTS[transport](authed) as mcp:

@@ -30,7 +30,7 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 from appliance.api import mcp_tools, tool_calls
 from appliance.api.transport import PARSER_KEY, TASKS_KEY, until_gone
-from appliance.core.errors import Busy
+from appliance.core.errors import ApplianceError, Busy
 from appliance.core.service import RunService
 from appliance.wire import protocol
 from appliance.wire.protocol import ExecuteRequest, ProtocolError
@@ -96,6 +96,35 @@ class ServiceExecutor:
     async def close_session(self, session: str) -> bool:
         """End one of this owner's sessions; False when it has none of that id."""
         return await self.service.close_session(session, self.owner)
+
+    async def snapshot(self, session: str) -> dict[str, Any]:
+        """Keep one of this owner's sessions' state (POST /v1/sessions/{id}/snapshot's answer)."""
+        try:
+            info = await self.service.snapshot_session(session, self.owner)
+        except ApplianceError as exc:
+            raise RuntimeError(exc.message) from None
+        return info.as_dict()
+
+    async def restore(self, snapshot: str) -> tool_calls.Outcome:
+        """Open a session of this owner's restored from a snapshot of its own."""
+        rid = protocol.new_request_id()
+        outcome = tool_calls.Outcome()
+        frame = {"type": "execute", "id": rid, "code": "", "session": "new", "from_snapshot": snapshot}
+        try:
+            message = protocol.parse_client_frame_object(
+                frame, protocol.Limits.from_settings(self.service.settings)
+            )
+        except ProtocolError as exc:
+            outcome.add(protocol.done_frame(rid, "rejected", message=exc.message))
+            return outcome
+        if not isinstance(message, ExecuteRequest):
+            raise TypeError(f"not an execute request: {message.type}")
+
+        async def emit(out: protocol.Frame) -> None:
+            outcome.add(out)
+
+        await self.service.execute(message, self.owner, emit)
+        return outcome
 
 
 def _executor_for(service: RunService) -> mcp_tools.ExecutorFor:

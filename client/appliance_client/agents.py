@@ -519,6 +519,9 @@ class Executor(Protocol):
 
     async def models(self) -> list[dict[str, Any]]: ...
 
+    async def snapshot(self, session: str) -> dict[str, Any]:
+        """Keep a session's state (AsyncClient.snapshot)."""
+
 
 class Dispatcher:
     """Runs the tools' calls on an Executor for one conversation: keep_state calls share one

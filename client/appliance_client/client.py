@@ -126,9 +126,11 @@ class CellOptions(TypedDict, total=False):
 
 
 class RequestOptions(CellOptions, total=False):
-    """CellOptions and the session to run in (a session object sets that itself)."""
+    """CellOptions and the session to run in (a session object sets that itself); with
+    `"session": "new"`, `from_snapshot` starts the new session from a snapshot (a fork)."""
 
     session: str | None
+    from_snapshot: str | None
 
 
 class Callbacks(TypedDict, total=False):
@@ -529,6 +531,9 @@ def request_frame(code: str, rid: str, **options: Unpack[RequestOptions]) -> Fra
         frame["gpu"] = _wire_gpu(gpu)
     if _expect("stdin_eof", options.get("stdin_eof", False), bool):
         frame["stdin_eof"] = True
+    from_snapshot = options.get("from_snapshot")
+    if from_snapshot is not None:
+        frame["from_snapshot"] = _expect("from_snapshot", from_snapshot, str)
     return frame
 
 
@@ -831,13 +836,33 @@ class AsyncClient:
         finally:
             self._queues.pop(rid, None)
 
-    def session(self) -> AsyncSession:
-        """A stateful session on this connection, opened by its first `execute`."""
-        return AsyncSession(self)
+    def session(self, from_snapshot: str | None = None) -> AsyncSession:
+        """A stateful session on this connection, opened by its first `execute`; with
+        `from_snapshot`, restored from that snapshot (each such session is a fork of it)."""
+        return AsyncSession(self, from_snapshot)
 
     async def models(self) -> list[dict[str, Any]]:
         """The appliance's model catalogue (GET /v1/models on the same host and token)."""
         return await asyncio.to_thread(_get_models, self.url, self.token)
+
+    async def snapshot(self, session: str) -> dict[str, Any]:
+        """Keep session `session`'s state as a snapshot: `{"snapshot": id, "bytes": n,
+        "skipped": ["name: why", ...], ...}` (POST /v1/sessions/{id}/snapshot)."""
+        return await asyncio.to_thread(
+            _http_json, self.url, self.token, "POST", f"/v1/sessions/{_path(session)}/snapshot", 201
+        )
+
+    async def snapshot_info(self, snapshot: str) -> dict[str, Any]:
+        """A snapshot of this token's tenant (GET /v1/snapshots/{id})."""
+        return await asyncio.to_thread(
+            _http_json, self.url, self.token, "GET", f"/v1/snapshots/{_path(snapshot)}", 200
+        )
+
+    async def delete_snapshot(self, snapshot: str) -> None:
+        """Delete a snapshot of this token's tenant (DELETE /v1/snapshots/{id})."""
+        await asyncio.to_thread(
+            _http_json, self.url, self.token, "DELETE", f"/v1/snapshots/{_path(snapshot)}", 204
+        )
 
 
 def _usable(ws: ClientConnection | None) -> bool:
@@ -860,24 +885,41 @@ async def _call(callback: Callable[[Any], object] | None, value: Any) -> None:
             await outcome
 
 
-def _in_session(options: CellExecuteOptions, session: str | None) -> ExecuteOptions:
-    if "session" in options:
-        raise TypeError("a session's execute() sets 'session' itself")
-    return ExecuteOptions(**options, session=session or "new")
+def _in_session(
+    options: CellExecuteOptions, session: str | None, from_snapshot: str | None = None
+) -> ExecuteOptions:
+    if {"session", "from_snapshot"} & set(options):
+        raise TypeError("a session's execute() sets 'session' and 'from_snapshot' itself")
+    # Only the request that opens the session starts it from the snapshot.
+    return ExecuteOptions(
+        **options, session=session or "new", from_snapshot=from_snapshot if session is None else None
+    )
+
+
+def _opened(session: str | None) -> str:
+    if session is None:
+        raise ClientError("the session is not open yet: run a cell in it first")
+    return session
 
 
 class AsyncSession:
-    """A stateful session: every `execute` runs in the same interpreter."""
+    """A stateful session: every `execute` runs in the same interpreter. With `from_snapshot`
+    its first `execute` opens it restored from that snapshot."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: AsyncClient, from_snapshot: str | None = None) -> None:
         self.client = client
         self.id: str | None = None
+        self.from_snapshot = from_snapshot
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Keep this session's state (AsyncClient.snapshot); the session goes on."""
+        return await self.client.snapshot(_opened(self.id))
 
     async def execute(self, code: str, **options: Unpack[CellExecuteOptions]) -> Execution:
         """Run a cell in this session (the first one opens it). SessionLost if the appliance
         lost it across a reconnect (the next execute opens a new one)."""
         try:
-            result = await self.client.execute(code, **_in_session(options, self.id))
+            result = await self.client.execute(code, **_in_session(options, self.id, self.from_snapshot))
         except SessionLost:
             self.id = None
             raise
@@ -990,26 +1032,44 @@ class Client:
         """End a session and its jail; returns the server's `done` frame."""
         return self.run_async(self._async.close_session(session))
 
-    def session(self) -> Session:
-        """A stateful session on this connection, opened by its first `execute`."""
-        return Session(self)
+    def session(self, from_snapshot: str | None = None) -> Session:
+        """A stateful session on this connection, opened by its first `execute`; with
+        `from_snapshot`, restored from that snapshot (each such session is a fork of it)."""
+        return Session(self, from_snapshot)
 
     def models(self) -> list[dict[str, Any]]:
         """The appliance's model catalogue (GET /v1/models on the same host and token)."""
         return _get_models(self._async.url, self._async.token)
 
+    def snapshot(self, session: str) -> dict[str, Any]:
+        """AsyncClient.snapshot."""
+        return self.run_async(self._async.snapshot(session))
+
+    def snapshot_info(self, snapshot: str) -> dict[str, Any]:
+        """AsyncClient.snapshot_info."""
+        return self.run_async(self._async.snapshot_info(snapshot))
+
+    def delete_snapshot(self, snapshot: str) -> None:
+        """AsyncClient.delete_snapshot."""
+        self.run_async(self._async.delete_snapshot(snapshot))
+
 
 class Session:
     """Synchronous stateful session."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, from_snapshot: str | None = None) -> None:
         self.client = client
         self.id: str | None = None
+        self.from_snapshot = from_snapshot
+
+    def snapshot(self) -> dict[str, Any]:
+        """Keep this session's state (AsyncClient.snapshot); the session goes on."""
+        return self.client.snapshot(_opened(self.id))
 
     def execute(self, code: str, **options: Unpack[CellExecuteOptions]) -> Execution:
         """Run a cell in this session (the first one opens it); SessionLost as AsyncSession's."""
         try:
-            result = self.client.execute(code, **_in_session(options, self.id))
+            result = self.client.execute(code, **_in_session(options, self.id, self.from_snapshot))
         except SessionLost:
             self.id = None
             raise
@@ -1048,3 +1108,35 @@ def _get_models(url: str, token: str | None) -> list[dict[str, Any]]:
         raise ConnectionFailed(f"GET /v1/models failed: {exc}") from None
     models: list[dict[str, Any]] = body["models"]
     return models
+
+
+def _path(part: str) -> str:
+    return urllib.parse.quote(_expect("id", part, str), safe="")
+
+
+def _http_json(url: str, token: str | None, method: str, path: str, expect: int) -> dict[str, Any]:
+    """One REST call to the appliance whose WebSocket is at `url`: its JSON body (empty for
+    204); ClientError with the server's words for any other status."""
+    data = b"{}" if method == "POST" else None
+    # S310: the scheme is http(s), by http_base's construction.
+    req = urllib.request.Request(http_base(url) + path, data=data, method=method)  # noqa: S310
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:  # noqa: S310 (the scheme is http(s) by construction)
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        said = exc.read().decode(errors="replace")[:500]
+        with contextlib.suppress(ValueError, AttributeError):
+            said = str(json.loads(said).get("error") or said)
+        if exc.code in (401, 403):
+            raise AuthenticationError(f"{method} {path} answered {exc.code}: {said}") from None
+        raise ClientError(f"{method} {path} answered {exc.code}: {said}") from None
+    except OSError as exc:
+        raise ConnectionFailed(f"{method} {path} failed: {exc}") from None
+    if status != expect:
+        raise ClientError(f"{method} {path} answered {status}")
+    body: dict[str, Any] = json.loads(raw) if raw else {}
+    return body

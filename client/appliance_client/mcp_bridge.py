@@ -66,6 +66,12 @@ class BridgeExecutor:
         except ConnectionFailed as exc:
             raise self._unreachable(exc) from None
 
+    async def snapshot(self, session: str) -> dict[str, Any]:
+        try:
+            return await self.client.snapshot(session)
+        except ConnectionFailed as exc:
+            raise self._unreachable(exc) from None
+
 
 async def probe(url: str, token: str | None) -> None:
     """One connection attempt at launch: AuthenticationError (a refused token) is raised; an

@@ -29,7 +29,7 @@ import json
 import logging
 import mimetypes
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -59,6 +59,32 @@ SERVER_INSTRUCTIONS = (
     "files a run writes under outputs/ come back in its result and stay listed as resources."
 )
 LIST_MODELS_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+SNAPSHOT_TOOL = "snapshot_session"
+SNAPSHOT_DESCRIPTION = (
+    "Keep the state of the persistent interpreter (run_python with keep_state=true, or the given "
+    "session): its files and the variables, functions and classes that pickle. Returns the "
+    "snapshot's id and what could not be kept (locks, sockets, threads, open files). The "
+    "interpreter goes on; restore_snapshot starts from the snapshot again, as often as wanted."
+)
+SNAPSHOT_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "session": {"type": "string", "description": "Advanced: the appliance session to snapshot."}
+    },
+    "additionalProperties": False,
+}
+RESTORE_TOOL = "restore_snapshot"
+RESTORE_DESCRIPTION = (
+    "Start a new persistent interpreter from a snapshot (snapshot_session's id): run_python with "
+    "keep_state=true then runs in it, and the one it replaces is closed. Each restore is a fork: "
+    "the same starting state, diverging from there."
+)
+RESTORE_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"snapshot": {"type": "string", "description": "The snapshot's id."}},
+    "required": ["snapshot"],
+    "additionalProperties": False,
+}
 
 
 RESOURCE_FILES = 64  # the most output files one MCP session keeps readable ...
@@ -191,6 +217,8 @@ def tools() -> list[types.Tool]:
         types.Tool(
             name=LIST_MODELS_TOOL, description=LIST_MODELS_DESCRIPTION, inputSchema=LIST_MODELS_PARAMETERS
         ),
+        types.Tool(name=SNAPSHOT_TOOL, description=SNAPSHOT_DESCRIPTION, inputSchema=SNAPSHOT_PARAMETERS),
+        types.Tool(name=RESTORE_TOOL, description=RESTORE_DESCRIPTION, inputSchema=RESTORE_PARAMETERS),
     ]
 
 
@@ -208,6 +236,61 @@ async def list_models(executor: agents.Executor) -> types.CallToolResult:
     else:
         text = json.dumps({"models": models}, indent=1)
     return types.CallToolResult(content=[types.TextContent(type="text", text=text)], isError=False)
+
+
+def _said(text: str, error: bool = False) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], isError=error)
+
+
+async def snapshot_session(
+    dispatcher: agents.Dispatcher, arguments: Mapping[str, Any]
+) -> types.CallToolResult:
+    """snapshot_session: the given session's, or this MCP session's persistent interpreter's."""
+    session = arguments.get("session")
+    if session is not None and not isinstance(session, str):
+        return _said("bad arguments: 'session' must be a string", True)
+    session = session or dispatcher.session
+    if session is None:
+        return _said("there is no open session to snapshot: run run_python with keep_state=true first", True)
+    try:
+        info = await dispatcher.client.snapshot(session)
+    except Exception as exc:  # noqa: BLE001 (Executor is a protocol: whatever its transport raises, the model reads why)
+        return _said(f"the snapshot could not be taken: {exc}", True)
+    return _said(json.dumps(info, indent=1))
+
+
+async def restore_snapshot(
+    dispatcher: agents.Dispatcher, arguments: Mapping[str, Any]
+) -> types.CallToolResult:
+    """restore_snapshot: a new session from the snapshot becomes the persistent interpreter."""
+    snapshot = arguments.get("snapshot")
+    if not isinstance(snapshot, str) or not snapshot:
+        return _said("bad arguments: 'snapshot' is required and must be a snapshot id", True)
+    execution = await dispatcher.client.execute("", session="new", from_snapshot=snapshot)
+    if not execution.ok or not execution.session:
+        return _said(agents.tool_result(execution, dispatcher.max_chars).text, True)
+    old, dispatcher.session = dispatcher.session, execution.session
+    if old is not None:
+        with contextlib.suppress(Exception):
+            await dispatcher.client.close_session(old)
+    return _said(
+        f"restored snapshot {snapshot} into session {execution.session}; "
+        "run_python with keep_state=true runs in it"
+    )
+
+
+async def _list_models(dispatcher: agents.Dispatcher, arguments: Mapping[str, Any]) -> types.CallToolResult:
+    return await list_models(dispatcher.client)
+
+
+# The tools the MCP server answers itself (run_python and close_session are the dispatcher's).
+SESSION_TOOLS: dict[
+    str, Callable[[agents.Dispatcher, Mapping[str, Any]], Awaitable[types.CallToolResult]]
+] = {
+    LIST_MODELS_TOOL: _list_models,
+    SNAPSHOT_TOOL: snapshot_session,
+    RESTORE_TOOL: restore_snapshot,
+}
 
 
 def output_resources(result: agents.ToolResult) -> list[OutputResource]:
@@ -281,8 +364,9 @@ def build_server(executor_for: ExecutorFor, max_chars: int = agents.DEFAULT_MAX_
         state: McpSessionState = ctx.lifespan_context
         if state.dispatcher is None:
             state.dispatcher = agents.Dispatcher(executor_for(ctx), max_chars=max_chars)
-        if name == LIST_MODELS_TOOL:
-            return await list_models(state.dispatcher.client)
+        session_tool = SESSION_TOOLS.get(name)
+        if session_tool is not None:
+            return await session_tool(state.dispatcher, arguments or {})
         result = await state.dispatcher.call(name, arguments)
         for item in output_resources(result):
             state.resources.add(item)
