@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Sequence
 from ipaddress import IPv4Address
 
@@ -18,6 +19,8 @@ import dns.resolver
 
 RESOLVE_TIMEOUT_S = 5.0
 MAX_ADDRESSES = 16  # a longer answer is cut: every kept address is checked
+CACHE_NAMES = 1024  # answers kept, each for its TTL and at most CACHE_MAX_S
+CACHE_MAX_S = 60.0
 
 
 class ResolveError(Exception):
@@ -34,6 +37,7 @@ class Resolver:
             resolver.lifetime = timeout_s
             resolver.timeout = timeout_s / 2
             self._dns = resolver
+        self._cache: dict[str, tuple[float, list[IPv4Address]]] = {}
 
     async def resolve(self, name: str) -> list[IPv4Address]:
         """The name's IPv4 addresses, in the answer's order (at most MAX_ADDRESSES)."""
@@ -43,8 +47,14 @@ class Resolver:
         return found[:MAX_ADDRESSES]
 
     async def _ask_dns(self, name: str) -> list[IPv4Address]:
+        """The named resolvers' answer, kept for its TTL (at most CACHE_MAX_S): what is kept
+        is only ever what was asked; each use checks every address again."""
         if self._dns is None:
             return []
+        now = time.monotonic()
+        kept = self._cache.get(name)
+        if kept is not None and kept[0] > now:
+            return kept[1]
         try:
             answer = await self._dns.resolve(name, "A", search=False)
         except dns.resolver.NXDOMAIN:
@@ -55,7 +65,13 @@ class Resolver:
             raise ResolveError(f"no answer for {name} in time") from None
         except dns.exception.DNSException as exc:
             raise ResolveError(f"{name} could not be resolved ({type(exc).__name__})") from None
-        return [IPv4Address(r.address) for r in answer]
+        found = [IPv4Address(r.address) for r in answer]
+        ttl = min(float(answer.rrset.ttl) if answer.rrset is not None else 0.0, CACHE_MAX_S)
+        if ttl > 0:
+            if len(self._cache) >= CACHE_NAMES:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[name] = (now + ttl, found)
+        return found
 
     async def _ask_host(self, name: str) -> list[IPv4Address]:
         loop = asyncio.get_running_loop()
