@@ -372,3 +372,25 @@ def test_the_uid_benchmark_measures_spawn_shared_and_own_side_by_side(tmp_path: 
     assert all(s[k]["p50_ms"] > 0 for k in ("shared", "own", "take", "give_back", "cap"))
     assert doc["spawn_ratio_p50"] > 0
     assert "a uid of its own" in (tmp_path / "uids_quick.md").read_text()
+
+
+def test_the_egress_benchmark_measures_the_proxy_and_by_ip_side_by_side(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.egress", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "egress_quick.json").read_text())
+    s = doc["summary"]
+    for side in ("proxy", "direct"):
+        assert s[side]["n_big"] == 6 and s[side]["n_runs"] == 2
+        assert (
+            s[side]["http_mib_p50_ms"] > 0
+            and s[side]["https_mib_p50_ms"] > 0
+            and s[side]["small_100_p50_ms"] > 0
+        )
+    assert all(r > 0 for r in s["ratios"].values())
+    assert "through the proxy" in (tmp_path / "egress_quick.md").read_text()

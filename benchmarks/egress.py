@@ -1,0 +1,221 @@
+"""The egress proxy's cost, side by side in one run: the same transfers through the proxy
+(names mode) and allowed by IP without it (`SANDBOX_OPEN_PORTS`).
+
+    python -m benchmarks.egress [--quick] [--out DIR]
+
+Two servers share one fake internet (tests/fakenet.py: a namespace on this machine only):
+one allows `api.fake.test:80,443` by name, the other port 80 and 443 by address. Each rep
+runs the same code in a jail of each, alternately, timing inside the jail (so the run's own
+overhead is left out):
+
+- a 1 MiB download over plain HTTP and over HTTPS (through the proxy: a forwarded request,
+  and a CONNECT tunnel with its SNI check), the median of several;
+- 100 small requests in a row (20 with --quick), each on a new connection (the proxy takes one per connection).
+
+The proxy's CPU per flow is the names server's CPU time (utime + stime from /proc) over a
+run of small requests less the address server's over the same run, divided by the flows.
+
+Writes egress.json and egress.md (quick: egress_quick.*) into --out (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from appliance_client.client import AsyncClient
+from benchmarks.appliance_server import REPO, BenchError
+from tests.fakenet import DOMAIN, fake_internet
+from tests.support import Server, start_server
+
+RESULTS = REPO / "benchmarks" / "results"
+TOKEN = "egress-bench-" + secrets.token_hex(12)
+MIB = 1 << 20
+
+CODE = r"""
+import json, ssl, time, urllib.request
+open("/tmp/ca.pem", "w").write(CA_PEM)
+ctx = ssl.create_default_context(cafile="/tmp/ca.pem")
+if not BY_NAME:
+    ctx.check_hostname = False  # addressed by IP: the certificate names the host, not the address
+def get(url):
+    with urllib.request.urlopen(url, context=ctx, timeout=30) as r:
+        return len(r.read())
+def timed(url, n):
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter(); size = get(url); out.append((time.perf_counter() - t0) * 1000)
+        assert size == int(url.rsplit("/", 1)[1]), size
+    return out
+http_mib = timed(HTTP + "/bytes/%d" % MIB, N_BIG)
+https_mib = timed(HTTPS + "/bytes/%d" % MIB, N_BIG)
+t0 = time.perf_counter()
+for _ in range(N_SMALL):
+    get(HTTP + "/bytes/100")
+small = (time.perf_counter() - t0) * 1000
+print(json.dumps({"http_mib": http_mib, "https_mib": https_mib, "small_total": small}))
+"""
+
+
+def _commit() -> str:
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    return out.stdout.strip() or "unknown"
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _run(server: Server, code: str) -> tuple[dict[str, Any], float]:
+    before = _cpu_s(server.proc.pid)
+    async with AsyncClient(server.url, token=TOKEN) as c:
+        ex = await c.execute(code, timeout_ms=300000)
+    if ex.status != "ok":
+        raise BenchError(f"the benchmark run ended {ex.status}: {ex.error} {ex.stderr[-2000:]}")
+    return json.loads(ex.stdout.splitlines()[-1]), _cpu_s(server.proc.pid) - before
+
+
+def _code(ca: str, by_name: bool, host: str, n_big: int, n_small: int) -> str:
+    head = (
+        f"CA_PEM = {json.dumps(ca)}\nBY_NAME = {by_name}\nHTTP = 'http://{host}'\nHTTPS = 'https://{host}'\n"
+        f"MIB = {MIB}\nN_BIG = {n_big}\nN_SMALL = {n_small}\n"
+    )
+    return head + CODE
+
+
+def _p50(xs: list[float]) -> float:
+    return round(statistics.median(xs), 3) if xs else 0.0
+
+
+async def measure(reps: int, n_big: int, n_small: int, base: Path) -> dict[str, Any]:
+    with fake_internet(base / "net") as net:
+        common = {"SANDBOX_AUTH_TOKEN": TOKEN, "SANDBOX_MAX_EXEC_MS": "300000", "SANDBOX_POOL_SIZE": "1"}
+        names = start_server(
+            base / "names",
+            settings={
+                **common,
+                "SANDBOX_EGRESS_ALLOW_DOMAINS": f"api.{DOMAIN}:80,api.{DOMAIN}:443",
+                "SANDBOX_EGRESS_DNS": net.dns,
+                "SANDBOX_EGRESS_SUBNET": f"10.219.{net.k}.0/24",
+            },
+        )
+        try:
+            address = start_server(
+                base / "address",
+                settings={
+                    **common,
+                    "SANDBOX_OPEN_PORTS": "80,443",
+                    "SANDBOX_EGRESS_SUBNET": f"10.220.{net.k}.0/24",
+                },
+            )
+            try:
+                ca = net.ca.read_text()
+                sides = {
+                    "proxy": (names, _code(ca, True, f"api.{DOMAIN}", n_big, n_small)),
+                    "direct": (address, _code(ca, False, net.public, n_big, n_small)),
+                }
+                got: dict[str, dict[str, list[float]]] = {
+                    k: {"http_mib": [], "https_mib": [], "small_total": [], "cpu_s": []} for k in sides
+                }
+                for rep in range(reps):
+                    order = list(sides) if rep % 2 == 0 else list(reversed(sides))
+                    for side in order:
+                        server, code = sides[side]
+                        result, cpu = await _run(server, code)
+                        got[side]["http_mib"] += result["http_mib"]
+                        got[side]["https_mib"] += result["https_mib"]
+                        got[side]["small_total"].append(result["small_total"])
+                        got[side]["cpu_s"].append(cpu)
+            finally:
+                address.stop()
+        finally:
+            names.stop()
+    summary: dict[str, Any] = {
+        side: {
+            "http_mib_p50_ms": _p50(v["http_mib"]),
+            "https_mib_p50_ms": _p50(v["https_mib"]),
+            "small_100_p50_ms": _p50(v["small_total"]),
+            "server_cpu_s_per_run": _p50(v["cpu_s"]),
+            "n_big": len(v["http_mib"]),
+            "n_runs": len(v["small_total"]),
+        }
+        for side, v in got.items()
+    }
+    p, d = summary["proxy"], summary["direct"]
+    flows_per_run = 2 * n_big + n_small
+    summary["ratios"] = {
+        "http_mib": round(p["http_mib_p50_ms"] / d["http_mib_p50_ms"], 3),
+        "https_mib": round(p["https_mib_p50_ms"] / d["https_mib_p50_ms"], 3),
+        "small_100": round(p["small_100_p50_ms"] / d["small_100_p50_ms"], 3),
+    }
+    summary["proxy_cpu_ms_per_flow"] = round(
+        (p["server_cpu_s_per_run"] - d["server_cpu_s_per_run"]) * 1000 / flows_per_run, 3
+    )
+    return {"summary": summary, "raw": got, "flows_per_run": flows_per_run, "n_small": n_small}
+
+
+def render(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    p, d, r = s["proxy"], s["direct"], s["ratios"]
+    return "\n".join(
+        [
+            f"# egress proxy vs allowed by IP ({doc['cpus']} CPUs, commit {doc['commit']}; "
+            f"load average {doc['load']})",
+            "",
+            "Timed inside the jail, the two servers' runs alternating; p50 in ms.",
+            "",
+            "| what | through the proxy | by IP, no proxy | ratio |",
+            "| --- | --- | --- | --- |",
+            f"| 1 MiB over HTTP (n={p['n_big']}) | {p['http_mib_p50_ms']} | {d['http_mib_p50_ms']} | x{r['http_mib']} |",
+            f"| 1 MiB over HTTPS (n={p['n_big']}) | {p['https_mib_p50_ms']} | {d['https_mib_p50_ms']} | x{r['https_mib']} |",
+            f"| {doc['n_small']} small requests, one connection each (n={p['n_runs']}) | {p['small_100_p50_ms']} | "
+            f"{d['small_100_p50_ms']} | x{r['small_100']} |",
+            "",
+            f"The server's CPU per run: {p['server_cpu_s_per_run']} s with the proxy, "
+            f"{d['server_cpu_s_per_run']} s without; the proxy's CPU per flow: "
+            f"{s['proxy_cpu_ms_per_flow']} ms ({doc['flows_per_run']} flows a run).",
+            "",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.egress")
+    parser.add_argument("--quick", action="store_true", help="a few reps (a smoke test)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    reps, n_big, n_small = (2, 3, 20) if args.quick else (6, 10, 100)
+    with tempfile.TemporaryDirectory(prefix="egress-bench-") as tmp:
+        base = Path(tmp)
+        base.chmod(0o755)
+        doc = asyncio.run(measure(reps, n_big, n_small, base))
+    doc.update(
+        commit=_commit(),
+        cpus=os.cpu_count(),
+        load=" ".join(f"{x:.2f}" for x in os.getloadavg()),
+        python=platform.python_version(),
+        quick=args.quick,
+    )
+    name = "egress_quick" if args.quick else "egress"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (args.out / f"{name}.md").write_text(render(doc))
+    sys.stdout.write(render(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
