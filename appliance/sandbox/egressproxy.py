@@ -59,6 +59,7 @@ MAX_HEAD_BYTES = 16384
 HEAD_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = 10.0
+CLOSE_GRACE_S = 5.0  # what is still buffered for a peer at the end has this long to go
 MAX_CONNECTIONS = 64  # one jail's connections through the proxy at once
 MAX_FLOWS = 256  # flows one run's ledger lists; past it they are counted only
 MAX_DENIALS_TOLD = 32  # denials one run is told of as they happen; past it, in `done` only
@@ -377,10 +378,11 @@ class EgressProxy:
             self._finish(state, flow)
 
     async def _close(self, writer: asyncio.StreamWriter) -> None:
-        """Close after what is buffered has gone, within the idle time; else drop it."""
+        """Close after what is buffered has gone, within a short grace; else drop it (a peer
+        that does not read holds nothing past that)."""
         try:
             writer.close()
-            async with asyncio.timeout(self.idle_s):
+            async with asyncio.timeout(min(self.idle_s, CLOSE_GRACE_S)):
                 await writer.wait_closed()
         except (OSError, TimeoutError):
             pass

@@ -81,6 +81,7 @@ def target(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator
             SANDBOX_EGRESS_DNS=net.dns,
             SANDBOX_EGRESS_SUBNET=f"10.218.{net.k}.0/24",
             SANDBOX_MAX_EXEC_MS="30000",
+            SANDBOX_EGRESS_IDLE_MS="1000",
         )
         try:
             yield Target(net, srv)
@@ -213,3 +214,30 @@ async def test_the_proxy_is_not_reachable_from_the_host(
     observe(f"{live}: {refused}")
     assert live[0].startswith("10.218."), live
     assert refused == "ConnectionRefusedError", refused
+
+
+@attack(
+    "a download of 200 MB through the proxy that the jail never reads",
+    "the proxy drops it after SANDBOX_EGRESS_IDLE_MS; it holds no more than socket buffers",
+)
+async def test_a_client_that_never_reads_is_dropped(target: Target, observe: Callable[[str], None]) -> None:
+    # The wait is the bound under test (1 s here), not a synchronisation: the jail then reads
+    # what is left and must find the flow cut short.
+    got = await run(
+        target,
+        "import time\n"
+        "s = proxy_conn()\n"
+        f"s.sendall(b'GET http://api.{D}/bytes/200000000 HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n"
+        "time.sleep(4)\n"
+        "print(json.dumps({'read': len(read_all(s))}))",
+    )
+    async with AsyncClient(target.server.url, token=TOKEN) as c:
+        after = await c.execute(
+            f"CA_PEM = {json.dumps(target.net.ca.read_text())}\n"
+            + HELPERS
+            + f"print(tls_get('api.{D}:443', 'api.{D}', 'api.{D}'))",
+            timeout_ms=30000,
+        )
+    observe(f"{got['read']} of 200000000 bytes read after the stall; next run: {after.stdout.strip()[:60]}")
+    assert 0 < got["read"] < 50_000_000, got
+    assert after.stdout.startswith(f"hello api.{D}"), after.stdout
