@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
+from appliance.core import backpressure
 from appliance.core.admission import Admission
 from appliance.core.errors import Busy
 
@@ -50,3 +52,37 @@ async def test_a_cancelled_waiter_gives_its_place_back() -> None:
     hold.set()
     await h
     assert adm.active == 0 and adm.waiting == 0
+
+
+async def test_a_refusal_carries_a_hint_from_the_line_and_recent_runs() -> None:
+    now = [0.0]
+    adm = Admission(limit=2, max_queue=2, clock=lambda: now[0])
+    assert adm.retry_after_ms() == 500  # (0/2 + 1) x the 1 s prior / 2 slots, before any run ended
+    release = asyncio.Event()
+
+    async def run() -> None:
+        async with adm.slot():
+            await release.wait()
+
+    tasks = [asyncio.create_task(run()) for _ in range(4)]
+    await asyncio.sleep(0)
+    assert adm.active == 2 and adm.waiting == 2
+    with pytest.raises(Busy) as refused:
+        async with adm.slot():
+            pass
+    assert refused.value.retry_after_ms == adm.retry_after_ms() == 1000  # (2/2 + 1) x 1 s / 2
+    now[0] = 4.0  # the runs held their slots 4 s: the running mean follows them
+    release.set()
+    await asyncio.gather(*tasks)
+    assert adm.mean_run_s is not None and adm.mean_run_s > 1.0
+    assert adm.retry_after_ms() == max(100, math.ceil(adm.mean_run_s / 2 * 1000))
+
+
+def test_the_hint_is_bounded_and_grows_with_the_line_and_the_run_time() -> None:
+    assert backpressure.retry_after_ms(0, 4, 0.0) == backpressure.FLOOR_MS
+    assert backpressure.retry_after_ms(10_000, 1, 60.0) == backpressure.CEILING_MS
+    assert backpressure.retry_after_ms(-3, 0, float("nan")) == 1000  # nonsense in: the prior, bounded
+    assert backpressure.retry_after_ms(100, 4, 0.2) == 2550  # (50 + 1) x 0.2 s / 4 slots
+    assert backpressure.retry_after_ms(100, 4, 0.4) > backpressure.retry_after_ms(20, 4, 0.4)
+    assert backpressure.clamp_ms(float("inf")) == backpressure.CEILING_MS
+    assert backpressure.clamp_ms(1.2) == backpressure.FLOOR_MS

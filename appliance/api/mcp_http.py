@@ -28,7 +28,7 @@ from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
-from appliance.api import mcp_tools, tool_calls
+from appliance.api import busy, mcp_tools, tool_calls
 from appliance.api.transport import PARSER_KEY, TASKS_KEY, until_gone
 from appliance.core.errors import ApplianceError, Busy
 from appliance.core.service import RunService
@@ -159,24 +159,29 @@ def _scope(request: web.Request, owner: str) -> dict[str, Any]:
     }
 
 
-def _jsonrpc_error(code: int, message: str, status: int) -> web.Response:
+def _jsonrpc_error(
+    code: int, message: str, status: int, headers: dict[str, str] | None = None
+) -> web.Response:
     # The shape the SDK itself answers a bad body with (a JSON-RPC error without an id).
     return web.json_response(
-        {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": message}}, status=status
+        {"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": message}},
+        status=status,
+        headers=headers,
     )
 
 
 async def handle(request: web.Request, owner: str) -> web.StreamResponse:  # noqa: C901 (the ASGI bridge's receive/send closures share this request's state)
     """One HTTP request of the MCP Streamable HTTP transport, through the SDK's manager."""
     manager = request.app[MANAGER_KEY]
+    service: RunService = request.app[_SERVICE_KEY]
     body = await request.read()
     try:  # a body costly to parse is refused before the SDK parses it on the loop
         await request.app[PARSER_KEY].screen(body, owner)
     except ProtocolError as exc:
         return _jsonrpc_error(-32600, exc.message, 400)
     except Busy as exc:
-        return _jsonrpc_error(-32000, exc.message, 429)
-    service: RunService = request.app[_SERVICE_KEY]
+        hint = busy.retry_after(service.retry_after_ms(exc))
+        return _jsonrpc_error(-32000, exc.message, busy.STATUS, hint)
     opened = _opened_by(request, manager, owner)
     opening = request.method == "POST" and "mcp-session-id" not in request.headers
     if opening:

@@ -29,6 +29,7 @@ from typing import Any
 import swagger_ui_bundle
 from aiohttp import web
 
+from appliance.api import busy
 from appliance.api.transport import PARSER_KEY, send_within, until_gone
 from appliance.core.errors import ApplianceError, Busy, Cancelled, UnknownSession, UnknownSnapshot, status_of
 from appliance.core.service import RunService
@@ -46,12 +47,6 @@ def _rejected(message: str, rid: str | None = None, status: int = 400) -> web.Re
     return web.json_response(frame, status=status)
 
 
-def _busy(exc: Busy) -> web.Response:
-    return web.json_response(
-        protocol.done_frame(protocol.new_request_id(), exc.status, message=exc.message), status=429
-    )
-
-
 async def _parse(request: web.Request, owner: str, default: str | None = None) -> ExecuteRequest:
     raw = await request.read()
     if not raw.strip() and default is not None:
@@ -62,18 +57,29 @@ async def _parse(request: web.Request, owner: str, default: str | None = None) -
     return message
 
 
+async def _prepare(response: web.StreamResponse, request: web.Request) -> None:
+    await response.prepare(request)
+
+
 async def exec_ndjson(request: web.Request, service: RunService, owner: str) -> web.StreamResponse:
     try:
         req = await _parse(request, owner)
     except ProtocolError as exc:
         return _rejected(exc.message, exc.request_id)
     except Busy as exc:
-        return _busy(exc)
+        return busy.response(busy.frame(service, exc))
     response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
-    await response.prepare(request)
     stall_s = service.settings.client_stall_ms / 1000
+    refused: list[protocol.Frame] = []
 
     async def emit(frame: protocol.Frame) -> None:
+        # The status line waits for the run's first frame: a request refused `busy` (nothing
+        # ran) is answered 429 with Retry-After, not 200 and a stream that says so.
+        if not response.prepared:
+            if frame.get("type") == "done" and frame.get("status") == "busy":
+                refused.append(frame)
+                return
+            await send_within(request, _prepare(response, request), stall_s)
         await send_within(request, response.write((protocol.encode(frame) + "\n").encode()), stall_s)
 
     # The request's scope owns its run and the watch for its client: neither outlives the handler.
@@ -85,6 +91,10 @@ async def exec_ndjson(request: web.Request, service: RunService, owner: str) -> 
         await asyncio.wait([run.task, gone], return_when=asyncio.FIRST_COMPLETED)
         # Either the run ended, or the client went away and its run ends now, not at its limit.
         await tasks.cancel(run.task, gone)
+    if refused:
+        return busy.response(refused[0])
+    if not response.prepared:  # the client went before the run's first frame: nobody reads this
+        return web.Response(status=499)
     with contextlib.suppress(ConnectionError, RuntimeError, Cancelled):
         await response.write_eof()
     return response
@@ -96,15 +106,15 @@ async def open_session(request: web.Request, service: RunService, owner: str) ->
     except ProtocolError as exc:
         return _rejected(exc.message, exc.request_id)
     except Busy as exc:
-        return _busy(exc)
+        return busy.response(busy.frame(service, exc))
     if req.session is not None:
         return _rejected("POST /v1/sessions opens a new session; leave 'session' out", req.id)
     frames = await service.open_session(req, owner)
     done = frames[-1]
     session = done.get("session")
     if done.get("status") in ("rejected", "busy", "internal") or not session:
-        code = {"rejected": 400, "busy": 429}.get(str(done.get("status")), 500)
-        return web.json_response(done, status=code)
+        code = {"rejected": 400, "busy": busy.STATUS}.get(str(done.get("status")), 500)
+        return web.json_response(done, status=code, headers=busy.headers_of(done))
     return web.json_response({"session": session, "frames": frames}, status=201)
 
 

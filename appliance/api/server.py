@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from appliance.api import cors, e2b, fusion, mcp_http, rest
+from appliance.api import busy, cors, e2b, fusion, mcp_http, rest
 from appliance.api.framebudget import Closing, FrameBudget, FrameMeter, Refusal
 from appliance.api.transport import (
     PARSER_KEY,
@@ -157,9 +157,7 @@ class Connection:
             await self.reject(exc.request_id or protocol.new_request_id(), exc.message)
             return
         except Busy as exc:
-            await self._send_quietly(
-                protocol.done_frame(protocol.new_request_id(), exc.status, message=exc.message)
-            )
+            await self._send_quietly(busy.frame(service, exc))
             return
         if isinstance(message, ExecuteRequest):
             if message.id in self.runs:
@@ -205,7 +203,10 @@ class Connection:
             self.service.charge_rejected(self.owner)
         if not self.scope.running:  # the connection is going: there is no one to answer
             return
-        frame = protocol.done_frame(protocol.new_request_id(), refusal.status, message=refusal.message)
+        hint = self.service.retry_after_ms() if refusal.status == "busy" else None
+        frame = protocol.done_frame(
+            protocol.new_request_id(), refusal.status, message=refusal.message, retry_after_ms=hint
+        )
         self.scope.spawn(self._send_quietly(frame), name="refusal")
 
     def _forget(self, run: Run) -> None:

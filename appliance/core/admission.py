@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Callable
 from types import TracebackType
 
+from appliance.core import backpressure
 from appliance.core.errors import Busy
 
 
@@ -20,6 +21,7 @@ class Admission:
         self.max_queue = max_queue
         self.active = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self.mean_run_s: float | None = None  # how long a slot is held, recently (a running mean)
 
     @property
     def waiting(self) -> int:
@@ -29,6 +31,11 @@ class Admission:
         """Whether a slot asked for now would wait in line (or be refused)."""
         return self.active >= self.limit or bool(self._waiters)
 
+    def retry_after_ms(self) -> int:
+        """When a request refused now should come back (appliance.core.backpressure)."""
+        mean = self.mean_run_s if self.mean_run_s is not None else backpressure.PRIOR_RUN_S
+        return backpressure.retry_after_ms(len(self._waiters), self.limit, mean)
+
     def slot(self) -> Slot:
         """Hold one run slot (`async with`); entering gives the milliseconds spent queued."""
         return Slot(self)
@@ -37,7 +44,10 @@ class Admission:
         started = self._clock()
         if self.must_wait():
             if len(self._waiters) >= self.max_queue:
-                raise Busy(f"the run queue is full ({self.max_queue} waiting); try again later")
+                raise Busy(
+                    f"the run queue is full ({self.max_queue} waiting); try again later",
+                    retry_after_ms=self.retry_after_ms(),
+                )
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
@@ -65,15 +75,20 @@ class Slot:
     """One run slot of an Admission, held inside `async with`. A class, not a generator-based
     context manager: every run enters one on its path."""
 
-    __slots__ = ("_admission",)
+    __slots__ = ("_admission", "_since")
 
     def __init__(self, admission: Admission) -> None:
         self._admission = admission
+        self._since = 0.0
 
     async def __aenter__(self) -> int:
-        return await self._admission._acquire()
+        queued_ms = await self._admission._acquire()
+        self._since = self._admission._clock()
+        return queued_ms
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._admission._release()
+        adm = self._admission
+        adm.mean_run_s = backpressure.smoothed(adm.mean_run_s, adm._clock() - self._since)
+        adm._release()

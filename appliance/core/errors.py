@@ -55,9 +55,14 @@ class UnknownSnapshot(RequestRejected):
 
 
 class Busy(ApplianceError):
-    """The run queue is full; nothing ran."""
+    """The run queue is full; nothing ran. `retry_after_ms`: when to come back, where the
+    refuser knows (appliance.core.backpressure); else the service estimates it."""
 
     status = "busy"
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class JailFailure(ApplianceError):

@@ -222,6 +222,7 @@ class Frames(CellFrames, Protocol):
         session: str | None = None,
         import_ms: int | None = None,
         files_skipped: int | None = None,
+        retry_after_ms: int | None = None,
     ) -> Frame: ...
 
 

@@ -283,7 +283,12 @@ class RunService:
             await _safe_emit(
                 emit,
                 self.frames.done_frame(
-                    req.id, status, duration_ms=self._ms_since(started), message=message, session=session_id
+                    req.id,
+                    status,
+                    duration_ms=self._ms_since(started),
+                    message=message,
+                    session=session_id,
+                    retry_after_ms=self.retry_after_ms(exc) if isinstance(exc, Busy) else None,
                 ),
             )
             return
@@ -443,6 +448,13 @@ class RunService:
             return {"models_dir": None, "models": []}
         found = await asyncio.to_thread(self._catalogue, str(root))
         return {"models_dir": str(root), "models": [m.as_dict() for m in found]}
+
+    def retry_after_ms(self, exc: Busy | None = None) -> int:
+        """When a request refused `busy` should come back: the refuser's own hint where it had
+        one (a rate bucket's refill), else the run queue's estimate (appliance.core.backpressure)."""
+        if exc is not None and exc.retry_after_ms is not None:
+            return exc.retry_after_ms
+        return self.admission.retry_after_ms()
 
     # -- what the server reports ---------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, Any]]:

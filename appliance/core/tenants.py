@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance.core import backpressure
 from appliance.core.errors import Busy, SettingsError
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -256,7 +257,7 @@ class Tenants:
         if state.bucket is not None:
             wait_s = state.bucket.take()
             if wait_s > 0:
-                raise Busy(_over_rate(t, wait_s))
+                raise Busy(_over_rate(t, wait_s), retry_after_ms=backpressure.clamp_ms(wait_s * 1000))
         state.in_flight += 1
         try:
             yield

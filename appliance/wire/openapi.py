@@ -111,6 +111,13 @@ def _json(schema: str) -> dict[str, Any]:
 
 _SESSION_ID = {"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}
 _SNAPSHOT_ID = {"name": "snapshot_id", "in": "path", "required": True, "schema": {"type": "string"}}
+# A `busy` refusal (nothing ran) on any route: the queue, a quota or a rate limit is full.
+_BUSY: dict[str, Any] = {
+    "description": "busy: the run queue, a quota or a rate limit is full; nothing ran. The done "
+    "frame's `retry_after_ms` says when to try again, and so does Retry-After (seconds)",
+    "headers": {"Retry-After": {"schema": {"type": "integer", "minimum": 1}}},
+    "content": _json("DoneFrame"),
+}
 _UNAUTHORIZED = {"description": "missing or wrong bearer token", "content": _json("HttpError")}
 _NOT_JSON = {
     "description": "the body was not sent as Content-Type: application/json; nothing ran",
@@ -245,10 +252,7 @@ def openapi_document() -> dict[str, Any]:
                         },
                         "401": _UNAUTHORIZED,
                         "415": _NOT_JSON,
-                        "429": {
-                            "description": "busy: over the tenant's rate limit",
-                            "content": _json("DoneFrame"),
-                        },
+                        "429": _BUSY,
                     },
                 }
             },
@@ -263,7 +267,7 @@ def openapi_document() -> dict[str, Any]:
                             "content": _json("SessionOpened"),
                         },
                         "400": {"description": "rejected", "content": _json("DoneFrame")},
-                        "429": {"description": "busy: too many sessions", "content": _json("DoneFrame")},
+                        "429": _BUSY,
                         "500": {"description": "the appliance failed", "content": _json("DoneFrame")},
                         "401": _UNAUTHORIZED,
                         "415": _NOT_JSON,

@@ -610,6 +610,7 @@ class DoneFrame(TypedDict):
     session: NotRequired[str]
     import_ms: NotRequired[int]  # time the cell spent loading modules its jail had not imported
     files_skipped: NotRequired[int]  # outputs/ files not returned: past SANDBOX_MAX_OUTPUTS_BYTES
+    retry_after_ms: NotRequired[int]  # with status busy: when to try again (the server's estimate)
 
 
 ServerFrame = StartFrame | StreamFrame | DisplayFrame | ResultFrame | ErrorFrame | FileFrame | DoneFrame
@@ -716,6 +717,7 @@ def done_frame(  # noqa: PLR0913 (one argument per field of the frame)
     session: str | None = None,
     import_ms: int | None = None,
     files_skipped: int | None = None,
+    retry_after_ms: int | None = None,
 ) -> Frame:
     if status not in STATUSES:
         raise ValueError(f"unknown done status {status!r}")
@@ -735,6 +737,8 @@ def done_frame(  # noqa: PLR0913 (one argument per field of the frame)
         frame["import_ms"] = import_ms
     if files_skipped:
         frame["files_skipped"] = files_skipped
+    if retry_after_ms is not None:
+        frame["retry_after_ms"] = retry_after_ms
     return frame
 
 
