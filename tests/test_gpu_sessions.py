@@ -303,7 +303,7 @@ def tenant_gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
 
 async def test_a_tenant_over_its_gpu_quota_gets_busy_while_another_runs(tenant_gpu_server: Server) -> None:
     srv = tenant_gpu_server
-    async with AsyncClient(srv.url, ALICE) as alice, AsyncClient(srv.url, BOB) as bob:
+    async with AsyncClient(srv.url, ALICE, retry_busy_s=0) as alice, AsyncClient(srv.url, BOB) as bob:
         opened = await alice.execute("a = 1", session="new", gpu={"memory_mb": 1000})
         assert opened.status == "ok", opened.frames
         over = await alice.execute("print('ran')", gpu={"memory_mb": 600})

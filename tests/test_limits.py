@@ -244,7 +244,7 @@ async def test_past_the_queue_a_request_is_answered_busy_and_nothing_runs(
 
     srv = start_server(tmp_path_factory.mktemp("busy"), SANDBOX_MAX_CONCURRENCY="1", SANDBOX_MAX_QUEUE="1")
     try:
-        async with AsyncClient(srv.url) as c:
+        async with AsyncClient(srv.url, retry_busy_s=0) as c:
             running = asyncio.create_task(c.execute("import time\ntime.sleep(1.5)\nprint('first')"))
             await asyncio.sleep(0.5)
             queued = asyncio.create_task(c.execute("print('second')"))

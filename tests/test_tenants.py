@@ -239,7 +239,7 @@ async def test_each_tenant_sees_only_its_own_sessions(tenant_server: Server) -> 
 
 async def test_a_tenant_over_its_session_quota_gets_busy_naming_the_quota(tenant_server: Server) -> None:
     async with (
-        AsyncClient(tenant_server.url, token=ALICE) as alice,
+        AsyncClient(tenant_server.url, token=ALICE, retry_busy_s=0) as alice,
         AsyncClient(tenant_server.url, token=BOB) as bob,
     ):
         first = await alice.execute("pass", session="new")
@@ -262,7 +262,7 @@ async def test_a_tenant_over_its_session_quota_gets_busy_naming_the_quota(tenant
 
 async def test_a_tenant_over_its_concurrency_quota_gets_busy_while_others_run(tenant_server: Server) -> None:
     async with (
-        AsyncClient(tenant_server.url, token=ALICE) as alice,
+        AsyncClient(tenant_server.url, token=ALICE, retry_busy_s=0) as alice,
         AsyncClient(tenant_server.url, token=BOB) as bob,
     ):
         # The first run holds alice's one slot until it reads a line, which is sent at the end.
@@ -281,7 +281,7 @@ async def test_a_tenant_over_its_concurrency_quota_gets_busy_while_others_run(te
 
 
 async def test_a_tenant_over_its_rate_limit_gets_busy_on_websocket_and_rest(tenant_server: Server) -> None:
-    async with AsyncClient(tenant_server.url, token=CAROL) as carol:
+    async with AsyncClient(tenant_server.url, token=CAROL, retry_busy_s=0) as carol:
         results = [await carol.execute("print(1)") for _ in range(2)]
         assert [r.status for r in results] == ["ok", "ok"]
         over = await carol.execute("print(1)")

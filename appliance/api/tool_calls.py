@@ -203,6 +203,7 @@ class Outcome:
     message: str | None = None
     session: str | None = None
     run: str | None = None
+    retry_after_ms: int | None = None  # busy: when the server said to try again
 
     def add(self, frame: Mapping[str, Any]) -> None:
         """Take in one frame of the run."""
@@ -233,6 +234,7 @@ class Outcome:
         self.duration_ms = frame.get("duration_ms")
         self.message = frame.get("message")
         self.session = frame.get("session") or self.session
+        self.retry_after_ms = _hint(frame)
         raised = self.error
         if self.status == "ok":
             self.error = None
@@ -339,9 +341,16 @@ def _status_line(outcome: Outcome) -> str:
         line += f", {outcome.duration_ms} ms"
     if outcome.session:
         line += f", session {outcome.session}"
+    if outcome.retry_after_ms is not None:
+        line += f", retry after {outcome.retry_after_ms} ms"
     if outcome.message:
         line += f"\n{outcome.message}"
     return line
+
+
+def _hint(done: Mapping[str, Any]) -> int | None:
+    hint = done.get("retry_after_ms")
+    return hint if isinstance(hint, int) and not isinstance(hint, bool) and hint >= 0 else None
 
 
 def _error_text(name: str, value: str, traceback: list[str], max_frames: int = MAX_FRAMES) -> str:

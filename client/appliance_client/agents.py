@@ -420,6 +420,8 @@ def _status_line(ex: Execution) -> str:
         line += f", {ex.duration_ms} ms"
     if ex.session:
         line += f", session {ex.session}"
+    if ex.retry_after_ms is not None:
+        line += f", retry after {ex.retry_after_ms} ms"
     if ex.message:
         line += f"\n{ex.message}"
     return line

@@ -44,7 +44,9 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 from websockets.protocol import State
 
+from appliance_client import retry
 from appliance_client.protocol import GpuRequest
+from appliance_client.retry import hint_of_done
 
 Frame = dict[str, Any]
 T = TypeVar("T")
@@ -447,6 +449,7 @@ class Execution:
     session: str | None = None
     run: str | None = None
     frames: list[Frame] = field(default_factory=list)
+    retry_after_ms: int | None = None  # busy: when the appliance said to try again
 
     @property
     def ok(self) -> bool:
@@ -489,6 +492,8 @@ class Execution:
             self.duration_ms = frame.get("duration_ms")
             self.message = frame.get("message")
             self.session = frame.get("session") or self.session
+            hint = frame.get("retry_after_ms")
+            self.retry_after_ms = hint if isinstance(hint, int) and not isinstance(hint, bool) else None
             # Every status but ok has a typed error, so `if ex.error:` misses none of them.
             self.error = None if self.status == "ok" else ExecutionError.from_done(frame, self.error)
 
@@ -576,7 +581,13 @@ class AsyncClient:
 
     `url`: ws://, wss://, http:// or https://, with or without /exec. `reconnect_s`: how long a
     request waits for a lost appliance to come back (0: fail at once). `lazy`: connect on the
-    first request rather than on entering (a process that may start before the appliance)."""
+    first request rather than on entering (a process that may start before the appliance).
+    `retry_busy_s`, `retry_busy_attempts`: a request the appliance refused `busy` (nothing ran)
+    is sent again, with jittered exponential backoff that honours the server's
+    `retry_after_ms`, for up to that many seconds from its first send and that many sends in
+    all (appliance_client.retry); then its `busy` is the answer. 0 seconds or 1 attempt: no
+    retry. A request with any other answer, or none (the connection dropped mid-run), is
+    never sent again by it."""
 
     def __init__(  # noqa: PLR0913 (keyword settings of a public client, each with a default)
         self,
@@ -586,8 +597,12 @@ class AsyncClient:
         reconnect_s: float = RECONNECT_S,
         open_timeout_s: float = 10.0,
         lazy: bool = False,
+        retry_busy_s: float = retry.DEADLINE_S,
+        retry_busy_attempts: int = retry.ATTEMPTS,
     ) -> None:
         self.url = normalise_url(url)
+        self.busy_retry = retry.BusyRetry(retry_busy_s, retry_busy_attempts)
+        self.busy_retries = 0  # requests sent again after a `busy`, so far
         self.token = token
         self.max_size = max_size
         self.reconnect_s = reconnect_s
@@ -735,8 +750,11 @@ class AsyncClient:
         frame = request_frame(code, rid, **options)  # a bad argument fails here, before anything is sent
         session = options.get("session")
         replied = False
+        loop = asyncio.get_running_loop()
+        first_sent = loop.time()
+        resent = busy_sends = 0
         try:
-            for attempt in range(2):
+            while True:
                 ws = await self._ensure_connected()
                 connection = self.connections
                 queue = self._queue(rid, connection)
@@ -745,19 +763,33 @@ class AsyncClient:
                     sent = True
                 except websockets.ConnectionClosed:
                     sent = False  # it never left: safe to send again
+                refused: Frame | None = None
                 while sent:
                     reply = await queue.get()
                     if reply is None:
+                        break
+                    if not replied and _is_busy(reply):
+                        refused = reply  # nothing ran: held back while it may be sent again
                         break
                     replied = True
                     self._note_session(reply, session, connection)
                     yield reply  # type: ignore[misc]  # the reader queues Events
                     if reply.get("type") == "done":
                         return
+                if refused is not None:
+                    busy_sends += 1
+                    wait = self.busy_retry.delay(busy_sends, loop.time() - first_sent, hint_of_done(refused))
+                    if wait is None:
+                        yield refused  # type: ignore[misc]  # the reader queues Events
+                        return
+                    self.busy_retries += 1
+                    await asyncio.sleep(wait)
+                    continue
                 # The connection dropped. A clean close with no reply to this request means the
                 # server never took it (it answers all it took before closing): send it again, once.
-                if replied or attempt or (sent and ws.close_code not in _CLEAN_CLOSES):
+                if replied or resent or (sent and ws.close_code not in _CLEAN_CLOSES):
                     raise self._lost(ws, rid)
+                resent += 1
         finally:
             self._queues.pop(rid, None)
 
@@ -863,6 +895,10 @@ class AsyncClient:
         await asyncio.to_thread(
             _http_json, self.url, self.token, "DELETE", f"/v1/snapshots/{_path(snapshot)}", 204
         )
+
+
+def _is_busy(reply: Frame) -> bool:
+    return reply.get("type") == "done" and reply.get("status") == "busy"
 
 
 def _usable(ws: ClientConnection | None) -> bool:
