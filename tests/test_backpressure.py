@@ -1,6 +1,7 @@
-"""Backpressure with the real server: a full queue is 429 + Retry-After over REST and `busy` +
-retry_after_ms over WebSocket; the client sends a refused request again, and under a flood
-every request runs exactly once (counted by the jails themselves, in their persisted outputs)."""
+"""Backpressure with the real server: a full queue is 429 + Retry-After over HTTP (REST and
+SandboxFusion's /run_code) and `busy` + retry_after_ms over WebSocket; the client sends a
+refused request again, and under a flood every request runs exactly once (counted by the
+jails themselves, in their persisted outputs)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,10 @@ async def test_a_full_queue_is_busy_with_a_hint_on_websocket_and_429_with_retry_
                 rest_status, rest_headers, rest_body = rest.status, rest.headers, await rest.json()
             async with http.post(server.http + "/v1/sessions", json={"code": "print('never')"}) as opened:
                 open_status, open_headers = opened.status, opened.headers
+            async with http.post(
+                server.http + "/run_code", json={"code": "print(1)", "language": "python"}
+            ) as fused:
+                fused_status, fused_headers, fused_body = fused.status, fused.headers, await fused.json()
     # WebSocket: one `done`, busy, with the hint; nothing ran.
     assert [f["type"] for f in refused.frames] == ["done"] and refused.status == "busy", refused.frames
     hint = refused.frames[0]["retry_after_ms"]
@@ -86,7 +91,10 @@ async def test_a_full_queue_is_busy_with_a_hint_on_websocket_and_429_with_retry_
     assert rest_status == 429 and rest_body["type"] == "done" and rest_body["status"] == "busy", rest_body
     assert int(rest_headers["Retry-After"]) == max(1, math.ceil(rest_body["retry_after_ms"] / 1000))
     assert open_status == 429 and int(open_headers["Retry-After"]) >= 1
-    assert metric(server, BUSY) >= 3
+    # SandboxFusion's route: the same 429 and Retry-After, its own body.
+    assert fused_status == 429 and int(fused_headers["Retry-After"]) >= 1
+    assert fused_body["status"] == "SandboxError" and "queue is full" in fused_body["message"], fused_body
+    assert metric(server, BUSY) >= 4
 
 
 async def test_the_client_sends_a_refused_request_again_once_the_queue_has_room(

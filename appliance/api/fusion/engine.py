@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.api import busy
 from appliance.api.fusion import languages, shapes
 from appliance.api.fusion.shapes import BadRequest, CellOutput, CodeAsk, Result
 from appliance.api.transport import FrameParser
@@ -39,6 +40,7 @@ class Refused(Exception):
 
     status: int
     message: str
+    retry_after_ms: int | None = None  # a `busy` refusal: when to come back (appliance.api.busy)
 
 
 @dataclass
@@ -92,7 +94,12 @@ class Collected:
     def refusal(self) -> Refused | None:
         """The HTTP refusal for a run that never ran (busy, rejected), else None."""
         if self.status == "busy":
-            return Refused(429, self.message or "the appliance is busy; try again shortly")
+            hint = (self.done or {}).get("retry_after_ms")
+            return Refused(
+                busy.STATUS,
+                self.message or "the appliance is busy; try again shortly",
+                hint if isinstance(hint, int) else None,
+            )
         if self.status == "rejected":
             return Refused(400, self.message or "the request was rejected")
         return None

@@ -7,7 +7,8 @@ listing). The caller's token is the bearer token, or the password of HTTP Basic 
 client that sends no headers of its own (verl's) carries it in its URL,
 `http://x:TOKEN@host:9100/run_code`.
 
-Bad input is refused before anything runs with HTTP 400 (a busy server: 429) and
+Bad input is refused before anything runs with HTTP 400 (a busy server: 429 with
+Retry-After, as every route answers `busy`: appliance.api.busy) and
 SandboxFusion's body, status `SandboxError`, its message naming the problem; a jail that
 failed answers 200 with `SandboxError`, as SandboxFusion does.
 """
@@ -24,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from appliance.api import busy
 from appliance.api.fusion import languages, shapes
 from appliance.api.fusion.engine import Refused, Runner
 from appliance.api.fusion.shapes import BadRequest
@@ -51,8 +53,9 @@ def token(request: web.Request) -> str | None:
     return password or None
 
 
-def _refused(status: int, message: str) -> web.Response:
-    return web.json_response(shapes.refusal(message), status=status)
+def _refused(status: int, message: str, retry_after_ms: int | None = None) -> web.Response:
+    # A `busy` refusal is 429 with Retry-After, as on every route (appliance.api.busy).
+    return web.json_response(shapes.refusal(message), status=status, headers=busy.retry_after(retry_after_ms))
 
 
 async def _body(request: web.Request, service: RunService, owner: str) -> object:
@@ -88,9 +91,9 @@ def _route(service_key: web.AppKey[Any], owner_for: Callable[[web.Request], str]
         except BadRequest as exc:
             return _refused(400, str(exc))
         except Refused as exc:
-            return _refused(exc.status, exc.message)
+            return _refused(exc.status, exc.message, exc.retry_after_ms)
         except Busy as exc:
-            return _refused(429, exc.message)
+            return _refused(busy.STATUS, exc.message, service.retry_after_ms(exc))
         except ApplianceError as exc:
             status, message = status_of(exc)
             return _refused(400 if status == "rejected" else 500, message)
