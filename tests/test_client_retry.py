@@ -10,9 +10,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+from aiohttp import web
 from websockets.asyncio.server import ServerConnection, serve
 
-from appliance_client.client import AsyncClient, Client, ConnectionLost
+from appliance_client.client import AsyncClient, Client, ClientError, ConnectionLost
 from appliance_client.retry import BusyRetry, hint_of_done, hint_of_header
 
 Reply = Callable[[int, dict[str, Any]], Sequence[dict[str, Any] | None]]  # (nth execute, frame) -> frames
@@ -173,3 +174,41 @@ class TestPolicy:
         assert hint_of_done({"retry_after_ms": "soon"}) is None and hint_of_done({}) is None
         assert hint_of_header("3") == 3.0 and hint_of_header(None) is None and hint_of_header("x") is None
         assert hint_of_header("Wed, 21 Oct 2015 07:28:00 GMT", now=lambda: 1445412470.0) == 10.0
+
+
+@asynccontextmanager
+async def fake_http(refusals: int) -> AsyncIterator[tuple[str, list[str]]]:
+    """An HTTP server whose snapshot route answers 429 + Retry-After `refusals` times, then 201."""
+    seen: list[str] = []
+
+    async def snapshot(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        if len(seen) <= refusals:
+            return web.json_response(
+                {"error": "busy", "status": "busy"}, status=429, headers={"Retry-After": "0"}
+            )
+        return web.json_response({"snapshot": "s1", "bytes": 1}, status=201)
+
+    app = web.Application()
+    app.router.add_post("/v1/sessions/{sid}/snapshot", snapshot)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"ws://127.0.0.1:{port}", seen
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_rest_call_answered_429_is_sent_again_under_the_same_policy() -> None:
+    async with fake_http(refusals=2) as (url, seen):
+        c = AsyncClient(url, lazy=True)
+        c.busy_retry = quick()
+        assert await c.snapshot("abc") == {"snapshot": "s1", "bytes": 1}
+    assert len(seen) == 3
+    async with fake_http(refusals=2) as (url, seen):
+        with pytest.raises(ClientError, match="answered 429"):
+            await AsyncClient(url, lazy=True, retry_busy_s=0).snapshot("abc")
+    assert len(seen) == 1

@@ -125,21 +125,25 @@ async def close_session(request: web.Request, service: RunService, owner: str) -
     return web.json_response({"error": f"no such session {session_id!r}"}, status=404)
 
 
-def _refused(exc: ApplianceError) -> web.Response:
-    """A snapshot route's refusal: its HTTP status from the error's kind (one place)."""
+def _refused(exc: ApplianceError, service: RunService) -> web.Response:
+    """A snapshot route's refusal: its HTTP status from the error's kind (one place); a
+    `busy` one is 429 with Retry-After, as on every route."""
     status, message = status_of(exc)
+    headers: dict[str, str] = {}
     if isinstance(exc, (UnknownSession, UnknownSnapshot)):
         code = 404
     else:
-        code = {"rejected": 400, "busy": 429, "internal": 500}.get(status, 422)
-    return web.json_response({"error": message, "status": status}, status=code)
+        code = {"rejected": 400, "busy": busy.STATUS, "internal": 500}.get(status, 422)
+    if isinstance(exc, Busy):
+        headers = busy.retry_after(service.retry_after_ms(exc))
+    return web.json_response({"error": message, "status": status}, status=code, headers=headers)
 
 
 async def snapshot_session(request: web.Request, service: RunService, owner: str) -> web.Response:
     try:
         info = await service.snapshot_session(request.match_info["session_id"], owner)
     except ApplianceError as exc:
-        return _refused(exc)
+        return _refused(exc, service)
     return web.json_response(info.as_dict(), status=201)
 
 
@@ -147,7 +151,7 @@ async def get_snapshot(request: web.Request, service: RunService, owner: str) ->
     try:
         info = await service.find_snapshot(request.match_info["snapshot_id"], owner)
     except ApplianceError as exc:
-        return _refused(exc)
+        return _refused(exc, service)
     return web.json_response(info.as_dict())
 
 
@@ -155,10 +159,10 @@ async def delete_snapshot(request: web.Request, service: RunService, owner: str)
     try:
         deleted = await service.delete_snapshot(request.match_info["snapshot_id"], owner)
     except ApplianceError as exc:
-        return _refused(exc)
+        return _refused(exc, service)
     if deleted:
         return web.Response(status=204)
-    return _refused(UnknownSnapshot(f"no such snapshot {request.match_info['snapshot_id'][:64]!r}"))
+    return _refused(UnknownSnapshot(f"no such snapshot {request.match_info['snapshot_id'][:64]!r}"), service)
 
 
 async def list_models(request: web.Request, service: RunService, owner: str) -> web.Response:

@@ -306,7 +306,11 @@ def openapi_document() -> dict[str, Any]:
                             "description": "the jail could not write it within the cell's limits",
                             "content": _json("HttpError"),
                         },
-                        "429": {"description": "busy", "content": _json("HttpError")},
+                        "429": {
+                            "description": "busy; Retry-After (seconds) says when to try again",
+                            "headers": _BUSY["headers"],
+                            "content": _json("HttpError"),
+                        },
                         "401": _UNAUTHORIZED,
                         "415": _NOT_JSON,
                     },

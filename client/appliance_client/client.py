@@ -33,12 +33,13 @@ import inspect
 import itertools
 import json
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypedDict, TypeVar, Unpack
+from typing import Any, NoReturn, TypedDict, TypeVar, Unpack
 
 import websockets
 from websockets.asyncio.client import ClientConnection
@@ -881,19 +882,31 @@ class AsyncClient:
         """Keep session `session`'s state as a snapshot: `{"snapshot": id, "bytes": n,
         "skipped": ["name: why", ...], ...}` (POST /v1/sessions/{id}/snapshot)."""
         return await asyncio.to_thread(
-            _http_json, self.url, self.token, "POST", f"/v1/sessions/{_path(session)}/snapshot", 201
+            _http_json,
+            self.url,
+            self.token,
+            "POST",
+            f"/v1/sessions/{_path(session)}/snapshot",
+            201,
+            self.busy_retry,
         )
 
     async def snapshot_info(self, snapshot: str) -> dict[str, Any]:
         """A snapshot of this token's tenant (GET /v1/snapshots/{id})."""
         return await asyncio.to_thread(
-            _http_json, self.url, self.token, "GET", f"/v1/snapshots/{_path(snapshot)}", 200
+            _http_json, self.url, self.token, "GET", f"/v1/snapshots/{_path(snapshot)}", 200, self.busy_retry
         )
 
     async def delete_snapshot(self, snapshot: str) -> None:
         """Delete a snapshot of this token's tenant (DELETE /v1/snapshots/{id})."""
         await asyncio.to_thread(
-            _http_json, self.url, self.token, "DELETE", f"/v1/snapshots/{_path(snapshot)}", 204
+            _http_json,
+            self.url,
+            self.token,
+            "DELETE",
+            f"/v1/snapshots/{_path(snapshot)}",
+            204,
+            self.busy_retry,
         )
 
 
@@ -1150,9 +1163,12 @@ def _path(part: str) -> str:
     return urllib.parse.quote(_expect("id", part, str), safe="")
 
 
-def _http_json(url: str, token: str | None, method: str, path: str, expect: int) -> dict[str, Any]:
+def _http_json(  # noqa: PLR0913 (a REST call's parts and its retry policy)
+    url: str, token: str | None, method: str, path: str, expect: int, busy: retry.BusyRetry | None = None
+) -> dict[str, Any]:
     """One REST call to the appliance whose WebSocket is at `url`: its JSON body (empty for
-    204); ClientError with the server's words for any other status."""
+    204); ClientError with the server's words for any other status. A 429 (busy: nothing was
+    done) is sent again under `busy`'s policy, after at least its Retry-After."""
     data = b"{}" if method == "POST" else None
     # S310: the scheme is http(s), by http_base's construction.
     req = urllib.request.Request(http_base(url) + path, data=data, method=method)  # noqa: S310
@@ -1160,19 +1176,34 @@ def _http_json(url: str, token: str | None, method: str, path: str, expect: int)
         req.add_header("Content-Type", "application/json")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=300) as resp:  # noqa: S310 (the scheme is http(s) by construction)
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        said = exc.read().decode(errors="replace")[:500]
-        with contextlib.suppress(ValueError, AttributeError):
-            said = str(json.loads(said).get("error") or said)
-        if exc.code in (401, 403):
-            raise AuthenticationError(f"{method} {path} answered {exc.code}: {said}") from None
-        raise ClientError(f"{method} {path} answered {exc.code}: {said}") from None
-    except OSError as exc:
-        raise ConnectionFailed(f"{method} {path} failed: {exc}") from None
+    first, sends = time.monotonic(), 0
+    while True:
+        sends += 1
+        try:
+            with urllib.request.urlopen(req, timeout=300) as resp:  # noqa: S310 (the scheme is http(s) by construction)
+                status, raw = resp.status, resp.read()
+            break
+        except urllib.error.HTTPError as exc:
+            wait = None
+            if exc.code == 429 and busy is not None:
+                hint = retry.hint_of_header(exc.headers.get("Retry-After"))
+                wait = busy.delay(sends, time.monotonic() - first, hint)
+            if wait is None:
+                _http_refused(method, path, exc)
+            exc.close()
+            time.sleep(wait or 0)  # on a worker thread (asyncio.to_thread)
+        except OSError as exc:
+            raise ConnectionFailed(f"{method} {path} failed: {exc}") from None
     if status != expect:
         raise ClientError(f"{method} {path} answered {status}")
     body: dict[str, Any] = json.loads(raw) if raw else {}
     return body
+
+
+def _http_refused(method: str, path: str, exc: urllib.error.HTTPError) -> NoReturn:
+    said = exc.read().decode(errors="replace")[:500]
+    with contextlib.suppress(ValueError, AttributeError):
+        said = str(json.loads(said).get("error") or said)
+    if exc.code in (401, 403):
+        raise AuthenticationError(f"{method} {path} answered {exc.code}: {said}") from None
+    raise ClientError(f"{method} {path} answered {exc.code}: {said}") from None
