@@ -66,6 +66,7 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve
             tmp / "srv",
             SANDBOX_MODELS_DIR=str(models),
             SANDBOX_SESSION_IDLE_S=str(IDLE_S),
+            SANDBOX_SNAPSHOT_DIR=str(tmp / "snapshots"),
             settings=gpu_env(control),
         )
         yield srv, control
@@ -144,6 +145,29 @@ async def test_a_gpu_session_keeps_its_state_and_its_grant_across_cells(
         assert await c.close_session(sid)
     assert await until_reclaimed(srv) == 0, "closing the session gave its GPU budget back"
     assert readyz(srv)["sessions"]["gpu"] == 0
+
+
+async def test_a_gpu_sessions_snapshot_records_its_budget_and_a_restore_asks_for_it_again(
+    gpu_server: tuple[Server, Path],
+) -> None:
+    srv, _ = gpu_server
+    async with AsyncClient(srv.url) as c:
+        session = c.session()
+        first = await session.execute("x = 41", gpu={"memory_mb": 700})
+        assert first.status == "ok", first.frames
+        taken = await session.snapshot()
+        assert taken["gpu_memory_mb"] == 700
+        await session.close()
+        assert await until_reclaimed(srv) == 0
+        # The fork asks for the snapshot's budget again, admitted as a new GPU session is.
+        fork = c.session(from_snapshot=taken["snapshot"])
+        again = await fork.execute("x + 1")
+        assert again.status == "ok" and again.text == "42", again.frames
+        assert again.frames[0]["gpu"]["memory_mb"] == 700 and reserved_mb(srv) == 700
+        other = await c.execute("1", session="new", from_snapshot=taken["snapshot"], gpu={"memory_mb": 300})
+        assert other.status == "rejected" and "700 MiB" in (other.message or ""), other.frames
+        await fork.close()
+    assert await until_reclaimed(srv) == 0
 
 
 async def test_a_run_queued_behind_a_gpu_session_starts_once_the_session_closes(

@@ -35,6 +35,8 @@ from typing import Any
 from appliance.inside import channel
 
 ARCHIVE = channel.SNAPSHOT_ARCHIVE
+# Files of the cwd the server writes for each jail (a GPU run's grant): never kept, never restored.
+SERVERS = frozenset((ARCHIVE, channel.GRANT_FILE))
 FORMAT = 1
 MAX_SKIPPED = 1000  # names a report lists; the count says how many more there were
 MAX_REASON = 200
@@ -139,7 +141,7 @@ def _add_workspace(tar: tarfile.TarFile) -> list[str]:
     """Add the cwd's directories and regular files under `workspace/`; what was left out."""
     skipped: list[str] = []
     for rel, st in _walk("."):
-        if rel == ARCHIVE:
+        if rel in SERVERS:
             continue
         if stat.S_ISDIR(st.st_mode):
             info = tarfile.TarInfo(f"workspace/{rel}")
@@ -200,7 +202,7 @@ def restore(namespace_for: Callable[[dict[str, Any], list[str]], None]) -> dict[
                 if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
                     raise ValueError("globals.pkl does not hold a dict of names")
                 loaded = value
-            elif member.name.startswith("workspace/"):
+            elif member.name.startswith("workspace/") and member.name[len("workspace/") :] not in SERVERS:
                 _extract(tar, member, member.name[len("workspace/") :])
     if state is None or loaded is None:
         raise ValueError("the snapshot is incomplete (no state.json, then globals.pkl)")
