@@ -174,6 +174,7 @@ def main() -> None:
         SANDBOX_POOL_SIZE="2",
         SANDBOX_MEMORY_MB="2048",
         SANDBOX_MAX_DISK_MB="1024",
+        SANDBOX_MAX_FILE_MB="1024",  # the jail writes its archive as one file
         SANDBOX_MAX_EXEC_MS="120000",
     )
     try:

@@ -33,6 +33,7 @@ token = "{BOB}"
 """
 MAX_SNAPSHOTS = 3
 MAX_SNAPSHOT_MB = 4
+MAX_FILE_MB = 8  # the jail writes its archive as one file: over this, the jail refuses it
 
 FIRST = """
 import threading, socket
@@ -83,6 +84,7 @@ def settings(tmp_root: Path, store: Path, tokens: Path) -> dict[str, str]:
         "SANDBOX_MAX_SNAPSHOTS": str(MAX_SNAPSHOTS),
         "SANDBOX_MAX_SNAPSHOT_MB": str(MAX_SNAPSHOT_MB),
         "SANDBOX_MAX_DISK_MB": "64",
+        "SANDBOX_MAX_FILE_MB": str(MAX_FILE_MB),
     }
 
 
@@ -225,6 +227,9 @@ def test_snapshots_are_bounded_in_size_and_count(server: Server) -> None:
     session, _ = open_session(server, BOB, f"import os\nblob = os.urandom({MAX_SNAPSHOT_MB + 1} << 20)")
     status, body = call(server, "POST", f"/v1/sessions/{session}/snapshot", BOB, {})
     assert status == 400 and "SANDBOX_MAX_SNAPSHOT_MB" in body["error"], body
+    run(server, BOB, session, f"blob = os.urandom({MAX_FILE_MB + 1} << 20)")
+    status, body = call(server, "POST", f"/v1/sessions/{session}/snapshot", BOB, {})
+    assert status == 400 and "SANDBOX_MAX_FILE_MB" in body["error"], body
     # Nothing was kept, and the session goes on.
     assert stdout(run(server, BOB, session, "del blob\nprint('still here')")) == "still here\n"
     taken = []

@@ -21,6 +21,7 @@ installed for the jail's Python (SANDBOX_PYTHON; the appliance depends on it).
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -96,7 +97,26 @@ def _pickler(cloudpickle: Any, out: Any, namespace: dict[str, Any], kept: dict[s
 
 
 def save(namespace: dict[str, Any], extra_paths: list[str]) -> dict[str, Any]:
-    """Write ARCHIVE in the cwd; the report: {"globals": n, "skipped": [...], "bytes": n}."""
+    """Write ARCHIVE in the cwd; the report: {"globals": n, "skipped": [...], "bytes": n}.
+    The archive, and the pickle on its way into it, are files of the jail: each is bounded by
+    the jail's file size limit (SANDBOX_MAX_FILE_MB) and its disk quota."""
+    try:
+        return _save(namespace, extra_paths)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(ARCHIVE)
+        if exc.errno == errno.EFBIG:
+            raise OSError(
+                exc.errno, "the snapshot is larger than one file of the jail may be (SANDBOX_MAX_FILE_MB)"
+            ) from None
+        if exc.errno == errno.ENOSPC:
+            raise OSError(
+                exc.errno, "the snapshot does not fit in the jail's disk quota (SANDBOX_MAX_DISK_MB)"
+            ) from None
+        raise
+
+
+def _save(namespace: dict[str, Any], extra_paths: list[str]) -> dict[str, Any]:
     cloudpickle = _cloudpickle()
     kept: dict[str, Any] = {}
     skipped: list[str] = []
