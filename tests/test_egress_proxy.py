@@ -85,6 +85,11 @@ def pip_download(index, name):
                         "--no-cache-dir", "--cert", "/tmp/ca.pem", "--index-url", index, "-d", "/tmp/dl", name],
                        capture_output=True, text=True)
     return "rc=%d %s" % (p.returncode, sorted(os.listdir("/tmp/dl")) if os.path.isdir("/tmp/dl") else p.stderr[-600:])
+def curl_post(url, size):
+    open("/tmp/body", "wb").write(b"y" * size)
+    p = subprocess.run(["curl", "-sS", "--max-time", "20", "-H", "Expect: 100-continue",
+                        "--data-binary", "@/tmp/body", url], capture_output=True, text=True)
+    return "rc=%d %s%s" % (p.returncode, p.stdout, p.stderr.strip())
 def env():
     return {k: os.environ.get(k) for k in ("HTTP_PROXY", "https_proxy", "NO_PROXY")}
 out = {}
@@ -153,6 +158,7 @@ async def test_allowed_names_are_reached_with_urllib_and_curl(setup: Setup) -> N
             ("curl_wild", "curl", [f"https://x.wild.{d}/hello"]),
             ("requests", "requests_get", [f"https://api.{d}/hello"]),
             ("httpx", "httpx_get", [f"https://api.{d}/hello"]),
+            ("post", "curl_post", [f"http://api.{d}/upload", 300000]),
             ("env", "env", []),
         ],
     )
@@ -160,6 +166,7 @@ async def test_allowed_names_are_reached_with_urllib_and_curl(setup: Setup) -> N
     assert got["urllib_http"] == f"200 hello api.{d} at {setup.net.public}:80 /hello?q=1", got
     assert got["curl_https"] == f"rc=0 hello api.{d} at {setup.net.public}:443 /hello", got
     assert got["curl_wild"] == f"rc=0 hello x.wild.{d} at {setup.net.public}:443 /hello", got
+    assert got["post"] == "rc=0 got 300000", got  # a body, after curl's Expect: 100-continue
     assert got["requests"] == got["httpx"] == f"200 hello api.{d} at {setup.net.public}:443 /hello", got
     env = got["env"]
     assert isinstance(env, dict) and env["HTTP_PROXY"] == env["https_proxy"], env

@@ -3,15 +3,17 @@ ClientHello's server name, and the settings that hold them."""
 
 from __future__ import annotations
 
+import json
 import ssl
 from ipaddress import IPv4Address, IPv4Network
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from appliance.core.egress import Layers, Rule, decide_name, parse_rule, parse_rules
-from appliance.core.errors import SettingsError
+from appliance.core.egress import Flow, Layers, Rule, decide_name, parse_rule, parse_rules
+from appliance.core.errors import SettingsError, StartupError
 from appliance.sandbox import tlshello
 from appliance.sandbox.network import EgressPolicy, address_refusal, host_ruleset, jail_ruleset, link_for
 from appliance.settings import from_env
@@ -164,3 +166,24 @@ def test_dns_for_the_proxy_needs_no_open_port_53() -> None:
     assert s.egress_dns == ("192.0.2.53",) and s.egress_allow_domains == (Rule("a.example.com", 443),)
     with pytest.raises(SettingsError, match="SANDBOX_EGRESS_DNS"):
         from_env({"SANDBOX_EGRESS_DNS": "192.0.2.53"})
+
+
+def test_the_audit_log_must_be_the_servers_own_and_private(tmp_path: Path) -> None:
+    from appliance.runtime.egresslog import EgressAudit
+    from appliance.runtime.metrics import Metrics
+
+    shared = tmp_path / "shared.jsonl"
+    shared.write_text("")
+    shared.chmod(0o644)
+    with pytest.raises(StartupError, match="readable by it alone"):
+        EgressAudit(Metrics(), shared)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(tmp_path / "elsewhere.jsonl")
+    with pytest.raises(StartupError, match="cannot open"):
+        EgressAudit(Metrics(), link)
+    audit = EgressAudit(Metrics(), tmp_path / "new.jsonl")
+    audit(Flow("a.example.com", 443, "denied", why="not listed"), None)
+    audit.close()
+    line = json.loads((tmp_path / "new.jsonl").read_text())
+    assert line["host"] == "a.example.com" and line["request"] is None and line["why"] == "not listed"
+    assert (tmp_path / "new.jsonl").stat().st_mode & 0o777 == 0o600

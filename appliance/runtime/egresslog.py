@@ -8,6 +8,7 @@ import datetime
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,14 @@ class EgressAudit:
                 )
             except OSError as exc:
                 raise StartupError(f"SANDBOX_EGRESS_LOG: cannot open {path}: {exc.strerror}") from None
+            st = os.fstat(self._fd)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
+                os.close(self._fd)
+                self._fd = None
+                raise StartupError(
+                    f"SANDBOX_EGRESS_LOG: {path} must be a regular file of the server's own, "
+                    "readable by it alone (chmod 600)"
+                )
 
     def __call__(self, flow: Flow, scope: Scope | None) -> None:
         m = self.metrics

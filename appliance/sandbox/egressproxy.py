@@ -74,6 +74,7 @@ HOP_HEADERS = {
     b"trailer",
     b"upgrade",
     b"host",
+    b"expect",
 }
 
 OnDenied = Callable[[Flow], Awaitable[None]]
@@ -442,7 +443,7 @@ class EgressProxy:
                 return
             await self._record(state, flow)
             try:
-                await self._send_request(flow, conn, request, reader, up_writer, url, port)
+                await self._send_request(flow, conn, request, reader, writer, up_writer, url, port)
                 await self._pump(flow, up_reader, writer, down=True, last=[time.monotonic()])
             finally:
                 await self._close(up_writer)
@@ -455,12 +456,16 @@ class EgressProxy:
         conn: h11.Connection,
         request: h11.Request,
         reader: asyncio.StreamReader,
+        client: asyncio.StreamWriter,
         up: asyncio.StreamWriter,
         url: urllib.parse.SplitResult,
         port: int,
     ) -> None:
         """The request alone, in origin form, to the decided host: Host from the URI (never
         the client's own), `Connection: close`, its body re-framed by h11."""
+        if conn.they_are_waiting_for_100_continue:
+            # The client waits for this before its body; the far end never sees the Expect.
+            client.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         out = h11.Connection(h11.CLIENT)
         authority = flow.host if port == 80 else f"{flow.host}:{port}"
         path = (url.path or "/") + (f"?{url.query}" if url.query else "")
