@@ -57,6 +57,12 @@ class Settings:
     )
     max_stdin_bytes: int = 1048576  # stdin a run may have waiting for it to read (SANDBOX_MAX_STDIN_BYTES)
     client_stall_ms: int = 10000  # a client that takes no frame this long is dropped
+    # A run's frames are kept for `attach` (appliance/api/runlog.py) until this long after its
+    # `done` (SANDBOX_REATTACH_S; 0: only while it runs), each run's within max_output_bytes,
+    # and a tenant's finished runs within a count and a byte total (oldest evicted first).
+    reattach_s: int = 60
+    reattach_runs: int = 100  # SANDBOX_REATTACH_RUNS
+    reattach_bytes: int = 16777216  # SANDBOX_REATTACH_BYTES
     # Bytes of WebSocket messages held unfinished or not yet taken (appliance/api/framebudget.py):
     # server-wide (0: 4 x max_message_bytes) and per tenant (0: half of it with a tokens file,
     # else all of it); a message must be finished within frame_deadline_ms of its first header.
@@ -446,6 +452,9 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         max_output_files=_int(env, "SANDBOX_MAX_OUTPUT_FILES", D.max_output_files, minimum=1),
         max_stdin_bytes=_int(env, "SANDBOX_MAX_STDIN_BYTES", D.max_stdin_bytes, minimum=1024),
         client_stall_ms=_int(env, "SANDBOX_CLIENT_STALL_MS", D.client_stall_ms, minimum=100),
+        reattach_s=_int(env, "SANDBOX_REATTACH_S", D.reattach_s),
+        reattach_runs=_int(env, "SANDBOX_REATTACH_RUNS", D.reattach_runs),
+        reattach_bytes=_int(env, "SANDBOX_REATTACH_BYTES", D.reattach_bytes),
         frame_buffer_bytes=_int(env, "SANDBOX_FRAME_BUFFER_BYTES", D.frame_buffer_bytes),
         tenant_frame_buffer_bytes=_int(env, "SANDBOX_TENANT_FRAME_BUFFER_BYTES", D.tenant_frame_buffer_bytes),
         frame_deadline_ms=_int(env, "SANDBOX_FRAME_DEADLINE_MS", D.frame_deadline_ms, minimum=100),

@@ -271,6 +271,10 @@ class FakeMetrics:
         self.gpu_session_memory = Series()
         self.frames_refused = Series()
         self.frame_buffer = Series()
+        self.run_logs = Series()
+        self.run_log_bytes = Series()
+        self.run_logs_evicted = Series()
+        self.run_frames_dropped = Series()
 
     def render(self) -> bytes:
         return b""

@@ -50,7 +50,13 @@ def test_the_frame_schema_is_valid_json_schema_2020_12() -> None:
     jsonschema.Draft202012Validator.check_schema(schema)
     client = {ref["$ref"].rsplit("/", 1)[1] for ref in schema["$defs"]["ClientFrame"]["oneOf"]}
     server = {ref["$ref"].rsplit("/", 1)[1] for ref in schema["$defs"]["ServerFrame"]["oneOf"]}
-    assert client == {"ExecuteRequest", "StdinMessage", "InterruptMessage", "CloseSessionMessage"}
+    assert client == {
+        "ExecuteRequest",
+        "StdinMessage",
+        "InterruptMessage",
+        "CloseSessionMessage",
+        "AttachMessage",
+    }
     assert server == {f"{kind.capitalize()}Frame" for kind in protocol.SERVER_FRAMES}
 
 

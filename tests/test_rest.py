@@ -148,7 +148,9 @@ async def test_every_documented_route_exists_on_the_real_server(restsrv: Server)
     async with aiohttp.ClientSession(headers=AUTH) as http:
         for path, methods in spec["paths"].items():
             for method in methods:
-                url = restsrv.http + path.replace("{session_id}", "0" * 32).replace("{snapshot_id}", "0" * 32)
+                url = restsrv.http + path.replace("{session_id}", "0" * 32).replace(
+                    "{snapshot_id}", "0" * 32
+                ).replace("{run}", "0" * 16)
                 async with http.request(
                     method.upper(), url, json={"code": 5}
                 ) as resp:  # rejected: runs nothing

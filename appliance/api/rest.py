@@ -1,7 +1,10 @@
 """REST mirror of the WebSocket protocol, for clients that cannot speak WebSocket.
 
 - `POST /v1/exec`: body = an execute frame; the reply streams the same frames as
-  NDJSON (one JSON object a line), ending with `done`.
+  NDJSON (one JSON object a line), ending with `done`. A client that goes leaves its run
+  running to its end.
+- `GET /v1/runs/{run}/frames?after=N`: a run's frames after seq N, then the live ones, as
+  NDJSON, ending with `done` (appliance.api.runlog); 404 "no such run" otherwise.
 - `POST /v1/sessions`: opens a session (optionally running `code` in it); 201 with its id.
 - `DELETE /v1/sessions/{id}`: ends it; 204, or 404 when there is no such session.
 - `POST /v1/sessions/{id}/snapshot`: keeps the session's state; 201 with the snapshot
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,9 +34,10 @@ import swagger_ui_bundle
 from aiohttp import web
 
 from appliance.api import busy
-from appliance.api.transport import PARSER_KEY, send_within, until_gone
+from appliance.api.runlog import NO_SUCH_RUN
+from appliance.api.transport import PARSER_KEY, RUNS_KEY, send_within, until_gone
 from appliance.core.errors import ApplianceError, Busy, Cancelled, UnknownSession, UnknownSnapshot, status_of
-from appliance.core.service import RunService
+from appliance.core.service import RunService, session_opener
 from appliance.core.tasks import TaskScope
 from appliance.wire import protocol
 from appliance.wire.openapi import openapi_document
@@ -68,29 +73,34 @@ async def exec_ndjson(request: web.Request, service: RunService, owner: str) -> 
         return _rejected(exc.message, exc.request_id)
     except Busy as exc:
         return busy.response(busy.frame(service, exc))
-    response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
+    store = request.app[RUNS_KEY]
+    if not store.scope.running:
+        return _rejected("the server is shutting down", req.id, status=503)
+    response = _ndjson_response()
     stall_s = service.settings.client_stall_ms / 1000
     refused: list[protocol.Frame] = []
 
-    async def emit(frame: protocol.Frame) -> None:
+    async def emit(text: str) -> None:
         # The status line waits for the run's first frame: a request refused `busy` (nothing
         # ran) is answered 429 with Retry-After, not 200 and a stream that says so.
         if not response.prepared:
-            if frame.get("type") == "done" and frame.get("status") == "busy":
-                refused.append(frame)
+            first = json.loads(text)  # once, the first frame only
+            if first.get("type") == "done" and first.get("status") == "busy":
+                refused.append(first)
                 return
             await send_within(request, _prepare(response, request), stall_s)
-        await send_within(request, response.write((protocol.encode(frame) + "\n").encode()), stall_s)
+        await send_within(request, response.write((text + "\n").encode()), stall_s)
 
-    # The request's scope owns its run and the watch for its client: neither outlives the handler.
+    # The run is a task of the run store: it goes on to its end if this client goes (an
+    # attach, or GET /v1/runs/{run}/frames, finds it). The watch for the client is this
+    # request's own.
+    log = store.start(service, req, owner, emit)
     async with TaskScope("rest-run") as tasks:
-        run = service.submit(req, owner, emit, tasks)
-        if run.task is None:
-            raise RuntimeError("RunService.submit returned a run without its task")
         gone = tasks.spawn(until_gone(request), name="client-watch")
-        await asyncio.wait([run.task, gone], return_when=asyncio.FIRST_COMPLETED)
-        # Either the run ended, or the client went away and its run ends now, not at its limit.
-        await tasks.cancel(run.task, gone)
+        waits = [gone] if log.task is None else [log.task, gone]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        log.detach(emit)
+        await tasks.cancel(gone)
     if refused:
         return busy.response(refused[0])
     if not response.prepared:  # the client went before the run's first frame: nobody reads this
@@ -98,6 +108,44 @@ async def exec_ndjson(request: web.Request, service: RunService, owner: str) -> 
     with contextlib.suppress(ConnectionError, RuntimeError, Cancelled):
         await response.write_eof()
     return response
+
+
+async def run_frames(request: web.Request, service: RunService, owner: str) -> web.StreamResponse:
+    """`GET /v1/runs/{run}/frames?after=N`: the run's kept frames whose seq is above N (-1, the
+    default: all), then the live ones, as NDJSON, ending with its done. An unknown, expired
+    or other tenant's run: 404 with a `done` `rejected` "no such run", the same for all three."""
+    raw = request.query.get("after", "-1")
+    try:
+        after = int(raw)
+    except ValueError:
+        after = -2
+    if not -1 <= after <= protocol.MAX_SEQ:
+        return _rejected(f"'after' must be an integer from -1 to {protocol.MAX_SEQ}")
+    log = request.app[RUNS_KEY].find(request.match_info["run"], owner)
+    if log is None:
+        service.charge_rejected(owner)
+        return _rejected(NO_SUCH_RUN, status=404)
+    response = _ndjson_response()
+    await response.prepare(request)
+    stall_s = service.settings.client_stall_ms / 1000
+
+    async def pump() -> None:
+        async with contextlib.aclosing(log.follow(after)) as frames:
+            async for text in frames:
+                await send_within(request, response.write((text + "\n").encode()), stall_s)
+
+    async with TaskScope("rest-follow") as tasks:
+        reader = tasks.spawn(pump(), name="follow")
+        gone = tasks.spawn(until_gone(request), name="client-watch")
+        await asyncio.wait([reader, gone], return_when=asyncio.FIRST_COMPLETED)
+        await tasks.cancel(reader, gone)
+    with contextlib.suppress(ConnectionError, RuntimeError, Cancelled):
+        await response.write_eof()
+    return response
+
+
+def _ndjson_response() -> web.StreamResponse:
+    return web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
 
 
 async def open_session(request: web.Request, service: RunService, owner: str) -> web.Response:
@@ -109,7 +157,21 @@ async def open_session(request: web.Request, service: RunService, owner: str) ->
         return busy.response(busy.frame(service, exc))
     if req.session is not None:
         return _rejected("POST /v1/sessions opens a new session; leave 'session' out", req.id)
-    frames = await service.open_session(req, owner)
+    store = request.app[RUNS_KEY]
+    if not store.scope.running:
+        return _rejected("the server is shutting down", req.id, status=503)
+    frames: list[protocol.Frame] = []
+
+    async def collect(text: str) -> None:
+        frames.append(json.loads(text))
+
+    # A run of the store like any other: numbered, kept for attach, and not cut off if this
+    # client goes (the session it opens stays open, its idle timeout as usual).
+    log = store.start(service, session_opener(req), owner, collect)
+    if log.task is not None:
+        await asyncio.shield(log.task)
+    if not frames or frames[-1].get("type") != "done":
+        return _rejected("the server is shutting down", req.id, status=503)
     done = frames[-1]
     session = done.get("session")
     if done.get("status") in ("rejected", "busy", "internal") or not session:
@@ -268,6 +330,7 @@ def add_routes(
     app.router.add_get("/v1/snapshots/{snapshot_id}", bind(get_snapshot))
     app.router.add_delete("/v1/snapshots/{snapshot_id}", bind(delete_snapshot))
     app.router.add_get("/v1/models", bind(list_models))
+    app.router.add_get("/v1/runs/{run}/frames", bind(run_frames))
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/docs", docs)
     app.router.add_get("/docs/", docs_slash)

@@ -6,7 +6,9 @@ whose token may also come as an HTTP Basic password.
 Every route refuses a browser `Origin` that SANDBOX_ALLOWED_ORIGINS does not list (403).
 Half-close: when the client's Close frame arrives while runs are in flight, the
 server keeps streaming them to their `done` and only then answers the Close (RFC
-6455 §5.5.1 lets an endpoint finish sending before it replies with Close).
+6455 §5.5.1 lets an endpoint finish sending before it replies with Close). A client that
+goes without closing leaves its runs running to their end; `attach` finds them
+(appliance.api.runlog).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from aiohttp import WSMsgType, web
 
 from appliance.api import busy, cors, e2b, fusion, mcp_http, rest
 from appliance.api.framebudget import Closing, FrameBudget, FrameMeter, Refusal
+from appliance.api.runlog import NO_SUCH_RUN, Bounds, RunLog, RunStore
 from appliance.api.transport import (
     PARSER_KEY,
+    RUNS_KEY,
     TASKS_KEY,
     FrameParser,
     bearer_token,
@@ -43,6 +47,7 @@ from appliance.runtime.lifecycle import build_service
 from appliance.settings import Settings
 from appliance.wire import protocol
 from appliance.wire.protocol import (
+    AttachMessage,
     CloseSessionMessage,
     ExecuteRequest,
     InterruptMessage,
@@ -112,9 +117,11 @@ def _unauthorized() -> web.Response:
 
 
 class Connection:
-    """One WebSocket client: its in-flight requests and a serialised sender. Its runs, the
-    answers to refused frames and the watch for its client's going are tasks of its scope,
-    which `exec_socket` holds open for as long as the socket lives."""
+    """One WebSocket client: what it follows and a serialised sender. Its runs are tasks of the
+    server's run store (appliance.api.runlog): they outlive the connection, which follows them
+    live (`RunLog.follow_live`) until it goes. Its attaches, the answers to refused frames and
+    the watch for its client's going are tasks of its scope, which `exec_socket` holds open
+    for as long as the socket lives."""
 
     def __init__(
         self,
@@ -128,20 +135,27 @@ class Connection:
         self.request = request
         self.service = service
         self.parser = request.app[PARSER_KEY]
+        self.store = request.app[RUNS_KEY]
         self.owner: str = request[OWNER]
-        self.runs: dict[str, Run] = {}
+        # id -> what this connection receives frames under that id from: the run it started
+        # (its task ends once the done went out) or an attach (its reader task).
+        self.following: dict[str, asyncio.Task[None]] = {}
+        self.runs: dict[str, Run] = {}  # id -> a running run this connection may feed stdin or interrupt
+        self.started: dict[str, RunLog] = {}  # id -> a run this connection started, followed live
         self._send_lock = asyncio.Lock()
         self._stall_s = service.settings.client_stall_ms / 1000
         self.gone = False
 
     @property
     def tasks(self) -> list[asyncio.Task[None]]:
-        return [run.task for run in self.runs.values() if run.task is not None]
+        return list(self.following.values())
 
     async def send(self, frame: protocol.Frame) -> None:
+        await self.send_text(protocol.encode(frame))
+
+    async def send_text(self, text: str) -> None:
         if self.gone:
             raise Cancelled("the client disconnected")
-        text = protocol.encode(frame)
         async with self._send_lock:
             try:
                 await send_within(self.request, self.ws.send_str(text), self._stall_s)
@@ -160,17 +174,19 @@ class Connection:
             await self._send_quietly(busy.frame(service, exc))
             return
         if isinstance(message, ExecuteRequest):
-            if message.id in self.runs:
+            if message.id in self.following:
                 await self.reject(message.id, f"id {message.id!r} is already in use by a running request")
                 return
-            if not self.scope.running:  # shutdown has closed this connection's scope
+            if not self.scope.running or not self.store.scope.running:  # shutdown has begun
                 await self.reject(message.id, "the server is shutting down")
                 return
-            run = service.submit(message, self.owner, self.send, self.scope)
-            self.runs[message.id] = run
-            if run.task is None:
-                raise RuntimeError("RunService.submit returned a run without its task")
-            run.task.add_done_callback(lambda _task: self._forget(run))
+            log = self.store.start(service, message, self.owner, self.send_text)
+            if log.handle is None or log.task is None:
+                raise RuntimeError("RunStore.start returned a log without its run")
+            self._follow(message.id, log.task, log.handle)
+            self.started[message.id] = log
+        elif isinstance(message, AttachMessage):
+            await self.attach(message)
         elif isinstance(message, StdinMessage):
             found = self.runs.get(message.id)
             if found is None:
@@ -197,6 +213,43 @@ class Connection:
             else:
                 await self.reject(message.id, f"no such session {message.session!r}")
 
+    async def attach(self, message: AttachMessage) -> None:
+        """Follow a run of this tenant's again: its frames after `after`, then the live ones,
+        to its done. Unknown, expired and another tenant's runs get the same answer."""
+        log = self.store.find(message.run, self.owner)
+        if log is None:
+            self.service.charge_rejected(self.owner)  # like any refused frame: a rate token
+            await self.reject(message.id or protocol.new_request_id(), NO_SUCH_RUN)
+            return
+        rid = message.id or log.rid
+        if rid in self.following:
+            await self.reject(rid, f"id {rid!r} is already in use by a running request")
+            return
+        if not self.scope.running:
+            await self.reject(rid, "the server is shutting down")
+            return
+        reader = self.scope.spawn(self._replay(log, message.after, rid), name="attach")
+        self._follow(rid, reader, log.handle if not log.done else None)
+
+    async def _replay(self, log: RunLog, after: int, rid: str) -> None:
+        with contextlib.suppress(Cancelled):
+            async with contextlib.aclosing(log.follow(after, rid)) as frames:
+                async for text in frames:
+                    await self.send_text(text)
+
+    def _follow(self, rid: str, task: asyncio.Task[None], run: Run | None) -> None:
+        self.following[rid] = task
+        if run is not None:
+            self.runs[rid] = run
+
+        def forget(_task: asyncio.Task[None]) -> None:
+            if self.following.get(rid) is task:
+                del self.following[rid]
+                self.runs.pop(rid, None)
+                self.started.pop(rid, None)
+
+        task.add_done_callback(forget)
+
     def refuse(self, refusal: Refusal) -> None:
         """Answer a frame the meter skipped at its header (framebudget.py), as if it was read."""
         if refusal.status == "rejected":  # like any refused frame, it costs its tenant a rate token
@@ -209,10 +262,6 @@ class Connection:
         )
         self.scope.spawn(self._send_quietly(frame), name="refusal")
 
-    def _forget(self, run: Run) -> None:
-        if self.runs.get(run.id) is run:
-            del self.runs[run.id]
-
     async def reject(self, rid: str, message: str) -> None:
         await self._send_quietly(protocol.done_frame(rid, "rejected", message=message))
 
@@ -221,8 +270,8 @@ class Connection:
             await self.send(frame)
 
     async def finish(self) -> None:
-        """Client half-closed: let in-flight requests stream to their end, unless the
-        connection itself goes away meanwhile (then they are cancelled)."""
+        """Client half-closed: let what it follows stream to its done, unless the connection
+        itself goes away meanwhile."""
         gone = self.scope.spawn(until_gone(self.request), name="client-watch")
         try:
             while self.tasks:
@@ -234,9 +283,12 @@ class Connection:
             gone.cancel()
 
     async def abort(self) -> None:
-        """Client vanished: cancel in-flight requests (their jails are killed)."""
+        """Client vanished: its runs go on without it (an attach finds them); its attaches end."""
         self.gone = True
-        await self.scope.cancel(*self.tasks)
+        for log in self.started.values():
+            log.detach(self.send_text)
+        readers = [task for rid, task in self.following.items() if rid not in self.started]
+        await self.scope.cancel(*readers)
 
 
 CONNECTIONS_KEY: web.AppKey[set[Connection]] = web.AppKey("connections")
@@ -327,7 +379,7 @@ async def exec_socket(request: web.Request) -> web.StreamResponse:
             for refusal in events.early:
                 conn.refuse(refusal)
             conns.add(conn)
-            if await _receive(conn, ws, meter) and not is_gone(request):
+            if await _receive(conn, ws, meter) and not is_gone(request) and scope.running:
                 await conn.finish()  # the client half-closed: its runs stream to their end
             else:
                 await conn.abort()
@@ -351,8 +403,21 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    request.app[RUNS_KEY].report()
     text = request.app[SERVICE_KEY].metrics_text()
     return web.Response(body=text, content_type="text/plain", charset="utf-8")
+
+
+def run_log_bounds(service: RunService) -> Bounds:
+    """What the run store may hold: SANDBOX_REATTACH_* for each tenant (one without a tokens file)."""
+    s = service.settings
+    return Bounds(
+        keep_s=s.reattach_s,
+        run_bytes=s.max_output_bytes,
+        tenant_runs=s.reattach_runs,
+        tenant_bytes=s.reattach_bytes,
+        tenants=max(1, len(service.tenants)) if service.tenants is not None else 1,
+    )
 
 
 def make_app(service: RunService) -> web.Application:
@@ -366,13 +431,16 @@ def make_app(service: RunService) -> web.Application:
     trimmer = app[TRIMMER_KEY] = HeapTrimmer()
     app[CONNECTIONS_KEY] = set()
     tasks = app[TASKS_KEY] = TaskScope("server")
+    store = app[RUNS_KEY] = RunStore(run_log_bounds(service), service.metrics)
 
     async def start_parser(app: web.Application) -> None:
         await tasks.open()
+        await store.open()
         # In the background: the child's imports must not delay the server's start.
         tasks.spawn(parser.worker.start(), name="parser-start")
 
     async def stop_parser(app: web.Application) -> None:
+        await store.close()  # closed by the shutdown already, unless the app was run without `serve`
         await tasks.wait()  # a start still spawning the child ends first: then close stops it
         await parser.worker.close()
         await trimmer.close()
@@ -425,28 +493,29 @@ async def serve(settings: Settings, host: str, port: int, ready_file: str | None
     await stop.wait()
     log.info("shutting down", extra={"grace_s": settings.shutdown_grace_s})
     await site.stop()  # 1. stop accepting
-    await _close_connections(app[CONNECTIONS_KEY], settings)  # 2. and 3.
+    await _close_connections(app[CONNECTIONS_KEY], app[RUNS_KEY], settings)  # 2. and 3.
     await service.close()  # 4. the sessions, then the lifecycle's scope: pools, watchdogs, canary
     await runner.cleanup()  # 5. the server's own scope
     log.info("stopped")
 
 
-async def _close_connections(connections: set[Connection], settings: Settings) -> None:
+async def _close_connections(connections: set[Connection], store: RunStore, settings: Settings) -> None:
     """Shutdown's steps 2 and 3, against one deadline, SANDBOX_SHUTDOWN_GRACE_MS + STOPPING_S
-    from now: runs finish within the grace period; those still going are interrupted and
-    have STOPPING_S to send their `done` (cancelled); then each connection's scope is closed
-    (what is left is cancelled and awaited) and its socket closed with 1001."""
+    from now: runs (whoever follows them, if anyone) finish within the grace period; those
+    still going are interrupted and have STOPPING_S to send their `done` (cancelled); then
+    each connection's scope is closed (its attaches) and its socket closed with 1001, and
+    the runs' scope is closed (what is left is cancelled and awaited)."""
     loop = asyncio.get_running_loop()
     interrupt_at = loop.time() + settings.shutdown_grace_s
     deadline = interrupt_at + STOPPING_S
     conns = list(connections)
-    runs = [t for c in conns for t in c.tasks]
+    runs = [log.task for log in store.running if log.task is not None]
     if runs:
         await asyncio.wait(runs, timeout=max(0.0, interrupt_at - loop.time()))
-    for conn in conns:
-        for run in list(conn.runs.values()):
-            run.interrupt("the server is shutting down")
-    runs = [t for c in conns for t in c.tasks]
+    for log in store.running:
+        if log.handle is not None:
+            log.handle.interrupt("the server is shutting down")
+    runs = [log.task for log in store.running if log.task is not None]
     if runs:
         await asyncio.wait(runs, timeout=max(0.0, deadline - loop.time()))
     for conn in conns:
@@ -454,6 +523,7 @@ async def _close_connections(connections: set[Connection], settings: Settings) -
         await conn.scope.close()
         with contextlib.suppress(Exception):
             await conn.ws.close(code=1001, message=b"server shutting down")
+    await store.close()
 
 
 def _warn_if_exposed(service: RunService, runner: web.AppRunner) -> None:

@@ -3,7 +3,8 @@ caller's token and origin, parsing frames within bounds, sending with a stall bo
 noticing a connection that is gone.
 
 A client that takes no frame for SANDBOX_CLIENT_STALL_MS is dropped: its connection is
-aborted and its runs are cancelled, so it can hold neither a slot nor the server's memory.
+aborted, so it holds none of the server's memory; its runs go on to their end within their
+own limits, their frames kept for an `attach` (appliance.api.runlog).
 
 No frame can stall the event loop for long (`FrameParser`): its size is checked before any
 parsing, a big one is parsed in a child process (`ParseWorker`), one at a time for the whole
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 
 from aiohttp import web
 
+from appliance.api.runlog import RunStore
 from appliance.core.errors import Busy, Cancelled
 from appliance.core.service import RunService
 from appliance.core.tasks import TaskScope
@@ -102,6 +104,9 @@ def json_values_allowed(limits: protocol.Limits) -> int:
 
 
 PARSER_KEY = web.AppKey("parser", FrameParser)
+# Every run's frames, kept for attach, and the scope its runs are tasks of (`runlog.RunStore`):
+# a run outlives the connection or REST request that started it.
+RUNS_KEY = web.AppKey("runs", RunStore)
 # The server's own tasks (the parser child's start, MCP's session manager): opened at the app's
 # startup, closed at its cleanup (`server.make_app`).
 TASKS_KEY = web.AppKey("tasks", TaskScope)

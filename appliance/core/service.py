@@ -330,18 +330,7 @@ class RunService:
         async def collect(frame: Frame) -> None:
             frames.append(frame)
 
-        new = Request(
-            id=req.id,
-            code=req.code,
-            session="new",
-            timeout_ms=req.timeout_ms,
-            files=req.files,
-            gpu=req.gpu,
-            stdin_eof=True,
-            memory_mb=req.memory_mb,
-            from_snapshot=req.from_snapshot,
-        )
-        await self.execute(new, owner, collect)
+        await self.execute(session_opener(req), owner, collect)
         return frames
 
     # -- snapshots -----------------------------------------------------------------------------
@@ -635,6 +624,21 @@ class RunService:
             outcome.status, outcome.message = "output_limit", note
         else:
             outcome.message = f"{outcome.message}; {note}" if outcome.message else note
+
+
+def session_opener(req: RunRequest) -> Request:
+    """The request that opens a session running req's code first (its stdin closed)."""
+    return Request(
+        id=req.id,
+        code=req.code,
+        session="new",
+        timeout_ms=req.timeout_ms,
+        files=req.files,
+        gpu=req.gpu,
+        stdin_eof=True,
+        memory_mb=req.memory_mb,
+        from_snapshot=req.from_snapshot,
+    )
 
 
 def _check_session_gpu(session: Session, req: RunRequest) -> None:

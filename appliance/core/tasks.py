@@ -1,10 +1,11 @@
 """Who owns a background task: a `TaskScope`, an asyncio.TaskGroup with a start and an end.
 
 Every task the server starts is a child of one scope (structured concurrency): the
-server's (started with the app, closed at its cleanup), a connection's (its runs and
-answers), the lifecycle's (canary, sweeper, pool refills, watchdogs, teardowns), or a
-scope a coroutine holds while it runs (a pool's jail starts, a REST run and its client
-watch). Closing a scope cancels its children and waits for all of them: nothing it
+server's (started with the app, closed at its cleanup), the runs' (appliance.api.runlog:
+every run, so that it outlives the connection that started it, and the sweeper of kept
+frames; closed by the shutdown), a connection's (its attaches and answers), the
+lifecycle's (canary, sweeper, pool refills, watchdogs, teardowns), or a scope a coroutine
+holds while it runs (a pool's jail starts, a REST request's client watch). Closing a scope cancels its children and waits for all of them: nothing it
 started outlives it. `tests/test_tasks.py` keeps raw `create_task`, `call_later` and
 kin out of the package but for the owners it names.
 

@@ -57,6 +57,25 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        # Runs kept for `attach` (appliance/api/runlog.py): what is held, and what went, why.
+        self.run_logs = Gauge(
+            "appliance_run_logs", "Runs whose frames are kept for attach (running or finished)", registry=r
+        )
+        self.run_log_bytes = Gauge(
+            "appliance_run_log_bytes", "Bytes of frames kept for attach, all tenants", registry=r
+        )
+        self.run_logs_evicted = Counter(
+            "appliance_run_logs_evicted",
+            "Finished runs no longer kept for attach, by reason: expired (SANDBOX_REATTACH_S), "
+            "runs (SANDBOX_REATTACH_RUNS), bytes (SANDBOX_REATTACH_BYTES)",
+            ["reason"],
+            registry=r,
+        )
+        self.run_frames_dropped = Counter(
+            "appliance_run_frames_dropped",
+            "Frames a run's kept log let go, oldest first, to stay within SANDBOX_MAX_OUTPUT_BYTES",
+            registry=r,
+        )
         # Per preload profile (appliance.sandbox.profiles): which warm jails runs get.
         self.profile_runs = Counter(
             "appliance_profile_runs", "Runs given a jail of this profile", ["profile"], registry=r

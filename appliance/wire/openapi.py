@@ -350,6 +350,49 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/runs/{run}/frames": {
+                "get": {
+                    "summary": "Follow a run again: its kept frames after a seq, then the live ones, "
+                    "as NDJSON, ending with done",
+                    "description": (
+                        "A run's frames are kept while it runs and SANDBOX_REATTACH_S after its done, "
+                        "each carrying `seq`; a run goes on when the client that started it goes. "
+                        "The same as the WebSocket's `attach` frame."
+                    ),
+                    "parameters": [
+                        {
+                            "name": "run",
+                            "in": "path",
+                            "required": True,
+                            "description": "a start frame's `run`",
+                            "schema": {"type": "string"},
+                        },
+                        {
+                            "name": "after",
+                            "in": "query",
+                            "required": False,
+                            "description": "the last seq the client has; -1 (the default): from the first frame",
+                            "schema": {"type": "integer", "minimum": -1, "default": -1},
+                        },
+                    ],
+                    "responses": {
+                        "200": {
+                            "description": "one ServerFrame per line, ending with done",
+                            "content": {
+                                "application/x-ndjson": {
+                                    "schema": {"$ref": "#/components/schemas/ServerFrame"}
+                                }
+                            },
+                        },
+                        "400": {"description": "`after` is not an integer", "content": _json("DoneFrame")},
+                        "404": {
+                            "description": "no such run: unknown, expired or another tenant's (one answer for all)",
+                            "content": _json("DoneFrame"),
+                        },
+                        "401": _UNAUTHORIZED,
+                    },
+                }
+            },
             "/mcp": _MCP_PATH,
             "/healthz": {
                 "get": {

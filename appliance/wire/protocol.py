@@ -290,12 +290,45 @@ class CloseSessionMessage:
     type: Literal["close_session"] = "close_session"
 
 
-ClientMessage = ExecuteRequest | StdinMessage | InterruptMessage | CloseSessionMessage
+def _request_id_or_none(value: object) -> str | None:
+    return None if value is None else _request_id(value)
+
+
+# An id a client may give; omitted or null, the reply uses another (`AttachMessage`).
+MaybeRequestId = Annotated[
+    str | None,
+    PlainValidator(_request_id_or_none),
+    WithJsonSchema({"anyOf": [_ID_SCHEMA, {"type": "null"}]}),
+]
+MAX_SEQ = 2**53 - 1  # the largest integer every JSON reader holds exactly
+
+
+@model(config=_CONFIG)
+class AttachMessage:
+    """Follow a run again, from any connection of the same tenant: its kept frames whose
+    `seq` is above `after`, then the live ones, ending with its `done`."""
+
+    run: Annotated[
+        StrictStr, Field(min_length=1, max_length=MAX_ID_CHARS, description="A start frame's `run`.")
+    ]
+    after: Annotated[StrictInt, Field(ge=-1, le=MAX_SEQ)] = Field(
+        default=-1, description="The last seq the client has; -1 (the default): from the first frame."
+    )
+    id: MaybeRequestId = Field(
+        default=None,
+        description="The id the run's frames carry on this connection (and stdin/interrupt take); "
+        "omitted: the run's own request id.",
+    )
+    type: Literal["attach"] = "attach"
+
+
+ClientMessage = ExecuteRequest | StdinMessage | InterruptMessage | CloseSessionMessage | AttachMessage
 CLIENT_MESSAGES: dict[str, type[ClientMessage]] = {
     "execute": ExecuteRequest,
     "stdin": StdinMessage,
     "interrupt": InterruptMessage,
     "close_session": CloseSessionMessage,
+    "attach": AttachMessage,
 }
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {kind: TypeAdapter(cls) for kind, cls in CLIENT_MESSAGES.items()}
 # When a frame has several problems, name the one the protocol checks first.
@@ -304,6 +337,7 @@ _FIELD_ORDER = {
     "stdin": ("data", "eof", "id"),
     "interrupt": ("id",),
     "close_session": ("session",),
+    "attach": ("run", "after", "id"),
 }
 
 
@@ -456,6 +490,10 @@ def _message(kind: str, err: Any, obj: dict[str, Any]) -> str:  # noqa: C901, PL
         return "an 'interrupt' frame needs the 'id' of its run"
     if kind == "close_session":
         return "'close_session' needs a 'session' string"
+    if kind == "attach":
+        if field == "after":
+            return f"'after' must be an integer from -1 to {MAX_SEQ}"
+        return f"'attach' needs a 'run' string of 1-{MAX_ID_CHARS} characters (a start frame's run)"
     return f"{'.'.join(map(str, loc)) or 'frame'}: {err['msg']}"  # not reached by any known frame
 
 
@@ -530,6 +568,17 @@ MimeBundle = Annotated[
 ]
 
 
+Seq = Annotated[
+    int,
+    Field(
+        ge=0,
+        description="The frame's place among its run's frames: 0, 1, 2, ... (`attach` resumes after one). "
+        "A `done` that answers a frame refused before any run (it did not parse, an attach to no "
+        "such run) has none.",
+    ),
+]
+
+
 class GpuGrant(TypedDict):
     """The GPU share a run was granted."""
 
@@ -548,6 +597,7 @@ class StartFrame(TypedDict):
     queued_ms: int
     gpu: GpuGrant | None
     timeout_ms: int
+    seq: NotRequired[Seq]
 
 
 class StreamFrame(TypedDict):
@@ -557,6 +607,7 @@ class StreamFrame(TypedDict):
     id: str
     name: Literal["stdout", "stderr"]
     text: str
+    seq: NotRequired[Seq]
 
 
 class DisplayFrame(TypedDict):
@@ -565,6 +616,7 @@ class DisplayFrame(TypedDict):
     type: Literal["display"]
     id: str
     data: MimeBundle
+    seq: NotRequired[Seq]
 
 
 class ResultFrame(TypedDict):
@@ -573,6 +625,7 @@ class ResultFrame(TypedDict):
     type: Literal["result"]
     id: str
     data: MimeBundle
+    seq: NotRequired[Seq]
 
 
 class ErrorFrame(TypedDict):
@@ -583,6 +636,7 @@ class ErrorFrame(TypedDict):
     ename: str
     evalue: str
     traceback: list[str]
+    seq: NotRequired[Seq]
 
 
 class FileFrame(TypedDict):
@@ -594,6 +648,7 @@ class FileFrame(TypedDict):
     size: int
     data: Annotated[str | None, Field(json_schema_extra={"contentEncoding": "base64"})]
     message: NotRequired[str]
+    seq: NotRequired[Seq]
 
 
 class DoneFrame(TypedDict):
@@ -611,6 +666,7 @@ class DoneFrame(TypedDict):
     import_ms: NotRequired[int]  # time the cell spent loading modules its jail had not imported
     files_skipped: NotRequired[int]  # outputs/ files not returned: past SANDBOX_MAX_OUTPUTS_BYTES
     retry_after_ms: NotRequired[int]  # with status busy: when to try again (the server's estimate)
+    seq: NotRequired[Seq]
 
 
 ServerFrame = StartFrame | StreamFrame | DisplayFrame | ResultFrame | ErrorFrame | FileFrame | DoneFrame

@@ -19,6 +19,11 @@ Failures to reach the appliance are typed: `AuthenticationError` (the token was 
 dropped while a request ran: its result is unknown). After a drop the next request reconnects
 (with backoff, for up to `reconnect_s`); a session the appliance still has goes on, one it
 no longer has (it restarted) raises `SessionLost`.
+
+A run goes on when its connection drops, and the appliance keeps its frames for a while
+(SANDBOX_REATTACH_S): `attach(run)` follows it again from the last frame this client had
+(`ConnectionLost.run` names it; every frame carries its `seq`, and the client remembers the
+last one it saw of each run).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypedDict, TypeVar, Unpack
@@ -57,6 +63,7 @@ _BACKOFF_FIRST_S, _BACKOFF_MAX_S = 0.1, 2.0
 # Close codes a server sends only once it has answered every request it took: a request with
 # no reply yet was never run, so it is safe to send again on the next connection.
 _CLEAN_CLOSES = frozenset((1001, 1012))
+REMEMBERED_RUNS = 1024  # runs whose last seq a client remembers (the most recent ones)
 
 
 class ClientError(Exception):
@@ -77,7 +84,13 @@ class ConnectionFailed(ClientError, ConnectionError):
 
 class ConnectionLost(ClientError, ConnectionError):
     """The connection dropped while a request ran: its outcome is unknown. The next request
-    reconnects."""
+    reconnects. `run`: the run it had started (None if it had not), which `attach(run)`
+    follows again from `seq`, the last frame of it this client had."""
+
+    def __init__(self, message: str, run: str | None = None, seq: int | None = None) -> None:
+        super().__init__(message)
+        self.run = run
+        self.seq = seq
 
 
 class SessionLost(ClientError):
@@ -344,6 +357,12 @@ class Event(dict[str, Any]):
     @property
     def id(self) -> str:
         return str(self.get("id", ""))
+
+    @property
+    def seq(self) -> int | None:
+        """The frame's place among its run's frames (0, 1, 2, ...); None on a frame of no run."""
+        seq = self.get("seq")
+        return seq if isinstance(seq, int) else None
 
 
 class StartEvent(Event):
@@ -621,6 +640,8 @@ class AsyncClient:
         self._closing = False
         self._lock = asyncio.Lock()
         self._session_seen: dict[str, int] = {}  # session id -> the connection it was last used on
+        # run id -> the last seq of it this client had (attach resumes after it), newest last
+        self._last_seq: OrderedDict[str, int] = OrderedDict()
 
     async def __aenter__(self) -> AsyncClient:
         self._opened, self._closing = True, False
@@ -723,14 +744,33 @@ class AsyncClient:
                 if sent_on == connection:
                     queue.put_nowait(None)
 
-    def _lost(self, ws: ClientConnection | None, rid: str) -> ConnectionLost:
+    def _lost(self, ws: ClientConnection | None, rid: str, run: str | None = None) -> ConnectionLost:
         code = ws.close_code if ws is not None else None
         reason = ws.close_reason if ws is not None else ""
         said = f" (close code {code}{': ' + reason if reason else ''})" if code is not None else ""
+        resume = f" Its run goes on: attach({run!r}) follows it again." if run is not None else ""
         return ConnectionLost(
             f"the connection to the appliance at {self.url} closed before request {rid} was done{said}; "
-            "its outcome is unknown. The next request reconnects."
+            f"its outcome is unknown. The next request reconnects.{resume}",
+            run,
+            self._last_seq.get(run) if run is not None else None,
         )
+
+    def last_seq(self, run: str) -> int | None:
+        """The seq of the last frame of `run` this client had (None: none, or forgotten)."""
+        return self._last_seq.get(run)
+
+    def _saw(self, run: str | None, frame: Frame) -> str | None:
+        """Note a frame of a run (its `start` names the run): the seq an attach resumes after."""
+        if frame.get("type") == "start" and isinstance(frame.get("run"), str):
+            run = str(frame["run"])
+        seq = frame.get("seq")
+        if run is not None and isinstance(seq, int):
+            self._last_seq[run] = seq
+            self._last_seq.move_to_end(run)
+            while len(self._last_seq) > REMEMBERED_RUNS:
+                self._last_seq.popitem(last=False)
+        return run
 
     async def send(self, frame: Frame) -> None:
         """Send a raw frame (stdin, interrupt, close_session, or anything), reconnecting first
@@ -754,6 +794,7 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         first_sent = loop.time()
         resent = busy_sends = 0
+        run: str | None = None
         try:
             while True:
                 ws = await self._ensure_connected()
@@ -773,6 +814,7 @@ class AsyncClient:
                         refused = reply  # nothing ran: held back while it may be sent again
                         break
                     replied = True
+                    run = self._saw(run, reply)
                     self._note_session(reply, session, connection)
                     yield reply  # type: ignore[misc]  # the reader queues Events
                     if reply.get("type") == "done":
@@ -789,8 +831,37 @@ class AsyncClient:
                 # The connection dropped. A clean close with no reply to this request means the
                 # server never took it (it answers all it took before closing): send it again, once.
                 if replied or resent or (sent and ws.close_code not in _CLEAN_CLOSES):
-                    raise self._lost(ws, rid)
+                    raise self._lost(ws, rid, run)
                 resent += 1
+        finally:
+            self._queues.pop(rid, None)
+
+    async def attach(self, run: str, after: int | None = None) -> AsyncGenerator[Event, None]:
+        """Follow run `run` again (a start frame's `run`, or `ConnectionLost.run`), from any
+        connection with the same token: its frames after seq `after` (None: after the last one
+        this client had, else from the first), then the live ones, up to and including `done`.
+        The frames carry this attach's own id (stdin() and interrupt() take it: `Event.id`).
+        A run the appliance does not have (unknown, expired, or another tenant's) yields one
+        `done` `rejected` "no such run"."""
+        if after is None:
+            after = self._last_seq.get(run, -1)
+        rid = self.new_id()
+        ws = await self._ensure_connected()
+        queue = self._queue(rid, self.connections)
+        try:
+            try:
+                await ws.send(json.dumps({"type": "attach", "id": rid, "run": run, "after": after}))
+            except websockets.ConnectionClosed:
+                raise self._lost(ws, rid, run) from None
+            while True:
+                reply = await queue.get()
+                if reply is None:
+                    raise self._lost(ws, rid, run)
+                if reply.get("type") != "done" or reply.get("status") != "rejected":
+                    self._saw(run, reply)
+                yield reply  # type: ignore[misc]  # the reader queues Events
+                if reply.get("type") == "done":
+                    return
         finally:
             self._queues.pop(rid, None)
 
@@ -1068,6 +1139,25 @@ class Client:
             if not self._loop.is_closed():
                 with contextlib.suppress(Exception):
                     self.run_async(agen.aclose())
+
+    def attach(self, run: str, after: int | None = None) -> Iterator[Event]:
+        """Follow run `run` again, up to and including `done` (AsyncClient.attach)."""
+        agen = self._async.attach(run, after)
+        try:
+            while True:
+                try:
+                    event = self.run_async(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield event
+        finally:
+            if not self._loop.is_closed():
+                with contextlib.suppress(Exception):
+                    self.run_async(agen.aclose())
+
+    def last_seq(self, run: str) -> int | None:
+        """The seq of the last frame of `run` this client had (AsyncClient.last_seq)."""
+        return self._async.last_seq(run)
 
     def stdin(self, rid: str, data: str, eof: bool = False) -> None:
         """Feed the stdin of running request `rid`."""

@@ -506,16 +506,28 @@ async def test_a_busy_session_rejects_a_second_request(target: Server, observe: 
     observe(f"second: {second.message}")
 
 
-@attack("disconnect abruptly in the middle of a run", "the run's jail is killed; nothing of it survives")
-async def test_an_abrupt_disconnect_kills_the_run(target: Server, observe: Observe) -> None:
+@attack(
+    "disconnect abruptly in the middle of a run",
+    "the run goes on within its limits (an attach finds it: issue 34); stopped from the new "
+    "connection, nothing of it survives",
+)
+async def test_an_abrupt_disconnect_leaves_the_run_to_its_limits(target: Server, observe: Observe) -> None:
     ws = await websockets.connect(target.url, additional_headers=AUTH)
     await ws.send(
         json.dumps({"id": "x", "code": "import time\nprint('started', flush=True)\ntime.sleep(60)"})
     )
-    json.loads(await ws.recv())
+    run = json.loads(await ws.recv())["run"]
     ws.transport.abort()  # no Close frame: the TCP connection just vanishes
+    again = await websockets.connect(target.url, additional_headers=AUTH)
+    await again.send(json.dumps({"type": "attach", "run": run, "id": "back"}))
+    await again.send(json.dumps({"type": "interrupt", "id": "back"}))
+    frames = [json.loads(await asyncio.wait_for(again.recv(), scaled(30)))]
+    while frames[-1]["type"] != "done":
+        frames.append(json.loads(await asyncio.wait_for(again.recv(), scaled(30))))
+    await again.close()
+    assert frames[0]["type"] == "start" and frames[-1]["status"] in ("cancelled", "timeout"), frames
     note = await assert_contained(target)
-    observe(note)
+    observe(f"reattached, then {frames[-1]['status']}; {note}")
 
 
 @attack(
