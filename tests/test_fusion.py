@@ -234,10 +234,16 @@ def test_languages_listed(srv: Server) -> None:
 
 
 # -- bad input ------------------------------------------------------------------------------------
-def test_unknown_fields_are_ignored(srv: Server) -> None:
-    body = post(
-        srv, "/run_code", {"code": "print(7)", "language": "python", "dataset": "x", "extra": {"deep": [1]}}
-    ).json()
+def test_unknown_fields_are_ignored_and_huge_limits_are_the_servers(srv: Server) -> None:
+    body = {
+        "code": "print(7)",
+        "language": "python",
+        "dataset": "x",
+        "extra": {"deep": [1]},
+        "run_timeout": 1e308,
+        "memory_limit_MB": 10**30,
+    }
+    body = post(srv, "/run_code", body).json()
     assert body["status"] == "Success"
     assert body["run_result"]["stdout"] == "7\n"
 

@@ -129,8 +129,11 @@ def _with_note(text: str, note: str) -> str:
     return f"{text}{'' if not text or text.endswith(chr(10)) else chr(10)}{note}\n"
 
 
+MAX_SECONDS = 7 * 24 * 3600  # past any server's SANDBOX_MAX_EXEC_MS, which bounds it anyway
+
+
 def _ms(seconds: float) -> int:
-    return max(1, math.ceil(seconds * 1000))
+    return max(1, math.ceil(min(seconds, MAX_SECONDS) * 1000))
 
 
 class Runner:

@@ -36,6 +36,7 @@ MAX_FETCH_FILES = 100
 MAX_CELLS = 256
 MAX_CASES = 256
 MAX_CASE_TEXT = 1 << 20  # one case's stdin, expected output or assert, in characters
+MAX_MEMORY_MB = 1 << 20
 
 SUCCESS, FAILED, SANDBOX_ERROR = "Success", "Failed", "SandboxError"
 FINISHED, TLE, ERROR = "Finished", "TimeLimitExceeded", "Error"
@@ -159,7 +160,8 @@ def _memory(body: Mapping[str, Any]) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadRequest("'memory_limit_MB' must be a whole number of MiB (-1: the server's limit)")
-    return value if value > 0 else None
+    # Over 1 TiB asks for no limit of its own (the server's applies), as -1 does.
+    return value if 0 < value <= MAX_MEMORY_MB else None
 
 
 def check_name(name: object, what: str) -> str:
