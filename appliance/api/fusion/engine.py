@@ -215,14 +215,22 @@ class Runner:
                 step = await self.run(
                     {**first, "code": compile_code, "timeout_ms": _ms(ask.compile_timeout_s)}
                 )
+                session = step.session  # closed below, whatever the compile's end
                 _raise_refusal(step)
-                session, compiled = step.session, step.result()
+                compiled = step.result()
                 if compiled.status != shapes.FINISHED or compiled.return_code != 0:
                     return compiled, None, {}, ""
+                if session is None:  # compiled, but its jail is gone: nothing to run
+                    return (
+                        compiled,
+                        Result(shapes.ERROR, stderr="the compile's jail ended before the run"),
+                        {},
+                        "",
+                    )
                 first = {"session": session}
             run = await self.run({**first, "code": run_code, "timeout_ms": _ms(ask.run_timeout_s)}, ask.stdin)
+            session = session or run.session  # closed below, whatever the run's end
             _raise_refusal(run)
-            session = session or run.session
             files, note = await self._fetch(session, ask.fetch)
             return compiled, run.result(), files, note
         finally:
