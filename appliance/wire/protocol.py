@@ -10,11 +10,10 @@ from them):
 - client -> server: pydantic dataclasses (`ExecuteRequest`, `StdinMessage`, ...). The
   validation itself runs in pydantic-core; only the checks no schema can say (a path that
   climbs out, base64, the upload budget, GPU mode) are Python validators, and they run only
-  when the frame carries those fields. A plain execute request (no uploads, no GPU) is
-  checked by `_plain_execute` instead, to the same answer, because every run pays its parse.
+  when the frame carries those fields.
 - server -> client: `TypedDict`s (`StreamFrame`, `DoneFrame`, ...). The builders return
-  plain dicts, the cheapest thing to build several times per run, and `encode` serializes
-  them in pydantic-core. Tests check every builder against its TypedDict's schema.
+  plain dicts and `encode` serializes them in pydantic-core. Tests check every builder
+  against its TypedDict's schema.
 """
 
 # No `from __future__ import annotations` here: on Python 3.11 a TypedDict only knows which
@@ -369,9 +368,6 @@ def parse_client_frame(frame: str | bytes, limits: Limits) -> ClientMessage:
 def parse_client_frame_object(obj: dict[str, Any], limits: Limits) -> ClientMessage:
     """parse_client_frame for a frame already decoded (MCP's tool calls build theirs in the
     server): the same checks, messages and limits, but the frame size, which the caller bounds."""
-    plain = _plain_execute(obj)
-    if plain is not None:
-        return plain
     kind = obj.get("type", "execute")
     files = obj.get("files")
     # Counted before any validation: per entry, validation costs far more than decoding did.
@@ -390,54 +386,6 @@ def parse_client_frame_object(obj: dict[str, Any], limits: Limits) -> ClientMess
         message: ClientMessage = adapter.validate_python(obj, context=limits)
     except ValidationError as exc:
         raise _rejection(kind, exc, obj) from None
-    return message
-
-
-# The fields a plain execute request may carry: none of them needs more than a type check.
-_PLAIN_EXECUTE_KEYS = frozenset(("type", "id", "code", "session", "timeout_ms", "stdin_eof"))
-
-
-def _plain_execute(obj: dict[str, Any]) -> ExecuteRequest | None:
-    """The ExecuteRequest pydantic would make of obj, when obj is a valid execute request with
-    no uploads and no GPU (what nearly every run sends); None for anything else, which the
-    full validation then accepts or names the problem of.
-
-    Every check here is one pydantic makes of these fields (StrictStr, StrictInt >= 1,
-    StrictBool, the id's rule); a test holds the two to the same answer for any frame. Why
-    not pydantic itself: on a CPU that has been idle, as a warm run's arrives, its validator
-    cost ~0.13 ms more than these checks (the first use of its code after the idle spell),
-    and every run pays it before anything else."""
-    if not obj.keys() <= _PLAIN_EXECUTE_KEYS:
-        return None
-    rid = obj.get("id")
-    code = obj.get("code")
-    session = obj.get("session")
-    timeout_ms = obj.get("timeout_ms")
-    stdin_eof = obj.get("stdin_eof", False)
-    if (
-        obj.get("type", "execute") != "execute"
-        or type(code) is not str
-        or (rid is not None and not _is_id(rid))
-        # pydantic refuses a session with a lone surrogate in it; an ASCII one has none.
-        or (session is not None and (type(session) is not str or not session or not session.isascii()))
-        or (timeout_ms is not None and (type(timeout_ms) is not int or timeout_ms < 1))
-        or type(stdin_eof) is not bool
-    ):
-        return None
-    message = object.__new__(ExecuteRequest)
-    # Set as pydantic sets a validated dataclass's fields (the class is frozen).
-    message.__dict__.update(
-        id=new_request_id() if rid is None else rid,
-        code=code,
-        session=session,
-        timeout_ms=timeout_ms,
-        files=(),
-        gpu=None,
-        stdin_eof=stdin_eof,
-        memory_mb=None,
-        from_snapshot=None,
-        type="execute",
-    )
     return message
 
 
