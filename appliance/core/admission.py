@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
-from types import TracebackType
+from collections.abc import AsyncIterator, Callable
 
 from appliance.core import backpressure
 from appliance.core.errors import Busy
@@ -36,9 +36,17 @@ class Admission:
         mean = self.mean_run_s if self.mean_run_s is not None else backpressure.PRIOR_RUN_S
         return backpressure.retry_after_ms(len(self._waiters), self.limit, mean)
 
-    def slot(self) -> Slot:
-        """Hold one run slot (`async with`); entering gives the milliseconds spent queued."""
-        return Slot(self)
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[int]:
+        """Hold one run slot (`async with`); entering gives the milliseconds spent queued.
+        Leaving folds the time it was held into `mean_run_s`."""
+        queued_ms = await self._acquire()
+        since = self._clock()
+        try:
+            yield queued_ms
+        finally:
+            self.mean_run_s = backpressure.smoothed(self.mean_run_s, self._clock() - since)
+            self._release()
 
     async def _acquire(self) -> int:
         started = self._clock()
@@ -69,26 +77,3 @@ class Admission:
                 fut.set_result(None)  # hand our slot over; `active` stays the same
                 return
         self.active -= 1
-
-
-class Slot:
-    """One run slot of an Admission, held inside `async with`. A class, not a generator-based
-    context manager: every run enters one on its path."""
-
-    __slots__ = ("_admission", "_since")
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission = admission
-        self._since = 0.0
-
-    async def __aenter__(self) -> int:
-        queued_ms = await self._admission._acquire()
-        self._since = self._admission._clock()
-        return queued_ms
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        adm = self._admission
-        adm.mean_run_s = backpressure.smoothed(adm.mean_run_s, adm._clock() - self._since)
-        adm._release()

@@ -44,7 +44,7 @@ from appliance.sandbox.channel import GRANT_FILE
 from appliance.sandbox.devices import GpuDevice, gpu_device
 from appliance.sandbox.host import readable_ancestors_problem
 from appliance.sandbox.jail import Jail, JailFactory
-from appliance.sandbox.lease import Held, Lease, LeaseSource, PoolLeases
+from appliance.sandbox.lease import Lease, LeaseSource, PoolLeases, held
 from appliance.sandbox.pool import ProfilePools
 from appliance.sandbox.profiles import Profile, choose, imports_of
 from appliance.settings import Settings
@@ -337,7 +337,7 @@ class GpuLeases(LeaseSource):
             )
         profile = choose(self.profiles, imports_of(req.code))
         grant = await self.ledger.acquire(mb)
-        async with Held(GpuLease(self, grant, profile)) as lease:  # ended unless a session keeps it
+        async with held(GpuLease(self, grant, profile)) as lease:  # ended unless a session keeps it
             yield lease
 
     async def _take(self, lease: GpuLease) -> Jail:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-from types import TracebackType
+from collections.abc import AsyncIterator
 from typing import Any
 
 from appliance.core.domain import RunRequest
@@ -68,23 +68,14 @@ class LeaseSource(abc.ABC):
         """End every lease's pending teardown and drain the pools."""
 
 
-class Held(contextlib.AbstractAsyncContextManager[Lease]):
-    """`async with` over a lease: gives it, and ends it on leaving unless a session kept it.
-    A class, not a generator-based context manager: every run enters one on its path."""
-
-    __slots__ = ("lease",)
-
-    def __init__(self, lease: Lease) -> None:
-        self.lease = lease
-
-    async def __aenter__(self) -> Lease:
-        return self.lease
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if not self.lease.kept:
-            await self.lease.end()
+@contextlib.asynccontextmanager
+async def held(lease: Lease) -> AsyncIterator[Lease]:
+    """`async with` over a lease: gives it, and ends it on leaving unless a session kept it."""
+    try:
+        yield lease
+    finally:
+        if not lease.kept:
+            await lease.end()
 
 
 class PoolLease(Lease):
@@ -116,18 +107,18 @@ class PoolLeases(LeaseSource):
         self._owner = owner  # the teardown tasks' owner
         self._teardowns: set[asyncio.Task[None]] = set()
 
-    def lease(self, req: RunRequest) -> Held:
+    def lease(self, req: RunRequest) -> contextlib.AbstractAsyncContextManager[Lease]:
         profile = self.pools.profile_for(req.code)
-        return Held(PoolLease(self, self.pools.pools[profile], profile.name))
+        return held(PoolLease(self, self.pools.pools[profile], profile.name))
 
     def teardown(self, jail: Jail) -> None:
         """Kill, reap and remove a one-shot run's jail in a task of its own.
 
         Its first step SIGKILLs the jail. It runs once the run's task yields, which is after
         that task has written its `done` (a send waits only for a client that stopped
-        reading), so the kill falls just after `done` instead of just before it: waking the
-        sleeping jail and its teardown cost a warm run ~0.4 ms of its round trip there
-        (`python -m benchmarks.hotpath`). Nothing of the run is left to observe the order:
+        reading), so the kill falls just after `done` instead of just before it, where waking
+        the sleeping jail and waiting for its teardown would add both to every warm round trip
+        (benchmarks/results/micro-opts.md). Nothing of the run is left to observe the order:
         its final disk check, outputs and counters were taken already (while its processes
         lived, as a forged `done` event allows anyway), and its limits hold until the kill.
         """
