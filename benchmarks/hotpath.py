@@ -1,6 +1,7 @@
 """A probe of the warm hot path: `print(2+2)` round trips, with the CPU each one costs.
 
     python -m benchmarks.hotpath [--runs 200] [--tree DIR ...] [--code 'print(2+2)'] [--floor] [--session]
+                                 [--throughput CLIENTS [--rounds 10] [--window 6]] [--json PATH]
 
 Starts one appliance per `--tree` (a checkout; default: this one), each in its own cpuacct
 cgroup, and sends one-shot runs to them in turn (interleaved, so a load that comes and goes
@@ -15,7 +16,13 @@ changes by on a busy host. `--floor` adds `benchmarks.floor` to the rotation: th
 exchange of frames with a warm child and nothing of a sandbox, the least a run can cost
 here. `--session` sends every run as a cell of one session per tree instead (what a session's
 cell costs: since the freeze between cells, its thaw at the start and its freeze before `done`).
-Needs root (cgroups).
+`--throughput CLIENTS` then measures one-shot throughput the same way: in each of `--rounds`
+rounds, every tree in a shuffled order gets a window of its own, with every pool full and idle
+before it opens, in which CLIENTS connections send one-shot runs back to back; runs/s counts
+the `done`s inside the window, after a warm-up that uses up the pool's stock (so it is what
+the machine sustains: jail starts included). A round's ratio pairs windows taken seconds
+apart, so the median of the per-round ratios holds while the load on the machine moves.
+`--json PATH` writes every sample. Needs root (cgroups).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
+import json
 import os
 import random
 import shutil
@@ -32,6 +41,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from websockets.asyncio.client import ClientConnection
 
 from appliance.runtime import local
 from benchmarks.appliance_server import (
@@ -43,11 +54,12 @@ from benchmarks.appliance_server import (
     unwind_on_sigterm,
     wait_pool_idle,
 )
-from benchmarks.stats import percentile
+from benchmarks.stats import median_ratio, percentile
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 SETTLE_S = 0.1  # as benchmarks.suite: a warm jail has idled before its run
 POOL_FLOOR = 2
+WARMUP_S = 2.0  # of a throughput window: long enough to use up the pool's stock
 
 
 def thread_ns(pid: int) -> int:
@@ -87,6 +99,7 @@ class Target:
     server_us: list[float] = field(default_factory=list)
     group_us: list[float] = field(default_factory=list)
     faults: list[float] = field(default_factory=list)
+    runs_per_s: list[float] = field(default_factory=list)  # one per throughput window
 
     def usage_ns(self) -> int:
         return int((self.cgroup / "cpuacct.usage").read_text())
@@ -183,6 +196,63 @@ async def probe(
         await ws.close()
 
 
+async def throughput(targets: list[Target], clients: int, rounds: int, window_s: float, code: str) -> None:
+    """`rounds` rounds of one window per tree, in a shuffled order (see the module's doc)."""
+    for r in range(rounds):
+        order = list(targets)
+        random.shuffle(order)
+        for t in order:
+            for other in targets:  # no refill of any server runs into the window
+                await wait_pool_idle(other.server, POOL_FLOOR, timeout_s=120)
+            t.runs_per_s.append(await window(t, clients, window_s, code, f"t{r}"))
+
+
+async def window(t: Target, clients: int, window_s: float, code: str, tag: str) -> float:
+    """Runs/s of one-shot `code` that `clients` connections sustain on t's server."""
+    sockets = [await open_ws(t.server.url) for _ in range(clients)]
+    finished: list[float] = []
+
+    async def client(k: int, ws: ClientConnection) -> None:
+        for i in itertools.count():
+            reply = await execute(ws, f"{tag}-{k}-{i}", code)
+            if reply.status != "ok":
+                raise BenchError(f"{t.name}: a throughput run ended {reply.status}")
+            finished.append(time.monotonic())
+
+    tasks = [asyncio.create_task(client(k, ws)) for k, ws in enumerate(sockets)]
+    try:
+        # A benchmark's warm-up, not a synchronisation: the window opens after it either way.
+        await asyncio.wait(tasks, timeout=WARMUP_S)
+        opened = time.monotonic()
+        await asyncio.wait(tasks, timeout=window_s)
+        for task in tasks:
+            if task.done():
+                task.result()  # a failed run is an error of the benchmark, not a figure
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for ws in sockets:
+            ws.transport.abort()  # a vanished client: the server cancels what it still queued
+    return sum(opened <= at < opened + window_s for at in finished) / window_s
+
+
+def report_throughput(targets: list[Target], clients: int, window_s: float) -> str:
+    base = targets[0]
+    rows = [
+        f"| tree | windows of {window_s:g} s | runs/s at {clients} clients, median / mean "
+        f"| per-round ratio to {base.name}: median [min, max] |",
+        "| --- | --- | --- | --- |",
+    ]
+    for t in targets:
+        ratios = [a / b for a, b in zip(t.runs_per_s, base.runs_per_s, strict=True) if b > 0]
+        rows.append(
+            f"| {t.name} | {len(t.runs_per_s)} | {percentile(t.runs_per_s, 50):.2f} / "
+            f"{sum(t.runs_per_s) / len(t.runs_per_s):.2f} | {percentile(ratios, 50):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] |"
+        )
+    return "\n".join(rows)
+
+
 def report(targets: list[Target]) -> str:
     rows = [
         "| tree | runs | wall p50 ms | wall p90 ms | server CPU µs p50 / mean | cgroup CPU µs p50 / mean "
@@ -196,10 +266,21 @@ def report(targets: list[Target]) -> str:
             f"| {percentile(t.group_us, 50):.0f} / {sum(t.group_us) / len(t.group_us):.0f} "
             f"| {percentile(t.faults, 50):.0f} / {sum(t.faults) / len(t.faults):.0f} |"
         )
+    base = targets[0]
+    rows += [
+        "",
+        f"| tree | p50 ratio to {base.name} [95% bootstrap interval]: wall | server CPU | cgroup CPU |",
+        "| --- | --- | --- | --- |",
+    ]
+    for t in targets[1:]:
+        cells = [median_ratio(getattr(t, f), getattr(base, f)) for f in ("wall_ms", "server_us", "group_us")]
+        rows.append(
+            f"| {t.name} | " + " | ".join(f"{r:.3f} [{lo:.3f}, {hi:.3f}]" for r, lo, hi in cells) + " |"
+        )
     return "\n".join(rows)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument(
@@ -212,7 +293,34 @@ def main() -> None:
     parser.add_argument("--expect", default="4\n", help="the stdout every run must print ('' for any)")
     parser.add_argument("--floor", action="store_true", help="measure benchmarks.floor beside the trees")
     parser.add_argument("--session", action="store_true", help="every run a cell of one session per tree")
+    parser.add_argument(
+        "--throughput", type=int, default=0, metavar="CLIENTS", help="then one-shot throughput at CLIENTS"
+    )
+    parser.add_argument("--rounds", type=int, default=10, help="throughput windows per tree")
+    parser.add_argument("--window", type=float, default=6.0, help="seconds of a throughput window")
+    parser.add_argument("--json", type=Path, help="write every sample here")
     args = parser.parse_args()
+    if args.throughput and args.floor:
+        parser.error("--throughput: the floor has no pool to start jails from")
+    if args.session and args.floor:
+        parser.error("--session: the floor has no sessions")
+    return args
+
+
+def print_results(args: argparse.Namespace, targets: list[Target]) -> None:
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)")
+    if args.runs:
+        print(report(targets))
+    if args.throughput:
+        print(report_throughput(targets, args.throughput, args.window))
+    if args.json:
+        fields = ("wall_ms", "server_us", "group_us", "faults", "runs_per_s")
+        samples = {t.name: {f: getattr(t, f) for f in fields} for t in targets}
+        args.json.write_text(json.dumps(samples))
+
+
+def main() -> None:
+    args = arguments()
     unwind_on_sigterm()
     trees: list[Path] = [tree.resolve() for tree in args.tree or [REPO]]
     names = [
@@ -226,17 +334,17 @@ def main() -> None:
             targets.append(start(name, tree, work))
         if args.floor:
             targets.append(start_floor(work))
-        if args.session and args.floor:
-            parser.error("--session: the floor has no sessions")
-        asyncio.run(probe(targets, args.runs, args.code, args.expect or None, args.session))
+        if args.runs:
+            asyncio.run(probe(targets, args.runs, args.code, args.expect or None, args.session))
+        if args.throughput:
+            asyncio.run(throughput(targets, args.throughput, args.rounds, args.window, args.code))
     finally:
         for t in targets:
             t.server.stop()
         for t in targets:
             remove_group(t.cgroup)
         shutil.rmtree(work, ignore_errors=True)
-    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)")
-    print(report(targets))
+    print_results(args, targets)
 
 
 if __name__ == "__main__":

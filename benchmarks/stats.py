@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -50,3 +51,19 @@ def summarize(samples_ms: Sequence[float]) -> Summary:
         min_ms=float(min(samples_ms)),
         max_ms=float(max(samples_ms)),
     )
+
+
+def median_ratio(
+    a: Sequence[float], b: Sequence[float], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """median(a) / median(b), and the 95% interval of that ratio over `resamples` bootstrap
+    resamples of each (seeded: the same samples always give the same interval)."""
+    if not a or not b:
+        raise ValueError("a ratio of no samples")
+    rng = random.Random(seed)  # noqa: S311 (resampling, not secrets)
+    ratios = sorted(
+        percentile(rng.choices(a, k=len(a)), 50) / percentile(rng.choices(b, k=len(b)), 50)
+        for _ in range(resamples)
+    )
+    low, high = ratios[int(resamples * 0.025)], ratios[int(resamples * 0.975) - 1]
+    return percentile(a, 50) / percentile(b, 50), low, high

@@ -18,7 +18,7 @@ import pytest
 from benchmarks import report
 from benchmarks.appliance_server import profiles_full
 from benchmarks.hotpath import CPUACCT
-from benchmarks.stats import percentile, summarize
+from benchmarks.stats import median_ratio, percentile, summarize
 from tests.support import REPO, scaled
 
 # Needs root, firejail or a real server: never in the fast tier (tests/tiers.py); benchmarks
@@ -35,6 +35,15 @@ def test_percentile_interpolates_between_closest_ranks() -> None:
     assert percentile([7.0], 99) == 7.0
     with pytest.raises(ValueError, match="no samples"):
         percentile([], 50)
+
+
+def test_median_ratio_gives_the_ratio_of_medians_inside_its_interval() -> None:
+    a = [float(v) for v in range(1, 102)]
+    assert median_ratio(a, a)[0] == 1.0
+    assert median_ratio([3.0] * 50, [6.0] * 50) == (0.5, 0.5, 0.5)  # no spread: no doubt
+    ratio, low, high = median_ratio(a, list(reversed(a)))
+    assert low < ratio == 1.0 < high  # two samples of one spread: the interval holds 1 inside it
+    assert median_ratio(a, a, seed=3) == median_ratio(a, a, seed=3)
 
 
 def test_summary_orders_its_percentiles() -> None:
@@ -305,6 +314,19 @@ def test_the_phase_probe_marks_a_real_servers_run_path(tmp_path: Path) -> None:
     assert "**frame read** | **`done` sent**" in report and "Round trip seen by the client" in report
 
 
+def tables(report: str) -> list[list[list[str]]]:
+    """The markdown tables of a report, each a list of rows of cells (header and rule first)."""
+    found: list[list[list[str]]] = []
+    previous = ""
+    for line in report.splitlines():
+        if line.startswith("| "):
+            if not previous.startswith("| "):
+                found.append([])
+            found[-1].append(line.split("|")[1:-1])
+        previous = line
+    return found
+
+
 def test_the_hot_path_probe_measures_the_appliance_beside_the_floor(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.hotpath", "--runs", "3", "--floor"],
@@ -314,14 +336,39 @@ def test_the_hot_path_probe_measures_the_appliance_beside_the_floor(tmp_path: Pa
         timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    rows = tables(proc.stdout)[0]
     data = {cells[0].strip(): cells[1:] for cells in rows[2:]}  # past the header and its rule
     assert list(data) == [REPO.name, "floor"], proc.stdout
+    ratios = tables(proc.stdout)[1]  # the floor's to the appliance's, each inside its interval
+    assert [cells[0].strip() for cells in ratios[2:]] == ["floor"], proc.stdout
+    for cell in ratios[2][1:]:
+        ratio, low, high = (float(x) for x in cell.replace("[", "").replace("]", "").replace(",", "").split())
+        assert low <= ratio <= high, proc.stdout
     for name, cells in data.items():
         runs, wall_p50 = int(cells[0]), float(cells[1])
         server_cpu_p50 = float(cells[3].split("/")[0])
         # Every run answered (hotpath raises on a wrong answer); each took time and CPU.
         assert runs == 3 and wall_p50 > 0 and server_cpu_p50 > 0, (name, cells)
+
+
+def test_the_hot_path_probe_measures_one_shot_throughput_and_writes_its_samples(tmp_path: Path) -> None:
+    out = tmp_path / "samples.json"
+    args = ["--runs", "2", "--throughput", "2", "--rounds", "2", "--window", "1", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.hotpath", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    throughput = tables(proc.stdout)[-1]
+    assert "runs/s at 2 clients" in throughput[0][2], proc.stdout
+    name, windows, rate, ratio = (cell.strip() for cell in throughput[2])
+    assert (name, windows, ratio) == (REPO.name, "2", "1.000 [1.000, 1.000]"), proc.stdout
+    assert float(rate.split("/")[0]) > 0, proc.stdout  # runs finished inside the windows
+    samples = json.loads(out.read_text())[REPO.name]
+    assert len(samples["wall_ms"]) == 2 and len(samples["runs_per_s"]) == 2, samples
 
 
 def test_a_terminated_probe_stops_its_servers_and_removes_its_groups(tmp_path: Path) -> None:
