@@ -291,8 +291,8 @@ class Driver:
         self.control = ControlReader(control_fd)
         # The reader thread sleeps here until the channel has a line for it or closes: the
         # main thread arms it for input as it hands the channel over, which wakes nobody
-        # when nothing follows the first cell (a one-shot run). A thread woken there cost
-        # 0.1-0.2 ms of an idle virtual CPU on every run.
+        # when nothing follows the first cell (a one-shot run): a thread woken for every run
+        # costs the jail more CPU than 2% of a warm round trip (benchmarks/results/micro-opts.md).
         self.waker = select.epoll()
         self.waker.register(control_fd, 0)  # hang-ups only, until handed over
         self.doorbell = os.eventfd(0, os.EFD_CLOEXEC)
@@ -345,8 +345,8 @@ class Driver:
         """Read the control channel on the main thread up to the first cell (None: it closed).
 
         A pooled jail's one run then starts where it was read, with no second thread to
-        wake on the way: such a wake-up cost 0.1-0.3 ms of an idle virtual CPU. The reader
-        thread takes the channel over as the cell starts (`hand_over`)."""
+        wake on the way (benchmarks/results/micro-opts.md). The reader thread takes the
+        channel over as the cell starts (`hand_over`)."""
         try:
             for raw in iter(self.control.readline, b""):
                 item = self.take(raw)
@@ -396,8 +396,7 @@ class Driver:
     # -- cells ---------------------------------------------------------------------------
     def serve(self) -> None:
         # The first cell's CPU baseline, read before the wait: nothing runs here until the
-        # cell comes (but a GPU run's CUDA context, which the cgroup counts to the run too), and
-        # the two getrusage calls are then not on the run's path (~0.05 ms after an idle spell).
+        # cell comes but a GPU run's CUDA context, which the cgroup counts to the run too.
         before: tuple[float, int] | None = _usage()
         item: Item | None = self.first_cell()
         self.hand_over()
@@ -521,15 +520,7 @@ def compile_cell(source: str, filename: str) -> tuple[CodeType | None, CodeType 
     """A cell's statements and its last expression (its value is the cell's result, as in
     Jupyter), compiled; SyntaxError (or what else compile raises) if the cell does not compile.
 
-    A cell of one expression (`print(2+2)`, `df.head()`) is compiled straight from its source.
-    Through the `ast` module (parse to Python objects, split, compile those) the same cell cost
-    twice as long after an idle spell, ~0.13 ms, on the path of every run. A source that is no
-    expression fails that compile at its first statement and takes the `ast` route. Either way
-    the whole cell is compiled before any of it runs, as Python does a file."""
-    try:
-        return None, compile(source, filename, "eval")
-    except SyntaxError:
-        pass
+    The whole cell is compiled before any of it runs, as Python does a file."""
     tree = ast.parse(source, filename=filename, mode="exec")
     last = None
     if tree.body and isinstance(tail := tree.body[-1], ast.Expr):
