@@ -347,9 +347,9 @@ async def exec_socket(request: web.Request) -> web.StreamResponse:
     # buffered (a single frame is skipped and answered `rejected`; far over, or fragmented,
     # the connection closes with 1009), kept ones count against the frame budgets, and a
     # message must be finished within SANDBOX_FRAME_DEADLINE_MS.
-    # No permessage-deflate: a new compressor per message cost ~0.4 ms of server CPU for
-    # each small frame (measured: a third of a warm run's server time), and the appliance
-    # sits next to the API it serves, where bandwidth is cheap and latency is not.
+    # No permessage-deflate: a compressor made for every message costs a small frame far more
+    # server CPU than the rest of its handling, and the appliance sits next to the API it
+    # serves, where bandwidth is cheap and latency is not.
     events = FrameEvents(service, request.app[TRIMMER_KEY])
     meter = FrameMeter(
         request.app[FRAME_BUDGET_KEY],

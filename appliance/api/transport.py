@@ -31,9 +31,9 @@ from appliance.wire.protocol import ClientMessage, ProtocolError
 
 GONE_POLL_S = 0.25
 # Frames up to this size are parsed on the event loop (well under a millisecond); bigger
-# ones in the parser's child process. Measured: a 14.6 MB frame of 540,000 file entries took
-# 3.5 s to parse and validate on the loop; refused by its entry count, 0.2 s, which a thread
-# would still hold the GIL for (parse_worker.py).
+# ones in the parser's child process: a frame of hundreds of thousands of file entries holds
+# the loop for seconds to parse and validate, and a fraction of that even when its entry
+# count refuses it, which a thread would still hold the GIL for (parse_worker.py).
 OFF_LOOP_BYTES = 64 * 1024
 
 
@@ -99,7 +99,7 @@ class FrameParser:
 def json_values_allowed(limits: protocol.Limits) -> int:
     """The most JSON values a request body may hold: a few per upload entry and a margin for
     the envelope and options. Parsing that many on the loop takes milliseconds; a body of
-    540,000 values held it for 1.4 s in the MCP SDK's parser."""
+    hundreds of thousands of values holds it for over a second in the MCP SDK's parser."""
     return 8 * limits.max_upload_files + 4096
 
 

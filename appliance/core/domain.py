@@ -1,7 +1,7 @@
 """The run service's own data: a run request, the events it sends, how a cell ended.
 
 A request reaches the core as any object of `RunRequest`'s shape: the wire's `ExecuteRequest`
-is one (the api layer hands it over as it parsed it, no copy on the hot path), `Request` is
+is one (the api layer hands it over as it parsed it, not copied), `Request` is
 the core's own, for the runs it makes itself (a session's first cell). Events are plain
 mappings built through the injected `Frames` (appliance.core.ports): the core decides what
 to say and when, the wire module how it is spelt.

@@ -34,8 +34,9 @@ ENTRY_BYTES = 4096  # ... and one per block of its disk quota: empty files cost 
 
 
 # What the check as a cell ends may look at on the event loop (well under a millisecond): a
-# thread hop there and back cost about as much as the whole check of a small run (0.3 ms
-# here), so a run that left little is checked in place, and any other in a thread.
+# thread hop there and back costs about as much as the whole check of a small run
+# (benchmarks/results/micro-opts.md), so a run that left little is checked in place, and any
+# other in a thread.
 INLINE_ENTRIES = 64  # files and directories in the run directory
 INLINE_PROCESSES = 4  # processes below the sandbox's init
 INLINE_HELD = Bound(fds=64, threads=8, maps_bytes=96 * 1024)  # per table / process

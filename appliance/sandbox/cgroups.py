@@ -368,7 +368,7 @@ class Group:
     # Raw descriptors, not open(): these run on a run's path (handout, cell start and end).
     # The files a run's path reads or writes are opened once, when the group is made (off the
     # path: a pool refill), and kept: a cgroup file read again at offset 0 is generated anew,
-    # so one pread/pwrite (~1 us) does what open+write/read+close (~9 us) did.
+    # so one pread/pwrite does what open+write/read+close did.
     def prime(self) -> None:
         """Open and keep the descriptors of the files a run's path uses (PATH_FILES)."""
         for controller, file, flags in PATH_FILES[self.tree.version]:

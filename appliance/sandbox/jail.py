@@ -104,8 +104,8 @@ class Jail:
         """The driver is up and no code has run: pin the jail's processes (`JailProcess.pin`)
         and open its private /tmp, whose tmpfs counts what the run keeps there: a cell's end
         then reads that count with one fstatvfs instead of a path lookup through /proc into
-        another mount namespace (some 80 us on an idle CPU here). The run directory is opened
-        too: a cell's end reads its tmpfs's count, or walks it, from there (~30 us).
+        another mount namespace. The run directory is opened too: a cell's end reads its
+        tmpfs's count, or walks it, from there.
 
         Where run directories are sized tmpfs (`RunDirs.sizes`), the /tmp gets the same sizes
         here, before any code runs (`runfs.resize`): OSError if it cannot, and such a jail

@@ -10,8 +10,9 @@ it imports at run time, slower but correct.
 
 The scan runs on the server's event loop for every run, so its cost is bounded whatever the
 code: a pattern over at most SCAN_CHARS characters, linear, and no `ast.parse` (some shapes
-make the parser quadratic: 64 KiB of `import a.a.a…` held the loop for 0.9 s). Longer code is
-not scanned at all and gets the largest profile, which preloads the most.
+make the parser quadratic: tens of KiB of `import a.a.a…` hold the loop for most of a
+second). Longer code is not scanned at all and gets the largest profile, which preloads the
+most.
 """
 
 from __future__ import annotations

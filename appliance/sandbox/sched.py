@@ -3,11 +3,11 @@
 Every run wakes the server several times (the client's frame, the driver's output, its
 `done`), and each time what it does next is on the run's critical path. Linux's EEVDF
 scheduler (6.12 on) lets a task ask for a shorter slice than the default (a base scaled by
-the CPU count; 1.4 ms on a 2-CPU machine): its virtual deadline comes sooner, so a woken
+the CPU count): its virtual deadline comes sooner, so a woken
 server is picked before tasks with the default slice that are waiting or running, instead of
 after them. Its share of the CPU (its weight, its nice value) does not change, so it takes
-nothing from other work over time; it only waits less. Measured with the client on the same
-two CPUs (`benchmarks/results/floor.md`): warm `print(2+2)` p50 2.33 -> 2.20 ms.
+nothing from other work over time; it only waits less: the warm round trip it saves is in
+`benchmarks/results/floor.md` (the server's scheduler slice).
 
 The processes the server starts from then on inherit the slice (it passes to children like
 the nice value), jails included. That grants jailed code nothing: a process may ask for any

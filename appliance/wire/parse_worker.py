@@ -1,16 +1,16 @@
 """Big client frames are parsed in a child process, so that their cost never holds the server.
 
 `json.loads` holds the GIL for the whole of its work, and so does the collection of what it
-built: a worker thread does not take that cost off the event loop. Measured here: five 15.7 MB
-frames of 540,000 file entries, parsed in a thread one after another, kept /healthz from
-answering for up to 0.68 s on a quiet machine (1.46 s on a CI machine); parsed in this child,
-0.16 s. The server only copies the frame into a pipe and unpickles the typed message, which
-the codec's limits keep small (a refused frame comes back as its error alone).
+built: a worker thread does not take that cost off the event loop, and a few frames of
+hundreds of thousands of file entries parsed in one kept /healthz from answering for most of
+a second; parsed in this child, a small fraction of that. The server only copies the frame
+into a pipe and unpickles the typed message, which the codec's limits keep small (a refused
+frame comes back as its error alone).
 
 The same child screens bodies that another parser will read on the loop (`screen`): the MCP
-SDK's pydantic parse of an 8 MB body of 540,000 small values held the loop for 1.4 s, so /mcp
-bodies over 64 KiB are first counted here and refused when they hold more JSON values than any
-request needs.
+SDK's pydantic parse of a body of hundreds of thousands of small values holds the loop for
+over a second, so /mcp bodies over 64 KiB are first counted here and refused when they hold
+more JSON values than any request needs.
 
 One child (`python -m appliance.wire.parse_worker`), started with the server and restarted after it
 dies; a frame whose parse killed it is refused, and the next frame gets a new child. The child
