@@ -215,6 +215,35 @@ def runs_with_status(server: Server, status: str) -> float:
 
 
 @attack(
+    "a client that attaches to a run writing 8 MB (issue 34) and never reads, beside the client "
+    "that started it",
+    "the reader neither slows the run nor grows the server: the run's own client gets every "
+    "byte and its done; what the server keeps of the run stays within SANDBOX_MAX_OUTPUT_BYTES",
+)
+async def test_a_reader_that_never_reads_cannot_hold_a_run_or_grow_the_server(
+    target: Server, observe: Observe
+) -> None:
+    before = rss_mb(target.proc.pid)
+    code = "import os\nb = b'x' * 65536\nfor _ in range(128):\n    os.write(1, b)\nprint('end')"
+    stalled = RawSocket(target)
+    peak = before
+    async with AsyncClient(target.url, TOKEN) as c:
+        got = 0
+        async for ev in c.stream(code):
+            if ev.type == "start":
+                stalled.send({"type": "attach", "run": ev["run"], "id": "never"})
+            elif ev.type == "stream":
+                got += len(ev["text"])
+                peak = max(peak, rss_mb(target.proc.pid))
+            done = ev
+    stalled.close()
+    assert done["status"] == "ok" and got == 128 * 65536 + len("end\n"), (done, got)
+    assert peak - before < 200, f"server RSS grew by {peak - before:.0f} MB (from {before:.0f} MB)"
+    note = await assert_contained(target)
+    observe(f"the run's own client got all {got} bytes; server RSS {before:.0f} -> {peak:.0f} MB; {note}")
+
+
+@attack(
     "100 stdin frames of 1 MB each for a run that waits in the queue (and one that never reads)",
     "stdin waiting for a run is bounded (SANDBOX_MAX_STDIN_BYTES): the excess is rejected with a "
     "message; server RSS stays bounded; the run itself still works",
