@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -332,6 +333,8 @@ class JailSnapshots:
                     if not stat.S_ISREG(os.fstat(src).st_mode):
                         raise JailFailure("the session's jail wrote no snapshot (not a regular file)")
                     return self.store.keep(src, owner, meta)
+            except OSError as exc:  # the store's disk (full, read-only): said, not an anonymous 500
+                raise JailFailure(f"the snapshot could not be stored ({exc.strerror})") from exc
             finally:
                 with contextlib.suppress(OSError):
                     os.unlink(channel.SNAPSHOT_ARCHIVE, dir_fd=workdir)
@@ -353,7 +356,17 @@ class JailSnapshots:
             if workdir is None:
                 workdir = stack.enter_context(trust.held(fstree.open_dir(jail.workdir)))
             gid = jail.held.gid if jail.held is not None else jail.dirs.gid
-            self.store.copy_out(owner, snapshot_id, workdir, channel.SNAPSHOT_ARCHIVE, jail.uid, gid)
+            try:
+                self.store.copy_out(owner, snapshot_id, workdir, channel.SNAPSHOT_ARCHIVE, jail.uid, gid)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise RequestRejected(
+                        "the snapshot does not fit in a new session's disk quota (SANDBOX_MAX_DISK_MB): "
+                        "it needs room for its archive and what it unpacks"
+                    ) from None
+                raise JailFailure(
+                    f"the snapshot could not be copied into the new session ({exc.strerror})"
+                ) from exc
 
     async def _op(self, jail: Jail, op: bytes, timeout_ms: int, what: str) -> dict[str, Any]:
         """Run a `snapshot` or `restore` op in the jail like a cell, under the cell's limits;
