@@ -1,7 +1,7 @@
-"""Backpressure with the real server: a full queue is 429 + Retry-After over HTTP (REST and
-SandboxFusion's /run_code) and `busy` + retry_after_ms over WebSocket; the client sends a
-refused request again, and under a flood every request runs exactly once (counted by the
-jails themselves, in their persisted outputs)."""
+"""Backpressure with the real server: a full queue is 429 + Retry-After over HTTP (REST,
+SandboxFusion's /run_code, the E2B API) and `busy` + retry_after_ms over WebSocket; the
+client sends a refused request again, and under a flood every request runs exactly once
+(counted by the jails themselves, in their persisted outputs)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,10 @@ async def test_a_full_queue_is_busy_with_a_hint_on_websocket_and_429_with_retry_
                 server.http + "/run_code", json={"code": "print(1)", "language": "python"}
             ) as fused:
                 fused_status, fused_headers, fused_body = fused.status, fused.headers, await fused.json()
+            e2b = {"X-API-Key": "anyone"}  # no token is set: any key is taken
+            new = {"templateID": "code-interpreter-v1"}
+            async with http.post(server.http + "/e2b/sandboxes", json=new, headers=e2b) as sandbox:
+                e2b_status, e2b_headers = sandbox.status, sandbox.headers
     # WebSocket: one `done`, busy, with the hint; nothing ran.
     assert [f["type"] for f in refused.frames] == ["done"] and refused.status == "busy", refused.frames
     hint = refused.frames[0]["retry_after_ms"]
@@ -94,7 +98,9 @@ async def test_a_full_queue_is_busy_with_a_hint_on_websocket_and_429_with_retry_
     # SandboxFusion's route: the same 429 and Retry-After, its own body.
     assert fused_status == 429 and int(fused_headers["Retry-After"]) >= 1
     assert fused_body["status"] == "SandboxError" and "queue is full" in fused_body["message"], fused_body
-    assert metric(server, BUSY) >= 4
+    # The E2B API's: the same 429 and Retry-After (creating a sandbox opens a session: a run).
+    assert e2b_status == 429 and int(e2b_headers["Retry-After"]) >= 1
+    assert metric(server, BUSY) >= 5
 
 
 async def test_the_client_sends_a_refused_request_again_once_the_queue_has_room(

@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from appliance.api import busy
 from appliance.api.e2b import shapes
 from appliance.api.e2b.engine import Refused, Sandboxes, as_refused
 from appliance.api.e2b.registry import Sandbox
@@ -23,8 +24,11 @@ from appliance.core.errors import ApplianceError
 SANDBOXES_KEY = web.AppKey("e2b_sandboxes", Sandboxes)
 
 
-def reply(status: int, message: str) -> web.Response:
-    return web.json_response(shapes.error(status, message), status=status)
+def reply(status: int, message: str, retry_after_ms: int | None = None) -> web.Response:
+    # A `busy` refusal is 429 with Retry-After, as on every route (appliance.api.busy).
+    return web.json_response(
+        shapes.error(status, message), status=status, headers=busy.retry_after(retry_after_ms)
+    )
 
 
 def owner_of(request: web.Request) -> str | None:
@@ -61,10 +65,10 @@ def handler(fn: Any) -> Any:
         except BadRequest as exc:
             return reply(400, str(exc))
         except Refused as exc:
-            return reply(exc.status, exc.message)
+            return reply(exc.status, exc.message, exc.retry_after_ms)
         except ApplianceError as exc:
             refused = as_refused(exc)
-            return reply(refused.status, refused.message)
+            return reply(refused.status, refused.message, refused.retry_after_ms)
         return response
 
     return wrapped

@@ -36,12 +36,16 @@ class Refused(Exception):
 
     status: int
     message: str
+    retry_after_ms: int | None = None  # a `busy` refusal: when to come back (appliance.api.busy)
 
 
 def _refusal(done: Frame) -> Refused:
     status = str(done.get("status"))
     message = str(done.get("message") or status)
-    return Refused({"busy": 429, "rejected": 400}.get(status, 500), message)
+    hint = done.get("retry_after_ms")
+    return Refused(
+        {"busy": 429, "rejected": 400}.get(status, 500), message, hint if isinstance(hint, int) else None
+    )
 
 
 def _setup_code(envs: dict[str, str]) -> str:
@@ -207,4 +211,6 @@ class Sandboxes:
 
 
 def as_refused(exc: ApplianceError) -> Refused:
-    return Refused(429 if isinstance(exc, Busy) else 400, exc.message)
+    if isinstance(exc, Busy):
+        return Refused(429, exc.message, exc.retry_after_ms)
+    return Refused(400, exc.message)

@@ -67,10 +67,10 @@ def handler(port: str) -> Any:
             except BadRequest as exc:
                 return reply(400, str(exc))
             except Refused as exc:
-                return reply(exc.status, exc.message)
+                return reply(exc.status, exc.message, exc.retry_after_ms)
             except ApplianceError as exc:
                 refused = as_refused(exc)
-                return reply(refused.status, refused.message)
+                return reply(refused.status, refused.message, refused.retry_after_ms)
             return response
 
         return wrapped
@@ -172,7 +172,12 @@ async def execute(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) 
     if stream.response is None:
         done = stream.refused or {}
         status = str(done.get("status"))
-        return reply({"busy": 429, "rejected": 400}.get(status, 500), str(done.get("message") or status))
+        hint = done.get("retry_after_ms")
+        return reply(
+            {"busy": 429, "rejected": 400}.get(status, 500),
+            str(done.get("message") or status),
+            hint if isinstance(hint, int) else None,
+        )
     with contextlib.suppress(ConnectionError, RuntimeError):
         await stream.response.write_eof()
     return stream.response
