@@ -68,6 +68,7 @@ class Level:
     lost: int = 0
     refused_429: int = 0
     counted_ok: float = 0.0  # runs the server counted ok during this level
+    server_cpu_s: float = 0.0  # the server process's own CPU (its event loop and threads, not the jails)
 
     def summary(self, spawns_per_s: float) -> dict[str, Any]:
         runs_per_s = self.programs / self.seconds if self.seconds else 0.0
@@ -88,6 +89,9 @@ class Level:
             "server_counted_ok": int(self.counted_ok),
             "ran_twice": max(0, int(self.counted_ok) - answered_ok),
             "refused_429": self.refused_429,
+            "server_cpu_ms_per_run": round(self.server_cpu_s * 1000 / self.programs, 1)
+            if self.programs
+            else None,
         }
 
 
@@ -152,6 +156,7 @@ async def level(server: ApplianceServer, clients: int, count: int, route: str) -
     base = server.http
     next_index = iter(range(count))
     before = await asyncio.to_thread(server.metrics)
+    cpu_before = _own_cpu_s(server.proc.pid)
     connector = aiohttp.TCPConnector(limit=clients)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
@@ -184,6 +189,7 @@ async def level(server: ApplianceServer, clients: int, count: int, route: str) -
         await asyncio.gather(*(client() for _ in range(clients)))
         result.seconds = time.perf_counter() - started
     after = await asyncio.to_thread(server.metrics)
+    result.server_cpu_s = _own_cpu_s(server.proc.pid) - cpu_before
     key = 'appliance_runs_total{status="ok"}'
     result.counted_ok = after.get(key, 0.0) - before.get(key, 0.0)
     answered_ok = len(result.latencies_ms) - len(result.errors)
@@ -226,6 +232,12 @@ async def naive(jails: BenchJails, clients: int, count: int) -> dict[str, Any]:
         "errors": len(errors),
         "error_examples": errors[:5],
     }
+
+
+def _own_cpu_s(pid: int) -> float:
+    """A process's own user + system CPU seconds (not its children's: the jails are those)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _commit() -> str:
@@ -271,7 +283,7 @@ def targets(levels: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
 async def run(
     quick: bool, count: int, clients: tuple[int, ...], out_dir: Path, route: str = "auto"
 ) -> dict[str, Any]:
-    load_before = _load()
+    load_before, commit = _load(), _commit()  # the code measured: HEAD as the run starts
     jails = await asyncio.to_thread(open_factory, {"SANDBOX_PRELOAD": ""})
     try:
         with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
@@ -302,7 +314,7 @@ async def run(
         "quick": quick,
         "machine": platform.node(),
         "cpus": os.cpu_count(),
-        "commit": _commit(),
+        "commit": commit,
         "load_average_before": load_before,
         "load_average_after": _load(),
         "route": route,
@@ -334,11 +346,13 @@ def write(doc: dict[str, Any], out_dir: Path) -> None:
         f"Jail-spawn capacity in the same run ({cap['parallel']} at a time): {cap['spawns_per_s_before']} "
         f"spawns/s before the levels, {cap['spawns_per_s_after']} after; shares below use the first.",
         "",
-        "| clients | programs | runs/s | share of spawn capacity | p50 ms | p99 ms | errors | lost | ran twice | 429s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| clients | programs | runs/s | share of spawn capacity | p50 ms | p99 ms | errors | lost | ran twice | 429s "
+        "| server CPU ms/run |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(
             f"| {lv['clients']} | {lv['programs']} | {lv['runs_per_s']} | {lv['share_of_spawn_capacity']} | "
-            f"{lv['p50_ms']} | {lv['p99_ms']} | {lv['errors']} | {lv['lost']} | {lv['ran_twice']} | {lv['refused_429']} |"
+            f"{lv['p50_ms']} | {lv['p99_ms']} | {lv['errors']} | {lv['lost']} | {lv['ran_twice']} | {lv['refused_429']} "
+            f"| {lv.get('server_cpu_ms_per_run', '')} |"
             for lv in doc["levels"]
         ),
         "",

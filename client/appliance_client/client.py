@@ -607,7 +607,8 @@ class AsyncClient:
     `retry_after_ms`, for up to that many seconds from its first send and that many sends in
     all (appliance_client.retry); then its `busy` is the answer. 0 seconds or 1 attempt: no
     retry. A request with any other answer, or none (the connection dropped mid-run), is
-    never sent again by it."""
+    never sent again by it. stdin sent before a request's `start` is not sent again with it:
+    feed stdin after `start`, or pass `retry_busy_s=0`."""
 
     def __init__(  # noqa: PLR0913 (keyword settings of a public client, each with a default)
         self,
