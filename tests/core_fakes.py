@@ -9,8 +9,10 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
-from appliance.core.domain import CellOutcome, Emit, Frame, PipeFull, RunRequest
+from appliance.api.frames import framed
+from appliance.core.domain import CellOutcome, PipeFull, RunRequest
 from appliance.core.errors import JailFailure
+from appliance.core.events import Emit, GpuShare, Output, Started
 from appliance.core.ports import GpuBudget, Jail, OutputFile, Outputs
 from appliance.core.service import RunService
 from appliance.core.tasks import TaskScope
@@ -79,7 +81,7 @@ class FakeLease:
     def __init__(self, source: FakeLeases) -> None:
         self.profile = "default"
         self.queued_ms = 0
-        self.gpu: dict[str, Any] | None = source.gpu
+        self.gpu: GpuShare | None = source.gpu
         self.jail: FakeJail | None = None
         self.kept = False
         self.ended = False
@@ -106,7 +108,7 @@ class FakeLeases:
     def __init__(self) -> None:
         self.leases: list[FakeLease] = []
         self.fail: BaseException | None = None
-        self.gpu: dict[str, Any] | None = None  # the grant each lease holds (GPU mode)
+        self.gpu: GpuShare | None = None  # the grant each lease holds (GPU mode)
         self.jails = 0
 
     def new_jail(self) -> FakeJail:
@@ -131,7 +133,7 @@ Script = Callable[[FakeJail, RunRequest, Emit], Awaitable[CellOutcome]]
 
 async def echo(jail: FakeJail, req: RunRequest, emit: Emit) -> CellOutcome:
     """A cell that prints its code and ends ok."""
-    await emit(protocol.stream_frame(req.id, "stdout", req.code))
+    await emit(Output("stdout", req.code))
     return CellOutcome("ok", exit_code=0, output_bytes=len(req.code))
 
 
@@ -184,7 +186,7 @@ class FakeCells:
         timeout_ms: int,
         keep_alive: bool,
         started: Callable[[], None],
-        first: Frame,
+        first: Started,
     ) -> CellOutcome:
         assert isinstance(jail, FakeJail)
         jail.process.write(b"run:" + req.code.encode())
@@ -296,20 +298,21 @@ class Core:
             runtime=self.runtime,
             cells=self.cells,
             metrics=self.metrics,
-            frames=protocol,
             catalogue=lambda root: [],
             gpu=gpu,
             clock=self.clock,
         )
 
-    async def run(self, code: str, owner: str = "alice", **fields: Any) -> list[Frame]:
-        """Run one request to its `done`; the frames it sent."""
-        frames: list[Frame] = []
+    async def run(self, code: str, owner: str = "alice", **fields: Any) -> list[protocol.Frame]:
+        """Run one request to its `done`; the frames a client reads of the events it sent
+        (each through the api's encoder, as every transport spells them)."""
+        frames: list[protocol.Frame] = []
 
-        async def emit(frame: Frame) -> None:
+        async def collect(frame: protocol.Frame) -> None:
             frames.append(frame)
 
-        await self.service.execute(protocol.ExecuteRequest(code=code, **fields), owner, emit)
+        req = protocol.ExecuteRequest(code=code, **fields)
+        await self.service.execute(req, owner, framed(req.id, collect))
         return frames
 
 

@@ -53,6 +53,7 @@ def test_the_layer_contracts_hold() -> None:
         ("appliance/sandbox/pool.py", "from appliance.api import server"),
         ("appliance/inside/magics.py", "from appliance.sandbox import pool"),
         ("appliance/runtime/canary.py", "from appliance_client.client import Client"),
+        ("appliance/runtime/lifecycle.py", "from appliance.wire import protocol"),
     ],
 )
 def test_the_contracts_catch_a_planted_import(tmp_path: Path, module: str, bad_import: str) -> None:

@@ -25,6 +25,7 @@ import websockets
 
 from appliance.api.runlog import Bounds, RunStore
 from appliance.core.errors import Cancelled
+from appliance.core.events import Done, Output, Started
 from appliance.core.tasks import TaskScope
 from appliance_client.client import AsyncClient, Client, ConnectionLost, DoneEvent, Event, StdoutEvent
 from tests.core_fakes import FakeMetrics
@@ -357,11 +358,11 @@ class FakeService:
 
     def submit(self, req: Any, owner: str, emit: Any, tasks: TaskScope) -> FakeRun:
         async def body() -> None:
-            await emit({"type": "start", "id": req.id, "run": secrets.token_hex(8)})
+            await emit(Started(secrets.token_hex(8), None, 0, 1000))
             for _ in range(self.lines):
                 await self.gate.wait()
-                await emit({"type": "stream", "id": req.id, "name": "stdout", "text": "x" * self.size})
-            await emit({"type": "done", "id": req.id, "status": "ok"})
+                await emit(Output("stdout", "x" * self.size))
+            await emit(Done("ok"))
 
         return FakeRun(tasks.spawn(body()))
 
@@ -434,10 +435,10 @@ async def test_a_queued_run_nobody_follows_is_cancelled_a_started_one_goes_on() 
                     if req.id == "queued":
                         queued.set()
                         await asyncio.Event().wait()  # waits for a slot that never comes
-                    await emit({"type": "start", "id": req.id, "run": "run-" + req.id})
+                    await emit(Started("run-" + req.id, None, 0, 1000))
                     started.set()
                     await self.gate.wait()
-                    await emit({"type": "done", "id": req.id, "status": "ok"})
+                    await emit(Done("ok"))
 
                 return FakeRun(tasks.spawn(body()))
 

@@ -9,34 +9,38 @@ from pathlib import Path
 
 import pytest
 
-from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
+from appliance.api.frames import framed
+from appliance.core.domain import CellOutcome, RunRequest
 from appliance.core.errors import Busy, JailFailure, RequestRejected
+from appliance.core.events import Done, Emit, Event, GpuShare, Output
 from appliance.core.service import Run
 from appliance.core.tenants import owner_of
 from appliance.wire import protocol
+from appliance.wire.protocol import Frame
 from tests.core_fakes import Core, FakeFile, FakeJail, FakeOutputs, Script, until
 
 ALICE = "alice-" + secrets.token_hex(12)
 
 
 async def submit(core: Core, code: str, **fields: object) -> tuple[Run, list[Frame]]:
-    """Start a run as a task of the test's scope, as a connection does; its Run and frames."""
+    """Start a run as a task of the test's scope, as a connection does; its Run and the frames
+    a client reads of its events."""
     frames: list[Frame] = []
 
-    async def emit(frame: Frame) -> None:
+    async def collect(frame: Frame) -> None:
         frames.append(frame)
 
     req = protocol.ExecuteRequest(code=code, **fields)  # type: ignore[arg-type]
     if not core.tasks.running:
         await core.tasks.open()
-    return core.service.submit(req, "alice", emit, core.tasks), frames
+    return core.service.submit(req, "alice", framed(req.id, collect), core.tasks), frames
 
 
 def held(gate: asyncio.Event) -> Script:
     """A cell script that prints its code, then waits for `gate`."""
 
     async def script(jail: FakeJail, req: RunRequest, emit: Emit) -> CellOutcome:
-        await emit(protocol.stream_frame(req.id, "stdout", req.code))
+        await emit(Output("stdout", req.code))
         await gate.wait()
         return CellOutcome("ok", exit_code=0)
 
@@ -285,7 +289,7 @@ class TestSessionsEnd:
 
     async def test_a_later_cell_cannot_change_the_gpu_budget_its_session_holds(self) -> None:
         core = Core()
-        core.leases.gpu = {"memory_mb": 512}
+        core.leases.gpu = GpuShare(0, "GPU-0", 512)
         sid = (await core.run("1", session="new"))[-1]["session"]
         changed = (await core.run("1", session=sid, gpu=protocol.GpuRequest(memory_mb=1024)))[-1]
         assert changed["status"] == "rejected" and "512 MiB for its whole life" in changed["message"]
@@ -368,8 +372,8 @@ class TestErrorsBecomeDone:
     async def test_a_client_that_stopped_reading_cannot_keep_done_from_being_counted(self) -> None:
         core = Core()
 
-        async def gone(frame: Frame) -> None:
-            if frame["type"] == "done":
+        async def gone(event: Event) -> None:
+            if isinstance(event, Done):
                 raise ConnectionResetError
 
         await core.service.execute(protocol.ExecuteRequest(code="1"), "alice", gone)

@@ -9,6 +9,7 @@ import types
 import pytest
 
 from appliance.core.errors import Busy, RequestRejected
+from appliance.core.events import GpuShare
 from appliance.gpu import ledger as ledger_module
 from appliance.gpu.ledger import GpuLedger
 from appliance.gpu.simulated import SimulatedBackend
@@ -48,7 +49,7 @@ async def test_a_run_is_admitted_to_the_device_with_the_most_room(clock: list[fl
     clock[0] += 5  # admission was at the asking: time passing after it is not queue time
     grant = await asked
     assert (grant.index, grant.uuid, grant.memory_mb) == (1, "GPU-SIM-1", 2048)
-    assert grant.frame() == {"index": 1, "uuid": "GPU-SIM-1", "memory_mb": 2048}
+    assert grant.share() == GpuShare(1, "GPU-SIM-1", 2048)
     assert grant.queued_ms == 0
 
 

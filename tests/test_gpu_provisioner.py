@@ -132,7 +132,7 @@ async def test_the_gpu_provisioner_wraps_the_cpu_pools_a_run_without_a_gpu_lease
         async with source.lease(
             ExecuteRequest(id="gpu", code="print(1)", gpu=GpuRequest(memory_mb=300))
         ) as lease:
-            assert lease.gpu is not None and lease.gpu["memory_mb"] == 300
+            assert lease.gpu is not None and lease.gpu.memory_mb == 300
             assert sum(int(d["reserved_mb"]) for d in provisioner.gpu.ledger.snapshot()) >= 300
         assert cpu.leased == ["plain"]
         await provisioner.close()

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from appliance.api.frames import framed
 from appliance.core.service import RunService
 from appliance.core.tenants import owner_of
 from appliance.runtime.lifecycle import build_service
@@ -30,11 +31,11 @@ async def appliance() -> AsyncIterator[RunService]:
 async def run(app: RunService, owner: str, code: str, session: str | None) -> list[protocol.Frame]:
     frames: list[protocol.Frame] = []
 
-    async def emit(frame: protocol.Frame) -> None:
+    async def collect(frame: protocol.Frame) -> None:
         frames.append(frame)
 
     req = protocol.ExecuteRequest(id="t", code=code, session=session)
-    await app.execute(req, owner, emit)
+    await app.execute(req, owner, framed(req.id, collect))
     return frames
 
 

@@ -29,6 +29,7 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 from appliance.api import busy, mcp_tools, tool_calls
+from appliance.api.frames import framed
 from appliance.api.transport import PARSER_KEY, TASKS_KEY, until_gone
 from appliance.core.errors import ApplianceError, Busy
 from appliance.core.service import RunService
@@ -82,10 +83,10 @@ class ServiceExecutor:
         if not isinstance(message, ExecuteRequest):  # the frame above is an execute frame
             raise TypeError(f"not an execute request: {message.type}")
 
-        async def emit(out: protocol.Frame) -> None:
+        async def gather(out: protocol.Frame) -> None:
             outcome.add(out)
 
-        await self.service.execute(message, self.owner, emit)
+        await self.service.execute(message, self.owner, framed(rid, gather))
         return outcome
 
     async def models(self) -> list[dict[str, Any]]:
@@ -120,10 +121,10 @@ class ServiceExecutor:
         if not isinstance(message, ExecuteRequest):
             raise TypeError(f"not an execute request: {message.type}")
 
-        async def emit(out: protocol.Frame) -> None:
+        async def gather(out: protocol.Frame) -> None:
             outcome.add(out)
 
-        await self.service.execute(message, self.owner, emit)
+        await self.service.execute(message, self.owner, framed(rid, gather))
         return outcome
 
 

@@ -1,8 +1,9 @@
 """Runs kept for `attach`: every frame of a run numbered (`seq`), kept for a while after its
 `done` within bounds, so that a client whose connection dropped finds its run again.
 
-A run's frames all go through its `RunLog` (`RunLog.emit` is the emit the run service is
-given): each is numbered, encoded once, kept, and sent to the sinks that follow the run live
+A run's events all go through its `RunLog` (`RunLog.emit` is the emit the run service is
+given): each becomes its frame (`appliance.api.frames.frame_of`), numbered, encoded once,
+kept, and sent to the sinks that follow the run live
 (the connection or REST response that started it). A sink is awaited as the connection was
 before, so a slow client slows its own run as it always did; a sink whose client is gone is
 let go, and the run goes on to its end within its own limits. A reader that attaches later
@@ -34,8 +35,10 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
+from appliance.api.frames import frame_of
 from appliance.core.domain import RunRequest
 from appliance.core.errors import Cancelled
+from appliance.core.events import Done, Event, Started
 from appliance.core.ports import Metrics
 from appliance.core.service import Run, RunService
 from appliance.core.tasks import TaskScope
@@ -111,17 +114,17 @@ class RunLog:
         if not self._sinks and self.run is None and not self.done and task is not None:
             task.cancel()
 
-    async def emit(self, frame: protocol.Frame) -> None:
-        """The run service's emit: number the frame, keep it, send it to the live sinks."""
+    async def emit(self, event: Event) -> None:
+        """The run service's emit: the event's frame, numbered, kept and sent to the live sinks."""
         seq = self.next_seq
         self.next_seq = seq + 1
+        frame = frame_of(self.rid, event)
         frame["seq"] = seq
         text = protocol.encode(frame)
-        kind = frame.get("type")
-        if kind == "start":
-            self.store._started(self, str(frame["run"]))
+        if isinstance(event, Started):
+            self.store._started(self, event.run)
         self._keep(seq, text)
-        if kind == "done":
+        if isinstance(event, Done):
             self.done_seq = seq
             self.store._ended(self)
         changed = self._changed

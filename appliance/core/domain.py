@@ -1,20 +1,16 @@
-"""The run service's own data: a run request, the events it sends, how a cell ended.
+"""The run service's own data: a run request and how a cell ended.
 
 A request reaches the core as any object of `RunRequest`'s shape: the wire's `ExecuteRequest`
-is one (the api layer hands it over as it parsed it, not copied), `Request` is
-the core's own, for the runs it makes itself (a session's first cell). Events are plain
-mappings built through the injected `Frames` (appliance.core.ports): the core decides what
-to say and when, the wire module how it is spelt.
+is one (the api layer hands it over as it parsed it, not copied), `Request` is the core's
+own, for the runs it makes itself (a session's first cell, the canary, the MPS probe). What
+a run tells its caller are the events of `appliance.core.events`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-Frame = dict[str, Any]  # an event as the caller reads it (docs/protocol.md spells its fields)
-Emit = Callable[[Frame], Awaitable[None]]
+from typing import Protocol
 
 
 class Upload(Protocol):

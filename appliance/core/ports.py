@@ -2,7 +2,8 @@
 (appliance.runtime.lifecycle.build_service) gives it the real ones, tests give it fakes.
 
 Each is the narrowest shape the service uses: it never sees a firejail, a cgroup, a pipe,
-a Prometheus registry or the wire codec, only these.
+a Prometheus registry or the wire codec, only these. What it says to a caller are the
+events of appliance.core.events, which the api layer spells as frames.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
+from appliance.core.domain import CellOutcome, RunRequest
 from appliance.core.errors import RequestRejected
+from appliance.core.events import Emit, GpuShare, Started
 
 Clock = Callable[[], float]  # monotonic seconds (time.monotonic)
 
@@ -63,7 +65,8 @@ class Lease(Protocol):
     def queued_ms(self) -> int: ...
 
     @property
-    def gpu(self) -> dict[str, Any] | None: ...
+    def gpu(self) -> GpuShare | None:
+        """The GPU share the lease holds (None: a CPU run)."""
 
     async def take(self) -> Jail:
         """The lease's ready jail (called once, inside the run's admission slot)."""
@@ -139,10 +142,10 @@ class Cells(Protocol):
         timeout_ms: int,
         keep_alive: bool,
         started: Callable[[], None],
-        first: Frame,
+        first: Started,
     ) -> CellOutcome:
         """Run req's code in the jail, `first` then its output events through emit, within
-        the limits; how it ended (its `done` is the service's)."""
+        the limits; how it ended (its `Done` is the service's)."""
 
     async def between_cells(self, jail: Jail) -> str | None:
         """Why an idle session's jail must end now (a watchdog's verdict, over its disk
@@ -178,52 +181,6 @@ class Runtime(Protocol):
         """(problems, details) for /readyz."""
 
     def update_gauges(self) -> None: ...
-
-
-class CellFrames(Protocol):
-    """How a cell's outputs are spelt as they go out (the wire module is one)."""
-
-    def stream_frame(self, rid: str, name: str, text: str) -> Frame: ...
-
-    def display_frame(self, rid: str, data: dict[str, Any]) -> Frame: ...
-
-    def result_frame(self, rid: str, data: dict[str, Any]) -> Frame: ...
-
-    def error_frame(self, rid: str, ename: str, evalue: str, traceback: list[str]) -> Frame: ...
-
-
-class Frames(CellFrames, Protocol):
-    """How the service's own events, and a cell's, are spelt (the wire module is one)."""
-
-    def start_frame(  # noqa: PLR0913 (one argument per field of the event)
-        self,
-        rid: str,
-        run: str,
-        session: str | None,
-        queued_ms: int,
-        timeout_ms: int,
-        gpu: dict[str, Any] | None = None,
-    ) -> Frame: ...
-
-    def file_frame(
-        self, rid: str, path: str, size: int, data: str | None, message: str | None = None
-    ) -> Frame: ...
-
-    def done_frame(  # noqa: PLR0913 (one argument per field of the event)
-        self,
-        rid: str,
-        status: str,
-        *,
-        exit_code: int | None = None,
-        duration_ms: int = 0,
-        cpu_ms: int | None = None,
-        max_rss_mb: float | None = None,
-        message: str | None = None,
-        session: str | None = None,
-        import_ms: int | None = None,
-        files_skipped: int | None = None,
-        retry_after_ms: int | None = None,
-    ) -> Frame: ...
 
 
 class ModelInfo(Protocol):

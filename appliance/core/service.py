@@ -2,14 +2,14 @@
 
 Its public methods are the whole API the transports (server.py, rest.py) use: `identify`
 a caller, `submit` a request (a `Run` handle to feed stdin, interrupt, await), open and
-close sessions, and read `readiness` and `metrics_text`. `execute` sends exactly one
-`done` per request, whatever happens.
+close sessions, and read `readiness` and `metrics_text`. What a run says goes to its
+caller's `Emit` as the events of appliance.core.events (the transports spell them as frames);
+`execute` sends exactly one `Done` per request, whatever happens.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hmac
 import logging
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from appliance.core.admission import Admission
-from appliance.core.domain import CellOutcome, Emit, Frame, Gpu, PipeFull, Request, RunRequest
+from appliance.core.domain import CellOutcome, Gpu, PipeFull, Request, RunRequest
 from appliance.core.errors import (
     ApplianceError,
     Busy,
@@ -28,11 +28,11 @@ from appliance.core.errors import (
     RequestRejected,
     status_of,
 )
+from appliance.core.events import Done, Emit, Event, FileOut, Started
 from appliance.core.ports import (
     Catalogue,
     Cells,
     Clock,
-    Frames,
     GpuBudget,
     Jail,
     Lease,
@@ -119,7 +119,6 @@ class RunService:
         runtime: Runtime,
         cells: Cells,
         metrics: Metrics,
-        frames: Frames,
         catalogue: Catalogue,
         gpu: GpuBudget | None = None,
         snapshots: Snapshots | None = None,
@@ -129,7 +128,6 @@ class RunService:
         self.metrics = metrics
         self.lifecycle = runtime
         self.cells = cells
-        self.frames = frames
         self.clock = clock
         self._catalogue = catalogue
         self.gpu: GpuBudget = gpu if gpu is not None else NoGpu()  # what a run's GPU ask costs
@@ -205,7 +203,7 @@ class RunService:
         return run
 
     async def execute(self, req: RunRequest, owner: str, emit: Emit, run: Run | None = None) -> None:  # noqa: C901, PLR0912, PLR0915 (one run's steps in order; every exception maps to done.status here, in one place)
-        """Run one request end to end; always emits exactly one `done`."""
+        """Run one request end to end; always emits exactly one `Done`."""
         run = run or self._new_run(req)
         started = self.clock()
         outcome: CellOutcome | None = None
@@ -277,8 +275,7 @@ class RunService:
             self._count(status, started)
             await _safe_emit(
                 emit,
-                self.frames.done_frame(
-                    req.id,
+                Done(
                     status,
                     duration_ms=self._ms_since(started),
                     message=message,
@@ -296,8 +293,7 @@ class RunService:
         duration_ms = self._ms_since(started)
         await _safe_emit(
             emit,
-            self.frames.done_frame(
-                req.id,
+            Done(
                 outcome.status,
                 exit_code=outcome.exit_code,
                 duration_ms=duration_ms,
@@ -316,15 +312,15 @@ class RunService:
         if outcome.import_ms is not None:
             self.metrics.import_seconds.labels(profile=profile).observe(outcome.import_ms / 1000)
 
-    async def open_session(self, req: RunRequest, owner: str) -> list[Frame]:
-        """Open a session running req's code first; the frames it sent (the last is `done`)."""
-        frames: list[Frame] = []
+    async def open_session(self, req: RunRequest, owner: str) -> list[Event]:
+        """Open a session running req's code first; the events it sent (the last is `Done`)."""
+        events: list[Event] = []
 
-        async def collect(frame: Frame) -> None:
-            frames.append(frame)
+        async def collect(event: Event) -> None:
+            events.append(event)
 
         await self.execute(session_opener(req), owner, collect)
-        return frames
+        return events
 
     # -- snapshots -----------------------------------------------------------------------------
     async def snapshot_session(self, session_id: str, owner: str) -> SnapshotInfo:
@@ -498,7 +494,7 @@ class RunService:
         return min(req.timeout_ms, limit) if req.timeout_ms else limit
 
     async def _cell(  # noqa: PLR0913 (the run's parts, passed down rather than stored on a shared object)
-        self, jail: Jail, req: RunRequest, emit: Emit, run: Run, keep_alive: bool, start: Frame
+        self, jail: Jail, req: RunRequest, emit: Emit, run: Run, keep_alive: bool, start: Started
     ) -> CellOutcome:
         try:
             return await self.cells.run(
@@ -517,14 +513,14 @@ class RunService:
         self, jail: Jail, lease: Lease, req: RunRequest, emit: Emit, run: Run, queued_ms: int, owner: str
     ) -> CellOutcome:
         run_id = secrets.token_hex(8)
-        start = self.frames.start_frame(req.id, run_id, None, queued_ms, self._timeout_ms(req), lease.gpu)
+        start = Started(run_id, None, queued_ms, self._timeout_ms(req), lease.gpu)
         outcome = await self._cell(jail, req, emit, run, keep_alive=False, start=start)
         # The jail is SIGKILLed as the lease ends (`PoolLeases.teardown`), as `done` goes out;
         # files are read only once every process of the run is gone, so a run with outputs
         # is killed here, and waited for.
         if self.cells.has_outputs(jail):
             await jail.process.kill()
-            await self._send_outputs(jail, req.id, run_id, None, emit, outcome, owner)
+            await self._send_outputs(jail, run_id, None, emit, outcome, owner)
         return outcome
 
     async def _session_cell(
@@ -535,9 +531,7 @@ class RunService:
         if not jail.alive:
             await self.sessions.close(session.id, reason="its interpreter is gone")
             raise RequestRejected(f"session {session.id} has ended (its interpreter is gone)")
-        start = self.frames.start_frame(
-            req.id, run_id, session.id, queued_ms, self._timeout_ms(req), session.lease.gpu
-        )
+        start = Started(run_id, session.id, queued_ms, self._timeout_ms(req), session.lease.gpu)
         before = await self.cells.snapshot(jail)
         try:
             jail.thaw()  # frozen since its last cell (`Jail.freeze`)
@@ -566,7 +560,7 @@ class RunService:
         session.last_used = self.clock()
         if not outcome.interpreter_alive:
             await jail.process.kill()
-        await self._send_outputs(jail, req.id, run_id, before, emit, outcome, session.owner)
+        await self._send_outputs(jail, run_id, before, emit, outcome, session.owner)
         if unfrozen is not None:
             await self.sessions.close(session.id, reason="its jail could not be frozen between cells")
             note = "the session has ended: its jail could not be frozen between cells"
@@ -592,22 +586,19 @@ class RunService:
     async def _send_outputs(  # noqa: PLR0913 (the run's parts, passed down rather than stored on a shared object)
         self,
         jail: Jail,
-        rid: str,
         run_id: str,
         before: object | None,
         emit: Emit,
         outcome: CellOutcome,
         owner: str,
     ) -> None:
-        """Stream outputs/ as `file` events (the sandbox persists them), one batch in memory at
-        a time, within SANDBOX_MAX_OUTPUTS_BYTES; what was left out is said in the outcome."""
+        """Stream outputs/ as `FileOut` events (the sandbox persists them), one batch in memory
+        at a time, within SANDBOX_MAX_OUTPUTS_BYTES; what was left out is said in the outcome."""
         found: Outputs = self.cells.outputs(jail, before, owner, run_id)
         async with contextlib.aclosing(found.batches()) as batches:
             async for batch in batches:
                 for item in batch:
-                    data = base64.b64encode(item.data).decode() if item.data is not None else None
-                    await emit(self.frames.file_frame(rid, item.path, item.size, data, item.message))
-                    del data
+                    await emit(FileOut(item.path, item.size, item.data, item.message))
                 del batch
         note = found.note()
         if note is None:
@@ -650,6 +641,6 @@ def _check_session_gpu(session: Session, req: RunRequest) -> None:
         )
 
 
-async def _safe_emit(emit: Emit, frame: Frame) -> None:
+async def _safe_emit(emit: Emit, event: Event) -> None:
     with contextlib.suppress(Exception):
-        await emit(frame)
+        await emit(event)

@@ -43,7 +43,7 @@ class Session:
     @property
     def gpu_mb(self) -> int:
         """The GPU budget this session holds for its whole life (0: none)."""
-        return int(self.lease.gpu["memory_mb"]) if self.lease.gpu is not None else 0
+        return self.lease.gpu.memory_mb if self.lease.gpu is not None else 0
 
 
 Check = Callable[[Session], Awaitable[str | None]]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -346,7 +347,7 @@ class GpuLeases(LeaseSource):
         lease.jail = jail
         if self.mps is not None:
             await self.mps.arm(jail, grant)  # layer (b): the daemon-side limit, before any code
-        body = {**grant.frame(), "margin_mb": self.settings.gpu_margin_mb}
+        body = {**dataclasses.asdict(grant.share()), "margin_mb": self.settings.gpu_margin_mb}
         await asyncio.to_thread(_write_file, jail.workdir / GRANT_FILE, json.dumps(body))
         self.watchdog.watch(lease.key, jail.process.pid, grant, jail.process.stop)
         return jail
@@ -441,7 +442,7 @@ class GpuLease(Lease):
     """A run's GPU reservation and, once taken, its jail on the reserved device."""
 
     def __init__(self, source: GpuLeases, grant: Grant, profile: Profile) -> None:
-        super().__init__(profile.name, queued_ms=grant.queued_ms, gpu=grant.frame())
+        super().__init__(profile.name, queued_ms=grant.queued_ms, gpu=grant.share())
         self.grant = grant
         self.preload = profile
         self.key = f"lease-{id(self):x}"

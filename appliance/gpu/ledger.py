@@ -20,9 +20,9 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from appliance.core.errors import Busy, RequestRejected
+from appliance.core.events import GpuShare
 from appliance.gpu.backend import Device, ProcessUsage
 
 
@@ -37,9 +37,9 @@ class Grant:
     memory_mb: int
     queued_ms: int
 
-    def frame(self) -> dict[str, Any]:
-        """The `gpu` field of the `start` frame."""
-        return {"index": self.index, "uuid": self.uuid, "memory_mb": self.memory_mb}
+    def share(self) -> GpuShare:
+        """What the run is told it holds (its `Started` event's `gpu`)."""
+        return GpuShare(self.index, self.uuid, self.memory_mb)
 
 
 @dataclass

@@ -42,8 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from appliance.core.domain import File, Frame, Request
+from appliance.core.domain import File, Request
 from appliance.core.errors import ApplianceError, GpuLimitUnavailable, JailExited
+from appliance.core.events import CellError, Event, Output
 from appliance.gpu.backend import GpuBackendError
 from appliance.gpu.ledger import Grant
 from appliance.gpu.mps import MpsControl
@@ -347,34 +348,21 @@ async def open_cuda_context(jail: Jail, libcuda: str) -> None:
 
 
 class _ProbeOutput:
-    """The probe cell's output, recorded as it comes (its `CellFrames`): its stdout, and the
-    first error it raised. No frame of it leaves the server."""
+    """The probe cell's output, recorded as it comes (its `Emit`): its stdout, and the first
+    error it raised. Nothing of it leaves the server."""
 
     def __init__(self) -> None:
         self.stdout: list[str] = []
         self.error: str | None = None
 
-    def stream_frame(self, rid: str, name: str, text: str) -> Frame:
-        if name == "stdout":
-            self.stdout.append(text)
-        return {}
-
-    def display_frame(self, rid: str, data: dict[str, Any]) -> Frame:
-        return {}
-
-    def result_frame(self, rid: str, data: dict[str, Any]) -> Frame:
-        return {}
-
-    def error_frame(self, rid: str, ename: str, evalue: str, traceback: list[str]) -> Frame:
-        if self.error is None:
-            self.error = f"{ename}: {evalue}"
-        return {}
+    async def __call__(self, event: Event) -> None:
+        if isinstance(event, Output) and event.name == "stdout":
+            self.stdout.append(event.text)
+        elif isinstance(event, CellError) and self.error is None:
+            self.error = f"{event.ename}: {event.evalue}"
 
 
 async def _run_probe(jail: Jail, params: dict[str, Any]) -> dict[str, Any]:
-    async def drop(frame: Frame) -> None:
-        return None
-
     output = _ProbeOutput()
     req = Request(
         id="mps-probe", code=PROBE_CODE, files=(File("mps-probe.json", json.dumps(params).encode()),)
@@ -382,12 +370,11 @@ async def _run_probe(jail: Jail, params: dict[str, Any]) -> dict[str, Any]:
     outcome = await run_cell(
         jail,
         req,
-        drop,
+        output,
         timeout_ms=30000,
         max_output_bytes=65536,
         max_disk_mb=16,
         keep_alive=False,
-        frames=output,
     )
     if outcome.status != "ok":
         detail = output.error or outcome.message

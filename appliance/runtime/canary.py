@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from appliance.wire.protocol import UploadFile
+from appliance.core.domain import File
 
 PARAMS_FILE = "canary.json"
 
@@ -87,9 +87,9 @@ ALLOWED_JAIL_ENV = {
 }
 
 
-def params_file(port: int, host_addresses: list[str]) -> UploadFile:
+def params_file(port: int, host_addresses: list[str]) -> File:
     """The canary's parameters: the server's port and the host's addresses (egress mode)."""
-    return UploadFile(PARAMS_FILE, json.dumps({"port": port, "hosts": host_addresses}).encode())
+    return File(PARAMS_FILE, json.dumps({"port": port, "hosts": host_addresses}).encode())
 
 
 def judge(status: Any, stdout: str, allowed_uids: set[int]) -> list[str]:

@@ -18,7 +18,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from appliance.core.domain import Request
 from appliance.core.errors import StartupError
+from appliance.core.events import Event, Output
 from appliance.core.ports import Snapshots
 from appliance.core.service import RunService
 from appliance.core.tasks import TaskScope
@@ -41,8 +43,6 @@ from appliance.sandbox.snapshots import JailSnapshots, SnapshotStore
 from appliance.sandbox.wheels import check_wheelhouse, stage_wheel_cache
 from appliance.sandbox.workdir import RunDirs, open_base, stage_runtime
 from appliance.settings import Settings
-from appliance.wire import protocol
-from appliance.wire.protocol import ExecuteRequest, Frame
 
 log = logging.getLogger("appliance.runtime.lifecycle")
 
@@ -53,15 +53,15 @@ CANARY_TIMEOUT_MS = 15000
 
 def build_service(settings: Settings) -> RunService:
     """The run service on its real parts: this process's metrics, its lifecycle (host checks,
-    pools, canary) as lease source, cells in firejail jails, frames spelt by the wire module."""
+    pools, canary) as lease source, cells in firejail jails. It speaks the core's events; the
+    transports (appliance.api) spell them as frames."""
     metrics = Metrics()
     provisioner = provisioner_for(settings, metrics)
     return RunService(
         settings,
         runtime=Lifecycle(settings, metrics, provisioner),
-        cells=JailCells(settings, protocol),
+        cells=JailCells(settings),
         metrics=metrics,
-        frames=protocol,
         catalogue=catalogue,
         gpu=provisioner,
         snapshots=snapshots_for(settings),
@@ -75,7 +75,7 @@ def snapshots_for(settings: Settings) -> Snapshots | None:
     store = SnapshotStore(
         settings.snapshot_dir, settings.max_snapshot_mb * 1024 * 1024, settings.max_snapshots
     )
-    return JailSnapshots(settings, protocol, store)
+    return JailSnapshots(settings, store)
 
 
 def provisioner_for(settings: Settings, metrics: Metrics) -> Provisioner:
@@ -363,14 +363,15 @@ class Lifecycle:
         """Run the probe in a real (CPU) jail; every way it is less confined than promised is a problem."""
         if self.cpu is None:
             raise RuntimeError("Lifecycle.canary before start()")
-        frames: list[Frame] = []
+        stdout: list[str] = []
 
-        async def collect(frame: Frame) -> None:
-            frames.append(frame)
+        async def collect(event: Event) -> None:
+            if isinstance(event, Output) and event.name == "stdout":
+                stdout.append(event.text)
 
         policy = self.network.policy if self.network is not None else None
         hosts = [str(a) for a in policy.host_addresses] if policy is not None else []
-        req = ExecuteRequest(
+        req = Request(
             id="canary", code=canary.CANARY_CODE, files=(canary.params_file(self.canary_port or 9100, hosts),)
         )
         try:
@@ -384,15 +385,11 @@ class Lifecycle:
                     max_output_bytes=self.settings.max_output_bytes,
                     max_disk_mb=self.settings.max_disk_mb,
                     keep_alive=False,
-                    frames=protocol,
                 )
         except Exception as exc:  # noqa: BLE001 (any failure to run the probe is itself the finding: fail closed)
             return [f"canary could not run: {type(exc).__name__}: {exc}"]
-        stdout = "".join(
-            str(f["text"]) for f in frames if f.get("type") == "stream" and f.get("name") == "stdout"
-        )
         allowed = self.uids.all() if self.uids is not None else {self.uid}
-        found = canary.judge(outcome.status, stdout, allowed)
+        found = canary.judge(outcome.status, "".join(stdout), allowed)
         if found and outcome.message:
             found[0] += f": {outcome.message}"
         return found

@@ -1,7 +1,7 @@
-"""Run one cell in a jail: hand over the code, turn what comes back into frames, enforce limits.
+"""Run one cell in a jail: hand over the code, turn what comes back into events, enforce limits.
 
 Limits enforced here, by the server (never by the code's goodwill): wall clock, output
-bytes, disk quota. The wall clock holds whatever the client does: a frame the client does
+bytes, disk quota. The wall clock holds whatever the client does: an event the client does
 not take before the run's deadline ends the run (`timeout`) like any other overrun, so a
 client that stops reading cannot keep a jail, a slot or the server's memory.
 Memory, processes and file size are limits of the jail itself: its cgroup (memory counting
@@ -18,9 +18,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
+from appliance.core.domain import CellOutcome, RunRequest
 from appliance.core.errors import Cancelled, MemoryLimit, OutputLimit, RunLimit, RunTimeout
-from appliance.core.ports import CellFrames
+from appliance.core.events import CellError, CellEvent, Display, Emit, Output, Result, Started
 from appliance.sandbox import channel, fstree
 from appliance.sandbox.cgroups import Counters, Group
 from appliance.sandbox.held import Bound, OverBound, held_bytes
@@ -56,20 +56,19 @@ async def run_cell(  # noqa: PLR0913 (the cell's inputs and limits, passed down 
     max_output_bytes: int,
     max_disk_mb: int,
     keep_alive: bool,
-    frames: CellFrames,
     started: Callable[[], None] | None = None,
-    first: Frame | None = None,
+    first: Started | None = None,
     op: bytes | None = None,
 ) -> CellOutcome:
-    """Run req.code in jail and stream its frames; returns how the cell ended.
+    """Run req.code in jail and stream its events through emit; returns how the cell ended.
 
     `op` replaces the `run` op the cell sends the driver (a session's `snapshot` or `restore`,
     which the driver does like a cell, under the same limits).
     keep_alive (sessions): on a limit, first try to stop only the cell (KeyboardInterrupt);
     otherwise the caller kills the jail, so here the cell is simply abandoned.
     `started` is called once the code is on its way to the driver: stdin written after
-    that belongs to this cell. `first` (the run's `start` frame) is sent then, before any
-    frame of the cell's: the jail starts on the code while the frame goes out.
+    that belongs to this cell. `first` (the run's `Started`) is sent then, before any
+    event of the cell's: the jail starts on the code while it goes out.
     """
     group = jail.cgroup
     base = jail.cell_baseline()
@@ -81,7 +80,6 @@ async def run_cell(  # noqa: PLR0913 (the cell's inputs and limits, passed down 
         max_output_bytes=max_output_bytes,
         max_disk_mb=max_disk_mb,
         keep_alive=keep_alive,
-        frames=frames,
         started=started,
         base=base,
         first=first,
@@ -124,15 +122,13 @@ async def _run_cell(  # noqa: C901, PLR0912, PLR0913, PLR0915 (one cell's event 
     max_output_bytes: int,
     max_disk_mb: int,
     keep_alive: bool,
-    frames: CellFrames,
     started: Callable[[], None] | None,
     base: Counters | None,
-    first: Frame | None,
+    first: Started | None,
     op: bytes | None = None,
 ) -> CellOutcome:
     loop = asyncio.get_running_loop()
     process = jail.process
-    rid = req.id
     deadline = loop.time() + timeout_ms / 1000
     process.write(
         op
@@ -237,16 +233,16 @@ async def _run_cell(  # noqa: C901, PLR0912, PLR0913, PLR0915 (one cell's event 
             if sent > max_output_bytes:
                 process.stop(over)  # taken next, before anything already waiting behind it
                 continue
-            frame = _frame_for(rid, item, frames)
-            if frame is None or stopping is not None:
+            event = _event_for(item)
+            if event is None or stopping is not None:
                 continue
             if isinstance(item, Event) and item.body["ev"] == "error" and item.body["memory"]:
                 memory_error = True
             try:
                 async with asyncio.timeout_at(deadline):
-                    await emit(frame)
+                    await emit(event)
             except TimeoutError:
-                process.stop(timed_out)  # the client did not take the frame in the run's time
+                process.stop(timed_out)  # the client did not take the event in the run's time
     finally:
         # Not awaited: that would only wait a turn of the event loop for the cancellation to
         # land, between the cell's end and its `done`. A check it left running in a thread
@@ -256,19 +252,20 @@ async def _run_cell(  # noqa: C901, PLR0912, PLR0913, PLR0915 (one cell's event 
             watchdog.cancel()
 
 
-def _frame_for(rid: str, item: Stream | Event, frames: CellFrames) -> Frame | None:
-    """Only these driver events become frames; the server stamps the id itself."""
+def _event_for(item: Stream | Event) -> CellEvent | None:
+    """Only these driver events reach the caller (validated already by the channel's decoder);
+    an empty write says nothing."""
     if isinstance(item, Stream):
-        return frames.stream_frame(rid, item.name, item.text) if item.text else None
+        return Output(item.name, item.text) if item.text else None
     body = item.body
     if body["ev"] == "stream":
-        return frames.stream_frame(rid, body["name"], body["text"]) if body["text"] else None
+        return Output(body["name"], body["text"]) if body["text"] else None
     if body["ev"] == "result":
-        return frames.result_frame(rid, body["data"])
+        return Result(body["data"])
     if body["ev"] == "display":
-        return frames.display_frame(rid, body["data"])
+        return Display(body["data"])
     if body["ev"] == "error":
-        return frames.error_frame(rid, body["ename"], body["evalue"], body["traceback"])
+        return CellError(body["ename"], body["evalue"], body["traceback"])
     return None
 
 

@@ -12,9 +12,9 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 
-from appliance.core.domain import CellOutcome, Emit, Frame, RunRequest
+from appliance.core.domain import CellOutcome, RunRequest
 from appliance.core.egress import Layers
-from appliance.core.ports import CellFrames
+from appliance.core.events import Emit, Started
 from appliance.core.ports import Jail as AnyJail
 from appliance.sandbox import outputs
 from appliance.sandbox.cell import disk_violation, run_cell, stdin_ops
@@ -32,12 +32,10 @@ def _own(jail: AnyJail) -> Jail:
 
 
 class JailCells:
-    """Cells in firejail jails, under the settings' per-run limits, their outputs spelt by
-    `frames`."""
+    """Cells in firejail jails, under the settings' per-run limits."""
 
-    def __init__(self, settings: Settings, frames: CellFrames) -> None:
+    def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.frames = frames
 
     def stdin_ops(self, data: str, eof: bool) -> list[bytes]:
         return stdin_ops(data, eof)
@@ -51,7 +49,7 @@ class JailCells:
         timeout_ms: int,
         keep_alive: bool,
         started: Callable[[], None],
-        first: Frame,
+        first: Started,
     ) -> CellOutcome:
         s = self.settings
         own = _own(jail)
@@ -69,7 +67,6 @@ class JailCells:
                 max_output_bytes=s.max_output_bytes,
                 max_disk_mb=s.max_disk_mb,
                 keep_alive=keep_alive,
-                frames=self.frames,
                 started=started,
                 first=first,
             )

@@ -18,9 +18,9 @@ import abc
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
 
 from appliance.core.domain import RunRequest
+from appliance.core.events import GpuShare
 from appliance.core.tasks import TaskScope
 from appliance.sandbox.jail import Jail
 from appliance.sandbox.pool import JailPool, ProfilePools
@@ -29,10 +29,10 @@ from appliance.sandbox.pool import JailPool, ProfilePools
 class Lease(abc.ABC):
     """One run's (or session's) jail and what must be undone when it ends."""
 
-    def __init__(self, profile: str, queued_ms: int = 0, gpu: dict[str, Any] | None = None) -> None:
+    def __init__(self, profile: str, queued_ms: int = 0, gpu: GpuShare | None = None) -> None:
         self.profile = profile  # the preload profile of the jail (appliance.sandbox.profiles)
         self.queued_ms = queued_ms  # time spent in line for the lease (GPU memory), not the slot
-        self.gpu = gpu  # the start frame's `gpu` field; None for a CPU run
+        self.gpu = gpu  # the run's GPU share (its `Started` says it); None for a CPU run
         self.jail: Jail | None = None
         self.kept = False
         self._ended = False

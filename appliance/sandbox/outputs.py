@@ -1,4 +1,4 @@
-"""Files a run wrote under /workspace/outputs: read safely, streamed as frames, persisted.
+"""Files a run wrote under /workspace/outputs: read safely, streamed as `file` events, persisted.
 
 The server reads the run directory on the host as a privileged user, so every step
 refuses links: directories are walked by descriptor (`jail.fstree`, no symlink followed,

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from appliance.core.domain import Frame, Request
+from appliance.core.domain import Request
 from appliance.core.errors import (
     Cancelled,
     JailFailure,
@@ -43,8 +43,9 @@ from appliance.core.errors import (
     StartupError,
     UnknownSnapshot,
 )
-from appliance.core.ports import CellFrames, SavedState, SnapshotInfo
+from appliance.core.events import CellError, Display, Event
 from appliance.core.ports import Jail as AnyJail
+from appliance.core.ports import SavedState, SnapshotInfo
 from appliance.sandbox import channel, fstree, trust
 from appliance.sandbox.cell import run_cell
 from appliance.sandbox.jail import Jail
@@ -293,9 +294,8 @@ class JailSnapshots:
 
     enabled = True
 
-    def __init__(self, settings: Settings, frames: CellFrames, store: SnapshotStore) -> None:
+    def __init__(self, settings: Settings, store: SnapshotStore) -> None:
         self.settings = settings
-        self.frames = frames
         self.store = store
 
     def check_host(self) -> None:
@@ -370,12 +370,15 @@ class JailSnapshots:
 
     async def _op(self, jail: Jail, op: bytes, timeout_ms: int, what: str) -> dict[str, Any]:
         """Run a `snapshot` or `restore` op in the jail like a cell, under the cell's limits;
-        its report (the `display` of SNAPSHOT_MIME), or why it failed."""
-        seen: list[Frame] = []
+        its report (the `Display` of SNAPSHOT_MIME), or why it failed."""
+        displays: list[Display] = []
+        errors: list[CellError] = []
 
-        async def collect(frame: Frame) -> None:
-            if len(seen) < 64 and frame.get("type") in ("display", "error"):
-                seen.append(frame)
+        async def collect(event: Event) -> None:
+            if isinstance(event, Display) and len(displays) < 64:
+                displays.append(event)
+            elif isinstance(event, CellError) and not errors:
+                errors.append(event)
 
         req = Request(id=f"snapshot-{secrets.token_hex(4)}", code="", stdin_eof=True)
         s = self.settings
@@ -387,20 +390,18 @@ class JailSnapshots:
             max_output_bytes=s.max_output_bytes,
             max_disk_mb=s.max_disk_mb,
             keep_alive=True,
-            frames=self.frames,
             op=op,
         )
-        errors = [f for f in seen if f.get("type") == "error"]
         if outcome.status != "ok" or errors:
-            why = outcome.message or "; ".join(f"{f.get('ename')}: {f.get('evalue')}" for f in errors[:1])
+            why = outcome.message or "; ".join(f"{e.ename}: {e.evalue}" for e in errors)
             message = f"the snapshot could not be {what}: {why or outcome.status}"
             if not outcome.interpreter_alive:
                 raise JailFailure(message)
             limit = _LIMITS.get(outcome.status)
             raise limit(message) if limit is not None else RequestRejected(message)
-        for frame in seen:
-            data = frame.get("data")
-            if isinstance(data, dict) and isinstance(data.get(channel.SNAPSHOT_MIME), dict):
+        for shown in displays:
+            data = shown.data
+            if isinstance(data.get(channel.SNAPSHOT_MIME), dict):
                 report: dict[str, Any] = data[channel.SNAPSHOT_MIME]
                 return report
         raise RequestRejected(f"the snapshot could not be {what}: the jail sent no report")

@@ -505,7 +505,8 @@ def _json_type(value: Any) -> str:
 
 
 # ---- server -> client frames ---------------------------------------------------------------
-# Frames are plain dicts: that is what the transports and the service pass around. These
+# Frames are plain dicts, made only in the api layer: from the core's events
+# (appliance.api.frames, through these builders) and for what it refuses itself. These
 # TypedDicts say their shape, for the schemas, the client and the tests.
 
 MimeBundle = Annotated[

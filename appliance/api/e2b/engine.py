@@ -13,16 +13,16 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from appliance.api.e2b import registry
 from appliance.api.e2b.registry import Context, Registry, Sandbox
 from appliance.core.errors import ApplianceError, Busy, RequestRejected
+from appliance.core.events import Done, Emit, Event
 from appliance.core.service import Run, RunService
 from appliance.core.tasks import TaskScope
-from appliance.wire import protocol
-from appliance.wire.protocol import ExecuteRequest, Frame
+from appliance.wire.protocol import ExecuteRequest
 
 log = logging.getLogger("appliance.api.e2b")
 
@@ -39,12 +39,11 @@ class Refused(Exception):
     retry_after_ms: int | None = None  # a `busy` refusal: when to come back (appliance.api.busy)
 
 
-def _refusal(done: Frame) -> Refused:
-    status = str(done.get("status"))
-    message = str(done.get("message") or status)
-    hint = done.get("retry_after_ms")
+def refusal(done: Done) -> Refused:
+    """The HTTP error for a cell that did not end ok (busy 429 with its hint, rejected 400,
+    else 500)."""
     return Refused(
-        {"busy": 429, "rejected": 400}.get(status, 500), message, hint if isinstance(hint, int) else None
+        {"busy": 429, "rejected": 400}.get(done.status, 500), done.message or done.status, done.retry_after_ms
     )
 
 
@@ -162,13 +161,12 @@ class Sandboxes:
     async def new_context(self, sandbox: Sandbox, context_id: str | None = None) -> Context:
         """Open a session for a context (its own jail and interpreter) with the sandbox's env vars."""
         req = ExecuteRequest(code=_setup_code(sandbox.envs), stdin_eof=True)
-        frames = await self.service.open_session(req, sandbox.owner)
-        done = frames[-1]
-        session = done.get("session")
-        if done.get("status") != "ok" or not isinstance(session, str):
-            if isinstance(session, str):  # opened, but its first cell failed: not kept
+        done = _done_of(await self.service.open_session(req, sandbox.owner))
+        session = done.session
+        if done.status != "ok" or session is None:
+            if session is not None:  # opened, but its first cell failed: not kept
                 await self.service.close_session(session, sandbox.owner)
-            raise _refusal(done)
+            raise refusal(done)
         ctx = Context(id=context_id or registry.new_id(), session=session, cwd=WORKDIR)
         sandbox.contexts[ctx.id] = ctx
         return ctx
@@ -187,27 +185,33 @@ class Sandboxes:
     # -- cells ------------------------------------------------------------------------------
     async def quiet_cell(self, sandbox: Sandbox, ctx: Context, code: str) -> None:
         """Run a cell of the server's own (env vars in, env vars out); its output is dropped."""
-        frames: list[Frame] = []
+        events: list[Event] = []
 
-        async def collect(frame: Frame) -> None:
-            frames.append(frame)
+        async def collect(event: Event) -> None:
+            events.append(event)
 
         req = ExecuteRequest(code=code, session=ctx.session, stdin_eof=True)
         await self.service.execute(req, sandbox.owner, collect)
-        done = frames[-1] if frames else protocol.done_frame(req.id, "internal", message="no reply")
-        if done.get("status") != "ok":
-            raise _refusal(done)
+        done = _done_of(events)
+        if done.status != "ok":
+            raise refusal(done)
 
     def submit(
         self,
         sandbox: Sandbox,
         ctx: Context,
         code: str,
-        emit: Callable[[Frame], Awaitable[None]],
+        emit: Emit,
         tasks: TaskScope,
     ) -> Run:
         req = ExecuteRequest(code=code, session=ctx.session, stdin_eof=True)
         return self.service.submit(req, sandbox.owner, emit, tasks)
+
+
+def _done_of(events: list[Event]) -> Done:
+    """A run's `Done`: its last event (the service always sends one)."""
+    last = events[-1] if events else None
+    return last if isinstance(last, Done) else Done("internal", message="no reply")
 
 
 def as_refused(exc: ApplianceError) -> Refused:

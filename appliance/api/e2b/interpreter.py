@@ -26,8 +26,8 @@ from appliance.api.e2b.registry import Context, Sandbox
 from appliance.api.e2b.shapes import BadRequest
 from appliance.api.transport import send_within, until_gone
 from appliance.core.errors import ApplianceError, Cancelled
+from appliance.core.events import CellError, Display, Done, Event, Output, Result, Started
 from appliance.core.tasks import TaskScope
-from appliance.wire.protocol import Frame
 
 INTERPRETER_PORT = "49999"
 ENVD_PORT = "49983"
@@ -86,14 +86,14 @@ def _context(sandbox: Sandbox, context_id: object) -> Context:
 
 
 class Stream:
-    """One /execute reply: frames in, NDJSON lines out."""
+    """One /execute reply: the run's events in, E2B's NDJSON lines out."""
 
     def __init__(self, request: web.Request, ctx: Context, stall_s: float) -> None:
         self.request = request
         self.ctx = ctx
         self.stall_s = stall_s
         self.response: web.StreamResponse | None = None
-        self.refused: Frame | None = None  # `done` of a cell refused before it ran
+        self.refused: Done | None = None  # the `Done` of a cell refused before it ran
         self.gone = False
         self.run: Any = None
 
@@ -111,32 +111,29 @@ class Stream:
         if self.run is not None:
             self.run.interrupt("the client stopped reading the reply")
 
-    async def emit(self, frame: Frame) -> None:
-        kind = frame.get("type")
+    async def emit(self, event: Event) -> None:
         if self.response is None:
-            if kind == "done":
-                self.refused = frame
+            if isinstance(event, Done):
+                self.refused = event
                 return
             self.response = web.StreamResponse(headers={"Content-Type": NDJSON, "Cache-Control": "no-store"})
             try:
                 await self.response.prepare(self.request)
             except (ConnectionError, RuntimeError):
                 self._give_up()
-        if kind == "start":
+        if isinstance(event, Started):
             self.ctx.executions += 1
             await self._write(shapes.count_line(self.ctx.executions))
-        elif kind == "stream":
-            await self._write(shapes.stream_line(str(frame["name"]), str(frame["text"])))
-        elif kind in ("display", "result"):
-            await self._write(shapes.result_line(frame["data"], main=kind == "result"))
-        elif kind == "error":
-            f: Any = frame
-            await self._write(shapes.error_line(f["ename"], f["evalue"], f["traceback"]))
-        elif kind == "done":
-            status = str(frame.get("status"))
-            if status not in ("ok", "error"):
-                name = shapes.STATUS_ERRORS.get(status, "SandboxError")
-                await self._write(shapes.error_line(name, str(frame.get("message") or status), ""))
+        elif isinstance(event, Output):
+            await self._write(shapes.stream_line(event.name, event.text))
+        elif isinstance(event, (Display, Result)):
+            await self._write(shapes.result_line(event.data, main=isinstance(event, Result)))
+        elif isinstance(event, CellError):
+            await self._write(shapes.error_line(event.ename, event.evalue, event.traceback))
+        elif isinstance(event, Done):
+            if event.status not in ("ok", "error"):
+                name = shapes.STATUS_ERRORS.get(event.status, "SandboxError")
+                await self._write(shapes.error_line(name, event.message or event.status, ""))
             await self._write(shapes.END_LINE)
 
 
@@ -170,14 +167,8 @@ async def execute(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) 
                 with contextlib.suppress(Refused, ApplianceError):
                     await sandboxes.quiet_cell(sandbox, ctx, engine.RESTORE_ENVS_CODE)
     if stream.response is None:
-        done = stream.refused or {}
-        status = str(done.get("status"))
-        hint = done.get("retry_after_ms")
-        return reply(
-            {"busy": 429, "rejected": 400}.get(status, 500),
-            str(done.get("message") or status),
-            hint if isinstance(hint, int) else None,
-        )
+        refused = engine.refusal(stream.refused or Done("internal", message="no reply"))
+        return reply(refused.status, refused.message, refused.retry_after_ms)
     with contextlib.suppress(ConnectionError, RuntimeError):
         await stream.response.write_eof()
     return stream.response

@@ -15,6 +15,7 @@ same admission, tenant quotas, limits and watchdogs as a native run:
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
 import time
@@ -26,10 +27,11 @@ from appliance.api import busy
 from appliance.api.fusion import languages, shapes
 from appliance.api.fusion.shapes import BadRequest, CellOutput, CodeAsk, Result
 from appliance.api.transport import FrameParser
+from appliance.core import events
 from appliance.core.errors import RequestRejected
 from appliance.core.service import RunService
 from appliance.core.tasks import TaskScope
-from appliance.wire.protocol import ExecuteRequest, Frame, ProtocolError
+from appliance.wire.protocol import ExecuteRequest, ProtocolError
 
 OOM_EXIT = 137  # what a shell reports for a process the kernel killed (128 + SIGKILL)
 
@@ -53,52 +55,51 @@ class Collected:
     display: list[dict[str, Any]] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
     tracebacks: list[str] = field(default_factory=list)
-    files: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)  # path -> (data, why not)
+    # path -> (base64 data, why not)
+    files: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
     started: float | None = None
     ended: float | None = None
-    done: Frame | None = None
+    done: events.Done | None = None
 
-    async def emit(self, frame: Frame) -> None:
-        kind = frame.get("type")
-        if kind == "start":
-            self.started = self.clock()
-        elif kind == "stream":
-            (self.stderr if frame.get("name") == "stderr" else self.stdout).append(str(frame.get("text", "")))
-        elif kind in ("display", "result"):
-            self.display.append(frame.get("data") or {})
-        elif kind == "error":
-            tb = frame.get("traceback") or []
-            self.errors.append({"ename": frame.get("ename"), "evalue": frame.get("evalue"), "traceback": tb})
+    async def emit(self, event: events.Event) -> None:
+        if isinstance(event, events.Output):
+            (self.stderr if event.name == "stderr" else self.stdout).append(event.text)
+        elif isinstance(event, (events.Display, events.Result)):
+            self.display.append(event.data)
+        elif isinstance(event, events.CellError):
+            tb = event.traceback
+            self.errors.append({"ename": event.ename, "evalue": event.evalue, "traceback": tb})
             # A script's uncaught exception is on its stderr (as `python file.py` prints it);
             # a Jupyter cell's is in its `error` list only (`result` adds them).
-            self.tracebacks.append("\n".join(map(str, tb)) + "\n")
-        elif kind == "file":
-            self.files[str(frame.get("path"))] = (frame.get("data"), frame.get("message"))
-        elif kind == "done":
+            self.tracebacks.append("\n".join(tb) + "\n")
+        elif isinstance(event, events.Started):
+            self.started = self.clock()
+        elif isinstance(event, events.FileOut):
+            data = base64.b64encode(event.data).decode() if event.data is not None else None
+            self.files[event.path] = (data, event.message)
+        elif isinstance(event, events.Done):
             self.ended = self.clock()
-            self.done = frame
+            self.done = event
 
     @property
     def status(self) -> str:
-        return str((self.done or {}).get("status", "internal"))
+        return self.done.status if self.done is not None else "internal"
 
     @property
     def message(self) -> str:
-        return str((self.done or {}).get("message") or "")
+        return (self.done.message if self.done is not None else None) or ""
 
     @property
     def session(self) -> str | None:
-        session = (self.done or {}).get("session")
-        return session if isinstance(session, str) else None
+        return self.done.session if self.done is not None else None
 
     def refusal(self) -> Refused | None:
         """The HTTP refusal for a run that never ran (busy, rejected), else None."""
         if self.status == "busy":
-            hint = (self.done or {}).get("retry_after_ms")
             return Refused(
                 busy.STATUS,
                 self.message or "the appliance is busy; try again shortly",
-                hint if isinstance(hint, int) else None,
+                self.done.retry_after_ms if self.done is not None else None,
             )
         if self.status == "rejected":
             return Refused(400, self.message or "the request was rejected")
@@ -110,7 +111,7 @@ class Collected:
         if self.started is not None and self.ended is not None:
             seconds = round(self.ended - self.started, 6)
         out, err = "".join(self.stdout), "".join(self.stderr) + "".join(self.tracebacks)
-        status, exit_code = self.status, (self.done or {}).get("exit_code")
+        status, exit_code = self.status, (self.done.exit_code if self.done is not None else None)
         if status in ("ok", "error"):
             code = exit_code if isinstance(exit_code, int) else (0 if status == "ok" else 1)
             return Result(shapes.FINISHED, seconds, code, out, err)
