@@ -1,0 +1,122 @@
+"""The benchmark report's pure parts: percentiles, summaries, the targets' verdicts, the pool's
+idle test and the phase table (the benchmarks themselves run in tests/test_benchmarks.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import report
+from benchmarks.appliance_server import profiles_full
+from benchmarks.phases import Timeline
+from benchmarks.stats import median_ratio, percentile, summarize
+
+
+def test_percentile_interpolates_between_closest_ranks() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([1.0, 2.0], 50) == 1.5
+    assert percentile([10.0, 0.0, 5.0], 100) == 10.0
+    assert percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError, match="no samples"):
+        percentile([], 50)
+
+
+def test_median_ratio_gives_the_ratio_of_medians_inside_its_interval() -> None:
+    a = [float(v) for v in range(1, 102)]
+    assert median_ratio(a, a)[0] == 1.0
+    assert median_ratio([3.0] * 50, [6.0] * 50) == (0.5, 0.5, 0.5)  # no spread: no doubt
+    ratio, low, high = median_ratio(a, list(reversed(a)))
+    assert low < ratio == 1.0 < high  # two samples of one spread: the interval holds 1 inside it
+    assert median_ratio(a, a, seed=3) == median_ratio(a, a, seed=3)
+
+
+def test_summary_orders_its_percentiles() -> None:
+    s = summarize([float(v) for v in range(1, 101)])
+    assert s.n == 100
+    assert s.min_ms <= s.p50_ms <= s.p90_ms <= s.p99_ms <= s.max_ms
+    assert s.p50_ms == pytest.approx(50.5)
+
+
+def _results(  # noqa: PLR0913 (one figure per benchmark row)
+    warm: float,
+    naive: float,
+    jupyter: float,
+    pandas_warm: float,
+    pandas_naive: float,
+    runs_per_s: float,
+    capacity: float,
+    pss: float,
+    eval_ratio: float = 0.9,
+) -> dict[str, object]:
+    def entry(p50: float) -> dict[str, float]:
+        return {
+            "n": 10,
+            "p50_ms": p50,
+            "p90_ms": p50 * 2,
+            "p99_ms": p50 * 3,
+            "mean_ms": p50,
+            "min_ms": p50,
+            "max_ms": p50 * 3,
+        }
+
+    return {
+        "latency": {
+            "print": {report.WARM: entry(warm), report.NAIVE: entry(naive), report.JUPYTER: entry(jupyter)},
+            "pandas": {report.WARM: entry(pandas_warm), report.NAIVE: entry(pandas_naive)},
+        },
+        "throughput": {
+            "spawn_capacity": {"spawns_per_s": capacity},
+            "levels": [{"clients": 1, "runs_per_s": runs_per_s}],
+        },
+        "memory": {"pss_mb_per_warm_jail": pss},
+        "eval": {"ratio": eval_ratio},
+    }
+
+
+def test_targets_pass_when_every_ratio_is_met() -> None:
+    verdicts = [t.verdict() for t in report.targets(_results(1.5, 60, 4, 10, 800, 2.0, 2.1, 80))]
+    assert verdicts == ["PASS"] * 7
+
+
+def test_missed_targets_are_reported_not_raised() -> None:
+    found = report.targets(_results(5.0, 200, 4, 100, 800, 1.0, 2.0, 200, eval_ratio=0.3))
+    by_name = {t.name: t.verdict() for t in found}
+    assert by_name["print(2+2) p50, warm pool (ms)"] == "MISS"
+    assert by_name["print(2+2): warm Jupyter p50 / warm p50"] == "MISS"
+    assert by_name["pandas cell: naive firejail p50 / warm p50"] == "MISS"
+    assert by_name["peak sustained runs/s / jail-spawn capacity"] == "MISS"
+    assert by_name["idle PSS per warm jail (MB)"] == "MISS"
+    assert by_name["import-light eval runs/s: default / SANDBOX_PRELOAD=''"] == "MISS"
+    assert by_name["print(2+2): naive firejail p50 / warm p50"] == "PASS"
+
+
+def test_a_pool_is_idle_only_when_every_profile_holds_its_target() -> None:
+    # Right after a run: the totals read "enough ready, none starting", the bare pool is one short.
+    after_a_run = {
+        "appliance_pool_ready": 3.0,
+        "appliance_pool_starting": 0.0,
+        'appliance_profile_pool_ready{profile="bare"}': 1.0,
+        'appliance_profile_pool_target{profile="bare"}': 2.0,
+        'appliance_profile_pool_ready{profile="science"}': 2.0,
+        'appliance_profile_pool_target{profile="science"}': 2.0,
+    }
+    assert not profiles_full(after_a_run)
+    refilled = {**after_a_run, 'appliance_profile_pool_ready{profile="bare"}': 2.0}
+    assert profiles_full(refilled)
+    grown = {**refilled, 'appliance_profile_pool_ready{profile="science"}': 5.0}
+    assert profiles_full(grown)
+
+
+def test_the_phase_table_takes_the_commonest_path_and_medians_its_gaps() -> None:
+    timeline = Timeline()
+    timeline.runs = [
+        [("frame read", 0), ("send done>", 9_000)],  # the unwarm first run: skipped
+        [("frame read", 0), ("op write>", 1_000), ("send done>", 3_000)],
+        [("frame read", 0), ("op write>", 3_000), ("send done>", 4_000)],
+        [("frame read", 0), ("op write>", 2_000), ("send done>", 6_000)],
+        [("frame read", 0), ("cold jail", 1_000_000), ("send done>", 2_000_000)],  # another path
+    ]
+    table = timeline.table()
+    assert table.startswith("3 of 4 runs took this path")
+    assert "| 1 | `frame read` | `op write>` | 2 |" in table  # median of 1, 3, 2 µs
+    assert "| 2 | `op write>` | `send done>` | 2 |" in table  # median of 2, 1, 4 µs
+    assert "**4**" in table and "cold jail" not in table  # median whole: 3, 4, 6 µs
