@@ -11,6 +11,7 @@ from typing import Any
 
 from appliance.api.frames import framed
 from appliance.core.domain import CellOutcome, PipeFull, RunRequest
+from appliance.core.egress import Narrowing
 from appliance.core.errors import JailFailure
 from appliance.core.events import Emit, GpuShare, Output, Started
 from appliance.core.ports import GpuBudget, Jail, OutputFile, Outputs
@@ -187,6 +188,7 @@ class FakeCells:
         keep_alive: bool,
         started: Callable[[], None],
         first: Started,
+        egress: Narrowing = (),
     ) -> CellOutcome:
         assert isinstance(jail, FakeJail)
         jail.process.write(b"run:" + req.code.encode())

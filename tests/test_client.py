@@ -75,6 +75,7 @@ class TestArguments:
             ({"session": 3}, "session must be str, got int"),
             ({"gpu": 2048}, "gpu must be a GpuRequest or a mapping"),
             ({"stdin_eof": "yes"}, "stdin_eof must be bool"),
+            ({"egress_allow": "api.example.com:443"}, "egress_allow must be a list"),
             ({"timeuot_ms": 5}, "unexpected keyword argument\\(s\\): timeuot_ms"),
         ],
     )
@@ -97,6 +98,8 @@ class TestArguments:
             "code": "1",
         }
         assert request_frame("1", "r1", stdin_eof=True)["stdin_eof"] is True
+        allow = request_frame("1", "r1", egress_allow=("api.example.com:443",))["egress"]
+        assert allow == {"allow": ["api.example.com:443"]}
 
 
 def gathered(*frames: dict[str, Any]) -> Execution:

@@ -14,14 +14,16 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from appliance_client.client import AsyncClient
+from appliance_client.client import AsyncClient, Execution
 from tests.fakenet import DOMAIN, FakeNet, fake_internet, sh
 from tests.support import Server, start_server
 
-TOKEN = "egress-proxy-token-" + secrets.token_hex(8)
+TOKEN = "egress-proxy-token-" + secrets.token_hex(8)  # tenant "open": the server's list
+NARROW = "egress-narrow-token-" + secrets.token_hex(8)  # tenant "narrow": api.fake.test:80 only
 ALLOW = (
     f"api.{DOMAIN}:443,api.{DOMAIN}:80,*.wild.{DOMAIN}:443,pypi.{DOMAIN}:443,"
     f"private.{DOMAIN}:80,mixed.{DOMAIN}:80"
@@ -111,9 +113,16 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     base = tmp_path_factory.mktemp("egress-proxy")
     with fake_internet(base / "net") as net:
         log = base / "egress.jsonl"
+        tokens = base / "tokens.toml"
+        tokens.write_text(
+            f'[[tenant]]\nname = "open"\ntoken = "{TOKEN}"\n\n'
+            f'[[tenant]]\nname = "narrow"\ntoken = "{NARROW}"\n'
+            f'egress_allow_domains = ["api.{DOMAIN}:80", "other.{DOMAIN}:80"]\n'
+        )
+        tokens.chmod(0o600)
         srv = start_server(
             base / "server",
-            SANDBOX_AUTH_TOKEN=TOKEN,
+            SANDBOX_AUTH_TOKENS_FILE=str(tokens),
             SANDBOX_EGRESS_SUBNET=f"10.217.{net.k}.0/24",
             settings={
                 "SANDBOX_EGRESS_ALLOW_DOMAINS": ALLOW,
@@ -129,12 +138,18 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             srv.stop()
 
 
-async def probe(setup: Setup, checks: list[tuple[str, str, list[object]]]) -> dict[str, object]:
+async def probed(
+    setup: Setup, checks: list[tuple[str, str, list[object]]], token: str = TOKEN, **options: Any
+) -> tuple[dict[str, object], Execution]:
     code = f"CA_PEM = {json.dumps(setup.net.ca.read_text())}\n" + PROBE.replace("CHECKS", json.dumps(checks))
-    async with AsyncClient(setup.server.url, token=TOKEN) as c:
-        ex = await c.execute(code, timeout_ms=60000)
-    assert ex.status == "ok", (ex.status, ex.stderr, ex.stdout)
-    return dict(json.loads(ex.stdout.splitlines()[-1]))
+    async with AsyncClient(setup.server.url, token=token) as c:
+        ex = await c.execute(code, timeout_ms=60000, **options)
+    assert ex.status == "ok", (ex.status, ex.error, ex.stderr, ex.stdout)
+    return dict(json.loads(ex.stdout.splitlines()[-1])), ex
+
+
+async def probe(setup: Setup, checks: list[tuple[str, str, list[object]]]) -> dict[str, object]:
+    return (await probed(setup, checks))[0]
 
 
 def host_get(host: str, port: int, path: str = "/hello") -> str:
@@ -246,6 +261,71 @@ async def test_flows_are_counted_and_logged(setup: Setup) -> None:
         r["host"] == f"other.{d}" and r["decision"] == "denied" and "allowlist" in r["why"] for r in lines
     )
     assert os.stat(setup.log).st_mode & 0o077 == 0
+
+
+async def test_done_lists_every_flow_and_each_denial_is_streamed(setup: Setup) -> None:
+    d = DOMAIN
+    got, ex = await probed(
+        setup,
+        [
+            ("ok", "urllib_get", [f"http://api.{d}/bytes/20000"]),
+            ("tls", "urllib_get", [f"https://x.wild.{d}/hello"]),
+            ("no", "urllib_get", [f"http://other.{d}/hello"]),
+        ],
+    )
+    assert str(got["ok"]).startswith("200 ") and str(got["no"]).startswith("HTTP 403"), got
+    told = [f for f in ex.frames if f["type"] == "egress"]
+    assert [{k: v for k, v in f.items() if k != "seq"} for f in told] == [
+        {
+            "type": "egress",
+            "id": ex.id,
+            "host": f"other.{d}",
+            "port": 80,
+            "decision": "denied",
+            "why": f"other.{d}:80 is not in the allowlist",
+        }
+    ]
+    done = ex.frames[-1]
+    assert done["type"] == "done" and ex.frames.index(told[0]) < len(ex.frames) - 1
+    flows = done["egress"]
+    assert [(f["host"], f["port"], f["decision"]) for f in flows] == [
+        (f"api.{d}", 80, "allowed"),
+        (f"x.wild.{d}", 443, "allowed"),
+        (f"other.{d}", 80, "denied"),
+    ], flows
+    plain, tls, denied = flows
+    assert plain["rule"] == f"api.{d}:80" and plain["address"] == setup.net.public
+    assert plain["bytes_down"] > 20000 and plain["bytes_up"] > 0 and plain["duration_ms"] >= 1
+    assert tls["rule"] == f"*.wild.{d}:443" and tls["bytes_up"] > 200 and tls["bytes_down"] > 200
+    assert denied["why"] == f"other.{d}:80 is not in the allowlist" and "rule" not in denied
+    assert "egress_omitted" not in done
+
+
+async def test_a_tenant_and_a_request_can_only_narrow(setup: Setup) -> None:
+    d = DOMAIN
+    checks: list[tuple[str, str, list[object]]] = [
+        ("api80", "urllib_get", [f"http://api.{d}/hello"]),
+        ("api443", "urllib_get", [f"https://api.{d}/hello"]),
+        ("other80", "urllib_get", [f"http://other.{d}/hello"]),
+    ]
+    tenant, ex = await probed(setup, checks, token=NARROW)
+    assert str(tenant["api80"]).startswith("200 hello"), tenant
+    assert "403 Forbidden" in str(tenant["api443"]), tenant  # a refused tunnel: the reason is told
+    why = {(f["host"], f["port"]): f["why"] for f in ex.frames if f["type"] == "egress"}
+    assert why[(f"api.{d}", 443)] == f"api.{d}:443 is not in the tenant's allowlist", why
+    # The tenant lists other.fake.test:80, the server does not: refused.
+    assert str(tenant["other80"]) == f"HTTP 403 appliance egress proxy: other.{d}:80 is not in the allowlist"
+    request, _ = await probed(setup, checks, egress_allow=[f"api.{d}:443", f"other.{d}:80"])
+    assert str(request["api443"]).startswith("200 hello"), request
+    assert "not in the request's allowlist" in str(request["api80"]), request
+    assert "is not in the allowlist" in str(request["other80"]), request
+
+
+async def test_a_malformed_request_rule_is_rejected_naming_it(setup: Setup) -> None:
+    async with AsyncClient(setup.server.url, token=TOKEN) as c:
+        ex = await c.execute("print(1)", egress_allow=[f"api.{DOMAIN}:443", "*.com:443"])
+    assert ex.status == "rejected" and "egress.allow[1] '*.com:443'" in str(ex.message), ex.message
+    assert "top-level domain" in str(ex.message)
 
 
 def _tiny_wheel(files: Path) -> str:

@@ -14,10 +14,12 @@ from pydantic import TypeAdapter
 
 from appliance.api.frames import frame_of, framed
 from appliance.core import events
+from appliance.core.egress import Flow
 from appliance.core.events import (
     CellError,
     Display,
     Done,
+    EgressDenied,
     Event,
     FileOut,
     GpuShare,
@@ -151,6 +153,79 @@ CASES: list[tuple[Event, dict[str, Any], str]] = [
         },
         '{"type":"done","id":"r1","status":"output_limit","exit_code":0,"duration_ms":7,"cpu_ms":null,'
         '"max_rss_mb":null,"message":"too much","session":"s-1","import_ms":40}',
+    ),
+    (
+        EgressDenied("other.example.com", 443, "other.example.com:443 is not in the allowlist"),
+        {
+            "type": "egress",
+            "id": "r1",
+            "host": "other.example.com",
+            "port": 443,
+            "decision": "denied",
+            "why": "other.example.com:443 is not in the allowlist",
+        },
+        '{"type":"egress","id":"r1","host":"other.example.com","port":443,"decision":"denied",'
+        '"why":"other.example.com:443 is not in the allowlist"}',
+    ),
+    (
+        # Names mode: every flow, allowed or not; an empty ledger is said, flows past its
+        # bound are counted.
+        Done(
+            "ok",
+            duration_ms=1,
+            egress=(
+                Flow(
+                    "api.example.com",
+                    443,
+                    "allowed",
+                    rule="*.example.com:443",
+                    address="203.0.113.7",
+                    bytes_up=517,
+                    bytes_down=4096,
+                    duration_ms=12,
+                ),
+                Flow("other.example.com", 80, "denied", why="not listed"),
+            ),
+            egress_omitted=3,
+        ),
+        {
+            "type": "done",
+            "id": "r1",
+            "status": "ok",
+            "exit_code": None,
+            "duration_ms": 1,
+            "cpu_ms": None,
+            "max_rss_mb": None,
+            "message": None,
+            "egress": [
+                {
+                    "host": "api.example.com",
+                    "port": 443,
+                    "decision": "allowed",
+                    "bytes_up": 517,
+                    "bytes_down": 4096,
+                    "duration_ms": 12,
+                    "rule": "*.example.com:443",
+                    "address": "203.0.113.7",
+                },
+                {
+                    "host": "other.example.com",
+                    "port": 80,
+                    "decision": "denied",
+                    "bytes_up": 0,
+                    "bytes_down": 0,
+                    "duration_ms": 0,
+                    "why": "not listed",
+                },
+            ],
+            "egress_omitted": 3,
+        },
+        '{"type":"done","id":"r1","status":"ok","exit_code":null,"duration_ms":1,"cpu_ms":null,'
+        '"max_rss_mb":null,"message":null,"egress":[{"host":"api.example.com","port":443,'
+        '"decision":"allowed","bytes_up":517,"bytes_down":4096,"duration_ms":12,'
+        '"rule":"*.example.com:443","address":"203.0.113.7"},{"host":"other.example.com","port":80,'
+        '"decision":"denied","bytes_up":0,"bytes_down":0,"duration_ms":0,"why":"not listed"}],'
+        '"egress_omitted":3}',
     ),
     (
         Done("ok", duration_ms=1, files_skipped=2),

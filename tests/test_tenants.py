@@ -75,6 +75,11 @@ def test_a_tokens_file_gives_each_tenant_its_quotas_and_hashes_plain_tokens() ->
         (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\n[[tenant]]\nname='a'\ntoken='{BOB}'", "unique"),
         (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\n[[tenant]]\nname='b'\ntoken='{ALICE}'", "share a token"),
         ("[other]\nx=1", "unknown top-level"),
+        (f"[[tenant]]\nname='a'\ntoken='{ALICE}'\negress_allow_domains='x.com:443'", "must be a list"),
+        (
+            f"[[tenant]]\nname='a'\ntoken='{ALICE}'\negress_allow_domains=['ok.com:443', '*.com:443']",
+            "tenant 'a': egress_allow_domains: '\\*.com:443' a wildcard over a top-level domain",
+        ),
     ],
     # The same ids in every process (pytest-xdist compares them): the random token masked.
     ids=lambda value: str(value).replace(ALICE, "ALICE").replace(BOB, "BOB"),
@@ -82,6 +87,15 @@ def test_a_tokens_file_gives_each_tenant_its_quotas_and_hashes_plain_tokens() ->
 def test_a_bad_tokens_file_is_refused_with_a_message_naming_the_problem(text: str, complaint: str) -> None:
     with pytest.raises(SettingsError, match=complaint):
         tenants.parse(text)
+
+
+def test_a_tenant_may_narrow_egress_by_name() -> None:
+    parsed, _ = tenants.parse(
+        f"[[tenant]]\nname='a'\ntoken='{ALICE}'\negress_allow_domains=['API.x.com:443']"
+    )
+    held = tenants.Tenants(parsed)
+    assert [str(r) for r in held.egress_rules(tenants.owner_of(ALICE)) or ()] == ["api.x.com:443"]
+    assert held.egress_rules(tenants.owner_of(BOB)) is None
 
 
 def test_no_error_message_repeats_a_token() -> None:

@@ -20,6 +20,7 @@ from appliance.core.events import (
     CellError,
     Display,
     Done,
+    EgressDenied,
     Emit,
     Event,
     FileOut,
@@ -73,7 +74,13 @@ def _done(rid: str, e: Done) -> Frame:
         import_ms=e.import_ms,
         files_skipped=e.files_skipped,
         retry_after_ms=e.retry_after_ms,
+        egress=[f.as_dict() for f in e.egress] if e.egress is not None else None,
+        egress_omitted=e.egress_omitted,
     )
+
+
+def _egress(rid: str, e: EgressDenied) -> Frame:
+    return protocol.egress_frame(rid, e.host, e.port, e.why)
 
 
 def frame_of(rid: str, event: Event) -> Frame:
@@ -93,6 +100,8 @@ def frame_of(rid: str, event: Event) -> Frame:
         return _done(rid, event)
     if isinstance(event, FileOut):
         return _file(rid, event)
+    if isinstance(event, EgressDenied):
+        return _egress(rid, event)
     raise TypeError(f"not an event of appliance.core.events: {type(event).__name__}")
 
 

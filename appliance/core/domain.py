@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from appliance.core.egress import Flow
+
 
 class Upload(Protocol):
     """A file the request writes into the run's working directory before the code starts."""
@@ -28,6 +30,13 @@ class GpuAsk(Protocol):
 
     @property
     def memory_mb(self) -> int: ...
+
+
+class EgressAsk(Protocol):
+    """The hosts a request narrows its run's egress to (names mode), as `host:port` rules."""
+
+    @property
+    def allow(self) -> Sequence[str]: ...
 
 
 class RunRequest(Protocol):
@@ -62,6 +71,9 @@ class RunRequest(Protocol):
     def from_snapshot(self) -> str | None:
         """A snapshot id: the new session this request opens starts from it."""
 
+    @property
+    def egress(self) -> EgressAsk | None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class File:
@@ -87,6 +99,7 @@ class Request:
     stdin_eof: bool = False
     memory_mb: int | None = None
     from_snapshot: str | None = None
+    egress: EgressAsk | None = None
 
 
 @dataclass
@@ -102,6 +115,8 @@ class CellOutcome:
     output_bytes: int = 0
     import_ms: int | None = None
     files_skipped: int | None = None  # outputs/ files not returned (SANDBOX_MAX_OUTPUTS_BYTES)
+    egress: tuple[Flow, ...] | None = None  # names mode: the cell's flows through the egress proxy
+    egress_omitted: int | None = None  # flows past the ledger's bound
 
 
 class PipeFull(Exception):

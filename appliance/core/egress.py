@@ -112,12 +112,15 @@ def first_match(rules: Rules, host: str, port: int) -> Rule | None:
     return None
 
 
+Narrowing = tuple[tuple[str, Rules], ...]  # (who, rules) after the server's: "tenant", "request"
+
+
 @dataclass(frozen=True, slots=True)
 class Layers:
     """The rules a run's flows are held to: the server's, then any narrowing ones."""
 
     server: Rules
-    narrowing: tuple[tuple[str, Rules], ...] = ()  # (who, rules): "tenant", "request"
+    narrowing: Narrowing = ()
 
     def narrowed(self, who: str, rules: Rules | None) -> Layers:
         return self if rules is None else Layers(self.server, (*self.narrowing, (who, rules)))

@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.core.egress import Flow
+
 
 @dataclass(frozen=True, slots=True)
 class GpuShare:
@@ -98,8 +100,20 @@ class Done:
     import_ms: int | None = None
     files_skipped: int | None = None
     retry_after_ms: int | None = None
+    egress: tuple[Flow, ...] | None = None  # names mode: the run's flows through the egress proxy
+    egress_omitted: int | None = None  # flows past the ledger's bound, counted only
 
 
-Event = Started | Output | Display | Result | CellError | FileOut | Done
+@dataclass(frozen=True, slots=True)
+class EgressDenied:
+    """A connection the run asked the egress proxy for was refused (names mode), told as it
+    happens so that the caller reads why instead of waiting for a timeout."""
+
+    host: str
+    port: int
+    why: str
+
+
+Event = Started | Output | Display | Result | CellError | FileOut | EgressDenied | Done
 CellEvent = Output | Display | Result | CellError  # what a cell's own output becomes
 Emit = Callable[[Event], Awaitable[None]]  # the caller's: awaited per event, in order

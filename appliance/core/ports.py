@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from appliance.core.domain import CellOutcome, RunRequest
+from appliance.core.egress import Narrowing
 from appliance.core.errors import RequestRejected
 from appliance.core.events import Emit, GpuShare, Started
 
@@ -143,9 +144,11 @@ class Cells(Protocol):
         keep_alive: bool,
         started: Callable[[], None],
         first: Started,
+        egress: Narrowing = (),
     ) -> CellOutcome:
         """Run req's code in the jail, `first` then its output events through emit, within
-        the limits; how it ended (its `Done` is the service's)."""
+        the limits, its flows by name held to `egress` besides the server's allowlist; how it
+        ended (its `Done` is the service's)."""
 
     async def between_cells(self, jail: Jail) -> str | None:
         """Why an idle session's jail must end now (a watchdog's verdict, over its disk

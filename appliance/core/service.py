@@ -20,12 +20,14 @@ from typing import Any
 
 from appliance.core.admission import Admission
 from appliance.core.domain import CellOutcome, Gpu, PipeFull, Request, RunRequest
+from appliance.core.egress import Narrowing, Rules, parse_rules
 from appliance.core.errors import (
     ApplianceError,
     Busy,
     GpuMemoryLimit,
     JailFailure,
     RequestRejected,
+    SettingsError,
     status_of,
 )
 from appliance.core.events import Done, Emit, Event, FileOut, Started
@@ -66,6 +68,7 @@ class Run:
         self._jail: Jail | None = None
         self._pending: list[bytes] = []  # stdin that came before the run had a jail
         self._interrupt: str | None = None
+        self.egress: Narrowing = ()  # the tenant's and the request's allowlists (names mode)
 
     def stdin(self, data: str, eof: bool) -> None:
         """Feed the run's stdin; RequestRejected when more than SANDBOX_MAX_STDIN_BYTES would wait."""
@@ -217,6 +220,7 @@ class RunService:
         try:
             if tenants is not None:
                 quota.enter_context(tenants.request(owner))
+            run.egress = self._egress_narrowing(req, owner)
             session: Session | None = None
             restoring = req.from_snapshot
             if restoring is not None:
@@ -303,6 +307,8 @@ class RunService:
                 session=session_id,
                 import_ms=outcome.import_ms,
                 files_skipped=outcome.files_skipped,
+                egress=outcome.egress,
+                egress_omitted=outcome.egress_omitted,
             ),
         )
         # Counted once `done` is on its way (nothing yields in between: a scrape that follows
@@ -477,6 +483,27 @@ class RunService:
                     "the appliance is still starting (its jail pool is not up yet); try again shortly"
                 ) from None
 
+    def _egress_narrowing(self, req: RunRequest, owner: str) -> Narrowing:
+        """The allowlists a run's flows are held to besides the server's: its tenant's, then its
+        own (names mode). A request that asks for one where there is no proxy to hold it to is
+        refused rather than run with more than it asked for."""
+        narrowing: list[tuple[str, Rules]] = []
+        tenant_rules = self.tenants.egress_rules(owner) if self.tenants is not None else None
+        if tenant_rules is not None:
+            narrowing.append(("tenant", tenant_rules))
+        ask = req.egress
+        if ask is not None:
+            if not self.settings.egress_allow_domains:
+                raise RequestRejected(
+                    "'egress' narrows egress by name, but this appliance allows none "
+                    "(SANDBOX_EGRESS_ALLOW_DOMAINS is not set)"
+                )
+            try:
+                narrowing.append(("request", parse_rules(ask.allow, "egress.allow")))
+            except SettingsError as exc:
+                raise RequestRejected(exc.message) from None
+        return tuple(narrowing)
+
     def _admitted(self, queued_ms: int) -> None:
         self.metrics.queue_depth.set(self.admission.waiting)
         self.metrics.queue_seconds.observe(queued_ms / 1000)
@@ -504,6 +531,7 @@ class RunService:
                 timeout_ms=self._timeout_ms(req),
                 keep_alive=keep_alive,
                 started=lambda: run._attach(jail),
+                egress=run.egress,
                 first=start,
             )
         finally:
@@ -622,6 +650,7 @@ def session_opener(req: RunRequest) -> Request:
         stdin_eof=True,
         memory_mb=req.memory_mb,
         from_snapshot=req.from_snapshot,
+        egress=req.egress,
     )
 
 

@@ -11,6 +11,7 @@ The file is TOML, one `[[tenant]]` table per tenant:
     runs_per_minute = 60           # token bucket: refills this many per minute ...
     burst = 10                     # ... and holds at most this many (default: runs_per_minute)
     max_gpu_mb = 8192              # GPU memory its runs and sessions hold at once (GPU mode)
+    egress_allow_domains = ["api.example.com:443"]  # names its runs may reach, within the server's
 
 Every quota is optional (absent: only the server-wide limits apply); unknown keys are
 errors, so a misspelt quota cannot silently switch itself off. A tenant is known by the
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.core import backpressure
+from appliance.core.egress import Rules, parse_rules
 from appliance.core.errors import Busy, SettingsError
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -49,6 +51,7 @@ KEYS = {
     "runs_per_minute",
     "burst",
     "max_gpu_mb",
+    "egress_allow_domains",
 }
 
 
@@ -68,6 +71,7 @@ class Tenant:
     runs_per_minute: float | None = None
     burst: int | None = None
     max_gpu_mb: int | None = None
+    egress_allow_domains: Rules | None = None  # narrows SANDBOX_EGRESS_ALLOW_DOMAINS for its runs
 
 
 class TokenBucket:
@@ -103,6 +107,15 @@ def _positive_int(entry: Mapping[str, Any], key: str, where: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise SettingsError(f"{where}: {key} must be a whole number of at least 1, got {value!r}")
     return value
+
+
+def _rules(entry: Mapping[str, Any], key: str, where: str) -> Rules | None:
+    value = entry.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SettingsError(f'{where}: {key} must be a list of "host:port" strings')
+    return parse_rules(value, f"{where}: {key}")
 
 
 def parse(text: str, source: str = "SANDBOX_AUTH_TOKENS_FILE") -> tuple[tuple[Tenant, ...], bool]:  # noqa: C901, PLR0912 (one check per field of the tenants file, each with its own message)
@@ -156,6 +169,7 @@ def parse(text: str, source: str = "SANDBOX_AUTH_TOKENS_FILE") -> tuple[tuple[Te
                 runs_per_minute=float(rpm) if rpm is not None else None,
                 burst=burst,
                 max_gpu_mb=_positive_int(entry, "max_gpu_mb", where),
+                egress_allow_domains=_rules(entry, "egress_allow_domains", where),
             )
         )
     names = [t.name for t in tenants]
@@ -216,6 +230,11 @@ class Tenants:
         if token is None or found is None:
             return None
         return self._states[found.hex()].tenant
+
+    def egress_rules(self, owner: str) -> Rules | None:
+        """The owner's tenant's egress allowlist, or None when it has none of its own."""
+        state = self._states.get(owner)
+        return state.tenant.egress_allow_domains if state is not None else None
 
     def session_limits(self) -> dict[str, int]:
         """owner -> max_sessions, for the tenants that have one."""

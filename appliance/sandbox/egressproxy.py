@@ -91,12 +91,37 @@ class Scope:
         self.flows: list[Flow] = []
         self.omitted = 0
         self.told = 0
+        self.closed = False
+        self._telling = 0
+        self._quiet = asyncio.Event()
+        self._quiet.set()
 
     def record(self, flow: Flow) -> None:
         if len(self.flows) < MAX_FLOWS:
             self.flows.append(flow)
         else:
             self.omitted += 1
+
+    async def tell(self, flow: Flow) -> None:
+        """Tell the run of a denial as it happens (the first MAX_DENIALS_TOLD, while it runs)."""
+        if self.closed or self.on_denied is None or self.told >= MAX_DENIALS_TOLD:
+            return
+        self.told += 1
+        self._telling += 1
+        self._quiet.clear()
+        try:
+            await self.on_denied(flow)
+        except Exception:  # the run's caller is gone: the ledger still has it
+            log.debug("a denial could not be told", exc_info=True)
+        finally:
+            self._telling -= 1
+            if self._telling == 0:
+                self._quiet.set()
+
+    async def close(self) -> None:
+        """No more telling; wait for what is being told (each is bounded by its caller)."""
+        self.closed = True
+        await self._quiet.wait()
 
     def ledger(self) -> list[Flow]:
         """The flows so far; those still open are given their duration until now."""
@@ -313,10 +338,8 @@ class EgressProxy:
         scope = state.scope
         if scope is not None:
             scope.record(flow)
-            if flow.decision == DENIED and scope.on_denied is not None and scope.told < MAX_DENIALS_TOLD:
-                scope.told += 1
-                with contextlib.suppress(Exception):
-                    await scope.on_denied(flow)
+            if flow.decision == DENIED:
+                await scope.tell(flow)
 
     def _finish(self, state: _Jail, flow: Flow) -> None:
         flow.duration_ms = max(1, int((time.monotonic() - flow.started) * 1000)) if flow.started else 0

@@ -13,8 +13,8 @@ import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 
 from appliance.core.domain import CellOutcome, RunRequest
-from appliance.core.egress import Layers
-from appliance.core.events import Emit, Started
+from appliance.core.egress import Flow, Layers, Narrowing
+from appliance.core.events import EgressDenied, Emit, Started
 from appliance.core.ports import Jail as AnyJail
 from appliance.sandbox import outputs
 from appliance.sandbox.cell import disk_violation, run_cell, stdin_ops
@@ -50,16 +50,24 @@ class JailCells:
         keep_alive: bool,
         started: Callable[[], None],
         first: Started,
+        egress: Narrowing = (),
     ) -> CellOutcome:
         s = self.settings
         own = _own(jail)
-        # Names mode: the jail's flows are this run's from here to its end (its ledger).
+        # Names mode: the jail's flows are this run's from here to its end (its ledger), held
+        # to the server's allowlist and what narrows it; a refusal is told as it happens.
         proxy = own.network.proxy if own.network is not None else None
         link = own.link if proxy is not None else None
+        scope: Scope | None = None
         if proxy is not None and link is not None:
-            proxy.begin(link, Scope(Layers(s.egress_allow_domains), req.id))
+
+            async def denied(flow: Flow) -> None:
+                await emit(EgressDenied(flow.host, flow.port, flow.why or "denied"))
+
+            scope = Scope(Layers(s.egress_allow_domains, egress), req.id, denied)
+            proxy.begin(link, scope)
         try:
-            return await run_cell(
+            outcome = await run_cell(
                 own,
                 req,
                 emit,
@@ -73,6 +81,12 @@ class JailCells:
         finally:
             if proxy is not None and link is not None:
                 proxy.end(link)
+            if scope is not None:
+                await scope.close()  # no denial is told after the cell's end
+        if scope is not None:
+            outcome.egress = tuple(scope.ledger())
+            outcome.egress_omitted = scope.omitted or None
+        return outcome
 
     async def between_cells(self, jail: AnyJail) -> str | None:
         own = _own(jail)

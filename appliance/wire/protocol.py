@@ -46,6 +46,7 @@ from pydantic.dataclasses import dataclass as model
 from pydantic_core import PydanticCustomError
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
+from appliance.core.egress import parse_rule
 from appliance.core.errors import RequestRejected
 
 MAX_ID_CHARS = 128
@@ -193,6 +194,33 @@ class GpuRequest:
     memory_mb: Annotated[StrictInt, Field(ge=1, description="Device memory, in MiB.")]
 
 
+MAX_EGRESS_RULES = 100  # a request's own allowlist; it only narrows the server's
+
+
+@model(config=_CONFIG)
+class EgressRequest:
+    """What this run may reach by name, within the server's and its tenant's allowlists
+    (names mode, SANDBOX_EGRESS_ALLOW_DOMAINS): it can only narrow them."""
+
+    allow: Annotated[
+        tuple[Annotated[StrictStr, Field(max_length=300)], ...], Field(max_length=MAX_EGRESS_RULES)
+    ] = Field(description='`host:port` rules like "api.example.com:443" or "*.pypi.org:443".')
+
+    @field_validator("allow", mode="after")
+    @classmethod
+    def _rules(cls, allow: tuple[str, ...]) -> tuple[str, ...]:
+        for i, entry in enumerate(allow):
+            try:
+                parse_rule(entry)
+            except ValueError as exc:
+                raise PydanticCustomError(
+                    "egress_rule",
+                    "egress.allow[{i}] {entry} {why}",
+                    {"i": i, "entry": repr(entry), "why": str(exc)},
+                ) from None
+        return allow
+
+
 def _files_or_empty(value: object) -> object:
     if value is None:
         return ()
@@ -218,6 +246,10 @@ class ExecuteRequest:
         BeforeValidator(_files_or_empty, json_schema_input_type=list[UploadFile] | None),
     ] = Field(default=(), description="Written into the working directory before the code starts.")
     gpu: GpuRequest | None = Field(default=None, description="Only valid with SANDBOX_GPU=1.")
+    egress: EgressRequest | None = Field(
+        default=None,
+        description="Narrows the hosts this run may reach by name (SANDBOX_EGRESS_ALLOW_DOMAINS).",
+    )
     stdin_eof: StrictBool = Field(default=False, description="The run's stdin is closed from the start.")
     memory_mb: Annotated[StrictInt, Field(ge=1)] | None = Field(
         default=None,
@@ -600,6 +632,20 @@ class FileFrame(TypedDict):
     seq: NotRequired[Seq]
 
 
+class EgressFlow(TypedDict):
+    """One connection a run asked the egress proxy for (names mode), in `done.egress`."""
+
+    host: str
+    port: int
+    decision: Literal["allowed", "denied", "failed"]
+    rule: NotRequired[str]  # the server's rule that allowed it ("address rules" for an IP literal)
+    why: NotRequired[str]  # why it was denied, or could not be reached
+    address: NotRequired[str]  # the checked address it went to
+    bytes_up: int
+    bytes_down: int
+    duration_ms: int
+
+
 class DoneFrame(TypedDict):
     """Always last for a request, exactly once."""
 
@@ -616,9 +662,25 @@ class DoneFrame(TypedDict):
     files_skipped: NotRequired[int]  # outputs/ files not returned: past SANDBOX_MAX_OUTPUTS_BYTES
     retry_after_ms: NotRequired[int]  # with status busy: when to try again (the server's estimate)
     seq: NotRequired[Seq]
+    egress: NotRequired[list[EgressFlow]]  # names mode: the run's flows through the egress proxy
+    egress_omitted: NotRequired[int]  # flows past the ledger's bound, counted only
 
 
-ServerFrame = StartFrame | StreamFrame | DisplayFrame | ResultFrame | ErrorFrame | FileFrame | DoneFrame
+class EgressFrame(TypedDict):
+    """A connection the run asked the egress proxy for was refused, as it happens."""
+
+    type: Literal["egress"]
+    id: str
+    host: str
+    port: int
+    decision: Literal["denied"]
+    why: str
+    seq: NotRequired[Seq]
+
+
+ServerFrame = (
+    StartFrame | StreamFrame | DisplayFrame | ResultFrame | ErrorFrame | FileFrame | EgressFrame | DoneFrame
+)
 SERVER_FRAMES: dict[str, type[Any]] = {
     "start": StartFrame,
     "stream": StreamFrame,
@@ -626,6 +688,7 @@ SERVER_FRAMES: dict[str, type[Any]] = {
     "result": ResultFrame,
     "error": ErrorFrame,
     "file": FileFrame,
+    "egress": EgressFrame,
     "done": DoneFrame,
 }
 
@@ -723,6 +786,8 @@ def done_frame(  # noqa: PLR0913 (one argument per field of the frame)
     import_ms: int | None = None,
     files_skipped: int | None = None,
     retry_after_ms: int | None = None,
+    egress: list[dict[str, Any]] | None = None,
+    egress_omitted: int | None = None,
 ) -> Frame:
     if status not in STATUSES:
         raise ValueError(f"unknown done status {status!r}")
@@ -744,7 +809,15 @@ def done_frame(  # noqa: PLR0913 (one argument per field of the frame)
         frame["files_skipped"] = files_skipped
     if retry_after_ms is not None:
         frame["retry_after_ms"] = retry_after_ms
+    if egress is not None:
+        frame["egress"] = egress
+    if egress_omitted:
+        frame["egress_omitted"] = egress_omitted
     return frame
+
+
+def egress_frame(rid: str, host: str, port: int, why: str) -> Frame:
+    return {"type": "egress", "id": rid, "host": host, "port": port, "decision": "denied", "why": why}
 
 
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; no request of this API needs more

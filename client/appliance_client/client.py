@@ -43,7 +43,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypedDict, TypeVar, Unpack
 
@@ -139,6 +139,9 @@ class CellOptions(TypedDict, total=False):
     files: Mapping[str, bytes | str] | None
     gpu: GpuRequest | Mapping[str, int] | None
     stdin_eof: bool
+    # Narrows the hosts the run may reach by name ("api.example.com:443"), within the server's
+    # SANDBOX_EGRESS_ALLOW_DOMAINS: the execute frame's `egress.allow`.
+    egress_allow: Sequence[str] | None
 
 
 class RequestOptions(CellOptions, total=False):
@@ -559,7 +562,20 @@ def request_frame(code: str, rid: str, **options: Unpack[RequestOptions]) -> Fra
     from_snapshot = options.get("from_snapshot")
     if from_snapshot is not None:
         frame["from_snapshot"] = _expect("from_snapshot", from_snapshot, str)
+    allow = options.get("egress_allow")
+    if allow is not None:
+        frame["egress"] = {"allow": _wire_rules(allow)}
     return frame
+
+
+def _wire_rules(allow: object) -> list[str]:
+    if (
+        isinstance(allow, str)
+        or not isinstance(allow, Sequence)
+        or not all(isinstance(r, str) for r in allow)
+    ):
+        raise TypeError('egress_allow must be a list of "host:port" strings')
+    return list(allow)
 
 
 def _expect(name: str, value: Any, kind: type) -> Any:

@@ -241,3 +241,29 @@ async def test_a_client_that_never_reads_is_dropped(target: Target, observe: Cal
     observe(f"{got['read']} of 200000000 bytes read after the stall; next run: {after.stdout.strip()[:60]}")
     assert 0 < int(got["read"]) < 50_000_000, got
     assert after.stdout.startswith(f"hello api.{D}"), after.stdout
+
+
+@attack(
+    "300 refused connections through the proxy in one run",
+    "32 told as they happen, 256 in done.egress, the rest counted; the proxy keeps serving",
+)
+async def test_a_flood_of_refusals_is_bounded(target: Target, observe: Callable[[str], None]) -> None:
+    code = (
+        f"CA_PEM = {json.dumps(target.net.ca.read_text())}\n"
+        + HELPERS
+        + f"heads = [connect('other.{D}:443')[1].split(' ')[1] for _ in range(300)]\n"
+        + f"print(json.dumps({{'refused': heads.count('403'), 'after': tls_get('api.{D}:443', 'api.{D}', 'api.{D}')}}))"
+    )
+    async with AsyncClient(target.server.url, token=TOKEN) as c:
+        ex = await c.execute(code, timeout_ms=30000)
+    assert ex.status == "ok", (ex.status, ex.error, ex.stdout)
+    got = json.loads(ex.stdout.splitlines()[-1])
+    told = [f for f in ex.frames if f["type"] == "egress"]
+    done = ex.frames[-1]
+    observe(
+        f"{got['refused']} refused; {len(told)} egress frames; done.egress {len(done['egress'])}, omitted {done.get('egress_omitted')}"
+    )
+    assert got["refused"] == 300 and got["after"].startswith(f"hello api.{D}"), got
+    assert len(told) == 32 and len(done["egress"]) == 256 and done["egress_omitted"] == 301 - 256, done.get(
+        "egress_omitted"
+    )
