@@ -409,6 +409,7 @@ class RunService:
             stdin_eof=req.stdin_eof,
             memory_mb=req.memory_mb,
             from_snapshot=snapshot_id,
+            egress=req.egress,
         )
 
     async def _restore(self, session: Session, snapshot_id: str) -> None:
