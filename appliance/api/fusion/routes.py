@@ -18,9 +18,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -32,6 +31,7 @@ from appliance.api.fusion.shapes import BadRequest
 from appliance.api.transport import PARSER_KEY, bearer_token, until_gone
 from appliance.core.errors import ApplianceError, Busy, status_of
 from appliance.core.service import RunService
+from appliance.core.tasks import TaskScope
 
 JSON = "application/json"
 PATHS = frozenset(("/run_code", "/run_jupyter", "/run_tests"))
@@ -77,7 +77,7 @@ async def _body(request: web.Request, service: RunService, owner: str) -> object
         raise BadRequest("the body is not JSON") from None
 
 
-Handler = Callable[[Runner, object], Awaitable[dict[str, Any]]]
+Handler = Callable[[Runner, object], Coroutine[Any, Any, dict[str, Any]]]
 
 
 def _route(service_key: web.AppKey[Any], owner_for: Callable[[web.Request], str], work: Handler) -> Any:
@@ -104,22 +104,29 @@ def _route(service_key: web.AppKey[Any], owner_for: Callable[[web.Request], str]
     return handle
 
 
-async def _unless_gone(request: web.Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any] | None:
+async def _unless_gone(
+    request: web.Request, work: Coroutine[Any, Any, dict[str, Any]]
+) -> dict[str, Any] | None:
     """The work's answer; None, the work cancelled (its runs and sessions ended), if the
-    client went away first."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(until_gone(request))
-    try:
+    client went away first. The work's own error is raised here, for the handler to map."""
+    answer: list[dict[str, Any]] = []
+    failed: list[Exception] = []
+
+    async def attempt() -> None:
+        try:
+            answer.append(await work)
+        except Exception as exc:  # noqa: BLE001  (the scope would only log it: the handler maps it)
+            failed.append(exc)
+
+    async with TaskScope("fusion-request") as tasks:
+        task = tasks.spawn(attempt(), name="fusion-work")
+        gone = tasks.spawn(until_gone(request), name="client-watch")
         await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        return None
-    finally:
-        for t in (task, gone):
-            t.cancel()
-        for t in (task, gone):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await tasks.cancel(gone)
+        await tasks.cancel(task)  # a no-op once it has ended; else the client went first
+    if failed:
+        raise failed[0]
+    return answer[0] if answer else None
 
 
 async def _code(runner: Runner, body: object) -> dict[str, Any]:
