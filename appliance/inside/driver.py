@@ -45,7 +45,7 @@ if RUNTIME not in sys.path:
     # it shadows nothing of the interpreter's own.
     sys.path.append(RUNTIME)
 
-from appliance.inside import channel, magics, notebook, snapshot  # noqa: E402  (needs the runtime on the path, above)
+from appliance.inside import channel, magics, notebook  # noqa: E402  (needs the runtime on the path, above)
 
 MAX_TEXT_CHARS = 256 * 1024
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
@@ -444,6 +444,10 @@ class Driver:
         try:
             self.in_user_code = True
             try:
+                # Imported here, not at the top: its tarfile, tempfile and pickle would add
+                # to every jail's start, and few sessions ever take a snapshot.
+                from appliance.inside import snapshot
+
                 if op["op"] == "snapshot":
                     hook = self.namespace.get(notebook.HOOK)
                     paths = list(hook.paths) if isinstance(hook, magics.Magics) else []
