@@ -13,7 +13,7 @@ import pytest
 
 from appliance.sandbox import uids
 from appliance.sandbox.uids import Uids
-from tests.support import reachable_tmp_root, until
+from tests.support import SANDBOX_UID, SANDBOX_UIDS, reachable_tmp_root, until
 
 # Far from any account or jail of this host (tests of the real server use 1001 onwards).
 FIRST = 3_900_000
@@ -117,3 +117,29 @@ def test_a_squatted_lock_directory_stops_startup(root: Path) -> None:
     os.chmod(base / "uids", 0o777)
     with pytest.raises(Exception, match="writable by others"):
         pool(root)
+
+
+def test_locks_in_two_places_let_two_jails_take_one_uid() -> None:
+    """Why the server's locks are the host's, not its temp root's: with a lock directory each,
+    two servers both take the one free uid (and the first to give it back kills the other's
+    jail as leftovers), where one directory hands the second server nothing."""
+    with reachable_tmp_root("appliance-uids-a-") as a, reachable_tmp_root("appliance-uids-b-") as b:
+        first, second = pool(a, 1).take(), pool(b, 1).take()
+        assert first is not None and second is not None and first.uid == second.uid
+        assert pool(a, 1).take() is None  # the same place: the uid is held
+
+
+async def test_a_servers_uid_locks_are_the_hosts_whatever_its_temp_root(tmp_path: Path) -> None:
+    from tests.attacks.common import run
+    from tests.support import start_server
+
+    with reachable_tmp_root("appliance-uids-srv-") as tmp_root:
+        server = start_server(tmp_path / "srv", SANDBOX_POOL_SIZE="0", SANDBOX_TMP_ROOT=str(tmp_root))
+        try:
+            ex = await run(server, "import os, time\nprint(os.getuid(), flush=True)", token=None)
+            uid = int(ex.stdout)
+        finally:
+            server.stop()
+        assert uid in SANDBOX_UIDS and uid != SANDBOX_UID
+        assert (uids.HOST_LOCK_ROOT / "appliance" / uids.LOCKS / str(uid)).is_file()
+        assert not (tmp_root / "appliance" / uids.LOCKS).exists()

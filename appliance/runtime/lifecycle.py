@@ -303,11 +303,13 @@ class Lifecycle:
         # the range at its cap, and the host's own share.
         for problem in nslimits.raise_host(last - first + 1):
             log.warning("a host limit stays below what the jails may hold", extra={"problem": problem})
-        jail_uids = uids.Uids(s.tmp_root, host.uid, host.gid, candidates)
+        jail_uids = uids.Uids(uids.HOST_LOCK_ROOT, host.uid, host.gid, candidates)
         try:
             jail_uids.prepare()
         except OSError as exc:
-            raise StartupError(f"SANDBOX_TMP_ROOT: cannot make the uids' lock directory: {exc}") from exc
+            raise StartupError(
+                f"cannot make the uids' lock directory under {uids.HOST_LOCK_ROOT}: {exc}"
+            ) from exc
         return jail_uids
 
     async def _sweep_outputs(self, root: Path, retention_s: int) -> None:

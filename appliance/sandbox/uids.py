@@ -7,9 +7,11 @@ bytes (RLIMIT_MSGQUEUE). Were every jail one uid, one run could take them all an
 tenant's run, on this server or another, would get EMFILE or EAGAIN.
 
 So each CPU jail runs as a uid of its own from SANDBOX_UID_RANGE, held exclusively for its
-whole life against every server on the host that shares SANDBOX_TMP_ROOT: a lock file per uid
-in `<tmp root>/appliance/uids/` (0700, made and checked by `trust` like the rest of that
-tree), taken with flock. The kernel drops a lock with the last descriptor of it, so a server
+whole life against every server on the host: a lock file per uid in `/run/appliance/uids/`
+(HOST_LOCK_ROOT; 0700, made and checked by `trust` like the rest of that tree), taken with
+flock. The place is the host's, not SANDBOX_TMP_ROOT's: servers with temp roots of their own
+still share the host's uids, and two locks in two places would let two jails take one uid,
+then the first to end kill the other's processes as its leftovers (`give_back`). The kernel drops a lock with the last descriptor of it, so a server
 killed with -9 frees its uids while its jails live on (firejail is setuid: no parent-death
 signal reaches it); hence a uid is taken only when no process of it runs, and given back only
 once every process of its jail is gone.
@@ -44,7 +46,8 @@ from appliance.sandbox.workdir import open_base
 
 log = logging.getLogger("appliance.uids")
 
-LOCKS = "uids"  # under <tmp root>/appliance
+LOCKS = "uids"  # under <HOST_LOCK_ROOT>/appliance
+HOST_LOCK_ROOT = Path("/run")  # one place for every server of the host, whatever its SANDBOX_TMP_ROOT
 GIVE_BACK_WAIT_S = 5.0  # the longest a uid's last processes may take to die before it is set aside
 
 
