@@ -90,7 +90,11 @@ class TestProtocolFacts:
 
     def test_every_option_the_client_sends_is_an_execute_field(self) -> None:
         fields = set(SCHEMA["$defs"]["ExecuteRequest"]["properties"])
-        assert set(CellOptions.__optional_keys__) | {"session", "code", "type"} <= fields
+        # Options whose field is spelt otherwise on the wire: egress_allow is `egress.allow`.
+        spelt = {"egress_allow": "egress"}
+        options = {spelt.get(o, o) for o in CellOptions.__optional_keys__}
+        assert options | {"session", "code", "type"} <= fields
+        assert "allow" in SCHEMA["$defs"]["EgressRequest"]["properties"]
 
     def test_the_execute_frames_the_client_builds_are_valid_and_parse_on_the_server(self) -> None:
         frames = [
