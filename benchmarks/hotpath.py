@@ -267,6 +267,8 @@ def report(targets: list[Target]) -> str:
             f"| {percentile(t.faults, 50):.0f} / {sum(t.faults) / len(t.faults):.0f} |"
         )
     base = targets[0]
+    if len(targets) == 1:  # nothing to compare: no ratio table (an empty one ran into the next)
+        return "\n".join(rows)
     rows += [
         "",
         f"| tree | p50 ratio to {base.name} [95% bootstrap interval]: wall | server CPU | cgroup CPU |",
@@ -312,6 +314,7 @@ def print_results(args: argparse.Namespace, targets: list[Target]) -> None:
     if args.runs:
         print(report(targets))
     if args.throughput:
+        print()  # a table ends at a blank line
         print(report_throughput(targets, args.throughput, args.window))
     if args.json:
         fields = ("wall_ms", "server_us", "group_us", "faults", "runs_per_s")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import os
 import shutil
 import signal
@@ -120,7 +121,6 @@ def instrument(timeline: Timeline) -> None:
     from appliance.core import service
     from appliance.sandbox import cell, outputs, process
     from appliance.sandbox import lease as jail_lease
-    from appliance.wire import protocol
 
     frame_in = server.Connection.handle_frame
 
@@ -129,12 +129,14 @@ def instrument(timeline: Timeline) -> None:
         timeline.mark("frame read")
         await frame_in(self, data)
 
-    send = server.Connection.send
+    # A run's frames reach the socket as text, through its run log (appliance.api.runlog), so
+    # the kind is read back from the text: the parse is outside the marked send.
+    send = server.Connection.send_text
 
-    async def timed_send(self: server.Connection, frame: protocol.Frame) -> None:
-        kind = str(frame.get("type"))
+    async def timed_send(self: server.Connection, text: str) -> None:
+        kind = str(json.loads(text).get("type"))
         timeline.mark(f"send {kind}>")
-        await send(self, frame)
+        await send(self, text)
         timeline.mark(f"send {kind}<")
         if kind == "done":
             timeline.runs.append(timeline.current)
@@ -149,7 +151,7 @@ def instrument(timeline: Timeline) -> None:
         return item
 
     setattr(server.Connection, "handle_frame", handle_frame)  # noqa: B010 (mypy: no method assignment)
-    setattr(server.Connection, "send", timed_send)  # noqa: B010
+    setattr(server.Connection, "send_text", timed_send)  # noqa: B010
     setattr(process.JailProcess, "next", timed_next)  # noqa: B010
     timeline.wrap(transport.FrameParser, "parse", "parse")
     timeline.wrap(service.RunService, "execute", "execute")
