@@ -371,16 +371,10 @@ class EgressProxy:
     ) -> None:
         flow, address = await self._decide(state, host_raw, port)
         try:
-            if address is None:
-                await self._record(state, flow)
-                writer.write(_reply(403, flow.why or "denied"))
+            upstream = await self._reach(state, flow, address, writer)
+            if upstream is None:
                 return
-            try:
-                up_reader, up_writer = await self._open(flow, address)
-            except _Refused as refused:
-                await self._record(state, flow)
-                writer.write(_reply(refused.status, refused.why))
-                return
+            up_reader, up_writer = upstream
             try:
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 first, _ = conn.trailing_data
@@ -400,6 +394,22 @@ class EgressProxy:
                 await self._close(up_writer)
         finally:
             self._finish(state, flow)
+
+    async def _reach(
+        self, state: _Jail, flow: Flow, address: IPv4Address | None, writer: asyncio.StreamWriter
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The far end of a decided flow; None, the refusal recorded and answered to the jail,
+        when it is denied or cannot be reached."""
+        if address is None:
+            await self._record(state, flow)
+            writer.write(_reply(403, flow.why or "denied"))
+            return None
+        try:
+            return await self._open(flow, address)
+        except _Refused as refused:
+            await self._record(state, flow)
+            writer.write(_reply(refused.status, refused.why))
+            return None
 
     async def _close(self, writer: asyncio.StreamWriter) -> None:
         """Close after what is buffered has gone, within a short grace; else drop it (a peer
@@ -454,16 +464,10 @@ class EgressProxy:
         host_raw = url.hostname or ""
         flow, address = await self._decide(state, host_raw, port)
         try:
-            if address is None:
-                await self._record(state, flow)
-                writer.write(_reply(403, flow.why or "denied"))
+            upstream = await self._reach(state, flow, address, writer)
+            if upstream is None:
                 return
-            try:
-                up_reader, up_writer = await self._open(flow, address)
-            except _Refused as refused:
-                await self._record(state, flow)
-                writer.write(_reply(refused.status, refused.why))
-                return
+            up_reader, up_writer = upstream
             await self._record(state, flow)
             try:
                 await self._send_request(flow, conn, request, reader, writer, up_writer, url, port)
