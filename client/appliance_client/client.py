@@ -1144,22 +1144,15 @@ class Client:
 
     def stream(self, code: str, **options: Unpack[RequestOptions]) -> Iterator[Event]:
         """Send an execute request and yield its events up to and including `done`."""
-        agen = self._async.stream(code, **options)
-        try:
-            while True:
-                try:
-                    event = self.run_async(agen.__anext__())
-                except StopAsyncIteration:
-                    return
-                yield event
-        finally:
-            if not self._loop.is_closed():
-                with contextlib.suppress(Exception):
-                    self.run_async(agen.aclose())
+        return self._iterate(self._async.stream(code, **options))
 
     def attach(self, run: str, after: int | None = None) -> Iterator[Event]:
         """Follow run `run` again, up to and including `done` (AsyncClient.attach)."""
-        agen = self._async.attach(run, after)
+        return self._iterate(self._async.attach(run, after))
+
+    def _iterate(self, agen: AsyncGenerator[Event, None]) -> Iterator[Event]:
+        """An async generator's events, each awaited on this client's loop; closed there when
+        the caller stops early."""
         try:
             while True:
                 try:
