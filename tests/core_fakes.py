@@ -77,6 +77,9 @@ class FakeJail:
     def limit_memory(self, memory_mb: int) -> None:
         self.memory_mb = memory_mb
 
+    def open_workspace(self) -> None:
+        return None
+
 
 class FakeLease:
     def __init__(self, source: FakeLeases) -> None:

@@ -36,6 +36,19 @@ class JailProcess(Protocol):
         """Kill every process of the jail and reap them."""
 
 
+@dataclass(frozen=True)
+class Workspace:
+    """A jail's working directory as the server reaches it from outside (E2B's files).
+
+    Everything in it is the jailed code's to arrange, links and renames included: whoever
+    holds one walks it by descriptor and follows nothing (appliance.sandbox.fstree)."""
+
+    fd: int  # a descriptor of the run directory of the caller's own, to close when done
+    dev: int  # the run directory's filesystem: nothing on another one is entered
+    uid: int  # the uid the jail's code runs as: what it makes is its own
+    gid: int
+
+
 class Jail(Protocol):
     """A leased jail: single-use, unless a session keeps it (frozen between its cells)."""
 
@@ -54,6 +67,10 @@ class Jail(Protocol):
         """Lower the jail's memory limit (its cgroup) to memory_mb for the rest of its life;
         never raises it. RequestRejected when the kernel cannot enforce it (no cgroup, or
         the jail already holds more), before anything of the run's code ran."""
+
+    def open_workspace(self) -> Workspace | None:
+        """A new descriptor of the jail's working directory, with its owner; None when the
+        jail is gone or never had its directory open."""
 
 
 class Lease(Protocol):

@@ -196,21 +196,28 @@ def remove_tree(path: Path) -> bool:
         log.error("cannot open the parent of a tree to remove", extra={"path": str(path), "error": str(exc)})
         return False
     try:
-        try:
-            st = os.stat(path.name, dir_fd=parent, follow_symlinks=False)
-        except FileNotFoundError:
-            return True
-        if not stat.S_ISDIR(st.st_mode):
-            os.unlink(path.name, dir_fd=parent)
-            return True
-        _empty(parent, path.name, st.st_dev)
-        os.rmdir(path.name, dir_fd=parent)
+        remove_at(parent, path.name)
         return True
     except OSError as exc:
         log.error("could not remove a tree completely", extra={"path": str(path), "error": str(exc)})
         return False
     finally:
         os.close(parent)
+
+
+def remove_at(parent: int, name: str) -> None:
+    """Remove entry `name` of the open directory `parent` and, a directory, everything below
+    it, following no link and entering no other filesystem; gone already is done. OSError
+    for what could not be removed."""
+    try:
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=parent)
+        return
+    _empty(parent, name, st.st_dev)
+    os.rmdir(name, dir_fd=parent)
 
 
 def _empty(parent: int, name: str, device: int) -> None:  # noqa: C901 (an iterative walk holding few descriptors; each branch one kind of entry)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.core.errors import JailExited, JailFailure, JailStartFailed, RequestRejected, StartupError
+from appliance.core.ports import Workspace
 from appliance.sandbox import checks, fstree, nslimits, proctree, runfs, signals
 from appliance.sandbox.cgroups import Counters, Group, GroupLimits, Hierarchy
 from appliance.sandbox.devices import GpuDevice
@@ -99,6 +100,19 @@ class Jail:
     @property
     def alive(self) -> bool:
         return not self._destroyed and self.process.is_running()
+
+    def open_workspace(self) -> Workspace | None:
+        """A descriptor of the run directory of the caller's own (`ports.Jail`). Opened from
+        the pinned one in the event loop's thread, where `destroy` closes it: never a number
+        closed and reused meanwhile."""
+        if self._destroyed or self.workdir_fd is None or self.workdir_dev is None:
+            return None
+        try:
+            fd = fstree.reopen_dir(self.workdir_fd)
+        except OSError:
+            return None
+        gid = self.held.gid if self.held is not None else self.dirs.gid
+        return Workspace(fd=fd, dev=self.workdir_dev, uid=self.uid, gid=gid)
 
     def pin(self) -> None:
         """The driver is up and no code has run: pin the jail's processes (`JailProcess.pin`)
