@@ -20,6 +20,7 @@ from appliance.api.e2b import registry
 from appliance.api.e2b.registry import Context, Registry, Sandbox
 from appliance.core.errors import ApplianceError, Busy, RequestRejected
 from appliance.core.events import Done, Emit, Event
+from appliance.core.ports import Workspace
 from appliance.core.service import Run, RunService
 from appliance.core.tasks import TaskScope
 from appliance.wire.protocol import ExecuteRequest
@@ -121,6 +122,7 @@ class Sandboxes:
 
     async def kill(self, sandbox: Sandbox) -> None:
         self.registry.remove(sandbox.id)
+        sandbox.ended.set()
         for ctx in list(sandbox.contexts.values()):
             await self.service.close_session(ctx.session, sandbox.owner)
         sandbox.contexts.clear()
@@ -153,6 +155,18 @@ class Sandboxes:
         except RequestRejected:
             return False
         return True
+
+    def open_workspace(self, sandbox: Sandbox) -> Workspace | None:
+        """The working directory of the sandbox's default context (its files, envd's
+        filesystem), as a descriptor of the caller's own; None once that session has ended."""
+        ctx = sandbox.contexts.get(sandbox.default)
+        if ctx is None:
+            return None
+        try:
+            session = self.service.sessions.get(ctx.session, sandbox.owner)
+        except RequestRejected:
+            return None
+        return session.jail.open_workspace()
 
     def set_timeout(self, sandbox: Sandbox, timeout_s: int) -> None:
         sandbox.end_at = self.clock() + timeout_s

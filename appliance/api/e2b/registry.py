@@ -35,6 +35,9 @@ class Sandbox:
     envs: dict[str, str]
     default: str = ""  # the default context's id
     contexts: dict[str, Context] = field(default_factory=dict)
+    # Set once the sandbox is gone: what lives as long as it does (envd's watchers and
+    # process streams) ends with it.
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def new_id() -> str:

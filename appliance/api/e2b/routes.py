@@ -8,6 +8,7 @@ from aiohttp import web
 
 from appliance.api.e2b import control, interpreter
 from appliance.api.e2b.engine import Sandboxes
+from appliance.api.e2b.envd import routes as envd
 from appliance.api.transport import TASKS_KEY
 
 PREFIX = "/e2b"
@@ -28,3 +29,4 @@ def add_routes(app: web.Application, service_key: web.AppKey[Any]) -> None:
     app.on_cleanup.insert(0, stop)  # before the service's sessions are drained
     control.add_routes(app, PREFIX)
     interpreter.add_routes(app, PREFIX)
+    envd.add_routes(app, PREFIX)

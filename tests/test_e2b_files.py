@@ -1,0 +1,137 @@
+"""The unmodified E2B SDK's `sandbox.files` (envd's Filesystem service over Connect, and the
+`/files` upload and download) against a real server and real jails.
+
+One server for the module and a sandbox per test that needs a fresh one: each is one jail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from e2b import FileType, InvalidArgumentException, NotFoundException
+from e2b.exceptions import FileNotFoundException
+from e2b_code_interpreter import AsyncSandbox, Sandbox
+
+from tests.support import Server, start_server
+from tests.test_e2b_sdk import ALICE, tenants_file
+
+
+@pytest.fixture(scope="module")
+def e2bsrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("e2b-files")
+    srv = start_server(tmp, SANDBOX_AUTH_TOKENS_FILE=str(tenants_file(tmp)), SANDBOX_POOL_SIZE="2")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def sdk_env(e2bsrv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
+    monkeypatch.setenv("E2B_API_KEY", ALICE)
+
+
+@pytest.fixture(scope="module")
+def shared(e2bsrv: Server) -> Iterator[Sandbox]:
+    """One sandbox for the tests that only add files of their own names to it."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
+    mp.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
+    mp.setenv("E2B_API_KEY", ALICE)
+    sb = Sandbox.create()
+    yield sb
+    sb.kill()
+    mp.undo()
+
+
+def test_stat_make_dir_list_rename_remove(shared: Sandbox) -> None:
+    files = shared.files
+    assert files.make_dir("/home/user/tree/a/b") is True
+    assert files.make_dir("tree/a/b") is False  # already there: relative paths are /home/user's
+    assert files.exists("/home/user/tree/a")
+    assert not files.exists("/home/user/tree/nothing")
+    info = files.get_info("tree/a")
+    assert info.type == FileType.DIR
+    assert info.path == "/home/user/tree/a"
+    assert info.name == "a"
+    assert info.owner == "user"
+
+    assert [e.path for e in files.list("/home/user/tree")] == ["/home/user/tree/a"]
+    deep = sorted(e.path for e in files.list("/home/user/tree", depth=3))
+    assert deep == ["/home/user/tree/a", "/home/user/tree/a/b"]
+
+    moved = files.rename("/home/user/tree/a/b", "/home/user/tree/c")
+    assert moved.path == "/home/user/tree/c"
+    assert moved.type == FileType.DIR
+    assert not files.exists("/home/user/tree/a/b")
+
+    files.remove("/home/user/tree")
+    assert not files.exists("/home/user/tree/c")
+    with pytest.raises(FileNotFoundException):
+        files.get_info("/home/user/tree")
+    with pytest.raises(NotFoundException):
+        files.list("/home/user/tree")
+
+
+def test_paths_outside_the_working_directory_are_refused(shared: Sandbox) -> None:
+    for path in ("/etc", "/home/user/../../etc/passwd", "/tmp/x", "/workspacex"):
+        with pytest.raises(InvalidArgumentException, match="outside the sandbox's working directory"):
+            shared.files.get_info(path)
+    # /workspace is the same directory, reported under the name the caller used
+    shared.files.make_dir("/workspace/both")
+    assert shared.files.get_info("/home/user/both").path == "/home/user/both"
+    assert shared.files.get_info("/workspace/both").path == "/workspace/both"
+
+
+def stat_raw(srv: Server, sandbox_id: str, token: str, path: str, port: str = "49983") -> httpx.Response:
+    """envd's Stat as plain Connect JSON over HTTP, with the headers the SDK sends."""
+    return httpx.post(
+        srv.http + "/e2b/filesystem.Filesystem/Stat",
+        json={"path": path},
+        headers={"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": port, "X-Access-Token": token},
+    )
+
+
+def test_a_wrong_token_or_an_ended_sandbox_reads_as_not_found(e2bsrv: Server) -> None:
+    sb = Sandbox.create()
+    token = str(sb._envd_access_token)
+    try:
+        sb.files.make_dir("here")
+        ok = stat_raw(e2bsrv, sb.sandbox_id, token, "here")
+        assert ok.status_code == 200, ok.text
+        assert ok.headers["content-type"] == "application/json"
+        assert ok.json()["entry"]["path"] == "/home/user/here"
+        assert ok.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
+        for wrong in (
+            stat_raw(e2bsrv, sb.sandbox_id, token[:-1] + "x", "here"),
+            stat_raw(e2bsrv, "0" * 20, token, "here"),
+        ):
+            assert wrong.status_code == 404
+            assert wrong.json()["code"] == "not_found"
+            assert "was not found" in wrong.json()["message"]
+        other_port = stat_raw(e2bsrv, sb.sandbox_id, token, "here", port="49999")
+        assert other_port.json()["code"] == "unavailable"
+    finally:
+        sb.kill()
+    with pytest.raises(NotFoundException, match="was not found"):
+        sb.files.get_info("here")
+    assert stat_raw(e2bsrv, sb.sandbox_id, token, "here").json()["code"] == "not_found"
+
+
+def test_async_sandbox_files(e2bsrv: Server) -> None:
+    async def scenario() -> None:
+        sb = await AsyncSandbox.create()
+        try:
+            assert await sb.files.make_dir("adir/inner") is True
+            assert await sb.files.exists("adir/inner")
+            listed = await sb.files.list("adir")
+            assert [(e.name, e.type) for e in listed] == [("inner", FileType.DIR)]
+            await sb.files.remove("adir")
+            assert not await sb.files.exists("adir")
+        finally:
+            await sb.kill()
+
+    asyncio.run(scenario())
