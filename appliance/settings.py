@@ -96,6 +96,11 @@ class Settings:
     egress_proxy_port: int = 3128  # where the proxy listens on each jail's link (SANDBOX_EGRESS_PROXY_PORT)
     egress_idle_ms: int = 60000  # a proxied flow with no byte either way this long is closed
     egress_log: Path | None = None  # a JSON line per flow, appended here (SANDBOX_EGRESS_LOG)
+    # Headers the proxy adds for some hosts (appliance.core.egresssecrets), the CA it stands in
+    # for them with (made per start when unset), and the CAs their real certificates must chain to.
+    egress_secrets: Path | None = None  # SANDBOX_EGRESS_SECRETS
+    egress_ca: Path | None = None  # SANDBOX_EGRESS_CA
+    egress_upstream_ca: Path | None = None  # SANDBOX_EGRESS_UPSTREAM_CA (unset: the system's)
     auth_tokens_file: Path | None = None  # several tenants (SANDBOX_AUTH_TOKENS_FILE); see tenants.py
     gpu: bool = False
     preload: tuple[str, ...] = DEFAULT_PRELOAD
@@ -477,6 +482,9 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         egress_proxy_port=_int(env, "SANDBOX_EGRESS_PROXY_PORT", D.egress_proxy_port, minimum=1),
         egress_idle_ms=_int(env, "SANDBOX_EGRESS_IDLE_MS", D.egress_idle_ms, minimum=100),
         egress_log=_dir(env, "SANDBOX_EGRESS_LOG", None),
+        egress_secrets=_dir(env, "SANDBOX_EGRESS_SECRETS", None),
+        egress_ca=_dir(env, "SANDBOX_EGRESS_CA", None),
+        egress_upstream_ca=_dir(env, "SANDBOX_EGRESS_UPSTREAM_CA", None),
         auth_tokens_file=_dir(env, "SANDBOX_AUTH_TOKENS_FILE", None),
         gpu=gpu,
         preload=preload,
@@ -541,6 +549,13 @@ def _check_egress(settings: Settings) -> None:
             "SANDBOX_EGRESS_DNS: set, but SANDBOX_OPEN_PORTS does not list 53 "
             "and SANDBOX_EGRESS_ALLOW_DOMAINS is empty"
         )
+    for name, value in (
+        ("SANDBOX_EGRESS_SECRETS", settings.egress_secrets),
+        ("SANDBOX_EGRESS_CA", settings.egress_ca),
+        ("SANDBOX_EGRESS_UPSTREAM_CA", settings.egress_upstream_ca),
+    ):
+        if value is not None and not settings.egress_allow_domains:
+            raise SettingsError(f"{name}: set, but SANDBOX_EGRESS_ALLOW_DOMAINS is empty (no egress proxy)")
     if settings.egress_proxy_port > 65535:
         raise SettingsError("SANDBOX_EGRESS_PROXY_PORT: must be a TCP port (1-65535)")
     if ipaddress.ip_network(settings.egress_subnet).prefixlen > 28:

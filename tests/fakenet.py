@@ -10,7 +10,9 @@ is ever addressed: every address used is routed into the namespace's veth, and c
 
 Names (`zone`): api / other / x.wild / wild / pypi (public addresses), private (10.77.K.2,
 which answers: only the proxy's blocklist stops a run reaching it), mixed (a public address
-and the private one), all under fake.test. No name points at a metadata address: nothing may
+and the private one), nocert (a public address the HTTPS certificate does not name), all
+under fake.test. Every HTTP request is recorded (`seen()`: TLS or not, path, headers), and
+`/headers` answers the request's headers as JSON. No name points at a metadata address: nothing may
 ever send a packet there from a test.
 """
 
@@ -25,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -38,7 +41,8 @@ import json, socket, ssl, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import dns.message, dns.rrset, dns.rdatatype
 
-zone, cert, key, files = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+zone, cert, key, files, seen = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+seen_lock = threading.Lock()
 
 def dns_server():
     srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); srv.bind(("0.0.0.0", 53))
@@ -63,7 +67,15 @@ class Handler(BaseHTTPRequestHandler):
     def _send(self, body, ctype="text/plain"):
         self.send_response(200); self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def _record(self):
+        tls = isinstance(self.connection, ssl.SSLSocket)
+        line = json.dumps({"tls": tls, "path": self.path, "headers": [[k, v] for k, v in self.headers.items()]})
+        with seen_lock, open(seen, "a") as f:
+            f.write(line + "\n")
     def do_GET(self):
+        self._record()
+        if self.path.startswith("/headers"):
+            return self._send(json.dumps([[k, v] for k, v in self.headers.items()]).encode(), "application/json")
         if self.path.startswith("/bytes/"):
             return self._send(b"x" * int(self.path.split("/")[2]), "application/octet-stream")
         if self.path.startswith("/simple/") or self.path.startswith("/files/"):
@@ -77,6 +89,7 @@ class Handler(BaseHTTPRequestHandler):
         here = self.connection.getsockname()
         self._send(("hello %s at %s:%d %s" % (self.headers.get("Host"), here[0], here[1], self.path)).encode())
     def do_POST(self):
+        self._record()
         n = int(self.headers.get("Content-Length", "0"))
         self._send(b"got %d" % len(self.rfile.read(n)))
 
@@ -110,6 +123,13 @@ class FakeNet:
     k: int
     ca: Path  # the test CA's certificate (PEM): what a client must trust for 443
     files: Path  # served under /simple/ and /files/
+    requests: Path  # one JSON line per request the servers got (not served)
+
+    def seen(self) -> list[dict[str, Any]]:
+        """Every request the servers got so far: {"tls", "path", "headers": [[name, value]]}."""
+        if not self.requests.exists():
+            return []
+        return [json.loads(line) for line in self.requests.read_text().splitlines() if line]
 
     @property
     def public(self) -> str:
@@ -137,6 +157,7 @@ class FakeNet:
             f"pypi.{d}": [self.public],
             f"private.{d}": [self.private],
             f"mixed.{d}": [self.public, self.private],
+            f"nocert.{d}": [self.public],
         }
 
 
@@ -210,8 +231,8 @@ def fake_internet(workdir: Path) -> Iterator[FakeNet]:
     workdir.chmod(0o755)
     files = workdir / "files"
     files.mkdir(exist_ok=True)
-    net = FakeNet(ns=ns, k=k, ca=workdir / "ca.pem", files=files)
-    _, cert, key = _certificates(list(net.zone()), workdir)
+    net = FakeNet(ns=ns, k=k, ca=workdir / "ca.pem", files=files, requests=workdir / "requests.jsonl")
+    _, cert, key = _certificates([n for n in net.zone() if not n.startswith("nocert.")], workdir)
     proc: subprocess.Popen[str] | None = None
     try:
         for argv in (
@@ -242,6 +263,7 @@ def fake_internet(workdir: Path) -> Iterator[FakeNet]:
                 str(cert),
                 str(key),
                 str(files),
+                str(net.requests),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -172,6 +172,7 @@ class Flow:
     bytes_down: int = 0  # to the jail
     duration_ms: int = 0
     started: float = 0.0  # monotonic seconds; not reported
+    injected: tuple[str, ...] | None = None  # the secret headers the proxy set (names only, never values)
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -186,4 +187,6 @@ class Flow:
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
+        if self.injected:
+            out["injected"] = list(self.injected)
         return out

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from appliance.core.domain import File
+from appliance.sandbox.egressintercept import TRUST_ENV
 
 PARAMS_FILE = "canary.json"
 
@@ -84,6 +85,8 @@ ALLOWED_JAIL_ENV = {
     # Names mode: the jail's own proxy on its link (appliance.sandbox.network.proxy_env).
     *(f"{k}_proxy" for k in ("http", "https", "no")),
     *(f"{k}_PROXY" for k in ("HTTP", "HTTPS", "NO")),
+    # Names mode with secrets: paths of the CA bundle the jail trusts (appliance.sandbox.egressintercept).
+    *TRUST_ENV,
 }
 
 

@@ -30,6 +30,7 @@ from appliance.runtime.egresslog import EgressAudit
 from appliance.runtime.metrics import Metrics
 from appliance.sandbox import cgroups, nslimits, outputs, runfs, sched, uids
 from appliance.sandbox.cell import disk_entries, run_cell
+from appliance.sandbox.egressintercept import Interception, load_interception
 from appliance.sandbox.firejail import lower_own_oom_score
 from appliance.sandbox.host import HostFacts, inspect, readable_ancestors_problem
 from appliance.sandbox.jail import JailFactory, python_roots
@@ -100,6 +101,7 @@ class Lifecycle:
         self.uids: uids.Uids | None = None  # the uids jails run as (SANDBOX_UID_RANGE)
         self.network: EgressNetwork | None = None
         self.audit: EgressAudit | None = None
+        self.interception: Interception | None = None  # names mode: the hosts given secrets
         self.cpu: PoolLeases | None = None
         self._leases: LeaseSource | None = None  # the provisioner's, wrapping the CPU pools
         self.started = asyncio.Event()
@@ -149,6 +151,8 @@ class Lifecycle:
                 self.cgroups_missing = [gap]
         if s.open_ports or s.egress_allow_domains:
             check_prerequisites()  # before inspect: /run/netns must exist when /run is judged
+        # Before listening: a malformed secrets file or an unusable CA stops startup.
+        self.interception = load_interception(s)
         host = inspect(s.firejail, s.uid, s.python)
         # A jail of SANDBOX_UID_RANGE owns nothing on the host: what it must reach, it reaches as
         # "other" (checked as the range's last uid; SANDBOX_UID's own check follows).
@@ -216,7 +220,7 @@ class Lifecycle:
             cache = await asyncio.to_thread(stage_wheel_cache, s.wheelhouse, s.tmp_root)
         if s.open_ports or s.egress_allow_domains:
             self.audit = EgressAudit(self.metrics, s.egress_log)
-            self.network = EgressNetwork(s, self.audit)
+            self.network = EgressNetwork(s, self.audit, self.interception)
             await self.network.start()
         network, dirs, groups = self.network, self.dirs, self.cgroups
         profiles = tuple(Profile(name, modules) for name, modules in s.preload_profiles)

@@ -31,11 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address
+from typing import Protocol
 
 import h11
 
@@ -48,7 +50,9 @@ from appliance.core.egress import (
     is_ipv4,
     normal_host,
 )
+from appliance.core.egresssecrets import SecretHeaders, Secrets
 from appliance.sandbox import tlshello
+from appliance.sandbox.egressintercept import Interception, TlsStream, with_secrets
 from appliance.sandbox.egressresolve import ResolveError, Resolver
 from appliance.sandbox.network import EgressPolicy, JailLink, address_refusal
 
@@ -81,13 +85,36 @@ OnDenied = Callable[[Flow], Awaitable[None]]
 OnFlow = Callable[[Flow, "Scope | None"], None]
 
 
+class _Source(Protocol):
+    """What the relay reads from: an asyncio stream, or an intercepted TLS one."""
+
+    async def read(self, n: int = -1) -> bytes: ...
+
+
+class _Sink(Protocol):
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def can_write_eof(self) -> bool: ...
+
+    def write_eof(self) -> None: ...
+
+
 class Scope:
     """One run's use of the proxy: the layers its flows are held to, and its ledger."""
 
-    def __init__(self, layers: Layers, request_id: str, on_denied: OnDenied | None = None) -> None:
+    def __init__(
+        self,
+        layers: Layers,
+        request_id: str,
+        on_denied: OnDenied | None = None,
+        secrets: Secrets | None = None,
+    ) -> None:
         self.layers = layers
         self.request_id = request_id
         self.on_denied = on_denied
+        self.secrets = secrets  # the tenant's secret headers, over the server's (names only in logs)
         self.flows: list[Flow] = []
         self.omitted = 0
         self.told = 0
@@ -165,19 +192,21 @@ def _reply(status: int, why: str) -> bytes:
 class EgressProxy:
     """The proxy of one server: a listener per jail link, the flows of each jail's run."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the server's parts of the proxy)
         self,
         policy: EgressPolicy,
         layers: Layers,
         resolver: Resolver,
         idle_s: float,
         on_flow: OnFlow | None = None,
+        interception: Interception | None = None,
     ) -> None:
         self.policy = policy
         self.layers = layers  # the server's own (a run's scope may narrow them)
         self.resolver = resolver
         self.idle_s = idle_s
         self.on_flow = on_flow
+        self.interception = interception  # the hosts that get secrets, and the CA for them
         self._jails: dict[int, _Jail] = {}
 
     # -- jails ------------------------------------------------------------------------------
@@ -246,7 +275,7 @@ class EgressProxy:
                 state.conns.discard(task)
             await self._close(writer)
 
-    async def _head(self, reader: asyncio.StreamReader) -> tuple[h11.Connection, h11.Request] | None:
+    async def _head(self, reader: _Source) -> tuple[h11.Connection, h11.Request] | None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         taken = 0
         async with asyncio.timeout(HEAD_TIMEOUT_S):
@@ -376,6 +405,9 @@ class EgressProxy:
                 return
             up_reader, up_writer = upstream
             try:
+                secret = self._secret(state, flow)
+                if secret is not None and not await self._secure(state, flow, up_writer, writer):
+                    return
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 first, _ = conn.trailing_data
                 first = bytes(first)
@@ -386,6 +418,9 @@ class EgressProxy:
                         return
                     first = hello
                 await self._record(state, flow)
+                if secret is not None:
+                    await self._intercept(flow, secret, reader, writer, up_reader, up_writer, first)
+                    return
                 if first:
                     up_writer.write(first)
                     flow.bytes_up += len(first)
@@ -463,6 +498,12 @@ class EgressProxy:
     ) -> None:
         host_raw = url.hostname or ""
         flow, address = await self._decide(state, host_raw, port)
+        if address is not None and self._secret(state, flow) is not None:
+            # A secret never crosses the network in clear: refused, not sent without it.
+            flow.decision, flow.rule, flow.address, address = DENIED, None, None, None
+            flow.why = (
+                f"{flow.host}:{port} is given secrets by the appliance, sent over TLS only (use https://)"
+            )
         try:
             upstream = await self._reach(state, flow, address, writer)
             if upstream is None:
@@ -482,11 +523,12 @@ class EgressProxy:
         flow: Flow,
         conn: h11.Connection,
         request: h11.Request,
-        reader: asyncio.StreamReader,
-        client: asyncio.StreamWriter,
+        reader: _Source,
+        client: _Sink,
         up: asyncio.StreamWriter,
         url: urllib.parse.SplitResult,
         port: int,
+        default_port: int = 80,
     ) -> None:
         """The request alone, in origin form, to the decided host: Host from the URI (never
         the client's own), `Connection: close`, its body re-framed by h11."""
@@ -494,7 +536,7 @@ class EgressProxy:
             # The client waits for this before its body; the far end never sees the Expect.
             client.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         out = h11.Connection(h11.CLIENT)
-        authority = flow.host if port == 80 else f"{flow.host}:{port}"
+        authority = flow.host if port == default_port else f"{flow.host}:{port}"
         path = (url.path or "/") + (f"?{url.query}" if url.query else "")
         headers = [(b"host", authority.encode())]
         headers += [(k, v) for k, v in request.headers if k.lower() not in HOP_HEADERS]
@@ -540,8 +582,8 @@ class EgressProxy:
     async def _pump(
         self,
         flow: Flow,
-        src: asyncio.StreamReader,
-        dst: asyncio.StreamWriter,
+        src: _Source,
+        dst: _Sink,
         *,
         down: bool,
         last: list[float],
@@ -570,3 +612,82 @@ class EgressProxy:
             last[0] = time.monotonic()
             async with asyncio.timeout(idle):
                 await dst.drain()
+
+    # -- secrets (the hosts given them only) --------------------------------------------------
+    def _secret(self, state: _Jail, flow: Flow) -> SecretHeaders | None:
+        """The headers an allowed flow's requests get, when its host:port is given secrets."""
+        if self.interception is None or flow.decision != ALLOWED:
+            return None
+        tenant = state.scope.secrets if state.scope is not None else None
+        return self.interception.secret_for(flow.host, flow.port, tenant)
+
+    async def _secure(
+        self, state: _Jail, flow: Flow, up_writer: asyncio.StreamWriter, writer: asyncio.StreamWriter
+    ) -> bool:
+        """TLS to the real host, its certificate verified (system trust store or
+        SANDBOX_EGRESS_UPSTREAM_CA), before the jail is answered; False (the flow failed, the
+        jail told why) when it does not verify: a secret goes only to the host it names."""
+        if self.interception is None:
+            return False
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                await up_writer.start_tls(self.interception.ca.upstream, server_hostname=flow.host)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            detail = (
+                getattr(exc, "verify_message", None) or getattr(exc, "reason", None) or type(exc).__name__
+            )
+            flow.decision = FAILED
+            flow.why = f"TLS to {flow.host}:{flow.port} failed ({detail}); its secrets were not sent"
+            await self._record(state, flow)
+            writer.write(_reply(502, flow.why))
+            return False
+        return True
+
+    async def _intercept(  # noqa: PLR0913 (one connection's parts)
+        self,
+        flow: Flow,
+        secret: SecretHeaders,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        up_reader: asyncio.StreamReader,
+        up_writer: asyncio.StreamWriter,
+        hello: bytes,
+    ) -> None:
+        """The jail's TLS answered with the appliance CA's certificate for the host; its one
+        request sent on with the secret headers (the jail's own of those names dropped), the
+        reply relayed back. A client that does not trust the CA ends the flow, nothing sent."""
+        if self.interception is None:
+            return
+        tls = TlsStream(self.interception.ca.context_for(flow.host), reader, writer, hello)
+        try:
+            async with asyncio.timeout(HEAD_TIMEOUT_S):
+                await tls.handshake()
+        except (ssl.SSLError, TimeoutError):
+            flow.why = "the jail's client did not complete TLS with the appliance's CA"
+            return
+        try:
+            got = await self._head(tls)
+        except h11.RemoteProtocolError:
+            tls.write(_reply(400, "not an HTTP/1.1 request (or a head over 16 KiB)"))
+            return
+        if got is None:
+            return
+        conn, request = got
+        url = urllib.parse.urlsplit(request.target.decode("ascii", "replace"))
+        try:
+            same = not url.netloc or (
+                url.scheme == "https" and url.hostname == flow.host and (url.port or 443) == flow.port
+            )
+        except ValueError:
+            same = False
+        if request.method == b"CONNECT" or not same:
+            tls.write(_reply(400, f"a request in this tunnel is for {flow.host}:{flow.port} only"))
+            return
+        flow.injected = secret.names
+        authority = flow.host if flow.port == 443 else f"{flow.host}:{flow.port}"
+        request = with_secrets(request, secret, authority)
+        await self._send_request(flow, conn, request, tls, tls, up_writer, url, flow.port, default_port=443)
+        await self._pump(flow, up_reader, tls, down=True, last=[time.monotonic()])
+        tls.close_notify()
+        async with asyncio.timeout(CLOSE_GRACE_S):
+            await writer.drain()

@@ -28,6 +28,7 @@ from appliance.core.ports import Workspace
 from appliance.sandbox import checks, fstree, nslimits, proctree, runfs, signals
 from appliance.sandbox.cgroups import Counters, Group, GroupLimits, Hierarchy
 from appliance.sandbox.devices import GpuDevice
+from appliance.sandbox.egressintercept import trust_env
 from appliance.sandbox.firejail import (
     accounts_argv,
     drop_argv,
@@ -351,6 +352,15 @@ class JailFactory:
         if wheel_cache is not None:  # the server's unpacked wheels (appliance.sandbox.wheels)
             self._readable += (wheel_cache,)
             self._env = tuple(sorted((*self._env, ("APPLIANCE_WHEEL_CACHE", str(wheel_cache)))))
+        interception = network.interception if network is not None else None
+        bundle = interception.ca.bundle_dir if interception is not None else None
+        if (
+            interception is not None and bundle is not None
+        ):  # names mode with secrets: trust the appliance's CA
+            self._readable += (bundle,)
+            ca = interception.ca
+            if ca.bundle is not None and ca.ca_file is not None:
+                self._env = tuple(sorted((*self._env, *trust_env(ca.bundle, ca.ca_file))))
         if gpu is not None:
             self._env = tuple(sorted(self._env + gpu_env(settings, gpu)))
             if settings.gpu_libcuda.startswith("/"):  # a driver library outside the usual paths

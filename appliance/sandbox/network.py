@@ -52,6 +52,7 @@ from appliance.core.errors import JailFailure, StartupError
 from appliance.settings import Settings
 
 if TYPE_CHECKING:
+    from appliance.sandbox.egressintercept import Interception
     from appliance.sandbox.egressproxy import EgressProxy, OnFlow
 
 log = logging.getLogger("appliance.network")
@@ -391,11 +392,14 @@ class EgressNetwork:
     """Installs and removes one server's egress filter and its jails' namespaces, and in
     names mode the proxy's listener on each jail's link (appliance.sandbox.egressproxy)."""
 
-    def __init__(self, settings: Settings, on_flow: OnFlow | None = None) -> None:
+    def __init__(
+        self, settings: Settings, on_flow: OnFlow | None = None, interception: Interception | None = None
+    ) -> None:
         self.settings = settings
         self.policy: EgressPolicy | None = None
         self.proxy: EgressProxy | None = None
         self._on_flow = on_flow
+        self.interception = interception  # names mode: the hosts given secrets, the appliance's CA
         self._free: set[int] = set()
         self._next = 0
         self._lock = asyncio.Lock()
@@ -414,7 +418,10 @@ class EgressNetwork:
                 Resolver([str(a) for a in policy.dns]),
                 s.egress_idle_ms / 1000,
                 self._on_flow,
+                self.interception,
             )
+            if self.interception is not None:  # the bundle jails trust, read-only in each
+                await asyncio.to_thread(self.interception.ca.stage, s.tmp_root / "appliance")
         return policy
 
     def _start(self) -> EgressPolicy:
@@ -543,6 +550,8 @@ class EgressNetwork:
             return
         if self.proxy is not None:
             await self.proxy.close()
+        if self.interception is not None:
+            self.interception.ca.unstage()
         await asyncio.to_thread(self._purge, policy)
         await asyncio.to_thread(_run, ["nft", "delete", "table", "inet", policy.table])
         self.policy = None

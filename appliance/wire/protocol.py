@@ -644,6 +644,7 @@ class EgressFlow(TypedDict):
     bytes_up: int
     bytes_down: int
     duration_ms: int
+    injected: NotRequired[list[str]]  # the secret headers the proxy set (names, never values)
 
 
 class DoneFrame(TypedDict):

@@ -7,6 +7,7 @@ attack is paired with a control in the same run that shows the way it tries does
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from tests.fakenet import DOMAIN, FakeNet, fake_internet
 from tests.support import Server
 
 D = DOMAIN
+SECRET = "sk-attack-" + secrets.token_hex(16)  # what the proxy adds for x.wild.fake.test:443
 
 # Jailed helpers: the proxy from the environment, spoken to by hand.
 HELPERS = r"""
@@ -74,10 +76,15 @@ class Target:
 def target(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator[Target]:
     base = tmp_path_factory.mktemp("egress-attacks")
     with fake_internet(base / "net") as net:
+        secrets_file = base / "secrets.toml"
+        secrets_file.write_text(f'["x.wild.{D}:443"]\nAuthorization = "Bearer {SECRET}"\n')
+        secrets_file.chmod(0o600)
         srv = hostile_server(
             base / "server",
             tmp_root,
-            SANDBOX_EGRESS_ALLOW_DOMAINS=f"api.{D}:443,api.{D}:80,private.{D}:80,mixed.{D}:80",
+            SANDBOX_EGRESS_ALLOW_DOMAINS=f"api.{D}:443,api.{D}:80,private.{D}:80,mixed.{D}:80,x.wild.{D}:443",
+            SANDBOX_EGRESS_SECRETS=str(secrets_file),
+            SANDBOX_EGRESS_UPSTREAM_CA=str(net.ca),
             SANDBOX_EGRESS_DNS=net.dns,
             SANDBOX_EGRESS_SUBNET=f"10.218.{net.k}.0/24",
             SANDBOX_MAX_EXEC_MS="30000",
@@ -267,3 +274,47 @@ async def test_a_flood_of_refusals_is_bounded(target: Target, observe: Callable[
     assert len(told) == 32 and len(done["egress"]) == 256 and done["egress_omitted"] == 301 - 256, done.get(
         "egress_omitted"
     )
+
+
+@attack(
+    "a jail steering a secret the proxy adds (SANDBOX_EGRESS_SECRETS): its own headers of that "
+    "name (twice, another case), another Host or an absolute URI to another host inside the "
+    "intercepted tunnel, and plain HTTP to the secret's host:port",
+    "the far end gets the secret once, alone, at its own host; the rest is refused and sends nothing",
+)
+async def test_a_jail_cannot_read_or_steer_a_secret(target: Target, observe: Callable[[str], None]) -> None:
+    mark = "m" + secrets.token_hex(6)
+    body = (
+        f"MARK = {mark!r}\n"
+        "def secret_tunnel(request):\n"
+        f"    s, head = connect('x.wild.{D}:443')\n"
+        "    if ' 200 ' not in head:\n"
+        "        return 'refused: ' + head.split('\\r\\n')[0]\n"
+        "    try:\n"
+        f"        t = ssl.create_default_context().wrap_socket(s, server_hostname='x.wild.{D}')\n"
+        "        t.sendall(request.encode())\n"
+        "        return read_all(t).split('\\r\\n')[0]\n"
+        "    except OSError as e:\n"
+        "        return '%s: %s' % (type(e).__name__, e)\n"
+        "got = {\n"
+        "  'steer': secret_tunnel('GET /hello?%s-steer HTTP/1.1\\r\\nHost: api.fake.test\\r\\n'\n"
+        "      'Authorization: Bearer jail-one\\r\\nauthorization: Bearer jail-two\\r\\nConnection: close\\r\\n\\r\\n' % MARK),\n"
+        "  'absolute': secret_tunnel('GET https://api.fake.test/hello?%s-absolute HTTP/1.1\\r\\n'\n"
+        "      'Host: api.fake.test\\r\\nConnection: close\\r\\n\\r\\n' % MARK),\n"
+        f"  'plain': raw(('GET http://x.wild.{D}:443/hello?%s-plain HTTP/1.1\\r\\nHost: x.wild.{D}\\r\\n\\r\\n' % MARK).encode()).split('\\r\\n')[0],\n"
+        "  'env': ','.join(k for k, v in os.environ.items() if 'sk-attack' in v),\n"
+        "}\n"
+        "print(json.dumps(got))\n"
+    )
+    got = await run(target, body)
+    seen = {r["path"].split(mark, 1)[1]: r for r in target.net.seen() if mark in r["path"]}
+    steer = seen.get("-steer", {"headers": []})
+    auth = [v for k, v in steer["headers"] if k.lower() == "authorization"]
+    host = [v for k, v in steer["headers"] if k.lower() == "host"]
+    observe(f"jail: {json.dumps(got)}; the far end got Host {host} and {len(auth)} Authorization header(s)")
+    assert got["steer"] == "HTTP/1.1 200 OK", got  # the control: the tunnel carries a request
+    assert auth == [f"Bearer {SECRET}"] and host == [f"x.wild.{D}"], steer
+    assert got["absolute"].startswith("HTTP/1.1 400"), got
+    assert got["plain"].startswith("HTTP/1.1 403"), got
+    assert set(seen) == {"-steer"}, seen
+    assert got["env"] == "", got
