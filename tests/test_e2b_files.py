@@ -7,16 +7,17 @@ One server for the module and a sandbox per test that needs a fresh one: each is
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from e2b import FileType, InvalidArgumentException, NotFoundException
+from e2b import FileType, InvalidArgumentException, NotFoundException, SandboxException
 from e2b.exceptions import FileNotFoundException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
-from tests.support import Server, start_server
-from tests.test_e2b_sdk import ALICE, tenants_file
+from tests.support import Server, scaled, start_server
+from tests.test_e2b_sdk import ALICE, tenants_file, until
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +115,12 @@ def test_a_wrong_token_or_an_ended_sandbox_reads_as_not_found(e2bsrv: Server) ->
             assert "was not found" in wrong.json()["message"]
         other_port = stat_raw(e2bsrv, sb.sandbox_id, token, "here", port="49999")
         assert other_port.json()["code"] == "unavailable"
+        watcher = sb.files.watch_dir("here")
+        assert watcher.get_new_events() == []
     finally:
         sb.kill()
+    with pytest.raises(NotFoundException):
+        watcher.get_new_events()  # the watch ended with its sandbox
     with pytest.raises(NotFoundException, match="was not found"):
         sb.files.get_info("here")
     assert stat_raw(e2bsrv, sb.sandbox_id, token, "here").json()["code"] == "not_found"
@@ -135,3 +140,88 @@ def test_async_sandbox_files(e2bsrv: Server) -> None:
             await sb.kill()
 
     asyncio.run(scenario())
+
+
+def test_write_and_read_text_bytes_and_many_files(shared: Sandbox) -> None:
+    files = shared.files
+    info = files.write("/home/user/notes/hello.txt", "héllo\n")
+    assert (info.name, info.path, info.type) == ("hello.txt", "/home/user/notes/hello.txt", FileType.FILE)
+    assert files.read("notes/hello.txt") == "héllo\n"
+    blob = bytes(range(256)) * 1000
+    files.write("notes/blob.bin", blob)
+    assert files.read("/workspace/notes/blob.bin", format="bytes") == bytearray(blob)
+    files.write("notes/hello.txt", "replaced")  # overwrite
+    assert files.read("notes/hello.txt") == "replaced"
+    assert files.get_info("notes/blob.bin").size == len(blob)
+    written = files.write_files(
+        [{"path": "many/a.txt", "data": "A"}, {"path": "/home/user/many/sub/b.txt", "data": b"B"}]
+    )
+    assert sorted(w.path for w in written) == ["/home/user/many/a.txt", "/home/user/many/sub/b.txt"]
+    assert files.read("many/sub/b.txt") == "B"
+    streamed = b"x" * (3 * 65536 + 7)  # a file object goes as application/octet-stream
+    files.write("notes/streamed.bin", io.BytesIO(streamed))
+    assert bytes(files.read("notes/streamed.bin", format="bytes")) == streamed
+    with pytest.raises(FileNotFoundException):
+        files.read("notes/missing.txt")
+    with pytest.raises(InvalidArgumentException):
+        files.read("notes")  # a directory
+
+
+def test_run_code_and_files_see_the_same_directory(shared: Sandbox) -> None:
+    shared.run_code(
+        "import os\nos.makedirs('fromcode', exist_ok=True)\nopen('fromcode/out.txt', 'w').write('by run_code')"
+    )
+    assert shared.files.read("/home/user/fromcode/out.txt") == "by run_code"
+    shared.files.write("/home/user/fromfiles.txt", "by files")
+    assert shared.run_code("open('/workspace/fromfiles.txt').read()").text == "'by files'"
+    assert shared.run_code("import os; os.stat('fromfiles.txt').st_uid == os.getuid()").text == "True"
+
+
+def test_watch_dir_sees_what_run_code_writes(shared: Sandbox) -> None:
+    shared.files.make_dir("watched/deep")
+    handle = shared.files.watch_dir("/home/user/watched", recursive=True)
+    try:
+        shared.run_code(
+            "open('watched/made.txt', 'w').write('x')\nopen('watched/deep/inner.txt', 'w').write('y')"
+        )
+        seen: set[tuple[str, str]] = set()
+
+        def both_seen() -> bool:
+            seen.update((e.name, e.type.name) for e in handle.get_new_events())
+            return {("made.txt", "CREATE"), ("deep/inner.txt", "CREATE")} <= seen
+
+        assert until(both_seen), seen
+    finally:
+        handle.stop()
+
+
+def test_async_watch_dir_streams_events(e2bsrv: Server) -> None:
+    async def scenario() -> None:
+        sb = await AsyncSandbox.create()
+        try:
+            got: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+            handle = await sb.files.watch_dir("/home/user", lambda e: got.put_nowait((e.name, e.type.name)))
+            await sb.files.write("/home/user/via-files.txt", "z")
+            await sb.run_code("open('via-code.txt', 'w').write('w')")
+            seen: set[tuple[str, str]] = set()
+            # an upload lands as a new name renamed over the target: CREATE, its temporary name unseen
+            while not {("via-files.txt", "CREATE"), ("via-code.txt", "CREATE")} <= seen:
+                seen.add(await asyncio.wait_for(got.get(), scaled(30)))
+            await handle.stop()
+            assert not [name for name, _ in seen if name.startswith(".appliance")]
+        finally:
+            await sb.kill()
+
+    asyncio.run(scenario())
+
+
+def test_a_sandbox_holds_a_bounded_number_of_watches(shared: Sandbox) -> None:
+    shared.files.make_dir("capped")
+    handles = [shared.files.watch_dir("capped") for _ in range(8)]
+    try:
+        with pytest.raises(SandboxException, match="at most 8"):
+            shared.files.watch_dir("capped")
+    finally:
+        for handle in handles:
+            handle.stop()
+    shared.files.watch_dir("capped").stop()  # stopped ones are given back

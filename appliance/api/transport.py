@@ -212,7 +212,7 @@ def bearer_token(request: web.Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-async def send_within(request: web.Request, sending: Awaitable[None], stall_s: float) -> None:
+async def send_within(request: web.Request, sending: Awaitable[object], stall_s: float) -> None:
     """Await one send; Cancelled (and the connection aborted) if the client does not take it
     within stall_s, or if the connection broke."""
     try:

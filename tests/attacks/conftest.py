@@ -29,6 +29,7 @@ CLASS_OF_FILE = {
     "test_filesystem": "filesystem and IPC",
     "test_egress": "egress by name",
     "test_snapshots": "snapshots",
+    "test_e2b_files": "E2B files",
 }
 OBSERVED = pytest.StashKey[str]()
 ROWS = pytest.StashKey[list[AuditRow]]()

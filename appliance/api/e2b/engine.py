@@ -123,6 +123,11 @@ class Sandboxes:
     async def kill(self, sandbox: Sandbox) -> None:
         self.registry.remove(sandbox.id)
         sandbox.ended.set()
+        while sandbox.on_end:
+            try:
+                sandbox.on_end.pop()()
+            except Exception:  # one watcher's teardown must not keep the sandbox's sessions open
+                log.exception("could not end what lived with an E2B sandbox", extra={"sandbox": sandbox.id})
         for ctx in list(sandbox.contexts.values()):
             await self.service.close_session(ctx.session, sandbox.owner)
         sandbox.contexts.clear()

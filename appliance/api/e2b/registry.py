@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -38,6 +39,7 @@ class Sandbox:
     # Set once the sandbox is gone: what lives as long as it does (envd's watchers and
     # process streams) ends with it.
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    on_end: list[Callable[[], None]] = field(default_factory=list)  # called once, as it ends
 
 
 def new_id() -> str:

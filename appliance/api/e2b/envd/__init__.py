@@ -14,6 +14,9 @@ message, errors as `{"code", "message"}` JSON. None of that framing is written h
   read, that the request names a live sandbox with its own access token.
 
 - `messages`: the generated message types and service applications, re-exported.
-- `connect`: the aiohttp-to-Connect bridge, sandbox routing and auth, error helpers.
+- `connect`: the aiohttp-to-Connect bridge, sandbox routing and auth.
+- `paths`: E2B's /home/user and relative paths onto the jail's working directory; pure.
+- `filesystem`: the Filesystem service (stat, list, make_dir, move, remove, watchers).
+- `files`: the HTTP `/files` download and upload.
 - `routes`: mounts each service under the E2B prefix.
 """

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import stat
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
+from protobuf import Oneof
 from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from appliance.api.e2b.envd import connect, paths
@@ -27,11 +29,18 @@ from appliance.api.e2b.registry import Sandbox
 from appliance.core.ports import Workspace
 from appliance.sandbox import workfiles
 from appliance.sandbox.workfiles import FileProblem, Info
+from appliance.sandbox.workwatch import Change, DirWatch
 
 T = TypeVar("T")
 
 # The most entries one ListDir returns: a tree past it is refused, naming the cap.
 MAX_LIST_ENTRIES = 10_000
+# A sandbox's watches at once, the directories one recursive watch holds (each an inotify
+# watch of root's, counted against the host's max_user_watches), and the changes one keeps
+# unread: past these the watch is refused, or ends saying why.
+MAX_WATCHES = 8
+MAX_WATCH_DIRS = 256
+MAX_WATCH_EVENTS = 1000
 
 CODES = {
     "not_found": Code.NOT_FOUND,
@@ -101,6 +110,9 @@ async def on_files(sandbox: Sandbox, fn: Callable[[Workspace], T]) -> T:
 class Filesystem(filesystem_connect.Filesystem):
     """envd's `filesystem.Filesystem`, one instance per server."""
 
+    def __init__(self) -> None:
+        self.watches = Watches()
+
     async def stat(self, request: pb.StatRequest, ctx: RequestContext[Any, Any], /) -> pb.StatResponse:
         sandbox = connect.sandbox_of(ctx)
         t = target(request.path)
@@ -144,20 +156,168 @@ class Filesystem(filesystem_connect.Filesystem):
     async def watch_dir(
         self, request: pb.WatchDirRequest, ctx: RequestContext[Any, Any], /
     ) -> AsyncIterator[pb.WatchDirResponse]:
-        raise ConnectError(Code.UNIMPLEMENTED, "watch_dir is not built yet")
-        yield pb.WatchDirResponse()  # pragma: no cover (makes this an async generator)
+        """The async SDK's watch: a stream that starts with `start`, then the changes as they
+        come, a keepalive when none came for the interval the client asked; it ends with the
+        sandbox, the watched directory, or the client."""
+        sandbox = connect.sandbox_of(ctx)
+        t = target(request.path)
+        watch_id, w = await self.watches.open(sandbox, t, request.recursive)
+        try:
+            yield pb.WatchDirResponse(event=_start())
+            interval = keepalive_s(ctx.request_headers.get(KEEPALIVE_HEADER))
+            while True:
+                if not w.changes and not w.ended:
+                    try:
+                        await asyncio.wait_for(w.wake.wait(), interval)
+                    except TimeoutError:
+                        yield pb.WatchDirResponse(event=_keepalive())
+                        continue
+                for event in await self._events(w, t, request.include_entry):
+                    yield pb.WatchDirResponse(event=_change(event))
+                if w.ended:
+                    if w.failed:
+                        raise ConnectError(Code.FAILED_PRECONDITION, w.failed)
+                    return
+        finally:
+            self.watches.close(sandbox, watch_id)
 
     async def create_watcher(
         self, request: pb.CreateWatcherRequest, ctx: RequestContext[Any, Any], /
     ) -> pb.CreateWatcherResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "watchers are not built yet")
+        """The sync SDK's watch: a watcher kept here, polled with GetWatcherEvents."""
+        sandbox = connect.sandbox_of(ctx)
+        t = target(request.path)
+        watch_id, _ = await self.watches.open(sandbox, t, request.recursive, request.include_entry)
+        return pb.CreateWatcherResponse(watcher_id=watch_id)
 
     async def get_watcher_events(
         self, request: pb.GetWatcherEventsRequest, ctx: RequestContext[Any, Any], /
     ) -> pb.GetWatcherEventsResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "watchers are not built yet")
+        sandbox = connect.sandbox_of(ctx)
+        w = self.watches.get(sandbox, request.watcher_id)
+        events = await self._events(w, w.target, w.include_entry)
+        if not events and w.ended and w.failed:
+            raise ConnectError(Code.FAILED_PRECONDITION, w.failed)
+        return pb.GetWatcherEventsResponse(events=events)
 
     async def remove_watcher(
         self, request: pb.RemoveWatcherRequest, ctx: RequestContext[Any, Any], /
     ) -> pb.RemoveWatcherResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "watchers are not built yet")
+        sandbox = connect.sandbox_of(ctx)
+        self.watches.get(sandbox, request.watcher_id)  # NOT_FOUND when not this sandbox's
+        self.watches.close(sandbox, request.watcher_id)
+        return pb.RemoveWatcherResponse()
+
+    async def _events(self, w: Watch, t: paths.Target, include_entry: bool) -> list[pb.FilesystemEvent]:
+        changes = w.take()
+        entries: list[Info | None] = [None] * len(changes)
+        if include_entry and changes:
+            entries = await asyncio.to_thread(_entries, w, changes)
+        return [
+            pb.FilesystemEvent(
+                name=c.name,
+                type=EVENTS[c.kind],
+                entry=entry(info, t.child(c.name), w.ws.uid) if info is not None else None,
+            )
+            for c, info in zip(changes, entries, strict=True)
+        ]
+
+
+EVENTS = {
+    "create": pb.EventType.CREATE,
+    "write": pb.EventType.WRITE,
+    "remove": pb.EventType.REMOVE,
+    "rename": pb.EventType.RENAME,
+    "chmod": pb.EventType.CHMOD,
+}
+KEEPALIVE_HEADER = "Keepalive-Ping-Interval"
+
+
+def _start() -> Oneof[Literal["start"], pb.WatchDirResponse.StartEvent]:
+    return Oneof("start", pb.WatchDirResponse.StartEvent())
+
+
+def _keepalive() -> Oneof[Literal["keepalive"], pb.WatchDirResponse.KeepAlive]:
+    return Oneof("keepalive", pb.WatchDirResponse.KeepAlive())
+
+
+def _change(event: pb.FilesystemEvent) -> Oneof[Literal["filesystem"], pb.FilesystemEvent]:
+    return Oneof("filesystem", event)
+
+
+def keepalive_s(asked: str | None) -> float:
+    """The keepalive interval the client asked for (seconds), within 1 s and 5 minutes."""
+    try:
+        return float(min(max(int(asked or "50"), 1), 300))
+    except ValueError:
+        return 50.0
+
+
+def _entries(w: Watch, changes: list[Change]) -> list[Info | None]:
+    """What each changed entry is now, where it still is (a watch's include_entry)."""
+    found: list[Info | None] = []
+    for c in changes:
+        if c.kind in ("remove", "rename"):
+            found.append(None)
+            continue
+        try:
+            found.append(workfiles.stat_path(w.ws, (*w.parts, *c.name.split("/")), c.name))
+        except (FileProblem, OSError):
+            found.append(None)
+    return found
+
+
+class Watch(DirWatch):
+    """A watch as a call asked for it: its path as reported, and whether events carry entries."""
+
+    target: paths.Target = paths.Target((), paths.HOME)
+    include_entry: bool = False
+
+
+class Watches:
+    """The live watches of every sandbox, each bounded in what it holds (`workwatch`), and
+    at most MAX_WATCHES per sandbox; all of a sandbox's end with it."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, dict[str, Watch]] = {}
+
+    async def open(
+        self, sandbox: Sandbox, t: paths.Target, recursive: bool, include_entry: bool = False
+    ) -> tuple[str, Watch]:
+        live = self._of.setdefault(sandbox.id, {})
+        if len(live) >= MAX_WATCHES:
+            raise ConnectError(
+                Code.FAILED_PRECONDITION,
+                f"a sandbox watches at most {MAX_WATCHES} directories at once; stop one first",
+            )
+        ws = open_workspace(sandbox)
+        try:
+            w = await asyncio.to_thread(Watch, ws, t.parts, recursive, MAX_WATCH_DIRS, MAX_WATCH_EVENTS)
+        except FileProblem as exc:
+            raise ConnectError(CODES.get(exc.kind, Code.INTERNAL), exc.message) from None
+        if sandbox.ended.is_set() or len(live) >= MAX_WATCHES:  # it ended, or filled up, meanwhile
+            w.close()
+            raise ConnectError(Code.NOT_FOUND, f"sandbox {sandbox.id!r} was not found")
+        w.target, w.include_entry = t, include_entry
+        w.start(asyncio.get_running_loop())
+        watch_id = secrets.token_urlsafe(12)
+        if not live:
+            sandbox.on_end.append(lambda: self.end_all(sandbox.id))
+        live[watch_id] = w
+        return watch_id, w
+
+    def get(self, sandbox: Sandbox, watch_id: str) -> Watch:
+        w = self._of.get(sandbox.id, {}).get(watch_id)
+        if w is None:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {watch_id[:64]!r} not found")
+        return w
+
+    def close(self, sandbox: Sandbox, watch_id: str) -> None:
+        live = self._of.get(sandbox.id, {})
+        w = live.pop(watch_id, None)
+        if w is not None:
+            w.close()
+
+    def end_all(self, sandbox_id: str) -> None:
+        for w in self._of.pop(sandbox_id, {}).values():
+            w.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from appliance.api.e2b.envd import connect, filesystem
+from appliance.api.e2b.envd import connect, files, filesystem
 from appliance.api.e2b.envd.messages import filesystem_connect
 
 
@@ -15,3 +15,4 @@ def add_routes(app: web.Application, prefix: str) -> None:
         read_max_bytes=connect.MAX_MESSAGE_BYTES,
     )
     connect.mount(app, prefix, "filesystem.Filesystem", fs)
+    files.add_routes(app, prefix)
