@@ -108,3 +108,12 @@ def test_registry_finds_a_sandbox_only_by_owner_or_by_token() -> None:
     assert reg.reached("s1", None) is None
     assert reg.expired(60.9) == [] and reg.expired(61.0) == [mine]
     assert reg.of_owner("bob") == []
+
+
+def test_an_error_reason_phrase_carries_the_message_safely() -> None:
+    # The JavaScript SDK shows only the status line of a code-interpreter error.
+    assert shapes.reason(400, "language 'r' is not supported") == "Bad Request: language 'r' is not supported"
+    assert shapes.reason(599, "") == "Error"
+    phrase = shapes.reason(404, "id '\r\nSet-Cookie: x\u00e9" + "y" * 500)
+    assert phrase.isascii() and phrase.isprintable() and "\r" not in phrase and "\n" not in phrase
+    assert len(phrase) <= len("Not Found: ") + shapes.MAX_REASON_CHARS

@@ -27,7 +27,10 @@ SANDBOXES_KEY = web.AppKey("e2b_sandboxes", Sandboxes)
 def reply(status: int, message: str, retry_after_ms: int | None = None) -> web.Response:
     # A `busy` refusal is 429 with Retry-After, as on every route (appliance.api.busy).
     return web.json_response(
-        shapes.error(status, message), status=status, headers=busy.retry_after(retry_after_ms)
+        shapes.error(status, message),
+        status=status,
+        reason=shapes.reason(status, message),
+        headers=busy.retry_after(retry_after_ms),
     )
 
 

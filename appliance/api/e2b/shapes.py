@@ -12,6 +12,7 @@ import datetime
 import json
 import time
 from collections.abc import Mapping
+from http import HTTPStatus
 from typing import Any
 
 from appliance.api.e2b.registry import Sandbox
@@ -62,6 +63,25 @@ class BadRequest(ValueError):
 def error(code: int, message: str) -> dict[str, Any]:
     """E2B's error body: the SDK raises its typed exception from the status and shows `message`."""
     return {"code": code, "message": message}
+
+
+MAX_REASON_CHARS = 200
+
+
+def reason(code: int, message: str) -> str:
+    """The HTTP reason phrase of an error reply: the status's phrase and the message.
+
+    The JavaScript SDK's code-interpreter calls show only `status statusText` of an error
+    (not its body), so the message rides in the phrase too; printable ASCII only (the
+    message may quote a caller's input), shortened."""
+    try:
+        phrase = HTTPStatus(code).phrase
+    except ValueError:
+        phrase = "Error"
+    text = "".join(c if " " <= c <= "~" else "?" for c in message)
+    if len(text) > MAX_REASON_CHARS:
+        text = text[: MAX_REASON_CHARS - 3] + "..."
+    return f"{phrase}: {text}" if text else phrase
 
 
 def _rfc3339(epoch_s: float) -> str:
