@@ -12,9 +12,11 @@ PYTEST_ARGS ?=
 # `exclusive` run alone (tests/exclusive.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 4
 
-.PHONY: setup system venv cuda-build cuda-wheel run test test-fast lint check bench audit gpu-kit gpu-rehearsal clean
+JS_SDK := tests/js/e2b
 
-setup: system venv
+.PHONY: setup system venv js cuda-build cuda-wheel run test test-fast lint check bench audit gpu-kit gpu-rehearsal clean
+
+setup: system venv js
 
 system:
 	@scripts/setup-system.sh
@@ -33,6 +35,15 @@ $(VENV)/.installed: pyproject.toml client/pyproject.toml tests/requirements-node
 	$(PY) -m pip install -q --no-deps -r tests/requirements-nodeps.txt   # pinned; why: the file's comments
 	$(PY) -m pip install -q -e './client[mcp]'   # the client distribution (client/pyproject.toml)
 	@APPLIANCE_CUDA_BUILD=0 scripts/cuda-build.sh $(PY)
+	@touch $@
+
+# The E2B JavaScript SDK that tests/test_e2b_js.py runs, and the node it runs under, exactly as
+# the lockfile pins them (npm ci), into the gitignored $(JS_SDK)/node_modules; again only when
+# package.json or the lockfile change.
+js: $(JS_SDK)/node_modules/.installed
+
+$(JS_SDK)/node_modules/.installed: $(JS_SDK)/package.json $(JS_SDK)/package-lock.json
+	cd $(JS_SDK) && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
 # llama-cpp-python rebuilt for CUDA in the venv (needs nvcc; many minutes; docs/gpu.md).

@@ -21,6 +21,9 @@ PATH="$PATH:/usr/sbin:/sbin" command -v nft >/dev/null || need+=(nftables)
 # kit carries none).
 PATH="$PATH:/usr/sbin:/sbin" command -v debootstrap >/dev/null || need+=(debootstrap)
 /usr/bin/python3 -c 'import numpy' 2>/dev/null || need+=(python3-numpy)
+# npm installs the E2B JavaScript SDK the tests run (`make js`, from tests/js/e2b's lockfile,
+# which also pins the node it runs under); Debian's npm brings Debian's node to run npm itself.
+command -v npm >/dev/null || need+=(npm)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing ${need[*]}" >&2
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
