@@ -4,6 +4,7 @@ lines run in a real jail on a real server (checked end to end)."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import re
 from collections.abc import Iterator
 
@@ -139,11 +140,25 @@ class TestInTheJail:
         assert "unsupported magic %timeit" in ex.error.value and "%pip install" in ex.error.value
 
     async def test_pip_without_a_wheelhouse_ends_the_cell_saying_it_is_off(self, plain: Server) -> None:
-        ex = await run(plain, "%pip install requests\nprint('went on')")
+        ex = await run(plain, "%pip install no-such-dist-here\nprint('went on')")
         assert ex.status == "error" and ex.stdout == "", ex.frames
         assert ex.error is not None and ex.error.name == "PipError"
-        assert "pip install requests: pip install is off on this appliance" in ex.error.value
+        assert "pip install no-such-dist-here: pip install is off on this appliance" in ex.error.value
         assert "SANDBOX_WHEELHOUSE" in ex.error.value
+
+    async def test_pip_install_of_what_is_installed_is_satisfied_without_a_wheelhouse(
+        self, plain: Server
+    ) -> None:
+        # As pip answers; smolagents' E2B executor asks for what its final_answer imports.
+        version = importlib.metadata.version("numpy")
+        ex = await run(plain, f"!pip install pillow numpy=={version}\nprint(_exit_code)")
+        assert ex.status == "ok", (ex.stdout, ex.stderr, ex.error)
+        assert (
+            ex.stdout
+            == f"Requirement already satisfied: pillow\nRequirement already satisfied: numpy=={version}\n0\n"
+        )
+        ex = await run(plain, "%pip install numpy==0.0.1")  # another version: pip's call, and it is off
+        assert ex.error is not None and "pip install is off" in ex.error.value
 
     async def test_pip_subcommands_other_than_install_and_list_are_refused(self, plain: Server) -> None:
         ex = await run(plain, "!pip uninstall -y numpy")

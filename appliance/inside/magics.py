@@ -216,6 +216,13 @@ class Magics:
                 f"pip: {' '.join(direct)}: direct references, URLs and paths are refused; name "
                 "packages of the appliance's wheelhouse, e.g. `%pip install requests==2.32.3`",
             )
+        if not flags and all(_satisfied(r) for r in reqs):
+            # As pip answers, with or without a wheelhouse: agent frameworks ask for what they
+            # import (smolagents' E2B executor, `!pip install pillow numpy`) before each run.
+            for req in reqs:
+                sys.stdout.write(f"Requirement already satisfied: {req}\n")
+            self._set_status(0, "pip")
+            return
         if self.wheelhouse is None:
             self._fail(
                 1,
@@ -315,6 +322,21 @@ class Magics:
         if path not in self.paths:
             self.paths.insert(0, path)
         importlib.invalidate_caches()
+
+
+def _satisfied(req: str) -> bool:
+    """Whether an installed distribution meets req as named: a bare name, or `name==version`
+    of the installed version (anything else, pip decides)."""
+    name, rest = split_requirement(req)
+    if not name or (rest and not rest.startswith("==")):
+        return False
+    import importlib.metadata  # as in _installed
+
+    try:
+        version = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return not rest or rest[2:].strip() == version
 
 
 def _installed(name: str) -> bool:
