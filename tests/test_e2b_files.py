@@ -136,6 +136,14 @@ def test_async_sandbox_files(e2bsrv: Server) -> None:
             assert [(e.name, e.type) for e in listed] == [("inner", FileType.DIR)]
             await sb.files.remove("adir")
             assert not await sb.files.exists("adir")
+            info = await sb.files.write("/home/user/async.txt", "from async")
+            assert info.path == "/home/user/async.txt"
+            assert await sb.files.read("async.txt") == "from async"
+            packed = b"compressible " * 10_000
+            await sb.files.write("packed.bin", packed, gzip=True)  # octet-stream, Content-Encoding: gzip
+            assert bytes(await sb.files.read("packed.bin", format="bytes", gzip=True)) == packed
+            await sb.files.write_files([{"path": "m/1.txt", "data": "1"}, {"path": "m/2.txt", "data": b"2"}])
+            assert sorted(e.name for e in await sb.files.list("m")) == ["1.txt", "2.txt"]
         finally:
             await sb.kill()
 

@@ -6,7 +6,9 @@ outside the sandbox's own working directory, and the server stays up for the oth
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from e2b_code_interpreter import Sandbox
 
 from tests.attacks.common import AWS_SECRET, attack
 from tests.support import Server, start_server
-from tests.test_e2b_sdk import ALICE, BOB, tenants_file
+from tests.test_e2b_sdk import ALICE, BOB, tenants_file, until
 
 Observe = Callable[[str], None]
 DISK_MB = 64  # SANDBOX_MAX_DISK_MB, as hostile_server has it
@@ -34,6 +36,7 @@ def e2bsrv(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator
         SANDBOX_POOL_SIZE="2",
         SANDBOX_MAX_DISK_MB=str(DISK_MB),
         SANDBOX_MAX_EXEC_MS="20000",
+        SANDBOX_CLIENT_STALL_MS="1000",
         AWS_SECRET_ACCESS_KEY=AWS_SECRET,
     )
     yield srv
@@ -239,3 +242,78 @@ def test_another_tenants_sandbox_is_unreachable(
     finally:
         alices.kill()
         bobs.kill()
+
+
+@attack(
+    "oversized and compressed-bomb Connect messages to envd, with and without the sandbox's token",
+    "refused before decoding (not_found without the token, resource_exhausted past 1 MiB), the server up",
+)
+def test_oversized_connect_messages_are_refused(e2bsrv: Server, observe: Observe) -> None:
+    sb = Sandbox.create()
+    try:
+        url = e2bsrv.http + "/e2b/filesystem.Filesystem/Stat"
+        good = {
+            "E2b-Sandbox-Id": sb.sandbox_id,
+            "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": str(sb._envd_access_token),
+        }
+        huge = b'{"path": "' + b"a" * (2 << 20) + b'"}'
+        bomb = gzip.compress(b'{"path": "' + b"b" * (64 << 20) + b'"}')  # 64 MiB in about 64 KiB
+        outcomes = {
+            "2 MiB, wrong token": httpx.post(
+                url, content=huge, headers={**good, "X-Access-Token": "x", "Content-Type": "application/json"}
+            ),
+            "2 MiB": httpx.post(url, content=huge, headers={**good, "Content-Type": "application/json"}),
+            "gzip bomb": httpx.post(
+                url,
+                content=bomb,
+                headers={**good, "Content-Type": "application/json", "Content-Encoding": "gzip"},
+            ),
+        }
+        codes = {k: r.json().get("code") for k, r in outcomes.items()}
+        assert codes == {
+            "2 MiB, wrong token": "not_found",
+            "2 MiB": "resource_exhausted",
+            "gzip bomb": "resource_exhausted",
+        }
+        assert sb.files.make_dir("still-served")  # the control, after the abuse
+        observe(f"{codes}; the sandbox's next call served")
+    finally:
+        sb.kill()
+
+
+@attack(
+    "download a big file and never read the reply",
+    "the server drops the connection after SANDBOX_CLIENT_STALL_MS, holding nothing; others are served meanwhile",
+)
+def test_a_download_never_read_is_dropped(e2bsrv: Server, observe: Observe) -> None:
+    sb = Sandbox.create()
+    try:
+        size = 40 << 20  # more than the two ends' socket buffers hold: the server's writes stall
+        made = sb.run_code(f"open('big.bin', 'wb').truncate({size}); 'made'")
+        assert made.text == "'made'", made.error
+        port = int(e2bsrv.http.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(
+                f"GET /e2b/files?path=big.bin HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nE2b-Sandbox-Id: {sb.sandbox_id}\r\n"
+                f"E2b-Sandbox-Port: 49983\r\nX-Access-Token: {sb._envd_access_token}\r\n\r\n".encode()
+            )
+            assert sb.files.read("big.bin", format="bytes")[:4] == bytearray(4)  # others are served meanwhile
+            # The server's end of this connection leaves ESTABLISHED once the server lets it go.
+            assert until(lambda: server_end_state(port, sock.getsockname()[1]) != "01", within_s=60), (
+                "the stalled download was never dropped"
+            )
+        observe(f"a {size}-byte download never read: dropped after the stall; the sandbox served meanwhile")
+    finally:
+        sb.kill()
+
+
+def server_end_state(server_port: int, client_port: int) -> str | None:
+    """The TCP state (/proc/net/tcp's hex code; "01" is ESTABLISHED) of the server's end of a
+    loopback connection, None once it is gone."""
+    local, remote = f"0100007F:{server_port:04X}", f"0100007F:{client_port:04X}"
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == local and fields[2] == remote:
+            return fields[3]
+    return None
