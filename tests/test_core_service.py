@@ -181,6 +181,39 @@ class TestSessions:
         assert await core.service.close_session(sid, "alice")
         assert lease.ended and not jails[0].alive
 
+    async def test_a_session_opened_without_a_first_cell_runs_none_and_is_frozen(self) -> None:
+        # The E2B dialect's create: the context is ready once its jail is leased.
+        core = Core()
+        events = await core.service.open_session(protocol.ExecuteRequest(code=""), "alice", first_cell=False)
+        done = events[-1]
+        assert [type(e) for e in events] == [Done] and isinstance(done, Done)
+        assert done.status == "ok" and done.session is not None
+        assert core.cells.runs == []  # no cell ran
+        (lease,) = core.leases.leases
+        assert lease.kept and lease.jail is not None and lease.jail.frozen
+        again = await core.run("x", session=done.session)
+        assert again[-1]["status"] == "ok" and [jail for jail, _ in core.cells.runs] == [lease.jail]
+        with pytest.raises(ValueError, match="no code"):
+            await core.service.open_session(protocol.ExecuteRequest(code="1"), "alice", first_cell=False)
+
+    async def test_a_session_opened_without_a_cell_whose_jail_does_not_freeze_ends(self) -> None:
+        core = Core()
+        new_jail = core.leases.new_jail
+
+        def refusing() -> FakeJail:
+            jail = new_jail()
+            jail.refuse_freeze = "the freezer did not confirm FROZEN"
+            return jail
+
+        core.leases.new_jail = refusing  # type: ignore[method-assign]
+        done = (await core.service.open_session(protocol.ExecuteRequest(code=""), "alice", first_cell=False))[
+            -1
+        ]
+        assert (
+            isinstance(done, Done) and done.status != "ok" and "could not be frozen" in (done.message or "")
+        )
+        assert len(core.service.sessions) == 0 and core.leases.leases[0].ended
+
     async def test_another_owners_session_is_reported_as_missing(self) -> None:
         core = Core()
         sid = (await core.run("secret = 1", session="new"))[-1]["session"]

@@ -205,8 +205,11 @@ class RunService:
         run.task = tasks.spawn(self.execute(req, owner, emit, run), name=f"run-{req.id}")
         return run
 
-    async def execute(self, req: RunRequest, owner: str, emit: Emit, run: Run | None = None) -> None:  # noqa: C901, PLR0912, PLR0915 (one run's steps in order; every exception maps to done.status here, in one place)
-        """Run one request end to end; always emits exactly one `Done`."""
+    async def execute(  # noqa: C901, PLR0912, PLR0915 (one run's steps in order; every exception maps to done.status here, in one place)
+        self, req: RunRequest, owner: str, emit: Emit, run: Run | None = None, *, cell: bool = True
+    ) -> None:
+        """Run one request end to end; always emits exactly one `Done`. `cell=False` (a new
+        session, no snapshot) opens the session without running a cell (`open_session`)."""
         run = run or self._new_run(req)
         started = self.clock()
         outcome: CellOutcome | None = None
@@ -266,7 +269,10 @@ class RunService:
                             if restoring is not None:
                                 await self._restore(session, restoring)
                             session_id = session.id
-                            outcome = await self._session_cell(session, req, emit, run, queued_ms)
+                            if cell or restoring is not None:
+                                outcome = await self._session_cell(session, req, emit, run, queued_ms)
+                            else:
+                                outcome = await self._opened(session)
                     else:
                         outcome = await self._one_shot(jail, lease, req, emit, run, queued_ms, owner)
         except asyncio.CancelledError:
@@ -318,15 +324,28 @@ class RunService:
         if outcome.import_ms is not None:
             self.metrics.import_seconds.labels(profile=profile).observe(outcome.import_ms / 1000)
 
-    async def open_session(self, req: RunRequest, owner: str) -> list[Event]:
-        """Open a session running req's code first; the events it sent (the last is `Done`)."""
+    async def open_session(self, req: RunRequest, owner: str, first_cell: bool = True) -> list[Event]:
+        """Open a session running req's code first; the events it sent (the last is `Done`).
+        first_cell=False: req's code must be empty, and no cell runs (no `Started`): the
+        session is opened (admitted, counted, its jail leased) and frozen as between cells,
+        a jail round trip sooner."""
+        if not first_cell and req.code:
+            raise ValueError("a session opened without a first cell has no code to run")
         events: list[Event] = []
 
         async def collect(event: Event) -> None:
             events.append(event)
 
-        await self.execute(session_opener(req), owner, collect)
+        await self.execute(session_opener(req), owner, collect, cell=first_cell)
         return events
+
+    async def _opened(self, session: Session) -> CellOutcome:
+        """A session opened without a cell: its jail frozen, as between cells (fail closed: a
+        jail that does not freeze ends the session)."""
+        if not await self._refreeze(session):
+            raise JailFailure(f"session {session.id} has ended: its jail could not be frozen")
+        self.metrics.sessions.set(len(self.sessions))
+        return CellOutcome("ok")
 
     # -- snapshots -----------------------------------------------------------------------------
     async def snapshot_session(self, session_id: str, owner: str) -> SnapshotInfo:

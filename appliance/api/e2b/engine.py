@@ -180,7 +180,8 @@ class Sandboxes:
     async def new_context(self, sandbox: Sandbox, context_id: str | None = None) -> Context:
         """Open a session for a context (its own jail and interpreter) with the sandbox's env vars."""
         req = ExecuteRequest(code=_setup_code(sandbox.envs), stdin_eof=True)
-        done = _done_of(await self.service.open_session(req, sandbox.owner))
+        # Without env vars to set, no first cell: the context is ready when its jail is leased.
+        done = _done_of(await self.service.open_session(req, sandbox.owner, first_cell=bool(req.code)))
         session = done.session
         if done.status != "ok" or session is None:
             if session is not None:  # opened, but its first cell failed: not kept
