@@ -51,7 +51,7 @@ from appliance.core.egress import (
     normal_host,
 )
 from appliance.core.egresssecrets import SecretHeaders, Secrets
-from appliance.sandbox import tlshello
+from appliance.sandbox import egresssplice, tlshello
 from appliance.sandbox.egressintercept import Interception, TlsStream, with_secrets
 from appliance.sandbox.egressresolve import ResolveError, Resolver
 from appliance.sandbox.network import EgressPolicy, JailLink, address_refusal
@@ -67,7 +67,10 @@ CLOSE_GRACE_S = 5.0  # what is still buffered for a peer at the end has this lon
 MAX_CONNECTIONS = 64  # one jail's connections through the proxy at once
 MAX_FLOWS = 256  # flows one run's ledger lists; past it they are counted only
 MAX_DENIALS_TOLD = 32  # denials one run is told of as they happen; past it, in `done` only
-CHUNK = 65536
+# The relay's buffers: a read takes what the socket has, up to this; a stream holds at most
+# twice this before it stops reading, and a writer this much before its reader waits. Small
+# buffers meant a wakeup of the server's loop per 64 KiB, which a busy host pays for each.
+CHUNK = 262144
 HOP_HEADERS = {
     b"connection",
     b"proxy-connection",
@@ -220,7 +223,9 @@ class EgressProxy:
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await self._serve(holder[0], reader, writer)
 
-        server = await asyncio.start_server(serve, host=str(link.gateway), port=port, backlog=MAX_CONNECTIONS)
+        server = await asyncio.start_server(
+            serve, host=str(link.gateway), port=port, backlog=MAX_CONNECTIONS, limit=CHUNK
+        )
         state = _Jail(link, server)
         holder.append(state)
         self._jails[link.index] = state
@@ -264,6 +269,7 @@ class EgressProxy:
             peer = writer.get_extra_info("peername")
             if not peer or peer[0] != str(state.link.address):
                 return  # another jail's (or anyone else's) connection to this jail's listener
+            writer.transport.set_write_buffer_limits(high=CHUNK)
             if len(state.conns) > MAX_CONNECTIONS:
                 writer.write(_reply(503, f"more than {MAX_CONNECTIONS} connections at once"))
                 return
@@ -383,11 +389,13 @@ class EgressProxy:
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                return await asyncio.open_connection(str(address), flow.port, limit=CHUNK)
+                up_reader, up_writer = await asyncio.open_connection(str(address), flow.port, limit=CHUNK)
         except (OSError, TimeoutError) as exc:
             flow.decision = FAILED
             flow.why = f"{address}:{flow.port} could not be reached ({getattr(exc, 'strerror', None) or type(exc).__name__})"
             raise _Refused(502, flow.why) from None
+        up_writer.transport.set_write_buffer_limits(high=CHUNK)
+        return up_reader, up_writer
 
     async def _tunnel(  # noqa: PLR0913 (one connection's parts)
         self,
@@ -511,12 +519,43 @@ class EgressProxy:
             up_reader, up_writer = upstream
             await self._record(state, flow)
             try:
+                # The answer is read by splice, not by the stream: nothing of it may be read
+                # into the stream's buffer first.
+                up = up_writer.transport
+                paused = egresssplice.available() and isinstance(up, asyncio.ReadTransport)
+                if isinstance(up, asyncio.ReadTransport) and paused:
+                    up.pause_reading()
                 await self._send_request(flow, conn, request, reader, writer, up_writer, url, port)
-                await self._pump(flow, up_reader, writer, down=True, last=[time.monotonic()])
+                if not (paused and await self._splice_down(flow, up_writer, writer)):
+                    if isinstance(up, asyncio.ReadTransport) and paused:
+                        up.resume_reading()
+                    await self._pump(flow, up_reader, writer, down=True, last=[time.monotonic()])
             finally:
                 await self._close(up_writer)
         finally:
             self._finish(state, flow)
+
+    async def _splice_down(
+        self, flow: Flow, up_writer: asyncio.StreamWriter, writer: asyncio.StreamWriter
+    ) -> bool:
+        """The far end's answer relayed to the jail in the kernel (appliance.sandbox.egresssplice),
+        then the jail's side half-closed; False, nothing moved, where that cannot be done (no
+        splice, or bytes still buffered for the jail: they must go first)."""
+        up_sock = up_writer.get_extra_info("socket")
+        sock = writer.get_extra_info("socket")
+        if not egresssplice.available() or up_sock is None or sock is None:
+            return False
+        if writer.transport.get_write_buffer_size():
+            return False
+
+        def count(n: int) -> None:
+            flow.bytes_down += n
+
+        await egresssplice.relay(up_sock.fileno(), sock.fileno(), self.idle_s, count)
+        with contextlib.suppress(OSError, RuntimeError):
+            if writer.can_write_eof():
+                writer.write_eof()
+        return True
 
     async def _send_request(  # noqa: PLR0913 (one request's parts)
         self,

@@ -1,0 +1,84 @@
+"""appliance.sandbox.egresssplice: the proxy's in-kernel download relay, on real TCP sockets
+(loopback): every byte arrives in order and is counted, a reader that stops ends the relay
+after the idle time, and the caller's descriptors stay open."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+
+import pytest
+
+from appliance.sandbox import egresssplice
+
+pytestmark = pytest.mark.skipif(not egresssplice.available(), reason="no os.splice on this platform")
+
+
+def _pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    a.setblocking(False)
+    b.setblocking(False)
+    return a, b
+
+
+async def test_every_byte_arrives_in_order_and_is_counted() -> None:
+    payload = os.urandom(5 * (1 << 20) + 17)
+    far, src = _pair()  # far end writes into src
+    dst, jail = _pair()  # the relay writes into dst, the jail reads from jail
+    counted: list[int] = []
+    got = bytearray()
+
+    def far_end() -> None:
+        far.setblocking(True)
+        far.sendall(payload)
+        far.shutdown(socket.SHUT_WR)
+
+    def reader() -> None:
+        jail.setblocking(True)
+        while chunk := jail.recv(65536):
+            got.extend(chunk)
+
+    threads = [threading.Thread(target=far_end), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    await egresssplice.relay(src.fileno(), dst.fileno(), 5.0, counted.append)
+    dst.shutdown(socket.SHUT_WR)
+    for t in threads:
+        await asyncio.to_thread(t.join, 10)
+    assert bytes(got) == payload and sum(counted) == len(payload)
+    assert src.fileno() >= 0 and dst.fileno() >= 0  # still the caller's to close
+    for s in (far, src, dst, jail):
+        s.close()
+
+
+async def test_a_reader_that_stops_ends_the_relay_after_the_idle_time() -> None:
+    far, src = _pair()
+    dst, jail = _pair()
+    stop = threading.Event()
+
+    def far_end() -> None:
+        far.setblocking(True)
+        far.settimeout(0.2)
+        block = b"x" * 65536
+        while not stop.is_set():
+            try:
+                far.send(block)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    writer = threading.Thread(target=far_end)
+    writer.start()
+    counted: list[int] = []
+    with pytest.raises(TimeoutError):
+        await egresssplice.relay(src.fileno(), dst.fileno(), 0.5, counted.append)
+    stop.set()
+    await asyncio.to_thread(writer.join, 10)
+    assert 0 < sum(counted) < 1 << 30  # it moved what the jail's buffers took, then gave up
+    for s in (far, src, dst, jail):
+        s.close()
