@@ -15,6 +15,11 @@ overhead is left out):
 The proxy's CPU per flow is the names server's CPU time (utime + stime from /proc) over a
 run of small requests less the address server's over the same run, divided by the flows.
 
+The relay alone: the proxy in this process on loopback (no jail, no server), a client
+process fetching 1 MiB over plain HTTP from the fake internet directly, through the proxy
+relaying by splice(2), and through the proxy relaying by its stream loop, batches
+alternating; what the proxy itself adds to a download, with less of a busy host's noise.
+
 Writes egress.json and egress.md (quick: egress_quick.*) into --out (default benchmarks/results).
 """
 
@@ -30,9 +35,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
 
+from appliance.core.egress import Layers, parse_rules
+from appliance.sandbox import egresssplice
+from appliance.sandbox.egressproxy import EgressProxy, Scope
+from appliance.sandbox.egressresolve import Resolver
+from appliance.sandbox.network import EgressPolicy, JailLink
 from appliance_client.client import AsyncClient
 from benchmarks.appliance_server import REPO, BenchError
 from tests.fakenet import DOMAIN, fake_internet
@@ -65,6 +76,77 @@ for _ in range(N_SMALL):
 small = (time.perf_counter() - t0) * 1000
 print(json.dumps({"http_mib": http_mib, "https_mib": https_mib, "small_total": small}))
 """
+
+
+# The relay benchmark's client: N plain GETs of /bytes/MIB, direct or through the proxy.
+RELAY_CLIENT = r"""
+import json, socket, sys, time
+host, port, proxy, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+size = 1 << 20
+def get():
+    s = socket.create_connection(("127.0.0.1", proxy) if proxy else (host, port))
+    target = "http://%s/bytes/%d" % (NAME, size) if proxy else "/bytes/%d" % size
+    s.sendall(("GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % (target, NAME)).encode())
+    f = s.makefile("rb")
+    while f.readline() not in (b"\r\n", b""):
+        pass
+    got = 0
+    while got < size:
+        chunk = f.read1(262144)
+        if not chunk:
+            break
+        got += len(chunk)
+    s.close()
+    assert got == size, got
+out = []
+for _ in range(n):
+    t0 = time.perf_counter(); get(); out.append((time.perf_counter() - t0) * 1000)
+print(json.dumps(out))
+"""
+
+
+async def relay(net_dns: str, public: str, reps: int, n: int) -> dict[str, Any]:
+    """Direct, splice and stream, alternating batches; p50 of each in ms."""
+    name = f"api.{DOMAIN}"
+    policy = EgressPolicy(
+        ports=(80,),
+        allow_nets=(),
+        dns=(IPv4Address(net_dns),),
+        subnet=IPv4Network("10.223.0.0/24"),
+        host_addresses=(),
+        proxy_port=0,  # an ephemeral port on loopback
+    )
+    layers = Layers(parse_rules([f"{name}:80"], "benchmark"))
+    proxy = EgressProxy(policy, layers, Resolver([net_dns]), 60.0)
+    link = JailLink(0, "bench", "bench", IPv4Address("127.0.0.1"), IPv4Address("127.0.0.1"))
+    await proxy.listen(link)
+    port = proxy._jails[0].server.sockets[0].getsockname()[1]
+    got: dict[str, list[float]] = {"direct": [], "splice": [], "stream": []}
+    code = f"NAME = {name!r}\n" + RELAY_CLIENT
+    try:
+        for rep in range(reps):
+            order = list(got) if rep % 2 == 0 else list(reversed(got))
+            for mode in order:
+                egresssplice.ENABLED = mode == "splice"
+                proxy.begin(link, Scope(layers, "benchmark"))
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-c",
+                    code,
+                    public,
+                    "80",
+                    str(0 if mode == "direct" else port),
+                    str(n),
+                    stdout=asyncio.subprocess.PIPE,
+                )
+                out, _ = await proc.communicate()
+                if proc.returncode != 0:
+                    raise BenchError(f"the relay client failed ({mode})")
+                got[mode] += json.loads(out)
+    finally:
+        egresssplice.ENABLED = True
+        await proxy.close()
+    return {mode: _p50(v) for mode, v in got.items()} | {"n": len(got["direct"])}
 
 
 def _commit() -> str:
@@ -143,6 +225,7 @@ async def measure(reps: int, n_big: int, n_small: int, base: Path) -> dict[str, 
                 address.stop()
         finally:
             names.stop()
+        relayed = await relay(net.dns, net.public, reps * 2, n_big)
     summary: dict[str, Any] = {
         side: {
             "http_mib_p50_ms": _p50(v["http_mib"]),
@@ -164,6 +247,7 @@ async def measure(reps: int, n_big: int, n_small: int, base: Path) -> dict[str, 
     summary["proxy_cpu_ms_per_flow"] = round(
         (p["server_cpu_s_per_run"] - d["server_cpu_s_per_run"]) * 1000 / flows_per_run, 3
     )
+    summary["relay"] = relayed
     return {"summary": summary, "raw": got, "flows_per_run": flows_per_run, "n_small": n_small}
 
 
@@ -175,7 +259,9 @@ def render(doc: dict[str, Any]) -> str:
             f"# egress proxy vs allowed by IP ({doc['cpus']} CPUs, commit {doc['commit']}; "
             f"load average {doc['load']})",
             "",
-            "Timed inside the jail, the two servers' runs alternating; p50 in ms.",
+            f"`{doc.get('command', 'python -m benchmarks.egress')}`: timed inside the jail, the two servers' runs "
+            "alternating; p50 in ms. On a shared machine the load average moves these ratios more than "
+            "the proxy does: compare runs only at like load.",
             "",
             "| what | through the proxy | by IP, no proxy | ratio |",
             "| --- | --- | --- | --- |",
@@ -187,6 +273,14 @@ def render(doc: dict[str, Any]) -> str:
             f"The server's CPU per run: {p['server_cpu_s_per_run']} s with the proxy, "
             f"{d['server_cpu_s_per_run']} s without; the proxy's CPU per flow: "
             f"{s['proxy_cpu_ms_per_flow']} ms ({doc['flows_per_run']} flows a run).",
+            "",
+            f"The relay alone (the proxy on loopback in the benchmark's process, no jail; 1 MiB over "
+            f"plain HTTP from the fake internet, n={s['relay']['n']} each, p50 in ms):",
+            "",
+            "| direct | proxy, splice(2) | proxy, stream loop | splice / direct | stream / direct |",
+            "| --- | --- | --- | --- | --- |",
+            f"| {s['relay']['direct']} | {s['relay']['splice']} | {s['relay']['stream']} | "
+            f"x{s['relay']['splice'] / s['relay']['direct']:.3f} | x{s['relay']['stream'] / s['relay']['direct']:.3f} |",
             "",
         ]
     )
@@ -208,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         load=" ".join(f"{x:.2f}" for x in os.getloadavg()),
         python=platform.python_version(),
         quick=args.quick,
+        command="python -m benchmarks.egress" + (" --quick" if args.quick else ""),
     )
     name = "egress_quick" if args.quick else "egress"
     args.out.mkdir(parents=True, exist_ok=True)

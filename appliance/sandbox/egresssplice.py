@@ -22,8 +22,11 @@ F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
 
 
+ENABLED = True  # off: the stream relay (benchmarks/egress.py compares the two)
+
+
 def available() -> bool:
-    return hasattr(os, "splice")
+    return ENABLED and hasattr(os, "splice")
 
 
 async def _ready(
