@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -28,13 +29,15 @@ from tests.fakenet import DOMAIN, FakeNet, fake_internet
 from tests.support import REPO, Server, start_server
 
 D = DOMAIN
-TOKEN = "egress-secrets-token-" + secrets.token_hex(8)
+TOKEN = "egress-secrets-token-" + secrets.token_hex(8)  # tenant "plain": the server's secrets
+KEYED = "egress-keyed-token-" + secrets.token_hex(8)  # tenant "keyed": its own Authorization for api:443
+TENANT_SECRET = "tk-" + secrets.token_hex(20)
 SECRET = "sk-" + secrets.token_hex(20)  # api:443's Authorization
 KEY2 = "k2-" + secrets.token_hex(20)  # api:443's X-Api-Key
 PYPI_SECRET = "pk-" + secrets.token_hex(20)  # pypi:443's
 PLAIN_SECRET = "hk-" + secrets.token_hex(20)  # api:80's: never sent (plain HTTP)
 NOCERT_SECRET = "nk-" + secrets.token_hex(20)  # nocert:443's: never sent (its certificate fails)
-ALL_SECRETS = (SECRET, KEY2, PYPI_SECRET, PLAIN_SECRET, NOCERT_SECRET)
+ALL_SECRETS = (SECRET, KEY2, PYPI_SECRET, PLAIN_SECRET, NOCERT_SECRET, TENANT_SECRET)
 ALLOW = f"api.{D}:443,api.{D}:80,other.{D}:443,other.{D}:80,pypi.{D}:443,nocert.{D}:443"
 
 # Runs in the jail: CA_PEM (the fake internet's CA, which the jail is NOT given by the
@@ -171,11 +174,18 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
                 serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
             )
         )
+        tokens = base / "tokens.toml"
+        tokens.write_text(
+            f'[[tenant]]\nname = "plain"\ntoken = "{TOKEN}"\n\n'
+            f'[[tenant]]\nname = "keyed"\ntoken = "{KEYED}"\n'
+            f'[tenant.egress_secrets."api.{D}:443"]\nAuthorization = "Bearer {TENANT_SECRET}"\n'
+        )
+        tokens.chmod(0o600)
         srv = start_server(
             base / "server",
             SANDBOX_EGRESS_SUBNET=f"10.221.{net.k}.0/24",
             settings={
-                "SANDBOX_AUTH_TOKEN": TOKEN,
+                "SANDBOX_AUTH_TOKENS_FILE": str(tokens),
                 "SANDBOX_EGRESS_ALLOW_DOMAINS": ALLOW,
                 "SANDBOX_EGRESS_DNS": net.dns,
                 "SANDBOX_EGRESS_LOG": str(log),
@@ -405,3 +415,50 @@ def test_a_configured_ca_must_be_the_servers_own_ca(tmp_path: Path) -> None:
     with pytest.raises(StartupError, match="not the certificate's"):
         EgressCA(path, None)
     assert EgressCA(None, None).cert != EgressCA(None, None).cert  # a new CA per start
+
+
+def test_a_tenants_secret_goes_with_its_runs_only(
+    setup: Setup, probed: tuple[dict[str, Any], Execution, str]
+) -> None:
+    """The keyed tenant's Authorization replaces the server's for its runs (the server's
+    X-Api-Key stays); the other tenant's run (the probe) got the server's."""
+    mark = "t" + secrets.token_hex(6)
+    code = (
+        "import urllib.request\n"
+        f"r = urllib.request.urlopen('https://api.{D}/hello?{mark}', timeout=20)\n"
+        "print(r.status, r.read().decode())\n"
+    )
+
+    async def go() -> Execution:
+        async with AsyncClient(setup.server.url, token=KEYED) as c:
+            return await c.execute(code, timeout_ms=60000)
+
+    ex = asyncio.run(go())
+    assert ex.status == "ok" and ex.stdout.startswith(f"200 hello api.{D}"), (ex.status, ex.stdout, ex.stderr)
+    (request,) = [r for r in setup.net.seen() if mark in r["path"]]
+    assert _values(request, "Authorization") == [f"Bearer {TENANT_SECRET}"], request
+    assert _values(request, "X-Api-Key") == [KEY2], request
+    _, _, probe_mark = probed
+    (other,) = _seen(setup.net, probe_mark)["urllib"]
+    assert _values(other, "Authorization") == [f"Bearer {SECRET}"], other
+    assert TENANT_SECRET not in ex.stdout + ex.stderr
+
+
+def test_tenant_secrets_are_checked_and_kept_private(tmp_path: Path) -> None:
+    from appliance.core import tenants
+
+    path = tmp_path / "tokens.toml"
+    head = '[[tenant]]\nname = "a"\ntoken_sha256 = "' + "0" * 64 + '"\n'
+    path.write_text(head + '[tenant.egress_secrets."*.example.com:443"]\nAuthorization = "Bearer x"\n')
+    path.chmod(0o600)
+    with pytest.raises(
+        SettingsError, match=re.escape("tenant 'a': egress_secrets: '*.example.com:443' must be an exact")
+    ):
+        tenants.load(path)
+    path.write_text(head + '[tenant.egress_secrets."api.example.com:443"]\nAuthorization = "Bearer x"\n')
+    path.chmod(0o644)  # hashed tokens may be world-readable; secrets may not
+    with pytest.raises(SettingsError, match=r"holds egress_secrets.*chmod 600"):
+        tenants.load(path)
+    path.chmod(0o600)
+    (tenant,) = tenants.load(path)
+    assert tenant.egress_secrets is not None and "Bearer" not in repr(tenant)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from appliance.core.domain import CellOutcome, RunRequest
 from appliance.core.egress import Narrowing
+from appliance.core.egresssecrets import Secrets
 from appliance.core.errors import RequestRejected
 from appliance.core.events import Emit, GpuShare, Started
 
@@ -162,10 +163,12 @@ class Cells(Protocol):
         started: Callable[[], None],
         first: Started,
         egress: Narrowing = (),
+        egress_secrets: Secrets | None = None,
     ) -> CellOutcome:
         """Run req's code in the jail, `first` then its output events through emit, within
-        the limits, its flows by name held to `egress` besides the server's allowlist; how it
-        ended (its `Done` is the service's)."""
+        the limits, its flows by name held to `egress` besides the server's allowlist (and
+        their requests given `egress_secrets`' headers over the server's); how it ended (its
+        `Done` is the service's)."""
 
     async def between_cells(self, jail: Jail) -> str | None:
         """Why an idle session's jail must end now (a watchdog's verdict, over its disk

@@ -21,6 +21,7 @@ from typing import Any
 from appliance.core.admission import Admission
 from appliance.core.domain import CellOutcome, Gpu, PipeFull, Request, RunRequest
 from appliance.core.egress import Narrowing, Rules, parse_rules
+from appliance.core.egresssecrets import Secrets
 from appliance.core.errors import (
     ApplianceError,
     Busy,
@@ -69,6 +70,7 @@ class Run:
         self._pending: list[bytes] = []  # stdin that came before the run had a jail
         self._interrupt: str | None = None
         self.egress: Narrowing = ()  # the tenant's and the request's allowlists (names mode)
+        self.egress_secrets: Secrets | None = None  # the tenant's headers at the egress proxy
 
     def stdin(self, data: str, eof: bool) -> None:
         """Feed the run's stdin; RequestRejected when more than SANDBOX_MAX_STDIN_BYTES would wait."""
@@ -224,6 +226,7 @@ class RunService:
             if tenants is not None:
                 quota.enter_context(tenants.request(owner))
             run.egress = self._egress_narrowing(req, owner)
+            run.egress_secrets = tenants.egress_secrets(owner) if tenants is not None else None
             session: Session | None = None
             restoring = req.from_snapshot
             if restoring is not None:
@@ -552,6 +555,7 @@ class RunService:
                 keep_alive=keep_alive,
                 started=lambda: run._attach(jail),
                 egress=run.egress,
+                egress_secrets=run.egress_secrets,
                 first=start,
             )
         finally:

@@ -13,6 +13,9 @@ The file is TOML, one `[[tenant]]` table per tenant:
     max_gpu_mb = 8192              # GPU memory its runs and sessions hold at once (GPU mode)
     egress_allow_domains = ["api.example.com:443"]  # names its runs may reach, within the server's
 
+    [tenant.egress_secrets."api.example.com:443"]  # headers the egress proxy adds for its runs
+    Authorization = "Bearer sk-..."                # (appliance.core.egresssecrets; the file: chmod 600)
+
 Every quota is optional (absent: only the server-wide limits apply); unknown keys are
 errors, so a misspelt quota cannot silently switch itself off. A tenant is known by the
 SHA-256 of its token (`owner_of`), which is also what sessions are bound to. Tokens are
@@ -37,6 +40,7 @@ from typing import Any
 
 from appliance.core import backpressure
 from appliance.core.egress import Rules, parse_rules
+from appliance.core.egresssecrets import Secrets, parse_secrets
 from appliance.core.errors import Busy, SettingsError
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -52,6 +56,7 @@ KEYS = {
     "burst",
     "max_gpu_mb",
     "egress_allow_domains",
+    "egress_secrets",
 }
 
 
@@ -72,6 +77,7 @@ class Tenant:
     burst: int | None = None
     max_gpu_mb: int | None = None
     egress_allow_domains: Rules | None = None  # narrows SANDBOX_EGRESS_ALLOW_DOMAINS for its runs
+    egress_secrets: Secrets | None = field(default=None, repr=False)  # headers its runs' requests get
 
 
 class TokenBucket:
@@ -170,6 +176,11 @@ def parse(text: str, source: str = "SANDBOX_AUTH_TOKENS_FILE") -> tuple[tuple[Te
                 burst=burst,
                 max_gpu_mb=_positive_int(entry, "max_gpu_mb", where),
                 egress_allow_domains=_rules(entry, "egress_allow_domains", where),
+                egress_secrets=(
+                    parse_secrets(entry["egress_secrets"], f"{where}: egress_secrets")
+                    if "egress_secrets" in entry
+                    else None
+                ),
             )
         )
     names = [t.name for t in tenants]
@@ -188,6 +199,10 @@ def load(path: Path) -> tuple[Tenant, ...]:
     except OSError as exc:
         raise SettingsError(f"SANDBOX_AUTH_TOKENS_FILE: cannot read {path}: {exc.strerror}") from None
     tenants, plain = parse(text)
+    if any(t.egress_secrets for t in tenants) and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SettingsError(
+            f"SANDBOX_AUTH_TOKENS_FILE: {path} holds egress_secrets and is readable by group or others (chmod 600 it)"
+        )
     if plain and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise SettingsError(
             f"SANDBOX_AUTH_TOKENS_FILE: {path} holds plain tokens and is readable by "
@@ -235,6 +250,11 @@ class Tenants:
         """The owner's tenant's egress allowlist, or None when it has none of its own."""
         state = self._states.get(owner)
         return state.tenant.egress_allow_domains if state is not None else None
+
+    def egress_secrets(self, owner: str) -> Secrets | None:
+        """The headers the egress proxy adds for the owner's tenant's runs, or None."""
+        state = self._states.get(owner)
+        return state.tenant.egress_secrets if state is not None else None
 
     def session_limits(self) -> dict[str, int]:
         """owner -> max_sessions, for the tenants that have one."""

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import h11
 
-from appliance.core import egresssecrets
+from appliance.core import egresssecrets, tenants
 from appliance.core.egresssecrets import SecretHeaders, Secrets
+from appliance.core.errors import SettingsError
 from appliance.sandbox.egressca import EgressCA
 
 if TYPE_CHECKING:
@@ -129,12 +130,20 @@ class Interception:
 
 
 def load_interception(settings: Settings) -> Interception | None:
-    """The secrets and the CA (SANDBOX_EGRESS_SECRETS, SANDBOX_EGRESS_CA,
-    SANDBOX_EGRESS_UPSTREAM_CA), checked at startup; None when no host is given secrets."""
-    if settings.egress_secrets is None:
+    """The server's secrets and the CA (SANDBOX_EGRESS_SECRETS, SANDBOX_EGRESS_CA,
+    SANDBOX_EGRESS_UPSTREAM_CA), checked at startup; None when neither the server nor any
+    tenant (SANDBOX_AUTH_TOKENS_FILE's egress_secrets) gives a host secrets."""
+    by_tenant = settings.auth_tokens_file is not None and any(
+        t.egress_secrets for t in tenants.load(settings.auth_tokens_file)
+    )
+    if settings.egress_secrets is None and not by_tenant:
         return None
-    secrets = egresssecrets.load(settings.egress_secrets)
-    return Interception(EgressCA(settings.egress_ca, settings.egress_upstream_ca), secrets)
+    if not settings.egress_allow_domains:  # nothing would carry them: refused, not ignored
+        raise SettingsError(
+            "SANDBOX_AUTH_TOKENS_FILE: a tenant's egress_secrets needs SANDBOX_EGRESS_ALLOW_DOMAINS (the egress proxy)"
+        )
+    server = egresssecrets.load(settings.egress_secrets) if settings.egress_secrets is not None else {}
+    return Interception(EgressCA(settings.egress_ca, settings.egress_upstream_ca), server)
 
 
 def trust_env(bundle: Path, ca: Path) -> tuple[tuple[str, str], ...]:
