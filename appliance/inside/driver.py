@@ -691,6 +691,43 @@ def write_uploads(files: list[tuple[str, bytes]]) -> None:
             os.close(dir_fd)
 
 
+# The cgroup sub-group of the jail's where commands started from outside run (E2B's
+# `sandbox.commands`; appliance.sandbox.cgroups.COMMANDS): they are not a cell's leftovers.
+# Only root outside the jail places a process there; nothing in the jail can join it.
+COMMANDS_GROUP = "commands"
+KILL_ROUNDS = 64  # passes over /proc when commands run beside the cells (forks race the kill)
+
+
+def _in_commands(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cgroup", "rb") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return False
+    return any(line.rstrip(b"/").endswith(b"/" + COMMANDS_GROUP.encode()) for line in lines)
+
+
+def _jail_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _commands_running() -> bool:
+    return any(_in_commands(pid) for pid in _jail_pids())
+
+
+def _kill_all_but_commands() -> None:
+    """What kill(-1) does, sparing the processes of the commands group: pass after pass, until a
+    pass finds nothing left to kill (the server's freeze step kills what a fork race left)."""
+    me = os.getpid()
+    for _ in range(KILL_ROUNDS):
+        victims = [pid for pid in _jail_pids() if pid not in (1, me) and not _in_commands(pid)]
+        if not victims:
+            return
+        for pid in victims:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def end_leftovers() -> None:
     """SIGKILL every process the cell left behind in this jail, before its `done`.
 
@@ -699,8 +736,11 @@ def end_leftovers() -> None:
     hold between cells too: nothing the code started runs on unseen while no cell does.
     (Threads the code started in the driver's own process do survive, as in Jupyter.)
     """
-    with contextlib.suppress(OSError):
-        os.kill(-1, signal.SIGKILL)
+    if not _commands_running():
+        with contextlib.suppress(OSError):
+            os.kill(-1, signal.SIGKILL)
+    else:
+        _kill_all_but_commands()
     # Reap the driver's own children (zombies now): the rest were reparented to the
     # namespace's init, which reaps them. Bounded: a thread may still be forking.
     deadline = time.monotonic() + REAP_S

@@ -58,6 +58,9 @@ PATH_FILES: dict[int, tuple[tuple[str, str, int], ...]] = {
     2: (("", ".", _DIRECTORY),),
 }
 MEMBERS = {1: "pids", 2: ""}
+# A jail group's sub-group for the commands started in it from outside (`Group.commands_procs`).
+# The in-jail driver knows the name too (appliance/inside/driver.py::COMMANDS_GROUP).
+COMMANDS = "commands"
 READ_BYTES = 65536  # one read of a group file  # the controller whose cgroup.procs `Group.members` reads
 
 
@@ -299,11 +302,14 @@ def _remove_instance(dirs: Mapping[str, Path]) -> None:
 
 def remove_paths(paths: Mapping[str, Path]) -> None:
     """Kill every process in these group directories, then remove them (waits for the kernel to
-    let go of the dead: a directory with a dying task in it cannot be removed yet).
+    let go of the dead: a directory with a dying task in it cannot be removed yet). A group's
+    sub-groups (a jail's COMMANDS group) go first, the same way: a directory with one in it
+    cannot be removed.
 
     A frozen group (a session's between cells, or a dead server's) is thawed once its tasks
     are sent SIGKILL, never before: a v1 frozen task takes the signal only as it thaws, and
     then dies before it runs another instruction of its own."""
+    _remove_subgroups(paths)
     deadline = time.monotonic() + REMOVE_WAIT_S
     left = dict(paths)
     while left:
@@ -328,6 +334,15 @@ def remove_paths(paths: Mapping[str, Path]) -> None:
                     raise
         if left:  # the killed are still leaving (PID-namespace teardown): a short wait
             time.sleep(0.001)
+
+
+def _remove_subgroups(paths: Mapping[str, Path]) -> None:
+    subs: dict[str, set[str]] = {}
+    for c, p in paths.items():
+        with contextlib.suppress(OSError):
+            subs[c] = {e.name for e in os.scandir(p) if e.is_dir(follow_symlinks=False)}
+    for name in sorted(set().union(*subs.values()) if subs else set()):
+        remove_paths({c: p / name for c, p in paths.items() if name in subs.get(c, ())})
 
 
 def _thaw_path(path: Path, version: int) -> None:
@@ -415,6 +430,27 @@ class Group:
         """The cgroup.procs of each controller: a process writing "0" into all of them has
         joined the group (`firejail.join_argv`)."""
         return [p / "cgroup.procs" for p in self.paths.values()]
+
+    def commands_procs(self) -> list[Path]:
+        """The cgroup.procs of the group's COMMANDS sub-group, made on first use (OSError if it
+        cannot be): where commands started in the jail from outside run
+        (appliance.sandbox.jailexec). A sub-group's processes count against every limit of
+        the jail's group (v1 with use_hierarchy, v2 always), freeze with it and die with it;
+        they are not in the group's own cgroup.procs, which tells them from a cell's
+        leftovers (`members`)."""
+        paths = [p / COMMANDS for p in self.paths.values()]
+        for p in paths:
+            with contextlib.suppress(FileExistsError):
+                p.mkdir()
+        return [p / "cgroup.procs" for p in paths]
+
+    def commands_members(self) -> list[int]:
+        """The processes of the COMMANDS sub-group (none when it was never made)."""
+        try:
+            raw = (self.paths[MEMBERS[self.tree.version]] / COMMANDS / "cgroup.procs").read_text()
+        except FileNotFoundError:
+            return []
+        return [int(x) for x in raw.split()]
 
     def counters(self, pids: bool = True) -> Counters:
         """CPU time, OOM kills and (unless pids=False: a cell needs only the first two) refused forks."""

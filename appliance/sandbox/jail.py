@@ -18,13 +18,14 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from appliance.core.errors import JailExited, JailFailure, JailStartFailed, RequestRejected, StartupError
 from appliance.core.ports import Workspace
+from appliance.core.tasks import TaskScope
 from appliance.sandbox import checks, fstree, nslimits, proctree, runfs, signals
 from appliance.sandbox.cgroups import Counters, Group, GroupLimits, Hierarchy
 from appliance.sandbox.devices import GpuDevice
@@ -38,6 +39,7 @@ from appliance.sandbox.firejail import (
     render_argv,
 )
 from appliance.sandbox.host import HostFacts
+from appliance.sandbox.jailexec import JailCommand, JoinSpec, command_argv
 from appliance.sandbox.network import EgressNetwork, JailLink, enter_argv, expected_interfaces, proxy_env
 from appliance.sandbox.process import JailProcess
 from appliance.sandbox.spec import JailLimits, JailSpec, jail_env
@@ -91,6 +93,8 @@ class Jail:
     workdir_dev: int | None = None  # the run directory's filesystem, read at `pin`
     held: Held | None = None  # its uid (`uids`), given back once the jail is gone
     uids: Uids | None = None
+    join: JoinSpec | None = None  # how a command joins it from outside (`start_command`)
+    commands_starting: int = 0  # commands being started: the jail must not freeze meanwhile
     _destroyed: bool = False
 
     @property
@@ -114,6 +118,44 @@ class Jail:
             return None
         gid = self.held.gid if self.held is not None else self.dirs.gid
         return Workspace(fd=fd, dev=self.workdir_dev, uid=self.uid, gid=gid)
+
+    async def start_command(
+        self, argv: Sequence[str], env: dict[str, str], cwd: str, stdin: bool, tasks: TaskScope
+    ) -> JailCommand:
+        """Run a command in this jail beside its interpreter (appliance.sandbox.jailexec): as
+        its uid, in its namespaces, under its seccomp filters and rlimits, in its cgroup's
+        COMMANDS sub-group. A frozen jail (a session between cells) is thawed first, and
+        stays thawed while its COMMANDS group holds a process (`freeze`). JailFailure when it
+        cannot be started here; ValueError for a command `env` would misread."""
+        if self.join is None or not self.alive:
+            raise JailFailure("commands cannot be started in this jail")
+        self.commands_starting += 1
+        try:
+            procs: list[Path] = []
+            if self.cgroup is not None:
+                try:
+                    procs = await asyncio.to_thread(self.cgroup.commands_procs)
+                    self.thaw()
+                except OSError as exc:
+                    raise JailFailure(f"the jail's commands group could not be made: {exc}") from exc
+            argv_all = command_argv(self.join, self.process.pid, procs, argv, env, cwd)
+            try:
+                return await JailCommand.start(argv_all, stdin, tasks)
+            except OSError as exc:
+                raise JailFailure(f"could not start the command: {exc}") from exc
+        finally:
+            self.commands_starting -= 1
+
+    def commands_running(self) -> bool:
+        """Whether a command started from outside is starting or still has a process here."""
+        if self.commands_starting:
+            return True
+        if self.cgroup is None:
+            return False
+        try:
+            return bool(self.cgroup.commands_members())
+        except (OSError, ValueError):
+            return True  # not known: not frozen (the commands' limits are the jail's anyway)
 
     def pin(self) -> None:
         """The driver is up and no code has run: pin the jail's processes (`JailProcess.pin`)
@@ -167,6 +209,11 @@ class Jail:
         group = self.cgroup
         if group is None:
             return
+        if self.commands_running():
+            # A command's processes (a server it started) run on between cells: only what the
+            # cells left is killed, the jail is not frozen (docs/e2b.md).
+            self._kill_leftovers(group)
+            return
         try:
             await self._freeze(group)
         except BaseException:
@@ -176,6 +223,19 @@ class Jail:
                 group.thaw()
             raise
 
+    def _kill_leftovers(self, group: Group) -> None:
+        """Kill every process of the group's own (not its COMMANDS sub-group's) that is not the
+        jail's: what the cells left behind."""
+        own = set(self.process.ready_pids())
+        try:
+            members = group.members() or group.pids()
+        except (OSError, ValueError):
+            members = []
+        for pid in members:
+            if pid not in own:
+                with contextlib.suppress(ProcessLookupError):
+                    signals.kill(pid)
+
     async def _freeze(self, group: Group) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -183,6 +243,11 @@ class Jail:
             deadline = loop.time() + FREEZE_WAIT_S
             wait = 0.0  # the first look again after one turn of the loop: most freezes are done by then
             while not group.is_frozen():
+                if self.commands_running():
+                    # A command is being started meanwhile (it thawed the group): not frozen.
+                    group.thaw()
+                    self._kill_leftovers(group)
+                    return
                 if loop.time() > deadline:
                     raise JailFailure(f"the session's jail did not freeze within {FREEZE_WAIT_S} s")
                 await asyncio.sleep(wait)
@@ -501,6 +566,23 @@ class JailFactory:
             prefix = oom_argv() + prefix
         return prefix
 
+    def _join_spec(self, spec: JailSpec, held: Held | None, workdir: Path) -> JoinSpec:
+        """How commands join the jail later (appliance.sandbox.jailexec): as it was launched."""
+        uid, gid = (held.uid, held.gid) if held is not None else (self.host.uid, self.host.gid)
+        as_root = self.host.run_as_uid is not None
+        accounts = self.dirs.accounts_for(uid, gid) if held is not None else self.dirs.accounts
+        return JoinSpec(
+            firejail=self.host.firejail,
+            uid=uid,
+            gid=gid,
+            as_root=as_root,
+            accounts=accounts if as_root else None,
+            workdir=workdir,
+            env=spec.env,
+            limits=spec.limits,
+            gpu=spec.gpu,
+        )
+
     async def _launch(  # noqa: C901 (one jail's launch steps in order, each undone if a later one fails)
         self, jail_id: str, nice: int, group: Group | None, held: Held | None
     ) -> Jail:
@@ -539,6 +621,7 @@ class JailFactory:
             cgroup=group,
             held=held,
             uids=self.uids,
+            join=self._join_spec(spec, held, workdir),
         )
         try:
             ready = await jail.process.wait_event("ready", READY_TIMEOUT_S)

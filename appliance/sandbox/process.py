@@ -365,6 +365,11 @@ class JailProcess:
         jail's whole life, and held by a pidfd, its PID cannot be another's while we look."""
         return list(self._init_pids) if self._init_pids else proctree.children(self.pid)
 
+    def init_pidfd(self) -> int | None:
+        """The pidfd of the jail's PID-namespace init (pinned at `pin`), while it is held: what
+        a socket in the jail's network namespace is made through (appliance.sandbox.jailnet)."""
+        return self._init_fds[0] if self._init_fds and not self._killed else None
+
     def signal_kill(self) -> None:
         """SIGKILL the jail's PID-namespace init (and with it every process of the jail) now,
         without waiting; `kill()` later waits for the teardown and reaps."""

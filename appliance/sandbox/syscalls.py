@@ -1,5 +1,6 @@
 """Linux system calls the standard library does not wrap, called by number through libc's
-syscall(2): kcmp (the held-file search), sched_setattr and sched_getattr (the server's slice)."""
+syscall(2): kcmp (the held-file search), sched_setattr and sched_getattr (the server's slice),
+setns (Python 3.12 has os.setns; the server runs on 3.11 too: sockets in a jail's network)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import os
 from collections.abc import Callable
 
 _NUMBERS = {
-    "x86_64": {"kcmp": 312, "sched_setattr": 314, "sched_getattr": 315},
-    "aarch64": {"kcmp": 272, "sched_setattr": 274, "sched_getattr": 275},
+    "x86_64": {"kcmp": 312, "sched_setattr": 314, "sched_getattr": 315, "setns": 308},
+    "aarch64": {"kcmp": 272, "sched_setattr": 274, "sched_getattr": 275, "setns": 268},
 }.get(os.uname().machine, {})
 
 
