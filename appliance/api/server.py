@@ -421,7 +421,12 @@ def run_log_bounds(service: RunService) -> Bounds:
 
 
 def make_app(service: RunService) -> web.Application:
-    app = web.Application(middlewares=[auth_middleware], client_max_size=service.settings.max_message_bytes)
+    # E2B's port proxy first: a request for a server inside a sandbox is that sandbox's to
+    # authenticate (its access token), whatever its Host (appliance.api.e2b.proxy).
+    app = web.Application(
+        middlewares=[e2b.proxy_middleware, auth_middleware],
+        client_max_size=service.settings.max_message_bytes,
+    )
     app[SERVICE_KEY] = service
     app[HOSTS_KEY] = frozenset(service.settings.allowed_hosts) or None  # serve() judges the bound addresses
     parser = app[PARSER_KEY] = FrameParser(service)

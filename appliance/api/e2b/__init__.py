@@ -9,8 +9,11 @@ quota of the native protocol applies, because every cell goes through the same s
 - `registry`: which sandboxes live, whose they are, when they end; pure.
 - `control`: the control API (`/e2b/sandboxes`, `/e2b/v2/sandboxes`).
 - `interpreter`: sandbox traffic (`/e2b/execute`, `/e2b/contexts`, `/e2b/health`).
+- `commands`: a sandbox's commands (envd's process service runs them in its jail).
+- `proxy`: requests for a server inside a sandbox (`get_host`), to its port in the jail.
 """
 
+from appliance.api.e2b.proxy import proxy_middleware
 from appliance.api.e2b.routes import add_routes
 
-__all__ = ["add_routes"]
+__all__ = ["add_routes", "proxy_middleware"]

@@ -16,13 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from appliance.api.e2b import registry
+from appliance.api.e2b import commands, registry
 from appliance.api.e2b.registry import Context, Registry, Sandbox
 from appliance.core.errors import ApplianceError, Busy, RequestRejected
 from appliance.core.events import Done, Emit, Event
 from appliance.core.ports import Workspace
 from appliance.core.service import Run, RunService
 from appliance.core.tasks import TaskScope
+from appliance.sandbox.jail import Jail
 from appliance.wire.protocol import ExecuteRequest
 
 log = logging.getLogger("appliance.api.e2b")
@@ -77,9 +78,13 @@ class Sandboxes:
         self.registry = Registry()
         self.clock = clock
         self._reaper: asyncio.Task[None] | None = None
+        self.tasks: TaskScope | None = None  # the server's scope: commands' watchers run in it
+        self.commands: dict[str, commands.Table] = {}  # sandbox id -> its commands
+        self.proxied: dict[str, int] = {}  # sandbox id -> connections its port proxy holds
 
     # -- lifetime ---------------------------------------------------------------------------
     def start(self, owner: TaskScope) -> None:
+        self.tasks = owner
         if self._reaper is None:
             self._reaper = owner.spawn(self._reap(), name="e2b-reaper")
 
@@ -128,6 +133,9 @@ class Sandboxes:
                 sandbox.on_end.pop()()
             except Exception:  # one watcher's teardown must not keep the sandbox's sessions open
                 log.exception("could not end what lived with an E2B sandbox", extra={"sandbox": sandbox.id})
+        table = self.commands.pop(sandbox.id, None)
+        if table is not None:
+            await table.close()
         for ctx in list(sandbox.contexts.values()):
             await self.service.close_session(ctx.session, sandbox.owner)
         sandbox.contexts.clear()
@@ -172,6 +180,26 @@ class Sandboxes:
         except RequestRejected:
             return None
         return session.jail.open_workspace()
+
+    def jail_of(self, sandbox: Sandbox) -> Jail | None:
+        """The jail of the sandbox's default context, where its commands run and its ports
+        are; None once it is gone. Its session counts as used (commands and proxied
+        requests keep a sandbox from ending idle, as cells do)."""
+        ctx = sandbox.contexts.get(sandbox.default)
+        if ctx is None:
+            return None
+        try:
+            session = self.service.sessions.get(ctx.session, sandbox.owner)
+        except RequestRejected:
+            return None
+        jail = session.jail
+        if not isinstance(jail, Jail) or not jail.alive:
+            return None
+        session.last_used = self.service.clock()
+        return jail
+
+    def commands_of(self, sandbox: Sandbox) -> commands.Table:
+        return self.commands.setdefault(sandbox.id, commands.Table())
 
     def set_timeout(self, sandbox: Sandbox, timeout_s: int) -> None:
         sandbox.end_at = self.clock() + timeout_s

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from appliance.api.e2b.envd import connect, files, filesystem
-from appliance.api.e2b.envd.messages import filesystem_connect
+from appliance.api.e2b.envd import connect, files, filesystem, process
+from appliance.api.e2b.envd.messages import filesystem_connect, process_connect
 
 
 def add_routes(app: web.Application, prefix: str) -> None:
@@ -16,3 +16,9 @@ def add_routes(app: web.Application, prefix: str) -> None:
     )
     connect.mount(app, prefix, "filesystem.Filesystem", fs)
     files.add_routes(app, prefix)
+    proc = process_connect.ProcessASGIApplication(
+        process.Process(),
+        interceptors=connect.interceptors(),
+        read_max_bytes=connect.MAX_MESSAGE_BYTES,
+    )
+    connect.mount(app, prefix, "process.Process", proc)
