@@ -30,6 +30,7 @@ CLASS_OF_FILE = {
     "test_egress": "egress by name",
     "test_snapshots": "snapshots",
     "test_e2b_files": "E2B files",
+    "test_e2b_commands": "E2B commands and ports",
 }
 OBSERVED = pytest.StashKey[str]()
 ROWS = pytest.StashKey[list[AuditRow]]()
