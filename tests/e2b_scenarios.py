@@ -32,4 +32,7 @@ SCENARIOS: dict[str, str] = {
     "a_tenant_quota_applies": "a tenant over max_sessions gets the SDK's rate-limit error",
     "calls_on_one_context_take_turns_and_keep_their_env_vars": "concurrent calls on one context take "
     "turns, each with its own envs",
+    "files_round_trip": "files written (text, bytes, several at once) and read back, listed with depth, "
+    "made, renamed, removed; what run_code wrote reads through files and the other way round; "
+    "a watch sees run_code's file; a path outside /home/user is refused",
 }

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from e2b import (
     AuthenticationException,
+    FileType,
     NotFoundException,
     RateLimitException,
     SandboxException,
@@ -227,6 +228,39 @@ def test_two_sandboxes_are_isolated() -> None:
     finally:
         one.kill()
         two.kill()
+
+
+def test_files_round_trip(sandbox: Sandbox) -> None:
+    files = sandbox.files
+    assert files.write("/home/user/rt/hello.txt", "héllo").path == "/home/user/rt/hello.txt"
+    assert files.read("rt/hello.txt") == "héllo"  # relative paths are /home/user's
+    blob = bytes(i % 251 for i in range(70_000))
+    files.write("rt/blob.bin", blob)
+    assert bytes(files.read("rt/blob.bin", format="bytes")) == blob
+    files.write_files([{"path": "rt/m/1.txt", "data": "1"}, {"path": "/home/user/rt/m/2.txt", "data": b"2"}])
+    listed = sorted(e.path for e in files.list("rt", depth=2))
+    assert listed == [f"/home/user/rt/{p}" for p in ("blob.bin", "hello.txt", "m", "m/1.txt", "m/2.txt")]
+    assert files.make_dir("rt/d/e") is True
+    assert files.make_dir("rt/d/e") is False
+    assert files.get_info("rt/d").type == FileType.DIR
+    files.rename("rt/d", "rt/d2")
+    assert not files.exists("rt/d")
+    files.remove("rt/d2")
+    assert not files.exists("rt/d2")
+    watch = files.watch_dir("/home/user/rt")
+    sandbox.run_code("open('rt/by-code.txt', 'w').write('from run_code')")
+    seen: list[str] = []
+
+    def written() -> bool:
+        seen.extend(e.name for e in watch.get_new_events())
+        return "by-code.txt" in seen
+
+    assert until(written), seen
+    watch.stop()
+    assert files.read("rt/by-code.txt") == "from run_code"
+    assert sandbox.run_code("open('rt/hello.txt').read()").text == "'héllo'"
+    with pytest.raises(SandboxException):
+        files.read("/etc/passwd")
 
 
 def test_a_wrong_key_is_refused() -> None:

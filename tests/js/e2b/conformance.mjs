@@ -283,6 +283,35 @@ const scenarios = {
       assert.equal((await sb.runCode("'WHO' in os.environ")).text, 'False')
     })
   },
+
+  async files_round_trip() {
+    await withSandbox(async (sb) => {
+      const written = await sb.files.write('/home/user/rt/hello.txt', 'héllo')
+      assert.equal(written.path, '/home/user/rt/hello.txt')
+      assert.equal(await sb.files.read('rt/hello.txt'), 'héllo') // relative paths are /home/user's
+      const bytes = new Uint8Array(70_000).map((_, i) => i % 251)
+      await sb.files.write('rt/blob.bin', bytes)
+      assert.deepEqual(Buffer.from(await sb.files.read('rt/blob.bin', { format: 'bytes' })), Buffer.from(bytes))
+      await sb.files.write([{ path: 'rt/m/1.txt', data: '1' }, { path: '/home/user/rt/m/2.txt', data: '2' }])
+      const listed = (await sb.files.list('rt', { depth: 2 })).map((e) => e.path).sort()
+      assert.deepEqual(listed, ['/home/user/rt/blob.bin', '/home/user/rt/hello.txt', '/home/user/rt/m', '/home/user/rt/m/1.txt', '/home/user/rt/m/2.txt'])
+      assert.equal(await sb.files.makeDir('rt/d/e'), true)
+      assert.equal(await sb.files.makeDir('rt/d/e'), false)
+      assert.equal((await sb.files.getInfo('rt/d')).type, 'dir')
+      await sb.files.rename('rt/d', 'rt/d2')
+      assert.equal(await sb.files.exists('rt/d'), false)
+      await sb.files.remove('rt/d2')
+      assert.equal(await sb.files.exists('rt/d2'), false)
+      const seen = []
+      const watch = await sb.files.watchDir('/home/user/rt', (e) => seen.push(e.name))
+      await sb.runCode("open('rt/by-code.txt', 'w').write('from run_code')")
+      assert.ok(await until(() => seen.includes('by-code.txt')), `watched: ${seen}`)
+      await watch.stop()
+      assert.equal(await sb.files.read('rt/by-code.txt'), 'from run_code')
+      assert.equal((await sb.runCode("open('rt/hello.txt').read()")).text, "'héllo'")
+      await raises(SandboxError, () => sb.files.read('/etc/passwd'))
+    })
+  },
 }
 
 function report(line) {
