@@ -712,7 +712,8 @@ def _jail_pids() -> list[int]:
 
 
 def _commands_running() -> bool:
-    return any(_in_commands(pid) for pid in _jail_pids())
+    me = os.getpid()
+    return any(_in_commands(pid) for pid in _jail_pids() if pid not in (1, me))
 
 
 def _kill_all_but_commands() -> None:

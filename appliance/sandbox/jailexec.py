@@ -129,7 +129,7 @@ class Ended:
     def status(self) -> str:
         """The words E2B's envd uses for how a process ended."""
         if self.signal is not None:
-            return f"signal: {signal.Signals(self.signal).name.removeprefix('SIG').lower()}"
+            return f"signal: {(signal.strsignal(self.signal) or str(self.signal)).lower()}"
         return f"exit status {self.exit_code}"
 
 
