@@ -100,9 +100,6 @@ async def download(request: web.Request, found: connect.Reach, sandbox: Sandbox)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "application/octet-stream",
-                "Content-Disposition": f'attachment; filename="{t.parts[-1] if t.parts else "file"}"'.encode(
-                    "ascii", "backslashreplace"
-                ).decode(),
                 "Cache-Control": "no-store",
             }
         )

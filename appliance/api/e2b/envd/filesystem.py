@@ -280,6 +280,7 @@ class Watches:
 
     def __init__(self) -> None:
         self._of: dict[str, dict[str, Watch]] = {}
+        self._hooked: set[str] = set()  # sandboxes whose end ends their watches (Sandbox.on_end)
 
     async def open(
         self, sandbox: Sandbox, t: paths.Target, recursive: bool, include_entry: bool = False
@@ -301,7 +302,8 @@ class Watches:
         w.target, w.include_entry = t, include_entry
         w.start(asyncio.get_running_loop())
         watch_id = secrets.token_urlsafe(12)
-        if not live:
+        if sandbox.id not in self._hooked:
+            self._hooked.add(sandbox.id)
             sandbox.on_end.append(lambda: self.end_all(sandbox.id))
         live[watch_id] = w
         return watch_id, w
@@ -319,5 +321,6 @@ class Watches:
             w.close()
 
     def end_all(self, sandbox_id: str) -> None:
+        self._hooked.discard(sandbox_id)
         for w in self._of.pop(sandbox_id, {}).values():
             w.close()
