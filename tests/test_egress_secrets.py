@@ -93,6 +93,20 @@ p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--dis
 answers += p.stdout + p.stderr
 out["pip"] = "rc=%d %s" % (p.returncode, sorted(os.listdir("/tmp/dl")) if os.path.isdir("/tmp/dl") else p.stderr[-600:].decode())
 out["issuer_secret_host"] = issuer("api." + D)
+# node has no proxy support of its own here: a CONNECT by hand, then its default TLS trust
+# (its own CAs plus NODE_EXTRA_CA_CERTS)
+NODE = r'''
+const http = require("http"), tls = require("tls");
+const proxy = new URL(process.env.HTTPS_PROXY), [host, path] = process.argv.slice(1);
+http.request({host: proxy.hostname, port: proxy.port, method: "CONNECT", path: host + ":443"}).on("connect", (res, socket) => {
+  const t = tls.connect({socket, servername: host}, () => t.write("GET " + path + " HTTP/1.1\r\nHost: " + host + "\r\nConnection: close\r\n\r\n"));
+  let got = ""; t.on("data", d => got += d); t.on("end", () => console.log(got.split("\r\n")[0]));
+  t.on("error", e => console.log("error " + e.code));
+}).end();
+'''
+p = subprocess.run(["node", "-e", NODE, "api." + D, "/hello?%s-node" % MARK], capture_output=True, timeout=60)
+answers += p.stdout + p.stderr
+out["node"] = "rc=%d %s" % (p.returncode, (p.stdout + p.stderr).decode().strip()[-300:])
 # 3. a host without secrets: tunnelled untouched, the real certificate chain
 fake = ssl.create_default_context(cafile="/tmp/fake-ca.pem")
 out["other_echo"] = urllib_get("https://other.%s/headers?%s-other" % (D, MARK), ctx=fake, headers=auth)
@@ -243,7 +257,8 @@ def test_the_secret_arrives_over_https_with_every_client(
     assert got["curl"] == "rc=0 ['HTTP/1.1 200 Connection established', 'HTTP/1.1 200 OK']", got
     assert got["pip"] == "rc=0 ['tinypkg-0.1-py3-none-any.whl']", got
     seen = _seen(setup.net, mark)
-    for client in ("urllib", "requests", "curl"):
+    assert got["node"] == "rc=0 HTTP/1.1 200 OK", got
+    for client in ("urllib", "requests", "curl", "node"):
         (request,) = seen[client]
         assert request["tls"], request
         # the jail's own header of the same name is replaced, not merged: exactly one, the secret's
