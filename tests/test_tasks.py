@@ -47,6 +47,11 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("api/wsmeter.py", "HeapTrimmer.freed", "call_later"): "a trim timer: cancelled at close",
     ("api/wsmeter.py", "HeapTrimmer._run", "run_in_executor"): "malloc_trim in a thread: close awaits it",
     ("core/service.py", "RunService.execute", "call_soon"): "a gauge update next loop turn: holds nothing",
+    (
+        "api/e2b/envd/connect.py",
+        "serve",
+        "ensure_future",
+    ): "a Connect call and the watch for its client: awaited in place, cancelled in its finally",
 }
 
 
