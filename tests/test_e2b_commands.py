@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -190,6 +191,16 @@ def test_a_websocket_server_in_the_sandbox_echoes_through_the_proxy(e2bsrv: Serv
             return False
 
     assert until(echoed)
+    # By get_host's name too: the Host is the sandbox's (the socket goes to the appliance).
+    sock = socket.create_connection(("127.0.0.1", e2bsrv.port))
+    with ws_connect(
+        f"ws://{shared.get_host(8765)}/",
+        sock=sock,
+        additional_headers={"E2B-Traffic-Access-Token": str(shared.traffic_access_token)},
+        open_timeout=5,
+    ) as ws:
+        ws.send("by host")
+        assert ws.recv(timeout=5) == "by host"
     server.kill()
 
 
