@@ -161,6 +161,8 @@ def test_write_and_read_text_bytes_and_many_files(shared: Sandbox) -> None:
     files.write("notes/hello.txt", "replaced")  # overwrite
     assert files.read("notes/hello.txt") == "replaced"
     assert files.get_info("notes/blob.bin").size == len(blob)
+    with files.read("notes/blob.bin", format="stream") as stream:
+        assert b"".join(stream) == blob
     written = files.write_files(
         [{"path": "many/a.txt", "data": "A"}, {"path": "/home/user/many/sub/b.txt", "data": b"B"}]
     )
