@@ -477,3 +477,38 @@ def test_tenant_secrets_are_checked_and_kept_private(tmp_path: Path) -> None:
     path.chmod(0o600)
     (tenant,) = tenants.load(path)
     assert tenant.egress_secrets is not None and "Bearer" not in repr(tenant)
+
+
+def test_secret_headers_replace_the_jails_and_a_tenants_replace_the_servers() -> None:
+    import h11
+
+    from appliance.core.egresssecrets import SecretHeaders
+    from appliance.sandbox.egressintercept import Interception, with_secrets
+
+    server = SecretHeaders((("Authorization", "Bearer s"), ("X-Key", "k")))
+    tenant = SecretHeaders((("authorization", "Bearer t"),))
+    ix = Interception(EgressCA(None, None), {("api.example.com", 443): server})
+    assert ix.secret_for("api.example.com", 443) == server
+    assert ix.secret_for("api.example.com", 80) is None and ix.secret_for("other.example.com", 443) is None
+    both = ix.secret_for("api.example.com", 443, {("api.example.com", 443): tenant})
+    assert both is not None and both.headers == (("X-Key", "k"), ("authorization", "Bearer t"))
+    only = ix.secret_for("t.example.com", 443, {("t.example.com", 443): tenant})
+    assert only == tenant
+    jail = h11.Request(
+        method="GET",
+        target="/x",
+        headers=[
+            ("Host", "evil.example.com"),
+            ("AUTHORIZATION", "Bearer jail"),
+            ("x-key", "j"),
+            ("Accept", "*/*"),
+        ],
+    )
+    out = with_secrets(jail, server, "api.example.com")
+    assert list(out.headers) == [
+        (b"host", b"api.example.com"),
+        (b"accept", b"*/*"),
+        (b"authorization", b"Bearer s"),
+        (b"x-key", b"k"),
+    ]
+    assert "Bearer s" not in repr(server)
