@@ -15,7 +15,12 @@ For each connection, one flow:
   * in a tunnel to a name, the ClientHello's server name must be that name (no domain
     fronting), read with a bounded parser (appliance.sandbox.tlshello) before a byte goes on;
   * a plain request goes on alone, its Host set from its URI and `Connection: close`,
-    so a connection carries exactly one request to exactly the host decided on.
+    so a connection carries exactly one request to exactly the host decided on; its
+    answer is relayed in the kernel (appliance.sandbox.egresssplice);
+  * a host:port given secrets (SANDBOX_EGRESS_SECRETS, a tenant's egress_secrets) is
+    intercepted: the real host's certificate verified first, the jail answered with the
+    appliance CA's, its one request given the secret headers (appliance.sandbox.egressintercept);
+    plain HTTP to it is refused.
 
 The request head is parsed by h11 (a maintained HTTP/1.1 parser, bounded by
 `MAX_HEAD_BYTES`); the proxy is written here rather than taken whole from a proxy library
