@@ -35,4 +35,8 @@ SCENARIOS: dict[str, str] = {
     "files_round_trip": "files written (text, bytes, several at once) and read back, listed with depth, "
     "made, renamed, removed; what run_code wrote reads through files and the other way round; "
     "a watch sees run_code's file; a path outside /home/user is refused",
+    "commands_foreground_background_stdin_kill": "a command's output reaches its callbacks; a failing "
+    "one raises with its exit code; a background one takes stdin, is listed, and is killed",
+    "a_server_in_the_sandbox_is_reached_through_get_host": "an HTTP server a command started is "
+    "reached at get_host(port), with the sandbox's traffic access token",
 }

@@ -12,9 +12,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from e2b import (
     AuthenticationException,
+    CommandExitException,
     FileType,
     NotFoundException,
     RateLimitException,
@@ -261,6 +263,36 @@ def test_files_round_trip(sandbox: Sandbox) -> None:
     assert sandbox.run_code("open('rt/hello.txt').read()").text == "'héllo'"
     with pytest.raises(SandboxException):
         files.read("/etc/passwd")
+
+
+def test_commands_foreground_background_stdin_kill(sandbox: Sandbox) -> None:
+    out: list[str] = []
+    err: list[str] = []
+    result = sandbox.commands.run("echo out; echo err >&2", on_stdout=out.append, on_stderr=err.append)
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "out\n", "err\n")
+    assert "".join(out) == "out\n" and "".join(err) == "err\n"
+    with pytest.raises(CommandExitException) as caught:
+        sandbox.commands.run("exit 3")
+    assert caught.value.exit_code == 3
+    cat = sandbox.commands.run("cat", background=True, stdin=True)
+    sandbox.commands.send_stdin(cat.pid, "typed\n")
+    assert cat.pid in [p.pid for p in sandbox.commands.list()]
+    assert sandbox.commands.kill(cat.pid) is True
+    with pytest.raises(CommandExitException) as killed:
+        cat.wait()
+    assert killed.value.exit_code == 137
+    assert cat.pid not in [p.pid for p in sandbox.commands.list()]
+
+
+def test_a_server_in_the_sandbox_is_reached_through_get_host(e2bsrv: Server, sandbox: Sandbox) -> None:
+    sandbox.commands.run("echo served > index.html")
+    sandbox.commands.run("python -m http.server 8000 --bind 127.0.0.1", background=True)
+    headers = {"Host": sandbox.get_host(8000), "E2B-Traffic-Access-Token": str(sandbox.traffic_access_token)}
+
+    def served() -> bool:
+        return httpx.get(e2bsrv.http + "/index.html", headers=headers, timeout=10).text == "served\n"
+
+    assert until(served)
 
 
 def test_a_wrong_key_is_refused() -> None:

@@ -7,9 +7,11 @@
 // Arguments, if any, name the scenarios to run (default: all).
 
 import { appendFileSync } from 'node:fs'
+import { request as httpRequest } from 'node:http'
 import assert from 'node:assert/strict'
 import {
   AuthenticationError,
+  CommandExitError,
   NotFoundError,
   RateLimitError,
   Sandbox,
@@ -310,6 +312,52 @@ const scenarios = {
       assert.equal(await sb.files.read('rt/by-code.txt'), 'from run_code')
       assert.equal((await sb.runCode("open('rt/hello.txt').read()")).text, "'héllo'")
       await raises(SandboxError, () => sb.files.read('/etc/passwd'))
+    })
+  },
+
+  async commands_foreground_background_stdin_kill() {
+    await withSandbox(async (sb) => {
+      const out = []
+      const err = []
+      const result = await sb.commands.run('echo out; echo err >&2', {
+        onStdout: (d) => out.push(d),
+        onStderr: (d) => err.push(d),
+      })
+      assert.deepEqual([result.exitCode, result.stdout, result.stderr], [0, 'out\n', 'err\n'])
+      assert.equal(out.join(''), 'out\n')
+      assert.equal(err.join(''), 'err\n')
+      const failed = await raises(CommandExitError, () => sb.commands.run('exit 3'))
+      assert.equal(failed.exitCode, 3)
+      const cat = await sb.commands.run('cat', { background: true, stdin: true })
+      await sb.commands.sendStdin(cat.pid, 'typed\n')
+      assert.ok((await sb.commands.list()).some((p) => p.pid === cat.pid))
+      assert.equal(await sb.commands.kill(cat.pid), true)
+      const killed = await raises(CommandExitError, () => cat.wait())
+      assert.equal(killed.exitCode, 137)
+      assert.ok(!(await sb.commands.list()).some((p) => p.pid === cat.pid))
+    })
+  },
+
+  async a_server_in_the_sandbox_is_reached_through_get_host() {
+    await withSandbox(async (sb) => {
+      await sb.commands.run('echo served > index.html')
+      await sb.commands.run('python -m http.server 8000 --bind 127.0.0.1', { background: true })
+      const base = new URL(process.env.E2B_API_URL)
+      const headers = { host: sb.getHost(8000), 'e2b-traffic-access-token': sb.trafficAccessToken ?? '' }
+      const served = () =>
+        new Promise((resolve) => {
+          const req = httpRequest(
+            { hostname: base.hostname, port: base.port, path: '/index.html', headers, timeout: 10_000 },
+            (res) => {
+              let body = ''
+              res.on('data', (chunk) => (body += chunk))
+              res.on('end', () => resolve(body === 'served\n'))
+            },
+          )
+          req.on('error', () => resolve(false))
+          req.end()
+        })
+      assert.ok(await until(served), 'the server was not reached through get_host')
     })
   },
 }
