@@ -1,6 +1,6 @@
 """Egress by name: jailed code trying to get past the egress proxy (domain fronting, a name
 that resolves to a private address, a Host header that lies, a tunnel that is not TLS, the
-proxy from somewhere else). A fake internet (tests/fakenet.py) serves every name; each
+proxy from the host or from another jail). A fake internet (tests/fakenet.py) serves every name; each
 attack is paired with a control in the same run that shows the way it tries does answer.
 """
 
@@ -318,3 +318,39 @@ async def test_a_jail_cannot_read_or_steer_a_secret(target: Target, observe: Cal
     assert got["plain"].startswith("HTTP/1.1 403"), got
     assert set(seen) == {"-steer"}, seen
     assert got["env"] == "", got
+
+
+@attack(
+    "a jail connecting to another jail's egress proxy listener (two sessions at once)",
+    "refused: each jail reaches only its own listener, which takes only its own jail's address",
+)
+async def test_a_jail_cannot_use_another_jails_proxy(target: Target, observe: Callable[[str], None]) -> None:
+    probe = (
+        "import json, os, socket, sys\n"
+        "def try_proxy(address):\n"
+        "    host, port = address.removeprefix('http://').split(':')\n"
+        "    try:\n"
+        "        s = socket.create_connection((host, int(port)), timeout=5)\n"
+        f"        s.sendall(b'GET http://api.{D}/hello HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n')\n"
+        "        s.settimeout(5)\n"
+        "        return 'answered: ' + s.recv(200).decode(errors='replace').split('\\r\\n')[0]\n"
+        "    except OSError as e:\n"
+        "        return type(e).__name__\n"
+        "print(json.dumps({'addr': os.environ['HTTP_PROXY'], 'own': try_proxy(os.environ['HTTP_PROXY']),"
+        " 'other': try_proxy(OTHER)}))\n"
+    )
+    async with AsyncClient(target.server.url, token=TOKEN) as c:
+        first, second = c.session(), c.session()
+        try:
+            a = await first.execute("import os; print(os.environ['HTTP_PROXY'])", timeout_ms=30000)
+            theirs = a.stdout.strip()  # the first session's jail (and listener) lives on meanwhile
+            b = await second.execute(f"OTHER = {theirs!r}\n" + probe, timeout_ms=30000)
+            mine = json.loads(b.stdout.strip().splitlines()[-1])
+        finally:
+            await first.close()
+            await second.close()
+    observe(f"{theirs}: {mine}")
+    assert theirs.startswith("http://10.218.") and mine["addr"] != theirs, (theirs, mine)
+    assert mine["own"] == "answered: HTTP/1.1 200 OK", mine  # control: its own proxy serves it
+    # Refused by its own filter, or (were that open) closed unread by the other listener.
+    assert mine["other"] in ("ConnectionRefusedError", "ConnectionResetError", "answered: "), mine
