@@ -101,6 +101,8 @@ class Settings:
     egress_secrets: Path | None = None  # SANDBOX_EGRESS_SECRETS
     egress_ca: Path | None = None  # SANDBOX_EGRESS_CA
     egress_upstream_ca: Path | None = None  # SANDBOX_EGRESS_UPSTREAM_CA (unset: the system's)
+    # How long a connection asked about (`"egress": {"ask": true}`) waits for the client's answer.
+    egress_ask_ms: int = 30000
     auth_tokens_file: Path | None = None  # several tenants (SANDBOX_AUTH_TOKENS_FILE); see tenants.py
     gpu: bool = False
     preload: tuple[str, ...] = DEFAULT_PRELOAD
@@ -485,6 +487,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         egress_secrets=_dir(env, "SANDBOX_EGRESS_SECRETS", None),
         egress_ca=_dir(env, "SANDBOX_EGRESS_CA", None),
         egress_upstream_ca=_dir(env, "SANDBOX_EGRESS_UPSTREAM_CA", None),
+        egress_ask_ms=_int(env, "SANDBOX_EGRESS_ASK_MS", D.egress_ask_ms, minimum=100),
         auth_tokens_file=_dir(env, "SANDBOX_AUTH_TOKENS_FILE", None),
         gpu=gpu,
         preload=preload,

@@ -12,6 +12,7 @@ from typing import Any
 from appliance.api.frames import framed
 from appliance.core.domain import CellOutcome, PipeFull, RunRequest
 from appliance.core.egress import Narrowing
+from appliance.core.egressask import EgressAsks
 from appliance.core.egresssecrets import Secrets
 from appliance.core.errors import JailFailure
 from appliance.core.events import Emit, GpuShare, Output, Started
@@ -194,6 +195,7 @@ class FakeCells:
         first: Started,
         egress: Narrowing = (),
         egress_secrets: Secrets | None = None,
+        asks: EgressAsks | None = None,
     ) -> CellOutcome:
         assert isinstance(jail, FakeJail)
         jail.process.write(b"run:" + req.code.encode())

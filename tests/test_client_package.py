@@ -90,11 +90,12 @@ class TestProtocolFacts:
 
     def test_every_option_the_client_sends_is_an_execute_field(self) -> None:
         fields = set(SCHEMA["$defs"]["ExecuteRequest"]["properties"])
-        # Options whose field is spelt otherwise on the wire: egress_allow is `egress.allow`.
-        spelt = {"egress_allow": "egress"}
+        # Options whose field is spelt otherwise on the wire: egress_allow is `egress.allow`,
+        # egress_ask (a callback) `egress.ask`.
+        spelt = {"egress_allow": "egress", "egress_ask": "egress"}
         options = {spelt.get(o, o) for o in CellOptions.__optional_keys__}
         assert options | {"session", "code", "type"} <= fields
-        assert "allow" in SCHEMA["$defs"]["EgressRequest"]["properties"]
+        assert {"allow", "ask"} <= set(SCHEMA["$defs"]["EgressRequest"]["properties"])
 
     def test_the_execute_frames_the_client_builds_are_valid_and_parse_on_the_server(self) -> None:
         frames = [
@@ -108,6 +109,7 @@ class TestProtocolFacts:
                 gpu=GpuRequest(memory_mb=512),
                 stdin_eof=True,
             ),
+            request_frame("x", "r3", egress_allow=["api.example.com:443"], egress_ask=lambda request: True),
         ]
         limits = protocol.Limits(1 << 20, 1 << 20, gpu_enabled=True, max_upload_files=8)
         for frame in frames:

@@ -19,6 +19,7 @@ from appliance.core.events import (
     CellError,
     Display,
     Done,
+    EgressAsked,
     EgressDenied,
     Event,
     FileOut,
@@ -242,6 +243,19 @@ CASES: list[tuple[Event, dict[str, Any], str]] = [
         },
         '{"type":"done","id":"r1","status":"ok","exit_code":null,"duration_ms":1,"cpu_ms":null,'
         '"max_rss_mb":null,"message":null,"files_skipped":2}',
+    ),
+    (
+        EgressAsked("f-0123abcd", "api.example.com", 443, 30000),
+        {
+            "type": "egress_request",
+            "id": "r1",
+            "flow": "f-0123abcd",
+            "host": "api.example.com",
+            "port": 443,
+            "timeout_ms": 30000,
+        },
+        '{"type":"egress_request","id":"r1","flow":"f-0123abcd","host":"api.example.com","port":443,'
+        '"timeout_ms":30000}',
     ),
     (
         Done("busy", duration_ms=0, message="the run queue is full", retry_after_ms=1500),

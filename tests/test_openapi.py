@@ -56,8 +56,11 @@ def test_the_frame_schema_is_valid_json_schema_2020_12() -> None:
         "InterruptMessage",
         "CloseSessionMessage",
         "AttachMessage",
+        "EgressDecisionMessage",
     }
-    assert server == {f"{kind.capitalize()}Frame" for kind in protocol.SERVER_FRAMES}
+    assert server == {
+        "".join(p.capitalize() for p in kind.split("_")) + "Frame" for kind in protocol.SERVER_FRAMES
+    }
 
 
 BUILT = [
@@ -71,6 +74,7 @@ BUILT = [
     protocol.file_frame("r1", "big.bin", 10**9, None, "over SANDBOX_MAX_FILE_OUT_BYTES"),
     protocol.done_frame("r1", "ok", exit_code=0, duration_ms=3, cpu_ms=2, max_rss_mb=9.5),
     protocol.done_frame("r1", "rejected", message="bad", session="s1"),
+    protocol.egress_request_frame("r1", "f-0123", "api.example.com", 443, 30000),
 ]
 
 

@@ -20,6 +20,7 @@ from appliance.core.events import (
     CellError,
     Display,
     Done,
+    EgressAsked,
     EgressDenied,
     Emit,
     Event,
@@ -83,6 +84,10 @@ def _egress(rid: str, e: EgressDenied) -> Frame:
     return protocol.egress_frame(rid, e.host, e.port, e.why)
 
 
+def _egress_request(rid: str, e: EgressAsked) -> Frame:
+    return protocol.egress_request_frame(rid, e.flow, e.host, e.port, e.timeout_ms)
+
+
 def frame_of(rid: str, event: Event) -> Frame:
     """The frame a client reads for `event` of request `rid` (docs/protocol.md). Tried in the
     order they are most often sent: a cell's output first."""
@@ -102,6 +107,8 @@ def frame_of(rid: str, event: Event) -> Frame:
         return _file(rid, event)
     if isinstance(event, EgressDenied):
         return _egress(rid, event)
+    if isinstance(event, EgressAsked):
+        return _egress_request(rid, event)
     raise TypeError(f"not an event of appliance.core.events: {type(event).__name__}")
 
 

@@ -49,6 +49,7 @@ from appliance.wire import protocol
 from appliance.wire.protocol import (
     AttachMessage,
     CloseSessionMessage,
+    EgressDecisionMessage,
     ExecuteRequest,
     InterruptMessage,
     ProtocolError,
@@ -202,6 +203,8 @@ class Connection:
                 await self.reject(message.id, f"no running request with id {message.id!r} to interrupt")
                 return
             found.interrupt()
+        elif isinstance(message, EgressDecisionMessage):
+            await self.decide_egress(message)
         elif isinstance(message, CloseSessionMessage):
             closed = await service.close_session(message.session, self.owner)
             if closed:
@@ -212,6 +215,26 @@ class Connection:
                 )
             else:
                 await self.reject(message.id, f"no such session {message.session!r}")
+
+    async def decide_egress(self, message: EgressDecisionMessage) -> None:
+        """The client's answer to an `egress_request` of a run this connection follows (it
+        started it, or attached to it). A flow none of them waits on (unknown, another run's,
+        already decided or timed out) is refused with a `done` `rejected` carrying the
+        decision's own id, and changes nothing."""
+        rid = message.id if message.id is not None and message.id not in self.following else None
+        for run in set(self.runs.values()):
+            if run.knows_flow(message.flow):
+                try:
+                    run.decide_egress(message.flow, message.allow, message.scope)
+                except RequestRejected as exc:
+                    self.service.charge_rejected(self.owner)
+                    await self.reject(rid or protocol.new_request_id(), exc.message)
+                return
+        self.service.charge_rejected(self.owner)  # like any refused frame: a rate token
+        await self.reject(
+            rid or protocol.new_request_id(),
+            f"no egress request {message.flow!r} of a run this connection follows waits for a decision",
+        )
 
     async def attach(self, message: AttachMessage) -> None:
         """Follow a run of this tenant's again: its frames after `after`, then the live ones,
@@ -241,11 +264,14 @@ class Connection:
         self.following[rid] = task
         if run is not None:
             self.runs[rid] = run
+            run.watch((self, rid))  # this connection may answer the run's egress asks
 
         def forget(_task: asyncio.Task[None]) -> None:
             if self.following.get(rid) is task:
                 del self.following[rid]
-                self.runs.pop(rid, None)
+                gone = self.runs.pop(rid, None)
+                if gone is not None:
+                    gone.unwatch((self, rid))
                 self.started.pop(rid, None)
 
         task.add_done_callback(forget)
@@ -272,6 +298,7 @@ class Connection:
     async def finish(self) -> None:
         """Client half-closed: let what it follows stream to its done, unless the connection
         itself goes away meanwhile."""
+        self._unwatch_all()  # a client that sent its Close answers nothing more
         gone = self.scope.spawn(until_gone(self.request), name="client-watch")
         try:
             while self.tasks:
@@ -285,10 +312,15 @@ class Connection:
     async def abort(self) -> None:
         """Client vanished: its runs go on without it (an attach finds them); its attaches end."""
         self.gone = True
+        self._unwatch_all()  # its runs' pending egress asks are refused now, not at their timeout
         for log in self.started.values():
             log.detach(self.send_text)
         readers = [task for rid, task in self.following.items() if rid not in self.started]
         await self.scope.cancel(*readers)
+
+    def _unwatch_all(self) -> None:
+        for rid, run in self.runs.items():
+            run.unwatch((self, rid))
 
 
 CONNECTIONS_KEY: web.AppKey[set[Connection]] = web.AppKey("connections")

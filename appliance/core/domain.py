@@ -33,10 +33,14 @@ class GpuAsk(Protocol):
 
 
 class EgressAsk(Protocol):
-    """The hosts a request narrows its run's egress to (names mode), as `host:port` rules."""
+    """The hosts a request narrows its run's egress to (names mode), as `host:port` rules
+    (None: not narrowed), and whether a host left out is asked about rather than refused."""
 
     @property
-    def allow(self) -> Sequence[str]: ...
+    def allow(self) -> Sequence[str] | None: ...
+
+    @property
+    def ask(self) -> bool: ...
 
 
 class RunRequest(Protocol):

@@ -9,6 +9,11 @@ Layers narrow: a flow is allowed by name only when every layer given (the server
 tenant's, the request's) has a rule for it, so a tenant or a request can never open what
 the server does not. Whether the address a name resolves to may be reached at all is the
 sandbox's question (its blocklist), asked after this one.
+
+Live approval (`egress.ask`): a flow refused by the request's own layer alone, and only by
+it, may be asked about; the client's answer can open what the request left out, never what
+the server's or the tenant's lists do not hold. Answers may be remembered for the run or
+the session (`Approvals`).
 """
 
 from __future__ import annotations
@@ -121,9 +126,10 @@ class Layers:
 
     server: Rules
     narrowing: Narrowing = ()
+    ask: bool = False  # a flow refused by the request's layer alone is asked about, not refused
 
     def narrowed(self, who: str, rules: Rules | None) -> Layers:
-        return self if rules is None else Layers(self.server, (*self.narrowing, (who, rules)))
+        return self if rules is None else Layers(self.server, (*self.narrowing, (who, rules)), self.ask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +139,7 @@ class Verdict:
     allowed: bool
     rule: str | None  # the server's rule that allowed it
     why: str | None  # why it was refused
+    askable: bool = False  # refused by the request's own list alone, and the request asks
 
 
 def decide_name(layers: Layers, host: str, port: int, ip_allowed: bool = False) -> Verdict:
@@ -146,8 +153,12 @@ def decide_name(layers: Layers, host: str, port: int, ip_allowed: bool = False) 
         return Verdict(False, None, f"{host}:{port} is not in the allowlist")
     for who, rules in layers.narrowing:
         if first_match(rules, host, port) is None:
-            return Verdict(False, None, f"{host}:{port} is not in the {who}'s allowlist")
+            askable = layers.ask and who == REQUEST and layers.narrowing[-1][0] == REQUEST
+            return Verdict(False, None, f"{host}:{port} is not in the {who}'s allowlist", askable)
     return Verdict(True, str(rule) if rule is not None else "address rules", None)
+
+
+REQUEST = "request"  # the request's own layer: the last one, and the only one asking may open
 
 
 def describe(rules: Sequence[Rule]) -> list[str]:
@@ -171,6 +182,7 @@ class Flow:
     bytes_up: int = 0  # from the jail
     bytes_down: int = 0  # to the jail
     duration_ms: int = 0
+    asked: str | None = None  # the egress_request's flow id, when the client was asked
     started: float = 0.0  # monotonic seconds; not reported
     injected: tuple[str, ...] | None = None  # the secret headers the proxy set (names only, never values)
 
@@ -183,10 +195,61 @@ class Flow:
             "bytes_down": self.bytes_down,
             "duration_ms": self.duration_ms,
         }
-        for key in ("rule", "why", "address"):
+        for key in ("rule", "why", "address", "asked"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
         if self.injected:
             out["injected"] = list(self.injected)
         return out
+
+
+# -- live approval (`egress.ask`) -------------------------------------------------------------
+RUN = "run"
+SESSION = "session"
+MAX_PENDING_ASKS = 8  # hosts one run may wait on an answer for at once; past it, refused at once
+MAX_ASKS = 64  # egress_request frames one run may send; past it, refused at once
+MAX_REMEMBERED = 1024  # answers one run or session remembers; past it, later ones are not kept
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What became of an ask: allowed (with the rule the ledger names) or refused (why)."""
+
+    allow: bool
+    rule: str | None = None
+    why: str | None = None
+
+
+class Approvals:
+    """Answers remembered by host and port, for a run or a session (scope `run`/`session`)."""
+
+    def __init__(self, scope: str) -> None:
+        self.scope = scope
+        self._known: dict[tuple[str, int], bool] = {}
+
+    def remember(self, host: str, port: int, allow: bool) -> None:
+        if (host, port) in self._known or len(self._known) < MAX_REMEMBERED:
+            self._known[(host, port)] = allow
+
+    def answer(self, host: str, port: int) -> Answer | None:
+        allow = self._known.get((host, port))
+        if allow is None:
+            return None
+        if allow:
+            return Answer(True, rule=f"approved by the client for the {self.scope}")
+        return Answer(False, why=f"the client denied it for the {self.scope}")
+
+
+def ask_refusal(pending: int, asked: int, answerable: bool) -> str | None:
+    """Why a new host cannot be asked about now (the run's bounds, nobody to answer), or None."""
+    if not answerable:
+        return (
+            "no client that can answer follows this run (egress.ask needs a WebSocket client "
+            "that answers egress_request frames; REST and MCP callers cannot)"
+        )
+    if pending >= MAX_PENDING_ASKS:
+        return f"{MAX_PENDING_ASKS} hosts already wait for the client's answer"
+    if asked >= MAX_ASKS:
+        return f"this run has asked the client about {MAX_ASKS} hosts already"
+    return None

@@ -114,6 +114,18 @@ class EgressDenied:
     why: str
 
 
-Event = Started | Output | Display | Result | CellError | FileOut | EgressDenied | Done
+@dataclass(frozen=True, slots=True)
+class EgressAsked:
+    """A connection to a host the request's allowlist leaves out waits for the caller's
+    answer (`"egress": {"ask": true}`): `flow` is what the answer names, `timeout_ms` how long
+    the connection waits for it before it is refused."""
+
+    flow: str
+    host: str
+    port: int
+    timeout_ms: int
+
+
+Event = Started | Output | Display | Result | CellError | FileOut | EgressDenied | EgressAsked | Done
 CellEvent = Output | Display | Result | CellError  # what a cell's own output becomes
 Emit = Callable[[Event], Awaitable[None]]  # the caller's: awaited per event, in order

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from appliance.core.domain import CellOutcome, RunRequest
 from appliance.core.egress import Narrowing
+from appliance.core.egressask import EgressAsks
 from appliance.core.egresssecrets import Secrets
 from appliance.core.errors import RequestRejected
 from appliance.core.events import Emit, GpuShare, Started
@@ -164,10 +165,12 @@ class Cells(Protocol):
         first: Started,
         egress: Narrowing = (),
         egress_secrets: Secrets | None = None,
+        asks: EgressAsks | None = None,
     ) -> CellOutcome:
         """Run req's code in the jail, `first` then its output events through emit, within
         the limits, its flows by name held to `egress` besides the server's allowlist (and
-        their requests given `egress_secrets`' headers over the server's); how it ended (its
+        their requests given `egress_secrets`' headers over the server's; a host only the
+        request's list leaves out asked about through `asks`, when given); how it ended (its
         `Done` is the service's)."""
 
     async def between_cells(self, jail: Jail) -> str | None:

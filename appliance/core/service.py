@@ -20,7 +20,8 @@ from typing import Any
 
 from appliance.core.admission import Admission
 from appliance.core.domain import CellOutcome, Gpu, PipeFull, Request, RunRequest
-from appliance.core.egress import Narrowing, Rules, parse_rules
+from appliance.core.egress import REQUEST, Approvals, Narrowing, Rules, parse_rules
+from appliance.core.egressask import EgressAsks
 from appliance.core.egresssecrets import Secrets
 from appliance.core.errors import (
     ApplianceError,
@@ -71,6 +72,35 @@ class Run:
         self._interrupt: str | None = None
         self.egress: Narrowing = ()  # the tenant's and the request's allowlists (names mode)
         self.egress_secrets: Secrets | None = None  # the tenant's headers at the egress proxy
+        self.asks: EgressAsks | None = None  # live approval (`egress.ask`), once the run is admitted
+        self._answerers: set[object] = set()  # who follows the run able to answer its asks
+
+    def watch(self, answerer: object) -> None:
+        """`answerer` (a WebSocket connection) follows the run and may answer its asks."""
+        self._answerers.add(answerer)
+
+    def unwatch(self, answerer: object) -> None:
+        """`answerer` is gone; when it was the last, every pending ask is refused at once."""
+        self._answerers.discard(answerer)
+        if not self._answerers and self.asks is not None:
+            self.asks.orphaned()
+
+    def answerable(self) -> bool:
+        return bool(self._answerers)
+
+    def decide_egress(self, flow: str, allow: bool, scope: str) -> None:
+        """The client's answer to one of this run's asks; RequestRejected when it waits on none."""
+        if self.asks is None or not self.asks.knows(flow):
+            raise RequestRejected(f"no egress request {flow!r} waits for a decision")
+        self.asks.decide(flow, allow, scope)
+
+    def in_session(self, approvals: Approvals) -> None:
+        """The run is a cell of a session: answers for the session are kept in `approvals`."""
+        if self.asks is not None:
+            self.asks.session = approvals
+
+    def knows_flow(self, flow: str) -> bool:
+        return self.asks is not None and self.asks.knows(flow)
 
     def stdin(self, data: str, eof: bool) -> None:
         """Feed the run's stdin; RequestRejected when more than SANDBOX_MAX_STDIN_BYTES would wait."""
@@ -227,6 +257,8 @@ class RunService:
                 quota.enter_context(tenants.request(owner))
             run.egress = self._egress_narrowing(req, owner)
             run.egress_secrets = tenants.egress_secrets(owner) if tenants is not None else None
+            if req.egress is not None and req.egress.ask:
+                run.asks = EgressAsks(emit, self.settings.egress_ask_ms / 1000, run.answerable)
             session: Session | None = None
             restoring = req.from_snapshot
             if restoring is not None:
@@ -521,10 +553,11 @@ class RunService:
                     "'egress' narrows egress by name, but this appliance allows none "
                     "(SANDBOX_EGRESS_ALLOW_DOMAINS is not set)"
                 )
-            try:
-                narrowing.append(("request", parse_rules(ask.allow, "egress.allow")))
-            except SettingsError as exc:
-                raise RequestRejected(exc.message) from None
+            if ask.allow is not None or ask.ask:  # with `ask` and no list: every host is asked about
+                try:
+                    narrowing.append((REQUEST, parse_rules(ask.allow or (), "egress.allow")))
+                except SettingsError as exc:
+                    raise RequestRejected(exc.message) from None
         return tuple(narrowing)
 
     def _admitted(self, queued_ms: int) -> None:
@@ -557,9 +590,12 @@ class RunService:
                 egress=run.egress,
                 egress_secrets=run.egress_secrets,
                 first=start,
+                asks=run.asks,
             )
         finally:
             run._detach()
+            if run.asks is not None:
+                run.asks.close()  # nothing is asked after the cell, and nothing waits past it
 
     async def _one_shot(  # noqa: PLR0913 (the run's parts, passed down rather than stored on a shared object)
         self, jail: Jail, lease: Lease, req: RunRequest, emit: Emit, run: Run, queued_ms: int, owner: str
@@ -584,6 +620,7 @@ class RunService:
             await self.sessions.close(session.id, reason="its interpreter is gone")
             raise RequestRejected(f"session {session.id} has ended (its interpreter is gone)")
         start = Started(run_id, session.id, queued_ms, self._timeout_ms(req), session.lease.gpu)
+        run.in_session(session.egress_approvals)
         before = await self.cells.snapshot(jail)
         try:
             jail.thaw()  # frozen since its last cell (`Jail.freeze`)

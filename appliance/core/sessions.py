@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from appliance.core.egress import SESSION, Approvals
 from appliance.core.errors import Busy, RequestRejected, UnknownSession
 from appliance.core.ports import Clock, Jail, Lease
 from appliance.core.tasks import TaskScope
@@ -39,6 +40,8 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Called once the session's jail and lease are gone (a tenant's GPU quota, for one).
     on_close: list[Callable[[], None]] = field(default_factory=list)
+    # The client's egress answers given with "scope": "session" (live approval).
+    egress_approvals: Approvals = field(default_factory=lambda: Approvals(SESSION))
 
     @property
     def gpu_mb(self) -> int:

@@ -51,10 +51,12 @@ from appliance.core.egress import (
     DENIED,
     Flow,
     Layers,
+    Verdict,
     decide_name,
     is_ipv4,
     normal_host,
 )
+from appliance.core.egressask import EgressAsks
 from appliance.core.egresssecrets import SecretHeaders, Secrets
 from appliance.sandbox import egresssplice, tlshello
 from appliance.sandbox.egressintercept import Interception, TlsStream, with_secrets
@@ -118,11 +120,13 @@ class Scope:
         request_id: str,
         on_denied: OnDenied | None = None,
         secrets: Secrets | None = None,
+        asks: EgressAsks | None = None,
     ) -> None:
         self.layers = layers
         self.request_id = request_id
         self.on_denied = on_denied
         self.secrets = secrets  # the tenant's secret headers, over the server's (names only in logs)
+        self.asks = asks  # live approval: who is asked about a host only the request leaves out
         self.flows: list[Flow] = []
         self.omitted = 0
         self.told = 0
@@ -195,6 +199,18 @@ def _reply(status: int, why: str) -> bytes:
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + body
+
+
+async def _asked(scope: Scope, flow: Flow, verdict: Verdict) -> Verdict:
+    """Live approval: a host only the request's list leaves out waits for the client's answer
+    (appliance.core.egressask); anything else keeps its verdict. An approval opens only the
+    name; the addresses it resolves to are checked as for any other flow."""
+    if verdict.allowed or not verdict.askable or scope.asks is None:
+        return verdict
+    answer, flow.asked = await scope.asks.ask(flow.host, flow.port)
+    if answer.allow:
+        return Verdict(True, answer.rule, None)
+    return Verdict(False, None, f"{verdict.why}; {answer.why}")
 
 
 class EgressProxy:
@@ -347,6 +363,7 @@ class EgressProxy:
             refusal = address_refusal(self.policy, address)
             by_address = refusal is None and port in self.policy.tcp_ports
             verdict = decide_name(scope.layers, host, port, ip_allowed=by_address)
+            verdict = await _asked(scope, flow, verdict) if refusal is None else verdict
             if refusal is not None:
                 flow.why = f"{address} is {refusal}"
             elif not verdict.allowed:
@@ -355,7 +372,7 @@ class EgressProxy:
                 flow.decision, flow.rule, flow.address = ALLOWED, verdict.rule, str(address)
                 return flow, address
         else:
-            verdict = decide_name(scope.layers, host, port)
+            verdict = await _asked(scope, flow, decide_name(scope.layers, host, port))
             if not verdict.allowed:
                 flow.why = verdict.why
             else:

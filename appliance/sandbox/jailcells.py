@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 
 from appliance.core.domain import CellOutcome, RunRequest
 from appliance.core.egress import Flow, Layers, Narrowing
+from appliance.core.egressask import EgressAsks
 from appliance.core.egresssecrets import Secrets
 from appliance.core.events import EgressDenied, Emit, Started
 from appliance.core.ports import Jail as AnyJail
@@ -53,6 +54,7 @@ class JailCells:
         first: Started,
         egress: Narrowing = (),
         egress_secrets: Secrets | None = None,
+        asks: EgressAsks | None = None,
     ) -> CellOutcome:
         s = self.settings
         own = _own(jail)
@@ -66,7 +68,9 @@ class JailCells:
             async def denied(flow: Flow) -> None:
                 await emit(EgressDenied(flow.host, flow.port, flow.why or "denied"))
 
-            scope = Scope(Layers(s.egress_allow_domains, egress), req.id, denied, egress_secrets)
+            scope = Scope(
+                Layers(s.egress_allow_domains, egress, asks is not None), req.id, denied, egress_secrets, asks
+            )
             proxy.begin(link, scope)
         try:
             outcome = await run_cell(

@@ -203,13 +203,23 @@ class EgressRequest:
     (names mode, SANDBOX_EGRESS_ALLOW_DOMAINS): it can only narrow them."""
 
     allow: Annotated[
-        tuple[Annotated[StrictStr, Field(max_length=300)], ...], Field(max_length=MAX_EGRESS_RULES)
-    ] = Field(description='`host:port` rules like "api.example.com:443" or "*.pypi.org:443".')
+        tuple[Annotated[StrictStr, Field(max_length=300)], ...] | None, Field(max_length=MAX_EGRESS_RULES)
+    ] = Field(
+        default=None,
+        description='`host:port` rules like "api.example.com:443" or "*.pypi.org:443". Omitted: the '
+        "run is not narrowed (with `ask`: every host is asked about).",
+    )
+    ask: StrictBool = Field(
+        default=False,
+        description="Live approval: a connection to a host this list leaves out (within the server's "
+        "and the tenant's lists) waits for the client's `egress_decision` to an `egress_request` frame, "
+        "instead of being refused. Only a WebSocket client can answer.",
+    )
 
     @field_validator("allow", mode="after")
     @classmethod
-    def _rules(cls, allow: tuple[str, ...]) -> tuple[str, ...]:
-        for i, entry in enumerate(allow):
+    def _rules(cls, allow: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for i, entry in enumerate(allow or ()):
             try:
                 parse_rule(entry)
             except ValueError as exc:
@@ -353,13 +363,42 @@ class AttachMessage:
     type: Literal["attach"] = "attach"
 
 
-ClientMessage = ExecuteRequest | StdinMessage | InterruptMessage | CloseSessionMessage | AttachMessage
+@model(config=_CONFIG)
+class EgressDecisionMessage:
+    """Answer an `egress_request`: the waiting connection goes on (`allow`) or is refused."""
+
+    flow: Annotated[
+        StrictStr,
+        Field(min_length=1, max_length=MAX_ID_CHARS, description="The egress_request frame's `flow`."),
+    ]
+    allow: StrictBool
+    scope: Literal["run", "session"] = Field(
+        default="run",
+        description='"run": the answer holds for this run\'s later connections to the same host and '
+        'port; "session": for the session\'s later cells too.',
+    )
+    id: MaybeRequestId = Field(
+        default=None,
+        description="Names this decision: a refusal (`done` `rejected`) carries it; omitted: a server-made one.",
+    )
+    type: Literal["egress_decision"] = "egress_decision"
+
+
+ClientMessage = (
+    ExecuteRequest
+    | StdinMessage
+    | InterruptMessage
+    | CloseSessionMessage
+    | AttachMessage
+    | EgressDecisionMessage
+)
 CLIENT_MESSAGES: dict[str, type[ClientMessage]] = {
     "execute": ExecuteRequest,
     "stdin": StdinMessage,
     "interrupt": InterruptMessage,
     "close_session": CloseSessionMessage,
     "attach": AttachMessage,
+    "egress_decision": EgressDecisionMessage,
 }
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {kind: TypeAdapter(cls) for kind, cls in CLIENT_MESSAGES.items()}
 # When a frame has several problems, name the one the protocol checks first.
@@ -369,6 +408,7 @@ _FIELD_ORDER = {
     "interrupt": ("id",),
     "close_session": ("session",),
     "attach": ("run", "after", "id"),
+    "egress_decision": ("flow", "allow", "scope", "id"),
 }
 
 
@@ -474,6 +514,14 @@ def _message(kind: str, err: Any, obj: dict[str, Any]) -> str:  # noqa: C901, PL
         if field == "after":
             return f"'after' must be an integer from -1 to {MAX_SEQ}"
         return f"'attach' needs a 'run' string of 1-{MAX_ID_CHARS} characters (a start frame's run)"
+    if kind == "egress_decision":
+        if field == "allow":
+            return "'egress_decision' needs 'allow': true or false"
+        if field == "scope":
+            return '\'scope\' must be "run" or "session"'
+        if field == "id":
+            return f"'id' must be a printable string of 1-{MAX_ID_CHARS} characters"
+        return f"'egress_decision' needs a 'flow' string of 1-{MAX_ID_CHARS} characters (an egress_request's flow)"
     return f"{'.'.join(map(str, loc)) or 'frame'}: {err['msg']}"  # not reached by any known frame
 
 
@@ -641,6 +689,7 @@ class EgressFlow(TypedDict):
     rule: NotRequired[str]  # the server's rule that allowed it ("address rules" for an IP literal)
     why: NotRequired[str]  # why it was denied, or could not be reached
     address: NotRequired[str]  # the checked address it went to
+    asked: NotRequired[str]  # the egress_request's flow id, when the client was asked
     bytes_up: int
     bytes_down: int
     duration_ms: int
@@ -679,8 +728,29 @@ class EgressFrame(TypedDict):
     seq: NotRequired[Seq]
 
 
+class EgressRequestFrame(TypedDict):
+    """A connection to a host the request's allowlist leaves out waits for the client's
+    `egress_decision` (`"egress": {"ask": true}`); unanswered within `timeout_ms`, it is refused."""
+
+    type: Literal["egress_request"]
+    id: str
+    flow: str  # what the egress_decision names
+    host: str
+    port: int
+    timeout_ms: int  # SANDBOX_EGRESS_ASK_MS
+    seq: NotRequired[Seq]
+
+
 ServerFrame = (
-    StartFrame | StreamFrame | DisplayFrame | ResultFrame | ErrorFrame | FileFrame | EgressFrame | DoneFrame
+    StartFrame
+    | StreamFrame
+    | DisplayFrame
+    | ResultFrame
+    | ErrorFrame
+    | FileFrame
+    | EgressFrame
+    | EgressRequestFrame
+    | DoneFrame
 )
 SERVER_FRAMES: dict[str, type[Any]] = {
     "start": StartFrame,
@@ -690,6 +760,7 @@ SERVER_FRAMES: dict[str, type[Any]] = {
     "error": ErrorFrame,
     "file": FileFrame,
     "egress": EgressFrame,
+    "egress_request": EgressRequestFrame,
     "done": DoneFrame,
 }
 
@@ -819,6 +890,17 @@ def done_frame(  # noqa: PLR0913 (one argument per field of the frame)
 
 def egress_frame(rid: str, host: str, port: int, why: str) -> Frame:
     return {"type": "egress", "id": rid, "host": host, "port": port, "decision": "denied", "why": why}
+
+
+def egress_request_frame(rid: str, flow: str, host: str, port: int, timeout_ms: int) -> Frame:
+    return {
+        "type": "egress_request",
+        "id": rid,
+        "flow": flow,
+        "host": host,
+        "port": port,
+        "timeout_ms": timeout_ms,
+    }
 
 
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; no request of this API needs more

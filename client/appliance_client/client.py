@@ -20,6 +20,14 @@ dropped while a request ran: its result is unknown). After a drop the next reque
 (with backoff, for up to `reconnect_s`); a session the appliance still has goes on, one it
 no longer has (it restarted) raises `SessionLost`.
 
+Live egress approval (names mode): `execute(code, egress_ask=decide)` sends
+`"egress": {"ask": true}`; each `egress_request` the run sends (a host its `egress_allow`
+leaves out) is handed to `decide(request)` (an `EgressRequestEvent`: `.host`, `.port`,
+`.flow`), which returns True/False, or `EgressAnswer(allow, scope="session")` to keep the
+answer for the session's later cells; the client sends the `egress_decision`. A plain function
+runs in a worker thread (it may take its time: ask a person), a coroutine function on the
+loop; one that raises refuses the host, and its exception ends the stream.
+
 A run goes on when its connection drops, and the appliance keeps its frames for a while
 (SANDBOX_REATTACH_S): `attach(run)` follows it again from the last frame this client had
 (`ConnectionLost.run` names it; every frame carries its `seq`, and the client remembers the
@@ -142,6 +150,9 @@ class CellOptions(TypedDict, total=False):
     # Narrows the hosts the run may reach by name ("api.example.com:443"), within the server's
     # SANDBOX_EGRESS_ALLOW_DOMAINS: the execute frame's `egress.allow`.
     egress_allow: Sequence[str] | None
+    # Live approval: a host egress_allow leaves out (every host, without it) waits for this
+    # callback's answer (the execute frame's `egress.ask`; see the module's docstring).
+    egress_ask: EgressAsker | None
 
 
 class RequestOptions(CellOptions, total=False):
@@ -368,6 +379,42 @@ class Event(dict[str, Any]):
         return seq if isinstance(seq, int) else None
 
 
+class EgressRequestEvent(Event):
+    """A connection of the run to `host:port` waits for the client's answer (`egress.ask`)."""
+
+    @property
+    def flow(self) -> str:
+        return str(self.get("flow", ""))
+
+    @property
+    def host(self) -> str:
+        return str(self.get("host", ""))
+
+    @property
+    def port(self) -> int:
+        port = self.get("port")
+        return port if isinstance(port, int) else 0
+
+    @property
+    def timeout_ms(self) -> int | None:
+        """How long the connection waits for the answer before it is refused."""
+        value = self.get("timeout_ms")
+        return value if isinstance(value, int) else None
+
+
+@dataclass(frozen=True)
+class EgressAnswer:
+    """An egress_ask callback's answer: `scope` "run" keeps it for this run's later connections
+    to the same host and port, "session" for the session's later cells that ask too."""
+
+    allow: bool
+    scope: str = "run"
+
+
+# Called with each egress_request; returns True/False or an EgressAnswer (or an awaitable of one).
+EgressAsker = Callable[[EgressRequestEvent], object]
+
+
 class StartEvent(Event):
     """The run got a jail."""
 
@@ -443,6 +490,7 @@ _EVENTS: dict[str, type[Event]] = {
     "display": ResultEvent,
     "error": ErrorEvent,
     "file": FileEvent,
+    "egress_request": EgressRequestEvent,
     "done": DoneEvent,
 }
 
@@ -562,10 +610,56 @@ def request_frame(code: str, rid: str, **options: Unpack[RequestOptions]) -> Fra
     from_snapshot = options.get("from_snapshot")
     if from_snapshot is not None:
         frame["from_snapshot"] = _expect("from_snapshot", from_snapshot, str)
-    allow = options.get("egress_allow")
-    if allow is not None:
-        frame["egress"] = {"allow": _wire_rules(allow)}
+    egress = _wire_egress(options.get("egress_allow"), options.get("egress_ask"))
+    if egress:
+        frame["egress"] = egress
     return frame
+
+
+def _wire_egress(allow: object, asker: object) -> Frame:
+    egress: Frame = {}
+    if allow is not None:
+        egress["allow"] = _wire_rules(allow)
+    if asker is not None:
+        if not callable(asker):
+            raise TypeError("egress_ask must be a callable that decides an EgressRequestEvent")
+        egress["ask"] = True
+    return egress
+
+
+async def _decision(asker: EgressAsker, request: EgressRequestEvent) -> Frame:
+    """The egress_decision frame for one egress_request, as `asker` decides it."""
+    if inspect.iscoroutinefunction(asker):
+        answer = await asker(request)
+    else:
+        answer = await asyncio.to_thread(asker, request)  # it may wait for a person
+        if inspect.isawaitable(answer):
+            answer = await answer
+    if isinstance(answer, EgressAnswer):
+        allow, scope = answer.allow, answer.scope
+    elif isinstance(answer, bool):
+        allow, scope = answer, "run"
+    else:
+        raise TypeError(
+            f"an egress_ask callback returns a bool or an EgressAnswer, not {type(answer).__name__}"
+        )
+    if scope not in ("run", "session"):
+        raise ValueError(f'EgressAnswer.scope must be "run" or "session", not {scope!r}')
+    return {"type": "egress_decision", "flow": request.flow, "allow": allow, "scope": scope}
+
+
+async def _answer(ws: ClientConnection, asker: EgressAsker | None, frame: Frame) -> None:
+    """Answer one egress_request of a run this client follows (refused when the asker raises)."""
+    if asker is None or frame.get("type") != "egress_request" or not isinstance(frame, EgressRequestEvent):
+        return
+    try:
+        decision = await _decision(asker, frame)
+    except BaseException:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            await ws.send(json.dumps({"type": "egress_decision", "flow": frame.flow, "allow": False}))
+        raise
+    with contextlib.suppress(websockets.ConnectionClosed):  # the stream sees the drop itself
+        await ws.send(json.dumps(decision))
 
 
 def _wire_rules(allow: object) -> list[str]:
@@ -807,6 +901,7 @@ class AsyncClient:
         rid = options.pop("id", None) or self.new_id()
         frame = request_frame(code, rid, **options)  # a bad argument fails here, before anything is sent
         session = options.get("session")
+        asker = options.get("egress_ask")
         replied = False
         loop = asyncio.get_running_loop()
         first_sent = loop.time()
@@ -833,6 +928,7 @@ class AsyncClient:
                     replied = True
                     run = self._saw(run, reply)
                     self._note_session(reply, session, connection)
+                    await _answer(ws, asker, reply)
                     yield reply  # type: ignore[misc]  # the reader queues Events
                     if reply.get("type") == "done":
                         return
@@ -853,13 +949,17 @@ class AsyncClient:
         finally:
             self._queues.pop(rid, None)
 
-    async def attach(self, run: str, after: int | None = None) -> AsyncGenerator[Event, None]:
+    async def attach(
+        self, run: str, after: int | None = None, egress_ask: EgressAsker | None = None
+    ) -> AsyncGenerator[Event, None]:
         """Follow run `run` again (a start frame's `run`, or `ConnectionLost.run`), from any
         connection with the same token: its frames after seq `after` (None: after the last one
         this client had, else from the first), then the live ones, up to and including `done`.
         The frames carry this attach's own id (stdin() and interrupt() take it: `Event.id`).
         A run the appliance does not have (unknown, expired, or another tenant's) yields one
-        `done` `rejected` "no such run"."""
+        `done` `rejected` "no such run". `egress_ask` answers the run's egress_requests from
+        here on, as execute's does (those already answered or refused are turned down by the
+        appliance, and change nothing)."""
         if after is None:
             after = self._last_seq.get(run, -1)
         rid = self.new_id()
@@ -876,6 +976,7 @@ class AsyncClient:
                     raise self._lost(ws, rid, run)
                 if reply.get("type") != "done" or reply.get("status") != "rejected":
                     self._saw(run, reply)
+                await _answer(ws, egress_ask, reply)
                 yield reply  # type: ignore[misc]  # the reader queues Events
                 if reply.get("type") == "done":
                     return
@@ -1146,9 +1247,11 @@ class Client:
         """Send an execute request and yield its events up to and including `done`."""
         return self._iterate(self._async.stream(code, **options))
 
-    def attach(self, run: str, after: int | None = None) -> Iterator[Event]:
+    def attach(
+        self, run: str, after: int | None = None, egress_ask: EgressAsker | None = None
+    ) -> Iterator[Event]:
         """Follow run `run` again, up to and including `done` (AsyncClient.attach)."""
-        return self._iterate(self._async.attach(run, after))
+        return self._iterate(self._async.attach(run, after, egress_ask))
 
     def _iterate(self, agen: AsyncGenerator[Event, None]) -> Iterator[Event]:
         """An async generator's events, each awaited on this client's loop; closed there when

@@ -1,6 +1,8 @@
 """Egress by name: jailed code trying to get past the egress proxy (domain fronting, a name
 that resolves to a private address, a Host header that lies, a tunnel that is not TLS, the
-proxy from the host or from another jail). A fake internet (tests/fakenet.py) serves every name; each
+proxy from the host or from another jail), and live approval abused (a decision for another
+run's flow, an approval of a host the server does not list, a run flooding its client with
+asks). A fake internet (tests/fakenet.py) serves every name; each
 attack is paired with a control in the same run that shows the way it tries does answer.
 """
 
@@ -12,10 +14,12 @@ import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+import websockets
 
-from appliance_client.client import AsyncClient
+from appliance_client.client import AsyncClient, EgressRequestEvent
 from tests.attacks.common import TOKEN, attack
 from tests.attacks.conftest import hostile_server
 from tests.fakenet import DOMAIN, FakeNet, fake_internet
@@ -23,6 +27,7 @@ from tests.support import Server
 
 D = DOMAIN
 SECRET = "sk-attack-" + secrets.token_hex(16)  # what the proxy adds for x.wild.fake.test:443
+ASK_MS = 3000  # how long an unanswered egress ask waits here (the bound under test)
 
 # Jailed helpers: the proxy from the environment, spoken to by hand.
 HELPERS = r"""
@@ -82,13 +87,14 @@ def target(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator
         srv = hostile_server(
             base / "server",
             tmp_root,
-            SANDBOX_EGRESS_ALLOW_DOMAINS=f"api.{D}:443,api.{D}:80,private.{D}:80,mixed.{D}:80,x.wild.{D}:443",
+            SANDBOX_EGRESS_ALLOW_DOMAINS=f"api.{D}:443,api.{D}:80,private.{D}:80,mixed.{D}:80,*.wild.{D}:443",
             SANDBOX_EGRESS_SECRETS=str(secrets_file),
             SANDBOX_EGRESS_UPSTREAM_CA=str(net.ca),
             SANDBOX_EGRESS_DNS=net.dns,
             SANDBOX_EGRESS_SUBNET=f"10.218.{net.k}.0/24",
             SANDBOX_MAX_EXEC_MS="30000",
             SANDBOX_EGRESS_IDLE_MS="1000",
+            SANDBOX_EGRESS_ASK_MS=str(ASK_MS),
         )
         try:
             yield Target(net, srv)
@@ -354,3 +360,120 @@ async def test_a_jail_cannot_use_another_jails_proxy(target: Target, observe: Ca
     assert mine["own"] == "answered: HTTP/1.1 200 OK", mine  # control: its own proxy serves it
     # Refused by its own filter, or (were that open) closed unread by the other listener.
     assert mine["other"] in ("ConnectionRefusedError", "ConnectionResetError", "answered: "), mine
+
+
+async def _raw_frames(t: Target) -> Any:
+    return websockets.connect(t.server.url, additional_headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+async def _until(
+    ws: Any, frames: list[dict[str, Any]], done: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    while True:
+        frame: dict[str, Any] = json.loads(await ws.recv())
+        frames.append(frame)
+        if done(frame):
+            return frame
+
+
+def _stdout(frames: list[dict[str, Any]]) -> str:
+    return "".join(f["text"] for f in frames if f["type"] == "stream" and f["name"] == "stdout")
+
+
+GET = (
+    "import json, urllib.request\n"
+    "def get(url):\n"
+    "    try:\n"
+    "        with urllib.request.urlopen(url, timeout=30) as r: return '%d %s' % (r.status, r.read().decode())\n"
+    "    except urllib.error.HTTPError as e: return 'HTTP %d %s' % (e.code, e.read().decode().strip())\n"
+)
+
+
+@attack(
+    "egress_decision frames for a flow that does not exist, and for another run's flow from a "
+    "connection of the same tenant that does not follow that run",
+    "each rejected with a done naming the flow; the run's ask is untouched and its own client decides it",
+)
+async def test_a_decision_for_an_unknown_or_another_runs_flow_is_rejected(
+    target: Target, observe: Callable[[str], None]
+) -> None:
+    owner_frames: list[dict[str, Any]] = []
+    other_frames: list[dict[str, Any]] = []
+    async with await _raw_frames(target) as owner, await _raw_frames(target) as other:
+        await other.send(json.dumps({"type": "egress_decision", "id": "d0", "flow": "f-nope", "allow": True}))
+        unknown = await _until(other, other_frames, lambda f: f["type"] == "done")
+        code = GET + f"print(json.dumps({{'got': get('http://api.{D}/hello')}}))\n"
+        egress = {"allow": [f"api.{D}:443"], "ask": True}
+        await owner.send(json.dumps({"id": "o1", "code": code, "timeout_ms": 30000, "egress": egress}))
+        request = await _until(owner, owner_frames, lambda f: f["type"] == "egress_request")
+        await other.send(
+            json.dumps({"type": "egress_decision", "id": "d1", "flow": request["flow"], "allow": False})
+        )
+        stolen = await _until(other, other_frames, lambda f: f["type"] == "done")
+        await owner.send(json.dumps({"type": "egress_decision", "flow": request["flow"], "allow": True}))
+        done = await _until(owner, owner_frames, lambda f: f["type"] == "done" and f["id"] == "o1")
+    got = json.loads(_stdout(owner_frames).strip().splitlines()[-1])["got"]
+    observe(f"unknown: {unknown['message']}; another run's: {stolen['message']}; the owner's: {got[:40]}")
+    assert unknown["id"] == "d0" and unknown["status"] == "rejected" and "'f-nope'" in unknown["message"]
+    assert stolen["id"] == "d1" and stolen["status"] == "rejected" and request["flow"] in stolen["message"]
+    assert done["status"] == "ok" and got.startswith(f"200 hello api.{D}"), got  # still the owner's to allow
+    assert (request["host"], request["port"]) == (f"api.{D}", 80)
+
+
+@attack(
+    "a client approving a host the server's allowlist does not hold",
+    "never asked about: refused as unlisted; asking opens only what the request's own list left out",
+)
+async def test_approval_cannot_open_what_the_server_does_not_list(
+    target: Target, observe: Callable[[str], None]
+) -> None:
+    asked: list[str] = []
+
+    def approve_everything(request: EgressRequestEvent) -> bool:
+        asked.append(f"{request.host}:{request.port}")
+        return True
+
+    code = GET + (
+        f"print(json.dumps({{'listed': get('http://api.{D}/hello'), 'unlisted': get('http://other.{D}/hello')}}))\n"
+    )
+    async with AsyncClient(target.server.url, token=TOKEN) as c:
+        ex = await c.execute(
+            code, timeout_ms=30000, egress_allow=[f"api.{D}:443"], egress_ask=approve_everything
+        )
+    got = json.loads(ex.stdout.strip().splitlines()[-1])
+    observe(f"asked {asked}; {got}")
+    assert got["listed"].startswith(f"200 hello api.{D}"), got  # control: asked about and approved
+    assert got["unlisted"] == f"HTTP 403 appliance egress proxy: other.{D}:80 is not in the allowlist", got
+    assert asked == [f"api.{D}:80"], asked
+
+
+@attack(
+    "a run opening connections to 24 unlisted hosts at once while its client never answers",
+    "8 egress_requests at most, the rest refused at once; the 8 refused after SANDBOX_EGRESS_ASK_MS",
+)
+async def test_a_flood_of_asks_is_bounded(target: Target, observe: Callable[[str], None]) -> None:
+    hosts = [f"h{i}.wild.{D}" for i in range(24)]
+    code = (
+        "import json, socket, os, urllib.parse\n"
+        "p = urllib.parse.urlsplit(os.environ['HTTP_PROXY'])\n"
+        "socks = {}\n"
+        f"for h in {hosts!r}:\n"  # all open at once, then each answer read
+        "    s = socks[h] = socket.create_connection((p.hostname, p.port), timeout=30)\n"
+        "    s.sendall(('CONNECT %s:443 HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n' % h).encode())\n"
+        "print(json.dumps({h: s.recv(4096).decode(errors='replace').split('\\r\\n')[0] for h, s in socks.items()}))\n"
+    )
+    frames: list[dict[str, Any]] = []
+    async with await _raw_frames(target) as ws:
+        await ws.send(json.dumps({"id": "t1", "code": code, "timeout_ms": 30000, "egress": {"ask": True}}))
+        done = await _until(ws, frames, lambda f: f["type"] == "done")
+    requests = [f for f in frames if f["type"] == "egress_request"]
+    assert _stdout(frames).strip(), [f for f in frames if f["type"] in ("error", "done", "stream")]
+    heads = json.loads(_stdout(frames).strip().splitlines()[-1])
+    whys = [f["why"] for f in done["egress"]]
+    bound = sum("8 hosts already wait for the client's answer" in w for w in whys)
+    timed_out = sum(f"no answer within SANDBOX_EGRESS_ASK_MS ({ASK_MS} ms)" in w for w in whys)
+    observe(f"{len(requests)} egress_requests; {bound} refused at the bound, {timed_out} timed out")
+    assert done["status"] == "ok", done
+    assert len(requests) == 8 and len({f["flow"] for f in requests}) == 8, requests
+    assert all(" 403 " in head for head in heads.values()) and len(heads) == 24, heads
+    assert bound == 16 and timed_out == 8, whys
