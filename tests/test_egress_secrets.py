@@ -512,3 +512,23 @@ def test_secret_headers_replace_the_jails_and_a_tenants_replace_the_servers() ->
         (b"x-key", b"k"),
     ]
     assert "Bearer s" not in repr(server)
+
+
+def test_a_gone_servers_bundle_is_purged_a_running_ones_kept(tmp_path: Path) -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = tmp_path / f"egress-ca-{gone.stdout.strip()}-abc"
+    alive = tmp_path / f"egress-ca-{os.getppid()}-def"
+    for d in (stale, alive):
+        d.mkdir()
+        (d / "bundle.pem").write_text("x")
+    ca = EgressCA(None, None)
+    made = ca.stage(tmp_path)
+    assert not stale.exists() and alive.exists() and made.name.startswith(f"egress-ca-{os.getpid()}-")
+    assert (made / "bundle.pem").read_bytes().endswith(ca.ca_pem) and (
+        made / "ca.pem"
+    ).read_bytes() == ca.ca_pem
+    assert (made / "bundle.pem").stat().st_mode & 0o777 == 0o644 and made.stat().st_mode & 0o777 == 0o755
+    ca.unstage()
+    assert not made.exists()

@@ -128,6 +128,21 @@ def _memfd_context(pem: bytes) -> ssl.SSLContext:
     return ctx
 
 
+def _purge_stale(parent: Path) -> None:
+    """Bundles left by servers that are gone (a crash skips `unstage`): a directory of this
+    uid's, named for a process that no longer runs. Others' are left alone."""
+    for path in parent.glob("egress-ca-*-*"):
+        pid = path.name.split("-")[2]
+        try:
+            st = path.lstat()
+        except OSError:
+            continue
+        if not pid.isdigit() or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue
+        if not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class EgressCA:
     """The CA, the leaf contexts it has minted (per host, cached), the jails' bundle, and the
     context upstreams are verified with."""
@@ -163,7 +178,8 @@ class EgressCA:
         """Write the jails' bundle (system CAs + this CA) and the CA alone into a fresh
         directory under `parent` (readable by all: it holds certificates, no key)."""
         parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        directory = Path(tempfile.mkdtemp(prefix="egress-ca-", dir=parent))
+        _purge_stale(parent)
+        directory = Path(tempfile.mkdtemp(prefix=f"egress-ca-{os.getpid()}-", dir=parent))
         directory.chmod(0o755)
         system = _system_cas()
         for name, data in (
