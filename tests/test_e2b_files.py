@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -225,13 +227,22 @@ def test_async_watch_dir_streams_events(e2bsrv: Server) -> None:
     asyncio.run(scenario())
 
 
-def test_a_sandbox_holds_a_bounded_number_of_watches(shared: Sandbox) -> None:
+def inotify_instances(pid: int) -> int:
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(1 for fd in fds.iterdir() if os.readlink(fd) == "anon_inode:inotify")
+
+
+def test_a_sandbox_holds_a_bounded_number_of_watches(e2bsrv: Server, shared: Sandbox) -> None:
+    before = inotify_instances(e2bsrv.proc.pid)
     shared.files.make_dir("capped")
     handles = [shared.files.watch_dir("capped") for _ in range(8)]
     try:
+        # all of a sandbox's watches share one inotify instance (root's instances are the host's)
+        assert inotify_instances(e2bsrv.proc.pid) == before + 1
         with pytest.raises(SandboxException, match="at most 8"):
             shared.files.watch_dir("capped")
     finally:
         for handle in handles:
             handle.stop()
+    assert inotify_instances(e2bsrv.proc.pid) == before  # given back with the last watch
     shared.files.watch_dir("capped").stop()  # stopped ones are given back

@@ -29,7 +29,7 @@ from appliance.api.e2b.registry import Sandbox
 from appliance.core.ports import Workspace
 from appliance.sandbox import workfiles
 from appliance.sandbox.workfiles import FileProblem, Info
-from appliance.sandbox.workwatch import Change, DirWatch
+from appliance.sandbox.workwatch import Change, DirWatch, Inotify
 
 T = TypeVar("T")
 
@@ -41,6 +41,7 @@ MAX_LIST_ENTRIES = 10_000
 MAX_WATCHES = 8
 MAX_WATCH_DIRS = 256
 MAX_WATCH_EVENTS = 1000
+MAX_WATCHING_SANDBOXES = 32  # sandboxes watching at once: an inotify instance of root's each
 
 CODES = {
     "not_found": Code.NOT_FOUND,
@@ -280,6 +281,8 @@ class Watches:
 
     def __init__(self) -> None:
         self._of: dict[str, dict[str, Watch]] = {}
+        self._hubs: dict[str, Inotify] = {}  # one inotify instance per sandbox that watches
+        self._opening: dict[str, int] = {}  # watches being built, by sandbox
         self._hooked: set[str] = set()  # sandboxes whose end ends their watches (Sandbox.on_end)
 
     async def open(
@@ -291,13 +294,29 @@ class Watches:
                 Code.FAILED_PRECONDITION,
                 f"a sandbox watches at most {MAX_WATCHES} directories at once; stop one first",
             )
-        ws = open_workspace(sandbox)
+        hub = self._hubs.get(sandbox.id)
+        if hub is None:
+            if len(self._hubs) >= MAX_WATCHING_SANDBOXES:
+                raise ConnectError(
+                    Code.FAILED_PRECONDITION,
+                    f"{MAX_WATCHING_SANDBOXES} sandboxes watch directories already (each costs root an "
+                    "inotify instance); try again once one has stopped",
+                )
+            hub = self._hubs[sandbox.id] = Inotify(MAX_WATCHES * MAX_WATCH_DIRS)
+        self._opening[sandbox.id] = self._opening.get(sandbox.id, 0) + 1  # its hub stays meanwhile
         try:
-            w = await asyncio.to_thread(Watch, ws, t.parts, recursive, MAX_WATCH_DIRS, MAX_WATCH_EVENTS)
-        except FileProblem as exc:
-            raise ConnectError(CODES.get(exc.kind, Code.INTERNAL), exc.message) from None
+            ws = open_workspace(sandbox)
+            w = await asyncio.to_thread(Watch, hub, ws, t.parts, recursive, MAX_WATCH_DIRS, MAX_WATCH_EVENTS)
+        except BaseException as exc:
+            self._opened(sandbox.id)
+            self._release_if_idle(sandbox.id)
+            if isinstance(exc, FileProblem):
+                raise ConnectError(CODES.get(exc.kind, Code.INTERNAL), exc.message) from None
+            raise
+        self._opened(sandbox.id)
         if sandbox.ended.is_set() or len(live) >= MAX_WATCHES:  # it ended, or filled up, meanwhile
             w.close()
+            self._release_if_idle(sandbox.id)
             raise ConnectError(Code.NOT_FOUND, f"sandbox {sandbox.id!r} was not found")
         w.target, w.include_entry = t, include_entry
         w.start(asyncio.get_running_loop())
@@ -319,8 +338,25 @@ class Watches:
         w = live.pop(watch_id, None)
         if w is not None:
             w.close()
+        self._release_if_idle(sandbox.id)
+
+    def _opened(self, sandbox_id: str) -> None:
+        self._opening[sandbox_id] -= 1
+        if not self._opening[sandbox_id]:
+            del self._opening[sandbox_id]
+
+    def _release_if_idle(self, sandbox_id: str) -> None:
+        """A sandbox's inotify instance goes back with its last watch."""
+        if self._of.get(sandbox_id) or self._opening.get(sandbox_id):
+            return
+        hub = self._hubs.pop(sandbox_id, None)
+        if hub is not None:
+            hub.close()
 
     def end_all(self, sandbox_id: str) -> None:
         self._hooked.discard(sandbox_id)
         for w in self._of.pop(sandbox_id, {}).values():
             w.close()
+        hub = self._hubs.pop(sandbox_id, None)
+        if hub is not None:
+            hub.close()
