@@ -10,6 +10,8 @@ For each connection, one flow:
   * `CONNECT host:port` (TLS) or one plain `GET http://host/...` (absolute URI);
   * the name is decided by the run's layers (appliance.core.egress); an IPv4 literal by
     the address rules as before (SANDBOX_OPEN_PORTS, SANDBOX_EGRESS_ALLOW_NETS);
+  * with live approval (`egress.ask`), a host refused by the request's own list alone waits
+    for the client's answer (appliance.core.egressask) before anything else is done for it;
   * the proxy resolves the name itself, checks every address against the blocklist, and
     connects to the checked address (no second lookup: no rebinding);
   * in a tunnel to a name, the ClientHello's server name must be that name (no domain
