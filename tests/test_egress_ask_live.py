@@ -18,7 +18,7 @@ import websockets
 
 from appliance_client.client import AsyncClient, Client, EgressAnswer, EgressRequestEvent
 from tests.fakenet import DOMAIN, FakeNet, fake_internet
-from tests.support import Server, start_server
+from tests.support import Server, start_server, until_async
 
 D = DOMAIN
 TOKEN = "egress-ask-token-" + secrets.token_hex(8)
@@ -103,6 +103,15 @@ def raw(setup: Setup) -> Any:
     return websockets.connect(setup.server.url, additional_headers={"Authorization": f"Bearer {TOKEN}"})
 
 
+def denied(setup: Setup) -> int:
+    """The server's count of refused proxy flows (/metrics)."""
+    _, text = setup.server.get("/metrics", token=TOKEN)
+    for line in text.splitlines():
+        if line.startswith('appliance_egress_flows_total{decision="denied"}'):
+            return int(float(line.split()[-1]))
+    return 0
+
+
 def is_done(rid: str) -> Callable[[dict[str, Any]], bool]:
     return lambda f: f["type"] == "done" and f["id"] == rid
 
@@ -170,10 +179,11 @@ async def test_a_client_gone_mid_ask_refuses_at_once_and_an_attach_can_answer_la
         "while True:\n"  # until an attached client answers (each try without one is refused at once)
         "    tries += 1\n"
         f"    later = get('http://other.{D}/later')\n"
-        "    if later.startswith('200') or tries > 200: break\n"
+        "    if later.startswith('200') or tries > 400: break\n"
         "    time.sleep(0.05)\n"
         "print(json.dumps({'first': first, 'later': later}))\n"
     )
+    before = denied(setup)
     async with raw(setup) as ws:
         r = Raw(ws)
         await r.send({"id": "g1", "code": code, "timeout_ms": 30000, "egress": {"ask": True}})
@@ -181,6 +191,8 @@ async def test_a_client_gone_mid_ask_refuses_at_once_and_an_attach_can_answer_la
         await r.until(lambda f: f["type"] == "egress_request")
         ws.transport.abort()  # gone without a word
     run = start["run"]
+    # The server has seen the drop (the first ask is refused) before anyone attaches.
+    await until_async(lambda: denied(setup) > before, 30, "the dropped client's ask refused")
     asked: list[str] = []
 
     def approve(request: EgressRequestEvent) -> EgressAnswer:
