@@ -181,7 +181,7 @@ class TestSessions:
         assert await core.service.close_session(sid, "alice")
         assert lease.ended and not jails[0].alive
 
-    async def test_a_session_opened_without_a_first_cell_runs_none_and_is_frozen(self) -> None:
+    async def test_a_session_opened_without_a_first_cell_runs_none(self) -> None:
         # The E2B dialect's create: the context is ready once its jail is leased.
         core = Core()
         events = await core.service.open_session(protocol.ExecuteRequest(code=""), "alice", first_cell=False)
@@ -190,27 +190,28 @@ class TestSessions:
         assert done.status == "ok" and done.session is not None
         assert core.cells.runs == []  # no cell ran
         (lease,) = core.leases.leases
-        assert lease.kept and lease.jail is not None and lease.jail.frozen
+        assert lease.kept and lease.jail is not None and not lease.jail.frozen  # as the pool kept it
         again = await core.run("x", session=done.session)
         assert again[-1]["status"] == "ok" and [jail for jail, _ in core.cells.runs] == [lease.jail]
+        assert lease.jail.frozen  # after its first cell, as after every cell
         with pytest.raises(ValueError, match="no code"):
             await core.service.open_session(protocol.ExecuteRequest(code="1"), "alice", first_cell=False)
 
-    async def test_a_session_opened_without_a_cell_whose_jail_does_not_freeze_ends(self) -> None:
+    async def test_a_session_opened_without_a_cell_on_a_dead_jail_is_not_kept(self) -> None:
         core = Core()
         new_jail = core.leases.new_jail
 
-        def refusing() -> FakeJail:
+        def dead() -> FakeJail:
             jail = new_jail()
-            jail.refuse_freeze = "the freezer did not confirm FROZEN"
+            jail.ended = True
             return jail
 
-        core.leases.new_jail = refusing  # type: ignore[method-assign]
+        core.leases.new_jail = dead  # type: ignore[method-assign]
         done = (await core.service.open_session(protocol.ExecuteRequest(code=""), "alice", first_cell=False))[
             -1
         ]
         assert (
-            isinstance(done, Done) and done.status != "ok" and "could not be frozen" in (done.message or "")
+            isinstance(done, Done) and done.status != "ok" and "interpreter is gone" in (done.message or "")
         )
         assert len(core.service.sessions) == 0 and core.leases.leases[0].ended
 

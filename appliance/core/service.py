@@ -362,8 +362,7 @@ class RunService:
     async def open_session(self, req: RunRequest, owner: str, first_cell: bool = True) -> list[Event]:
         """Open a session running req's code first; the events it sent (the last is `Done`).
         first_cell=False: req's code must be empty, and no cell runs (no `Started`): the
-        session is opened (admitted, counted, its jail leased) and frozen as between cells,
-        a jail round trip sooner."""
+        session is opened (admitted, counted, its jail leased), a jail round trip sooner."""
         if not first_cell and req.code:
             raise ValueError("a session opened without a first cell has no code to run")
         events: list[Event] = []
@@ -375,10 +374,14 @@ class RunService:
         return events
 
     async def _opened(self, session: Session) -> CellOutcome:
-        """A session opened without a cell: its jail frozen, as between cells (fail closed: a
-        jail that does not freeze ends the session)."""
-        if not await self._refreeze(session):
-            raise JailFailure(f"session {session.id} has ended: its jail could not be frozen")
+        """A session opened without a cell. Its jail is left as the warm pool kept it, not
+        frozen: none of the session's code has run in it yet, and its interpreter waits on its
+        pipe as a pool jail does (the first cell freezes it after, as every cell does).
+        Freezing it here cost more than a cell on a loaded host: the cgroup v1 freezer waits
+        for each of its tasks to be scheduled."""
+        if not session.jail.alive:
+            await self.sessions.close(session.id, reason="its interpreter is gone")
+            raise JailFailure(f"session {session.id} has ended: its interpreter is gone")
         self.metrics.sessions.set(len(self.sessions))
         return CellOutcome("ok")
 
