@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import inspect
 import shutil
 from pathlib import Path
+from typing import cast
 
 import pytest
 
-from appliance.core.tasks import TaskScope
+from appliance.core.sessions import SessionRegistry
+from appliance.core.tasks import TaskScope, cancel_and_wait, within
+from appliance.runtime.lifecycle import Lifecycle
+from appliance.runtime.metrics import Metrics
+from appliance.sandbox import cell
+from appliance.sandbox.jail import Jail
+from appliance.settings import Settings
 
 PACKAGE = Path(__file__).resolve().parent.parent / "appliance"
 
@@ -52,6 +60,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "serve",
         "ensure_future",
     ): "a Connect call and the watch for its client: awaited in place, cancelled in its finally",
+    ("core/tasks.py", "TaskScope.close", "call_later"): "the stuck-children report: cancelled as close ends",
+    ("core/tasks.py", "within", "ensure_future"): "awaited in place; cancelled and ended if the wait is",
 }
 
 
@@ -259,3 +269,177 @@ async def test_a_child_cancelled_before_its_first_step_leaves_no_coroutine_unawa
     scope.spawn(coro)
     await scope.close()  # before the child ever ran
     assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
+
+
+# -- a cancelled task ends ---------------------------------------------------------------------
+# A close cancels and then waits: a task that swallows its cancellation and goes on (to a
+# loop's next 300 s sleep, say) holds the close, and whatever waits on it, until it wakes.
+
+
+def wait_for_calls(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and _name_of(node.func) == "wait_for":
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_the_package_bounds_its_waits_with_within_not_wait_for() -> None:
+    """On Python 3.11, `asyncio.wait_for` returns its awaitable's result, and drops the
+    cancellation, when both land in the same turn of the event loop."""
+    assert wait_for_calls(PACKAGE) == [], "use appliance.core.tasks.within"
+
+
+async def test_within_is_cancelled_with_its_caller_even_as_its_awaitable_completes() -> None:
+    done = asyncio.Event()
+    waiting = asyncio.ensure_future(within(done.wait(), 60))
+    await asyncio.sleep(0)
+    done.set()
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+
+async def test_within_times_out_with_a_timeout_error_in_a_task_already_cancelled() -> None:
+    """A cleanup's bounded wait (a jail's kill after its launch was cancelled): 3.11's
+    asyncio.timeout raises CancelledError there, so the fallback on TimeoutError never ran
+    and the jail's processes were left (tests/test_pool.py's cancelled launches)."""
+    timed_out: list[bool] = []
+
+    async def cleanup_after_cancel() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            try:
+                await within(asyncio.Event().wait(), 0.01)
+            except TimeoutError:
+                timed_out.append(True)
+            raise
+
+    task = asyncio.ensure_future(cleanup_after_cancel())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert timed_out == [True]
+
+
+async def test_a_cell_cancelled_as_its_interpreter_exits_is_cancelled() -> None:
+    waiting, exited = asyncio.Event(), asyncio.Event()
+
+    class Process:
+        async def wait(self) -> int:
+            waiting.set()
+            await exited.wait()
+            return 0
+
+    class FakeJail:
+        process = Process()
+
+    ending = asyncio.ensure_future(cell._exit_code(cast(Jail, FakeJail())))
+    await waiting.wait()
+    exited.set()
+    ending.cancel()  # in the same turn: the exit code and the cancellation arrive together
+    with pytest.raises(asyncio.CancelledError):
+        await ending
+
+
+async def test_the_canary_loop_ends_though_its_probe_swallowed_the_cancellation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hang of a closing server (its canary loop went on to sleep CANARY_EVERY_S): the
+    lifecycle's close cancelled the canary as its probe ended, and the probe dropped the
+    cancellation (as `wait_for` did), so the loop never saw it."""
+    probing = asyncio.Event()
+
+    async def probe(self: Lifecycle) -> list[str]:
+        probing.set()
+        # Swallowed, as 3.11's wait_for does when its awaitable ends meanwhile.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+        return []
+
+    monkeypatch.setattr(Lifecycle, "canary", probe)
+    life = Lifecycle(Settings(), Metrics())
+    await life.tasks.open()
+    canary = life.tasks.spawn(life._canary_loop(), name="canary")
+    await probing.wait()
+    async with asyncio.timeout(30):  # a bound on a hang: the loop's next sleep is 300 s
+        await life.tasks.cancel(canary)
+    assert canary.cancelled()
+    await life.tasks.close()
+
+
+async def test_a_close_that_is_cancelled_while_it_waits_for_a_task_is_cancelled() -> None:
+    """`task.cancel()` and then awaiting it under `suppress(CancelledError)` swallows the
+    closer's own cancellation too: the sessions' close_all went on after a shutdown was cancelled."""
+    release = asyncio.Event()
+
+    async def slow_to_end() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await release.wait()
+
+    registry = SessionRegistry(limit=1, idle_s=60)
+    scope = await TaskScope("test").open()
+    reaper = scope.spawn(slow_to_end())
+    registry._reaper = reaper
+    await asyncio.sleep(0)  # the reaper waits
+    closing = asyncio.ensure_future(registry.close_all())
+    await asyncio.sleep(0)  # close_all waits for the reaper's end
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert not reaper.done()
+    release.set()
+    await scope.close()
+
+
+async def test_cancel_and_wait_raises_the_task_s_error_and_not_its_cancellation() -> None:
+    async def fails_as_it_ends() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            raise ValueError("cleanup failed")
+
+    async def ends() -> None:
+        await asyncio.Event().wait()
+
+    failing, quiet = asyncio.ensure_future(fails_as_it_ends()), asyncio.ensure_future(ends())
+    await asyncio.sleep(0)
+    with pytest.raises(ValueError, match="cleanup failed"):
+        await cancel_and_wait(failing)
+    await cancel_and_wait(quiet)
+    assert quiet.cancelled()
+
+
+async def test_a_close_that_waits_long_names_the_task_it_waits_on_and_where(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("appliance.core.tasks.CLOSE_REPORT_S", 0.0)
+    release = asyncio.Event()
+    reported = asyncio.Event()
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                reported.set()
+                await release.wait()  # the bug under report: it goes on
+                return
+
+    scope = await TaskScope("test").open()
+    scope.spawn(stubborn(), name="stubborn")
+    await asyncio.sleep(0)
+    closing = asyncio.ensure_future(scope.close())
+    await reported.wait()
+    while not any(r.message == "task scope still waits on cancelled tasks" for r in caplog.records):
+        await asyncio.sleep(0)
+    release.set()
+    await closing
+    (record,) = [r for r in caplog.records if r.message == "task scope still waits on cancelled tasks"]
+    where = record.__dict__["tasks"]["stubborn"]
+    assert where[1].endswith(" stubborn") and "wait" in where[-1]

@@ -27,7 +27,6 @@ or when the MCP session ends. Calls without it get a fresh jail each time.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import json
@@ -49,6 +48,7 @@ from pydantic import AnyUrl
 from appliance import __version__
 from appliance.api import tool_calls
 from appliance.api.tool_calls import ToolResult
+from appliance.core.tasks import within
 
 log = logging.getLogger("appliance.mcp")
 
@@ -401,8 +401,7 @@ def build_server(
                 # The MCP session is over: end its appliance session now rather than at the
                 # idle timeout. Shielded: this also runs while the transport is cancelled.
                 with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                    async with asyncio.timeout(CLOSE_TIMEOUT_S):
-                        await state.dispatcher.close()
+                    await within(state.dispatcher.close(), CLOSE_TIMEOUT_S)
 
     server: Server[Any, Any] = Server(
         SERVER_NAME,

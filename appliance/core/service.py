@@ -49,7 +49,7 @@ from appliance.core.ports import (
     Snapshots,
 )
 from appliance.core.sessions import Session, SessionRegistry
-from appliance.core.tasks import TaskScope
+from appliance.core.tasks import TaskScope, within
 from appliance.core.tenants import Tenants, owner_of
 from appliance.core.tenants import load as load_tenants
 from appliance.settings import Settings
@@ -535,7 +535,7 @@ class RunService:
             return
         async with self.admission.slot():
             try:
-                await asyncio.wait_for(started.wait(), self._timeout_ms(req) / 1000)
+                await within(started.wait(), self._timeout_ms(req) / 1000)
             except TimeoutError:
                 raise Busy(
                     "the appliance is still starting (its jail pool is not up yet); try again shortly"

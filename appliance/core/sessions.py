@@ -10,7 +10,6 @@ a limit is ended; its next request learns why.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import secrets
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from appliance.core.egress import SESSION, Approvals
 from appliance.core.errors import Busy, RequestRejected, UnknownSession
 from appliance.core.ports import Clock, Jail, Lease
-from appliance.core.tasks import TaskScope
+from appliance.core.tasks import TaskScope, cancel_and_wait, checkpoint
 
 log = logging.getLogger("appliance.core.sessions")
 
@@ -129,6 +128,7 @@ class SessionRegistry:
 
     async def _watch_idle(self) -> None:
         while True:
+            checkpoint()
             await asyncio.sleep(min(CHECK_S, self.idle_s / 2))
             now = self.clock()
             for session in list(self._sessions.values()):
@@ -144,8 +144,6 @@ class SessionRegistry:
 
     async def close_all(self) -> None:
         if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+            await cancel_and_wait(self._reaper)
         for session_id in list(self._sessions):
             await self.close(session_id)

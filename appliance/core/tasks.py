@@ -12,17 +12,94 @@ kin out of the package but for the owners it names.
 Unlike a bare TaskGroup, a child's unexpected error ends that child only: it is logged,
 and neither its siblings (other runs, warm jails) nor the scope's holder are cancelled,
 as before there were owners (asyncio logs a task's unretrieved error the same way).
+
+A cancelled task must end, or the `close()` that cancelled it waits forever. So: a bounded
+wait is `within(aw, seconds)`, never `asyncio.wait_for` (on Python 3.11 it returns its
+awaitable's result, dropping the cancellation, when both land in the same turn of the loop;
+tests/test_tasks.py checks), nor `asyncio.timeout` in a cleanup (on 3.11, in a task already
+cancelled, it raises CancelledError at expiry, not TimeoutError, so a fallback on TimeoutError
+never runs); `wait_ended`/`cancel_and_wait` rather than awaiting a task under
+`suppress(CancelledError)` (which swallows the caller's own cancellation too); and a long-lived
+loop calls `checkpoint()` between its steps, so that a cancellation swallowed below (by code of
+ours or a library's) still ends it. A close that has waited CLOSE_REPORT_S logs which
+children it still waits on, and where each one is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Iterable
+from collections.abc import Awaitable, Coroutine, Iterable
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger("appliance.tasks")
+
+CLOSE_REPORT_S = 30.0
+
+
+def checkpoint() -> None:
+    """Raise CancelledError if the current task was asked to stop: for a loop, between its
+    steps. A cancellation swallowed somewhere below leaves its request counted
+    (`Task.cancelling()`); without this, the loop would go on (to a long sleep, say) and the
+    scope closing it would wait on it forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+def awaiting(task: asyncio.Task[Any]) -> list[str]:
+    """Where a suspended task is, outermost first: its chain of awaited coroutines
+    (`Task.get_stack` shows only the outermost)."""
+    where: list[str] = []
+    step: Any = task.get_coro()
+    while step is not None:
+        frame = getattr(step, "cr_frame", None) or getattr(step, "gi_frame", None)
+        if frame is not None:
+            where.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        step = getattr(step, "cr_await", None) or getattr(step, "gi_yieldfrom", None)
+    return where
+
+
+async def wait_ended(task: asyncio.Future[Any]) -> None:
+    """Wait until `task` has ended, and raise its error if it ended with one (its cancellation
+    is not an error here). A cancellation of the caller propagates: awaiting the task under
+    `suppress(CancelledError)` would swallow it, as it cannot tell the two apart."""
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.result()
+
+
+async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancel `task`, then `wait_ended`."""
+    task.cancel()
+    await wait_ended(task)
+
+
+async def within(aw: Awaitable[T], timeout_s: float) -> T:
+    """`aw`'s result, or TimeoutError once `timeout_s` has passed (`aw` cancelled and ended
+    first). A cancellation of the caller propagates (`aw` cancelled and ended first too), even
+    one that lands as `aw` completes; and the timeout is a TimeoutError even in a task already
+    cancelled (a cleanup's bounded wait). See the module's doc for why not wait_for or timeout."""
+    task = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait([task], timeout=timeout_s)
+    except BaseException:
+        await _stop(task)
+        raise
+    if not done:
+        await _stop(task)
+        raise TimeoutError
+    return task.result()
+
+
+async def _stop(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    await asyncio.wait([task])
+    if not task.cancelled():
+        task.exception()  # retrieved: its outcome no longer matters, and asyncio would log it
 
 
 class TaskScope:
@@ -111,9 +188,19 @@ class TaskScope:
         self._state = "closing"
         for task in list(self._children):
             task.cancel()
+        # A child that does not end is a bug (a swallowed cancellation): say which, and where.
+        report = asyncio.get_running_loop().call_later(CLOSE_REPORT_S, self._report_stuck)
         try:
             # Exited as a TaskGroup is at the end of its block: it waits for every child.
             await self._group.__aexit__(None, None, None)
         finally:
+            report.cancel()
             self._state = "closed"
             self._closed.set()
+
+    def _report_stuck(self) -> None:
+        stuck = {task.get_name(): awaiting(task) for task in self._children}
+        log.error(
+            "task scope still waits on cancelled tasks",
+            extra={"scope": self.name, "after_s": CLOSE_REPORT_S, "tasks": stuck},
+        )

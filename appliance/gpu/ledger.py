@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from appliance.core.errors import Busy, RequestRejected
 from appliance.core.events import GpuShare
+from appliance.core.tasks import within
 from appliance.gpu.backend import Device, ProcessUsage
 
 
@@ -182,7 +183,7 @@ class GpuLedger:
         self._queue.append(waiter)
         self._pump()
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), self.max_wait_ms / 1000)
+            return await within(asyncio.shield(waiter.future), self.max_wait_ms / 1000)
         except TimeoutError:
             self._abandon(waiter)
             raise Busy(

@@ -26,14 +26,13 @@ The same poll reconciles the ledger, so queued runs see freed memory promptly.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from appliance.core.errors import GpuMemoryLimit, MemoryLimit, RunLimit
-from appliance.core.tasks import TaskScope
+from appliance.core.tasks import TaskScope, cancel_and_wait, checkpoint
 from appliance.gpu.backend import Device, GpuBackend, GpuBackendError, ProcessUsage
 from appliance.gpu.hostcheck import unavailable_text
 from appliance.gpu.ledger import GpuLedger, Grant
@@ -154,9 +153,7 @@ class GpuWatchdog:
     async def close(self) -> None:
         self._closing = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     async def _loop(self) -> None:
         while True:
@@ -165,6 +162,7 @@ class GpuWatchdog:
                 await self.check()
             except Exception as exc:  # noqa: BLE001 (a bug in the fault path itself: still fail closed)
                 self._on_fault(f"{type(exc).__name__}: {exc}", unexpected=True)
+            checkpoint()
             await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def check(self) -> PollResult | None:

@@ -23,7 +23,7 @@ from appliance.core.errors import StartupError
 from appliance.core.events import Event, Output
 from appliance.core.ports import Snapshots
 from appliance.core.service import RunService
-from appliance.core.tasks import TaskScope
+from appliance.core.tasks import TaskScope, checkpoint
 from appliance.inside.tools.catalogue import catalogue
 from appliance.runtime import canary, toolprobe
 from appliance.runtime.egresslog import EgressAudit
@@ -327,6 +327,7 @@ class Lifecycle:
             else:
                 if removed:
                     log.info("removed persisted outputs past their retention", extra={"runs": removed})
+            checkpoint()
             await asyncio.sleep(every)
 
     async def close(self) -> None:
@@ -361,6 +362,7 @@ class Lifecycle:
     async def _canary_loop(self) -> None:
         while True:
             self.ready_problems = await self.canary()
+            checkpoint()  # a close that came as the probe ended: never on to the next sleep
             if self.ready_problems:
                 log.error("canary failed; not ready", extra={"problems": self.ready_problems})
             await asyncio.sleep(CANARY_EVERY_S if not self.ready_problems else CANARY_RETRY_S)

@@ -21,6 +21,7 @@ from pathlib import Path
 from appliance.core.domain import CellOutcome, RunRequest
 from appliance.core.errors import Cancelled, MemoryLimit, OutputLimit, RunLimit, RunTimeout
 from appliance.core.events import CellError, CellEvent, Display, Emit, Output, Result, Started
+from appliance.core.tasks import within
 from appliance.sandbox import channel, fstree
 from appliance.sandbox.cgroups import Counters, Group
 from appliance.sandbox.held import Bound, OverBound, held_bytes
@@ -392,7 +393,6 @@ async def _disk_watchdog(jail: Jail, max_disk_mb: int, oom_base: int | None) -> 
 
 async def _exit_code(jail: Jail) -> int | None:
     try:
-        code = await asyncio.wait_for(jail.process.wait(), 2.0)
+        return await within(jail.process.wait(), 2.0)
     except TimeoutError:
         return None
-    return code

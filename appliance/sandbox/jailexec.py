@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.core.tasks import TaskScope
+from appliance.core.tasks import TaskScope, cancel_and_wait, within
 from appliance.sandbox import proctree, signals
 from appliance.sandbox.control import ControlPipe
 from appliance.sandbox.firejail import MIB, accounts_argv, drop_argv, join_argv, launcher_env, oom_argv
@@ -390,12 +390,10 @@ class JailCommand:
         if self.ended is None:
             self.kill_now()
             try:
-                await asyncio.wait_for(self._done.wait(), START_WAIT_S)
+                await within(self._done.wait(), START_WAIT_S)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     self._proc.kill()
                 await self._proc.wait()
                 self._finish()
-        self._waiter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._waiter
+        await cancel_and_wait(self._waiter)

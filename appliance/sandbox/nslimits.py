@@ -22,6 +22,8 @@ import os
 import sys
 from pathlib import Path
 
+from appliance.core.tasks import within
+
 log = logging.getLogger("appliance.nslimits")
 
 # What one jail may hold, and what the host keeps for itself besides all jails at their cap
@@ -122,7 +124,7 @@ async def cap_jail(pid: int) -> str | None:
             env={"PATH": "/usr/bin:/bin"},
         )
         try:
-            _, err = await asyncio.wait_for(proc.communicate(), WRITE_TIMEOUT_S)
+            _, err = await within(proc.communicate(), WRITE_TIMEOUT_S)
         except BaseException:
             if proc.returncode is None:
                 proc.kill()

@@ -23,7 +23,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from appliance.core.errors import JailFailure, JailStartFailed
-from appliance.core.tasks import TaskScope
+from appliance.core.tasks import TaskScope, cancel_and_wait, checkpoint, within
 from appliance.sandbox.jail import Jail, JailFactory
 from appliance.sandbox.profiles import Profile, choose, imports_of
 
@@ -152,8 +152,9 @@ class JailPool:
                 while len(self.ready) > target and len(self.ready) > self.size:
                     await self.ready.pop().destroy()  # shrink back once the burst is over
                 self._wake.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), TICK_S)
+                checkpoint()
+                with contextlib.suppress(TimeoutError):
+                    await within(self._wake.wait(), TICK_S)
 
     async def _start_one(self, jails: TaskScope) -> None:
         started = time.monotonic()
@@ -212,9 +213,7 @@ class JailPool:
         if self._nudge is not None:
             self._nudge.cancel()
         if self._task is not None:  # its scope cancels and awaits the starts and watchers
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
         while self.ready:
             await self.ready.popleft().destroy()
 

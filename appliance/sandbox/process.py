@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.core.errors import JailExited, RunLimit
+from appliance.core.tasks import within
 from appliance.sandbox import channel, proctree, signals
 from appliance.sandbox.control import ControlPipe
 
@@ -399,7 +400,9 @@ class JailProcess:
         if proc.returncode is None:
             self.signal_kill()
             try:
-                await asyncio.wait_for(asyncio.shield(proc.wait()), 2.0)
+                # Also in a cleanup after a cancellation: `within`, whose timeout stays a
+                # TimeoutError there (appliance.core.tasks).
+                await within(proc.wait(), 2.0)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()

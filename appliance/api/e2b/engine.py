@@ -9,7 +9,6 @@ ends (idle past SANDBOX_SESSION_IDLE_S, or over a limit between cells).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -22,7 +21,7 @@ from appliance.core.errors import ApplianceError, Busy, RequestRejected
 from appliance.core.events import Done, Emit, Event
 from appliance.core.ports import Workspace
 from appliance.core.service import Run, RunService
-from appliance.core.tasks import TaskScope
+from appliance.core.tasks import TaskScope, cancel_and_wait, checkpoint
 from appliance.sandbox.jail import Jail
 from appliance.wire.protocol import ExecuteRequest
 
@@ -90,14 +89,13 @@ class Sandboxes:
 
     async def close(self) -> None:
         if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
+            await cancel_and_wait(self._reaper)
         for sandbox in self.registry.all():
             await self.kill(sandbox)
 
     async def _reap(self) -> None:
         while True:
+            checkpoint()
             await asyncio.sleep(REAP_S)
             for sandbox in self.registry.expired(self.clock()):
                 try:

@@ -27,7 +27,7 @@ from appliance.api.e2b.shapes import BadRequest
 from appliance.api.transport import send_within, until_gone
 from appliance.core.errors import ApplianceError, Cancelled
 from appliance.core.events import CellError, Display, Done, Event, Output, Result, Started
-from appliance.core.tasks import TaskScope
+from appliance.core.tasks import TaskScope, wait_ended
 
 INTERPRETER_PORT = "49999"
 ENVD_PORT = "49983"
@@ -188,8 +188,7 @@ async def _until_done(
             await asyncio.wait([task], timeout=INTERRUPT_GRACE_S)
             if not task.done():
                 task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await wait_ended(task)
     finally:
         gone.cancel()
 

@@ -33,7 +33,7 @@ from appliance.api.e2b.engine import Sandboxes
 from appliance.api.e2b.registry import Sandbox
 from appliance.api.transport import send_within
 from appliance.core.errors import Cancelled
-from appliance.core.tasks import TaskScope
+from appliance.core.tasks import TaskScope, within
 from appliance.sandbox import jailnet
 
 PREFIX = "/e2b"
@@ -214,9 +214,9 @@ async def _websocket(
         try:
             async for msg in src:
                 if msg.type == aiohttp.WSMsgType.TEXT:
-                    await asyncio.wait_for(dst.send_str(msg.data), stall_s)
+                    await within(dst.send_str(msg.data), stall_s)
                 elif msg.type == aiohttp.WSMsgType.BINARY:
-                    await asyncio.wait_for(dst.send_bytes(msg.data), stall_s)
+                    await within(dst.send_bytes(msg.data), stall_s)
                 else:
                     break
         except (TimeoutError, aiohttp.ClientError, ConnectionError, RuntimeError):

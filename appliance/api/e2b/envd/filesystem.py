@@ -27,6 +27,7 @@ from appliance.api.e2b.envd.messages import filesystem_connect
 from appliance.api.e2b.envd.messages import filesystem_pb as pb
 from appliance.api.e2b.registry import Sandbox
 from appliance.core.ports import Workspace
+from appliance.core.tasks import within
 from appliance.sandbox import workfiles
 from appliance.sandbox.workfiles import FileProblem, Info
 from appliance.sandbox.workwatch import Change, DirWatch, Inotify
@@ -169,7 +170,7 @@ class Filesystem(filesystem_connect.Filesystem):
             while True:
                 if not w.changes and not w.ended:
                     try:
-                        await asyncio.wait_for(w.wake.wait(), interval)
+                        await within(w.wake.wait(), interval)
                     except TimeoutError:
                         yield pb.WatchDirResponse(event=_keepalive())
                         continue

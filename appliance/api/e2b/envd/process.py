@@ -16,7 +16,6 @@ directory: /workspace (E2B's /home/user); `cwd` as E2B names it (appliance.api.e
 
 from __future__ import annotations
 
-import asyncio
 import signal
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -33,6 +32,7 @@ from appliance.api.e2b.envd.messages import process_pb as pb
 from appliance.api.e2b.registry import Sandbox
 from appliance.core.domain import PipeFull
 from appliance.core.errors import JailFailure
+from appliance.core.tasks import within
 from appliance.sandbox.jailexec import Data, Ended, Reader
 
 KEEPALIVE_S = 30.0  # a stream with nothing to say says so this often (proxies close idle ones)
@@ -97,7 +97,7 @@ async def _stream(reader: Reader, sandbox: Sandbox) -> AsyncIterator[pb.ProcessE
     try:
         while True:
             try:
-                item = await asyncio.wait_for(reader.next(), KEEPALIVE_S)
+                item = await within(reader.next(), KEEPALIVE_S)
             except TimeoutError:
                 yield _keepalive()
                 continue
