@@ -23,13 +23,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tiers.classify(items)
 
 
+TURNS = pytest.StashKey[exclusive.Turns]()
+
+
+def _exclusive(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("exclusive") is not None
+
+
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
     root = exclusive.lock_root(item.config)
     if root is None:
         yield
         return
-    with exclusive.turn(root, item.get_closest_marker("exclusive") is not None):
+    turns = item.config.stash.setdefault(TURNS, exclusive.Turns(root))
+    with turns.turn(_exclusive(item), _exclusive(nextitem)):
         yield
 
 

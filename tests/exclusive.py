@@ -10,6 +10,11 @@ reader-writer lock with writer preference: every test holds `run.lock` shared fr
 to its teardown (a module's server starts and stops inside its first and last test's);
 an exclusive test takes `gate.lock` (so no test starts meanwhile), then `run.lock` exclusive
 (so the running ones end first). Without xdist every test runs alone anyway: no lock is taken.
+
+Taking the host costs the other workers the wait for their running tests to end (the longest
+of them) besides the exclusive test itself. So a worker's exclusive tests in a row (a module
+of them, as tests/test_benchmarks.py) take it once: `Turns` keeps the hold from one to the
+next when the next is exclusive too, and lets it go after the last.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import fcntl
 import os
 import tempfile
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 
@@ -59,3 +65,33 @@ def turn(root: Path, exclusive: bool) -> Iterator[None]:
         yield
     finally:
         held.__exit__(None, None, None)
+
+
+class Turns:
+    """One worker's turns, test after test: an exclusive hold carries over to the next test
+    when that one is exclusive too."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._kept: ExitStack | None = None  # the hold the previous (exclusive) test left on
+
+    @property
+    def holding(self) -> bool:
+        return self._kept is not None
+
+    @contextlib.contextmanager
+    def turn(self, exclusive: bool, next_exclusive: bool) -> Iterator[None]:
+        held, self._kept = self._kept, None
+        if held is not None and not exclusive:  # never: a hold is kept only for an exclusive test
+            held.close()
+            held = None
+        if held is None:
+            held = ExitStack()
+            held.enter_context(turn(self.root, exclusive))
+        try:
+            yield
+        finally:
+            if exclusive and next_exclusive:
+                self._kept = held
+            else:
+                held.close()

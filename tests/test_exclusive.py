@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.exclusive import lock_root, turn
+from tests.exclusive import Turns, lock_root, turn
 
 
 def can_lock(path: Path, mode: int) -> bool:
@@ -48,3 +48,25 @@ def test_locks_are_taken_only_in_an_xdist_worker(tmp_path: Path, monkeypatch: py
     root = lock_root(SimpleNamespace(workerinput={"testrunuid": "abc123"}))
     assert root == tmp_path / "appliance-tests-abc123" and root.is_dir()
     assert root.stat().st_mode & 0o777 == 0o700
+
+
+def test_exclusive_tests_in_a_row_take_the_host_once_and_give_it_back_after_the_last(
+    tmp_path: Path,
+) -> None:
+    turns = Turns(tmp_path)
+    with turns.turn(exclusive=True, next_exclusive=True):
+        assert not can_lock(tmp_path / "run.lock", fcntl.LOCK_SH)
+    # Between the two, another worker's test still cannot start: the host stays taken.
+    assert turns.holding and not can_lock(tmp_path / "gate.lock", fcntl.LOCK_EX)
+    assert not can_lock(tmp_path / "run.lock", fcntl.LOCK_SH)
+    with turns.turn(exclusive=True, next_exclusive=False):
+        assert not can_lock(tmp_path / "run.lock", fcntl.LOCK_SH)
+    assert not turns.holding
+    assert can_lock(tmp_path / "gate.lock", fcntl.LOCK_EX) and can_lock(tmp_path / "run.lock", fcntl.LOCK_EX)
+
+
+def test_a_shared_test_before_an_exclusive_one_keeps_no_hold(tmp_path: Path) -> None:
+    turns = Turns(tmp_path)
+    with turns.turn(exclusive=False, next_exclusive=True):
+        assert can_lock(tmp_path / "run.lock", fcntl.LOCK_SH)
+    assert not turns.holding and can_lock(tmp_path / "run.lock", fcntl.LOCK_EX)
