@@ -51,10 +51,9 @@ def open_factory(env: dict[str, str] | None = None) -> BenchJails:
     host = inspect(config.firejail, config.uid, config.python)
     sizes = runfs.for_server(config.max_disk_mb, disk_entries(config.max_disk_mb))
     dirs = RunDirs(config.tmp_root, host.uid, host.gid, sizes)
-    # Not dirs.prepare(): that also purges other servers' stale directories, a server's job.
-    dirs.base.mkdir(mode=0o755, parents=True, exist_ok=True)
-    dirs.instance.mkdir(mode=0o711, exist_ok=True)
-    os.chmod(dirs.instance, 0o711)
+    # As a server prepares its own directory: the jails' accounts and (root) prepared /etc. Not
+    # dirs.prepare(): that also purges other servers' stale directories, a server's job.
+    dirs.prepare_own()
     runtime = stage_runtime(config.tmp_root, config.python)
     return BenchJails(JailFactory(config, host, runtime, dirs), dirs)
 

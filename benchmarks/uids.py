@@ -95,9 +95,8 @@ async def main_async(quick: bool, out_dir: Path) -> dict[str, Any]:
         candidates, _ = uids.usable(first, last, f.host.uid)
         if not candidates:
             raise BenchError(f"SANDBOX_UID_RANGE {first}-{last} holds no uid besides SANDBOX_UID")
-        # As a root server does (`RunDirs.prepare`): every jail gets its minimal accounts, so
-        # both sides pay the same launcher; only the uid differs.
-        jails.dirs.accounts = await asyncio.to_thread(jails.dirs.accounts_for, f.host.uid, f.host.gid)
+        # As a root server does (`RunDirs.prepare`, in `open_factory`): every jail gets its minimal
+        # accounts, so both sides pay the same launcher; only the uid differs.
         own = uids.Uids(f.settings.tmp_root, f.host.uid, f.host.gid, candidates)
         own.prepare()
         samples = await spawn_side_by_side(f, own, 3 if quick else 20)

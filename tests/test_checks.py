@@ -52,3 +52,13 @@ def test_capabilities_or_a_wrong_home_are_refused() -> None:
 
 def test_garbage_is_refused() -> None:
     assert problems(None, EXPECTED) == ["no self-check report"]
+
+
+def test_a_jail_whose_etc_lists_more_than_it_may_is_refused() -> None:
+    limited = Expected(
+        uid=1001, host_pid_ns="pid:[1]", host_net_ns="net:[2]", etc=frozenset({"hosts", "ssl"})
+    )
+    assert problems({**GOOD, "etc": ["ssl"]}, limited) == []  # an entry the host lacks is no risk
+    for etc in (["hosts", "shadow", "ssl"], ["firejail", "hosts"], None):
+        found = problems({**GOOD, "etc": etc}, limited)
+        assert len(found) == 1 and found[0].startswith(f"/etc lists {etc!r}"), found

@@ -66,6 +66,30 @@ def test_mounts_make_the_run_directory_home_and_hide_the_rest_of_the_host() -> N
     assert "--blacklist=/home" in argv and "--blacklist=/run/secrets" in argv
 
 
+def test_a_prepared_etc_replaces_the_per_jail_copy_and_hides_what_firejail_reads_there() -> None:
+    spec = make_spec(etc=Path("/run/appliance/srv-1/etc"))
+    argv = firejail.mounts_argv(spec)
+    assert not [a for a in argv if a.startswith("--private-etc")]
+    assert argv[:6] == [
+        "--private=/tmp/appliance/srv-1/abc",
+        "--private-cwd=/workspace",
+        "--private-tmp",
+        "--private-dev",
+        "--blacklist=/etc/firejail",
+        "--blacklist=/etc/login.defs",
+    ]
+    assert argv[6:] == [f"--blacklist={path}" for path in spec.hidden]
+    # The rest of the jail is the same jail.
+    plain = firejail.render_argv(make_spec(), 9)
+    prepared = firejail.render_argv(spec, 9)
+    differs = set(plain) ^ set(prepared)
+    assert differs == {
+        f"--private-etc={','.join(ETC_FILES)}",
+        "--blacklist=/etc/firejail",
+        "--blacklist=/etc/login.defs",
+    }
+
+
 def test_a_cpu_jail_has_no_gpu_nodes_and_a_gpu_jail_only_its_own() -> None:
     assert firejail.devices_argv(make_spec()) == ["--no3d"]
     gpu = make_spec(gpu=True, gpu_hidden=(Path("/dev/nvidia1"),), gpu_shared=(Path("/tmp/mps-pipe"),))

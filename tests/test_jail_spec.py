@@ -69,6 +69,23 @@ def test_the_minimal_accounts_are_mounted_before_the_uid_is_dropped() -> None:
     ]
 
 
+def test_a_prepared_etc_is_bound_read_only_over_etc_before_the_accounts() -> None:
+    then = drop_argv(1001, 1001)
+    prefix = accounts_argv(Path("/t/passwd"), Path("/t/group"), Path("/t/run"), then, Path("/t/srv/etc"))
+    script = prefix[6]
+    assert (
+        script.index('mount --bind "$4" /etc ')
+        < script.index("mount -o remount,bind,ro /etc")
+        < script.index('"$1" /etc/passwd')
+        < script.index('"$2" /etc/group')
+        < script.index("shift 4")
+        < script.index('exec env -u PWD "$@"')
+    )
+    assert prefix[7:12] == ["sh", "/t/passwd", "/t/group", "/t/run", "/t/srv/etc"]
+    assert prefix[12:] == then
+    assert "/etc " not in accounts_argv(Path("/t/passwd"), Path("/t/group"), Path("/t/run"), then)[6]
+
+
 def test_the_run_directory_becomes_workspace_and_cwd() -> None:
     argv = render_argv(make_spec(), events_fd=7)
     assert "--private=/tmp/appliance/srv-1/abc" in argv

@@ -800,6 +800,10 @@ def self_check() -> dict[str, Any]:
         interfaces = sorted(name for _, name in socket.if_nameindex())
     except OSError:
         interfaces = []
+    try:
+        etc: list[str] | None = sorted(os.listdir("/etc"))
+    except OSError:
+        etc = None
     return {
         "uid": os.getuid(),
         "euid": os.geteuid(),
@@ -812,6 +816,7 @@ def self_check() -> dict[str, Any]:
         "interfaces": interfaces,
         "cwd": os.getcwd(),
         "home": os.environ.get("HOME", ""),
+        "etc": etc,
     }
 
 

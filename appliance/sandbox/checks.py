@@ -12,6 +12,7 @@ class Expected:
     host_pid_ns: str
     host_net_ns: str
     interfaces: tuple[str, ...] = ("lo",)  # egress mode adds the jail's link (network.expected_interfaces)
+    etc: frozenset[str] | None = None  # the most a jail's /etc may list (None: not checked)
 
 
 def problems(report: Any, expected: Expected) -> list[str]:  # noqa: C901 (one comparison per fact of the jail's self-check report)
@@ -38,4 +39,7 @@ def problems(report: Any, expected: Expected) -> list[str]:  # noqa: C901 (one c
         found.append(f"network interfaces {interfaces!r} besides {list(expected.interfaces)!r}")
     if report.get("cwd") != "/workspace" or report.get("home") != "/workspace":
         found.append(f"cwd/HOME are {report.get('cwd')!r}/{report.get('home')!r}, not /workspace")
+    etc = report.get("etc")
+    if expected.etc is not None and (not isinstance(etc, list) or not expected.etc.issuperset(etc)):
+        found.append(f"/etc lists {etc!r}, more than {sorted(expected.etc)!r}")
     return found

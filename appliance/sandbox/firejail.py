@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from appliance.sandbox import etcdir
 from appliance.sandbox.spec import ETC_FILES, WORKSPACE, JailSpec
 
 MIB = 1024 * 1024
@@ -62,15 +63,25 @@ def namespaces_argv(spec: JailSpec) -> list[str]:
 
 def mounts_argv(spec: JailSpec) -> list[str]:
     """The run directory as /workspace (= HOME, cwd); private /tmp, /dev, /etc; everything
-    at the top level that is not needed blacklisted."""
+    at the top level that is not needed blacklisted. The private /etc is firejail's copy of
+    ETC_FILES, or the server's prepared one (`spec.etc`, already bound over /etc by the
+    launcher: `accounts_argv`), less what firejail itself reads there."""
+    etc = [f"--private-etc={','.join(ETC_FILES)}"] if spec.etc is None else etc_hidden_argv()
     return [
         f"--private={spec.workdir}",
         f"--private-cwd={WORKSPACE}",
         "--private-tmp",
         "--private-dev",
-        f"--private-etc={','.join(ETC_FILES)}",
+        *etc,
         *(f"--blacklist={path}" for path in spec.hidden),
     ]
+
+
+def etc_hidden_argv() -> list[str]:
+    """A prepared /etc holds firejail's own configuration and login.defs (firejail reads them
+    before it sandboxes): blacklisted, and left out of the jail's /etc by the configuration's
+    etc-hide-blacklisted."""
+    return [f"--blacklist={path}" for path in etcdir.HIDDEN]
 
 
 def devices_argv(spec: JailSpec) -> list[str]:
@@ -141,7 +152,9 @@ def launcher_env() -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "container": "docker", "LANG": "C.UTF-8"}
 
 
-def accounts_argv(passwd: Path, group: Path, home: Path, then: list[str]) -> list[str]:
+def accounts_argv(
+    passwd: Path, group: Path, home: Path, then: list[str], etc: Path | None = None
+) -> list[str]:
     """The prefix (run as root) that gives the jail a minimal /etc/passwd and /etc/group.
 
     firejail copies the host's /etc/passwd into the jail (less the other human users):
@@ -153,26 +166,18 @@ def accounts_argv(passwd: Path, group: Path, home: Path, then: list[str]) -> lis
     /workspace, the home `passwd` names, is a bind mount of `home` (the run directory, owned
     by the jail's uid) there too: firejail refuses a home its user does not own, and a jail
     of SANDBOX_UID_RANGE has a uid of its own that owns nothing else on the host.
+
+    `etc`, the server's prepared /etc (`etcdir`), is bound over /etc first, read-only, and
+    the two files over its own (the render then has no --private-etc: `mounts_argv`).
     """
     # `env -u PWD`: the shell exports PWD, which the jail must not inherit (the canary checks).
-    script = (
-        'mount --bind "$1" /etc/passwd && mount --bind "$2" /etc/group && '
-        f'mount --bind "$3" {WORKSPACE} && shift 3 && exec env -u PWD "$@"'
-    )
-    return [
-        "unshare",
-        "--mount",
-        "--propagation=private",
-        "--",
-        "sh",
-        "-c",
-        script,
-        "sh",
-        str(passwd),
-        str(group),
-        str(home),
-        *then,
-    ]
+    binds = f'mount --bind "$1" /etc/passwd && mount --bind "$2" /etc/group && mount --bind "$3" {WORKSPACE}'
+    files = [str(passwd), str(group), str(home)]
+    if etc is not None:  # /etc first: the two files are bound over its own
+        binds = 'mount --bind "$4" /etc && mount -o remount,bind,ro /etc && ' + binds
+        files.append(str(etc))
+    script = f'{binds} && shift {len(files)} && exec env -u PWD "$@"'
+    return ["unshare", "--mount", "--propagation=private", "--", "sh", "-c", script, "sh", *files, *then]
 
 
 def drop_argv(uid: int, gid: int) -> list[str]:

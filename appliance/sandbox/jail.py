@@ -42,7 +42,7 @@ from appliance.sandbox.host import HostFacts
 from appliance.sandbox.jailexec import JailCommand, JoinSpec, command_argv
 from appliance.sandbox.network import EgressNetwork, JailLink, enter_argv, expected_interfaces, proxy_env
 from appliance.sandbox.process import JailProcess
-from appliance.sandbox.spec import JailLimits, JailSpec, jail_env
+from appliance.sandbox.spec import ETC_FILES, JailLimits, JailSpec, jail_env
 from appliance.sandbox.uids import Held, Uids
 from appliance.sandbox.workdir import DRIVER, RunDirs
 from appliance.settings import Settings
@@ -407,6 +407,7 @@ class JailFactory:
             host_pid_ns=host.pid_ns,
             host_net_ns=host.net_ns,
             interfaces=expected_interfaces(network is not None),
+            etc=jail_etc(network is not None),
         )
         self._env = jail_env(settings, settings.python, runtime, self.preload)
         self._readable = (*python_roots(settings.python), runtime)
@@ -544,12 +545,12 @@ class JailFactory:
             raise
 
     def _launcher(
-        self, link: JailLink | None, group: Group | None, held: Held | None, workdir: Path
+        self, link: JailLink | None, group: Group | None, held: Held | None, workdir: Path, etc: Path | None
     ) -> list[str]:
         """What runs before firejail, outermost first: join the jail's cgroup (as root), give it
-        the minimal accounts (a private mount namespace), enter its network namespace, and drop
-        to the jail's uid. All of it is exec'd programs, so the server spawns with vfork and
-        never forks itself (`firejail.join_argv`)."""
+        the minimal accounts and the prepared /etc (a private mount namespace), enter its network
+        namespace, and drop to the jail's uid. All of it is exec'd programs, so the server spawns
+        with vfork and never forks itself (`firejail.join_argv`)."""
         uid, gid = (held.uid, held.gid) if held is not None else (self.host.uid, self.host.gid)
         # In egress mode root enters the namespace and drops to the sandbox uid itself.
         prefix = enter_argv(link, uid, gid) if link is not None else []
@@ -559,7 +560,9 @@ class JailFactory:
         if accounts is not None and prefix:
             # Root starts it: the jail's /etc/passwd and /etc/group list only root and the
             # sandbox user (a server that is the sandbox uid itself cannot mount them).
-            prefix = accounts_argv(*accounts, workdir, prefix)
+            prefix = accounts_argv(*accounts, workdir, prefix, etc)
+        elif etc is not None:  # the render left --private-etc out: never start it without its /etc
+            raise JailFailure("the prepared /etc cannot be mounted for this jail")
         if group is not None:
             prefix = join_argv(group.procs_files()) + prefix
         if self.host.run_as_uid is not None:  # root: the jail is the OOM killer's first choice
@@ -583,6 +586,12 @@ class JailFactory:
             gpu=spec.gpu,
         )
 
+    def _etc(self, link: JailLink | None, held: Held | None) -> Path | None:
+        """The prepared /etc where the launcher mounts for the jail (`_launcher`): root starts it."""
+        mounts = link is not None or self.host.run_as_uid is not None
+        accounts = held is not None or self.dirs.accounts is not None
+        return self.dirs.etc if mounts and accounts else None
+
     async def _launch(  # noqa: C901 (one jail's launch steps in order, each undone if a later one fails)
         self, jail_id: str, nice: int, group: Group | None, held: Held | None
     ) -> Jail:
@@ -594,11 +603,12 @@ class JailFactory:
             except BaseException:
                 await asyncio.to_thread(self.dirs.remove, workdir)
                 raise
-        spec = dataclasses.replace(self.spec(workdir, link, held), nice=nice)
+        spec = dataclasses.replace(self.spec(workdir, link, held), nice=nice, etc=self._etc(link, held))
         try:
             process = await JailProcess.spawn(
                 lambda fd: (
-                    self._launcher(link, group, held, workdir) + render_argv(spec, fd, self.host.firejail)
+                    self._launcher(link, group, held, workdir, spec.etc)
+                    + render_argv(spec, fd, self.host.firejail)
                 ),
                 env=launcher_env(),
                 max_event_bytes=self.settings.max_output_bytes + 65536,
@@ -669,6 +679,12 @@ class JailFactory:
             raise
         if why is not None:
             _uncapped(why)
+
+
+def jail_etc(egress: bool) -> frozenset[str]:
+    """The most a jail's /etc may list: ETC_FILES, and in egress mode the resolv.conf firejail
+    writes for --dns."""
+    return frozenset(ETC_FILES) | ({"resolv.conf"} if egress else set())
 
 
 def gpu_env(settings: Settings, gpu: GpuDevice) -> tuple[tuple[str, str], ...]:

@@ -18,7 +18,8 @@ VISIBLE_TOP_LEVEL = frozenset(
     {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "proc", "dev", "tmp", "sys"}
 )
 
-# The only files of the host's /etc a jail gets (firejail --private-etc copies these).
+# The only files of the host's /etc a jail gets (firejail --private-etc copies these, or the
+# server prepares them once: appliance.sandbox.etcdir).
 ETC_FILES = (
     "alternatives",
     "fonts",
@@ -66,6 +67,7 @@ class JailSpec:
     gpu: bool = False  # GPU mode: CUDA-capable jail (no RLIMIT_AS, GPU nodes)
     gpu_hidden: tuple[Path, ...] = ()  # GPU mode: host GPU nodes and /sys/module entries to hide
     gpu_shared: tuple[Path, ...] = ()  # GPU mode with MPS: the daemon's pipe dir, whitelisted read-write
+    etc: Path | None = None  # the server's prepared /etc, bound over /etc before firejail (`etcdir`)
 
     @property
     def hidden(self) -> tuple[Path, ...]:

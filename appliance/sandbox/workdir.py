@@ -6,6 +6,7 @@ Layout:
         accounts-<uid>-<gid>/              0755, the jails' passwd and group, one per jail uid
         uids/                              0700, a lock file per uid of SANDBOX_UID_RANGE (`uids`)
         srv-<pid ns>-<pid>-<start>/        0711, one per server process (appliance.sandbox.instance)
+            etc/                           0755, the jails' /etc where the server is root (`etcdir`)
             <run id>/                      0700 uid:gid, mounted as /workspace; a tmpfs
                                            of its own where the server is root (`runfs`)
 
@@ -27,12 +28,14 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from appliance.core.errors import StartupError
-from appliance.sandbox import fstree, runfs, signals, trust
+from appliance.sandbox import etcdir, fstree, runfs, signals, trust
 from appliance.sandbox import instance as server_instance
+from appliance.sandbox.spec import ETC_FILES
 
 log = logging.getLogger("appliance.workdir")
 
@@ -68,17 +71,41 @@ class RunDirs:
         # server that is not root cannot mount; the disk quota is then the server's check only).
         self.sizes = sizes
         self.accounts: tuple[Path, Path] | None = None  # (passwd, group) for jails; see prepare()
+        self.etc: Path | None = None  # the jails' prepared /etc (`etcdir`); see prepare()
+        self._etc_files: tuple[str, ...] = ()
+        self._etc_lock = threading.Lock()
         self._staged: dict[tuple[int, int], tuple[Path, Path]] = {}  # accounts_for's, by (uid, gid)
 
-    def prepare(self) -> list[Path]:
-        """Create this server's directory; remove those of servers that are gone. Returns them.
-        StartupError when the root or anything in it is not the server's own (`trust`)."""
+    def prepare(self, etc_files: tuple[str, ...] | None = ETC_FILES) -> list[Path]:
+        """Create this server's directory (`prepare_own`); remove those of servers that are
+        gone. Returns them."""
+        self.prepare_own(etc_files)
+        return self.purge_stale()
+
+    def prepare_own(self, etc_files: tuple[str, ...] | None = ETC_FILES) -> None:
+        """Create this server's directory and stage the jails' accounts; a root server also
+        prepares the jails' /etc there from the host's `etc_files` (`etcdir`; None: jails copy
+        their own with firejail's --private-etc). StartupError when the root or anything in it
+        is not the server's own (`trust`)."""
         try:
-            with self._instance(), open_base(self.root, self.server_uid) as base_fd:
+            with self._instance() as inst, open_base(self.root, self.server_uid) as base_fd:
                 self.accounts = self.stage_accounts(base_fd, self.uid, self.gid)
+                if etc_files is not None and self.server_uid == 0 and self.etc is None:
+                    self.etc = etcdir.prepare(inst, self.instance, etc_files)
+                    self._etc_files = etc_files
         except OSError as exc:
             raise StartupError(f"SANDBOX_TMP_ROOT: cannot create {self.instance}: {exc}") from exc
-        return self.purge_stale()
+
+    def _etc_present(self, inst: int) -> None:
+        """The prepared /etc, prepared again where an operator cleared the temp root since (as
+        the instance directory is made again): a jail started without it would not start."""
+        if self.etc is None:
+            return
+        with self._etc_lock:
+            try:
+                os.stat(etcdir.NAME, dir_fd=inst, follow_symlinks=False)
+            except FileNotFoundError:
+                etcdir.prepare(inst, self.instance, self._etc_files)
 
     @contextlib.contextmanager
     def _instance(self) -> Iterator[int]:
@@ -174,6 +201,7 @@ class RunDirs:
         uid = self.uid if uid is None else uid
         gid = self.gid if gid is None else gid
         with self._instance() as inst:
+            self._etc_present(inst)
             os.mkdir(run_id, 0o700, dir_fd=inst)
             try:
                 if self.sizes is not None:

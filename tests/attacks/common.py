@@ -69,10 +69,10 @@ async def probe(server: Server, code: str, **fields: Any) -> tuple[Execution, An
 
 
 def run_dirs(server: Server) -> list[str]:
-    """Run directories the server has under its SANDBOX_TMP_ROOT."""
+    """Run directories the server has under its SANDBOX_TMP_ROOT (besides the jails' prepared /etc)."""
     base = run_root(Path(server.env["SANDBOX_TMP_ROOT"]), server.proc.pid)
     try:
-        return sorted(os.listdir(base))
+        return sorted(set(os.listdir(base)) - {"etc"})
     except FileNotFoundError:
         return []
 

@@ -512,6 +512,42 @@ def test_a_squatted_temp_root_stops_startup(
         observe(refusal.splitlines()[-1][:300])
 
 
+# The jails' prepared /etc (issue 32): bound over every jail's /etc, so a tree planted at its
+# path would be every tenant's /etc. The wrapper makes the server's own instance directory as
+# root would and plants a link for the /etc in it, then execs the server.
+PLANT_ETC = (
+    'd="$2/srv-$(stat -L -c %i /proc/self/ns/pid)-$$-$(cut -d" " -f22 /proc/$$/stat)"; '
+    'mkdir -m 711 "$d" && ln -s "$1" "$d/etc" && shift 2 && exec "$@"'
+)
+
+
+@attack(
+    "a link (to a tree of the attacker's) planted where the server prepares the jails' /etc",
+    "startup stops (exit 2) naming the path; nothing is written through the link and no jail starts",
+)
+def test_a_planted_prepared_etc_stops_startup(tmp_path: Path, observe: Observe) -> None:
+    from tests.support import reachable_tmp_root
+
+    with reachable_tmp_root("appliance-etc-squat-") as root:
+        base = root / "appliance"
+        base.mkdir(mode=0o755)
+        decoy = root / "decoy"
+        _plant_link(base, "placeholder", decoy)
+        (base / "placeholder").unlink()
+        (decoy / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
+        wrap = ["sh", "-c", PLANT_ETC, "sh", str(decoy), str(base)]
+        try:
+            srv = start_server(tmp_path, wrap=wrap, SANDBOX_TMP_ROOT=str(root), SANDBOX_POOL_SIZE="0")
+        except ServerStartError as exc:
+            refusal = str(exc)
+        else:
+            srv.stop()
+            pytest.fail("the server started with a planted /etc for its jails")
+        assert "server exited 2" in refusal and "/etc exists before the server made it" in refusal, refusal
+        assert sorted(p.name for p in decoy.iterdir()) == ["passwd"], "the server wrote through the link"
+        observe(refusal.splitlines()[-1][:300])
+
+
 def test_the_planted_runtime_name_is_the_servers_own(tmp_path: Path) -> None:
     """The name the squatting test plants under is the one a clean server stages: the planting is real."""
     from tests.support import reachable_tmp_root
