@@ -9,6 +9,9 @@ One server; three sides take turns, each sample taken with the warm pool full an
   the two calls are also reported apart (create, first run_code);
 - e2b-http: the same two calls as bare HTTP requests on one kept-alive httpx client (the
   server's share of the SDK's time: what is left is the SDK's own);
+- e2b-js: the JavaScript SDK's `Sandbox.create()` + `runCode(...)`, timed in a node process
+  the benchmark paces (tests/js/e2b/bench.mjs; left out, and said so, where `make js` has
+  not installed the SDK);
 - native: on an open WebSocket, `{"session": "new", "code": "print(2 + 2)"}` to its `done`
   (one round trip opens the session and runs the cell).
 
@@ -39,6 +42,8 @@ from benchmarks.appliance_server import REPO, BenchError, execute, open_ws, star
 from benchmarks.stats import summarize
 
 RESULTS = REPO / "benchmarks" / "results"
+JS_DIR = REPO / "tests" / "js" / "e2b"
+JS_NODE = JS_DIR / "node_modules" / ".bin" / "node"  # pinned with the SDK (make js)
 CALLER = "any"  # the API key: the server has no token (as the native side), so any key is taken
 
 
@@ -50,16 +55,22 @@ def _commit() -> str:
 
 
 async def sample(base: str, url: str, reps: int, server: Any) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {
-        k: [] for k in ("e2b", "e2b_create", "e2b_first_run", "e2b_http", "native")
-    }
+    keys = ("e2b", "e2b_create", "e2b_first_run", "e2b_http", "e2b_js", "e2b_js_create", "native")
+    out: dict[str, list[float]] = {k: [] for k in keys}
     ws = await open_ws(url)
     opts = {"api_key": CALLER, "api_url": base, "sandbox_url": base}
+    node = await _start_node(base)
+    sides = 4 if node is not None else 3
     try:
         async with httpx.AsyncClient() as http:
-            for i in range(3 * reps):
+            for i in range(sides * reps):
                 await wait_pool_idle(server, 1)
-                side = i % 3
+                side = i % sides
+                if side == 3 and node is not None:
+                    total, create = await _js_sample(node)
+                    out["e2b_js"].append(total)
+                    out["e2b_js_create"].append(create)
+                    continue
                 if side == 0:
                     t0 = time.perf_counter()
                     sb = await AsyncSandbox.create(**opts)
@@ -88,7 +99,41 @@ async def sample(base: str, url: str, reps: int, server: Any) -> dict[str, list[
                     out["native"].append(took * 1000)
     finally:
         await ws.close()
+        if node is not None and node.stdin is not None:
+            node.stdin.close()
+            await node.wait()
     return out
+
+
+async def _start_node(base: str) -> asyncio.subprocess.Process | None:
+    """The JavaScript SDK's driver (tests/js/e2b/bench.mjs), or None where it is not installed."""
+    if not (JS_NODE.exists() and (JS_DIR / "node_modules" / "@e2b" / "code-interpreter").is_dir()):
+        print(f"e2b-js left out: the JavaScript SDK is not installed in {JS_DIR} (make js)", file=sys.stderr)
+        return None
+    env = {**os.environ, "E2B_API_URL": base, "E2B_SANDBOX_URL": base, "E2B_API_KEY": CALLER}
+    return await asyncio.create_subprocess_exec(
+        str(JS_NODE),
+        "bench.mjs",
+        cwd=JS_DIR,
+        env=env,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+
+async def _js_sample(node: asyncio.subprocess.Process) -> tuple[float, float]:
+    """One create + first run through the JavaScript SDK: (total, create) in ms, timed by node."""
+    if node.stdin is None or node.stdout is None:
+        raise BenchError("the node driver has no pipes")
+    node.stdin.write(b"go\n")
+    await node.stdin.drain()
+    line = await asyncio.wait_for(node.stdout.readline(), 60)
+    if not line:
+        raise BenchError(f"the JavaScript SDK's driver ended (exit status {await node.wait()})")
+    sample = json.loads(line)
+    if sample["stdout"] != ["4\n"]:
+        raise BenchError(f"the JavaScript SDK's run printed {sample['stdout']!r}")
+    return float(sample["total_ms"]), float(sample["create_ms"])
 
 
 async def _bare_http(http: httpx.AsyncClient, base: str) -> float:
@@ -126,12 +171,14 @@ ROWS = (
     ("… of which AsyncSandbox.create", "e2b_create"),
     ("… of which the first run_code", "e2b_first_run"),
     ("the same two calls, bare HTTP (httpx, kept alive)", "e2b_http"),
+    ("E2B JavaScript SDK: Sandbox.create + runCode", "e2b_js"),
+    ("… of which Sandbox.create", "e2b_js_create"),
     ('native: {"session": "new"} + its first cell, one WebSocket round trip', "native"),
 )
 
 
 def report(quick: bool, out_dir: Path, samples: dict[str, list[float]], load_before: str) -> dict[str, Any]:
-    s = {k: summarize(v) for k, v in samples.items()}
+    s = {k: summarize(v) for k, v in samples.items() if v}
     doc: dict[str, Any] = {
         "quick": quick,
         "machine": platform.node(),
@@ -143,6 +190,8 @@ def report(quick: bool, out_dir: Path, samples: dict[str, list[float]], load_bef
         "ratio_p50": s["e2b"].p50_ms / s["native"].p50_ms,
         "ratio_http_p50": s["e2b_http"].p50_ms / s["native"].p50_ms,
     }
+    if "e2b_js" in s:
+        doc["ratio_js_p50"] = s["e2b_js"].p50_ms / s["native"].p50_ms
     name = "e2b_quick" if quick else "e2b"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1))
@@ -156,10 +205,12 @@ def report(quick: bool, out_dir: Path, samples: dict[str, list[float]], load_bef
         *(
             f"| {label} | {s[k].n} | {s[k].p50_ms:.1f} | {s[k].p90_ms:.1f} | {s[k].p99_ms:.1f} |"
             for label, k in ROWS
+            if k in s
         ),
         "",
-        f"E2B SDK / native (p50): {doc['ratio_p50']:.2f}x; bare HTTP / native: {doc['ratio_http_p50']:.2f}x. "
-        "Published, create to first command: E2B's cloud median 440 ms (p95 850 ms), Daytona 110 ms.",
+        f"E2B SDK / native (p50): {doc['ratio_p50']:.2f}x; bare HTTP / native: {doc['ratio_http_p50']:.2f}x"
+        + (f"; JavaScript SDK / native: {doc['ratio_js_p50']:.2f}x. " if "ratio_js_p50" in doc else ". ")
+        + "Published, create to first command: E2B's cloud median 440 ms (p95 850 ms), Daytona 110 ms.",
         "",
     ]
     (out_dir / f"{name}.md").write_text("\n".join(md))
