@@ -63,6 +63,10 @@ def test_listing_pages_filter_and_order() -> None:
     page, _ = shapes.listing(boxes, {}, None, 2, token, order="desc")
     assert [s.id for s in page] == ["s4", "s3"]
     assert shapes.listing(boxes, {}, "paused", 10, None) == ([], None)
+    boxes[2].paused = "a-snapshot"
+    assert [s.id for s in shapes.listing(boxes, {}, "paused", 10, None)[0]] == ["s2"]
+    assert "s2" not in [s.id for s in shapes.listing(boxes, {}, "running", 10, None)[0]]
+    assert "s2" in [s.id for s in shapes.listing(boxes, {}, None, 10, None)[0]]
     with pytest.raises(BadRequest):
         shapes.listing(boxes, {}, None, 2, "garbage/x")
 

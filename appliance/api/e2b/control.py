@@ -134,16 +134,45 @@ async def set_timeout(request: web.Request, sandboxes: Sandboxes, owner: str) ->
 
 
 async def connect(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
-    """Connect to a running sandbox (nothing is ever paused here); a timeout given extends it."""
+    """Connect to a sandbox, resuming it if paused (201; a running one: 200); a timeout given
+    sets its new end."""
     sandbox = _sandbox(request, sandboxes, owner)
     if sandbox is None:
         return _not_found(request.match_info["sandbox_id"])
     body = await read_json(request, owner)
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    if body.get("timeout") is not None:
-        sandboxes.set_timeout(sandbox, shapes.timeout_s(body.get("timeout")))
-    return web.json_response(shapes.created(sandbox), status=200)
+    timeout = shapes.timeout_s(body.get("timeout")) if body.get("timeout") is not None else None
+    resumed = await sandboxes.resume(sandbox)
+    if timeout is not None:
+        sandboxes.set_timeout(sandbox, timeout)
+    return web.json_response(shapes.created(sandbox), status=201 if resumed else 200)
+
+
+async def resume(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+    """The older resume call: a running sandbox is a conflict (409), as on E2B."""
+    sandbox = _sandbox(request, sandboxes, owner)
+    if sandbox is None:
+        return _not_found(request.match_info["sandbox_id"])
+    body = await read_json(request, owner)
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    timeout = shapes.timeout_s(body.get("timeout"))
+    if not await sandboxes.resume(sandbox):
+        return reply(409, f"sandbox {sandbox.id} is running, not paused")
+    sandboxes.set_timeout(sandbox, timeout)
+    return web.json_response(shapes.created(sandbox), status=201)
+
+
+async def pause(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+    """Pause: the default context kept as a snapshot, the jails ended; 409 if paused already."""
+    sandbox = _sandbox(request, sandboxes, owner)
+    if sandbox is None:
+        return _not_found(request.match_info["sandbox_id"])
+    await read_json(request, owner)  # screened like every body; its options change nothing here
+    if not await sandboxes.pause(sandbox):
+        return reply(409, f"sandbox {sandbox.id} is paused already")
+    return web.Response(status=204)
 
 
 def not_supported(feature: str) -> Any:
@@ -169,8 +198,8 @@ def add_routes(app: web.Application, prefix: str) -> None:
     r.add_get(one, handler(info))
     r.add_delete(one, handler(kill))
     r.add_post(f"{one}/timeout", handler(set_timeout))
-    r.add_post(f"{one}/pause", handler(not_supported("pause")))
-    r.add_post(f"{one}/resume", handler(not_supported("resume")))
+    r.add_post(f"{one}/pause", handler(pause))
+    r.add_post(f"{one}/resume", handler(resume))
     r.add_post(f"{one}/snapshots", handler(not_supported("snapshots")))
     r.add_post(f"{one}/fork", handler(not_supported("fork")))
     r.add_post(f"{one}/refreshes", handler(not_supported("refreshes")))

@@ -124,7 +124,15 @@ class Sandboxes:
         return sandbox
 
     async def kill(self, sandbox: Sandbox) -> None:
-        self.registry.remove(sandbox.id)
+        """End a sandbox, running or paused (its snapshot is deleted)."""
+        async with sandbox.transition:  # after a pause or resume under way, never in its middle
+            self.registry.remove(sandbox.id)
+            await self._end_jails(sandbox)
+            if sandbox.paused is not None:
+                await self._forget_snapshot(sandbox, sandbox.paused)
+
+    async def _end_jails(self, sandbox: Sandbox) -> None:
+        """End what runs in the sandbox: its watchers, commands and every context's session."""
         sandbox.ended.set()
         while sandbox.on_end:
             try:
@@ -138,20 +146,93 @@ class Sandboxes:
             await self.service.close_session(ctx.session, sandbox.owner)
         sandbox.contexts.clear()
 
+    async def _forget_snapshot(self, sandbox: Sandbox, snapshot_id: str) -> None:
+        try:
+            await self.service.delete_snapshot(snapshot_id, sandbox.owner)
+        except Exception:  # the sandbox is gone or running either way; the store's quota says the rest
+            log.exception("could not delete a paused E2B sandbox's snapshot", extra={"sandbox": sandbox.id})
+
+    # -- pause and resume ---------------------------------------------------------------------
+    async def pause(self, sandbox: Sandbox) -> bool:
+        """Keep the default context's state as a snapshot and end the sandbox's jails; False when
+        it was paused already. Refused (and nothing changes) while it has other contexts, running
+        commands or a running cell: a pause keeps only what a snapshot holds, and names no loss."""
+        async with sandbox.transition:
+            if sandbox.paused is not None:
+                return False
+            if not self.service.snapshots.enabled:
+                raise Refused(501, "pause is not supported by this server: it needs SANDBOX_SNAPSHOT_DIR set")
+            others = [c for c in sandbox.contexts if c != sandbox.default]
+            if others:
+                raise Refused(
+                    400,
+                    f"a pause keeps the default context only; remove the other contexts first: {', '.join(others)}",
+                )
+            table = self.commands.get(sandbox.id)
+            running = table.running() if table is not None else []
+            if running:
+                pids = ", ".join(str(c.pid) for c in running)
+                raise Refused(
+                    400, f"commands are running (pid {pids}); a pause keeps no process: kill them first"
+                )
+            ctx = sandbox.contexts.get(sandbox.default)
+            if ctx is None:
+                raise Refused(404, f"sandbox {sandbox.id} has ended")
+            if ctx.lock.locked():
+                raise Refused(400, "a cell is running in the default context; pause after it ends")
+            # The context's turn is held to the end, so a cell that waited for it finds the
+            # session gone rather than running after the snapshot was taken.
+            async with ctx.lock:
+                info = await self.service.snapshot_session(ctx.session, sandbox.owner)
+                # Paused before its sessions end, so it never reads as ended in between.
+                sandbox.paused = info.id
+                sandbox.paused_executions = ctx.executions
+                await self._end_jails(sandbox)
+            if info.skipped:
+                log.warning(
+                    "an E2B sandbox's pause did not keep everything",
+                    extra={"sandbox": sandbox.id, "skipped": list(info.skipped)},
+                )
+            return True
+
+    async def resume(self, sandbox: Sandbox) -> bool:
+        """Restore a paused sandbox's default context into a new session under the same sandbox
+        id, context id and access token; False when it was running. If the restore fails, the
+        sandbox stays paused and its snapshot kept (the error says why)."""
+        async with sandbox.transition:
+            snapshot_id = sandbox.paused
+            if snapshot_id is None:
+                return False
+            sandbox.ended = asyncio.Event()
+            try:
+                ctx = await self.new_context(sandbox, sandbox.default, from_snapshot=snapshot_id)
+            except BaseException:
+                sandbox.ended.set()
+                raise
+            ctx.executions = sandbox.paused_executions
+            sandbox.paused = None
+            await self._forget_snapshot(sandbox, snapshot_id)
+            return True
+
     def owned(self, sandbox_id: str, owner: str) -> Sandbox | None:
         return self._alive(self.registry.owned(sandbox_id, owner))
 
     def reached(self, sandbox_id: str, token: str | None) -> Sandbox | None:
-        return self._alive(self.registry.reached(sandbox_id, token))
+        """A running sandbox, for sandbox traffic (a paused one has no jail to reach)."""
+        found = self._alive(self.registry.reached(sandbox_id, token))
+        return found if found is not None and found.paused is None else None
 
     def of_owner(self, owner: str) -> list[Sandbox]:
         return [s for s in self.registry.of_owner(owner) if self._alive(s) is not None]
 
     def _alive(self, sandbox: Sandbox | None) -> Sandbox | None:
         """The sandbox, unless it is past its end or its default context's session has ended
-        (then it is forgotten here; its other sessions end with it, by the reaper)."""
+        (then it is forgotten here; its other sessions end with it, by the reaper). A paused
+        one lives to its end, with no session."""
         if sandbox is None:
             return None
+        if sandbox.paused is not None:
+            return sandbox if sandbox.end_at > self.clock() else None
         if sandbox.end_at <= self.clock() or not self._session_alive(sandbox, sandbox.default):
             sandbox.end_at = min(sandbox.end_at, self.clock())  # the reaper ends the rest
             return None
@@ -203,11 +284,20 @@ class Sandboxes:
         sandbox.end_at = self.clock() + timeout_s
 
     # -- contexts ---------------------------------------------------------------------------
-    async def new_context(self, sandbox: Sandbox, context_id: str | None = None) -> Context:
-        """Open a session for a context (its own jail and interpreter) with the sandbox's env vars."""
-        req = ExecuteRequest(code=_setup_code(sandbox.envs), stdin_eof=True)
-        # Without env vars to set, no first cell: the context is ready when its jail is leased.
-        done = _done_of(await self.service.open_session(req, sandbox.owner, first_cell=bool(req.code)))
+    async def new_context(
+        self, sandbox: Sandbox, context_id: str | None = None, from_snapshot: str | None = None
+    ) -> Context:
+        """Open a session for a context (its own jail and interpreter) with the sandbox's env
+        vars; from a snapshot when resuming."""
+        req = ExecuteRequest(
+            code=_setup_code(sandbox.envs),
+            stdin_eof=True,
+            from_snapshot=from_snapshot,
+        )
+        # Without env vars to set or a snapshot to restore, no first cell: the context is
+        # ready when its jail is leased.
+        first_cell = bool(req.code) or from_snapshot is not None
+        done = _done_of(await self.service.open_session(req, sandbox.owner, first_cell=first_cell))
         session = done.session
         if done.status != "ok" or session is None:
             if session is not None:  # opened, but its first cell failed: not kept

@@ -35,11 +35,20 @@ class Sandbox:
     metadata: dict[str, str]
     envs: dict[str, str]
     default: str = ""  # the default context's id
+    # Paused: the snapshot its default context was kept as, its jails ended (None: running).
+    paused: str | None = None
+    paused_executions: int = 0  # the default context's execution count, carried over a pause
+    # Pause, resume and kill one at a time: a kill waits for a pause, so no snapshot is left behind.
+    transition: asyncio.Lock = field(default_factory=asyncio.Lock)
     contexts: dict[str, Context] = field(default_factory=dict)
-    # Set once the sandbox is gone: what lives as long as it does (envd's watchers and
-    # process streams) ends with it.
+    # Set once the sandbox is gone or paused: what lives as long as its jail does (envd's
+    # watchers and process streams) ends with it. A resume starts a new one.
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     on_end: list[Callable[[], None]] = field(default_factory=list)  # called once, as it ends
+
+    @property
+    def state(self) -> str:
+        return "running" if self.paused is None else "paused"
 
 
 def new_id() -> str:

@@ -117,7 +117,7 @@ def detail(sandbox: Sandbox, cpus: float, memory_mb: int, disk_mb: int) -> dict[
         "cpuCount": max(1, round(cpus)),
         "memoryMB": memory_mb,
         "diskSizeMB": disk_mb,
-        "state": "running",
+        "state": sandbox.state,
         "metadata": dict(sandbox.metadata),
     }
 
@@ -211,8 +211,7 @@ def listing(  # noqa: PLR0913 (the list endpoint's query, one argument per param
 
     The token is the last listed sandbox's (start time, id): a page never repeats or skips a
     sandbox that lives on, whatever starts or ends between pages."""
-    if states is not None and "running" not in states.split(","):
-        return [], None  # nothing here is ever paused
+    wanted_states = set(states.split(",")) if states is not None else {"running", "paused"}
     if order not in (None, "asc", "desc"):
         raise BadRequest("'order' must be asc or desc")
     newest_first = order == "desc"
@@ -220,7 +219,9 @@ def listing(  # noqa: PLR0913 (the list endpoint's query, one argument per param
         (
             s
             for s in sandboxes
-            if all(s.metadata.get(k) == v for k, v in wanted.items()) and template in (None, s.template)
+            if all(s.metadata.get(k) == v for k, v in wanted.items())
+            and template in (None, s.template)
+            and s.state in wanted_states
         ),
         key=lambda s: (s.started_at, s.id),
         reverse=newest_first,

@@ -1,0 +1,151 @@
+"""Pause and resume through the unmodified E2B SDK (sync and async), on session snapshots.
+
+A pause keeps the default context as a snapshot (its globals that pickle, its files) and ends
+the sandbox's jail; `connect` restores it into a new session under the same id and token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from e2b import NotFoundException, SandboxException, SandboxQuery, SandboxState
+from e2b_code_interpreter import AsyncSandbox, Sandbox
+
+from tests.support import Server, scaled, start_server
+
+ALICE = "alice-e2b-pause-0123456789"
+BOB = "bob-e2b-pause-0123456789ab"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2b-pause-store") / "snapshots"
+
+
+@pytest.fixture(scope="module")
+def e2bsrv(tmp_path_factory: pytest.TempPathFactory, store: Path) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("e2b-pause")
+    tokens = tmp / "tenants.toml"
+    tokens.write_text(
+        f'[[tenant]]\nname = "alice"\ntoken = "{ALICE}"\n\n[[tenant]]\nname = "bob"\ntoken = "{BOB}"\n'
+    )
+    tokens.chmod(0o600)
+    srv = start_server(
+        tmp, SANDBOX_AUTH_TOKENS_FILE=str(tokens), SANDBOX_SNAPSHOT_DIR=str(store), SANDBOX_POOL_SIZE="2"
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def sdk_env(e2bsrv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
+    monkeypatch.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
+    monkeypatch.setenv("E2B_API_KEY", ALICE)
+
+
+def until(check: Callable[[], bool], within_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + scaled(within_s)
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return check()
+
+
+def kept_snapshots(store: Path) -> list[Path]:
+    """The snapshots the store holds now, of every tenant (`.new-*` ones being written aside)."""
+    return [p for tenant in store.glob("t-*") for p in tenant.iterdir() if not p.name.startswith(".")]
+
+
+def paused_ids() -> set[str]:
+    found = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+    return {s.sandbox_id for s in found}
+
+
+def test_pause_then_connect_keeps_the_interpreter_and_files(store: Path) -> None:
+    sb = Sandbox.create(timeout=600)
+    try:
+        sb.run_code("kept = 41")
+        sb.files.write("/home/user/notes.txt", "across a pause")
+        assert sb.pause() is True
+        assert sb.get_info().state == SandboxState.PAUSED
+        assert sb.sandbox_id in paused_ids()
+        running = Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING])).next_items()
+        assert sb.sandbox_id not in {s.sandbox_id for s in running}
+        assert len(kept_snapshots(store)) == 1
+        assert Sandbox.pause(sb.sandbox_id) is False  # the SDK's answer: paused already
+        with pytest.raises(NotFoundException):  # no jail to reach while paused
+            sb.run_code("kept")
+
+        again = Sandbox.connect(sb.sandbox_id)
+        assert again.sandbox_id == sb.sandbox_id
+        assert again.get_info().state == SandboxState.RUNNING
+        assert again.run_code("kept + 1").text == "42"
+        assert sb.run_code("kept").text == "41"  # the old handle: same id, same access token
+        assert sb.files.read("notes.txt") == "across a pause"
+        assert kept_snapshots(store) == []  # a resume deletes what the pause kept
+    finally:
+        sb.kill()
+
+
+async def test_async_pause_then_connect_keeps_a_variable() -> None:
+    sb = await AsyncSandbox.create(timeout=600)
+    try:
+        await sb.run_code("import math\nkept = math.pi")
+        assert await sb.pause() is True
+        assert (await sb.get_info()).state == SandboxState.PAUSED
+        again = await AsyncSandbox.connect(sb.sandbox_id)
+        assert (await again.run_code("round(kept, 2)")).text == "3.14"
+    finally:
+        await sb.kill()
+
+
+def test_paused_sandbox_is_its_tenants_and_ends_when_killed_or_expired(store: Path) -> None:
+    sb = Sandbox.create(timeout=600)
+    sb.run_code("secret = 'alice'")
+    assert sb.pause() is True
+    try:
+        # Another tenant reads it as missing, for every call, and cannot resume it.
+        with pytest.raises(NotFoundException):
+            Sandbox.connect(sb.sandbox_id, api_key=BOB)
+        with pytest.raises(NotFoundException):
+            Sandbox.get_info(sb.sandbox_id, api_key=BOB)
+        assert Sandbox.kill(sb.sandbox_id, api_key=BOB) is False
+        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.PAUSED  # untouched
+        # A paused sandbox still ends at its timeout, and its snapshot with it.
+        Sandbox.set_timeout(sb.sandbox_id, 1)
+        assert until(lambda: sb.sandbox_id not in paused_ids())
+        with pytest.raises(NotFoundException):
+            Sandbox.connect(sb.sandbox_id)
+        assert until(lambda: kept_snapshots(store) == [])
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+    killed = Sandbox.create(timeout=600)
+    assert killed.pause() is True
+    assert killed.kill() is True
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(killed.sandbox_id)
+    assert kept_snapshots(store) == []
+
+
+def test_pause_is_refused_while_a_command_runs(store: Path) -> None:
+    sb = Sandbox.create(timeout=600)
+    try:
+        sb.run_code("kept = 'still here'")
+        handle = sb.commands.run("sleep 600", background=True)
+        with pytest.raises(SandboxException, match="commands are running"):
+            sb.pause()
+        assert sb.get_info().state == SandboxState.RUNNING
+        assert sb.run_code("kept").text == "'still here'"  # nothing was lost
+        assert handle.kill() is True
+        assert until(lambda: handle.pid not in {p.pid for p in sb.commands.list()})
+        assert sb.pause() is True
+        assert Sandbox.connect(sb.sandbox_id).run_code("kept").text == "'still here'"
+    finally:
+        sb.kill()
+    assert kept_snapshots(store) == []
