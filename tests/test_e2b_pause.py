@@ -149,3 +149,10 @@ def test_pause_is_refused_while_a_command_runs(store: Path) -> None:
     finally:
         sb.kill()
     assert kept_snapshots(store) == []
+
+
+def test_a_gpu_budget_is_refused_on_a_cpu_server() -> None:
+    with pytest.raises(SandboxException, match="without SANDBOX_GPU"):
+        Sandbox.create(metadata={"gpu_memory_mb": "1024"})
+    with pytest.raises(SandboxException, match="whole number of MiB"):
+        Sandbox.create(metadata={"gpu_memory_mb": "lots"})

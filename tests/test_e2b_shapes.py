@@ -121,3 +121,11 @@ def test_an_error_reason_phrase_carries_the_message_safely() -> None:
     phrase = shapes.reason(404, "id '\r\nSet-Cookie: x\u00e9" + "y" * 500)
     assert phrase.isascii() and phrase.isprintable() and "\r" not in phrase and "\n" not in phrase
     assert len(phrase) <= len("Not Found: ") + shapes.MAX_REASON_CHARS
+
+
+def test_gpu_budget_is_read_from_metadata() -> None:
+    assert shapes.gpu_ask({}) == 0
+    assert shapes.gpu_ask({"gpu_memory_mb": "2048", "other": "x"}) == 2048
+    for bad in ("0", "-1", "1.5", "lots", "", "٣", "9" * 13):
+        with pytest.raises(BadRequest, match="whole number of MiB"):
+            shapes.gpu_ask({"gpu_memory_mb": bad})

@@ -88,7 +88,7 @@ def _detail(sandboxes: Sandboxes, sandbox: Sandbox) -> dict[str, Any]:
 
 async def create(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
     template, timeout_s, metadata, envs = shapes.new_sandbox(await read_json(request, owner))
-    sandbox = await sandboxes.create(owner, template, timeout_s, metadata, envs)
+    sandbox = await sandboxes.create(owner, template, timeout_s, metadata, envs, shapes.gpu_ask(metadata))
     return web.json_response(shapes.created(sandbox), status=201)
 
 

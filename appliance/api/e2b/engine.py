@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from appliance.api.e2b import commands, registry
+from appliance.api.e2b import commands, registry, shapes
 from appliance.api.e2b.registry import Context, Registry, Sandbox
 from appliance.core.errors import ApplianceError, Busy, RequestRejected
 from appliance.core.events import Done, Emit, Event
@@ -23,7 +23,7 @@ from appliance.core.ports import Workspace
 from appliance.core.service import Run, RunService
 from appliance.core.tasks import TaskScope, cancel_and_wait, checkpoint
 from appliance.sandbox.jail import Jail
-from appliance.wire.protocol import ExecuteRequest
+from appliance.wire.protocol import ExecuteRequest, GpuRequest
 
 log = logging.getLogger("appliance.api.e2b")
 
@@ -104,9 +104,21 @@ class Sandboxes:
                     log.exception("could not end an expired E2B sandbox", extra={"sandbox": sandbox.id})
 
     # -- sandboxes --------------------------------------------------------------------------
-    async def create(
-        self, owner: str, template: str, timeout_s: int, metadata: dict[str, str], envs: dict[str, str]
+    async def create(  # noqa: PLR0913 (the create request's parts, one argument each)
+        self,
+        owner: str,
+        template: str,
+        timeout_s: int,
+        metadata: dict[str, str],
+        envs: dict[str, str],
+        gpu_mb: int = 0,
     ) -> Sandbox:
+        if gpu_mb and not self.service.settings.gpu:
+            raise Refused(
+                400,
+                f"metadata {shapes.GPU_KEY}={gpu_mb} asks for a GPU, but this appliance runs without "
+                "SANDBOX_GPU (leave the key out)",
+            )
         now = self.clock()
         sandbox = Sandbox(
             id=registry.new_id(),
@@ -117,6 +129,7 @@ class Sandboxes:
             end_at=now + timeout_s,
             metadata=metadata,
             envs=envs,
+            gpu_mb=gpu_mb,
         )
         default = await self.new_context(sandbox)
         sandbox.default = default.id
@@ -287,11 +300,12 @@ class Sandboxes:
     async def new_context(
         self, sandbox: Sandbox, context_id: str | None = None, from_snapshot: str | None = None
     ) -> Context:
-        """Open a session for a context (its own jail and interpreter) with the sandbox's env
-        vars; from a snapshot when resuming."""
+        """Open a session for a context (its own jail and interpreter, with the sandbox's GPU
+        budget) with the sandbox's env vars; from a snapshot when resuming."""
         req = ExecuteRequest(
             code=_setup_code(sandbox.envs),
             stdin_eof=True,
+            gpu=GpuRequest(memory_mb=sandbox.gpu_mb) if sandbox.gpu_mb else None,
             from_snapshot=from_snapshot,
         )
         # Without env vars to set or a snapshot to restore, no first cell: the context is

@@ -35,6 +35,7 @@ class Sandbox:
     metadata: dict[str, str]
     envs: dict[str, str]
     default: str = ""  # the default context's id
+    gpu_mb: int = 0  # the GPU budget each of its contexts asks for (metadata gpu_memory_mb; 0: none)
     # Paused: the snapshot its default context was kept as, its jails ended (None: running).
     paused: str | None = None
     paused_executions: int = 0  # the default context's execution count, carried over a pause

@@ -27,6 +27,8 @@ TEMPLATES = ("base", "code-interpreter-v1")
 LANGUAGES = ("python",)  # what a code context or a cell may ask for
 MAX_TIMEOUT_S = 24 * 3600
 DEFAULT_TIMEOUT_S = 300
+# The metadata key that asks for a GPU memory budget (MiB) for each of a sandbox's contexts.
+GPU_KEY = "gpu_memory_mb"
 MAX_LABELS_BYTES = 64 * 1024  # metadata and env vars of one sandbox, as JSON, together
 
 # MIME type -> the field of the SDK's Result that holds it.
@@ -166,6 +168,16 @@ def new_sandbox(body: object) -> tuple[str, int, dict[str, str], dict[str, str]]
     if len(json.dumps([metadata, envs])) > MAX_LABELS_BYTES:
         raise BadRequest(f"metadata and envVars together may take at most {MAX_LABELS_BYTES} bytes")
     return template, timeout_s(body.get("timeout")), metadata, envs
+
+
+def gpu_ask(metadata: Mapping[str, str]) -> int:
+    """The GPU budget a sandbox's metadata asks for (0: none), a whole number of MiB."""
+    raw = metadata.get(GPU_KEY)
+    if raw is None:
+        return 0
+    if len(raw) > 12 or not raw.isascii() or not raw.isdigit() or int(raw) <= 0:
+        raise BadRequest(f"metadata {GPU_KEY!r} must be a whole number of MiB, from 1")
+    return int(raw)
 
 
 def language(value: object) -> str:
