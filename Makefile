@@ -9,7 +9,8 @@ PORT ?= 9100
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`: the suite mostly waits (jails and servers starting), so
 # more workers than cores; a module stays on one worker (its server starts once) and tests marked
-# `exclusive` run alone (tests/exclusive.py). TEST_WORKERS=0: one process.
+# `exclusive` run alone (tests/exclusive.py). Modules are handed out in tests/conftest.py's
+# order (`schedule_order`: slow ones first), which --no-loadscope-reorder keeps. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 4
 
 JS_SDK := tests/js/e2b
@@ -56,7 +57,7 @@ run: setup
 	SUDO="$(SUDO)" scripts/serve.sh $(VENV) --host $(HOST) --port $(PORT)
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The fast tier (tests/tiers.py): no server, no jail, no firejail, no root; the venv must exist
 # (`make setup` once). Any user may run it.

@@ -17,10 +17,28 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "exclusive: runs while no other test runs (tests/exclusive.py)")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Under pytest-xdist, `make test` distributes by file (--dist loadfile): a module stays on
     # one worker, so its module-scoped server and fixtures are made once and never twice at once.
     tiers.classify(items)
+    if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the schedule's
+        items[:] = schedule_order(items)
+
+
+def schedule_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The order `make test` hands modules to workers (it passes --no-loadscope-reorder, so xdist
+    keeps it): modules holding a `slow` test first, then the rest, each by test count, most
+    first (xdist's own order). A long module handed out last is the suite's tail while the other
+    workers idle (the soak: one test, a minute); handed out first, it runs beside the short ones.
+    Each module's tests keep their order."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def rank(tests: list[pytest.Item]) -> tuple[bool, int]:
+        return (not any(t.get_closest_marker("slow") for t in tests), -len(tests))
+
+    return [item for tests in sorted(modules.values(), key=rank) for item in tests]
 
 
 TURNS = pytest.StashKey[exclusive.Turns]()

@@ -6,9 +6,11 @@ import fcntl
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
+from tests.conftest import schedule_order
 from tests.exclusive import Turns, lock_root, turn
 
 
@@ -70,3 +72,28 @@ def test_a_shared_test_before_an_exclusive_one_keeps_no_hold(tmp_path: Path) -> 
     with turns.turn(exclusive=False, next_exclusive=True):
         assert can_lock(tmp_path / "run.lock", fcntl.LOCK_SH)
     assert not turns.holding and can_lock(tmp_path / "run.lock", fcntl.LOCK_EX)
+
+
+def test_modules_with_a_slow_test_are_handed_out_first_then_the_most_tests_first() -> None:
+    class Item(SimpleNamespace):
+        def get_closest_marker(self, name: str) -> object | None:
+            return name if name in self.marks else None
+
+    def items(module: str, count: int, slow_at: int | None = None) -> list[Item]:
+        return [
+            Item(nodeid=f"{module}::t{i}", marks={"slow"} if i == slow_at else set()) for i in range(count)
+        ]
+
+    collected = [
+        *items("a.py", 2),
+        *items("b.py", 3),
+        *items("soak.py", 1, slow_at=0),
+        *items("kit.py", 4, slow_at=2),
+    ]
+    order = [item.nodeid for item in schedule_order(cast(list[pytest.Item], collected))]
+    assert order == [
+        *(f"kit.py::t{i}" for i in range(4)),
+        "soak.py::t0",
+        *(f"b.py::t{i}" for i in range(3)),
+        *(f"a.py::t{i}" for i in range(2)),
+    ]
