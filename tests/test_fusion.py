@@ -188,6 +188,43 @@ def test_files_in_and_fetched(srv: Server) -> None:
     assert body["files"] == {"out.txt": b64(b"HELLO FUSION"), "in/data.txt": b64(b"hello fusion")}
 
 
+# A program that ignores the interrupt a time limit sends first: its interpreter, and so its
+# session and jail, end with the limit (a program that takes the interrupt keeps its session,
+# and its files are fetched by a cell as after any run).
+HANG = (
+    "def _hang(step):\n"
+    "    while True:\n"
+    "        try:\n"
+    "            step()\n"
+    "        except KeyboardInterrupt:\n"
+    "            pass\n"
+)
+
+
+def test_files_fetched_after_a_time_limit(srv: Server) -> None:
+    # A program that wrote its answer, then hung: its jail ends with the time limit, and the
+    # files come back as SandboxFusion returns them; one still being written gives what it holds.
+    code = HANG + (
+        "import time\n"
+        "open('answer.txt', 'w').write('partial answer')\n"
+        "log = open('log.txt', 'w')\n"
+        "log.write('started\\n'); log.flush()\n"
+        "def tick():\n"
+        "    log.write('tick\\n'); log.flush(); time.sleep(0.01)\n"
+        "_hang(tick)\n"
+    )
+    body = post(
+        srv,
+        "/run_code",
+        {"code": code, "language": "python", "run_timeout": 1, "fetch_files": ["answer.txt", "log.txt"]},
+    ).json()
+    assert body["run_result"]["status"] == "TimeLimitExceeded", body
+    assert body["status"] == "Failed", body
+    assert body["files"]["answer.txt"] == b64(b"partial answer"), body
+    log = base64.b64decode(body["files"]["log.txt"])
+    assert log.startswith(b"started\n"), log[:100]
+
+
 def test_jupyter_cells_share_state(srv: Server) -> None:
     body = post(
         srv,

@@ -737,3 +737,36 @@ async def test_fusion_fetch_follows_no_link(target: Server, observe: Observe) ->
     assert answer["files"] == {"real/plain.txt": base64.b64encode(b"plain").decode()}, answer
     note = await assert_contained(target)
     observe(f"planted fetch dir: no files; plain tree: only real/plain.txt came back; {note}")
+
+
+@attack(
+    "a program plants a link to /etc/shadow, a link to /etc on the way and a FIFO, then ignores the "
+    "interrupt of its time limit, so its jail ends with the run and /run_code reads `fetch_files` "
+    "from the host",
+    "TimeLimitExceeded; no link is followed and the FIFO does not block: only the program's own "
+    "file comes back, the others are named in `message`, and the next run works",
+)
+async def test_fusion_fetch_after_a_time_limit_follows_no_link(target: Server, observe: Observe) -> None:
+    code = (
+        "import os, time\n"
+        "os.symlink('/etc/shadow', 'shadow.txt')\n"
+        "os.symlink('/etc', 'etc')\n"
+        "os.mkfifo('pipe.txt')\n"
+        "open('mine.txt', 'w').write('mine')\n"
+        "while True:\n"
+        "    try:\n"
+        "        time.sleep(60)\n"
+        "    except KeyboardInterrupt:\n"
+        "        pass\n"
+    )
+    names = ["shadow.txt", "etc/shadow", "pipe.txt", "mine.txt"]
+    body = {"code": code, "language": "python", "run_timeout": 1, "fetch_files": names}
+    status, answer = await asyncio.to_thread(fusion, target, body)
+    assert status == 200, answer
+    run_result = answer["run_result"]
+    assert isinstance(run_result, dict) and run_result["status"] == "TimeLimitExceeded", answer
+    assert answer["files"] == {"mine.txt": base64.b64encode(b"mine").decode()}, answer
+    for name in names[:3]:
+        assert f"{name!r} not fetched" in str(answer["message"]), answer["message"]
+    note = await assert_contained(target)
+    observe(f"after the time limit only mine.txt came back; {answer['message']}; {note}")

@@ -1,12 +1,16 @@
 """SandboxFusion's requests as runs of the run service; its events back into results.
 
-Nothing here reaches a jail but through `RunService.submit`, so every request is under the
-same admission, tenant quotas, limits and watchdogs as a native run:
+Nothing here reaches a jail but through `RunService.submit` (or `execute`, to open a session
+with no cell), so every request is under the same admission, tenant quotas, limits and
+watchdogs as a native run:
 
 - a Python program with nothing to fetch is one one-shot run (the fast path trainers take);
-- a compiled language, or files to fetch, take a session (one jail): the compile cell, the
-  run cell, then a cell that copies the files to fetch to outputs/, which the server reads
-  back within its own bounds; the session is closed at the end, whatever happened;
+- a compiled language, or files to fetch, take a session (one jail): the compile cell (or,
+  without one, the session opened with no cell), the run cell, then a cell that copies the
+  files to fetch to outputs/, which the server reads back within its own bounds; a run that
+  ended its jail (a time limit) has its files read from the host instead, through the
+  working directory's descriptor taken before the run (`salvage`); the session is closed at
+  the end, whatever happened;
 - /run_jupyter is a session, a cell per cell;
 - /run_tests runs the program once per case, each case in a jail of its own (docs/fusion.md
   says why), at most SANDBOX_MAX_CONCURRENCY of one request's cases at a time.
@@ -18,17 +22,19 @@ import asyncio
 import base64
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.api import busy
-from appliance.api.fusion import languages, shapes
+from appliance.api.fusion import languages, salvage, shapes
 from appliance.api.fusion.shapes import BadRequest, CellOutput, CodeAsk, Result
 from appliance.api.transport import FrameParser
 from appliance.core import events
 from appliance.core.errors import RequestRejected
+from appliance.core.ports import Workspace
 from appliance.core.service import RunService
 from appliance.core.tasks import TaskScope
 from appliance.wire.protocol import ExecuteRequest, ProtocolError
@@ -209,12 +215,13 @@ class Runner:
             _raise_refusal(run)
             return None, run.result(), {}, ""
         session: str | None = None
+        ws: Workspace | None = None
         try:
             compiled: Result | None = None
-            first: dict[str, Any] = {**base, "session": "new"}
+            rest: dict[str, Any] = {**base, "session": "new"}
             if compile_code is not None:
                 step = await self.run(
-                    {**first, "code": compile_code, "timeout_ms": _ms(ask.compile_timeout_s)}
+                    {**rest, "code": compile_code, "timeout_ms": _ms(ask.compile_timeout_s)}
                 )
                 session = step.session  # closed below, whatever the compile's end
                 _raise_refusal(step)
@@ -228,21 +235,65 @@ class Runner:
                         {},
                         "",
                     )
-                first = {"session": session}
-            run = await self.run({**first, "code": run_code, "timeout_ms": _ms(ask.run_timeout_s)}, ask.stdin)
-            session = session or run.session  # closed below, whatever the run's end
+                rest = {"session": session}
+            else:
+                # Files to fetch: the session opens first (no cell), so that its working
+                # directory is held before the program runs (`salvage`).
+                opened = await self.open_session({k: v for k, v in base.items() if k != "files"})
+                session = opened.session  # closed below, whatever happens
+                _raise_refusal(opened)
+                if session is None or opened.status != "ok":
+                    return None, Result(shapes.ERROR, stderr=opened.message or opened.status), {}, ""
+                rest = {"session": session, "files": base["files"]}
+            ws = self._workspace(session)
+            run = await self.run({**rest, "code": run_code, "timeout_ms": _ms(ask.run_timeout_s)}, ask.stdin)
             _raise_refusal(run)
-            files, note = await self._fetch(session, ask.fetch)
+            files, note = await self._fetch(session, ask.fetch, ws)
             return compiled, run.result(), files, note
         finally:
+            if ws is not None:
+                os.close(ws.fd)
             await self.close(session)
 
-    async def _fetch(self, session: str | None, names: tuple[str, ...]) -> tuple[dict[str, str], str]:
-        """The named files of the session's workspace (base64), and why any was left out."""
+    async def open_session(self, frame: dict[str, Any]) -> Collected:
+        """Open a session without running a cell (frame's `memory_mb` applies); its `done`."""
+        req = await self._request({**frame, "session": "new", "code": "", "stdin_eof": True})
+        collected = Collected()
+        await self.service.execute(req, self.owner, collected.emit, cell=False)
+        return collected
+
+    def _workspace(self, session: str | None) -> Workspace | None:
+        """A descriptor of the session's working directory, of the caller's own; None if gone."""
+        if session is None:
+            return None
+        try:
+            return self.service.sessions.get(session, self.owner).jail.open_workspace()
+        except RequestRejected:
+            return None
+
+    def _alive(self, session: str) -> bool:
+        try:
+            self.service.sessions.get(session, self.owner)
+        except RequestRejected:
+            return False
+        return True
+
+    async def _fetch(
+        self, session: str | None, names: tuple[str, ...], ws: Workspace | None = None
+    ) -> tuple[dict[str, str], str]:
+        """The named files of the session's workspace (base64), and why any was left out: by a
+        cell while the session lives, else (its jail ended with the run) from `ws`, the
+        working directory held from before the run."""
         if not names:
             return {}, ""
-        if session is None:
-            return {}, "files were not fetched: the run's jail ended with it"
+        if session is None or not self._alive(session):
+            if ws is None:
+                return {}, "files were not fetched: the run's jail ended with it"
+            settings = self.service.settings
+            read, left_out = await asyncio.to_thread(
+                salvage.read, ws, names, settings.max_file_out_bytes, settings.max_outputs_bytes
+            )
+            return read, "; ".join(left_out)
         got = await self.run({"session": session, "code": languages.fetch_cell(names)})
         if got.status not in ("ok", "output_limit"):
             return {}, f"files were not fetched: {got.message or got.status}"
