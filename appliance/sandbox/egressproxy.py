@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
 import time
 import urllib.parse
@@ -111,6 +112,38 @@ class _Sink(Protocol):
     def can_write_eof(self) -> bool: ...
 
     def write_eof(self) -> None: ...
+
+
+class _Upstream:
+    """A forwarded request's far end as the bare socket: its answer is spliced from the
+    socket itself, so no transport is made to read it (and then paused) per flow. Writes go
+    out at once as a transport's do; what the socket does not take waits for `drain`."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._held = bytearray()
+
+    def write(self, data: bytes) -> None:
+        if not self._held:
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                data = data[self.sock.send(data) :]
+        self._held += data
+
+    async def drain(self) -> None:
+        if self._held:
+            data = bytes(self._held)
+            self._held.clear()
+            await self._loop.sock_sendall(self.sock, data)
+
+    async def read(self, n: int = -1) -> bytes:
+        return await self._loop.sock_recv(self.sock, n if n > 0 else CHUNK)
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.sock.shutdown(socket.SHUT_WR)
 
 
 class Scope:
@@ -408,16 +441,31 @@ class EgressProxy:
             except Exception:
                 log.exception("egress flow hook failed")
 
-    async def _open(
-        self, flow: Flow, address: IPv4Address
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open(self, flow: Flow, address: IPv4Address) -> socket.socket:
+        """A connected non-blocking socket to the checked address (no name, no lookup)."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as asyncio's transports do
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                up_reader, up_writer = await asyncio.open_connection(str(address), flow.port, limit=CHUNK)
+                await asyncio.get_running_loop().sock_connect(sock, (str(address), flow.port))
         except (OSError, TimeoutError) as exc:
+            sock.close()
             flow.decision = FAILED
             flow.why = f"{address}:{flow.port} could not be reached ({getattr(exc, 'strerror', None) or type(exc).__name__})"
             raise _Refused(502, flow.why) from None
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    @staticmethod
+    async def _streams(sock: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(sock=sock, limit=CHUNK)
+        except BaseException:
+            sock.close()
+            raise
         up_writer.transport.set_write_buffer_limits(high=CHUNK)
         return up_reader, up_writer
 
@@ -432,10 +480,10 @@ class EgressProxy:
     ) -> None:
         flow, address = await self._decide(state, host_raw, port)
         try:
-            upstream = await self._reach(state, flow, address, writer)
-            if upstream is None:
+            sock = await self._reach(state, flow, address, writer)
+            if sock is None:
                 return
-            up_reader, up_writer = upstream
+            up_reader, up_writer = await self._streams(sock)
             try:
                 secret = self._secret(state, flow)
                 if secret is not None and not await self._secure(state, flow, up_writer, writer):
@@ -464,7 +512,7 @@ class EgressProxy:
 
     async def _reach(
         self, state: _Jail, flow: Flow, address: IPv4Address | None, writer: asyncio.StreamWriter
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    ) -> socket.socket | None:
         """The far end of a decided flow; None, the refusal recorded and answered to the jail,
         when it is denied or cannot be reached."""
         if address is None:
@@ -483,6 +531,8 @@ class EgressProxy:
         that does not read holds nothing past that)."""
         try:
             writer.close()
+            if not writer.transport.get_write_buffer_size() and writer.get_extra_info("sslcontext") is None:
+                return  # nothing left to send: the socket is closed by the loop's next turn
             async with asyncio.timeout(min(self.idle_s, CLOSE_GRACE_S)):
                 await writer.wait_closed()
         except (OSError, TimeoutError):
@@ -537,37 +587,33 @@ class EgressProxy:
                 f"{flow.host}:{port} is given secrets by the appliance, sent over TLS only (use https://)"
             )
         try:
-            upstream = await self._reach(state, flow, address, writer)
-            if upstream is None:
+            sock = await self._reach(state, flow, address, writer)
+            if sock is None:
                 return
-            up_reader, up_writer = upstream
             await self._record(state, flow)
+            if egresssplice.available():
+                # The answer is spliced from the socket itself: nothing may read it first.
+                up = _Upstream(sock)
+                with sock:
+                    await self._send_request(flow, conn, request, reader, writer, up, url, port)
+                    if not await self._splice_down(flow, sock, writer):
+                        await self._pump(flow, up, writer, down=True, last=[time.monotonic()])
+                return
+            up_reader, up_writer = await self._streams(sock)
             try:
-                # The answer is read by splice, not by the stream: nothing of it may be read
-                # into the stream's buffer first.
-                up = up_writer.transport
-                paused = egresssplice.available() and isinstance(up, asyncio.ReadTransport)
-                if isinstance(up, asyncio.ReadTransport) and paused:
-                    up.pause_reading()
                 await self._send_request(flow, conn, request, reader, writer, up_writer, url, port)
-                if not (paused and await self._splice_down(flow, up_writer, writer)):
-                    if isinstance(up, asyncio.ReadTransport) and paused:
-                        up.resume_reading()
-                    await self._pump(flow, up_reader, writer, down=True, last=[time.monotonic()])
+                await self._pump(flow, up_reader, writer, down=True, last=[time.monotonic()])
             finally:
                 await self._close(up_writer)
         finally:
             self._finish(state, flow)
 
-    async def _splice_down(
-        self, flow: Flow, up_writer: asyncio.StreamWriter, writer: asyncio.StreamWriter
-    ) -> bool:
+    async def _splice_down(self, flow: Flow, up_sock: socket.socket, writer: asyncio.StreamWriter) -> bool:
         """The far end's answer relayed to the jail in the kernel (appliance.sandbox.egresssplice),
         then the jail's side half-closed; False, nothing moved, where that cannot be done (no
         splice, or bytes still buffered for the jail: they must go first)."""
-        up_sock = up_writer.get_extra_info("socket")
         sock = writer.get_extra_info("socket")
-        if not egresssplice.available() or up_sock is None or sock is None:
+        if not egresssplice.available() or sock is None:
             return False
         if writer.transport.get_write_buffer_size():
             return False
@@ -588,7 +634,7 @@ class EgressProxy:
         request: h11.Request,
         reader: _Source,
         client: _Sink,
-        up: asyncio.StreamWriter,
+        up: _Sink,
         url: urllib.parse.SplitResult,
         port: int,
         default_port: int = 80,
