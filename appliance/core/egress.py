@@ -64,7 +64,14 @@ def normal_host(raw: str) -> str | None:
     return host if NAME_RE.match(host) else None
 
 
+_DOTTED = frozenset("0123456789.")
+
+
 def is_ipv4(host: str) -> bool:
+    # Most hosts are names: an IPv4 literal is digits and dots only, so those are refused
+    # without building (and failing) an address, which a flow would otherwise do twice.
+    if not host or not _DOTTED.issuperset(host):
+        return False
     try:
         ipaddress.IPv4Address(host)
     except ValueError:
