@@ -12,6 +12,8 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from prometheus_client import Counter
+
 from appliance.core.egress import Flow
 from appliance.core.errors import StartupError
 from appliance.runtime.metrics import Metrics
@@ -25,6 +27,10 @@ log = logging.getLogger("appliance.egress")
 class EgressAudit:
     def __init__(self, metrics: Metrics, path: Path | None) -> None:
         self.metrics = metrics
+        # The labelled counters, looked up once: a lookup per flow is a lock and a dict each.
+        self._flows: dict[str, Counter] = {}
+        self._up = metrics.egress_bytes.labels(direction="up")
+        self._down = metrics.egress_bytes.labels(direction="down")
         self._fd: int | None = None
         if path is not None:
             try:
@@ -44,10 +50,12 @@ class EgressAudit:
                 )
 
     def __call__(self, flow: Flow, scope: Scope | None) -> None:
-        m = self.metrics
-        m.egress_flows.labels(decision=flow.decision).inc()
-        m.egress_bytes.labels(direction="up").inc(flow.bytes_up)
-        m.egress_bytes.labels(direction="down").inc(flow.bytes_down)
+        counter = self._flows.get(flow.decision)
+        if counter is None:  # a handful of decisions, each bound on its first flow
+            counter = self._flows[flow.decision] = self.metrics.egress_flows.labels(decision=flow.decision)
+        counter.inc()
+        self._up.inc(flow.bytes_up)
+        self._down.inc(flow.bytes_down)
         if self._fd is None:
             return
         record = {
