@@ -19,6 +19,8 @@ The relay alone: the proxy in this process on loopback (no jail, no server), a c
 process fetching 1 MiB over plain HTTP from the fake internet directly, through the proxy
 relaying by splice(2), and through the proxy relaying by its stream loop, batches
 alternating; what the proxy itself adds to a download, with less of a busy host's noise.
+Then batches of small GETs through that proxy: its CPU per flow (this process's CPU time,
+the proxy's alone, over a batch), steadier on a loaded host than the jail-side timings.
 
 Writes egress.json and egress.md (quick: egress_quick.*) into --out (default benchmarks/results).
 """
@@ -35,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
@@ -81,8 +84,7 @@ print(json.dumps({"http_mib": http_mib, "https_mib": https_mib, "small_total": s
 # The relay benchmark's client: N plain GETs of /bytes/MIB, direct or through the proxy.
 RELAY_CLIENT = r"""
 import json, socket, sys, time
-host, port, proxy, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-size = 1 << 20
+host, port, proxy, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 def get():
     s = socket.create_connection(("127.0.0.1", proxy) if proxy else (host, port))
     target = "http://%s/bytes/%d" % (NAME, size) if proxy else "/bytes/%d" % size
@@ -105,8 +107,10 @@ print(json.dumps(out))
 """
 
 
-async def relay(net_dns: str, public: str, reps: int, n: int) -> dict[str, Any]:
-    """Direct, splice and stream, alternating batches; p50 of each in ms."""
+async def relay(net_dns: str, public: str, reps: int, n: int, n_small: int) -> dict[str, Any]:
+    """Direct, splice and stream, alternating batches; p50 of each in ms. Then batches of
+    small GETs through the proxy: its CPU per flow is this process's CPU time over a batch
+    (nothing else runs in it then) divided by the flows, with no jail or server around it."""
     name = f"api.{DOMAIN}"
     policy = EgressPolicy(
         ports=(80,),
@@ -137,16 +141,31 @@ async def relay(net_dns: str, public: str, reps: int, n: int) -> dict[str, Any]:
                     "80",
                     str(0 if mode == "direct" else port),
                     str(n),
+                    str(MIB),
                     stdout=asyncio.subprocess.PIPE,
                 )
                 out, _ = await proc.communicate()
                 if proc.returncode != 0:
                     raise BenchError(f"the relay client failed ({mode})")
                 got[mode] += json.loads(out)
+        cpu_ms: list[float] = []
+        for _ in range(reps):
+            proxy.begin(link, Scope(layers, "benchmark"))
+            argv = [sys.executable, "-c", code, public, "80", str(port), str(n_small), "100"]
+            proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+            before = time.process_time()
+            out, _ = await proc.communicate()
+            cpu_ms.append((time.process_time() - before) * 1000 / n_small)
+            if proc.returncode != 0:
+                raise BenchError("the relay client failed (small)")
     finally:
         egresssplice.ENABLED = True
         await proxy.close()
-    return {mode: _p50(v) for mode, v in got.items()} | {"n": len(got["direct"])}
+    return {mode: _p50(v) for mode, v in got.items()} | {
+        "n": len(got["direct"]),
+        "small_cpu_ms_per_flow": round(_p50(cpu_ms), 3),
+        "small_flows": n_small * reps,
+    }
 
 
 def _commit() -> str:
@@ -225,7 +244,7 @@ async def measure(reps: int, n_big: int, n_small: int, base: Path) -> dict[str, 
                 address.stop()
         finally:
             names.stop()
-        relayed = await relay(net.dns, net.public, reps * 2, n_big)
+        relayed = await relay(net.dns, net.public, reps * 2, n_big, n_small * 3)
     summary: dict[str, Any] = {
         side: {
             "http_mib_p50_ms": _p50(v["http_mib"]),
@@ -281,6 +300,10 @@ def render(doc: dict[str, Any]) -> str:
             "| --- | --- | --- | --- | --- |",
             f"| {s['relay']['direct']} | {s['relay']['splice']} | {s['relay']['stream']} | "
             f"x{s['relay']['splice'] / s['relay']['direct']:.3f} | x{s['relay']['stream'] / s['relay']['direct']:.3f} |",
+            "",
+            f"The proxy's CPU per small flow there (100-byte GETs, one connection each, "
+            f"{s['relay'].get('small_flows', '?')} flows in batches): "
+            f"{s['relay'].get('small_cpu_ms_per_flow', '?')} ms, p50 of the batches.",
             "",
         ]
     )
