@@ -6,6 +6,8 @@ the sandbox's jail; `connect` restores it into a new session under the same id a
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ from e2b import NotFoundException, SandboxException, SandboxQuery, SandboxState
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 from tests.support import Server, scaled, start_server
+from tests.test_e2b_js import JS_DIR, NODE
 
 ALICE = "alice-e2b-pause-0123456789"
 BOB = "bob-e2b-pause-0123456789ab"
@@ -156,3 +159,30 @@ def test_a_gpu_budget_is_refused_on_a_cpu_server() -> None:
         Sandbox.create(metadata={"gpu_memory_mb": "1024"})
     with pytest.raises(SandboxException, match="whole number of MiB"):
         Sandbox.create(metadata={"gpu_memory_mb": "lots"})
+
+
+def test_the_javascript_sdk_pauses_and_connects_again(e2bsrv: Server, store: Path) -> None:
+    if not (NODE.exists() and (JS_DIR / "node_modules" / "@e2b" / "code-interpreter").is_dir()):
+        pytest.fail(
+            f"the JavaScript SDK is not installed in {JS_DIR}/node_modules: run `make setup` (npm ci)"
+        )
+    env = {
+        **os.environ,
+        "E2B_API_URL": e2bsrv.http + "/e2b",
+        "E2B_SANDBOX_URL": e2bsrv.http + "/e2b",
+        "E2B_API_KEY": ALICE,
+    }
+    done = subprocess.run(
+        [str(NODE), "pause.mjs"],
+        cwd=JS_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        check=False,
+    )
+    assert done.returncode == 0, (
+        f"node exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    )
+    assert done.stdout.strip() == "ok"
+    assert kept_snapshots(store) == []
