@@ -327,4 +327,6 @@ def test_the_egress_benchmark_measures_the_proxy_and_by_ip_side_by_side(tmp_path
             and s[side]["small_100_p50_ms"] > 0
         )
     assert all(r > 0 for r in s["ratios"].values())
+    assert s["relay"]["small_cpu_ms_per_flow"] > 0 and s["relay"]["small_flows"] == 2 * 2 * 60
     assert "through the proxy" in (tmp_path / "egress_quick.md").read_text()
+    assert "CPU per small flow" in (tmp_path / "egress_quick.md").read_text()
