@@ -14,9 +14,7 @@ An error names the entry and the header, never the value.
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from pathlib import Path
 
 from appliance.core.egress import Rule, is_ipv4, parse_rule
 from appliance.core.errors import SettingsError
+from appliance.core.ownfiles import read_private
 
 TOKEN_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$")
 VALUE_RE = re.compile(r"^[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?$")
@@ -125,17 +124,7 @@ def _headers(headers: object, where: str) -> SecretHeaders:
 def load(path: Path, source: str = "SANDBOX_EGRESS_SECRETS") -> dict[tuple[str, int], SecretHeaders]:
     """Read and check the secrets file: a regular file of the server's own (not a link), which
     no one else may read or write (chmod 600)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise SettingsError(f"{source}: cannot open {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise SettingsError(
-                f"{source}: {path} must be a regular file of the server's own, readable by it alone (chmod 600)"
-            )
-        data = f.read(1 << 20)
+    data = read_private(path, source)
     try:
         doc = tomllib.loads(data.decode())
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from appliance.core.errors import StartupError
+from appliance.core.ownfiles import read_private
 
 CA_DAYS = 365  # a made CA lives as long as its server process; this only bounds a leaked copy
 LEAF_S = 3600  # a leaf certificate's life
@@ -42,17 +43,7 @@ ALPN = ["http/1.1"]  # the interception speaks HTTP/1.1 only, both ways
 
 def _load_ca(path: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     source = "SANDBOX_EGRESS_CA"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise StartupError(f"{source}: cannot open {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise StartupError(
-                f"{source}: {path} must be a regular file of the server's own, readable by it alone (chmod 600)"
-            )
-        data = f.read(1 << 20)
+    data = read_private(path, source, StartupError)
     try:
         cert = x509.load_pem_x509_certificate(data)
         key = serialization.load_pem_private_key(data, password=None)
