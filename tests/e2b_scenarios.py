@@ -27,8 +27,8 @@ SCENARIOS: dict[str, str] = {
     "unknown_template_lists_the_templates": "an unknown template is refused, naming the templates",
     "other_languages_name_what_is_supported": "a language other than python is refused, naming python",
     "pause_and_snapshots_say_not_supported": "without a snapshot store (no SANDBOX_SNAPSHOT_DIR) pause "
-    "answers 'not supported', naming it; snapshots (templates made of a sandbox) always do "
-    "(pause and resume with a store: tests/test_e2b_pause.py)",
+    "and snapshots answer 'not supported', naming the feature (with a store: tests/test_e2b_pause.py, "
+    "tests/test_e2b_snapshots.py)",
     "a_run_code_timeout_raises_and_the_context_lives_on": "a run past its timeout raises the SDK's "
     "timeout error; the context keeps its state",
     "a_tenant_quota_applies": "a tenant over max_sessions gets the SDK's rate-limit error",

@@ -1,4 +1,5 @@
-"""E2B's control API: create, list, describe, kill, time out and connect to sandboxes.
+"""E2B's control API: create, list, describe, kill, time out, connect to, pause and snapshot
+sandboxes.
 
 Every call names its caller with `X-API-Key`, a token the native API would take as a bearer
 token (SANDBOX_AUTH_TOKEN, or a tenant's from SANDBOX_AUTH_TOKENS_FILE): a missing or wrong
@@ -87,8 +88,26 @@ def _detail(sandboxes: Sandboxes, sandbox: Sandbox) -> dict[str, Any]:
 
 
 async def create(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
-    template, timeout_s, metadata, envs = shapes.new_sandbox(await read_json(request, owner))
-    sandbox = await sandboxes.create(owner, template, timeout_s, metadata, envs, shapes.gpu_ask(metadata))
+    """Create a sandbox from a template, or from a snapshot of the caller's (by id or name; another
+    tenant's reads as an unknown template)."""
+
+    body = await read_json(request, owner)
+    asked = body.get("templateID") if isinstance(body, dict) else None
+    entry = None
+    if isinstance(asked, str) and asked not in shapes.TEMPLATES:
+        entry = await sandboxes.find_snapshot(owner, asked[: shapes.MAX_TEMPLATE_REF])
+    template, timeout_s, metadata, envs = shapes.new_sandbox(
+        body, lambda ref: entry is not None and ref == asked
+    )
+    sandbox = await sandboxes.create(
+        owner,
+        template,
+        timeout_s,
+        metadata,
+        envs,
+        shapes.gpu_ask(metadata),
+        from_snapshot=entry.id if entry is not None else None,
+    )
     return web.json_response(shapes.created(sandbox), status=201)
 
 
@@ -175,6 +194,51 @@ async def pause(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.S
     return web.Response(status=204)
 
 
+async def create_snapshot(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+    """Snapshot a sandbox's default context (a template new sandboxes start from); it runs on."""
+    sandbox = _sandbox(request, sandboxes, owner)
+    if sandbox is None:
+        return _not_found(request.match_info["sandbox_id"])
+    body = await read_json(request, owner)
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    # `memory: false` (filesystem only) asks for less than a snapshot keeps here: taken in full.
+    entry = await sandboxes.snapshot(sandbox, shapes.snapshot_name(body.get("name")))
+    return web.json_response(shapes.snapshot_info(entry), status=201)
+
+
+def _store_off() -> web.Response:
+    return reply(501, "snapshots is not supported by this server: it needs SANDBOX_SNAPSHOT_DIR set")
+
+
+async def list_snapshots(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+    if not sandboxes.service.snapshots.enabled:
+        return _store_off()
+    q = request.query
+    page, token = shapes.snapshot_listing(
+        await sandboxes.snapshots_of(owner),
+        q.get("sandboxID"),
+        q.get("name"),
+        shapes.page_limit(q.get("limit")),
+        q.get("nextToken"),
+    )
+    headers = {"x-next-token": token} if token else {}
+    return web.json_response([shapes.snapshot_info(e) for e in page], headers=headers)
+
+
+async def delete_template(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+    """Delete a snapshot (the SDK's delete_snapshot deletes it as a template): 204, or 404 for
+    an id this tenant has no snapshot of; the server's own templates are not the caller's."""
+    ref = request.match_info["template_id"]
+    if ref in shapes.TEMPLATES:
+        return reply(403, f"template {ref!r} is the server's own; only snapshots can be deleted")
+    if not sandboxes.service.snapshots.enabled:
+        return _store_off()
+    if not await sandboxes.delete_snapshot(owner, ref):
+        return reply(404, f"snapshot {ref[:64]!r} not found")
+    return web.Response(status=204)
+
+
 def not_supported(feature: str) -> Any:
     """Features of E2B's cloud with no counterpart here yet: the SDK's error, naming the feature."""
 
@@ -200,10 +264,11 @@ def add_routes(app: web.Application, prefix: str) -> None:
     r.add_post(f"{one}/timeout", handler(set_timeout))
     r.add_post(f"{one}/pause", handler(pause))
     r.add_post(f"{one}/resume", handler(resume))
-    r.add_post(f"{one}/snapshots", handler(not_supported("snapshots")))
+    r.add_post(f"{one}/snapshots", handler(create_snapshot))
     r.add_post(f"{one}/fork", handler(not_supported("fork")))
     r.add_post(f"{one}/refreshes", handler(not_supported("refreshes")))
     r.add_get(f"{one}/metrics", handler(not_supported("metrics")))
     r.add_get(f"{one}/logs", handler(not_supported("logs")))
     r.add_put(f"{one}/network", handler(not_supported("network updates")))
-    r.add_get(f"{prefix}/snapshots", handler(not_supported("snapshots")))
+    r.add_get(f"{prefix}/snapshots", handler(list_snapshots))
+    r.add_delete(f"{prefix}/templates/{{template_id}}", handler(delete_template))

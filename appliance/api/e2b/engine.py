@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from appliance.api.e2b import commands, registry, shapes
 from appliance.api.e2b.registry import Context, Registry, Sandbox
-from appliance.core.errors import ApplianceError, Busy, RequestRejected
+from appliance.core.errors import ApplianceError, Busy, RequestRejected, UnknownSnapshot
 from appliance.core.events import Done, Emit, Event
 from appliance.core.ports import Workspace
 from appliance.core.service import Run, RunService
@@ -75,6 +75,7 @@ class Sandboxes:
     def __init__(self, service: RunService, clock: Callable[[], float] = time.time) -> None:
         self.service = service
         self.registry = Registry()
+        self.snapshots = registry.SnapshotBook()  # E2B's snapshots, per tenant
         self.clock = clock
         self._reaper: asyncio.Task[None] | None = None
         self.tasks: TaskScope | None = None  # the server's scope: commands' watchers run in it
@@ -112,7 +113,9 @@ class Sandboxes:
         metadata: dict[str, str],
         envs: dict[str, str],
         gpu_mb: int = 0,
+        from_snapshot: str | None = None,
     ) -> Sandbox:
+        """A new sandbox; its default context restored from a snapshot of the owner's when named."""
         if gpu_mb and not self.service.settings.gpu:
             raise Refused(
                 400,
@@ -131,7 +134,7 @@ class Sandboxes:
             envs=envs,
             gpu_mb=gpu_mb,
         )
-        default = await self.new_context(sandbox)
+        default = await self.new_context(sandbox, from_snapshot=from_snapshot)
         sandbox.default = default.id
         self.registry.add(sandbox)
         return sandbox
@@ -165,6 +168,96 @@ class Sandboxes:
         except Exception:  # the sandbox is gone or running either way; the store's quota says the rest
             log.exception("could not delete a paused E2B sandbox's snapshot", extra={"sandbox": sandbox.id})
 
+    def _quiet_default(self, sandbox: Sandbox, what: str, feature: str) -> Context:
+        """The default context, when a snapshot of it (for a pause or a snapshot) keeps all the
+        sandbox holds: refused (nothing changes) while other contexts, commands or a cell exist."""
+        if not self.service.snapshots.enabled:
+            raise Refused(
+                501, f"{feature} is not supported by this server: it needs SANDBOX_SNAPSHOT_DIR set"
+            )
+        others = [c for c in sandbox.contexts if c != sandbox.default]
+        if others:
+            raise Refused(
+                400,
+                f"a {what} keeps the default context only; remove the other contexts first: {', '.join(others)}",
+            )
+        table = self.commands.get(sandbox.id)
+        running = table.running() if table is not None else []
+        if running:
+            pids = ", ".join(str(c.pid) for c in running)
+            raise Refused(
+                400, f"commands are running (pid {pids}); a {what} keeps no process: kill them first"
+            )
+        ctx = sandbox.contexts.get(sandbox.default)
+        if ctx is None:
+            raise Refused(404, f"sandbox {sandbox.id} has ended")
+        if ctx.lock.locked():
+            raise Refused(
+                400, f"a cell is running in the default context; the {what} can be taken after it ends"
+            )
+        return ctx
+
+    # -- snapshots (E2B's: templates made of a sandbox) -------------------------------------------
+    async def snapshot(self, sandbox: Sandbox, name: str) -> registry.SnapshotEntry:
+        """Keep the default context's state as a snapshot new sandboxes can start from; the
+        sandbox goes on running. The same refusals as a pause; a paused sandbox is refused."""
+        async with sandbox.transition:
+            if sandbox.paused is not None:
+                raise Refused(409, f"sandbox {sandbox.id} is paused; resume it to take a snapshot")
+            ctx = self._quiet_default(sandbox, "snapshot", "snapshots")
+            async with ctx.lock:
+                info = await self.service.snapshot_session(ctx.session, sandbox.owner)
+            entry = registry.SnapshotEntry(
+                id=info.id, owner=sandbox.owner, sandbox_id=sandbox.id, name=name, created=self.clock()
+            )
+            await self.snapshots_of(sandbox.owner)  # what the native API deleted goes: a bounded book
+            self.snapshots.add(entry)
+            if info.skipped:
+                log.warning(
+                    "an E2B sandbox's snapshot did not keep everything",
+                    extra={"sandbox": sandbox.id, "skipped": list(info.skipped)},
+                )
+            return entry
+
+    async def snapshots_of(self, owner: str) -> list[registry.SnapshotEntry]:
+        """A tenant's E2B snapshots, less any the store no longer has (deleted through the
+        native API): at most SANDBOX_MAX_SNAPSHOTS manifests read."""
+        kept = []
+        for entry in self.snapshots.of_owner(owner):
+            try:
+                await self.service.find_snapshot(entry.id, owner)
+            except UnknownSnapshot:
+                self.snapshots.remove(owner, entry.id)
+                continue
+            kept.append(entry)
+        return kept
+
+    async def find_snapshot(self, owner: str, ref: str) -> registry.SnapshotEntry | None:
+        """A tenant's snapshot by id or name; None for anything else (another tenant's too). An
+        id the book does not hold but the store does (taken before a restart, or through the
+        native API) is the tenant's all the same, and is listed from then on."""
+        entry = self.snapshots.find(owner, ref)
+        if entry is not None or not self.service.snapshots.enabled:
+            return entry
+        try:
+            info = await self.service.find_snapshot(ref, owner)
+        except ApplianceError:  # UnknownSnapshot for any id that is not the tenant's
+            return None
+        entry = registry.SnapshotEntry(id=info.id, owner=owner, sandbox_id="", name="", created=info.created)
+        self.snapshots.add(entry)
+        return entry
+
+    async def delete_snapshot(self, owner: str, ref: str) -> bool:
+        """Delete a tenant's E2B snapshot (by id or name); False when it has none such."""
+        entry = await self.find_snapshot(owner, ref)
+        if entry is None:
+            return False
+        # The store's answer is False when it was deleted there already (the native API); an
+        # error leaves it listed, to delete again.
+        await self.service.delete_snapshot(entry.id, owner)
+        self.snapshots.remove(owner, entry.id)
+        return True
+
     # -- pause and resume ---------------------------------------------------------------------
     async def pause(self, sandbox: Sandbox) -> bool:
         """Keep the default context's state as a snapshot and end the sandbox's jails; False when
@@ -173,26 +266,7 @@ class Sandboxes:
         async with sandbox.transition:
             if sandbox.paused is not None:
                 return False
-            if not self.service.snapshots.enabled:
-                raise Refused(501, "pause is not supported by this server: it needs SANDBOX_SNAPSHOT_DIR set")
-            others = [c for c in sandbox.contexts if c != sandbox.default]
-            if others:
-                raise Refused(
-                    400,
-                    f"a pause keeps the default context only; remove the other contexts first: {', '.join(others)}",
-                )
-            table = self.commands.get(sandbox.id)
-            running = table.running() if table is not None else []
-            if running:
-                pids = ", ".join(str(c.pid) for c in running)
-                raise Refused(
-                    400, f"commands are running (pid {pids}); a pause keeps no process: kill them first"
-                )
-            ctx = sandbox.contexts.get(sandbox.default)
-            if ctx is None:
-                raise Refused(404, f"sandbox {sandbox.id} has ended")
-            if ctx.lock.locked():
-                raise Refused(400, "a cell is running in the default context; pause after it ends")
+            ctx = self._quiet_default(sandbox, "pause", "pause")
             # The context's turn is held to the end, so a cell that waited for it finds the
             # session gone rather than running after the snapshot was taken.
             async with ctx.lock:

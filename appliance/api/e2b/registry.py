@@ -94,3 +94,45 @@ class Registry:
 
     def all(self) -> list[Sandbox]:
         return list(self._live.values())
+
+
+@dataclass(frozen=True)
+class SnapshotEntry:
+    """An E2B snapshot: a session snapshot of a sandbox's default context, kept in the run
+    service's store under the same id (so it counts against SANDBOX_MAX_SNAPSHOTS there)."""
+
+    id: str
+    owner: str
+    sandbox_id: str  # the sandbox it was taken of
+    name: str  # the name the caller gave ("" for none)
+    created: float
+
+
+class SnapshotBook:
+    """Each tenant's E2B snapshots, newest last. Bounded by the store's per-tenant quota: an
+    entry is added only once the store has kept the snapshot."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, dict[str, SnapshotEntry]] = {}
+
+    def add(self, entry: SnapshotEntry) -> None:
+        self._of.setdefault(entry.owner, {})[entry.id] = entry
+
+    def of_owner(self, owner: str) -> list[SnapshotEntry]:
+        return sorted(self._of.get(owner, {}).values(), key=lambda e: (e.created, e.id))
+
+    def find(self, owner: str, ref: str) -> SnapshotEntry | None:
+        """A tenant's snapshot by id, or the newest one of that name; None for anything else
+        (another tenant's id too)."""
+        mine = self._of.get(owner, {})
+        if ref in mine:
+            return mine[ref]
+        named = [e for e in self.of_owner(owner) if e.name and e.name == ref]
+        return named[-1] if named else None
+
+    def remove(self, owner: str, snapshot_id: str) -> SnapshotEntry | None:
+        mine = self._of.get(owner, {})
+        entry = mine.pop(snapshot_id, None)
+        if not mine:
+            self._of.pop(owner, None)
+        return entry

@@ -11,11 +11,11 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http import HTTPStatus
 from typing import Any
 
-from appliance.api.e2b.registry import Sandbox
+from appliance.api.e2b.registry import Sandbox, SnapshotEntry
 
 # envd's version as the SDK reads it: at least every version its features are gated on (the
 # SDK refuses anything under 0.1.0 and turns features on by version).
@@ -152,14 +152,17 @@ def timeout_s(value: object, default: int | None = DEFAULT_TIMEOUT_S) -> int:
     return value
 
 
-def new_sandbox(body: object) -> tuple[str, int, dict[str, str], dict[str, str]]:
-    """(template, timeout_s, metadata, env vars) of a create request."""
+def new_sandbox(
+    body: object, is_snapshot: Callable[[str], bool] = lambda _: False
+) -> tuple[str, int, dict[str, str], dict[str, str]]:
+    """(template, timeout_s, metadata, env vars) of a create request; the template is one of
+    the server's or a snapshot of the caller's (`is_snapshot`), else refused, listing them."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     template = body.get("templateID")
     if not isinstance(template, str) or not template:
         raise BadRequest("'templateID' must name a template")
-    if template not in TEMPLATES:
+    if template not in TEMPLATES and not is_snapshot(template):
         raise BadRequest(
             f"template {template[:100]!r} is not on this server; its templates: {', '.join(TEMPLATES)}"
         )
@@ -300,3 +303,48 @@ def context(context_id: str, cwd: str) -> dict[str, Any]:
 
 def line_bytes(line: Mapping[str, Any]) -> bytes:
     return (json.dumps(line, separators=(",", ":")) + "\n").encode()
+
+
+# -- snapshots (E2B's: templates made of a sandbox) ---------------------------------------------
+MAX_SNAPSHOT_NAME = 128
+MAX_TEMPLATE_REF = 256  # a template asked for is looked up as a snapshot within this length
+
+
+def snapshot_name(value: object) -> str:
+    """A snapshot's optional name ("" for none): printable ASCII without spaces, never one of the
+    server's templates (a name is what `Sandbox.create` may start from, as its id is)."""
+    if value is None:
+        return ""
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= MAX_SNAPSHOT_NAME
+        or not value.isascii()
+        or not value.isprintable()
+        or " " in value
+    ):
+        raise BadRequest(f"'name' must be 1 to {MAX_SNAPSHOT_NAME} printable ASCII characters without spaces")
+    if value in TEMPLATES:
+        raise BadRequest(f"'name' may not be one of the server's templates ({', '.join(TEMPLATES)})")
+    return value
+
+
+def snapshot_info(entry: SnapshotEntry) -> dict[str, Any]:
+    """E2B's SnapshotInfo: the id `Sandbox.create` takes, and the name given (if any)."""
+    return {"snapshotID": entry.id, "names": [entry.name] if entry.name else []}
+
+
+def snapshot_listing(
+    entries: list[SnapshotEntry], sandbox_id: str | None, name: str | None, limit: int, after: str | None
+) -> tuple[list[SnapshotEntry], str | None]:
+    """One page of a tenant's snapshots, oldest first, filtered by source sandbox and by name
+    or id; the next page's token is the last listed one's (time taken, id), as for sandboxes."""
+    matching = sorted(
+        (e for e in entries if sandbox_id in (None, e.sandbox_id) and name in (None, e.id, e.name or None)),
+        key=lambda e: (e.created, e.id),
+    )
+    if after:
+        key = _cursor(after)
+        matching = [e for e in matching if (e.created, e.id) > key]
+    page = matching[:limit]
+    more = len(matching) > limit
+    return page, (f"{page[-1].created!r}/{page[-1].id}" if more else None)
