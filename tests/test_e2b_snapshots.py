@@ -3,7 +3,7 @@
 `create_snapshot` keeps a sandbox's default context (its globals that pickle, its files) as a
 snapshot of its tenant's while the sandbox runs on; `Sandbox.create(<snapshot id>)` starts new
 sandboxes from it, each with a copy; `list_snapshots` and `delete_snapshot` see only the
-caller's. One server, with a snapshot store; the jails: one source sandbox, two started from
+caller's. One server, with a snapshot store (two snapshots per tenant); the jails: one source sandbox, two started from
 its snapshot, one extra context and one per tenant check.
 """
 
@@ -42,7 +42,11 @@ def e2bsrv(tmp_path_factory: pytest.TempPathFactory, store: Path) -> Iterator[Se
     )
     tokens.chmod(0o600)
     srv = start_server(
-        tmp, SANDBOX_AUTH_TOKENS_FILE=str(tokens), SANDBOX_SNAPSHOT_DIR=str(store), SANDBOX_POOL_SIZE="2"
+        tmp,
+        SANDBOX_AUTH_TOKENS_FILE=str(tokens),
+        SANDBOX_SNAPSHOT_DIR=str(store),
+        SANDBOX_POOL_SIZE="2",
+        SANDBOX_MAX_SNAPSHOTS="2",
     )
     yield srv
     srv.stop()
@@ -115,6 +119,8 @@ def test_a_snapshot_starts_sandboxes_that_each_get_its_state(store: Path) -> Non
         # Named, and listed page by page, filtered by the sandbox it was taken of.
         named = src.create_snapshot(name="after-notes")
         assert named.names == ["after-notes"]
+        with pytest.raises(SandboxException, match="SANDBOX_MAX_SNAPSHOTS"):  # 2 kept: the quota
+            src.create_snapshot()
         assert listed() == [snap.snapshot_id, named.snapshot_id]
         assert listed(sandbox_id=src.sandbox_id) == [snap.snapshot_id, named.snapshot_id]
         assert listed(sandbox_id=one.sandbox_id) == []
