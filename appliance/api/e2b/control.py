@@ -10,6 +10,7 @@ owner: another tenant's reads as 404, exactly like one that never existed.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -53,6 +54,14 @@ async def read_json(request: web.Request, owner: str) -> object:
         raise BadRequest("the body is not JSON") from None
 
 
+async def read_object(request: web.Request, owner: str) -> dict[str, Any]:
+    """`read_json`, and the body must be a JSON object (an empty body is one)."""
+    body = await read_json(request, owner)
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body
+
+
 def _not_found(sandbox_id: str) -> web.Response:
     return reply(404, f"sandbox {sandbox_id[:64]!r} not found")
 
@@ -78,8 +87,18 @@ def handler(fn: Any) -> Any:
     return wrapped
 
 
-def _sandbox(request: web.Request, sandboxes: Sandboxes, owner: str) -> Sandbox | None:
-    return sandboxes.owned(request.match_info["sandbox_id"], owner)
+def one_sandbox(fn: Callable[[web.Request, Sandboxes, Sandbox], Awaitable[web.StreamResponse]]) -> Any:
+    """A route on one sandbox ({sandbox_id}): the caller's own, else 404 before anything is read
+    (another tenant's reads as one that does not exist)."""
+
+    async def on_one(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+        sandbox_id = request.match_info["sandbox_id"]
+        sandbox = sandboxes.owned(sandbox_id, owner)
+        if sandbox is None:
+            return _not_found(sandbox_id)
+        return await fn(request, sandboxes, sandbox)
+
+    return on_one
 
 
 def _detail(sandboxes: Sandboxes, sandbox: Sandbox) -> dict[str, Any]:
@@ -126,41 +145,25 @@ async def listing(request: web.Request, sandboxes: Sandboxes, owner: str) -> web
     return web.json_response([_detail(sandboxes, s) for s in page], headers=headers)
 
 
-async def info(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
-    sandbox = _sandbox(request, sandboxes, owner)
-    if sandbox is None:
-        return _not_found(request.match_info["sandbox_id"])
+async def info(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) -> web.StreamResponse:
     return web.json_response({**_detail(sandboxes, sandbox), "envdAccessToken": sandbox.token})
 
 
-async def kill(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
-    sandbox = _sandbox(request, sandboxes, owner)
-    if sandbox is None:
-        return _not_found(request.match_info["sandbox_id"])
+async def kill(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) -> web.StreamResponse:
     await sandboxes.kill(sandbox)
     return web.Response(status=204)
 
 
-async def set_timeout(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
-    sandbox = _sandbox(request, sandboxes, owner)
-    if sandbox is None:
-        return _not_found(request.match_info["sandbox_id"])
-    body = await read_json(request, owner)
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+async def set_timeout(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) -> web.StreamResponse:
+    body = await read_object(request, sandbox.owner)
     sandboxes.set_timeout(sandbox, shapes.timeout_s(body.get("timeout"), default=None))
     return web.Response(status=204)
 
 
-async def connect(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+async def connect(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) -> web.StreamResponse:
     """Connect to a sandbox, resuming it if paused (201; a running one: 200); a timeout given
     sets its new end."""
-    sandbox = _sandbox(request, sandboxes, owner)
-    if sandbox is None:
-        return _not_found(request.match_info["sandbox_id"])
-    body = await read_json(request, owner)
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+    body = await read_object(request, sandbox.owner)
     timeout = shapes.timeout_s(body.get("timeout")) if body.get("timeout") is not None else None
     resumed = await sandboxes.resume(sandbox)
     if timeout is not None:
@@ -168,14 +171,9 @@ async def connect(request: web.Request, sandboxes: Sandboxes, owner: str) -> web
     return web.json_response(shapes.created(sandbox), status=201 if resumed else 200)
 
 
-async def resume(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+async def resume(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) -> web.StreamResponse:
     """The older resume call: a running sandbox is a conflict (409), as on E2B."""
-    sandbox = _sandbox(request, sandboxes, owner)
-    if sandbox is None:
-        return _not_found(request.match_info["sandbox_id"])
-    body = await read_json(request, owner)
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+    body = await read_object(request, sandbox.owner)
     timeout = shapes.timeout_s(body.get("timeout"))
     if not await sandboxes.resume(sandbox):
         return reply(409, f"sandbox {sandbox.id} is running, not paused")
@@ -183,25 +181,17 @@ async def resume(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.
     return web.json_response(shapes.created(sandbox), status=201)
 
 
-async def pause(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+async def pause(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) -> web.StreamResponse:
     """Pause: the default context kept as a snapshot, the jails ended; 409 if paused already."""
-    sandbox = _sandbox(request, sandboxes, owner)
-    if sandbox is None:
-        return _not_found(request.match_info["sandbox_id"])
-    await read_json(request, owner)  # screened like every body; its options change nothing here
+    await read_json(request, sandbox.owner)  # screened like every body; its options change nothing here
     if not await sandboxes.pause(sandbox):
         return reply(409, f"sandbox {sandbox.id} is paused already")
     return web.Response(status=204)
 
 
-async def create_snapshot(request: web.Request, sandboxes: Sandboxes, owner: str) -> web.StreamResponse:
+async def create_snapshot(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) -> web.StreamResponse:
     """Snapshot a sandbox's default context (a template new sandboxes start from); it runs on."""
-    sandbox = _sandbox(request, sandboxes, owner)
-    if sandbox is None:
-        return _not_found(request.match_info["sandbox_id"])
-    body = await read_json(request, owner)
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+    body = await read_object(request, sandbox.owner)
     # `memory: false` (filesystem only) asks for less than a snapshot keeps here: taken in full.
     entry = await sandboxes.snapshot(sandbox, shapes.snapshot_name(body.get("name")))
     return web.json_response(shapes.snapshot_info(entry), status=201)
@@ -256,15 +246,15 @@ def add_routes(app: web.Application, prefix: str) -> None:
     for base in (f"{prefix}/sandboxes", f"{prefix}/v2/sandboxes"):
         r.add_post(base, handler(create))
         r.add_get(base, handler(listing))
-        r.add_post(f"{base}/{{sandbox_id}}/connect", handler(connect))
+        r.add_post(f"{base}/{{sandbox_id}}/connect", handler(one_sandbox(connect)))
     r.add_get(f"{prefix}/sandboxes/metrics", handler(not_supported("metrics")))  # before {sandbox_id}
     one = f"{prefix}/sandboxes/{{sandbox_id}}"
-    r.add_get(one, handler(info))
-    r.add_delete(one, handler(kill))
-    r.add_post(f"{one}/timeout", handler(set_timeout))
-    r.add_post(f"{one}/pause", handler(pause))
-    r.add_post(f"{one}/resume", handler(resume))
-    r.add_post(f"{one}/snapshots", handler(create_snapshot))
+    r.add_get(one, handler(one_sandbox(info)))
+    r.add_delete(one, handler(one_sandbox(kill)))
+    r.add_post(f"{one}/timeout", handler(one_sandbox(set_timeout)))
+    r.add_post(f"{one}/pause", handler(one_sandbox(pause)))
+    r.add_post(f"{one}/resume", handler(one_sandbox(resume)))
+    r.add_post(f"{one}/snapshots", handler(one_sandbox(create_snapshot)))
     r.add_post(f"{one}/fork", handler(not_supported("fork")))
     r.add_post(f"{one}/refreshes", handler(not_supported("refreshes")))
     r.add_get(f"{one}/metrics", handler(not_supported("metrics")))

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from appliance.api.e2b import engine, shapes
-from appliance.api.e2b.control import SANDBOXES_KEY, read_json, reply
+from appliance.api.e2b.control import SANDBOXES_KEY, read_object, reply
 from appliance.api.e2b.engine import Refused, Sandboxes, as_refused
 from appliance.api.e2b.registry import Context, Sandbox
 from appliance.api.e2b.shapes import BadRequest
@@ -138,9 +138,7 @@ class Stream:
 
 
 async def execute(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) -> web.StreamResponse:
-    body = await read_json(request, sandbox.owner)
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+    body = await read_object(request, sandbox.owner)
     code = body.get("code")
     if not isinstance(code, str):
         raise BadRequest("'code' must be a string")
@@ -194,9 +192,7 @@ async def _until_done(
 
 
 async def create_context(request: web.Request, sandboxes: Sandboxes, sandbox: Sandbox) -> web.StreamResponse:
-    body = await read_json(request, sandbox.owner)
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+    body = await read_object(request, sandbox.owner)
     shapes.language(body.get("language"))
     cwd = body.get("cwd")
     if cwd is not None and cwd not in ("/home/user", engine.WORKDIR):
