@@ -13,7 +13,7 @@ from e2b import NotFoundException, SandboxException
 from e2b_code_interpreter import Sandbox
 
 from tests.support import Server, scaled, start_server
-from tests.test_e2b_sdk import ALICE, BOB, tenants_file, until
+from tests.test_e2b_sdk import ALICE, BOB, point_sdk, tenants_file, until
 
 STALL_MS = 1000
 
@@ -34,9 +34,7 @@ def e2bsrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(autouse=True)
 def sdk_env(e2bsrv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_API_KEY", ALICE)
+    point_sdk(monkeypatch, e2bsrv)
 
 
 @pytest.fixture

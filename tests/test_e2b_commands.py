@@ -21,7 +21,7 @@ from websockets.exceptions import WebSocketException
 from websockets.sync.client import connect as ws_connect
 
 from tests.support import Server, start_server
-from tests.test_e2b_sdk import ALICE, BOB, tenants_file, until
+from tests.test_e2b_sdk import ALICE, BOB, point_sdk, tenants_file, until
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +32,15 @@ def e2bsrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv.stop()
 
 
-def _env(mp: pytest.MonkeyPatch, srv: Server, key: str = ALICE) -> None:
-    mp.setenv("E2B_API_URL", srv.http + "/e2b")
-    mp.setenv("E2B_SANDBOX_URL", srv.http + "/e2b")
-    mp.setenv("E2B_API_KEY", key)
-
-
 @pytest.fixture(autouse=True)
 def sdk_env(e2bsrv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    _env(monkeypatch, e2bsrv)
+    point_sdk(monkeypatch, e2bsrv)
 
 
 @pytest.fixture(scope="module")
 def shared(e2bsrv: Server) -> Iterator[Sandbox]:
     mp = pytest.MonkeyPatch()
-    _env(mp, e2bsrv)
+    point_sdk(mp, e2bsrv)
     sb = Sandbox.create(envs={"FROM_SANDBOX": "yes"})
     yield sb
     sb.kill()
@@ -210,7 +204,7 @@ def test_two_sandboxes_are_isolated_and_see_nothing_of_the_server(e2bsrv: Server
     shared.commands.run("echo mine > only_here.txt")
     assert "only_here.txt" in shared.commands.run("ls -a").stdout
     mp = pytest.MonkeyPatch()
-    _env(mp, e2bsrv, BOB)
+    point_sdk(mp, e2bsrv, BOB)
     try:
         other = Sandbox.create()
         try:

@@ -19,7 +19,7 @@ from e2b.exceptions import FileNotFoundException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 from tests.support import Server, scaled, start_server
-from tests.test_e2b_sdk import ALICE, tenants_file, until
+from tests.test_e2b_sdk import point_sdk, tenants_file, until
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +32,14 @@ def e2bsrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(autouse=True)
 def sdk_env(e2bsrv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_API_KEY", ALICE)
+    point_sdk(monkeypatch, e2bsrv)
 
 
 @pytest.fixture(scope="module")
 def shared(e2bsrv: Server) -> Iterator[Sandbox]:
     """One sandbox for the tests that only add files of their own names to it."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
-    mp.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
-    mp.setenv("E2B_API_KEY", ALICE)
+    point_sdk(mp, e2bsrv)
     sb = Sandbox.create()
     yield sb
     sb.kill()

@@ -12,6 +12,7 @@ from e2b import SandboxException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 from tests.support import Server, scaled, start_server
+from tests.test_e2b_sdk import point_sdk
 from tests.test_gpu_sessions import gpu_env
 
 
@@ -27,9 +28,7 @@ def gpusrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(autouse=True)
 def sdk_env(gpusrv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("E2B_API_URL", gpusrv.http + "/e2b")
-    monkeypatch.setenv("E2B_SANDBOX_URL", gpusrv.http + "/e2b")
-    monkeypatch.setenv("E2B_API_KEY", "e2b-gpu-key")
+    point_sdk(monkeypatch, gpusrv, "e2b-gpu-key")
 
 
 def reserved_mb(server: Server) -> int:

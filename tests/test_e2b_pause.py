@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 from tests.support import Server, scaled, start_server
 from tests.test_e2b_js import JS_DIR, NODE
+from tests.test_e2b_sdk import point_sdk, until
 
 ALICE = "alice-e2b-pause-0123456789"
 BOB = "bob-e2b-pause-0123456789ab"
@@ -45,18 +45,7 @@ def e2bsrv(tmp_path_factory: pytest.TempPathFactory, store: Path) -> Iterator[Se
 
 @pytest.fixture(autouse=True)
 def sdk_env(e2bsrv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_API_KEY", ALICE)
-
-
-def until(check: Callable[[], bool], within_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + scaled(within_s)
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.1)
-    return check()
+    point_sdk(monkeypatch, e2bsrv, ALICE)
 
 
 def kept_snapshots(store: Path) -> list[Path]:

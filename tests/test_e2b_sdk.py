@@ -44,6 +44,13 @@ def tenants_file(root: Path) -> Path:
     return path
 
 
+def point_sdk(mp: pytest.MonkeyPatch, srv: Server, key: str = ALICE) -> None:
+    """Point the unmodified SDK at the server's E2B prefix (both of its URLs) with `key`."""
+    mp.setenv("E2B_API_URL", srv.http + "/e2b")
+    mp.setenv("E2B_SANDBOX_URL", srv.http + "/e2b")
+    mp.setenv("E2B_API_KEY", key)
+
+
 @pytest.fixture(scope="module")
 def e2bsrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("e2b")
@@ -62,9 +69,7 @@ def e2bsrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(autouse=True)
 def sdk_env(e2bsrv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_API_KEY", ALICE)
+    point_sdk(monkeypatch, e2bsrv)
 
 
 @pytest.fixture

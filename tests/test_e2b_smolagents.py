@@ -23,6 +23,7 @@ from smolagents.remote_executors import E2BExecutor
 from smolagents.utils import AgentError
 
 from tests.support import Server, start_server
+from tests.test_e2b_sdk import point_sdk
 
 KEY = "smolagents-e2b-token-012345"
 
@@ -36,9 +37,7 @@ def e2bsrv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(autouse=True)
 def sdk_env(e2bsrv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_API_KEY", KEY)
+    point_sdk(monkeypatch, e2bsrv, KEY)
 
 
 def test_the_executor_runs_a_code_agents_actions_and_returns_the_final_answer() -> None:

@@ -10,9 +10,8 @@ its snapshot, one extra context and one per tenant check.
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,8 @@ from e2b_code_interpreter import AsyncSandbox, Sandbox
 from appliance.api.e2b import shapes
 from appliance.api.e2b.registry import SnapshotEntry
 from appliance.api.e2b.shapes import BadRequest
-from tests.support import Server, scaled, start_server
+from tests.support import Server, start_server
+from tests.test_e2b_sdk import point_sdk, until
 
 ALICE = "alice-e2b-snaps-0123456789"
 BOB = "bob-e2b-snaps-0123456789ab"
@@ -54,18 +54,7 @@ def e2bsrv(tmp_path_factory: pytest.TempPathFactory, store: Path) -> Iterator[Se
 
 @pytest.fixture(autouse=True)
 def sdk_env(e2bsrv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_API_KEY", ALICE)
-
-
-def until(check: Callable[[], bool], within_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + scaled(within_s)
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.1)
-    return check()
+    point_sdk(monkeypatch, e2bsrv, ALICE)
 
 
 def kept_snapshots(store: Path) -> list[Path]:

@@ -18,7 +18,7 @@ from e2b_code_interpreter import Sandbox
 
 from tests.attacks.common import AWS_SECRET, attack
 from tests.support import Server, start_server
-from tests.test_e2b_sdk import ALICE, BOB, tenants_file, until
+from tests.test_e2b_sdk import ALICE, BOB, point_sdk, tenants_file, until
 
 Observe = Callable[[str], None]
 STALL_MS = 1000
@@ -39,21 +39,15 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv.stop()
 
 
-def _env(mp: pytest.MonkeyPatch, srv: Server, key: str = ALICE) -> None:
-    mp.setenv("E2B_API_URL", srv.http + "/e2b")
-    mp.setenv("E2B_SANDBOX_URL", srv.http + "/e2b")
-    mp.setenv("E2B_API_KEY", key)
-
-
 @pytest.fixture(autouse=True)
 def sdk_env(target: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    _env(monkeypatch, target)
+    point_sdk(monkeypatch, target)
 
 
 @pytest.fixture(scope="module")
 def shared(target: Server) -> Iterator[Sandbox]:
     mp = pytest.MonkeyPatch()
-    _env(mp, target)
+    point_sdk(mp, target)
     sb = Sandbox.create()
     yield sb
     sb.kill()
@@ -198,7 +192,7 @@ def test_the_port_proxy_refuses_another_tenants_sandbox(
     token = str(shared.traffic_access_token)
     assert until(lambda: by_host(target, shared.sandbox_id, token, 8301).status_code == 200)
     mp = pytest.MonkeyPatch()
-    _env(mp, target, BOB)
+    point_sdk(mp, target, BOB)
     try:
         theirs = Sandbox.create()
         try:

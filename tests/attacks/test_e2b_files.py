@@ -19,7 +19,7 @@ from e2b_code_interpreter import Sandbox
 
 from tests.attacks.common import AWS_SECRET, attack
 from tests.support import Server, start_server
-from tests.test_e2b_sdk import ALICE, BOB, tenants_file, until
+from tests.test_e2b_sdk import ALICE, BOB, point_sdk, tenants_file, until
 
 Observe = Callable[[str], None]
 DISK_MB = 64  # SANDBOX_MAX_DISK_MB, as hostile_server has it
@@ -45,18 +45,14 @@ def e2bsrv(tmp_path_factory: pytest.TempPathFactory, tmp_root: Path) -> Iterator
 
 @pytest.fixture(autouse=True)
 def sdk_env(e2bsrv: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
-    monkeypatch.setenv("E2B_API_KEY", ALICE)
+    point_sdk(monkeypatch, e2bsrv)
 
 
 @pytest.fixture(scope="module")
 def planted(e2bsrv: Server) -> Iterator[Sandbox]:
     """A sandbox whose code planted links to the host and a FIFO in its working directory."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("E2B_API_URL", e2bsrv.http + "/e2b")
-    mp.setenv("E2B_SANDBOX_URL", e2bsrv.http + "/e2b")
-    mp.setenv("E2B_API_KEY", ALICE)
+    point_sdk(mp, e2bsrv)
     sb = Sandbox.create()
     ran = sb.run_code(
         "import os\n"
