@@ -21,6 +21,7 @@ from appliance.core.errors import ApplianceError, Busy, RequestRejected, Unknown
 from appliance.core.events import Done, Emit, Event
 from appliance.core.ports import Workspace
 from appliance.core.service import Run, RunService
+from appliance.core.sessions import Session
 from appliance.core.tasks import TaskScope, cancel_and_wait, checkpoint
 from appliance.sandbox.jail import Jail
 from appliance.wire.protocol import ExecuteRequest, GpuRequest
@@ -326,24 +327,23 @@ class Sandboxes:
         return sandbox
 
     def _session_alive(self, sandbox: Sandbox, context_id: str) -> bool:
+        return self._session_of(sandbox, context_id) is not None
+
+    def _session_of(self, sandbox: Sandbox, context_id: str) -> Session | None:
+        """The live session of one of the sandbox's contexts; None once it has ended."""
         ctx = sandbox.contexts.get(context_id)
         if ctx is None:
-            return False
+            return None
         try:
-            self.service.sessions.get(ctx.session, sandbox.owner)
+            return self.service.sessions.get(ctx.session, sandbox.owner)
         except RequestRejected:
-            return False
-        return True
+            return None
 
     def open_workspace(self, sandbox: Sandbox) -> Workspace | None:
         """The working directory of the sandbox's default context (its files, envd's
         filesystem), as a descriptor of the caller's own; None once that session has ended."""
-        ctx = sandbox.contexts.get(sandbox.default)
-        if ctx is None:
-            return None
-        try:
-            session = self.service.sessions.get(ctx.session, sandbox.owner)
-        except RequestRejected:
+        session = self._session_of(sandbox, sandbox.default)
+        if session is None:
             return None
         return session.jail.open_workspace()
 
@@ -351,12 +351,8 @@ class Sandboxes:
         """The jail of the sandbox's default context, where its commands run and its ports
         are; None once it is gone. Its session counts as used (commands and proxied
         requests keep a sandbox from ending idle, as cells do)."""
-        ctx = sandbox.contexts.get(sandbox.default)
-        if ctx is None:
-            return None
-        try:
-            session = self.service.sessions.get(ctx.session, sandbox.owner)
-        except RequestRejected:
+        session = self._session_of(sandbox, sandbox.default)
+        if session is None:
             return None
         jail = session.jail
         if not isinstance(jail, Jail) or not jail.alive:
