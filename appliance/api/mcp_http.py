@@ -29,6 +29,7 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
 from appliance.api import busy, mcp_tools, tool_calls
+from appliance.api.asgi import http_scope
 from appliance.api.frames import framed
 from appliance.api.transport import PARSER_KEY, TASKS_KEY, until_gone
 from appliance.core.errors import ApplianceError, Busy
@@ -139,25 +140,10 @@ def _executor_for(service: RunService) -> mcp_tools.ExecutorFor:
 
 
 def _scope(request: web.Request, owner: str) -> dict[str, Any]:
-    peer = request.transport.get_extra_info("peername") if request.transport else None
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": f"{request.version.major}.{request.version.minor}",
-        "method": request.method,
-        "scheme": request.scheme,
-        "path": request.path,
-        "raw_path": request.raw_path.split("?", 1)[0].encode(),
-        "root_path": "",
-        "query_string": request.query_string.encode(),
-        "headers": [(k.lower(), v) for k, v in request.raw_headers],
-        "client": (peer[0], peer[1]) if isinstance(peer, tuple) and len(peer) >= 2 else None,
-        "server": None,
-        # The SDK compares this identity on every request of a session; the token itself is
-        # never copied into it.
-        "user": AuthenticatedUser(AccessToken(token="", client_id=owner, scopes=[])),
-        OWNER_SCOPE_KEY: owner,
-    }
+    # The SDK compares this identity on every request of a session; the token itself is never
+    # copied into it.
+    user = AuthenticatedUser(AccessToken(token="", client_id=owner, scopes=[]))
+    return http_scope(request, user=user, **{OWNER_SCOPE_KEY: owner})
 
 
 def _jsonrpc_error(

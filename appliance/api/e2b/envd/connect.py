@@ -32,6 +32,7 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 
+from appliance.api.asgi import http_scope
 from appliance.api.e2b.control import SANDBOXES_KEY
 from appliance.api.e2b.engine import Sandboxes
 from appliance.api.e2b.registry import Sandbox
@@ -177,32 +178,13 @@ class _Exchange:
             raise ConnectionResetError("the client stopped reading or went away") from None
 
 
-def _scope(request: web.Request, path: str) -> dict[str, Any]:
-    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
-    return {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": f"{request.version.major}.{request.version.minor}",
-        "method": request.method,
-        "scheme": request.scheme,
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": request.query_string.encode(),
-        "root_path": "",
-        "headers": [(k.lower(), v) for k, v in request.raw_headers],
-        "client": tuple(peer[:2]) if isinstance(peer, tuple) else None,
-        "server": None,
-        "extensions": {},
-    }
-
-
 async def serve(request: web.Request, app: ASGIApp, path: str) -> web.StreamResponse:
     """Run one Connect call (`path`: "/package.Service/Method") and return its reply."""
     found = reach(request)
     exchange = _Exchange(request, found.sandboxes.service.settings.client_stall_ms / 1000)
     token = _REACHED.set(found)
     try:
-        call = asyncio.ensure_future(app(_scope(request, path), exchange.receive, exchange.send))
+        call = asyncio.ensure_future(app(http_scope(request, path), exchange.receive, exchange.send))
         gone = asyncio.ensure_future(until_gone(request))
         try:
             await asyncio.wait([call, gone], return_when=asyncio.FIRST_COMPLETED)
