@@ -2,8 +2,8 @@
 
 `make test` runs the suite in several pytest-xdist workers. Most tests share the host well
 (each server scopes its jails, groups and directories to itself), but a few measure the host
-as a whole: CPU shares against a neighbour, benchmark ratios, a soak's leak audit. Those are
-marked `exclusive`: such a test runs only while no other test runs, in any worker.
+as a whole (CPU shares against a neighbour, a latency) or look for what another server would
+purge. Those are marked `exclusive`: such a test runs only while no other test runs, in any worker.
 
 Two flock(2) locks in a directory of the test run's own (named by xdist's run id) do it, a
 reader-writer lock with writer preference: every test holds `run.lock` shared from its setup
@@ -13,8 +13,8 @@ an exclusive test takes `gate.lock` (so no test starts meanwhile), then `run.loc
 
 Taking the host costs the other workers the wait for their running tests to end (the longest
 of them) besides the exclusive test itself. So a worker's exclusive tests in a row (a module
-of them, as tests/test_benchmarks.py) take it once: `Turns` keeps the hold from one to the
-next when the next is exclusive too, and lets it go after the last.
+of them) take it once: `Turns` keeps the hold from one to the next when the next is
+exclusive too, and lets it go after the last.
 """
 
 from __future__ import annotations

@@ -19,11 +19,13 @@ from benchmarks import report
 from benchmarks.hotpath import CPUACCT
 from tests.support import REPO, scaled
 
-# Needs root, firejail or a real server: never in the fast tier (tests/tiers.py); benchmarks
-# measure the host, so each has it to itself under pytest-xdist (tests/exclusive.py). The
-# report's pure parts are unit tests beside them (tests/test_benchmark_units.py): they need no
-# host, so they do not stop every other worker's tests as an exclusive test does.
-pytestmark = [pytest.mark.host, pytest.mark.exclusive]
+# Needs root, firejail or a real server: never in the fast tier (tests/tiers.py). These tests
+# prove each benchmark runs end to end and writes sane outputs, never its figures (what
+# they compare is warm against a cold spawn, orders of magnitude apart), so they share the
+# host with the other workers' tests: taking it alone (tests/exclusive.py) stopped the
+# whole suite for minutes. The report's pure parts are unit tests beside them
+# (tests/test_benchmark_units.py).
+pytestmark = pytest.mark.host
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
