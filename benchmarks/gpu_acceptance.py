@@ -124,13 +124,13 @@ print(json.dumps(seen))
 """
 # The three ways a run's CUDA context can be created: what NVML reports differs for each.
 OVERRUN = {
-    "main_thread": "ctx(); alloc_over(MB); time.sleep(20)",
+    "main_thread": "ctx(); alloc_over(MB); time.sleep(HOLD_S)",
     "thread": (
-        "def work():\n    ctx(); alloc_over(MB); time.sleep(20)\n"
+        "def work():\n    ctx(); alloc_over(MB); time.sleep(HOLD_S)\n"
         "t = threading.Thread(target=work); t.start(); t.join()"
     ),
     "subprocess": (
-        "child = CUDA_SRC + 'ctx(); alloc_over(MB); time.sleep(20)'\n"
+        "child = CUDA_SRC + 'ctx(); alloc_over(MB); time.sleep(HOLD_S)'\n"
         "subprocess.run([sys.executable, '-c', child])"
     ),
 }
@@ -949,7 +949,12 @@ class Kit:
     async def check_watchdog(self, how: str) -> Check:
         budget = 1024 if self.sim else 2048
         over = budget + self.margin + 512
-        code = OVERRUN[how].replace("MB", str(over)).replace("CUDA_SRC", repr(CUDA))
+        code = (
+            OVERRUN[how]
+            .replace("MB", str(over))
+            .replace("HOLD_S", str(self.args.overrun_hold_s))
+            .replace("CUDA_SRC", repr(CUDA))
+        )
         hog = asyncio.create_task(self.execute(CUDA + code, budget))
         await asyncio.sleep(0.5)
         # The neighbour stays within its budget, its CUDA context included.
@@ -1706,6 +1711,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--neighbour-s", type=float, default=6, help="how long the watchdog checks' neighbour runs"
+    )
+    p.add_argument(
+        "--overrun-hold-s",
+        type=float,
+        default=20,
+        help="how long the watchdog checks' over-budget run holds its memory unless stopped",
     )
     p.add_argument("--budget-s", type=float, default=450, help="stop starting checks after this long")
     p.add_argument(
