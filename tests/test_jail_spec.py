@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
-from appliance.sandbox.firejail import accounts_argv, drop_argv, launcher_env, render_argv
+import pytest
+
+from appliance.sandbox.firejail import (
+    accounts_argv,
+    bind_table,
+    binds_argv,
+    drop_argv,
+    launcher_env,
+    render_argv,
+)
 from appliance.sandbox.spec import JailLimits, JailSpec, jail_env
 from appliance.settings import Settings
 
@@ -69,21 +80,45 @@ def test_the_minimal_accounts_are_mounted_before_the_uid_is_dropped() -> None:
     ]
 
 
-def test_a_prepared_etc_is_bound_read_only_over_etc_before_the_accounts() -> None:
+def test_the_launch_binds_the_prepared_etc_read_only_then_the_accounts_and_the_workspace() -> None:
+    table = bind_table(Path("/t/passwd"), Path("/t/group"), Path("/t/run 1\\x"), Path("/t/srv/etc"))
+    assert table.splitlines() == [
+        "/t/srv/etc /etc none bind,ro 0 0",
+        "/t/passwd /etc/passwd none bind 0 0",
+        "/t/group /etc/group none bind 0 0",
+        "/t/run\\0401\\134x /workspace none bind 0 0",  # fstab's escapes: a path is one field
+    ]
+    assert "/etc " not in bind_table(Path("/t/passwd"), Path("/t/group"), Path("/t/run"))
     then = drop_argv(1001, 1001)
-    prefix = accounts_argv(Path("/t/passwd"), Path("/t/group"), Path("/t/run"), then, Path("/t/srv/etc"))
-    script = prefix[6]
+    prefix = binds_argv(Path("/t/srv/abc.binds"), then)
+    assert prefix[:4] == ["unshare", "--mount", "--propagation=private", "--"]
     assert (
-        script.index('mount --bind "$4" /etc ')
-        < script.index("mount -o remount,bind,ro /etc")
-        < script.index('"$1" /etc/passwd')
-        < script.index('"$2" /etc/group')
-        < script.index("shift 4")
-        < script.index('exec env -u PWD "$@"')
-    )
-    assert prefix[7:12] == ["sh", "/t/passwd", "/t/group", "/t/run", "/t/srv/etc"]
-    assert prefix[12:] == then
-    assert "/etc " not in accounts_argv(Path("/t/passwd"), Path("/t/group"), Path("/t/run"), then)[6]
+        prefix[6] == 'mount --all --fstab "$1" && shift && exec env -u PWD "$@"'
+    )  # a failed bind runs nothing
+    assert prefix[7:9] == ["sh", "/t/srv/abc.binds"]
+    assert prefix[9:] == then
+
+
+@pytest.mark.host
+def test_mount_reads_the_bind_table_as_written(tmp_path: Path) -> None:
+    """One mount(8) makes every bind of the table, in order, read-only where it says, whatever
+    the paths hold (here a space and a backslash)."""
+    if os.geteuid() != 0:
+        pytest.skip("binds need root")
+    source, target = tmp_path / "a dir\\x", tmp_path / "target"
+    (source / "sub").mkdir(parents=True)
+    (source / "sub" / "f").write_text("etc")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "g").write_text("file\n")
+    target.mkdir()
+    table = tmp_path / "t.binds"
+    lines = bind_table(Path("/unused"), Path("/unused"), Path("/unused"), source).splitlines()[:1]
+    lines = [lines[0].replace(" /etc ", f" {target} "), f"{other / 'g'} {target / 'sub' / 'f'} none bind 0 0"]
+    table.write_text("\n".join(lines) + "\n")
+    check = f"cat {target}/sub/f; touch {target}/new 2>/dev/null && echo writable || echo read-only"
+    out = subprocess.run(binds_argv(table, ["sh", "-c", check]), capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["file", "read-only"], out
 
 
 def test_the_run_directory_becomes_workspace_and_cwd() -> None:

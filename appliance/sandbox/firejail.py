@@ -65,7 +65,7 @@ def mounts_argv(spec: JailSpec) -> list[str]:
     """The run directory as /workspace (= HOME, cwd); private /tmp, /dev, /etc; everything
     at the top level that is not needed blacklisted. The private /etc is firejail's copy of
     ETC_FILES, or the server's prepared one (`spec.etc`, already bound over /etc by the
-    launcher: `accounts_argv`), less what firejail itself reads there."""
+    launcher: `bind_table`), less what firejail itself reads there."""
     etc = [f"--private-etc={','.join(ETC_FILES)}"] if spec.etc is None else etc_hidden_argv()
     return [
         f"--private={spec.workdir}",
@@ -152,32 +152,59 @@ def launcher_env() -> dict[str, str]:
     return {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "container": "docker", "LANG": "C.UTF-8"}
 
 
-def accounts_argv(
-    passwd: Path, group: Path, home: Path, then: list[str], etc: Path | None = None
-) -> list[str]:
-    """The prefix (run as root) that gives the jail a minimal /etc/passwd and /etc/group.
+def accounts_argv(passwd: Path, group: Path, home: Path, then: list[str]) -> list[str]:
+    """The prefix (run as root) that gives a command joining a jail (`jailexec`) the minimal
+    /etc/passwd and /etc/group and the run directory as /workspace, as the jail's launch does
+    (`binds_argv`): firejail checks them again as it joins.
 
     firejail copies the host's /etc/passwd into the jail (less the other human users):
-    every system account of the host would be listed. The server starts firejail in a
-    private mount namespace of its own where those two files are bind mounts of `passwd`
-    and `group`, then runs `then`: the prefix that drops to the jail's uid (`drop_argv`,
-    or the egress namespace's `enter_argv`) before the setuid firejail runs.
-
-    /workspace, the home `passwd` names, is a bind mount of `home` (the run directory, owned
-    by the jail's uid) there too: firejail refuses a home its user does not own, and a jail
-    of SANDBOX_UID_RANGE has a uid of its own that owns nothing else on the host.
-
-    `etc`, the server's prepared /etc (`etcdir`), is bound over /etc first, read-only, and
-    the two files over its own (the render then has no --private-etc: `mounts_argv`).
+    every system account of the host would be listed. The command is started in a private
+    mount namespace of its own where those two files are bind mounts of `passwd` and `group`,
+    then runs `then`: the prefix that drops to the jail's uid (`drop_argv`) before the setuid
+    firejail runs. /workspace, the home `passwd` names, is a bind mount of `home` (the run
+    directory, owned by the jail's uid): firejail refuses a home its user does not own.
     """
     # `env -u PWD`: the shell exports PWD, which the jail must not inherit (the canary checks).
     binds = f'mount --bind "$1" /etc/passwd && mount --bind "$2" /etc/group && mount --bind "$3" {WORKSPACE}'
+    script = f'{binds} && shift 3 && exec env -u PWD "$@"'
     files = [str(passwd), str(group), str(home)]
-    if etc is not None:  # /etc first: the two files are bound over its own
-        binds = 'mount --bind "$4" /etc && mount -o remount,bind,ro /etc && ' + binds
-        files.append(str(etc))
-    script = f'{binds} && shift {len(files)} && exec env -u PWD "$@"'
     return ["unshare", "--mount", "--propagation=private", "--", "sh", "-c", script, "sh", *files, *then]
+
+
+def bind_table(passwd: Path, group: Path, home: Path, etc: Path | None = None) -> str:
+    """A jail's binds as fstab lines, for the launcher's one mount(8) (`binds_argv`), in order:
+    the server's prepared /etc (`etcdir`), read-only, over /etc; the jail's minimal `passwd` and
+    `group` over its own; `home`, the run directory, as /workspace.
+
+    firejail copies the host's /etc/passwd into the jail (less the other human users): every
+    system account of the host would be listed; the jail's lists only root and its own user.
+    /workspace is the home that `passwd` names: firejail refuses a home its user does not own,
+    and a jail of SANDBOX_UID_RANGE has a uid of its own that owns nothing else on the host. With
+    `etc` the render has no --private-etc (`mounts_argv`)."""
+    binds = [(etc, Path("/etc"), "bind,ro")] if etc is not None else []
+    binds += [
+        (passwd, Path("/etc/passwd"), "bind"),
+        (group, Path("/etc/group"), "bind"),
+        (home, WORKSPACE, "bind"),
+    ]
+    return "".join(f"{_fstab_field(src)} {_fstab_field(dst)} none {opts} 0 0\n" for src, dst, opts in binds)
+
+
+def _fstab_field(path: Path) -> str:
+    """A path as one fstab field: whitespace and backslashes octal-escaped, as libmount reads
+    them back."""
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in str(path))
+
+
+def binds_argv(table: Path, then: list[str]) -> list[str]:
+    """The prefix (run as root) that starts a jail in a private mount namespace of its own with
+    the binds of `table` (`bind_table`, written by the server where only root can), all made by
+    one mount(8) (each mount(8) process costs more CPU than its bind), then runs `then`: the prefix
+    that drops to the jail's uid (`drop_argv`, or the egress namespace's `enter_argv`) before the
+    setuid firejail runs. A bind that fails runs nothing."""
+    # `env -u PWD`: the shell exports PWD, which the jail must not inherit (the canary checks).
+    script = 'mount --all --fstab "$1" && shift && exec env -u PWD "$@"'
+    return ["unshare", "--mount", "--propagation=private", "--", "sh", "-c", script, "sh", str(table), *then]
 
 
 def drop_argv(uid: int, gid: int) -> list[str]:

@@ -31,7 +31,8 @@ from appliance.sandbox.cgroups import Counters, Group, GroupLimits, Hierarchy
 from appliance.sandbox.devices import GpuDevice
 from appliance.sandbox.egressintercept import trust_env
 from appliance.sandbox.firejail import (
-    accounts_argv,
+    bind_table,
+    binds_argv,
     drop_argv,
     join_argv,
     launcher_env,
@@ -530,14 +531,17 @@ class JailFactory:
                 await asyncio.to_thread(group.remove)
             raise
 
-    async def _make_workdir(self, jail_id: str, held: Held | None) -> Path:
-        """The jail's run directory, made in a thread. A run cancelled meanwhile (its client
-        gone) does not stop the thread: the directory is made, then removed, before the
-        cancellation goes on, so no run directory outlives a run that never got its jail."""
+    async def _make_workdir(self, jail_id: str, held: Held | None) -> tuple[Path, Path | None]:
+        """The jail's run directory, and its bind table (`_binds`) where there is one, made in a
+        thread. A run cancelled meanwhile (its client gone) does not stop the thread: the
+        directory is made, then removed, before the cancellation goes on, so no run directory
+        outlives a run that never got its jail."""
         uid, gid = (held.uid, held.gid) if held is not None else (None, None)
-        making = asyncio.ensure_future(asyncio.to_thread(self.dirs.create, jail_id, uid, gid))
+        binds = self._binds(held, self.dirs.path(jail_id), self._etc(held))
+        making = asyncio.ensure_future(asyncio.to_thread(self.dirs.create, jail_id, uid, gid, binds))
         try:
-            return await asyncio.shield(making)
+            workdir = await asyncio.shield(making)
+            return workdir, (None if binds is None else self.dirs.binds_path(jail_id))
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await making
@@ -545,29 +549,37 @@ class JailFactory:
             raise
 
     def _launcher(
-        self, link: JailLink | None, group: Group | None, held: Held | None, workdir: Path, etc: Path | None
+        self, link: JailLink | None, group: Group | None, held: Held | None, table: Path | None
     ) -> list[str]:
         """What runs before firejail, outermost first: join the jail's cgroup (as root), give it
-        the minimal accounts and the prepared /etc (a private mount namespace), enter its network
-        namespace, and drop to the jail's uid. All of it is exec'd programs, so the server spawns
-        with vfork and never forks itself (`firejail.join_argv`)."""
+        its binds, `table` (a private mount namespace: `_binds`), enter its network namespace, and
+        drop to the jail's uid. All of it is exec'd programs, so the server spawns with vfork and
+        never forks itself (`firejail.join_argv`)."""
         uid, gid = (held.uid, held.gid) if held is not None else (self.host.uid, self.host.gid)
         # In egress mode root enters the namespace and drops to the sandbox uid itself.
         prefix = enter_argv(link, uid, gid) if link is not None else []
         if link is None and self.host.run_as_uid is not None:
             prefix = drop_argv(uid, gid)
-        accounts = self.dirs.accounts_for(uid, gid) if held is not None else self.dirs.accounts
-        if accounts is not None and prefix:
-            # Root starts it: the jail's /etc/passwd and /etc/group list only root and the
-            # sandbox user (a server that is the sandbox uid itself cannot mount them).
-            prefix = accounts_argv(*accounts, workdir, prefix, etc)
-        elif etc is not None:  # the render left --private-etc out: never start it without its /etc
-            raise JailFailure("the prepared /etc cannot be mounted for this jail")
+        if table is not None:
+            prefix = binds_argv(table, prefix)
         if group is not None:
             prefix = join_argv(group.procs_files()) + prefix
         if self.host.run_as_uid is not None:  # root: the jail is the OOM killer's first choice
             prefix = oom_argv() + prefix
         return prefix
+
+    def _binds(self, held: Held | None, workdir: Path, etc: Path | None) -> str | None:
+        """The launcher's bind table for the jail (`firejail.bind_table`): where root starts it,
+        its minimal accounts (the jail's /etc/passwd and /etc/group list only root and the
+        sandbox user), the run directory as /workspace, and the prepared /etc. None where the
+        server is the sandbox uid itself (it cannot mount)."""
+        uid, gid = (held.uid, held.gid) if held is not None else (self.host.uid, self.host.gid)
+        accounts = self.dirs.accounts_for(uid, gid) if held is not None else self.dirs.accounts
+        if accounts is None or (self.network is None and self.host.run_as_uid is None):
+            if etc is not None:  # the render left --private-etc out: never start it without its /etc
+                raise JailFailure("the prepared /etc cannot be mounted for this jail")
+            return None
+        return bind_table(*accounts, workdir, etc)
 
     def _join_spec(self, spec: JailSpec, held: Held | None, workdir: Path) -> JoinSpec:
         """How commands join the jail later (appliance.sandbox.jailexec): as it was launched."""
@@ -586,16 +598,17 @@ class JailFactory:
             gpu=spec.gpu,
         )
 
-    def _etc(self, link: JailLink | None, held: Held | None) -> Path | None:
-        """The prepared /etc where the launcher mounts for the jail (`_launcher`): root starts it."""
-        mounts = link is not None or self.host.run_as_uid is not None
+    def _etc(self, held: Held | None) -> Path | None:
+        """The prepared /etc where the launcher mounts for the jail (`_binds`): root starts it
+        (in egress mode too: root enters the jail's network namespace)."""
+        mounts = self.network is not None or self.host.run_as_uid is not None
         accounts = held is not None or self.dirs.accounts is not None
         return self.dirs.etc if mounts and accounts else None
 
     async def _launch(  # noqa: C901 (one jail's launch steps in order, each undone if a later one fails)
         self, jail_id: str, nice: int, group: Group | None, held: Held | None
     ) -> Jail:
-        workdir = await self._make_workdir(jail_id, held)
+        workdir, table = await self._make_workdir(jail_id, held)
         link: JailLink | None = None
         if self.network is not None:  # egress mode: the filtered namespace first, firejail inside it
             try:
@@ -603,12 +616,11 @@ class JailFactory:
             except BaseException:
                 await asyncio.to_thread(self.dirs.remove, workdir)
                 raise
-        spec = dataclasses.replace(self.spec(workdir, link, held), nice=nice, etc=self._etc(link, held))
+        spec = dataclasses.replace(self.spec(workdir, link, held), nice=nice, etc=self._etc(held))
         try:
             process = await JailProcess.spawn(
                 lambda fd: (
-                    self._launcher(link, group, held, workdir, spec.etc)
-                    + render_argv(spec, fd, self.host.firejail)
+                    self._launcher(link, group, held, table) + render_argv(spec, fd, self.host.firejail)
                 ),
                 env=launcher_env(),
                 max_event_bytes=self.settings.max_output_bytes + 65536,

@@ -46,6 +46,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 INSIDE_DIR = PACKAGE_DIR / "inside"
 TOOLS_FACE = PACKAGE_DIR / "tools" / "__init__.py"
 DRIVER = Path("appliance") / "inside" / "driver.py"  # relative to the runtime
+BINDS_SUFFIX = ".binds"  # a run directory's bind table, beside it (`RunDirs.create`)
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def runtime_sources() -> list[tuple[Path, Path]]:
@@ -192,18 +194,26 @@ class RunDirs:
         """Where run run_id's directory is (made by `create`)."""
         return self.instance / run_id
 
-    def create(self, run_id: str, uid: int | None = None, gid: int | None = None) -> Path:
+    def create(
+        self, run_id: str, uid: int | None = None, gid: int | None = None, binds: str | None = None
+    ) -> Path:
         """Make run run_id's directory (and its outputs/), owned by the jail's uid:gid (default:
         the shared sandbox uid's); owner and
         mode are set on the descriptors made here, never through a path. Where run directories
         are sized (`sizes`), the directory is a tmpfs of its own, mounted through the
-        instance's descriptor before anything is made in it (fail closed: no mount, no run)."""
+        instance's descriptor before anything is made in it (fail closed: no mount, no run).
+        `binds`, the jail's bind table (`firejail.bind_table`), is written beside it
+        (`binds_path`), root's alone, for the launcher's mount(8)."""
         uid = self.uid if uid is None else uid
         gid = self.gid if gid is None else gid
         with self._instance() as inst:
             self._etc_present(inst)
             os.mkdir(run_id, 0o700, dir_fd=inst)
             try:
+                if binds is not None:
+                    fd = os.open(run_id + BINDS_SUFFIX, _NEW_FILE, 0o600, dir_fd=inst)
+                    with os.fdopen(fd, "w") as fh:
+                        fh.write(binds)
                 if self.sizes is not None:
                     runfs.mount_run(Path(f"/proc/self/fd/{inst}/{run_id}"), self.sizes, uid, gid)
                 fd = os.open(run_id, fstree.DIR_FLAGS, dir_fd=inst)
@@ -222,10 +232,17 @@ class RunDirs:
                 raise
         return self.path(run_id)
 
+    def binds_path(self, run_id: str) -> Path:
+        """Where run run_id's bind table is (`create`): beside its directory, where only root
+        writes."""
+        return self.instance / (run_id + BINDS_SUFFIX)
+
     def remove(self, path: Path) -> None:
         """Remove a run directory, whatever the code made of it (links are never followed,
-        depth costs no recursion); its tmpfs is detached first, which frees its pages once the
-        jail's last process is gone, without walking what it holds."""
+        depth costs no recursion), and its bind table; its tmpfs is detached first, which frees
+        its pages once the jail's last process is gone, without walking what it holds."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path.with_name(path.name + BINDS_SUFFIX))
         if self.sizes is not None:
             try:
                 runfs.unmount(path)
