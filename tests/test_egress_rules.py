@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 from appliance.core.egress import Flow, Layers, Rule, decide_name, parse_rule, parse_rules
 from appliance.core.errors import SettingsError, StartupError
 from appliance.sandbox import tlshello
-from appliance.sandbox.network import EgressPolicy, address_refusal, host_ruleset, jail_ruleset, link_for
+from appliance.sandbox.network import (
+    BLOCKED_V4,
+    EgressPolicy,
+    address_refusal,
+    host_ruleset,
+    jail_ruleset,
+    link_for,
+)
 from appliance.settings import from_env
 
 
@@ -98,6 +105,27 @@ def _policy(allow_nets: tuple[IPv4Network, ...] = (), proxy_port: int | None = 3
 )
 def test_private_loopback_and_metadata_addresses_are_refused(address: str) -> None:
     assert address_refusal(_policy(), IPv4Address(address)) is not None
+
+
+def test_the_refusal_is_exactly_the_ranges_at_every_edge() -> None:
+    """The proxy checks addresses on integer spans: at each range's first and last address and
+    one either side, the answer is what membership in the networks themselves gives."""
+    policy = _policy(allow_nets=(IPv4Network("10.9.0.0/16"),))
+    nets = (*policy.never, *policy.allow_nets, *BLOCKED_V4)
+    edges = {int(n.network_address) + d for n in nets for d in (-1, 0)} | {
+        int(n.broadcast_address) + d for n in nets for d in (0, 1)
+    }
+    for value in sorted(e for e in edges if 0 <= e < 2**32):
+        address = IPv4Address(value)
+        if any(address in n for n in policy.never):
+            expected: str | None = "the host itself or a jail link"
+        elif any(address in n for n in policy.allow_nets):
+            expected = None
+        elif any(address in n for n in BLOCKED_V4):
+            expected = "a private, loopback, link-local, metadata or reserved address"
+        else:
+            expected = None
+        assert address_refusal(policy, address) == expected, address
 
 
 def test_the_host_and_the_links_are_refused_even_when_allowed_on_purpose() -> None:
