@@ -8,6 +8,7 @@ import ssl
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 
+import h11
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from appliance.core.egress import Flow, Layers, Rule, decide_name, parse_rule, parse_rules
 from appliance.core.errors import SettingsError, StartupError
 from appliance.sandbox import tlshello
+from appliance.sandbox.egressproxy import HOP_HEADERS, request_head
 from appliance.sandbox.network import (
     BLOCKED_V4,
     EgressPolicy,
@@ -215,3 +217,31 @@ def test_the_audit_log_must_be_the_servers_own_and_private(tmp_path: Path) -> No
     line = json.loads((tmp_path / "new.jsonl").read_text())
     assert line["host"] == "a.example.com" and line["request"] is None and line["why"] == "not listed"
     assert (tmp_path / "new.jsonl").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET http://api.example.com/ HTTP/1.1\r\nHost: api.example.com\r\n\r\n",
+        b"GET http://api.example.com:8080/a/b?q=1&r=%20x HTTP/1.1\r\nUser-Agent: curl/8.0\r\n"
+        b"Host: h\r\nAccept: */*\r\nX-Empty:\r\nX-Tab: a\tb\r\nProxy-Connection: keep-alive\r\n\r\n",
+        b"DELETE http://api.example.com/item/7 HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\nCookie: a=b; c=d\r\n\r\n",
+        b"HEAD http://api.example.com/x HTTP/1.0\r\nACCEPT-encoding: identity\r\n\r\n",
+    ],
+)
+def test_a_bodyless_request_head_is_written_as_h11_writes_it(head: bytes) -> None:
+    """The proxy writes a request with no body itself, from what h11's parser took: the bytes
+    must be those h11's writer makes of the same parts."""
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(head)
+    request = conn.next_event()
+    assert isinstance(request, h11.Request)
+    assert isinstance(conn.next_event(), h11.EndOfMessage)
+    headers = [(b"host", b"api.example.com")]
+    headers += [(k, v) for k, v in request.headers if k.lower() not in HOP_HEADERS]
+    headers.append((b"connection", b"close"))
+    target = b"/path?q=1"
+    expected = h11.Connection(h11.CLIENT).send(
+        h11.Request(method=request.method, target=target, headers=headers)
+    )
+    assert request_head(request.method, target, headers) == expected
