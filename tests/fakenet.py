@@ -132,6 +132,11 @@ class FakeNet:
         return [json.loads(line) for line in self.requests.read_text().splitlines() if line]
 
     @property
+    def host_if(self) -> str:
+        """The host's end of the namespace's veth."""
+        return "fnv" + self.ns.removeprefix("fakenet-")
+
+    @property
     def public(self) -> str:
         return f"198.18.{self.k}.2"
 

@@ -330,5 +330,13 @@ def test_the_egress_benchmark_measures_the_proxy_and_by_ip_side_by_side(tmp_path
         )
     assert all(r > 0 for r in s["ratios"].values())
     assert s["relay"]["small_cpu_ms_per_flow"] > 0 and s["relay"]["small_flows"] == 2 * 2 * 60
+    (link,) = s["links"]  # the same rounds over the shaped link (quick: its last rate only)
+    assert link["rate_mbit"] == 100 and link["qdisc"].startswith("tbf rate 100mbit")
+    for side in ("proxy", "direct"):
+        assert link[side]["n_big"] == 6 and link[side]["n_runs"] == 2
+    # Every download of both sides crossed the shaper: 2 sides x 2 runs x (3 + 3) MiB at least.
+    assert link["shaper"]["bytes"] >= 2 * 2 * 6 * (1 << 20), link["shaper"]
+    assert all(r > 0 for r in link["ratios"].values())
+    assert "Over a modelled link" in (tmp_path / "egress_quick.md").read_text()
     assert "through the proxy" in (tmp_path / "egress_quick.md").read_text()
     assert "CPU per small flow" in (tmp_path / "egress_quick.md").read_text()
