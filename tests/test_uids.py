@@ -13,6 +13,7 @@ import pytest
 
 from appliance.sandbox import uids
 from appliance.sandbox.uids import Uids
+from appliance.sandbox.workdir import RunDirs, open_base
 from tests.support import SANDBOX_UID, SANDBOX_UIDS, reachable_tmp_root, until
 
 # Far from any account or jail of this host (tests of the real server use 1001 onwards).
@@ -143,3 +144,19 @@ async def test_a_servers_uid_locks_are_the_hosts_whatever_its_temp_root(tmp_path
         assert uid in SANDBOX_UIDS and uid != SANDBOX_UID
         assert (uids.HOST_LOCK_ROOT / "appliance" / uids.LOCKS / str(uid)).is_file()
         assert not (tmp_root / "appliance" / uids.LOCKS).exists()
+
+
+def test_staging_a_uids_accounts_again_leaves_the_files_a_launching_jail_binds(root: Path) -> None:
+    """Every server stages the accounts of the uids it uses; a jail that is being launched binds
+    them, and firejail's own mount over a file replaced meanwhile fails (ENOENT): the same files
+    are left in place, and only a different content or owner is written anew."""
+    first, second = RunDirs(root, FIRST, FIRST), RunDirs(root, FIRST, FIRST)
+    with open_base(root, os.geteuid()) as base_fd:
+        passwd, group = first.stage_accounts(base_fd, FIRST, FIRST)
+        before = (passwd.stat().st_ino, group.stat().st_ino)
+        assert second.stage_accounts(base_fd, FIRST, FIRST) == (passwd, group)
+        assert (passwd.stat().st_ino, group.stat().st_ino) == before
+        passwd.write_text("root:x:0:0:root:/root:/bin/sh\n")  # not what the server writes
+        second.stage_accounts(base_fd, FIRST, FIRST)
+    assert passwd.stat().st_ino != before[0] and group.stat().st_ino == before[1]
+    assert f":{FIRST}:{FIRST}::/workspace:" in passwd.read_text()

@@ -151,6 +151,10 @@ class RunDirs:
         }
         with trust.held(trust.ensure_dir(base_fd, self.base, name, 0o755, self.server_uid)) as dir_fd:
             for file, text in files.items():
+                if _holds(dir_fd, file, text.encode(), self.server_uid):
+                    # Left in place: a launching jail binds this file, and a bind onto a file
+                    # replaced meanwhile fails (firejail mounts over it: ENOENT).
+                    continue
                 tmp = f".{file}-{secrets.token_hex(8)}"
                 fd = os.open(
                     tmp,
@@ -365,6 +369,20 @@ def _publish(staging: Path, target: Path) -> None:
         os.rename(staging, target)
     except OSError:  # another server staged the same content first
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _holds(dir_fd: int, name: str, data: bytes, owner: int) -> bool:
+    """Whether `name` in dir_fd is already a regular file of `owner`'s, mode 0644, holding
+    exactly `data` (links are not followed)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or stat.S_IMODE(st.st_mode) != 0o644:
+            return False
+        return fh.read(len(data) + 1) == data
 
 
 def kill_jails_under(instance: Path) -> list[int]:
