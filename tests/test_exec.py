@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from appliance.sandbox.jail import own_hooks
 from appliance_client.client import AsyncClient, Client
 from tests.support import (
     CHECKOUT_PATH,
@@ -101,6 +104,22 @@ async def test_the_jail_has_seccomp_no_new_privs_and_no_capabilities(server: Ser
     assert status["NoNewPrivs"].strip() == "1"
     assert status["CapEff"].strip() == "0000000000000000"
     assert status["CapBnd"].strip() == "0000000000000000"
+
+
+async def test_the_servers_own_editable_installs_are_not_run_in_a_jail(server: Server) -> None:
+    """A development venv's editable installs of the appliance put `.pth` hooks in
+    site-packages that import a finder of the server's source tree at every Python start; a jail
+    cannot see that tree (it has the runtime staged), and its Python does not run them."""
+    hooks = own_hooks(Path(sys.executable))
+    if not hooks:
+        pytest.skip("this venv has no editable install of the appliance")
+    code = (
+        "import sys\nprint(sorted(m for m in sys.modules if m.startswith('__editable__')))\n"
+        f"try:\n    open({str(hooks[0])!r}).read()\nexcept OSError as exc:\n    print(type(exc).__name__)"
+    )
+    async with AsyncClient(server.url) as c:
+        ex = await c.execute(code)
+    assert ex.stdout.split("\n")[:2] == ["[]", "PermissionError"], ex
 
 
 async def test_a_non_zero_exit_is_status_error_with_its_exit_code(server: Server) -> None:

@@ -107,6 +107,8 @@ def test_the_environment_and_runtime_are_readable_and_read_only() -> None:
         "--whitelist=/tmp/appliance/runtime-x",
         "--read-only=/tmp/appliance/runtime-x",
     ]
+    hook = Path("/srv/venv/lib/python3.11/site-packages/__editable__.appliance-0.1.0.pth")
+    assert firejail.readable_argv(make_spec(hooks_hidden=(hook,)))[-1] == f"--blacklist={hook}"
 
 
 def test_resources_render_with_their_units_and_a_gpu_jail_has_no_address_space_limit() -> None:

@@ -16,6 +16,7 @@ from appliance.sandbox.firejail import (
     launcher_env,
     render_argv,
 )
+from appliance.sandbox.jail import own_hooks
 from appliance.sandbox.spec import JailLimits, JailSpec, jail_env
 from appliance.settings import Settings
 
@@ -176,3 +177,20 @@ def test_a_given_path_in_run_keeps_only_its_own_entry_visible() -> None:
     hidden = {str(p) for p in mps.hidden}
     assert "/run/secrets" in hidden and "/run/user" in hidden
     assert "/run/nvidia-mps" not in hidden and "/run/firejail" not in hidden
+
+
+def test_only_the_appliances_own_editable_hooks_are_hidden_from_jails(tmp_path: Path) -> None:
+    (tmp_path / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    names = [
+        "__editable__.appliance-0.1.0.pth",
+        "__editable__.appliance_client-0.1.0.pth",
+        "__editable__.appliance_extras-1.0.pth",  # someone else's package
+        "__editable__.mypkg-1.0.pth",
+        "distutils-precedence.pth",
+    ]
+    for name in names:
+        (site / name).write_text("import os\n")
+    assert own_hooks(tmp_path / "bin" / "python") == (site / names[0], site / names[1])
+    assert own_hooks(Path("/usr/bin/python3")) == ()  # no virtualenv: nothing of ours

@@ -100,8 +100,10 @@ def devices_argv(spec: JailSpec) -> list[str]:
 
 
 def readable_argv(spec: JailSpec) -> list[str]:
-    """The Python environment and the runtime: whitelisted, read-only."""
-    return [arg for path in spec.readable for arg in (f"--whitelist={path}", f"--read-only={path}")]
+    """The Python environment and the runtime: whitelisted, read-only; the server's own
+    editable installs' hooks in it blacklisted (`spec.hooks_hidden`)."""
+    argv = [arg for path in spec.readable for arg in (f"--whitelist={path}", f"--read-only={path}")]
+    return argv + [f"--blacklist={path}" for path in spec.hooks_hidden]
 
 
 def resources_argv(spec: JailSpec) -> list[str]:

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import Coroutine, Sequence
@@ -412,6 +413,7 @@ class JailFactory:
         )
         self._env = jail_env(settings, settings.python, runtime, self.preload)
         self._readable = (*python_roots(settings.python), runtime)
+        self._hooks_hidden = own_hooks(settings.python)
         if settings.models_dir is not None:
             self._readable += (settings.models_dir,)
         if settings.wheelhouse is not None:  # whitelisted read-only, like every readable path
@@ -458,6 +460,7 @@ class JailFactory:
             gpu=self.gpu is not None,
             gpu_hidden=self.gpu.hidden if self.gpu else (),
             gpu_shared=(self.gpu.mps_pipe_dir,) if self.gpu and self.gpu.mps_pipe_dir else (),
+            hooks_hidden=self._hooks_hidden,
         )
 
     def _link_env(self, link: JailLink | None) -> tuple[tuple[str, str], ...]:
@@ -705,6 +708,22 @@ def gpu_env(settings: Settings, gpu: GpuDevice) -> tuple[tuple[str, str], ...]:
     if gpu.mps_pipe_dir is not None:
         env.append(("CUDA_MPS_PIPE_DIRECTORY", str(gpu.mps_pipe_dir)))
     return tuple(env)
+
+
+# The `.pth` of an editable install of the appliance (or its client) in the jails' virtualenv.
+OWN_HOOK = re.compile(r"__editable__\.appliance(_client)?-[^/]*\.pth")
+
+
+def own_hooks(python: Path) -> tuple[Path, ...]:
+    """The `.pth` files of the appliance's own editable installs in the jail interpreter's
+    virtualenv (a development checkout's). Each makes every Python start in a jail import a
+    finder (and pathlib, re, urllib ...) that maps the server's source tree, which a jail cannot
+    see: it has the runtime staged instead. Hidden from jails, `site` skips them."""
+    found: list[Path] = []
+    for root in python_roots(python):
+        for site in root.glob("lib/python3*/site-packages"):
+            found += [path for path in site.iterdir() if OWN_HOOK.fullmatch(path.name)]
+    return tuple(sorted(found))
 
 
 def python_roots(python: Path) -> list[Path]:

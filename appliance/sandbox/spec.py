@@ -68,6 +68,9 @@ class JailSpec:
     gpu_hidden: tuple[Path, ...] = ()  # GPU mode: host GPU nodes and /sys/module entries to hide
     gpu_shared: tuple[Path, ...] = ()  # GPU mode with MPS: the daemon's pipe dir, whitelisted read-write
     etc: Path | None = None  # the server's prepared /etc, bound over /etc before firejail (`etcdir`)
+    hooks_hidden: tuple[
+        Path, ...
+    ] = ()  # the server's own editable installs' .pth in `readable` (`jail.own_hooks`)
 
     @property
     def hidden(self) -> tuple[Path, ...]:
