@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 from appliance.core.errors import JailFailure
-from appliance.sandbox import cgroups, instance
+from appliance.core.tasks import TaskScope
+from appliance.sandbox import cgroups, instance, jailexec
 from appliance.sandbox import jail as jail_module
+from appliance.sandbox.firejail import join_argv
 from appliance_client.client import AsyncClient, Execution
 from tests.support import Server, jail_factory, scaled, start_server, until_async
 
@@ -513,4 +515,79 @@ async def test_a_jail_the_kernel_does_not_confirm_frozen_is_killed(monkeypatch: 
             await asyncio.wait_for(stuck.process.wait(), scaled(10))  # killed: it exits by itself
             await stuck.destroy()
     finally:
+        tree.close()
+
+
+async def test_a_command_joining_its_group_as_a_cell_ends_is_not_frozen_and_dies_when_killed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A command's launcher joins the command's cgroup only after its start has returned. A
+    session's jail frozen in between (a cell ending just then, as under load) froze the
+    launcher as it joined: its kill never landed, the command never ended, and its sandbox's
+    end waited on it for ever. Here the launcher is held before its join until the freeze
+    has been asked for: the jail is not frozen while a command lives, and the kill ends it."""
+    tree, missing = cgroups.open_hierarchy("require")
+    assert tree is not None, missing
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    joined = jailexec.command_argv
+    monkeypatch.setattr(
+        jail_module,
+        "command_argv",
+        lambda *a: ["sh", "-c", 'read _ < "$0"; exec "$@"', str(gate), *joined(*a)],
+    )
+
+    def open_gate() -> None:
+        with open(gate, "w") as fh:
+            fh.write("go\n")
+
+    try:
+        with jail_factory() as factory:
+            factory.cgroups = tree
+            jail = await factory.launch()
+            group = jail.cgroup
+            assert group is not None
+            async with TaskScope("commands") as tasks:
+                command = await jail.start_command(["sleep", "600"], {}, "/workspace", False, tasks)
+                try:
+                    await jail.freeze()  # a cell of the session ends now
+                    await asyncio.to_thread(open_gate)
+                    await until_async(group.commands_members, 30, "the launcher in its group")
+                    command.send_signal(signal.SIGKILL)
+                    ended = await asyncio.wait_for(command.wait(), scaled(30))
+                    assert ended.signal == signal.SIGKILL and ended.error is None
+                    assert not group.is_frozen()
+                finally:
+                    await jail.destroy()  # what ends a command left frozen, too
+                    await asyncio.wait_for(command.close(), scaled(30))
+    finally:
+        tree.close()
+
+
+async def test_closing_a_command_whose_kill_does_not_land_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox's end closes its commands. One whose kill does not land (here: its process
+    held in a frozen v1 cgroup it knows nothing of) is waited for a bounded time, then its end
+    is recorded as lost, and the jail's teardown kills what is left; the close used to wait
+    for its exit for ever, and the sandbox's DELETE with it."""
+    tree, missing = cgroups.open_hierarchy("require")
+    assert tree is not None, missing
+    if tree.version != 1:
+        tree.close()
+        pytest.skip("cgroup v2: a frozen task takes SIGKILL, so every kill lands")
+    monkeypatch.setattr(jailexec, "START_WAIT_S", 0.1)
+    monkeypatch.setattr(jailexec, "GIVE_UP_WAIT_S", 0.1, raising=False)
+    limits = cgroups.GroupLimits(memory_mb=256, cpus=1.0, max_procs=16)
+    group = tree.group(f"stuck-{uuid.uuid4().hex[:8]}", limits)
+    try:
+        group.freeze()
+        async with TaskScope("commands") as tasks:
+            command = await jailexec.JailCommand.start(
+                [*join_argv(group.procs_files()), "sleep", "600"], False, tasks
+            )
+            frozen = group.paths["freezer"] / "cgroup.procs"
+            await until_async(lambda: frozen.read_text().strip(), 30, "the process in its frozen group")
+            await asyncio.wait_for(command.close(), scaled(30))
+            assert command.ended is not None and command.ended.error is not None
+    finally:
+        group.remove()  # SIGKILL, then the thaw that lets it land
         tree.close()

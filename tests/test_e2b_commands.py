@@ -12,6 +12,7 @@ import asyncio
 import secrets
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +21,8 @@ from e2b_code_interpreter import AsyncSandbox, Sandbox
 from websockets.exceptions import WebSocketException
 from websockets.sync.client import connect as ws_connect
 
-from tests.support import Server, start_server
+from appliance.sandbox import cgroups
+from tests.support import Server, cmdline, start_server
 from tests.test_e2b_sdk import ALICE, BOB, point_sdk, tenants_file, until
 
 
@@ -127,6 +129,50 @@ def test_background_stdin_list_connect_and_kill(shared: Sandbox) -> None:
     assert shared.commands.kill(sleeper.pid) is False  # not there any more
     with pytest.raises(NotFoundException):
         shared.commands.connect(sleeper.pid)
+
+
+def jail_group_of(sb: Sandbox) -> tuple[Path, int]:
+    """The directory of the sandbox's jail's cgroup that its freezer is asked through, and the
+    cgroup version: from where a command of its runs (`/proc/self/cgroup`, seen from inside)."""
+    tree, missing = cgroups.detect()
+    assert tree is not None, missing
+    lines = sb.commands.run("cat /proc/self/cgroup").stdout.splitlines()
+    mark = ":freezer:" if tree.version == 1 else "0::"
+    path = next(line for line in lines if mark in line).split(":", 2)[2]
+    root = Path("/sys/fs/cgroup/freezer" if tree.version == 1 else "/sys/fs/cgroup")
+    return root / path.split("/" + cgroups.COMMANDS)[0].lstrip("/"), tree.version
+
+
+def commands_processes(group: Path) -> list[str]:
+    """The command lines of every process in the jail group's commands sub-group, and below."""
+    return [
+        cmdline(int(pid))
+        for procs in (group / cgroups.COMMANDS).rglob("cgroup.procs")
+        for pid in procs.read_text().split()
+    ]
+
+
+def test_a_kill_ends_the_whole_command_even_in_a_frozen_jail() -> None:
+    """A kill ends every process of the command (a background child too), and lands even where
+    the jail's cgroup is frozen (as a session's jail is between cells: a v1 frozen task takes
+    a SIGKILL only once thawed). It used to end the command's first process only, and in a
+    frozen jail nothing: the command stayed listed and the sandbox's end hung on it."""
+    sb = Sandbox.create()
+    group, version = jail_group_of(sb)
+    state, (frozen, thawed) = cgroups.FREEZE_FILE[version][1], cgroups.FREEZE_VALUE[version]
+    try:
+        tree = sb.commands.run("sleep 600 & sleep 700", background=True)
+        assert until(lambda: {"sleep 600", "sleep 700"} <= {c.strip() for c in commands_processes(group)})
+        (group / state).write_text(frozen)
+        events = group / cgroups.FREEZE_STATE[version][1]
+        assert until(lambda: cgroups.is_frozen(version, events.read_text()))
+        assert tree.kill() is True
+        assert until(lambda: tree.pid not in {p.pid for p in sb.commands.list()})
+        assert until(lambda: commands_processes(group) == [])
+        assert sb.run_code("6 * 7").text == "42"  # the sandbox goes on
+    finally:
+        (group / state).write_text(thawed)  # whatever happened, the sandbox can end
+        sb.kill()
 
 
 def test_a_server_started_with_a_command_is_reached_through_get_host(e2bsrv: Server, shared: Sandbox) -> None:

@@ -704,7 +704,18 @@ def _in_commands(pid: int) -> bool:
             lines = fh.read().splitlines()
     except OSError:
         return False
-    return any(line.rstrip(b"/").endswith(b"/" + COMMANDS_GROUP.encode()) for line in lines)
+    return any(_commands_path(line.split(b":", 2)[-1]) for line in lines)
+
+
+def _commands_path(path: bytes) -> bool:
+    """Whether a cgroup path is the commands group's or a command's own in it (.../commands/c<n>):
+    the path's end only, whatever the server's own placement is named."""
+    parts = path.rstrip(b"/").split(b"/")
+    name = COMMANDS_GROUP.encode()
+    if parts[-1] == name:
+        return True
+    last = parts[-1]
+    return len(parts) >= 2 and parts[-2] == name and last[:1] == b"c" and last[1:].isdigit()
 
 
 def _jail_pids() -> list[int]:

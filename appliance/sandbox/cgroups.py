@@ -58,9 +58,11 @@ PATH_FILES: dict[int, tuple[tuple[str, str, int], ...]] = {
     2: (("", ".", _DIRECTORY),),
 }
 MEMBERS = {1: "pids", 2: ""}
-# A jail group's sub-group for the commands started in it from outside (`Group.commands_procs`).
+# A jail group's sub-group for the commands started in it from outside (`Group.command_group`).
 # The in-jail driver knows the name too (appliance/inside/driver.py::COMMANDS_GROUP).
 COMMANDS = "commands"
+COMMAND_PREFIX = "c"  # one command's group in it: c<number> (`Group.command_group`)
+KILL_PASSES = 64  # passes over a command's group until one finds no process left unkilled
 READ_BYTES = 65536  # one read of a group file  # the controller whose cgroup.procs `Group.members` reads
 
 
@@ -431,26 +433,34 @@ class Group:
         joined the group (`firejail.join_argv`)."""
         return [p / "cgroup.procs" for p in self.paths.values()]
 
-    def commands_procs(self) -> list[Path]:
-        """The cgroup.procs of the group's COMMANDS sub-group, made on first use (OSError if it
-        cannot be): where commands started in the jail from outside run
-        (appliance.sandbox.jailexec). A sub-group's processes count against every limit of
-        the jail's group (v1 with use_hierarchy, v2 always), freeze with it and die with it;
-        they are not in the group's own cgroup.procs, which tells them from a cell's
-        leftovers (`members`)."""
-        paths = [p / COMMANDS for p in self.paths.values()]
-        for p in paths:
+    def command_group(self, number: int) -> CommandGroup:
+        """A group of one command's own, in the group's COMMANDS sub-group, made now (OSError if
+        it cannot be): where a command started in the jail from outside runs, with all it
+        forks (appliance.sandbox.jailexec). A sub-group's processes count against every limit
+        of the jail's group (v1 with use_hierarchy, v2 always), freeze with it and die with
+        it; they are not in the group's own cgroup.procs, which tells them from a cell's
+        leftovers (`members`); and one command's group tells its processes from another's,
+        so that a kill ends the whole of that command and nothing else (`CommandGroup.kill`)."""
+        paths = {c: p / COMMANDS / f"{COMMAND_PREFIX}{number}" for c, p in self.paths.items()}
+        for p in paths.values():
             with contextlib.suppress(FileExistsError):
-                p.mkdir()
-        return [p / "cgroup.procs" for p in paths]
+                p.parent.mkdir()
+            p.mkdir()
+        return CommandGroup(self.tree.version, paths)
 
     def commands_members(self) -> list[int]:
-        """The processes of the COMMANDS sub-group (none when it was never made)."""
+        """The processes of the COMMANDS sub-group and of every command's group in it (none
+        when it was never made)."""
+        top = self.paths[MEMBERS[self.tree.version]] / COMMANDS
+        out: list[int] = []
         try:
-            raw = (self.paths[MEMBERS[self.tree.version]] / COMMANDS / "cgroup.procs").read_text()
+            groups = [top, *(Path(e.path) for e in os.scandir(top) if e.is_dir(follow_symlinks=False))]
         except FileNotFoundError:
             return []
-        return [int(x) for x in raw.split()]
+        for g in groups:
+            with contextlib.suppress(FileNotFoundError):  # a command's group removed meanwhile
+                out += [int(x) for x in (g / "cgroup.procs").read_text().split()]
+        return out
 
     def counters(self, pids: bool = True) -> Counters:
         """CPU time, OOM kills and (unless pids=False: a cell needs only the first two) refused forks."""
@@ -509,6 +519,73 @@ class Group:
         if not self._removed:
             remove_paths(self.paths)
             self._removed = True
+
+
+@dataclass(frozen=True)
+class CommandGroup:
+    """One command's group, below its jail's (`Group.command_group`): the command's launcher
+    joins it before anything of the command runs, so it holds the command and all it forks."""
+
+    version: int
+    paths: Mapping[str, Path]
+
+    def procs_files(self) -> list[Path]:
+        return [p / "cgroup.procs" for p in self.paths.values()]
+
+    def members(self) -> list[int]:
+        try:
+            raw = (self.paths[MEMBERS[self.version]] / "cgroup.procs").read_text()
+        except FileNotFoundError:
+            return []
+        return [int(x) for x in raw.split()]
+
+    def kill(self) -> list[int]:
+        """SIGKILL every process of the group; the pids sent it. Pass after pass, until a pass
+        finds none not sent it yet: a process with a SIGKILL pending forks no more, so what a
+        pass misses is only what one not yet killed forked meanwhile (v1 has no cgroup.kill)."""
+        killed: set[int] = set()
+        for _ in range(KILL_PASSES):
+            fresh = [pid for pid in self.members() if pid not in killed]
+            if not fresh:
+                break
+            for pid in fresh:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    signals.kill(pid)
+                killed.add(pid)
+        return sorted(killed)
+
+    def held(self) -> bool:
+        """Whether the group's tasks are held by a freezer (its own or an ancestor's: the jail's,
+        a session's between cells): on v1 a held task takes a SIGKILL only once thawed."""
+        controller, file = FREEZE_STATE[self.version]
+        try:
+            state = (self.paths[controller] / file).read_text()
+        except (FileNotFoundError, KeyError):
+            return False
+        if self.version == 1:
+            return state.strip() != FREEZE_VALUE[1][1]
+        return parse_keyed(state).get("frozen") == 1
+
+    def release(self) -> bool:
+        """Remove the group once the command has ended, if nothing of it is left there (a
+        daemon it left keeps it until the jail's group goes); whether it is gone. Blocking:
+        a process killed a moment ago may still be leaving (a short wait, as `remove_paths`)."""
+        deadline = time.monotonic() + REMOVE_WAIT_S
+        left = list(self.paths.values())
+        while left:
+            if self.members():
+                return False
+            try:
+                left[-1].rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.001)
+                continue
+            left.pop()
+        return True
 
 
 def _own_path(controller: str, text: str) -> str:

@@ -28,7 +28,7 @@ from appliance.core.errors import JailExited, JailFailure, JailStartFailed, Requ
 from appliance.core.ports import Workspace
 from appliance.core.tasks import TaskScope
 from appliance.sandbox import checks, fstree, nslimits, proctree, runfs, signals
-from appliance.sandbox.cgroups import Counters, Group, GroupLimits, Hierarchy
+from appliance.sandbox.cgroups import CommandGroup, Counters, Group, GroupLimits, Hierarchy
 from appliance.sandbox.devices import GpuDevice
 from appliance.sandbox.egressintercept import trust_env
 from appliance.sandbox.firejail import (
@@ -97,6 +97,8 @@ class Jail:
     uids: Uids | None = None
     join: JoinSpec | None = None  # how a command joins it from outside (`start_command`)
     commands_starting: int = 0  # commands being started: the jail must not freeze meanwhile
+    commands: list[JailCommand] = field(default_factory=list)  # started here, not yet ended
+    commands_made: int = 0  # commands' groups made so far (each command's is numbered)
     _destroyed: bool = False
 
     @property
@@ -125,32 +127,47 @@ class Jail:
         self, argv: Sequence[str], env: dict[str, str], cwd: str, stdin: bool, tasks: TaskScope
     ) -> JailCommand:
         """Run a command in this jail beside its interpreter (appliance.sandbox.jailexec): as
-        its uid, in its namespaces, under its seccomp filters and rlimits, in its cgroup's
-        COMMANDS sub-group. A frozen jail (a session between cells) is thawed first, and
-        stays thawed while its COMMANDS group holds a process (`freeze`). JailFailure when it
-        cannot be started here; ValueError for a command `env` would misread."""
+        its uid, in its namespaces, under its seccomp filters and rlimits, in a cgroup of its
+        own below its cgroup's COMMANDS sub-group. A frozen jail (a session between cells) is
+        thawed first, and stays thawed while a command's launcher lives or its group holds a
+        process (`commands_running`). JailFailure when it cannot be started here; ValueError
+        for a command `env` would misread."""
         if self.join is None or not self.alive:
             raise JailFailure("commands cannot be started in this jail")
         self.commands_starting += 1
         try:
             procs: list[Path] = []
+            tree: CommandTree | None = None
             if self.cgroup is not None:
+                self.commands_made += 1
                 try:
-                    procs = await asyncio.to_thread(self.cgroup.commands_procs)
+                    made = await asyncio.to_thread(self.cgroup.command_group, self.commands_made)
+                    tree = CommandTree(self, made)
+                    procs = made.procs_files()
                     self.thaw()
                 except OSError as exc:
                     raise JailFailure(f"the jail's commands group could not be made: {exc}") from exc
             argv_all = command_argv(self.join, self.process.pid, procs, argv, env, cwd)
             try:
-                return await JailCommand.start(argv_all, stdin, tasks)
+                command = await JailCommand.start(argv_all, stdin, tasks, tree)
             except OSError as exc:
                 raise JailFailure(f"could not start the command: {exc}") from exc
+            # Counted before `commands_starting` drops: its launcher joins the group only from
+            # now on, and must never join a frozen one (`commands_running`).
+            self.commands.append(command)
+            return command
         finally:
             self.commands_starting -= 1
 
     def commands_running(self) -> bool:
-        """Whether a command started from outside is starting or still has a process here."""
+        """Whether a command started from outside is starting, is not yet ended, or left a
+        process in its group. A launcher that lives counts even before it joined its group
+        (it joins after the start returns): frozen then, it would freeze as it joined, and a
+        kill would not land until a thaw that nothing asks for."""
         if self.commands_starting:
+            return True
+        self.commands = [c for c in self.commands if c.running]
+        if self.commands:
             return True
         if self.cgroup is None:
             return False
@@ -158,6 +175,20 @@ class Jail:
             return bool(self.cgroup.commands_members())
         except (OSError, ValueError):
             return True  # not known: not frozen (the commands' limits are the jail's anyway)
+
+    def kill_command(self, group: CommandGroup) -> None:
+        """SIGKILL every process of one command's group (`CommandTree`). Held by a freezer (not
+        by the server's: it freezes no jail a command runs in; one found so anyway), they
+        take it only once thawed: the jail is thawed, so that the kill lands."""
+        try:
+            killed = group.kill()
+            held = bool(killed) and group.held()
+        except (OSError, ValueError):
+            return  # the group is gone: so is the command's tree (the jail's teardown)
+        if held and self.cgroup is not None:
+            log.warning("a killed command was frozen: its jail is thawed", extra={"jail": self.id})
+            with contextlib.suppress(OSError):
+                self.cgroup.thaw()
 
     def pin(self) -> None:
         """The driver is up and no code has run: pin the jail's processes (`JailProcess.pin`)
@@ -345,6 +376,22 @@ class Jail:
         finally:
             if self.uids is not None and self.held is not None:  # once its processes are gone
                 self.uids.give_back(self.held)
+
+
+@dataclass(frozen=True)
+class CommandTree:
+    """A command's processes as appliance.sandbox.jailexec kills and lets go of them: its own
+    cgroup, in the jail it runs in."""
+
+    jail: Jail
+    group: CommandGroup
+
+    def kill(self) -> None:
+        self.jail.kill_command(self.group)
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            self.group.release()
 
 
 async def _shielded(taking: Coroutine[Any, Any, Held | None], uids: Uids) -> Held | None:

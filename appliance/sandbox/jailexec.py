@@ -27,7 +27,14 @@ Output: each command's stdout and stderr are read into at most HIGH_WATER_BYTES 
 client that never reads costs the server a bounded amount of memory. With no reader at all
 output is read and dropped (as E2B's envd does). Stdin writes are bounded
 (appliance.sandbox.control). Signals go to the command's process, held by a pidfd
-(appliance.sandbox.signals).
+(appliance.sandbox.signals); a SIGKILL ends the whole command: each command has a cgroup of
+its own below the COMMANDS group, and every process in it is killed (`Tree`). A command's
+end is its launcher's exit, whatever still holds its pipes; closing a command (its sandbox
+ending) waits for that a bounded time, then records the end without it.
+
+While a command's launcher lives, the jail is not frozen (`Jail.commands_running`): the
+launcher joins the command's cgroup only after it is started, and one that joined a frozen
+jail would hold the SIGKILL that ends it until a thaw that never came.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from appliance.core.tasks import TaskScope, cancel_and_wait, within
 from appliance.sandbox import proctree, signals
@@ -51,7 +59,8 @@ READ_CHUNK = 65536
 HIGH_WATER_BYTES = 256 * 1024  # a reader's unread output above which the pipes are not read ...
 LOW_WATER_BYTES = 64 * 1024  # ... until it is below this again
 MAX_STDIN_BYTES = 1 << 20  # stdin written and not yet taken by the command
-START_WAIT_S = 10.0  # the longest a killed command's launcher takes to exit
+START_WAIT_S = 10.0  # the longest a killed command's launcher takes to exit ...
+GIVE_UP_WAIT_S = 5.0  # ... and after a second kill: then its end is recorded without it
 END_DRAIN_BYTES = 1 << 20  # the most read at a command's end from pipes a daemon may hold
 
 
@@ -113,6 +122,17 @@ def command_argv(  # noqa: PLR0913 (the jail's facts and the command's, all pure
     return prefix + join
 
 
+class Tree(Protocol):
+    """All of one command's processes, wherever they forked to: its own cgroup
+    (appliance.sandbox.jail.CommandTree)."""
+
+    def kill(self) -> None:
+        """SIGKILL every process of the command, and see that the kill lands."""
+
+    def release(self) -> None:
+        """The command has ended: let go of what held its processes (blocking: a thread)."""
+
+
 @dataclass(frozen=True)
 class Data:
     stream: str  # "stdout" | "stderr"
@@ -171,16 +191,18 @@ class Reader:
 class JailCommand:
     """A command running in a jail: its output to readers, its stdin, its signals, its end."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the spawned process, its descriptors, where it runs)
         self,
         proc: asyncio.subprocess.Process,
         out_fd: int,
         err_fd: int,
         stdin_fd: int | None,
         tasks: TaskScope,
+        tree: Tree | None = None,
     ) -> None:
         loop = asyncio.get_running_loop()
         self._proc = proc
+        self._tree = tree
         self._loop = loop
         self._fds = {out_fd: "stdout", err_fd: "stderr"}
         self._open = set(self._fds)
@@ -201,9 +223,11 @@ class JailCommand:
         argv: Sequence[str],
         stdin: bool,
         tasks: TaskScope,
+        tree: Tree | None = None,
     ) -> JailCommand:
         """Spawn the rendered argv (`command_argv`) as the server's child; nothing runs in
-        the child before exec (vfork, as jails are spawned)."""
+        the child before exec (vfork, as jails are spawned). `tree`: where the launcher puts
+        the command (its cgroup), which a SIGKILL ends whole."""
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
         in_r, in_w = (
@@ -226,7 +250,7 @@ class JailCommand:
             raise
         for fd in child_ends:
             os.close(fd)
-        return cls(proc, out_r, err_r, in_w if in_w >= 0 else None, tasks)
+        return cls(proc, out_r, err_r, in_w if in_w >= 0 else None, tasks, tree)
 
     # -- output ---------------------------------------------------------------------------
     def reader(self) -> Reader:
@@ -288,6 +312,8 @@ class JailCommand:
     async def _wait(self) -> None:
         await self._proc.wait()
         self._maybe_end()
+        if self._tree is not None:
+            await asyncio.to_thread(self._tree.release)
 
     def _maybe_end(self) -> None:
         """The end goes out once the process has exited and what its pipes held is read. A
@@ -305,16 +331,21 @@ class JailCommand:
             return
         self._finish()
 
-    def _finish(self) -> None:
+    def _finish(self, lost: str | None = None) -> None:
+        """Record the end from the launcher's exit status; or, with `lost`, without it (a
+        command that did not end after its kill: its end is told, with why)."""
         if self.ended is not None:
             return
         code = self._proc.returncode
         if code is None:
-            return
-        # The join reports a signal's end as 128 + N, as a shell does; a negative code is the
-        # launcher itself killed by a signal.
-        sig = -code if code < 0 else (code - 128 if 128 < code < 128 + 65 else None)
-        self.ended = Ended(exit_code=code if code >= 0 else 128 - code, signal=sig)
+            if lost is None:
+                return
+            self.ended = Ended(exit_code=-1, signal=None, error=lost)
+        else:
+            # The join reports a signal's end as 128 + N, as a shell does; a negative code is
+            # the launcher itself killed by a signal.
+            sig = -code if code < 0 else (code - 128 if 128 < code < 128 + 65 else None)
+            self.ended = Ended(exit_code=code if code >= 0 else 128 - code, signal=sig)
         for fd in list(self._open):
             self._close(fd)
         for reader in self._readers:
@@ -353,10 +384,13 @@ class JailCommand:
 
     def send_signal(self, sig: signal.Signals) -> None:
         """Signal the command's own process in the jail (the child firejail's join started),
-        held by a pidfd. SIGKILL also ends the join process itself, so a command whose start
-        was still under way ends too. ProcessLookupError once it has ended."""
+        held by a pidfd. SIGKILL ends the whole command: every process of its tree (its
+        cgroup: what it forked, daemons too), and the join process itself, so a command
+        whose start was still under way ends too. ProcessLookupError once it has ended."""
         if self.ended is not None:
             raise ProcessLookupError("the command has ended")
+        if sig == signal.SIGKILL and self._tree is not None:
+            self._tree.kill()
         fd = self._command_pidfd()
         if fd is not None:
             signals.kill_by_pidfd(fd, sig)
@@ -386,14 +420,13 @@ class JailCommand:
             self.send_signal(signal.SIGKILL)
 
     async def close(self) -> None:
-        """Kill it if it runs and wait for its end; every descriptor closed."""
-        if self.ended is None:
+        """Kill it if it runs and wait for its end, a bounded time (the sandbox's end must not
+        hang on it: its jail's teardown kills whatever is left); every descriptor closed."""
+        for wait_s in (START_WAIT_S, GIVE_UP_WAIT_S):
+            if self.ended is not None or self._proc.returncode is not None:
+                break  # ended, or exited with output its readers have not taken: dropped
             self.kill_now()
-            try:
-                await within(self._done.wait(), START_WAIT_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    self._proc.kill()
-                await self._proc.wait()
-                self._finish()
+            with contextlib.suppress(TimeoutError):
+                await within(self._done.wait(), wait_s)
+        self._finish(lost="the command did not end after its kill")
         await cancel_and_wait(self._waiter)

@@ -9,7 +9,7 @@ jail's PIDs are its own business, and a number never names another sandbox's pro
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 from dataclasses import dataclass, field
 
 from appliance.core.tasks import TaskScope
@@ -73,9 +73,8 @@ class Table:
     async def close(self) -> None:
         """End every command (the sandbox is ending)."""
         self.closed = True
-        for command in list(self.commands.values()):
-            with contextlib.suppress(Exception):
-                await command.process.close()
+        # Together: each close is bounded (`JailCommand.close`), and so is their sum then.
+        await asyncio.gather(*(c.process.close() for c in self.commands.values()), return_exceptions=True)
         self.commands.clear()
 
 
