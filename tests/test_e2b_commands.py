@@ -170,6 +170,9 @@ def test_a_kill_ends_the_whole_command_even_in_a_frozen_jail() -> None:
         assert until(lambda: tree.pid not in {p.pid for p in sb.commands.list()})
         assert until(lambda: commands_processes(group) == [])
         assert sb.run_code("6 * 7").text == "42"  # the sandbox goes on
+        # Each command's group goes once it has ended (at the latest as the next one starts).
+        assert sb.commands.run("true").exit_code == 0
+        assert until(lambda: not [p for p in (group / cgroups.COMMANDS).iterdir() if p.is_dir()])
     finally:
         (group / state).write_text(thawed)  # whatever happened, the sandbox can end
         sb.kill()

@@ -568,7 +568,8 @@ class CommandGroup:
 
     def release(self) -> bool:
         """Remove the group once the command has ended, if nothing of it is left there (a
-        daemon it left keeps it until the jail's group goes); whether it is gone. Blocking:
+        daemon it left keeps it: the jail tries again later, `Jail.lingering`, and its group's
+        removal takes it at the end); whether it is gone. Blocking:
         a process killed a moment ago may still be leaving (a short wait, as `remove_paths`)."""
         deadline = time.monotonic() + REMOVE_WAIT_S
         left = list(self.paths.values())

@@ -99,6 +99,9 @@ class Jail:
     commands_starting: int = 0  # commands being started: the jail must not freeze meanwhile
     commands: list[JailCommand] = field(default_factory=list)  # started here, not yet ended
     commands_made: int = 0  # commands' groups made so far (each command's is numbered)
+    # Groups of ended commands not yet removed (a process was still leaving, or a daemon it
+    # left still runs): tried again as the next command starts (`CommandTree.release`).
+    lingering: list[CommandGroup] = field(default_factory=list)
     _destroyed: bool = False
 
     @property
@@ -140,8 +143,12 @@ class Jail:
             tree: CommandTree | None = None
             if self.cgroup is not None:
                 self.commands_made += 1
+                stale, self.lingering = self.lingering, []
                 try:
-                    made = await asyncio.to_thread(self.cgroup.command_group, self.commands_made)
+                    left, made = await asyncio.to_thread(
+                        _make_command_group, self.cgroup, self.commands_made, stale
+                    )
+                    self.lingering += left
                     tree = CommandTree(self, made)
                     procs = made.procs_files()
                     self.thaw()
@@ -390,8 +397,26 @@ class CommandTree:
         self.jail.kill_command(self.group)
 
     def release(self) -> None:
+        gone = False
         with contextlib.suppress(OSError):
-            self.group.release()
+            gone = self.group.release()
+        if not gone:
+            self.jail.lingering.append(self.group)
+
+
+def _make_command_group(
+    group: Group, number: int, stale: list[CommandGroup]
+) -> tuple[list[CommandGroup], CommandGroup]:
+    """A new command's group, and of the ended commands' groups `stale`, those still there
+    (blocking: a thread). OSError if the new one cannot be made."""
+    left = []
+    for old in stale:
+        try:
+            if not old.release():
+                left.append(old)
+        except OSError:
+            left.append(old)
+    return left, group.command_group(number)
 
 
 async def _shielded(taking: Coroutine[Any, Any, Held | None], uids: Uids) -> Held | None:
