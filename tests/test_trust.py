@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import stat
+import struct
 import sys
 from pathlib import Path
 
@@ -67,6 +69,20 @@ def test_a_staged_runtime_with_a_foreign_file_is_staged_again() -> None:
         )
         os.chmod(again / "appliance" / "inside" / "driver.py", 0o666)
         assert not reusable(root, runtime.name, "ready") and not runtime.exists()
+
+
+def test_a_staged_runtime_holds_the_current_bytecode_of_every_module() -> None:
+    """A jail cannot write bytecode into its read-only runtime: without it each jail's start
+    would compile every module of the runtime it imports."""
+    with reachable_tmp_root("trust-pyc-") as root:
+        runtime = stage_runtime(root, Path(sys.executable))
+        sources = sorted((runtime / "appliance").rglob("*.py"))
+        assert len(sources) > 5
+        for source in sources:
+            header = Path(importlib.util.cache_from_source(str(source))).read_bytes()[:16]
+            st = source.stat()
+            assert header[:4] == importlib.util.MAGIC_NUMBER, source
+            assert struct.unpack("<III", header[4:]) == (0, int(st.st_mtime) & 0xFFFFFFFF, st.st_size), source
 
 
 def test_open_base_makes_a_checked_0755_directory() -> None:
