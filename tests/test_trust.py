@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import marshal
 import os
 import stat
 import struct
@@ -13,7 +14,7 @@ import pytest
 
 from appliance.core.errors import StartupError
 from appliance.sandbox import trust
-from appliance.sandbox.workdir import open_base, reusable, stage_runtime
+from appliance.sandbox.workdir import driver_of, open_base, reusable, stage_runtime
 from tests.support import reachable_tmp_root
 
 
@@ -83,6 +84,11 @@ def test_a_staged_runtime_holds_the_current_bytecode_of_every_module() -> None:
             st = source.stat()
             assert header[:4] == importlib.util.MAGIC_NUMBER, source
             assert struct.unpack("<III", header[4:]) == (0, int(st.st_mtime) & 0xFFFFFFFF, st.st_size), source
+        # The driver runs as a script: from its own bytecode, whose frames name its source.
+        driver = driver_of(runtime)
+        assert driver == runtime / "appliance" / "inside" / "driver.pyc"
+        code = marshal.loads(driver.read_bytes()[16:])  # noqa: S302 (the bytecode this test staged)
+        assert code.co_filename == str(runtime / "appliance" / "inside" / "driver.py")
 
 
 def test_open_base_makes_a_checked_0755_directory() -> None:

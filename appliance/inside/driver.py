@@ -36,7 +36,9 @@ from collections.abc import Callable
 from types import CodeType
 from typing import Any, Literal
 
-DRIVER_FILE = os.path.abspath(__file__)
+# This file's own path as its code names it (which its frames carry): the driver also runs from
+# its bytecode (`driver.pyc` beside it, compiled when the runtime is staged), as __file__ then.
+DRIVER_FILE = os.path.abspath((lambda: None).__code__.co_filename)
 # The runtime's root: this file is staged as <runtime>/appliance/inside/driver.py.
 RUNTIME = os.path.dirname(os.path.dirname(os.path.dirname(DRIVER_FILE)))
 if RUNTIME not in sys.path:

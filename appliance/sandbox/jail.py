@@ -46,7 +46,7 @@ from appliance.sandbox.network import EgressNetwork, JailLink, enter_argv, expec
 from appliance.sandbox.process import JailProcess
 from appliance.sandbox.spec import ETC_FILES, JailLimits, JailSpec, jail_env
 from appliance.sandbox.uids import Held, Uids
-from appliance.sandbox.workdir import DRIVER, RunDirs
+from appliance.sandbox.workdir import RunDirs, driver_of
 from appliance.settings import Settings
 
 log = logging.getLogger("appliance.sandbox")
@@ -485,6 +485,7 @@ class JailFactory:
         )
         self._env = jail_env(settings, settings.python, runtime, self.preload)
         self._readable = (*python_roots(settings.python), runtime)
+        self._driver = driver_of(runtime)
         self._hooks_hidden = own_hooks(settings.python)
         if settings.models_dir is not None:
             self._readable += (settings.models_dir,)
@@ -515,7 +516,7 @@ class JailFactory:
             uid=held.uid if held is not None else self.host.uid,
             gid=held.gid if held is not None else self.host.gid,
             python=s.python,
-            driver=self.runtime / DRIVER,
+            driver=self._driver,
             limits=JailLimits(
                 memory_mb=s.memory_mb,
                 max_procs=s.max_procs,

@@ -46,8 +46,9 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent
 INSIDE_DIR = PACKAGE_DIR / "inside"
 TOOLS_FACE = PACKAGE_DIR / "tools" / "__init__.py"
 DRIVER = Path("appliance") / "inside" / "driver.py"  # relative to the runtime
+DRIVER_BYTECODE = DRIVER.with_suffix(".pyc")  # the driver compiled, beside it (`stage_runtime`)
 # How a runtime is staged (part of its name): a runtime staged another way is not reused.
-STAGING = b"bytecode"
+STAGING = b"bytecode, driver.pyc"
 BINDS_SUFFIX = ".binds"  # a run directory's bind table, beside it (`RunDirs.create`)
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -344,13 +345,26 @@ def stage_runtime(tmp_root: Path, python: Path) -> Path:
         )
         # Its bytecode, compiled once here by the jails' python: a jail cannot write it (the
         # runtime is read-only there), so each would compile the modules it imports at start.
-        subprocess.run(  # noqa: S603 (the jails' python, the stdlib's compileall)
-            [str(python), "-I", "-m", "compileall", "-q", str(staging / "appliance")],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=120,
-            check=False,
-        )
+        # The driver runs as a script, which Python compiles at every start: it is compiled
+        # beside it too, naming the path it is published at (its frames are known by it).
+        compile_driver = "import py_compile, sys; py_compile.compile(*sys.argv[1:], doraise=True)"
+        for argv in (
+            ["-m", "compileall", "-q", str(staging / "appliance")],
+            [
+                "-c",
+                compile_driver,
+                str(staging / DRIVER),
+                str(staging / DRIVER_BYTECODE),
+                str(target / DRIVER),
+            ],
+        ):
+            subprocess.run(  # noqa: S603 (the jails' python, the stdlib's compilers)
+                [str(python), "-I", *argv],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=120,
+                check=False,
+            )
         (staging / "ready").write_text("ok\n")
     return target
 
@@ -420,3 +434,9 @@ def kill_jails_under(instance: Path) -> list[int]:
             except (OSError, ValueError):
                 continue
     return killed
+
+
+def driver_of(runtime: Path) -> Path:
+    """What a jail runs as its driver: its bytecode where staging compiled it, else its source."""
+    compiled = runtime / DRIVER_BYTECODE
+    return compiled if compiled.is_file() else runtime / DRIVER
