@@ -82,3 +82,23 @@ async def test_a_reader_that_stops_ends_the_relay_after_the_idle_time() -> None:
     assert 0 < sum(counted) < 1 << 30  # it moved what the jail's buffers took, then gave up
     for s in (far, src, dst, jail):
         s.close()
+
+
+async def test_each_part_goes_on_at_once_and_a_silent_far_end_times_out() -> None:
+    """A far end that sends a little and waits for the answer (a stream, a long poll) has each
+    part relayed as it comes, not held for more; once it falls silent, the relay ends after
+    the idle time."""
+    far, src = _pair()
+    dst, jail = _pair()
+    far.setblocking(True)
+    jail.setblocking(True)
+    jail.settimeout(5)
+    relay = asyncio.create_task(egresssplice.relay(src.fileno(), dst.fileno(), 1.0, lambda n: None))
+    for i in range(20):
+        part = b"event %d\n" % i
+        far.sendall(part)
+        assert await asyncio.to_thread(jail.recv, 4096) == part  # before the next is sent
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(relay, 10)
+    for s in (far, src, dst, jail):
+        s.close()
