@@ -1,5 +1,6 @@
 """The benchmark report's pure parts: percentiles, summaries, the targets' verdicts, the pool's
-idle test and the phase table (the benchmarks themselves run in tests/test_benchmarks.py)."""
+idle test and the phase table (the benchmarks themselves run in tests/test_benchmarks.py and
+tests/test_benchmark_probes.py)."""
 
 from __future__ import annotations
 
