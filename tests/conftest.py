@@ -27,16 +27,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def schedule_order(items: list[pytest.Item]) -> list[pytest.Item]:
     """The order `make test` hands modules to workers (it passes --no-loadscope-reorder, so xdist
-    keeps it): modules holding a `slow` test first, then the rest, each by test count, most
-    first (xdist's own order). A long module handed out last is the suite's tail while the other
-    workers idle (the soak: one test, a minute); handed out first, it runs beside the short ones.
+    keeps it): modules holding a `slow` test first, then those that start servers or jails,
+    then the fast tier's (tests/tiers.py: no server, no jail; a second or so a module), each
+    group by test count, most first (xdist's own order). A long module handed out last is the
+    suite's tail while the other workers idle (the soak: one test, a minute); handed out first,
+    it runs beside the short ones, and the fast tier's modules fill the gaps at the end.
     Each module's tests keep their order."""
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
 
-    def rank(tests: list[pytest.Item]) -> tuple[bool, int]:
-        return (not any(t.get_closest_marker("slow") for t in tests), -len(tests))
+    def rank(tests: list[pytest.Item]) -> tuple[bool, bool, int]:
+        slow = any(t.get_closest_marker("slow") for t in tests)
+        fast = all(t.get_closest_marker("fast") for t in tests)
+        return (not slow, fast, -len(tests))
 
     return [item for tests in sorted(modules.values(), key=rank) for item in tests]
 

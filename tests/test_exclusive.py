@@ -74,20 +74,26 @@ def test_a_shared_test_before_an_exclusive_one_keeps_no_hold(tmp_path: Path) -> 
     assert not turns.holding and can_lock(tmp_path / "run.lock", fcntl.LOCK_EX)
 
 
-def test_modules_with_a_slow_test_are_handed_out_first_then_the_most_tests_first() -> None:
+def test_slow_modules_are_handed_out_first_and_the_fast_tiers_last_most_tests_first() -> None:
     class Item(SimpleNamespace):
         def get_closest_marker(self, name: str) -> object | None:
             return name if name in self.marks else None
 
-    def items(module: str, count: int, slow_at: int | None = None) -> list[Item]:
+    def items(module: str, count: int, slow_at: int | None = None, fast: bool = False) -> list[Item]:
         return [
-            Item(nodeid=f"{module}::t{i}", marks={"slow"} if i == slow_at else set()) for i in range(count)
+            Item(
+                nodeid=f"{module}::t{i}",
+                marks=({"slow"} if i == slow_at else set()) | ({"fast"} if fast else set()),
+            )
+            for i in range(count)
         ]
 
     collected = [
+        *items("units.py", 9, fast=True),
         *items("a.py", 2),
         *items("b.py", 3),
         *items("soak.py", 1, slow_at=0),
+        *items("units_few.py", 1, fast=True),
         *items("kit.py", 4, slow_at=2),
     ]
     order = [item.nodeid for item in schedule_order(cast(list[pytest.Item], collected))]
@@ -96,4 +102,6 @@ def test_modules_with_a_slow_test_are_handed_out_first_then_the_most_tests_first
         "soak.py::t0",
         *(f"b.py::t{i}" for i in range(3)),
         *(f"a.py::t{i}" for i in range(2)),
+        *(f"units.py::t{i}" for i in range(9)),
+        "units_few.py::t0",
     ]
