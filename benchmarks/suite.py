@@ -94,22 +94,24 @@ class Plan:
     flag_repeats: int  # jails per firejail flag variant
 
 
+# The quick plan is a smoke run (make test runs it beside the other tests): every phase and
+# output, with the fewest samples and shortest windows that still give each figure.
 QUICK = Plan(
     print_fast=10,
-    fast_extra=20,
+    fast_extra=10,
     cold=3,
     pandas_warm=6,
     pandas_naive=3,
     mpl_warm=5,
-    session=20,
+    session=10,
     levels=(1, 2, 4, 8, 16),
-    level_warmup_s=2.0,
-    level_s=3.0,
-    spawn_s=3.0,
+    level_warmup_s=1.0,
+    level_s=2.0,
+    spawn_s=2.0,
     spawn_min=4,
     spawn_parallel=(2 * (os.cpu_count() or 1),),
     nagle_check=0,
-    eval_programs=40,
+    eval_programs=20,
     eval_clients=4,
     flag_repeats=3,
 )
