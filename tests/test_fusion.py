@@ -225,6 +225,36 @@ def test_files_fetched_after_a_time_limit(srv: Server) -> None:
     assert log.startswith(b"started\n"), log[:100]
 
 
+def jupyter_fetching(srv: Server, cells: list[str], name: str, **fields: object) -> dict[str, Any]:
+    """/run_jupyter's answer for cells that end the request early, fetching `name`."""
+    body: dict[str, Any] = post(
+        srv, "/run_jupyter", {"cells": cells, "kernel": "python3", "fetch_files": [name], **fields}
+    ).json()
+    assert body["status"] == "Failed", body
+    assert len(body["cells"]) == 2, body  # the cells run so far; the third never ran
+    return body
+
+
+def test_jupyter_files_fetched_after_a_cell_time_limit(srv: Server) -> None:
+    # A cell that wrote a file, then hung through the interrupt: the kernel and its jail end
+    # with the cell's limit, and the file still comes back, exact.
+    cells = [
+        HANG,
+        "import time\nopen('answer.txt', 'w').write('cell answer')\n_hang(lambda: time.sleep(0.05))",
+        "print('never')",
+    ]
+    body = jupyter_fetching(srv, cells, "answer.txt", cell_timeout=1)
+    assert body["driver"]["status"] == "TimeLimitExceeded", body
+    assert body["files"] == {"answer.txt": b64(b"cell answer")}, body
+
+
+def test_jupyter_files_fetched_after_the_kernel_died_of_its_memory_limit(srv: Server) -> None:
+    cells = ["open('kept.txt', 'w').write('kept')", "x = bytearray(400 * 1024 * 1024)", "print('never')"]
+    body = jupyter_fetching(srv, cells, "kept.txt", memory_limit_MB=128)
+    assert "memory limit (128 MiB" in body["message"], body
+    assert body["files"] == {"kept.txt": b64(b"kept")}, body
+
+
 def test_jupyter_cells_share_state(srv: Server) -> None:
     body = post(
         srv,

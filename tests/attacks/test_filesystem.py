@@ -673,11 +673,13 @@ async def test_files_held_only_in_flight_cannot_pass_the_disk_quota(
 CLIMBING = ["../escape.txt", "/etc/cron.d/escape", "in/../../escape.txt", "a\x00b"]
 
 
-def fusion(target: Server, body: Mapping[str, object]) -> tuple[int, dict[str, object]]:
-    """POST /run_code as SandboxFusion's clients do, the token as an HTTP Basic password."""
+def fusion(
+    target: Server, body: Mapping[str, object], path: str = "/run_code"
+) -> tuple[int, dict[str, object]]:
+    """POST to SandboxFusion's route as its clients do, the token as an HTTP Basic password."""
     auth = "Basic " + base64.b64encode(f"trainer:{TOKEN}".encode()).decode()
     status, text = target.request(
-        "POST", "/run_code", body=body, timeout=scaled(60), headers={"Authorization": auth}
+        "POST", path, body=body, timeout=scaled(60), headers={"Authorization": auth}
     )
     return status, json.loads(text)
 
@@ -739,6 +741,32 @@ async def test_fusion_fetch_follows_no_link(target: Server, observe: Observe) ->
     observe(f"planted fetch dir: no files; plain tree: only real/plain.txt came back; {note}")
 
 
+# A program that plants a link to /etc/shadow, a link to /etc on the way and a FIFO, writes a
+# file of its own, then ignores the interrupt of its time limit: its jail ends with the run, so
+# `fetch_files` (PLANTED) are read from the host (appliance/api/fusion/salvage.py).
+PLANT_AND_HANG = (
+    "import os, time\n"
+    "os.symlink('/etc/shadow', 'shadow.txt')\n"
+    "os.symlink('/etc', 'etc')\n"
+    "os.mkfifo('pipe.txt')\n"
+    "open('mine.txt', 'w').write('mine')\n"
+    "while True:\n"
+    "    try:\n"
+    "        time.sleep(60)\n"
+    "    except KeyboardInterrupt:\n"
+    "        pass\n"
+)
+PLANTED = ["shadow.txt", "etc/shadow", "pipe.txt", "mine.txt"]
+
+
+async def assert_only_mine_fetched(target: Server, answer: dict[str, object]) -> str:
+    """Only the program's own file came back, each planted name is named, the server is whole."""
+    assert answer["files"] == {"mine.txt": base64.b64encode(b"mine").decode()}, answer
+    for name in PLANTED[:3]:
+        assert f"{name!r} not fetched" in str(answer["message"]), answer["message"]
+    return f"only mine.txt came back; {answer['message']}; {await assert_contained(target)}"
+
+
 @attack(
     "a program plants a link to /etc/shadow, a link to /etc on the way and a FIFO, then ignores the "
     "interrupt of its time limit, so its jail ends with the run and /run_code reads `fetch_files` "
@@ -747,26 +775,28 @@ async def test_fusion_fetch_follows_no_link(target: Server, observe: Observe) ->
     "file comes back, the others are named in `message`, and the next run works",
 )
 async def test_fusion_fetch_after_a_time_limit_follows_no_link(target: Server, observe: Observe) -> None:
-    code = (
-        "import os, time\n"
-        "os.symlink('/etc/shadow', 'shadow.txt')\n"
-        "os.symlink('/etc', 'etc')\n"
-        "os.mkfifo('pipe.txt')\n"
-        "open('mine.txt', 'w').write('mine')\n"
-        "while True:\n"
-        "    try:\n"
-        "        time.sleep(60)\n"
-        "    except KeyboardInterrupt:\n"
-        "        pass\n"
-    )
-    names = ["shadow.txt", "etc/shadow", "pipe.txt", "mine.txt"]
-    body = {"code": code, "language": "python", "run_timeout": 1, "fetch_files": names}
+    body = {"code": PLANT_AND_HANG, "language": "python", "run_timeout": 1, "fetch_files": PLANTED}
     status, answer = await asyncio.to_thread(fusion, target, body)
     assert status == 200, answer
     run_result = answer["run_result"]
     assert isinstance(run_result, dict) and run_result["status"] == "TimeLimitExceeded", answer
-    assert answer["files"] == {"mine.txt": base64.b64encode(b"mine").decode()}, answer
-    for name in names[:3]:
-        assert f"{name!r} not fetched" in str(answer["message"]), answer["message"]
-    note = await assert_contained(target)
-    observe(f"after the time limit only mine.txt came back; {answer['message']}; {note}")
+    observe(f"after the time limit {await assert_only_mine_fetched(target, answer)}")
+
+
+@attack(
+    "a /run_jupyter cell plants a link to /etc/shadow, a link to /etc on the way and a FIFO, then "
+    "ignores the interrupt of its cell time limit, so the kernel's jail ends with the cell and "
+    "`fetch_files` are read from the host",
+    "Failed with driver TimeLimitExceeded; no link is followed and the FIFO does not block: only the "
+    "cell's own file comes back, the others are named in `message`, and the next run works",
+)
+async def test_fusion_jupyter_fetch_after_a_cell_time_limit_follows_no_link(
+    target: Server, observe: Observe
+) -> None:
+    body = {"cells": [PLANT_AND_HANG], "cell_timeout": 1, "kernel": "python3", "fetch_files": PLANTED}
+    status, answer = await asyncio.to_thread(fusion, target, body, "/run_jupyter")
+    assert status == 200, answer
+    driver = answer["driver"]
+    assert answer["status"] == "Failed", answer
+    assert isinstance(driver, dict) and driver["status"] == "TimeLimitExceeded", answer
+    observe(f"after the cell's time limit {await assert_only_mine_fetched(target, answer)}")

@@ -11,7 +11,8 @@ watchdogs as a native run:
   ended its jail (a time limit) has its files read from the host instead, through the
   working directory's descriptor taken before the run (`salvage`); the session is closed at
   the end, whatever happened;
-- /run_jupyter is a session, a cell per cell;
+- /run_jupyter is a session, a cell per cell, its files fetched after the cells as /run_code's
+  are (read from the host when a cell ended the jail);
 - /run_tests runs the program once per case, each case in a jail of its own (docs/fusion.md
   says why), at most SANDBOX_MAX_CONCURRENCY of one request's cases at a time.
 """
@@ -251,9 +252,7 @@ class Runner:
             files, note = await self._fetch(session, ask.fetch, ws)
             return compiled, run.result(), files, note
         finally:
-            if ws is not None:
-                os.close(ws.fd)
-            await self.close(session)
+            await self._end(session, ws)
 
     async def open_session(self, frame: dict[str, Any]) -> Collected:
         """Open a session without running a cell (frame's `memory_mb` applies); its `done`."""
@@ -270,6 +269,12 @@ class Runner:
             return self.service.sessions.get(session, self.owner).jail.open_workspace()
         except RequestRejected:
             return None
+
+    async def _end(self, session: str | None, ws: Workspace | None) -> None:
+        """Let go of the working directory's descriptor, then close the session."""
+        if ws is not None:
+            os.close(ws.fd)
+        await self.close(session)
 
     def _alive(self, session: str) -> bool:
         try:
@@ -326,9 +331,13 @@ class Runner:
         session = opened.session
         cells: list[CellOutput] = []
         status, message, timed_out = shapes.SUCCESS, "", False
+        ws: Workspace | None = None
         try:
             if session is None:
                 raise Refused(200, opened.message or "the session did not open")
+            # Held before any cell runs: a cell that ends the jail (a time limit it ignores, a
+            # kernel the OOM killer took) leaves its files to be read from the host (`salvage`).
+            ws = self._workspace(session)
             for code in ask.cells:
                 left = ask.total_timeout_s - (clock() - began)
                 limit = min(left, ask.cell_timeout_s) if ask.cell_timeout_s > 0 else left
@@ -346,9 +355,10 @@ class Runner:
                     if got.status == "internal":
                         status = shapes.SANDBOX_ERROR
                     break
-            files, note = await self._fetch(session, ask.fetch) if status == shapes.SUCCESS else ({}, "")
+            # Fetched whatever the cells' end, as /run_code fetches after a time limit.
+            files, note = await self._fetch(session, ask.fetch, ws)
         finally:
-            await self.close(session)
+            await self._end(session, ws)
         driver = Result(
             shapes.TLE if timed_out else shapes.FINISHED, round(clock() - began, 6), None if timed_out else 0
         )

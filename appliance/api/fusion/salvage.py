@@ -1,7 +1,8 @@
 """`fetch_files` of a run whose jail ended with it (a time limit, a kill), read from the host.
 
 The fetch cell (`languages.fetch_cell`) needs a live interpreter; a run killed by its limit
-has none, and its session is closed with it. SandboxFusion still returns such a run's files
+(a /run_code program, a /run_jupyter cell, a kernel the OOM killer took) has none, and its
+session is closed with it. SandboxFusion still returns such a run's files
 (a trainer reads what a program wrote before it hung), so the engine takes a descriptor of
 the session's working directory before the run (`Jail.open_workspace`) and, if the jail is
 gone after it, reads the named files through that descriptor. The run directory's tmpfs is
