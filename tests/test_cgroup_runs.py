@@ -272,6 +272,32 @@ HOG = (
 )
 
 
+async def test_what_a_session_cell_leaves_counts_against_the_session_between_cells(srv: Server) -> None:
+    """A session's group holds across cells. Processes a cell started are killed at its end (the
+    driver's end_leftovers); what stays is its interpreter's memory and its /tmp, a tmpfs of host
+    memory. 500 MiB fit on their own; after a cell left 700 MiB in /tmp they do not, and that
+    cell ends memory_limit."""
+    take = "b = bytearray(500 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\ndel b\nprint('held')"
+    async with AsyncClient(srv.url) as c:
+        first = await c.execute(take, session="new", timeout_ms=20000)
+        assert first.status == "ok" and first.stdout == "held\n", (first.status, first.message)
+        sid = first.session
+        assert sid
+        left = await c.execute(
+            "chunk = b'x' * (50 << 20)\nfor i in range(14):\n"
+            "    open(f'/tmp/keep{i}', 'wb').write(chunk)\nprint('left')",
+            session=sid,
+            timeout_ms=20000,
+        )
+        assert left.status == "ok" and left.stdout == "left\n", (left.status, left.message)
+        again = await c.execute(take, session=sid, timeout_ms=20000)
+        assert again.status == "memory_limit", (again.status, again.message, again.stdout)
+        assert "memory limit" in (again.message or "")
+        with contextlib.suppress(Exception):
+            await c.close_session(sid)
+
+
+# The two exclusive tests stay next to each other: the host is taken once for both.
 @pytest.mark.exclusive  # the neighbour's CPU share is measured against the host's other load
 async def test_a_40_process_hog_gets_its_quota_and_a_neighbour_keeps_its_cpu(
     tmp_path: Path, weighty_parent: list[str]
@@ -316,31 +342,6 @@ async def test_a_40_process_hog_gets_its_quota_and_a_neighbour_keeps_its_cpu(
         assert pairs[-1][1] >= 0.75 * pairs[-1][0], f"neighbour CPU share (alone, next to the hog): {pairs}"
     finally:
         s.stop()
-
-
-async def test_what_a_session_cell_leaves_counts_against_the_session_between_cells(srv: Server) -> None:
-    """A session's group holds across cells. Processes a cell started are killed at its end (the
-    driver's end_leftovers); what stays is its interpreter's memory and its /tmp, a tmpfs of host
-    memory. 500 MiB fit on their own; after a cell left 700 MiB in /tmp they do not, and that
-    cell ends memory_limit."""
-    take = "b = bytearray(500 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\ndel b\nprint('held')"
-    async with AsyncClient(srv.url) as c:
-        first = await c.execute(take, session="new", timeout_ms=20000)
-        assert first.status == "ok" and first.stdout == "held\n", (first.status, first.message)
-        sid = first.session
-        assert sid
-        left = await c.execute(
-            "chunk = b'x' * (50 << 20)\nfor i in range(14):\n"
-            "    open(f'/tmp/keep{i}', 'wb').write(chunk)\nprint('left')",
-            session=sid,
-            timeout_ms=20000,
-        )
-        assert left.status == "ok" and left.stdout == "left\n", (left.status, left.message)
-        again = await c.execute(take, session=sid, timeout_ms=20000)
-        assert again.status == "memory_limit", (again.status, again.message, again.stdout)
-        assert "memory limit" in (again.message or "")
-        with contextlib.suppress(Exception):
-            await c.close_session(sid)
 
 
 @pytest.mark.exclusive  # any server starting meanwhile (another worker's) would purge the leftover first
