@@ -193,16 +193,27 @@ class Bench:
 
     # -- setup ---------------------------------------------------------------------------
     async def start(self) -> None:
-        self.phase("starting the appliance (warm pool)")
-        self.warm = await asyncio.to_thread(start_appliance, "warm", self.work)
-        self.phase("starting the appliance (pool off)")
-        self.cold = await asyncio.to_thread(start_appliance, "cold", self.work, SANDBOX_POOL_SIZE="0")
-        self.phase("starting the appliance (no preload)")
-        self.bare = await asyncio.to_thread(start_appliance, "bare", self.work, SANDBOX_PRELOAD="")
-        self.phase("starting Jupyter Kernel Gateway")
-        self.gateway = await start_gateway(self.work / "jupyter")
-        # The kernel is warm the way the pool is: the same modules imported before the first cell.
-        await self.gateway.execute("import numpy, pandas, matplotlib\nmatplotlib.use('Agg')")
+        # The three appliances and the gateway start side by side (nothing is measured before
+        # every one is up); each is kept as soon as it is, so close() stops it whatever fails.
+        self.phase("starting the appliances (warm pool, pool off, no preload) and Jupyter Kernel Gateway")
+
+        async def warm() -> None:
+            self.warm = await asyncio.to_thread(start_appliance, "warm", self.work)
+
+        async def cold() -> None:
+            self.cold = await asyncio.to_thread(start_appliance, "cold", self.work, SANDBOX_POOL_SIZE="0")
+
+        async def bare() -> None:
+            self.bare = await asyncio.to_thread(start_appliance, "bare", self.work, SANDBOX_PRELOAD="")
+
+        async def gateway() -> None:
+            self.gateway = await start_gateway(self.work / "jupyter")
+            # The kernel is warm the way the pool is: the same modules imported before the first cell.
+            await self.gateway.execute("import numpy, pandas, matplotlib\nmatplotlib.use('Agg')")
+
+        for failed in await asyncio.gather(warm(), cold(), bare(), gateway(), return_exceptions=True):
+            if isinstance(failed, BaseException):
+                raise failed
         # The bare profile: the jail a one-shot `print(2+2)` gets from an import-aware pool,
         # so the spawn capacity is the ceiling of the throughput scenario it is compared with.
         self.jails = await asyncio.to_thread(open_factory, {"SANDBOX_PRELOAD": ""})
