@@ -50,12 +50,28 @@ FREEZE_FILE = {1: ("freezer", "freezer.state"), 2: ("", "cgroup.freeze")}
 FREEZE_STATE = {1: ("freezer", "freezer.state"), 2: ("", "cgroup.events")}
 FREEZE_VALUE = {1: ("FROZEN", "THAWED"), 2: ("1", "0")}
 _DIRECTORY = os.O_RDONLY | os.O_DIRECTORY
-# What Group.prime keeps open: the directory the group's files in it are opened from (on v1
-# the pids controller's, which holds cgroup.procs; on v2 the one directory). (controller,
-# file, open flags) per cgroup version.
+# What a run's path reads and writes (handout weight, cell-start and cell-end counters, peak
+# reset): Group.prime keeps these open. (controller, file, open flags) per cgroup version.
 PATH_FILES: dict[int, tuple[tuple[str, str, int], ...]] = {
-    1: (("pids", ".", _DIRECTORY),),
-    2: (("", ".", _DIRECTORY),),
+    1: (
+        ("cpu", "cpu.shares", os.O_WRONLY),
+        ("cpuacct", "cpuacct.usage", os.O_RDONLY),
+        ("memory", "memory.oom_control", os.O_RDONLY),
+        ("memory", "memory.max_usage_in_bytes", os.O_RDONLY),
+        ("memory", "memory.max_usage_in_bytes", os.O_WRONLY),
+        ("freezer", "freezer.state", os.O_WRONLY),  # asked and confirmed after a session's cell
+        ("freezer", "freezer.state", os.O_RDONLY),
+        ("pids", ".", _DIRECTORY),  # files opened anew (cgroup.procs as a cell ends) from here
+    ),
+    2: (
+        ("", "cpu.weight", os.O_WRONLY),
+        ("", "cpu.stat", os.O_RDONLY),
+        ("", "memory.events", os.O_RDONLY),
+        ("", "memory.peak", os.O_RDONLY),
+        ("", "cgroup.freeze", os.O_WRONLY),
+        ("", "cgroup.events", os.O_RDONLY),
+        ("", ".", _DIRECTORY),
+    ),
 }
 MEMBERS = {1: "pids", 2: ""}
 # A jail group's sub-group for the commands started in it from outside (`Group.command_group`).
@@ -362,12 +378,16 @@ class Group:
         self.paths = dict(paths)
         self.limits = limits
         self._kept: dict[tuple[str, str, int], int] = {}
+        self._joined: dict[tuple[str, str], str] = {}  # (controller, file) -> its path
         self._removed = False
         self.frozen = False  # asked to freeze and not thawed since (`freeze`, `thaw`)
 
     # Raw descriptors, not open(): these run on a run's path (handout, cell start and end).
+    # The files a run's path reads or writes are opened once, when the group is made (off the
+    # path: a pool refill), and kept: a cgroup file read again at offset 0 is generated anew,
+    # so one pread/pwrite does what open+write/read+close did.
     def prime(self) -> None:
-        """Open and keep the directories of PATH_FILES, when the group is made."""
+        """Open and keep the descriptors of the files a run's path uses (PATH_FILES)."""
         for controller, file, flags in PATH_FILES[self.tree.version]:
             key = (controller, file, flags)
             if key not in self._kept:
@@ -375,7 +395,13 @@ class Group:
                     self._kept[key] = os.open(self._path(controller, file), flags | os.O_CLOEXEC)
 
     def _path(self, controller: str, file: str) -> str:
-        return os.fspath(self.paths[controller] / file)
+        """A file of the group, its path joined once: a file opened anew on a run's path
+        (cgroup.procs, as a cell ends) does not pay for a pathlib join each time."""
+        key = (controller, file)
+        path = self._joined.get(key)
+        if path is None:
+            path = self._joined[key] = os.fspath(self.paths[controller] / file)
+        return path
 
     def _open(self, controller: str, file: str, flags: int) -> int:
         """Open a file of the group anew: from the controller's kept directory where there is
@@ -386,6 +412,10 @@ class Group:
         return os.open(self._path(controller, file), flags | os.O_CLOEXEC)
 
     def _write(self, w: Write) -> None:
+        fd = self._kept.get((w.controller, w.file, os.O_WRONLY))
+        if fd is not None:
+            os.pwrite(fd, w.value.encode(), 0)
+            return
         fd = self._open(w.controller, w.file, os.O_WRONLY)
         try:
             os.write(fd, w.value.encode())
@@ -393,6 +423,9 @@ class Group:
             os.close(fd)
 
     def _read(self, controller: str, file: str) -> str:
+        fd = self._kept.get((controller, file, os.O_RDONLY))
+        if fd is not None:
+            return os.pread(fd, READ_BYTES, 0).decode()
         fd = self._open(controller, file, os.O_RDONLY)
         try:
             return os.read(fd, READ_BYTES).decode()
