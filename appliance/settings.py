@@ -70,7 +70,12 @@ class Settings:
     tenant_frame_buffer_bytes: int = 0
     frame_deadline_ms: int = 30000
     max_concurrency: int = 4
-    max_queue: int = 100
+    # Runs waiting for a slot (SANDBOX_MAX_QUEUE). Past it a request is refused `busy`, and a
+    # closed-loop client whose answer just came takes the freed place before any refused one
+    # retries, so a load of more clients than slots + queue starves some of them for minutes:
+    # sized for a typical trainer (256 concurrent clients) to wait in this FIFO line instead.
+    # A waiting request holds only its parsed body (each bounded by max_message_bytes).
+    max_queue: int = 256
     uid: int = 1001
     # Uids jails take one each, exclusively (SANDBOX_UID_RANGE, appliance.sandbox.uids); (0, 0):
     # unset, `load` fills in SANDBOX_UID .. SANDBOX_UID + `default_uid_count` - 1.

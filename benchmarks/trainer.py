@@ -4,7 +4,7 @@
 
 What an RL trainer or eval harness does: N programs (10,000 in the full run; `--quick` 200)
 sent as one-shot runs by C concurrent HTTP clients, for C in 16, 64 and 256, against one
-appliance at default settings (SANDBOX_MAX_CONCURRENCY 2 x CPUs, SANDBOX_MAX_QUEUE 100). A
+appliance at default settings (SANDBOX_MAX_CONCURRENCY 2 x CPUs, SANDBOX_MAX_QUEUE 256). A
 request refused 429 is sent again after the server's hint, with the appliance client's own
 policy (appliance_client.retry: jittered exponential backoff, never before Retry-After).
 Per level: runs/s, p50/p99 of each request's time from its first send to its answer

@@ -17,6 +17,7 @@ def test_defaults_are_the_documented_ones() -> None:
     assert s.max_message_bytes == 16777216 and s.uid == 1001 and s.auth_token is None
     assert s.open_ports == () and s.gpu is False and s.preload == ("numpy", "pandas", "matplotlib")
     assert s.pool_size == 2 and s.session_idle_s == 600
+    assert s.max_queue == 256  # a 256-client trainer waits in line, never refused (docs/protocol.md)
 
 
 def test_concurrency_defaults_to_twice_the_cpus() -> None:
