@@ -74,8 +74,12 @@ class Settings:
     # closed-loop client whose answer just came takes the freed place before any refused one
     # retries, so a load of more clients than slots + queue starves some of them for minutes:
     # sized for a typical trainer (256 concurrent clients) to wait in this FIFO line instead.
-    # A waiting request holds only its parsed body (each bounded by max_message_bytes).
+    # A waiting request holds its parsed body (each within max_message_bytes; the line's sum
+    # within max_queue_bytes).
     max_queue: int = 256
+    # Bytes of request (code and files) the waiting runs hold together (SANDBOX_MAX_QUEUE_BYTES;
+    # 0: 4 x max_message_bytes); past it a request that would wait is refused `busy` too.
+    max_queue_bytes: int = 0
     uid: int = 1001
     # Uids jails take one each, exclusively (SANDBOX_UID_RANGE, appliance.sandbox.uids); (0, 0):
     # unset, `load` fills in SANDBOX_UID .. SANDBOX_UID + `default_uid_count` - 1.
@@ -147,6 +151,11 @@ class Settings:
     gpu_enforce: str = "strict"  # strict (fail closed) or best-effort (SANDBOX_GPU_ENFORCE)
     cgroups: str = "auto"  # per-run cgroups: auto (where writable), require, off
     cpus: float = 1.0  # CPU quota per run, in CPUs (SANDBOX_CPUS)
+
+    def queue_bytes(self) -> int:
+        """Bytes of request the waiting runs may hold together (SANDBOX_MAX_QUEUE_BYTES, unset
+        (0): as many as 4 messages of the largest size, as the frame budget holds)."""
+        return self.max_queue_bytes or 4 * self.max_message_bytes
 
     def frame_budget(self) -> tuple[int, int]:
         """(server-wide, per-tenant) bytes of WebSocket messages the server may hold unfinished or
@@ -472,6 +481,7 @@ def from_env(env: Mapping[str, str] | None = None) -> Settings:
         frame_deadline_ms=_int(env, "SANDBOX_FRAME_DEADLINE_MS", D.frame_deadline_ms, minimum=100),
         max_concurrency=_int(env, "SANDBOX_MAX_CONCURRENCY", 2 * cpus, minimum=1),
         max_queue=_int(env, "SANDBOX_MAX_QUEUE", D.max_queue),
+        max_queue_bytes=_int(env, "SANDBOX_MAX_QUEUE_BYTES", D.max_queue_bytes),
         uid=_int(env, "SANDBOX_UID", D.uid, minimum=1),
         uid_range=_uid_range(env, "SANDBOX_UID_RANGE") or D.uid_range,
         auth_token=token,

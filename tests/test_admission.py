@@ -86,3 +86,48 @@ def test_the_hint_is_bounded_and_grows_with_the_line_and_the_run_time() -> None:
     assert backpressure.retry_after_ms(100, 4, 0.4) > backpressure.retry_after_ms(20, 4, 0.4)
     assert backpressure.clamp_ms(float("inf")) == backpressure.CEILING_MS
     assert backpressure.clamp_ms(1.2) == backpressure.FLOOR_MS
+
+
+async def test_the_line_is_bounded_in_bytes_and_gives_them_back_whichever_way_a_waiter_leaves() -> None:
+    adm = Admission(limit=1, max_queue=10, max_queue_bytes=100)
+    hold = asyncio.Event()
+
+    async def run(size: int) -> None:
+        async with adm.slot(size):
+            await hold.wait()
+
+    holder = asyncio.create_task(run(0))
+    await asyncio.sleep(0)
+    first = asyncio.create_task(run(60))
+    await asyncio.sleep(0)
+    assert adm.waiting == 1 and adm.queued_bytes == 60
+    with pytest.raises(Busy, match="SANDBOX_MAX_QUEUE_BYTES"):
+        async with adm.slot(50):
+            pass
+    second = asyncio.create_task(run(40))  # fits: 100 in all
+    await asyncio.sleep(0)
+    assert adm.waiting == 2 and adm.queued_bytes == 100
+    second.cancel()  # a waiter that gives up gives its bytes back
+    await asyncio.gather(second, return_exceptions=True)
+    assert adm.waiting == 1 and adm.queued_bytes == 60
+    hold.set()
+    await asyncio.gather(holder, first)
+    assert adm.active == 0 and adm.waiting == 0 and adm.queued_bytes == 0
+
+
+async def test_a_request_over_the_byte_bound_still_waits_when_none_waits_before_it() -> None:
+    adm = Admission(limit=1, max_queue=10, max_queue_bytes=100)
+    hold = asyncio.Event()
+
+    async def run(size: int) -> None:
+        async with adm.slot(size):
+            await hold.wait()
+
+    holder = asyncio.create_task(run(0))
+    await asyncio.sleep(0)
+    alone = asyncio.create_task(run(500))
+    await asyncio.sleep(0)
+    assert adm.waiting == 1 and adm.queued_bytes == 500
+    hold.set()
+    await asyncio.gather(holder, alone)
+    assert adm.queued_bytes == 0

@@ -146,3 +146,33 @@ async def test_a_flood_of_clients_on_a_small_queue_runs_every_request_exactly_on
     assert metric(server, OK) - ok_before == len(tokens)
     # The flood did overflow the queue (1 slot, 1 place): requests were refused and sent again.
     assert metric(server, BUSY) > busy_before
+
+
+async def test_the_line_holds_a_bounded_sum_of_request_bytes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Ten places in line but 4 KiB of requests in all (SANDBOX_MAX_QUEUE_BYTES): a request
+    that would push the waiting bytes over it is refused `busy`, one that fits still waits."""
+    server = start_server(
+        tmp_path_factory.mktemp("queue-bytes"),
+        SANDBOX_MAX_CONCURRENCY="1",
+        SANDBOX_MAX_QUEUE="10",
+        SANDBOX_MAX_QUEUE_BYTES="4096",
+    )
+    try:
+        async with AsyncClient(server.url, retry_busy_s=0) as c:
+            up = asyncio.Event()
+            holder = asyncio.create_task(c.execute(HOLD, id="holder", on_stdout=lambda _: up.set()))
+            await up.wait()
+            big = asyncio.create_task(c.execute("print('big')" + " " * 3000, id="big"))
+            await until_async(lambda: metric(server, "appliance_queue_depth") == 1, scaled(30), "big waits")
+            refused = await c.execute("print('over')" + " " * 2000)
+            small_one = asyncio.create_task(c.execute("print('small')", id="small"))
+            await until_async(lambda: metric(server, "appliance_queue_depth") == 2, scaled(30), "small waits")
+            await c.stdin("holder", "\n", eof=True)
+            held, waited, fitted = await holder, await big, await small_one
+    finally:
+        server.stop()
+    assert refused.status == "busy" and "SANDBOX_MAX_QUEUE_BYTES" in (refused.message or ""), refused.frames
+    assert refused.retry_after_ms is not None and refused.stdout == ""
+    assert held.stdout == "up\nreleased\n" and waited.stdout == "big\n" and fitted.stdout == "small\n"

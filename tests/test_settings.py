@@ -18,6 +18,8 @@ def test_defaults_are_the_documented_ones() -> None:
     assert s.open_ports == () and s.gpu is False and s.preload == ("numpy", "pandas", "matplotlib")
     assert s.pool_size == 2 and s.session_idle_s == 600
     assert s.max_queue == 256  # a 256-client trainer waits in line, never refused (docs/protocol.md)
+    assert s.queue_bytes() == 4 * s.max_message_bytes  # the line's bytes: 4 of the largest messages
+    assert from_env({"SANDBOX_MAX_QUEUE_BYTES": "4096"}).queue_bytes() == 4096
 
 
 def test_concurrency_defaults_to_twice_the_cpus() -> None:

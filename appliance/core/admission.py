@@ -9,17 +9,30 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from appliance.core import backpressure
+from appliance.core.domain import RunRequest
 from appliance.core.errors import Busy
 
 
 class Admission:
-    """At most `limit` runs at once; at most `max_queue` waiting; the rest are refused."""
+    """At most `limit` runs at once; at most `max_queue` waiting, together holding at most
+    `max_queue_bytes` of request (code and files: a waiting request keeps its body, so the
+    count alone would let a full line hold max_queue of the largest messages); the rest are
+    refused. A request waits whatever its size when none waits before it, so no valid request
+    is refused for ever."""
 
-    def __init__(self, limit: int, max_queue: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        limit: int,
+        max_queue: int,
+        clock: Callable[[], float] = time.monotonic,
+        max_queue_bytes: int | None = None,
+    ) -> None:
         self.limit = limit
         self._clock = clock
         self.max_queue = max_queue
+        self.max_queue_bytes = max_queue_bytes
         self.active = 0
+        self.queued_bytes = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.mean_run_s: float | None = None  # how long a slot is held, recently (a running mean)
 
@@ -37,10 +50,10 @@ class Admission:
         return backpressure.retry_after_ms(len(self._waiters), self.limit, mean)
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[int]:
-        """Hold one run slot (`async with`); entering gives the milliseconds spent queued.
-        Leaving folds the time it was held into `mean_run_s`."""
-        queued_ms = await self._acquire()
+    async def slot(self, size: int = 0) -> AsyncIterator[int]:
+        """Hold one run slot (`async with`) for a request of `size` bytes; entering gives the
+        milliseconds spent queued. Leaving folds the time it was held into `mean_run_s`."""
+        queued_ms = await self._acquire(size)
         since = self._clock()
         try:
             yield queued_ms
@@ -48,7 +61,7 @@ class Admission:
             self.mean_run_s = backpressure.smoothed(self.mean_run_s, self._clock() - since)
             self._release()
 
-    async def _acquire(self) -> int:
+    async def _acquire(self, size: int) -> int:
         started = self._clock()
         if self.must_wait():
             if len(self._waiters) >= self.max_queue:
@@ -56,8 +69,16 @@ class Admission:
                     f"the run queue is full ({self.max_queue} waiting); try again later",
                     retry_after_ms=self.retry_after_ms(),
                 )
+            limit = self.max_queue_bytes
+            if limit is not None and self._waiters and self.queued_bytes + size > limit:
+                raise Busy(
+                    f"the run queue is full ({self.queued_bytes} bytes of requests waiting, "
+                    f"SANDBOX_MAX_QUEUE_BYTES {limit}); try again later",
+                    retry_after_ms=self.retry_after_ms(),
+                )
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
+            self.queued_bytes += size
             try:
                 await fut
             except BaseException:
@@ -66,6 +87,8 @@ class Admission:
                 elif fut.done() and not fut.cancelled():
                     self._release()  # we were handed a slot we will not use
                 raise
+            finally:
+                self.queued_bytes -= size  # out of the line, whichever way
             return int((self._clock() - started) * 1000)
         self.active += 1
         return 0
@@ -77,3 +100,8 @@ class Admission:
                 fut.set_result(None)  # hand our slot over; `active` stays the same
                 return
         self.active -= 1
+
+
+def request_size(req: RunRequest) -> int:
+    """What a waiting request holds that its sender chose the size of: its code and files."""
+    return len(req.code) + sum(len(f.data) for f in req.files)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from appliance.core.admission import Admission
+from appliance.core.admission import Admission, request_size
 from appliance.core.domain import CellOutcome, Gpu, PipeFull, Request, RunRequest
 from appliance.core.egress import REQUEST, Approvals, Narrowing, Rules, parse_rules
 from appliance.core.egressask import EgressAsks
@@ -167,7 +167,9 @@ class RunService:
         self._catalogue = catalogue
         self.gpu: GpuBudget = gpu if gpu is not None else NoGpu()  # what a run's GPU ask costs
         self.snapshots: Snapshots = snapshots if snapshots is not None else NoSnapshots()
-        self.admission = Admission(settings.max_concurrency, settings.max_queue, clock)
+        self.admission = Admission(
+            settings.max_concurrency, settings.max_queue, clock, settings.queue_bytes()
+        )
         self.tenants: Tenants | None = None
         session_limits: dict[str, int] = {}
         if settings.auth_tokens_file is not None:
@@ -284,11 +286,14 @@ class RunService:
                 self.metrics.queue_depth.set(self.admission.waiting + 1)
             if session is not None:
                 session_id, profile = session.id, session.lease.profile
-                async with self.admission.slot() as slot_ms, session.lock:
+                async with self.admission.slot(request_size(req)) as slot_ms, session.lock:
                     self._admitted(slot_ms)
                     outcome = await self._session_cell(session, req, emit, run, slot_ms)
             else:
-                async with self.lifecycle.leases.lease(req) as lease, self.admission.slot() as slot_ms:
+                async with (
+                    self.lifecycle.leases.lease(req) as lease,
+                    self.admission.slot(request_size(req)) as slot_ms,
+                ):
                     queued_ms = slot_ms + lease.queued_ms
                     profile = lease.profile
                     self._admitted(queued_ms)
@@ -533,7 +538,7 @@ class RunService:
         started = self.lifecycle.started
         if started.is_set():
             return
-        async with self.admission.slot():
+        async with self.admission.slot(request_size(req)):
             try:
                 await within(started.wait(), self._timeout_ms(req) / 1000)
             except TimeoutError:
