@@ -51,6 +51,11 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("sandbox/jail.py", "JailFactory._make_workdir", "ensure_future"): "awaited in place, shielded",
     ("sandbox/jail.py", "_shielded", "ensure_future"): "awaited in place, shielded; again when cancelled",
     ("api/wsmeter.py", "MeteredReader._arm", "call_at"): "the frame deadline: cancelled at release",
+    (
+        "sandbox/egresssplice.py",
+        "_Waker.wait",
+        "call_at",
+    ): "a relay's idle deadline: cancelled in its finally",
     ("api/wsmeter.py", "MeteredReader._expired", "call_later"): "the same timer, re-armed",
     ("api/wsmeter.py", "HeapTrimmer.freed", "call_later"): "a trim timer: cancelled at close",
     ("api/wsmeter.py", "HeapTrimmer._run", "run_in_executor"): "malloc_trim in a thread: close awaits it",
