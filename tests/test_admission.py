@@ -88,24 +88,34 @@ def test_the_hint_is_bounded_and_grows_with_the_line_and_the_run_time() -> None:
     assert backpressure.clamp_ms(1.2) == backpressure.FLOOR_MS
 
 
+class ByteLine:
+    """One slot held, ten places in line, 100 bytes of request in all; `run` waits in it."""
+
+    def __init__(self) -> None:
+        self.adm = Admission(limit=1, max_queue=10, max_queue_bytes=100)
+        self.hold = asyncio.Event()
+
+    async def run(self, size: int) -> None:
+        async with self.adm.slot(size):
+            await self.hold.wait()
+
+    async def start(self, size: int) -> asyncio.Task[None]:
+        task = asyncio.create_task(self.run(size))
+        await asyncio.sleep(0)
+        return task
+
+
 async def test_the_line_is_bounded_in_bytes_and_gives_them_back_whichever_way_a_waiter_leaves() -> None:
-    adm = Admission(limit=1, max_queue=10, max_queue_bytes=100)
-    hold = asyncio.Event()
-
-    async def run(size: int) -> None:
-        async with adm.slot(size):
-            await hold.wait()
-
-    holder = asyncio.create_task(run(0))
-    await asyncio.sleep(0)
-    first = asyncio.create_task(run(60))
+    line = ByteLine()
+    adm, hold = line.adm, line.hold
+    holder = await line.start(0)
+    first = await line.start(60)
     await asyncio.sleep(0)
     assert adm.waiting == 1 and adm.queued_bytes == 60
     with pytest.raises(Busy, match="SANDBOX_MAX_QUEUE_BYTES"):
         async with adm.slot(50):
             pass
-    second = asyncio.create_task(run(40))  # fits: 100 in all
-    await asyncio.sleep(0)
+    second = await line.start(40)  # fits: 100 in all
     assert adm.waiting == 2 and adm.queued_bytes == 100
     second.cancel()  # a waiter that gives up gives its bytes back
     await asyncio.gather(second, return_exceptions=True)
@@ -116,17 +126,10 @@ async def test_the_line_is_bounded_in_bytes_and_gives_them_back_whichever_way_a_
 
 
 async def test_a_request_over_the_byte_bound_still_waits_when_none_waits_before_it() -> None:
-    adm = Admission(limit=1, max_queue=10, max_queue_bytes=100)
-    hold = asyncio.Event()
-
-    async def run(size: int) -> None:
-        async with adm.slot(size):
-            await hold.wait()
-
-    holder = asyncio.create_task(run(0))
-    await asyncio.sleep(0)
-    alone = asyncio.create_task(run(500))
-    await asyncio.sleep(0)
+    line = ByteLine()
+    adm, hold = line.adm, line.hold
+    holder = await line.start(0)
+    alone = await line.start(500)
     assert adm.waiting == 1 and adm.queued_bytes == 500
     hold.set()
     await asyncio.gather(holder, alone)
