@@ -22,10 +22,7 @@ from appliance.api.e2b import shapes
 from appliance.api.e2b.registry import SnapshotEntry
 from appliance.api.e2b.shapes import BadRequest
 from tests.support import Server, start_server
-from tests.test_e2b_sdk import point_sdk, until
-
-ALICE = "alice-e2b-snaps-0123456789"
-BOB = "bob-e2b-snaps-0123456789ab"
+from tests.test_e2b_sdk import ALICE, BOB, point_sdk, tenants_file, until
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +33,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def e2bsrv(tmp_path_factory: pytest.TempPathFactory, store: Path) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("e2b-snaps")
-    tokens = tmp / "tenants.toml"
-    tokens.write_text(
-        f'[[tenant]]\nname = "alice"\ntoken = "{ALICE}"\n\n[[tenant]]\nname = "bob"\ntoken = "{BOB}"\n'
-    )
-    tokens.chmod(0o600)
+    tokens = tenants_file(tmp)
     srv = start_server(
         tmp,
         SANDBOX_AUTH_TOKENS_FILE=str(tokens),
