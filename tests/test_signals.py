@@ -4,17 +4,20 @@ the package calls the kernel's kill functions, and what it refuses never reaches
 from __future__ import annotations
 
 import ast
+import asyncio
 import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from appliance.sandbox import signals
-from tests.support import REPO
+from appliance.core.tasks import TaskScope
+from appliance.sandbox import jailexec, proctree, signals
+from tests.support import REPO, scaled, until_async
 
 PACKAGE = REPO / "appliance"
 THE_ONE = PACKAGE / "sandbox" / "signals.py"
@@ -96,3 +99,61 @@ def test_a_process_is_signalled_by_pidfd_with_the_signal_asked(child: subprocess
             signals.kill_by_pidfd(fd)
     finally:
         os.close(fd)
+
+
+@pytest.fixture
+def held_waiter(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[int], threading.Event]]:
+    """asyncio's waiter thread (a blocking waitpid) held until the event is set; the PIDs it
+    waits for are listed. subprocess's own polls (WNOHANG, bound at its import) pass."""
+    waited: list[int] = []
+    gate = threading.Event()
+    real = os.waitpid
+
+    def held(pid: int, options: int) -> tuple[int, int]:
+        if options == 0:
+            waited.append(pid)
+            gate.wait(scaled(30))
+        return real(pid, options)
+
+    monkeypatch.setattr(os, "waitpid", held)
+    try:
+        yield waited, gate
+    finally:
+        gate.set()
+
+
+async def exited(waited: list[int]) -> int:
+    """The PID of the one child the waiter holds, once it has exited (a zombie, unreaped)."""
+    await until_async(lambda: waited and proctree.state(waited[0]) == "Z", 30, "the child exited")
+    return waited[0]
+
+
+async def test_a_command_signalled_as_it_exits_keeps_its_own_end(
+    held_waiter: tuple[list[int], threading.Event],
+) -> None:
+    """A command's kill that came just as its launcher exited went through asyncio's
+    `send_signal`, which reaps first (a poll): asyncio's waiter then found no child and the
+    end read "exit 255, no signal" (a CI run's killed command). Here the waiter is held until
+    the launcher has exited and been signalled: the end is still its own."""
+    waited, gate = held_waiter
+    async with TaskScope("commands") as tasks:
+        command = await jailexec.JailCommand.start(["sh", "-c", "exit 7"], False, tasks)
+        pid = await exited(waited)
+        command.send_signal(signal.SIGKILL)
+        assert proctree.state(pid) == "Z"  # signalled, not reaped
+        gate.set()
+        ended = await asyncio.wait_for(command.wait(), scaled(30))
+    assert (ended.exit_code, ended.signal, ended.error) == (7, None, None)
+
+
+async def test_kill_child_neither_reaps_nor_reaches_a_reaped_child(
+    held_waiter: tuple[list[int], threading.Event],
+) -> None:
+    waited, gate = held_waiter
+    proc = await asyncio.create_subprocess_exec("sh", "-c", "exit 3")
+    pid = await exited(waited)
+    signals.kill_child(proc)
+    assert proctree.state(pid) == "Z"
+    gate.set()
+    assert await asyncio.wait_for(proc.wait(), scaled(30)) == 3
+    signals.kill_child(proc)  # reaped: nothing is sent, nothing raised

@@ -210,6 +210,7 @@ class JailCommand:
         self._paused = False
         self._stdin = ControlPipe(stdin_fd, loop) if stdin_fd is not None else None
         self._pidfd: int | None = None
+        self._launcher_fd = signals.child_pidfd(proc.pid)  # signalled without a reap (signals)
         self.ended: Ended | None = None
         self._done = asyncio.Event()
         for fd in self._fds:
@@ -354,10 +355,11 @@ class JailCommand:
         if self._stdin is not None:
             self._stdin.close()
             self._stdin = None
-        if self._pidfd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._pidfd)
-            self._pidfd = None
+        for held in (self._pidfd, self._launcher_fd):
+            if held is not None:
+                with contextlib.suppress(OSError):
+                    os.close(held)
+        self._pidfd = self._launcher_fd = None
         self._done.set()
 
     async def wait(self) -> Ended:
@@ -394,9 +396,9 @@ class JailCommand:
         fd = self._command_pidfd()
         if fd is not None:
             signals.kill_by_pidfd(fd, sig)
-        if sig == signal.SIGKILL or fd is None:
+        if (sig == signal.SIGKILL or fd is None) and self._launcher_fd is not None:
             with contextlib.suppress(ProcessLookupError):
-                self._proc.send_signal(sig)
+                signals.kill_by_pidfd(self._launcher_fd, sig)
 
     def _command_pidfd(self) -> int | None:
         """A pidfd of the command's process: firejail's one child, opened then checked to be

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from appliance.core.tasks import within
+from appliance.sandbox import signals
 
 log = logging.getLogger("appliance.nslimits")
 
@@ -142,7 +143,7 @@ async def cap_jail(pid: int) -> str | None:
             _, err = await within(proc.communicate(), WRITE_TIMEOUT_S)
         except BaseException:
             if proc.returncode is None:
-                proc.kill()
+                signals.kill_child(proc)
                 await proc.wait()
             raise
         if proc.returncode != 0:

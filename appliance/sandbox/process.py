@@ -404,8 +404,7 @@ class JailProcess:
                 # TimeoutError there (appliance.core.tasks).
                 await within(proc.wait(), 2.0)
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                signals.kill_child(proc)
                 await proc.wait()
         self._close_all()
 
