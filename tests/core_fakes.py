@@ -82,6 +82,9 @@ class FakeJail:
     def open_workspace(self) -> None:
         return None
 
+    def hold_workspace(self) -> None:
+        return None
+
 
 class FakeLease:
     def __init__(self, source: FakeLeases) -> None:

@@ -51,6 +51,21 @@ class Workspace:
     gid: int
 
 
+class HeldWorkspace(Protocol):
+    """A jail's working directory that outlives the jail until `release` (`Jail.hold_workspace`)."""
+
+    @property
+    def workspace(self) -> Workspace: ...
+
+    @property
+    def jail_ended(self) -> bool:
+        """Whether the jail has ended: every process of it killed, and the launcher reaped."""
+
+    async def release(self) -> None:
+        """Close the descriptor; a jail that has ended has its directory removed now. Idempotent;
+        the removal is under way even if the caller is cancelled as it waits."""
+
+
 class Jail(Protocol):
     """A leased jail: single-use, unless a session keeps it (frozen between its cells)."""
 
@@ -73,6 +88,10 @@ class Jail(Protocol):
     def open_workspace(self) -> Workspace | None:
         """A new descriptor of the jail's working directory, with its owner; None when the
         jail is gone or never had its directory open."""
+
+    def hold_workspace(self) -> HeldWorkspace | None:
+        """`open_workspace`, and the directory kept past the jail's end until the hold is
+        released (what a time-limited run left is read after it: SandboxFusion's fetch)."""
 
 
 class Lease(Protocol):

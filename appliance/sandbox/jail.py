@@ -102,7 +102,10 @@ class Jail:
     # Groups of ended commands not yet removed (a process was still leaving, or a daemon it
     # left still runs): tried again as the next command starts (`CommandTree.release`).
     lingering: list[CommandGroup] = field(default_factory=list)
+    holds: int = 0  # workspaces held past the jail's end, not yet released (`hold_workspace`)
+    ended: bool = False  # destroyed: its processes killed and reaped, its cgroup removed
     _destroyed: bool = False
+    _workdir_kept: bool = False  # destroyed while held: the last release removes the directory
 
     @property
     def uid(self) -> int:
@@ -125,6 +128,26 @@ class Jail:
             return None
         gid = self.held.gid if self.held is not None else self.dirs.gid
         return Workspace(fd=fd, dev=self.workdir_dev, uid=self.uid, gid=gid)
+
+    def hold_workspace(self) -> WorkspaceHold | None:
+        """`open_workspace`, and the run directory kept until the hold is released, even past
+        `destroy` (`ports.Jail`): a server that cannot mount removes a plain directory's files
+        with it, and a descriptor alone would then reach an empty directory."""
+        ws = self.open_workspace()
+        if ws is None:
+            return None
+        self.holds += 1
+        return WorkspaceHold(self, ws)
+
+    async def _let_go(self) -> None:
+        """A hold released: the last one of a destroyed jail removes its directory."""
+        self.holds -= 1
+        if self.holds or not self._workdir_kept:
+            return
+        self._workdir_kept = False
+        # The thread is started before the first wait: a caller cancelled meanwhile (its
+        # client gone, the server stopping) does not stop the removal.
+        await asyncio.to_thread(self._remove_workdir)
 
     async def start_command(
         self, argv: Sequence[str], env: dict[str, str], cwd: str, stdin: bool, tasks: TaskScope
@@ -348,10 +371,13 @@ class Jail:
         return base
 
     async def destroy(self) -> None:
-        """Kill every process of the jail, reap them, remove the run directory and the cgroup."""
+        """Kill every process of the jail, reap them, remove the run directory and the cgroup.
+        A held run directory (`hold_workspace`) stays, with the jail's uid, until its last
+        hold is released."""
         if self._destroyed:
             return
         self._destroyed = True
+        killed = False
         try:
             if self.cgroup is not None and self.cgroup.frozen:
                 # A frozen task takes SIGKILL only as it thaws (v1): the kill goes first, so
@@ -360,6 +386,7 @@ class Jail:
                 with contextlib.suppress(OSError):
                     self.cgroup.thaw()
             await self.process.kill()
+            killed = True
         finally:
             if self.tmp_fd is not None:  # an open directory keeps its tmpfs, and its pages, alive
                 os.close(self.tmp_fd)
@@ -367,22 +394,61 @@ class Jail:
             if self.workdir_fd is not None:
                 os.close(self.workdir_fd)
                 self.workdir_fd = None
+            self._workdir_kept = self.holds > 0
             try:
-                await asyncio.to_thread(self._remove)
+                await asyncio.to_thread(self._remove, not self._workdir_kept)
+                self.ended = killed
             finally:
                 if self.network is not None and self.link is not None:
                     await self.network.release(self.link)
 
-    def _remove(self) -> None:
+    def _remove(self, workdir: bool) -> None:
+        """Remove the cgroup and, unless it is held, the run directory (`_remove_workdir`)."""
         try:
-            try:
+            if workdir:
                 self.dirs.remove(self.workdir)
-            finally:
+        finally:
+            try:
                 if self.cgroup is not None:  # also kills anything of the jail still in it
                     self.cgroup.remove()
+            finally:
+                # The uid goes back once its processes are gone, and with them its files: a
+                # held directory keeps it (no other jail is given the uid of files still there).
+                if workdir:
+                    self._give_back_uid()
+
+    def _remove_workdir(self) -> None:
+        try:
+            self.dirs.remove(self.workdir)
         finally:
-            if self.uids is not None and self.held is not None:  # once its processes are gone
-                self.uids.give_back(self.held)
+            self._give_back_uid()
+
+    def _give_back_uid(self) -> None:
+        if self.uids is not None and self.held is not None:
+            self.uids.give_back(self.held)
+
+
+@dataclass
+class WorkspaceHold:
+    """A descriptor of a jail's run directory that keeps the directory past the jail's end
+    (`Jail.hold_workspace`; `ports.HeldWorkspace`)."""
+
+    jail: Jail
+    workspace: Workspace
+    _released: bool = False
+
+    @property
+    def jail_ended(self) -> bool:
+        return self.jail.ended
+
+    async def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        try:
+            os.close(self.workspace.fd)
+        finally:
+            await self.jail._let_go()
 
 
 @dataclass(frozen=True)
