@@ -9,7 +9,8 @@ watchdogs as a native run:
   without one, the session opened with no cell), the run cell, then a cell that copies the
   files to fetch to outputs/, which the server reads back within its own bounds; a run that
   ended its jail (a time limit) has its files read from the host instead, through the
-  working directory's descriptor taken before the run (`salvage`); the session is closed at
+  working directory held from before the run (`Jail.hold_workspace`: the directory outlives
+  the jail until it is released) (`salvage`); the hold is released and the session closed at
   the end, whatever happened;
 - /run_jupyter is a session, a cell per cell, its files fetched after the cells as /run_code's
   are (read from the host when a cell ended the jail);
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import math
 import os
@@ -35,7 +37,7 @@ from appliance.api.fusion.shapes import BadRequest, CellOutput, CodeAsk, Result
 from appliance.api.transport import FrameParser
 from appliance.core import events
 from appliance.core.errors import RequestRejected
-from appliance.core.ports import Workspace
+from appliance.core.ports import HeldWorkspace
 from appliance.core.service import RunService
 from appliance.core.tasks import TaskScope
 from appliance.wire.protocol import ExecuteRequest, ProtocolError
@@ -216,7 +218,7 @@ class Runner:
             _raise_refusal(run)
             return None, run.result(), {}, ""
         session: str | None = None
-        ws: Workspace | None = None
+        held: HeldWorkspace | None = None
         try:
             compiled: Result | None = None
             rest: dict[str, Any] = {**base, "session": "new"}
@@ -246,13 +248,13 @@ class Runner:
                 if session is None or opened.status != "ok":
                     return None, Result(shapes.ERROR, stderr=opened.message or opened.status), {}, ""
                 rest = {"session": session, "files": base["files"]}
-            ws = self._workspace(session)
+            held = self._hold(session)
             run = await self.run({**rest, "code": run_code, "timeout_ms": _ms(ask.run_timeout_s)}, ask.stdin)
             _raise_refusal(run)
-            files, note = await self._fetch(session, ask.fetch, ws)
+            files, note = await self._fetch(session, ask.fetch, held)
             return compiled, run.result(), files, note
         finally:
-            await self._end(session, ws)
+            await self._end(session, held)
 
     async def open_session(self, frame: dict[str, Any]) -> Collected:
         """Open a session without running a cell (frame's `memory_mb` applies); its `done`."""
@@ -261,20 +263,24 @@ class Runner:
         await self.service.execute(req, self.owner, collected.emit, cell=False)
         return collected
 
-    def _workspace(self, session: str | None) -> Workspace | None:
-        """A descriptor of the session's working directory, of the caller's own; None if gone."""
+    def _hold(self, session: str | None) -> HeldWorkspace | None:
+        """The session's working directory, of the caller's own, held past its jail's end
+        until `_end`; None if gone."""
         if session is None:
             return None
         try:
-            return self.service.sessions.get(session, self.owner).jail.open_workspace()
+            return self.service.sessions.get(session, self.owner).jail.hold_workspace()
         except RequestRejected:
             return None
 
-    async def _end(self, session: str | None, ws: Workspace | None) -> None:
-        """Let go of the working directory's descriptor, then close the session."""
-        if ws is not None:
-            os.close(ws.fd)
-        await self.close(session)
+    async def _end(self, session: str | None, held: HeldWorkspace | None) -> None:
+        """Release the working directory (first: its removal starts before any wait), then
+        close the session."""
+        try:
+            if held is not None:
+                await held.release()
+        finally:
+            await self.close(session)
 
     def _alive(self, session: str) -> bool:
         try:
@@ -284,19 +290,24 @@ class Runner:
         return True
 
     async def _fetch(
-        self, session: str | None, names: tuple[str, ...], ws: Workspace | None = None
+        self, session: str | None, names: tuple[str, ...], held: HeldWorkspace | None = None
     ) -> tuple[dict[str, str], str]:
         """The named files of the session's workspace (base64), and why any was left out: by a
-        cell while the session lives, else (its jail ended with the run) from `ws`, the
+        cell while the session lives, else (its jail ended with the run) from `held`, the
         working directory held from before the run."""
         if not names:
             return {}, ""
         if session is None or not self._alive(session):
-            if ws is None:
+            if held is None:
                 return {}, "files were not fetched: the run's jail ended with it"
+            if not held.jail_ended:  # read only once no process of the jail is left
+                return {}, "files were not fetched: the run's jail had not ended"
             settings = self.service.settings
+            # A descriptor of the reader's own, closed by it: a release while it reads (the
+            # client gone) never closes one in use, whose number could be reused meanwhile.
+            ws = dataclasses.replace(held.workspace, fd=os.dup(held.workspace.fd))
             read, left_out = await asyncio.to_thread(
-                salvage.read, ws, names, settings.max_file_out_bytes, settings.max_outputs_bytes
+                salvage.read_closing, ws, names, settings.max_file_out_bytes, settings.max_outputs_bytes
             )
             return read, "; ".join(left_out)
         got = await self.run({"session": session, "code": languages.fetch_cell(names)})
@@ -331,13 +342,13 @@ class Runner:
         session = opened.session
         cells: list[CellOutput] = []
         status, message, timed_out = shapes.SUCCESS, "", False
-        ws: Workspace | None = None
+        held: HeldWorkspace | None = None
         try:
             if session is None:
                 raise Refused(200, opened.message or "the session did not open")
             # Held before any cell runs: a cell that ends the jail (a time limit it ignores, a
             # kernel the OOM killer took) leaves its files to be read from the host (`salvage`).
-            ws = self._workspace(session)
+            held = self._hold(session)
             for code in ask.cells:
                 left = ask.total_timeout_s - (clock() - began)
                 limit = min(left, ask.cell_timeout_s) if ask.cell_timeout_s > 0 else left
@@ -356,9 +367,9 @@ class Runner:
                         status = shapes.SANDBOX_ERROR
                     break
             # Fetched whatever the cells' end, as /run_code fetches after a time limit.
-            files, note = await self._fetch(session, ask.fetch, ws)
+            files, note = await self._fetch(session, ask.fetch, held)
         finally:
-            await self._end(session, ws)
+            await self._end(session, held)
         driver = Result(
             shapes.TLE if timed_out else shapes.FINISHED, round(clock() - began, 6), None if timed_out else 0
         )

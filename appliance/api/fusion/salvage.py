@@ -3,19 +3,22 @@
 The fetch cell (`languages.fetch_cell`) needs a live interpreter; a run killed by its limit
 (a /run_code program, a /run_jupyter cell, a kernel the OOM killer took) has none, and its
 session is closed with it. SandboxFusion still returns such a run's files
-(a trainer reads what a program wrote before it hung), so the engine takes a descriptor of
-the session's working directory before the run (`Jail.open_workspace`) and, if the jail is
-gone after it, reads the named files through that descriptor. The run directory's tmpfs is
-only detached when the jail ends, so a descriptor of it still reaches what the program left
-(a server that cannot mount, and so removes a plain directory, finds nothing: those names are
-said to be missing).
+(a trainer reads what a program wrote before it hung), so the engine holds the session's
+working directory before the run (`Jail.hold_workspace`): a descriptor of it, and the
+directory kept past the jail's end until the engine releases the hold, after this read. So
+the files are there whether the directory is a tmpfs of its own (a root server) or a plain
+directory (a server that cannot mount), and the release removes it, as the jail's end would
+have (on every path: the engine releases it in a `finally`, and a server that stops removes
+its whole instance directory).
 
 The program had the whole run to arrange the directory: every name is walked by descriptor
 and only a regular, singly linked file of the jail's uid is read (`workfiles.open_file`: no
-link followed at any step, a FIFO opened without blocking and refused). Its processes are
-all dead by then; a file it was writing holds whatever it had written. Each file is bounded
-by SANDBOX_MAX_FILE_OUT_BYTES and all of them by SANDBOX_MAX_OUTPUTS_BYTES, counted in the
-bytes read, as the fetch cell's files are. Blocking: run `read` in a thread.
+link followed at any step, a FIFO opened without blocking and refused). The engine reads
+only once the jail has ended (`HeldWorkspace.jail_ended`): its processes were killed with
+the PID namespace's init and reaped, so nothing of the run changes the directory any more,
+and a file it was writing holds whatever it had written. Each file is bounded by
+SANDBOX_MAX_FILE_OUT_BYTES and all of them by SANDBOX_MAX_OUTPUTS_BYTES, counted in the
+bytes read, as the fetch cell's files are. Blocking: run `read_closing` in a thread.
 """
 
 from __future__ import annotations
@@ -83,3 +86,14 @@ def read(
         total += len(data)
         files[name] = base64.b64encode(data).decode()
     return files, notes
+
+
+def read_closing(
+    ws: Workspace, names: tuple[str, ...], max_file_bytes: int, max_total_bytes: int
+) -> tuple[dict[str, str], list[str]]:
+    """`read`, then close ws.fd: a descriptor made for this reader alone, so that nobody closes
+    it while it is in use."""
+    try:
+        return read(ws, names, max_file_bytes, max_total_bytes)
+    finally:
+        os.close(ws.fd)
