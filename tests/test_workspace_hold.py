@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from appliance.sandbox import channel, runfs, workfiles
 from appliance.sandbox.uids import Uids
 from tests.support import jail_factory, reachable_tmp_root
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a uid of its own for a jail is a root server's")
 
 UID = 3_900_500  # a uid of its own for the jail, far from any account (tests/test_uids.py's too)
 
