@@ -448,6 +448,10 @@ def parse_client_frame_object(obj: dict[str, Any], limits: Limits) -> ClientMess
             f"'files' has {len(files)} entries; SANDBOX_MAX_UPLOAD_FILES allows {limits.max_upload_files}",
             _optional_id(obj),
         )
+    if kind == "execute":
+        plain = _plain_execute(obj)
+        if plain is not None:
+            return plain
     adapter = _ADAPTERS.get(kind) if isinstance(kind, str) else None
     if adapter is None:
         request_id = _optional_id(obj)
@@ -458,6 +462,56 @@ def parse_client_frame_object(obj: dict[str, Any], limits: Limits) -> ClientMess
         message: ClientMessage = adapter.validate_python(obj, context=limits)
     except ValidationError as exc:
         raise _rejection(kind, exc, obj) from None
+    return message
+
+
+# What an execute request without uploads, GPU, egress or snapshot carries: fields whose every
+# check is a type and a bound, made here without pydantic (`_plain_execute`).
+_PLAIN_EXECUTE = frozenset(("type", "id", "code", "session", "timeout_ms", "stdin_eof", "memory_mb"))
+
+
+def _positive_int_or_none(value: object) -> bool:
+    return value is None or (type(value) is int and value >= 1)
+
+
+def _plain_execute(obj: dict[str, Any]) -> ExecuteRequest | None:
+    """The ExecuteRequest validation makes of obj when obj holds only plain fields, all valid
+    (what nearly every run sends); None for anything else, which the full validation then
+    accepts or names the problem of. Each check is the one the field's type makes (StrictStr,
+    StrictInt >= 1, StrictBool, the id's rule); tests/test_protocol_plain.py holds the two
+    paths to the same answer. Why: a warm run's frame meets a cold CPU, where the validator's
+    first use costs far more than these checks (benchmarks/results/house-ab.md)."""
+    if not obj.keys() <= _PLAIN_EXECUTE:
+        return None
+    rid = obj.get("id")
+    code = obj.get("code")
+    session = obj.get("session")
+    stdin_eof = obj.get("stdin_eof", False)
+    if (
+        type(code) is not str
+        or (rid is not None and not _is_id(rid))
+        # min_length=1; and a lone surrogate, which validation refuses, cannot be in ASCII.
+        or (session is not None and (type(session) is not str or not session or not session.isascii()))
+        or not _positive_int_or_none(obj.get("timeout_ms"))
+        or not _positive_int_or_none(obj.get("memory_mb"))
+        or type(stdin_eof) is not bool
+    ):
+        return None
+    message = object.__new__(ExecuteRequest)
+    # Filled as validation fills a frozen dataclass: every field, in declaration order.
+    message.__dict__.update(
+        id=new_request_id() if rid is None else rid,
+        code=code,
+        session=session,
+        timeout_ms=obj.get("timeout_ms"),
+        files=(),
+        gpu=None,
+        egress=None,
+        stdin_eof=stdin_eof,
+        memory_mb=obj.get("memory_mb"),
+        from_snapshot=None,
+        type="execute",
+    )
     return message
 
 
