@@ -28,6 +28,7 @@ children it still waits on, and where each one is.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Coroutine, Iterable
 from types import TracebackType
@@ -140,11 +141,15 @@ class TaskScope:
             raise RuntimeError(f"task scope {self.name!r} is {self._state}: it starts no task")
         task = self._group.create_task(self._guarded(coro), name=name)
         self._children.add(task)
-        task.add_done_callback(self._children.discard)
+        # One callback, not one per chore: each is a step of the loop as the task ends.
+        task.add_done_callback(functools.partial(self._ended, coro))
+        return task
+
+    def _ended(self, coro: Coroutine[Any, Any, None], task: asyncio.Task[None]) -> None:
+        self._children.discard(task)
         # A child cancelled before its first step never awaited `coro`: close it (a no-op for
         # one that ran), as a task made straight from `coro` would have.
-        task.add_done_callback(lambda _task: coro.close())
-        return task
+        coro.close()
 
     async def _guarded(self, coro: Coroutine[Any, Any, None]) -> None:
         try:
