@@ -65,14 +65,11 @@ def too_big(size: int, limit: int) -> str:
 class FrameBudget:
     """Bytes reserved by kept frames, server-wide and per tenant (owner), against two limits."""
 
-    def __init__(
-        self, total_bytes: int, tenant_bytes: int, on_change: Callable[[int], None] | None = None
-    ) -> None:
+    def __init__(self, total_bytes: int, tenant_bytes: int) -> None:
         self.total_bytes = total_bytes
         self.tenant_bytes = tenant_bytes
         self.held = 0
         self.by_owner: dict[str, int] = {}
-        self._on_change = on_change
 
     def reserve(self, owner: str, size: int) -> str | None:
         """Reserve size bytes for owner; None if done, else why not (nothing reserved)."""
@@ -89,8 +86,6 @@ class FrameBudget:
             )
         self.held += size
         self.by_owner[owner] = mine + size
-        if self._on_change is not None:
-            self._on_change(self.held)
         return None
 
     def release(self, owner: str, size: int) -> None:
@@ -104,8 +99,6 @@ class FrameBudget:
         else:
             self.by_owner.pop(owner, None)
         self.held -= size
-        if self._on_change is not None:
-            self._on_change(self.held)
 
 
 class FrameMeter:

@@ -436,7 +436,9 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     request.app[RUNS_KEY].report()
-    text = request.app[SERVICE_KEY].metrics_text()
+    service = request.app[SERVICE_KEY]
+    service.metrics.frame_buffer.set(request.app[FRAME_BUDGET_KEY].held)
+    text = service.metrics_text()
     return web.Response(body=text, content_type="text/plain", charset="utf-8")
 
 
@@ -464,7 +466,8 @@ def make_app(service: RunService) -> web.Application:
     parser = app[PARSER_KEY] = FrameParser(service)
     check_aiohttp()  # frames are metered in front of aiohttp's reader, or not served at all
     total, per_tenant = service.settings.frame_budget()
-    app[FRAME_BUDGET_KEY] = FrameBudget(total, per_tenant, service.metrics.frame_buffer.set)
+    # Its gauge is set at each scrape (`metrics`), not at every frame a client sends.
+    app[FRAME_BUDGET_KEY] = FrameBudget(total, per_tenant)
     trimmer = app[TRIMMER_KEY] = HeapTrimmer()
     app[CONNECTIONS_KEY] = set()
     tasks = app[TASKS_KEY] = TaskScope("server")
