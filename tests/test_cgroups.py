@@ -302,3 +302,12 @@ def test_cgroup_memory_sees_tmpfs_files_that_proc_cannot(tree: cgroups.Hierarchy
         p.wait()
         os.unlink(shm)
         g.remove()
+
+
+def test_shmem_is_read_high_and_not_at_all_where_swap_goes_uncounted() -> None:
+    v1 = "shmem 4096\nswap 0\ntotal_shmem 8192\ntotal_swap 4096\ntotal_rss 99\n"
+    assert cgroups.shmem_of_stat(1, v1, None) == 8192 + 4096  # the hierarchy's, swap included
+    assert cgroups.shmem_of_stat(1, "total_shmem 8192\n", None) is None  # no swap accounting
+    assert cgroups.shmem_of_stat(2, "anon 5\nshmem 8192\n", "4096\n") == 8192 + 4096
+    assert cgroups.shmem_of_stat(2, "anon 5\nshmem 8192\n", None) is None
+    assert cgroups.shmem_of_stat(2, "anon 5\n", "0\n") is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Unpack
+from typing import Any, Unpack
 
 import pytest
 
@@ -194,6 +194,58 @@ async def test_the_check_on_the_loop_gives_up_past_its_process_bound_and_the_ful
             assert found is not None and "SANDBOX_MAX_DISK_MB (24 MiB)" in found.message
         finally:
             await jail.destroy()
+
+
+MEMFD_HELD = (
+    "import os, time\nfd = os.memfd_create('m')\nos.write(fd, b'0' * ({mib} << 20))\n"
+    "open('named', 'wb').write(b'0' * ({named} << 20))\nprint('held', flush=True)\ntime.sleep(30)\n"
+)
+
+
+async def test_a_run_whose_shmem_fits_what_is_left_is_not_searched_and_one_that_may_not_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the run directory and /tmp are counted by their tmpfs, what a cell's end has left
+    to find is memfds, whose pages are shmem of the jail's group: a group whose shmem fits in
+    what is left of the quota cannot hold more, and is not searched. One whose shmem might
+    not fit is searched, and a memfd that takes the run over the quota is found."""
+    from appliance.sandbox import cell, cgroups, channel
+    from appliance.wire import protocol
+
+    tree, missing = cgroups.open_hierarchy("require")
+    assert tree is not None, missing
+    from appliance.sandbox.held import held_bytes
+
+    searched: list[int] = []
+
+    def counted(*args: Any) -> int:
+        searched.append(1)
+        return held_bytes(*args)
+
+    monkeypatch.setattr(cell, "held_bytes", counted)
+    try:
+        with jail_factory({"SANDBOX_MAX_DISK_MB": "24"}) as factory:
+            factory.cgroups = tree
+            for mib, named, over in ((2, 1, False), (18, 7, True)):
+                jail = await factory.launch()
+                try:
+                    assert jail.dirs.sizes is not None and jail.tmp_fd is not None  # both counted
+                    code = MEMFD_HELD.format(mib=mib, named=named)
+                    jail.process.write(channel.run_op(protocol.ExecuteRequest(code=code).code, [], True))
+                    await jail.process.wait_event("stream", 30)
+                    assert jail.cgroup is not None
+                    shmem = jail.cgroup.shmem_bytes()
+                    assert shmem is not None and shmem >= (mib + named) << 20  # the bound holds both
+                    searched.clear()
+                    found = cell.disk_violation(jail, 24, inline=True)
+                    if over:  # 7 MiB named and 18 held: over 24, which only the search can see
+                        assert searched and found is not None and "(24 MiB)" in found.message
+                    else:
+                        assert not searched and found is None
+                finally:
+                    await jail.destroy()
+    finally:
+        tree.close()
 
 
 async def test_an_output_flood_ends_with_output_limit(tight: Server) -> None:

@@ -333,6 +333,8 @@ def disk_violation(jail: Jail, max_disk_mb: int, inline: bool = False) -> Output
         )
     if entries > max_entries:
         return OutputLimit(f"the run created more than {max_entries} files and directories")
+    if used <= limit and not devices and _memfds_fit(jail, limit - used):
+        return None
     if used <= limit:
         # Not firejail's own two (the launcher, `root`, and the sandbox's root-owned init):
         # they run firejail's code only and take no descriptors from the run. Everything
@@ -344,6 +346,24 @@ def disk_violation(jail: Jail, max_disk_mb: int, inline: bool = False) -> Output
     if used > limit:
         return OutputLimit(f"the run wrote more than SANDBOX_MAX_DISK_MB ({max_disk_mb} MiB) to disk")
     return None
+
+
+def _memfds_fit(jail: Jail, room: int) -> bool:
+    """Whether whatever the run holds without a name is known to fit in `room` without a search.
+
+    Where the run directory and /tmp are counted by their tmpfs (no `devices` to search),
+    what is left to find is memfds, whose pages are shmem charged to the jail's group (every
+    process of the jail is in it). So if the group's shmem, swapped pages included
+    (`Group.shmem_bytes`), fits, no search could find more: the search (a read of every
+    process's descriptor tables and maps) is left for the runs that might be over."""
+    group = jail.cgroup
+    if group is None:
+        return False
+    try:
+        held = group.shmem_bytes()
+    except OSError:
+        return False
+    return held is not None and held <= room
 
 
 def disk_entries(max_disk_mb: int) -> int:

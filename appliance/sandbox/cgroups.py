@@ -59,6 +59,7 @@ PATH_FILES: dict[int, tuple[tuple[str, str, int], ...]] = {
         ("memory", "memory.oom_control", os.O_RDONLY),
         ("memory", "memory.max_usage_in_bytes", os.O_RDONLY),
         ("memory", "memory.max_usage_in_bytes", os.O_WRONLY),
+        ("memory", "memory.stat", os.O_RDONLY),  # shmem, as a cell ends (`shmem_bytes`)
         ("freezer", "freezer.state", os.O_WRONLY),  # asked and confirmed after a session's cell
         ("freezer", "freezer.state", os.O_RDONLY),
         ("pids", ".", _DIRECTORY),  # files opened anew (cgroup.procs as a cell ends) from here
@@ -68,6 +69,8 @@ PATH_FILES: dict[int, tuple[tuple[str, str, int], ...]] = {
         ("", "cpu.stat", os.O_RDONLY),
         ("", "memory.events", os.O_RDONLY),
         ("", "memory.peak", os.O_RDONLY),
+        ("", "memory.stat", os.O_RDONLY),
+        ("", "memory.swap.current", os.O_RDONLY),
         ("", "cgroup.freeze", os.O_WRONLY),
         ("", "cgroup.events", os.O_RDONLY),
         ("", ".", _DIRECTORY),
@@ -227,6 +230,21 @@ def owned_kb_of_stat(version: int, stat: str) -> int:
     else:
         total = k.get("anon", 0) + k.get("shmem", 0)
     return total // 1024
+
+
+def shmem_of_stat(version: int, stat: str, swap: str | None) -> int | None:
+    """Bytes of shmem (tmpfs, memfds, /dev/shm) a group holds, in memory or in swap, from its
+    memory.stat (and v2's memory.swap.current), counted high: swapped anonymous pages too.
+    None where the files cannot say (no swap accounting: a swapped page would go uncounted)."""
+    k = parse_keyed(stat)
+    if version == 1:
+        shmem, swapped = k.get("total_shmem"), k.get("total_swap")
+    else:
+        shmem = k.get("shmem")
+        swapped = int(swap) if swap is not None and swap.strip().isdigit() else None
+    if shmem is None or swapped is None:
+        return None
+    return shmem + swapped
 
 
 class Hierarchy:
@@ -528,6 +546,17 @@ class Group:
         """Anonymous + shmem memory of the group, in MiB (what the GPU watchdog caps)."""
         key = "memory" if self.tree.version == 1 else ""
         return owned_kb_of_stat(self.tree.version, self._read(key, "memory.stat")) // 1024
+
+    def shmem_bytes(self) -> int | None:
+        """Shmem the group's processes made (`shmem_of_stat`): at least every byte of every
+        memfd they hold, however it is held (kept descriptors: pread each time)."""
+        if self.tree.version == 1:
+            return shmem_of_stat(1, self._read("memory", "memory.stat"), None)
+        try:
+            swap: str | None = self._read("", "memory.swap.current")
+        except FileNotFoundError:  # no swap controller: a swapped page would go uncounted
+            swap = None
+        return shmem_of_stat(2, self._read("", "memory.stat"), swap)
 
     def members(self) -> list[int] | None:
         """The group's processes from one read of its cgroup.procs (a cell's end asks), or None
