@@ -102,3 +102,51 @@ async def test_each_part_goes_on_at_once_and_a_silent_far_end_times_out() -> Non
         await asyncio.wait_for(relay, 10)
     for s in (far, src, dst, jail):
         s.close()
+
+
+async def test_a_pipe_full_of_small_parts_does_not_spin_the_relay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A far end sending 100-byte segments to a jail that never reads: the pipe is full at
+    256 parts, far below its size in bytes, while the far end's socket stays readable. The
+    relay must then wait for the jail's room (none comes) and end at the idle time, not step
+    again at every turn of the loop (which burnt a CPU for the whole idle time)."""
+    far, src = _pair()
+    dst, jail = _pair()
+    far.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each part its own segment
+    stop = threading.Event()
+    nothing: list[int] = []  # splices that moved nothing
+    real = egresssplice._splice
+
+    def spied(a: int, b: int, size: int) -> int:
+        moved = real(a, b, size)
+        if moved < 0:
+            nothing.append(1)
+        return moved
+
+    monkeypatch.setattr(egresssplice, "_splice", spied)
+
+    def far_end() -> None:
+        far.setblocking(True)
+        far.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                far.send(b"s" * 100)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    writer = threading.Thread(target=far_end)
+    writer.start()
+    counted: list[int] = []
+    try:
+        with pytest.raises(TimeoutError):
+            await egresssplice.relay(src.fileno(), dst.fileno(), 1.0, counted.append)
+    finally:
+        stop.set()
+        await asyncio.to_thread(writer.join, 10)
+    assert sum(counted) > 0
+    # Each idle splice is one the loop woke the relay for: a few hundred at most while the
+    # pipe and the jail's buffers fill, where a spin makes one every few microseconds.
+    assert len(nothing) < 2000, len(nothing)
+    for s in (far, src, dst, jail):
+        s.close()

@@ -53,9 +53,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("api/wsmeter.py", "MeteredReader._arm", "call_at"): "the frame deadline: cancelled at release",
     (
         "sandbox/egresssplice.py",
-        "_Waker.wait",
+        "_Relay.__init__",
         "call_at",
-    ): "a relay's idle deadline: cancelled in its finally",
+    ): "a relay's idle deadline: cancelled by its close, which its awaiter's finally calls",
+    ("sandbox/egresssplice.py", "_Relay._idle", "call_at"): "the same deadline, re-armed",
     ("api/wsmeter.py", "MeteredReader._expired", "call_later"): "the same timer, re-armed",
     ("api/wsmeter.py", "HeapTrimmer.freed", "call_later"): "a trim timer: cancelled at close",
     ("api/wsmeter.py", "HeapTrimmer._run", "run_in_executor"): "malloc_trim in a thread: close awaits it",
