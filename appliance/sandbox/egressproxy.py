@@ -16,6 +16,8 @@ For each connection, one flow:
     connects to the checked address (no second lookup: no rebinding);
   * in a tunnel to a name, the ClientHello's server name must be that name (no domain
     fronting), read with a bounded parser (appliance.sandbox.tlshello) before a byte goes on;
+    the hello then goes on exactly, and the rest of the tunnel is relayed both ways in the
+    kernel (appliance.sandbox.egresssplice.tunnel);
   * a plain request goes on alone, its Host set from its URI and `Connection: close`,
     so a connection carries exactly one request to exactly the host decided on; its
     answer is relayed in the kernel (appliance.sandbox.egresssplice);
@@ -491,34 +493,103 @@ class EgressProxy:
         flow, address = await self._decide(state, host_raw, port)
         try:
             sock = await self._reach(state, flow, address, writer)
-            if sock is None:
-                return
-            up_reader, up_writer = await self._streams(sock)
-            try:
-                secret = self._secret(state, flow)
-                if secret is not None and not await self._secure(state, flow, up_writer, writer):
-                    return
-                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                first, _ = conn.trailing_data
-                first = bytes(first)
-                if not is_ipv4(flow.host):
-                    hello = await self._hello(flow, reader, first)
-                    if hello is None:
-                        await self._record(state, flow)
-                        return
-                    first = hello
-                await self._record(state, flow)
-                if secret is not None:
-                    await self._intercept(flow, secret, reader, writer, up_reader, up_writer, first)
-                    return
-                if first:
-                    up_writer.write(first)
-                    flow.bytes_up += len(first)
-                await self._pipe(flow, reader, writer, up_reader, up_writer)
-            finally:
-                await self._close(up_writer)
+            if sock is not None:
+                await self._carry(state, flow, conn, reader, writer, sock)
         finally:
             self._finish(state, flow)
+
+    async def _carry(  # noqa: PLR0913 (one connection's parts)
+        self,
+        state: _Jail,
+        flow: Flow,
+        conn: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        sock: socket.socket,
+    ) -> None:
+        """An allowed tunnel, its far end connected: the jail answered, its ClientHello
+        checked, then the rest relayed (intercepted where the host is given secrets)."""
+        # A tunnel given secrets is TLS the proxy speaks itself (streams); any other keeps
+        # the bare socket, spliced from once its ClientHello has gone on.
+        secret = self._secret(state, flow)
+        up: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        try:
+            if secret is not None:
+                up = await self._streams(sock)
+                if not await self._secure(state, flow, up[1], writer):
+                    return
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            first = await self._first(flow, conn, reader)
+            await self._record(state, flow)
+            if first is None:
+                return
+            if secret is not None and up is not None:
+                await self._intercept(flow, secret, reader, writer, up[0], up[1], first)
+                return
+            if up is None and await self._splice_tunnel(flow, reader, writer, sock, first):
+                return
+            if up is None:
+                up = await self._streams(sock)
+            if first:
+                up[1].write(first)
+                flow.bytes_up += len(first)
+            await self._pipe(flow, reader, writer, up[0], up[1])
+        finally:
+            if up is not None:
+                await self._close(up[1])
+            else:
+                sock.close()
+
+    async def _first(self, flow: Flow, conn: h11.Connection, reader: asyncio.StreamReader) -> bytes | None:
+        """What the jail sent first in its tunnel: to a name, a ClientHello naming the
+        CONNECT host (None, the flow denied, otherwise)."""
+        first = bytes(conn.trailing_data[0])
+        if is_ipv4(flow.host):
+            return first
+        return await self._hello(flow, reader, first)
+
+    async def _splice_tunnel(
+        self,
+        flow: Flow,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        up_sock: socket.socket,
+        first: bytes,
+    ) -> bool:
+        """The rest of a checked tunnel relayed both ways in the kernel
+        (appliance.sandbox.egresssplice.tunnel): first what was read of it (the ClientHello,
+        and whatever the jail's stream already holds past it), then the sockets themselves.
+        False, nothing done, where that cannot be (no splice; the jail's transport closing,
+        or still holding bytes for the jail, which must go first)."""
+        sock = writer.get_extra_info("socket")
+        transport = writer.transport
+        if not egresssplice.available() or sock is None or not isinstance(transport, asyncio.Transport):
+            return False
+        if transport.is_closing():
+            return False
+        if transport.get_write_buffer_size():
+            return False
+        # From here only splice reads the jail's socket: its transport stops, and what its
+        # stream holds already goes on after `first`, in order. The stream is given its end
+        # so that reading it returns at once (nothing is awaited: the transport cannot read
+        # meanwhile); taking from a stream it had paused resumes the transport: pause again.
+        transport.pause_reading()
+        reader.feed_eof()
+        first += await reader.read()
+        transport.pause_reading()
+        if first:
+            async with asyncio.timeout(self.idle_s):
+                await asyncio.get_running_loop().sock_sendall(up_sock, first)
+            flow.bytes_up += len(first)
+
+        def up(n: int) -> None:
+            flow.bytes_up += n
+
+        def down(n: int) -> None:
+            flow.bytes_down += n
+
+        await egresssplice.tunnel(sock.fileno(), up_sock.fileno(), self.idle_s, up, down)
+        return True
 
     async def _reach(
         self, state: _Jail, flow: Flow, address: IPv4Address | None, writer: asyncio.StreamWriter
