@@ -144,6 +144,11 @@ def test_the_egress_benchmark_measures_the_proxy_and_by_ip_side_by_side(tmp_path
         )
     assert all(r > 0 for r in s["ratios"].values())
     assert s["relay"]["small_cpu_ms_per_flow"] > 0 and s["relay"]["small_flows"] == 2 * 2 * 60
+    # The relay alone over HTTPS too (a CONNECT tunnel: spliced, and by the stream loop).
+    assert all(s["relay"]["https"][mode] > 0 for mode in ("direct", "splice", "stream"))
+    cpu = s["relay"]["mib_cpu_ms_per_flow"]
+    assert all(cpu[scheme][mode] > 0 for scheme in ("http", "https") for mode in ("splice", "stream"))
+    assert "The same over HTTPS" in (tmp_path / "egress_quick.md").read_text()
     (link,) = s["links"]  # the same rounds over the shaped link (quick: its last rate only)
     assert link["rate_mbit"] == 100 and link["qdisc"].startswith("tbf rate 100mbit")
     for side in ("proxy", "direct"):
