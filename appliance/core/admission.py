@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from types import TracebackType
 
 from appliance.core import backpressure
 from appliance.core.domain import RunRequest
@@ -49,17 +49,14 @@ class Admission:
         mean = self.mean_run_s if self.mean_run_s is not None else backpressure.PRIOR_RUN_S
         return backpressure.retry_after_ms(len(self._waiters), self.limit, mean)
 
-    @contextlib.asynccontextmanager
-    async def slot(self, size: int = 0) -> AsyncIterator[int]:
+    def slot(self, size: int = 0) -> Slot:
         """Hold one run slot (`async with`) for a request of `size` bytes; entering gives the
         milliseconds spent queued. Leaving folds the time it was held into `mean_run_s`."""
-        queued_ms = await self._acquire(size)
-        since = self._clock()
-        try:
-            yield queued_ms
-        finally:
-            self.mean_run_s = backpressure.smoothed(self.mean_run_s, self._clock() - since)
-            self._release()
+        return Slot(self, size)
+
+    def _held_for(self, seconds: float) -> None:
+        self.mean_run_s = backpressure.smoothed(self.mean_run_s, seconds)
+        self._release()
 
     async def _acquire(self, size: int) -> int:
         started = self._clock()
@@ -105,3 +102,26 @@ class Admission:
 def request_size(req: RunRequest) -> int:
     """What a waiting request holds that its sender chose the size of: its code and files."""
     return len(req.code) + sum(len(f.data) for f in req.files)
+
+
+class Slot:
+    """One run slot of an `Admission`, held from `async with` to its end (a class of its own,
+    not a generator's context manager: every run enters and leaves one)."""
+
+    __slots__ = ("_admission", "_since", "_size")
+
+    def __init__(self, admission: Admission, size: int) -> None:
+        self._admission = admission
+        self._size = size
+        self._since = 0.0
+
+    async def __aenter__(self) -> int:
+        queued_ms = await self._admission._acquire(self._size)
+        self._since = self._admission._clock()
+        return queued_ms
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        admission = self._admission
+        admission._held_for(admission._clock() - self._since)

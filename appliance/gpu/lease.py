@@ -45,7 +45,7 @@ from appliance.sandbox.channel import GRANT_FILE
 from appliance.sandbox.devices import GpuDevice, gpu_device
 from appliance.sandbox.host import readable_ancestors_problem
 from appliance.sandbox.jail import Jail, JailFactory
-from appliance.sandbox.lease import Lease, LeaseSource, PoolLeases, held
+from appliance.sandbox.lease import Lease, LeaseSource, PoolLeases
 from appliance.sandbox.pool import ProfilePools
 from appliance.sandbox.profiles import Profile, choose, imports_of
 from appliance.settings import Settings
@@ -338,7 +338,7 @@ class GpuLeases(LeaseSource):
             )
         profile = choose(self.profiles, imports_of(req.code))
         grant = await self.ledger.acquire(mb)
-        async with held(GpuLease(self, grant, profile)) as lease:  # ended unless a session keeps it
+        async with GpuLease(self, grant, profile) as lease:  # ended unless a session keeps it
             yield lease
 
     async def _take(self, lease: GpuLease) -> Jail:

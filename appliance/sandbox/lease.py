@@ -17,7 +17,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Self
 
 from appliance.core.domain import RunRequest
 from appliance.core.events import GpuShare
@@ -55,6 +56,17 @@ class Lease(abc.ABC):
     @abc.abstractmethod
     async def _end(self) -> None: ...
 
+    # `async with` over a lease gives it, and ends it on leaving unless a session kept it: a
+    # class's own methods, not a generator's context manager, on every run's path.
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self.kept:
+            await self.end()
+
 
 class LeaseSource(abc.ABC):
     """What the run service takes jails from."""
@@ -66,16 +78,6 @@ class LeaseSource(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """End every lease's pending teardown and drain the pools."""
-
-
-@contextlib.asynccontextmanager
-async def held(lease: Lease) -> AsyncIterator[Lease]:
-    """`async with` over a lease: gives it, and ends it on leaving unless a session kept it."""
-    try:
-        yield lease
-    finally:
-        if not lease.kept:
-            await lease.end()
 
 
 class PoolLease(Lease):
@@ -109,7 +111,7 @@ class PoolLeases(LeaseSource):
 
     def lease(self, req: RunRequest) -> contextlib.AbstractAsyncContextManager[Lease]:
         profile = self.pools.profile_for(req.code)
-        return held(PoolLease(self, self.pools.pools[profile], profile.name))
+        return PoolLease(self, self.pools.pools[profile], profile.name)
 
     def teardown(self, jail: Jail) -> None:
         """Kill, reap and remove a one-shot run's jail in a task of its own.
