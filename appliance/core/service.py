@@ -296,7 +296,9 @@ class RunService:
                 ):
                     queued_ms = slot_ms + lease.queued_ms
                     profile = lease.profile
-                    self._admitted(queued_ms)
+                    # The gauges move at the task's first wait, once the code is on its way to
+                    # the jail, not on the path that gets it there.
+                    asyncio.get_running_loop().call_soon(self._admitted, queued_ms)
                     jail = await lease.take()
                     if req.memory_mb is not None and req.memory_mb < self.settings.memory_mb:
                         jail.limit_memory(req.memory_mb)  # before any of the run's code
