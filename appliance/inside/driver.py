@@ -526,13 +526,14 @@ def compile_cell(source: str, filename: str) -> tuple[CodeType | None, CodeType 
     """A cell's statements and its last expression (its value is the cell's result, as in
     Jupyter), compiled; SyntaxError (or what else compile raises) if the cell does not compile.
 
-    The whole cell is compiled before any of it runs, as Python does a file."""
+    The whole cell is compiled before any of it runs, as Python does a file, and with none of
+    this module's `__future__` imports (postponed annotations would change the cell's own)."""
     tree = ast.parse(source, filename=filename, mode="exec")
     last = None
     if tree.body and isinstance(tail := tree.body[-1], ast.Expr):
         tree.body.pop()
-        last = compile(ast.Expression(tail.value), filename, "eval")
-    return (compile(tree, filename, "exec") if tree.body else None), last
+        last = compile(ast.Expression(tail.value), filename, "eval", dont_inherit=True)
+    return (compile(tree, filename, "exec", dont_inherit=True) if tree.body else None), last
 
 
 # -- rich output -------------------------------------------------------------------------
