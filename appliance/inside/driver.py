@@ -527,7 +527,14 @@ def compile_cell(source: str, filename: str) -> tuple[CodeType | None, CodeType 
     Jupyter), compiled; SyntaxError (or what else compile raises) if the cell does not compile.
 
     The whole cell is compiled before any of it runs, as Python does a file, and with none of
-    this module's `__future__` imports (postponed annotations would change the cell's own)."""
+    this module's `__future__` imports (postponed annotations would change the cell's own). A cell of one
+    expression (`print(2+2)`, `df.head()`) compiles straight from its source: the `ast` route
+    costs a warm run's jail far more in place (benchmarks/results/house-ab.md). A source that
+    is not one expression fails that compile and takes the `ast` route, which says why."""
+    try:
+        return None, compile(source, filename, "eval", dont_inherit=True)
+    except SyntaxError:
+        pass
     tree = ast.parse(source, filename=filename, mode="exec")
     last = None
     if tree.body and isinstance(tail := tree.body[-1], ast.Expr):
