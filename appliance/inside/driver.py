@@ -732,11 +732,6 @@ def _jail_pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
 
-def _commands_running() -> bool:
-    me = os.getpid()
-    return any(_in_commands(pid) for pid in _jail_pids() if pid not in (1, me))
-
-
 def _kill_all_but_commands() -> None:
     """What kill(-1) does, sparing the processes of the commands group: pass after pass, until a
     pass finds nothing left to kill (the server's freeze step kills what a fork race left)."""
@@ -758,10 +753,14 @@ def end_leftovers() -> None:
     hold between cells too: nothing the code started runs on unseen while no cell does.
     (Threads the code started in the driver's own process do survive, as in Jupyter.)
     """
-    if not _commands_running():
+    # Nothing to kill when the cell left no process (one forked after this look races a
+    # kill(-1) alike; between a session's cells the server's freeze kills it).
+    me = os.getpid()
+    others = [pid for pid in _jail_pids() if pid not in (1, me)]
+    if others and not any(_in_commands(pid) for pid in others):
         with contextlib.suppress(OSError):
             os.kill(-1, signal.SIGKILL)
-    else:
+    elif others:
         _kill_all_but_commands()
     # Reap the driver's own children (zombies now): the rest were reparented to the
     # namespace's init, which reaps them. Bounded: a thread may still be forking.
