@@ -4,7 +4,8 @@
 
 Starts one appliance whose server process marks, with a monotonic clock, where each run
 passes: the frame read, the parse, the pool handout, the op written to the jail, each event
-read back from it, the disk check (and its search for held files), each frame sent. One
+read back from it, the disk check (its bound on memfds, and its search for held files where
+that bound does not settle it), each frame sent. One
 run at a time, each after the pool is idle and SETTLE_S of quiet, as `python -m benchmarks`
 does. The report gives the median time between consecutive marks, and the median whole
 (frame read to `done` sent). The marks are wrappers around the named functions, installed
@@ -160,6 +161,7 @@ def instrument(timeline: Timeline) -> None:
     timeline.wrap(process.JailProcess, "write", "op write")
     timeline.wrap(process.JailProcess, "signal_kill", "kill")
     timeline.wrap(cell, "disk_violation", "disk check")
+    timeline.wrap(cell, "_memfds_fit", "memfd bound")
     timeline.wrap(cell, "held_bytes", "held files")
     timeline.wrap(outputs, "has_any", "outputs?")
 
