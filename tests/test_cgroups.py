@@ -140,7 +140,7 @@ def test_real_group_pids_limit_stops_a_fork_bomb(tree: cgroups.Hierarchy) -> Non
     g = tree.group(f"t-{uuid.uuid4().hex[:8]}", GroupLimits(memory_mb=256, cpus=1.0, max_procs=8))
     code = (
         "import os, time\ntry:\n  for _ in range(50):\n    if os.fork() == 0:\n      time.sleep(30)\n"
-        "      os._exit(0)\nexcept OSError:\n  print('refused', flush=True)"
+        "      os._exit(0)\nexcept OSError:\n  print('refused', flush=True)\n  time.sleep(30)"
     )
     p = subprocess.Popen([*join_argv(g.procs_files()), sys.executable, "-c", code], stdout=subprocess.PIPE)
     out = p.stdout.readline() if p.stdout else b""
