@@ -159,7 +159,8 @@ class Connection:
             raise Cancelled("the client disconnected")
         async with self._send_lock:
             try:
-                await send_within(self.request, self.ws.send_str(text), self._stall_s)
+                # At most 4 bytes a character in UTF-8, and 14 of frame header.
+                await send_within(self.request, self.ws.send_str(text), self._stall_s, 4 * len(text) + 14)
             except Cancelled:
                 self.gone = True
                 raise

@@ -215,10 +215,18 @@ def bearer_token(request: web.Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-async def send_within(request: web.Request, sending: Awaitable[object], stall_s: float) -> None:
+async def send_within(
+    request: web.Request, sending: Awaitable[object], stall_s: float, size: int | None = None
+) -> None:
     """Await one send; Cancelled (and the connection aborted) if the client does not take it
-    within stall_s, or if the connection broke."""
+    within stall_s, or if the connection broke. `size`: the bytes it writes, where known. A
+    send waits for its client only once the transport's buffer passes its high-water mark
+    (the writer then waits for it to drain): a send of fewer bytes than that to an empty
+    buffer cannot wait, and needs no timer (a run's frames, nearly always)."""
     try:
+        if size is not None and _cannot_wait(request, size):
+            await sending
+            return
         async with asyncio.timeout(stall_s):
             await sending
     except TimeoutError:
@@ -228,6 +236,16 @@ async def send_within(request: web.Request, sending: Awaitable[object], stall_s:
         ) from None
     except (ConnectionError, RuntimeError) as exc:
         raise Cancelled("the client disconnected") from exc
+
+
+def _cannot_wait(request: web.Request, size: int) -> bool:
+    # An empty buffer means the protocol is not paused (asyncio resumes it as the buffer
+    # drains to its low-water mark), and what this write leaves buffered stays under the
+    # high-water mark, so it does not pause it either: the writer has nothing to wait for.
+    transport = request.transport
+    if transport is None or transport.get_write_buffer_size():
+        return False
+    return size < transport.get_write_buffer_limits()[1]
 
 
 def abort(request: web.Request) -> None:
