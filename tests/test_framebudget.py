@@ -4,6 +4,7 @@ reader whatever the chunking, and every reserved byte given back."""
 from __future__ import annotations
 
 import os
+import random
 import struct
 
 import pytest
@@ -148,3 +149,60 @@ def test_the_default_budgets_follow_the_message_limit_and_tenants() -> None:
         100,
     )
     assert from_env({}).frame_deadline_ms == 30000
+
+
+def unmasked(opcode: int, payload: bytes) -> bytes:
+    """A frame as no client may send it (no mask): the reader refuses it, the meter passes it."""
+    return bytes((0x80 | opcode, len(payload))) + payload
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_whole_frame_in_one_read_gets_the_same_answer_as_from_the_general_path(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`FrameMeter._whole` (one whole frame in one read) against the general path alone, over
+    random streams: frames of every kind and size around the limit, read whole, in pieces, and
+    several in one read, with budgets that refuse some."""
+    rng = random.Random(seed)  # noqa: S311 (reproducible streams, not secrets)
+    makers = [
+        lambda: frame(1, rng.randbytes(rng.choice([0, 5, 125, 126, 127, 300, LIMIT, LIMIT + 1]))),
+        lambda: frame(2, rng.randbytes(rng.randrange(200))),
+        lambda: frame(1, b"x" * 20, fin=False) + frame(0, b"y" * 20),
+        lambda: frame(9, b"ping"),
+        lambda: frame(1, b"", announced=3 * LIMIT),
+        lambda: unmasked(1, b"bare"),
+        lambda: frame(1, b"z" * 70000),
+    ]
+    reads: list[bytes] = []
+    for _ in range(30):
+        data = rng.choice(makers)()
+        how = rng.randrange(3)
+        if how == 0:
+            reads.append(data)
+        elif how == 1:
+            cut = rng.randrange(len(data) + 1)
+            reads += [data[:cut], data[cut:]]
+        else:
+            reads[-1:] = [(reads[-1] if reads else b"") + data]
+    budget_total = rng.choice([10 * LIMIT, LIMIT + 50, 400])
+    both = [meter(total=budget_total), meter(total=budget_total)]
+    general = both[1]
+    monkeypatch.setattr(general, "_whole", lambda data: None)
+    for data in reads:
+        if not data:
+            continue
+        a, b = (m.feed(data) for m in both)
+        assert (a.pieces, a.refusals, a.closing) == (b.pieces, b.refusals, b.closing)
+        if rng.random() < 0.5:
+            for m in both:
+                m.handled()
+        states = [(list(m.taken), m.held, m.unfinished, m.closed, m.budget.held) for m in both]
+        assert states[0] == states[1]
+
+
+def test_the_whole_frame_path_takes_a_runs_frame() -> None:
+    # Else the test above compares the general path with itself.
+    m = meter()
+    payload = b'{"type": "execute", "code": "print(2+2)"}'
+    assert m._whole(frame(1, payload)) is not None and list(m.taken) == [len(payload)]
+    assert m._whole(frame(1, b"x", fin=False)) is None and m._whole(frame(9, b"p")) is None
