@@ -53,15 +53,12 @@ class FrameParser:
     async def parse(self, data: str | bytes, owner: str) -> ClientMessage:
         """The frame's message; ProtocolError (rejected) or Busy (over the rate) otherwise."""
         limits = self._limits
-        try:  # not `_charged`: every run's frame comes this way
+        with self._charged(owner):
             if len(data) <= OFF_LOOP_BYTES:
                 return protocol.parse_client_frame(data, limits)  # its size checked there
             protocol.check_size(data, limits)
             async with self._big_one(data, owner, "frame"):
                 return await self.worker.parse(data, limits)
-        except ProtocolError:
-            self._service.charge_rejected(owner)
-            raise
 
     async def screen(self, data: bytes, owner: str) -> None:
         """For a body another parser reads on the loop (the MCP SDK's): over OFF_LOOP_BYTES,
