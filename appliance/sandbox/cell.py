@@ -333,9 +333,9 @@ def disk_violation(jail: Jail, max_disk_mb: int, inline: bool = False) -> Output
         )
     if entries > max_entries:
         return OutputLimit(f"the run created more than {max_entries} files and directories")
-    if used <= limit and not devices and _memfds_fit(jail, limit - used):
-        return None
     if used <= limit:
+        if not devices and _memfds_fit(jail, limit - used):
+            return None
         # Not firejail's own two (the launcher, `root`, and the sandbox's root-owned init):
         # they run firejail's code only and take no descriptors from the run. Everything
         # below them is searched, orphans included (reparented to that init, its children).
