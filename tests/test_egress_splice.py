@@ -55,18 +55,15 @@ async def test_every_byte_arrives_in_order_and_is_counted() -> None:
         s.close()
 
 
-async def test_a_reader_that_stops_ends_the_relay_after_the_idle_time() -> None:
-    far, src = _pair()
-    dst, jail = _pair()
-    stop = threading.Event()
+def _sending(far: socket.socket, piece: bytes, stop: threading.Event) -> threading.Thread:
+    """A far end that sends `piece` again and again until `stop` (or its socket breaks), started."""
 
     def far_end() -> None:
         far.setblocking(True)
         far.settimeout(0.2)
-        block = b"x" * 65536
         while not stop.is_set():
             try:
-                far.send(block)
+                far.send(piece)
             except TimeoutError:
                 continue
             except OSError:
@@ -74,6 +71,14 @@ async def test_a_reader_that_stops_ends_the_relay_after_the_idle_time() -> None:
 
     writer = threading.Thread(target=far_end)
     writer.start()
+    return writer
+
+
+async def test_a_reader_that_stops_ends_the_relay_after_the_idle_time() -> None:
+    far, src = _pair()
+    dst, jail = _pair()
+    stop = threading.Event()
+    writer = _sending(far, b"x" * 65536, stop)
     counted: list[int] = []
     with pytest.raises(TimeoutError):
         await egresssplice.relay(src.fileno(), dst.fileno(), 0.5, counted.append)
@@ -124,19 +129,7 @@ async def test_a_pipe_full_of_small_parts_does_not_spin_the_relay(monkeypatch: p
 
     monkeypatch.setattr(egresssplice, "_splice", spied)
 
-    def far_end() -> None:
-        far.setblocking(True)
-        far.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                far.send(b"s" * 100)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-
-    writer = threading.Thread(target=far_end)
-    writer.start()
+    writer = _sending(far, b"s" * 100, stop)
     counted: list[int] = []
     try:
         with pytest.raises(TimeoutError):

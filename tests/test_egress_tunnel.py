@@ -195,30 +195,29 @@ async def test_a_large_transfer_both_ways_arrives_whole_and_is_counted_exactly(r
     assert _fds() == before
 
 
+async def _first_ends(rig: Rig, jail_first: bool, first: bytes, then: bytes) -> bytes:
+    """One tunnel: one side sends `first` and ends its side; the other reads to that end, then
+    sends `then` and ends its own, which the first reads whole. Returns `then`."""
+    client, far = await rig.connect()
+    with client, far:
+        ender, other = (client, far) if jail_first else (far, client)
+        ender.sendall(first)
+        ender.shutdown(socket.SHUT_WR)
+        assert await asyncio.to_thread(_read_all, other) == first
+        await asyncio.to_thread(other.sendall, then)
+        other.shutdown(socket.SHUT_WR)
+        assert await asyncio.to_thread(_read_all, ender) == then
+    return then
+
+
 async def test_each_half_close_reaches_the_other_side_while_the_other_way_goes_on(rig: Rig) -> None:
     before = _fds()
     # The jail ends its side first; the far end reads to that end, then answers at length.
-    client, far = await rig.connect()
-    with client, far:
-        client.sendall(b"ping")
-        client.shutdown(socket.SHUT_WR)
-        assert await asyncio.to_thread(_read_all, far) == b"ping"
-        answer = os.urandom(3 << 20)
-        await asyncio.to_thread(far.sendall, answer)
-        far.shutdown(socket.SHUT_WR)
-        assert await asyncio.to_thread(_read_all, client) == answer
+    answer = await _first_ends(rig, jail_first=True, first=b"ping", then=os.urandom(3 << 20))
     flow = await rig.flow()
     assert (flow.bytes_up, flow.bytes_down) == (len(HELLO) + 4, len(answer))
     # The far end ends its side first; the jail reads to that end, then goes on sending.
-    client, far = await rig.connect()
-    with client, far:
-        far.sendall(b"bye")
-        far.shutdown(socket.SHUT_WR)
-        assert await asyncio.to_thread(_read_all, client) == b"bye"
-        more = os.urandom(2 << 20)
-        await asyncio.to_thread(client.sendall, more)
-        client.shutdown(socket.SHUT_WR)
-        assert await asyncio.to_thread(_read_all, far) == more
+    more = await _first_ends(rig, jail_first=False, first=b"bye", then=os.urandom(2 << 20))
     flow = await rig.flow()
     assert (flow.bytes_up, flow.bytes_down) == (len(HELLO) + len(more), 3)
     assert rig.tunnels == [1, 1]
