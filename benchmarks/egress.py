@@ -148,7 +148,7 @@ async def relay(net: FakeNet, reps: int, n: int, n_small: int) -> dict[str, Any]
     proxy = EgressProxy(policy, layers, Resolver([net_dns]), 60.0)
     link = JailLink(0, "bench", "bench", IPv4Address("127.0.0.1"), IPv4Address("127.0.0.1"))
     await proxy.listen(link)
-    port = proxy._jails[0].server.sockets[0].getsockname()[1]
+    port = proxy._jails[0].listener.getsockname()[1]
     got: dict[str, dict[str, list[float]]] = {
         scheme: {"direct": [], "splice": [], "stream": []} for scheme in ("http", "https")
     }

@@ -158,8 +158,7 @@ async def rig(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rig]:
         await real(*args)
 
     monkeypatch.setattr(egresssplice, "tunnel", spied)
-    server = proxy._jails[0].server
-    rig = Rig(proxy, link, server.sockets[0].getsockname()[1], far, scope, finished, ended, tunnels)
+    rig = Rig(proxy, link, proxy._jails[0].listener.getsockname()[1], far, scope, finished, ended, tunnels)
     try:
         yield rig
     finally:

@@ -3,17 +3,16 @@ of the tunnel is answered with the appliance CA's certificate for the host
 (appliance.sandbox.egressca), its one request read, its secret headers set, and sent on
 over a verified TLS connection to the real host.
 
-`TlsStream` speaks TLS over an asyncio stream pair with memory BIOs: the ClientHello the
+`TlsStream` speaks TLS over the jail's side of the flow with memory BIOs: the ClientHello the
 proxy has already read (for its SNI check) is fed in first, so nothing is read twice.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ssl
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import h11
 
@@ -29,13 +28,21 @@ CHUNK = 262144
 TRUST_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
 
 
-class TlsStream:
-    """The server side of TLS over a (reader, writer) pair: read, write, drain, like the
-    asyncio streams the proxy's relay takes."""
+class Side(Protocol):
+    """What TLS is spoken over: the jail's side of a flow (read, write, drain)."""
 
-    def __init__(
-        self, ctx: ssl.SSLContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bytes
-    ) -> None:
+    async def read(self, n: int = -1) -> bytes: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+class TlsStream:
+    """The server side of TLS over the jail's side of a flow: read, write, drain, like the
+    sides the proxy's relay takes."""
+
+    def __init__(self, ctx: ssl.SSLContext, reader: Side, writer: Side, first: bytes) -> None:
         self._in = ssl.MemoryBIO()
         self._out = ssl.MemoryBIO()
         self._tls = ctx.wrap_bio(self._in, self._out, server_side=True)

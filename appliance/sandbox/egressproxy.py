@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import ssl
@@ -76,6 +77,7 @@ HEAD_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = 10.0
 CLOSE_GRACE_S = 5.0  # what is still buffered for a peer at the end has this long to go
+ACCEPT_PAUSE_S = 1.0  # out of descriptors: the listener rests this long before accepting again
 MAX_CONNECTIONS = 64  # one jail's connections through the proxy at once
 MAX_FLOWS = 256  # flows one run's ledger lists; past it they are counted only
 MAX_DENIALS_TOLD = 32  # denials one run is told of as they happen; past it, in `done` only
@@ -116,15 +118,26 @@ class _Sink(Protocol):
     def write_eof(self) -> None: ...
 
 
-class _Upstream:
-    """A forwarded request's far end as the bare socket: its answer is spliced from the
-    socket itself, so no transport is made to read it (and then paused) per flow. Writes go
-    out at once as a transport's do; what the socket does not take waits for `drain`."""
+def _closing(sock: socket.socket, _: object) -> None:
+    sock.close()
+
+
+class _Bare:
+    """One side of a flow as its bare non-blocking socket: the jail's connection, taken from
+    the listener itself, and a forwarded request's far end. No transport, protocol or
+    streams are made (and then paused, for splice) per flow: the relay splices from the
+    sockets themselves. Writes go out at once as a transport's do; what the socket does not
+    take waits for `drain`."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._loop = asyncio.get_running_loop()
         self._held = bytearray()
+
+    @property
+    def pending(self) -> int:
+        """Bytes written that the socket has not taken yet."""
+        return len(self._held)
 
     def write(self, data: bytes) -> None:
         if not self._held:
@@ -211,9 +224,10 @@ class Scope:
 @dataclass
 class _Jail:
     link: JailLink
-    server: asyncio.Server
+    listener: socket.socket
     conns: set[asyncio.Task[None]] = field(default_factory=set)
     scope: Scope | None = None
+    paused: asyncio.TimerHandle | None = None  # accepting again after running out of descriptors
 
 
 class _Refused(Exception):
@@ -286,24 +300,69 @@ class EgressProxy:
         port = self.policy.proxy_port
         if port is None:
             raise RuntimeError("EgressProxy.listen without a proxy port")
-        holder: list[_Jail] = []
-
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await self._serve(holder[0], reader, writer)
-
-        server = await asyncio.start_server(
-            serve, host=str(link.gateway), port=port, backlog=MAX_CONNECTIONS, limit=CHUNK
-        )
-        state = _Jail(link, server)
-        holder.append(state)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((str(link.gateway), port))
+            listener.listen(MAX_CONNECTIONS)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        state = _Jail(link, listener)
+        asyncio.get_running_loop().add_reader(listener.fileno(), self._accept, state)
         self._jails[link.index] = state
+
+    def _accept(self, state: _Jail) -> None:
+        """The listener is readable: each connection waiting, a task of its own. Only the
+        jail's own address is served (anyone else's connection is closed at once)."""
+        loop = asyncio.get_running_loop()
+        for _ in range(MAX_CONNECTIONS):  # a burst at most, then the loop's other work
+            try:
+                sock, peer = state.listener.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as exc:
+                # Out of descriptors or memory: the connections wait in the backlog meanwhile,
+                # rather than the loop spinning on a listener that stays readable.
+                log.warning("the egress proxy cannot accept", extra={"error": exc.strerror})
+                loop.remove_reader(state.listener.fileno())
+                state.paused = loop.call_later(ACCEPT_PAUSE_S, self._resume, state)
+                return
+            if peer[0] != str(state.link.address):
+                sock.close()  # another jail's (or anyone else's) connection to this jail's listener
+                continue
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as asyncio's transports do
+            except OSError:
+                sock.close()
+                continue
+            jail = _Bare(sock)
+
+            async def serve(jail: _Bare = jail) -> None:
+                await self._serve(state, jail)
+
+            task = loop.create_task(serve())
+            state.conns.add(task)
+            # A task cancelled before its first step never runs its own close.
+            task.add_done_callback(functools.partial(_closing, sock))
+
+    def _resume(self, state: _Jail) -> None:
+        state.paused = None
+        if self._jails.get(state.link.index) is state:
+            asyncio.get_running_loop().add_reader(state.listener.fileno(), self._accept, state)
 
     async def unlisten(self, link: JailLink) -> None:
         """Stop listening for the jail and end its connections."""
         state = self._jails.pop(link.index, None)
         if state is None or state.link != link:
             return
-        state.server.close()
+        if state.paused is not None:
+            state.paused.cancel()
+        else:
+            asyncio.get_running_loop().remove_reader(state.listener.fileno())
+        state.listener.close()
         for task in list(state.conns):
             task.cancel()
         for task in list(state.conns):
@@ -329,25 +388,19 @@ class EgressProxy:
             await self.unlisten(state.link)
 
     # -- one connection ---------------------------------------------------------------------
-    async def _serve(self, state: _Jail, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, state: _Jail, jail: _Bare) -> None:
         task = asyncio.current_task()
-        if task is not None:
-            state.conns.add(task)
         try:
-            peer = writer.get_extra_info("peername")
-            if not peer or peer[0] != str(state.link.address):
-                return  # another jail's (or anyone else's) connection to this jail's listener
-            writer.transport.set_write_buffer_limits(high=CHUNK)
             if len(state.conns) > MAX_CONNECTIONS:
-                writer.write(_reply(503, f"more than {MAX_CONNECTIONS} connections at once"))
+                jail.write(_reply(503, f"more than {MAX_CONNECTIONS} connections at once"))
                 return
-            await self._handle(state, reader, writer)
+            await self._handle(state, jail)
         except (OSError, TimeoutError, asyncio.IncompleteReadError, h11.ProtocolError):
             pass
         finally:
             if task is not None:
                 state.conns.discard(task)
-            await self._close(writer)
+            await self._close_bare(jail)
 
     async def _head(self, reader: _Source) -> tuple[h11.Connection, h11.Request] | None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
@@ -368,11 +421,11 @@ class EgressProxy:
                     return conn, event
                 return None
 
-    async def _handle(self, state: _Jail, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, state: _Jail, jail: _Bare) -> None:
         try:
-            got = await self._head(reader)
+            got = await self._head(jail)
         except h11.RemoteProtocolError:
-            writer.write(_reply(400, "not an HTTP/1.1 proxy request (or a head over 16 KiB)"))
+            jail.write(_reply(400, "not an HTTP/1.1 proxy request (or a head over 16 KiB)"))
             return
         if got is None:
             return
@@ -381,20 +434,20 @@ class EgressProxy:
         if request.method == b"CONNECT":
             host, sep, port_text = target.rpartition(":")
             if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-                writer.write(_reply(400, "CONNECT needs host:port"))
+                jail.write(_reply(400, "CONNECT needs host:port"))
                 return
-            await self._tunnel(state, conn, reader, writer, host, int(port_text))
+            await self._tunnel(state, conn, jail, host, int(port_text))
             return
         try:
             url = urllib.parse.urlsplit(target)
             port = url.port or 80
         except ValueError:
-            writer.write(_reply(400, "the request's URI is not valid"))
+            jail.write(_reply(400, "the request's URI is not valid"))
             return
         if url.scheme != "http" or not url.hostname or url.username or url.password:
-            writer.write(_reply(400, "a proxied request needs an absolute http:// URI (use CONNECT for TLS)"))
+            jail.write(_reply(400, "a proxied request needs an absolute http:// URI (use CONNECT for TLS)"))
             return
-        await self._forward(state, conn, request, reader, writer, url, port)
+        await self._forward(state, conn, request, jail, url, port)
 
     async def _decide(self, state: _Jail, host_raw: str, port: int) -> tuple[Flow, IPv4Address | None]:
         """The flow's decision and, when allowed, the checked address to connect to."""
@@ -481,30 +534,23 @@ class EgressProxy:
         up_writer.transport.set_write_buffer_limits(high=CHUNK)
         return up_reader, up_writer
 
-    async def _tunnel(  # noqa: PLR0913 (one connection's parts)
-        self,
-        state: _Jail,
-        conn: h11.Connection,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        host_raw: str,
-        port: int,
+    async def _tunnel(
+        self, state: _Jail, conn: h11.Connection, jail: _Bare, host_raw: str, port: int
     ) -> None:
         flow, address = await self._decide(state, host_raw, port)
         try:
-            sock = await self._reach(state, flow, address, writer)
+            sock = await self._reach(state, flow, address, jail)
             if sock is not None:
-                await self._carry(state, flow, conn, reader, writer, sock)
+                await self._carry(state, flow, conn, jail, sock)
         finally:
             self._finish(state, flow)
 
-    async def _carry(  # noqa: PLR0913 (one connection's parts)
+    async def _carry(
         self,
         state: _Jail,
         flow: Flow,
         conn: h11.Connection,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        jail: _Bare,
         sock: socket.socket,
     ) -> None:
         """An allowed tunnel, its far end connected: the jail answered, its ClientHello
@@ -516,71 +562,52 @@ class EgressProxy:
         try:
             if secret is not None:
                 up = await self._streams(sock)
-                if not await self._secure(state, flow, up[1], writer):
+                if not await self._secure(state, flow, up[1], jail):
                     return
-            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            first = await self._first(flow, conn, reader)
+            jail.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            first = await self._first(flow, conn, jail)
             await self._record(state, flow)
             if first is None:
                 return
-            if secret is not None and up is not None:
-                await self._intercept(flow, secret, reader, writer, up[0], up[1], first)
+            if up is not None:
+                if secret is not None:
+                    await self._intercept(flow, secret, jail, up[0], up[1], first)
                 return
-            if up is None and await self._splice_tunnel(flow, reader, writer, sock, first):
+            if await self._splice_tunnel(flow, jail, sock, first):
                 return
-            if up is None:
-                up = await self._streams(sock)
+            far = _Bare(sock)
             if first:
-                up[1].write(first)
+                far.write(first)
                 flow.bytes_up += len(first)
-            await self._pipe(flow, reader, writer, up[0], up[1])
+                async with asyncio.timeout(self.idle_s):
+                    await far.drain()
+            await self._pipe(flow, jail, far)
         finally:
             if up is not None:
                 await self._close(up[1])
             else:
                 sock.close()
 
-    async def _first(self, flow: Flow, conn: h11.Connection, reader: asyncio.StreamReader) -> bytes | None:
+    async def _first(self, flow: Flow, conn: h11.Connection, jail: _Bare) -> bytes | None:
         """What the jail sent first in its tunnel: to a name, a ClientHello naming the
         CONNECT host (None, the flow denied, otherwise)."""
         first = bytes(conn.trailing_data[0])
         if is_ipv4(flow.host):
             return first
-        return await self._hello(flow, reader, first)
+        return await self._hello(flow, jail, first)
 
-    async def _splice_tunnel(
-        self,
-        flow: Flow,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        up_sock: socket.socket,
-        first: bytes,
-    ) -> bool:
+    async def _splice_tunnel(self, flow: Flow, jail: _Bare, up_sock: socket.socket, first: bytes) -> bool:
         """The rest of a checked tunnel relayed both ways in the kernel
         (appliance.sandbox.egresssplice.tunnel): first what was read of it (the ClientHello,
-        and whatever the jail's stream already holds past it), then the sockets themselves.
-        False, nothing done, where that cannot be (no splice; the jail's transport closing,
-        or still holding bytes for the jail, which must go first)."""
-        sock = writer.get_extra_info("socket")
-        transport = writer.transport
-        if not egresssplice.available() or sock is None or not isinstance(transport, asyncio.Transport):
+        and whatever came with it), then the sockets themselves, once what the jail was
+        answered has gone. False, nothing done, where there is no splice."""
+        if not egresssplice.available():
             return False
-        if transport.is_closing():
-            return False
-        if transport.get_write_buffer_size():
-            return False
-        # From here only splice reads the jail's socket: its transport stops, and what its
-        # stream holds already goes on after `first`, in order. The stream is given its end
-        # so that reading it returns at once (nothing is awaited: the transport cannot read
-        # meanwhile); taking from a stream it had paused resumes the transport: pause again.
-        transport.pause_reading()
-        reader.feed_eof()
-        first += await reader.read()
-        transport.pause_reading()
-        if first:
-            async with asyncio.timeout(self.idle_s):
+        async with asyncio.timeout(self.idle_s):
+            await jail.drain()
+            if first:
                 await asyncio.get_running_loop().sock_sendall(up_sock, first)
-            flow.bytes_up += len(first)
+        flow.bytes_up += len(first)
 
         def up(n: int) -> None:
             flow.bytes_up += n
@@ -588,23 +615,23 @@ class EgressProxy:
         def down(n: int) -> None:
             flow.bytes_down += n
 
-        await egresssplice.tunnel(sock.fileno(), up_sock.fileno(), self.idle_s, up, down)
+        await egresssplice.tunnel(jail.sock.fileno(), up_sock.fileno(), self.idle_s, up, down)
         return True
 
     async def _reach(
-        self, state: _Jail, flow: Flow, address: IPv4Address | None, writer: asyncio.StreamWriter
+        self, state: _Jail, flow: Flow, address: IPv4Address | None, jail: _Bare
     ) -> socket.socket | None:
         """The far end of a decided flow; None, the refusal recorded and answered to the jail,
         when it is denied or cannot be reached."""
         if address is None:
             await self._record(state, flow)
-            writer.write(_reply(403, flow.why or "denied"))
+            jail.write(_reply(403, flow.why or "denied"))
             return None
         try:
             return await self._open(flow, address)
         except _Refused as refused:
             await self._record(state, flow)
-            writer.write(_reply(refused.status, refused.why))
+            jail.write(_reply(refused.status, refused.why))
             return None
 
     async def _close(self, writer: asyncio.StreamWriter) -> None:
@@ -621,14 +648,26 @@ class EgressProxy:
         finally:
             writer.transport.abort()
 
-    async def _hello(self, flow: Flow, reader: asyncio.StreamReader, buf: bytes) -> bytes | None:
+    async def _close_bare(self, side: _Bare) -> None:
+        """Close once what is held for the peer has gone, within a short grace; else drop it
+        (a peer that does not read holds nothing past that)."""
+        try:
+            if side.pending:
+                async with asyncio.timeout(min(self.idle_s, CLOSE_GRACE_S)):
+                    await side.drain()
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            side.sock.close()
+
+    async def _hello(self, flow: Flow, jail: _Bare, buf: bytes) -> bytes | None:
         """The tunnel's ClientHello, once its server name is the CONNECT host; None (and the
         flow denied) otherwise."""
         hello = tlshello.parse(buf)
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 while hello.more and len(buf) < tlshello.MAX_HELLO_BYTES:
-                    data = await reader.read(tlshello.MAX_HELLO_BYTES - len(buf))
+                    data = await jail.read(tlshello.MAX_HELLO_BYTES - len(buf))
                     if not data:
                         break
                     buf += data
@@ -654,8 +693,7 @@ class EgressProxy:
         state: _Jail,
         conn: h11.Connection,
         request: h11.Request,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        jail: _Bare,
         url: urllib.parse.SplitResult,
         port: int,
     ) -> None:
@@ -668,44 +706,35 @@ class EgressProxy:
                 f"{flow.host}:{port} is given secrets by the appliance, sent over TLS only (use https://)"
             )
         try:
-            sock = await self._reach(state, flow, address, writer)
+            sock = await self._reach(state, flow, address, jail)
             if sock is None:
                 return
             await self._record(state, flow)
-            if egresssplice.available():
-                # The answer is spliced from the socket itself: nothing may read it first.
-                up = _Upstream(sock)
-                with sock:
-                    await self._send_request(flow, conn, request, reader, writer, up, url, port)
-                    if not await self._splice_down(flow, sock, writer):
-                        await self._pump(flow, up, writer, down=True, last=[time.monotonic()])
-                return
-            up_reader, up_writer = await self._streams(sock)
-            try:
-                await self._send_request(flow, conn, request, reader, writer, up_writer, url, port)
-                await self._pump(flow, up_reader, writer, down=True, last=[time.monotonic()])
-            finally:
-                await self._close(up_writer)
+            # The answer is spliced from the socket itself: nothing may read it first.
+            far = _Bare(sock)
+            with sock:
+                await self._send_request(flow, conn, request, jail, jail, far, url, port)
+                if not await self._splice_down(flow, sock, jail):
+                    await self._pump(flow, far, jail, down=True, last=[time.monotonic()])
         finally:
             self._finish(state, flow)
 
-    async def _splice_down(self, flow: Flow, up_sock: socket.socket, writer: asyncio.StreamWriter) -> bool:
+    async def _splice_down(self, flow: Flow, up_sock: socket.socket, jail: _Bare) -> bool:
         """The far end's answer relayed to the jail in the kernel (appliance.sandbox.egresssplice),
-        then the jail's side half-closed; False, nothing moved, where that cannot be done (no
-        splice, or bytes still buffered for the jail: they must go first)."""
-        sock = writer.get_extra_info("socket")
-        if not egresssplice.available() or sock is None:
+        once what the jail was answered has gone, then the jail's side half-closed; False,
+        nothing moved, where there is no splice."""
+        if not egresssplice.available():
             return False
-        if writer.transport.get_write_buffer_size():
-            return False
+        if jail.pending:
+            async with asyncio.timeout(self.idle_s):
+                await jail.drain()
 
         def count(n: int) -> None:
             flow.bytes_down += n
 
-        await egresssplice.relay(up_sock.fileno(), sock.fileno(), self.idle_s, count)
-        with contextlib.suppress(OSError, RuntimeError):
-            if writer.can_write_eof():
-                writer.write_eof()
+        await egresssplice.relay(up_sock.fileno(), jail.sock.fileno(), self.idle_s, count)
+        with contextlib.suppress(OSError):
+            jail.write_eof()
         return True
 
     async def _send_request(  # noqa: PLR0913 (one request's parts)
@@ -767,19 +796,12 @@ class EgressProxy:
                     return
                 event = conn.next_event()
 
-    async def _pipe(
-        self,
-        flow: Flow,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        up_reader: asyncio.StreamReader,
-        up_writer: asyncio.StreamWriter,
-    ) -> None:
+    async def _pipe(self, flow: Flow, jail: _Bare, far: _Bare) -> None:
         last = [time.monotonic()]
         with contextlib.suppress(ExceptionGroup):
             async with asyncio.TaskGroup() as group:
-                group.create_task(self._pump(flow, reader, up_writer, down=False, last=last))
-                group.create_task(self._pump(flow, up_reader, writer, down=True, last=last))
+                group.create_task(self._pump(flow, jail, far, down=False, last=last))
+                group.create_task(self._pump(flow, far, jail, down=True, last=last))
 
     async def _pump(
         self,
@@ -823,9 +845,7 @@ class EgressProxy:
         tenant = state.scope.secrets if state.scope is not None else None
         return self.interception.secret_for(flow.host, flow.port, tenant)
 
-    async def _secure(
-        self, state: _Jail, flow: Flow, up_writer: asyncio.StreamWriter, writer: asyncio.StreamWriter
-    ) -> bool:
+    async def _secure(self, state: _Jail, flow: Flow, up_writer: asyncio.StreamWriter, jail: _Bare) -> bool:
         """TLS to the real host, its certificate verified (system trust store or
         SANDBOX_EGRESS_UPSTREAM_CA), before the jail is answered; False (the flow failed, the
         jail told why) when it does not verify: a secret goes only to the host it names."""
@@ -841,7 +861,7 @@ class EgressProxy:
             flow.decision = FAILED
             flow.why = f"TLS to {flow.host}:{flow.port} failed ({detail}); its secrets were not sent"
             await self._record(state, flow)
-            writer.write(_reply(502, flow.why))
+            jail.write(_reply(502, flow.why))
             return False
         return True
 
@@ -849,8 +869,7 @@ class EgressProxy:
         self,
         flow: Flow,
         secret: SecretHeaders,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        jail: _Bare,
         up_reader: asyncio.StreamReader,
         up_writer: asyncio.StreamWriter,
         hello: bytes,
@@ -860,7 +879,7 @@ class EgressProxy:
         reply relayed back. A client that does not trust the CA ends the flow, nothing sent."""
         if self.interception is None:
             return
-        tls = TlsStream(self.interception.ca.context_for(flow.host), reader, writer, hello)
+        tls = TlsStream(self.interception.ca.context_for(flow.host), jail, jail, hello)
         try:
             async with asyncio.timeout(HEAD_TIMEOUT_S):
                 await tls.handshake()
@@ -892,4 +911,4 @@ class EgressProxy:
         await self._pump(flow, up_reader, tls, down=True, last=[time.monotonic()])
         tls.close_notify()
         async with asyncio.timeout(CLOSE_GRACE_S):
-            await writer.drain()
+            await jail.drain()
