@@ -3,6 +3,14 @@ resolvers in `SANDBOX_EGRESS_DNS` asked directly (dnspython). Only A records: eg
 IPv4 only. The addresses are checked and connected to by the proxy itself, never looked
 up a second time, so a name cannot answer one address to the check and another to the
 connection.
+
+A named resolver's answer is kept for the least TTL of its chain (the CNAMEs and the A
+records: what the resolver itself would keep it for), at most CACHE_MAX_S, for at most
+CACHE_NAMES names (the oldest answer goes first). What is kept is the answer, never a
+decision: the proxy checks every address of it against its policy's blocklist at each
+use, so a name that rebinds to a private address is refused as soon as the answer that
+says so is asked for. The host's resolver (getaddrinfo) gives no TTL, so its answers are
+not kept.
 """
 
 from __future__ import annotations
@@ -10,11 +18,12 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from ipaddress import IPv4Address
 
 import dns.asyncresolver
 import dns.exception
+import dns.nameserver
 import dns.resolver
 
 RESOLVE_TIMEOUT_S = 5.0
@@ -28,12 +37,20 @@ class ResolveError(Exception):
 
 
 class Resolver:
-    def __init__(self, servers: Sequence[str] = (), timeout_s: float = RESOLVE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        servers: Sequence[str] = (),
+        timeout_s: float = RESOLVE_TIMEOUT_S,
+        *,
+        port: int = 53,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.timeout_s = timeout_s
+        self._clock = clock  # what the kept answers' TTLs are counted on
         self._dns: dns.asyncresolver.Resolver | None = None
         if servers:
             resolver = dns.asyncresolver.Resolver(configure=False)
-            resolver.nameservers = list(servers)
+            resolver.nameservers = [dns.nameserver.Do53Nameserver(s, port) for s in servers]
             resolver.lifetime = timeout_s
             resolver.timeout = timeout_s / 2
             self._dns = resolver
@@ -47,14 +64,16 @@ class Resolver:
         return found[:MAX_ADDRESSES]
 
     async def _ask_dns(self, name: str) -> list[IPv4Address]:
-        """The named resolvers' answer, kept for its TTL (at most CACHE_MAX_S): what is kept
-        is only ever what was asked; each use checks every address again."""
+        """The named resolvers' answer, kept for its chain's least TTL (at most CACHE_MAX_S):
+        what is kept is only ever what was asked; each use checks every address again."""
         if self._dns is None:
             return []
-        now = time.monotonic()
+        now = self._clock()
         kept = self._cache.get(name)
-        if kept is not None and kept[0] > now:
-            return kept[1]
+        if kept is not None:
+            if kept[0] > now:
+                return kept[1]
+            del self._cache[name]
         try:
             answer = await self._dns.resolve(name, "A", search=False)
         except dns.resolver.NXDOMAIN:
@@ -66,8 +85,10 @@ class Resolver:
         except dns.exception.DNSException as exc:
             raise ResolveError(f"{name} could not be resolved ({type(exc).__name__})") from None
         found = [IPv4Address(r.address) for r in answer]
-        ttl = min(float(answer.rrset.ttl) if answer.rrset is not None else 0.0, CACHE_MAX_S)
-        if ttl > 0:
+        # The chain's least TTL: a CNAME of a short TTL to a name whose A records live
+        # long is asked again when the CNAME expires, not when the A records do.
+        ttl = min(float(answer.chaining_result.minimum_ttl), CACHE_MAX_S)
+        if ttl > 0 and found:
             if len(self._cache) >= CACHE_NAMES:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[name] = (now + ttl, found)
