@@ -48,6 +48,9 @@ log = logging.getLogger("appliance.uids")
 
 LOCKS = "uids"  # under <HOST_LOCK_ROOT>/appliance
 HOST_LOCK_ROOT = Path("/run")  # one place for every server of the host, whatever its SANDBOX_TMP_ROOT
+# The kernel makes a status file whole at its first read; its Uid: line is in the first
+# few hundred bytes, after a name of at most 64 (escaped: 256).
+STATUS_BYTES = 4096
 GIVE_BACK_WAIT_S = 5.0  # the longest a uid's last processes may take to die before it is set aside
 
 
@@ -95,11 +98,18 @@ def _pids() -> list[int]:
 
 
 def _uids_of(pid: int) -> tuple[int, ...] | None:
+    # A raw descriptor and one read: every process's status is read twice a jail (its uid's
+    # take and give-back), and a buffered file object cost a third of each scan.
     try:
-        with open(f"/proc/{pid}/status", "rb") as fh:
-            text = fh.read()
+        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None  # gone meanwhile
+    try:
+        text = os.read(fd, STATUS_BYTES)
+    except OSError:
+        return None  # gone meanwhile (ESRCH)
+    finally:
+        os.close(fd)
     start = text.find(b"\nUid:")
     if start < 0:
         return None
