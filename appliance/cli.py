@@ -55,11 +55,16 @@ def _serve(args: argparse.Namespace) -> int:
     from appliance import settings
     from appliance.api.server import serve
     from appliance.runtime import logs
+    from appliance.runtime.children import watch_children_by_pidfd
+
+    async def main(config: settings.Settings) -> None:
+        watch_children_by_pidfd()  # before the first jail starts: no thread per child process
+        await serve(config, args.host, args.port, args.ready_file)
 
     logs.configure()
     try:
         config = settings.from_env()
-        asyncio.run(serve(config, args.host, args.port, args.ready_file))
+        asyncio.run(main(config))
     except (SettingsError, StartupError) as exc:
         print(f"appliance: cannot start: {exc.message}", file=sys.stderr)
         return 2
