@@ -1,0 +1,89 @@
+"""The egress proxy's connection to a far end (appliance.sandbox.egressproxy._connect): one the
+kernel settles within the connect call (a refusal on loopback) costs no wait, one still
+going on is waited for within CONNECT_TIMEOUT_S; either failure is the jail's 502 and the
+ledger's `failed`, nothing relayed.
+
+The proxy runs in the test's loop on loopback; the far end is 127.0.0.2 (allowed by the
+policy's address rules on purpose), addressed by IP literal."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from ipaddress import IPv4Address, IPv4Network
+
+import pytest
+
+from appliance.core.egress import Flow, Layers
+from appliance.sandbox import egressproxy
+from appliance.sandbox.egressproxy import EgressProxy, Scope
+from appliance.sandbox.egressresolve import Resolver
+from appliance.sandbox.network import EgressPolicy, JailLink
+
+FAR = "127.0.0.2"
+WAIT_S = 10.0  # a bound on the test's reads, never a synchronisation
+
+
+@asynccontextmanager
+async def _proxy(port: int) -> AsyncIterator[tuple[int, list[Flow]]]:
+    """A proxy allowing FAR:port by the address rules: (its port, the finished flows)."""
+    policy = EgressPolicy(
+        ports=(port,),
+        allow_nets=(IPv4Network(f"{FAR}/32"),),
+        dns=(),
+        subnet=IPv4Network("10.226.0.0/24"),
+        host_addresses=(),
+        proxy_port=0,
+    )
+    finished: list[Flow] = []
+    on_flow: Callable[[Flow, Scope | None], None] = lambda flow, _: finished.append(flow)  # noqa: E731
+    proxy = EgressProxy(policy, Layers(()), Resolver(), 5.0, on_flow=on_flow)
+    link = JailLink(0, "test", "test", IPv4Address("127.0.0.1"), IPv4Address("127.0.0.1"))
+    await proxy.listen(link)
+    proxy.begin(link, Scope(Layers(()), "test"))
+    try:
+        yield proxy._jails[0].listener.getsockname()[1], finished
+    finally:
+        await proxy.close()
+
+
+async def _get(proxy_port: int, port: int) -> bytes:
+    async with asyncio.timeout(WAIT_S):
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy_port)
+        writer.write(f"GET http://{FAR}:{port}/ HTTP/1.1\r\nHost: {FAR}:{port}\r\n\r\n".encode())
+        await writer.drain()
+        data = await reader.read()
+        writer.close()
+        return data
+
+
+async def test_a_far_end_that_refuses_is_a_502_and_a_failed_flow() -> None:
+    # Bound but not listening: the far end answers a SYN with a reset, inside the connect call.
+    closed = socket.socket()
+    closed.bind((FAR, 0))
+    port = closed.getsockname()[1]
+    with closed:
+        async with _proxy(port) as (proxy_port, finished):
+            got = await _get(proxy_port, port)
+    assert got.startswith(b"HTTP/1.1 502 "), got
+    assert f"{FAR}:{port} could not be reached (Connection refused)".encode() in got
+    assert [(f.decision, f.bytes_down) for f in finished] == [("failed", 0)]
+
+
+async def test_a_far_end_that_does_not_answer_in_time_is_a_502(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listener whose accept queue is full drops the proxy's SYN: the connect goes on in
+    the kernel, and the proxy's wait for it ends at CONNECT_TIMEOUT_S."""
+    monkeypatch.setattr(egressproxy, "CONNECT_TIMEOUT_S", 0.3)
+    full = socket.socket()
+    full.bind((FAR, 0))
+    full.listen(0)
+    port = full.getsockname()[1]
+    first = socket.create_connection((FAR, port))  # fills the queue of one, never accepted
+    with full, first:
+        async with _proxy(port) as (proxy_port, finished):
+            got = await _get(proxy_port, port)
+    assert got.startswith(b"HTTP/1.1 502 "), got
+    assert b"could not be reached (TimeoutError)" in got
+    assert [f.decision for f in finished] == ["failed"]
