@@ -423,6 +423,42 @@ async def test_a_reader_gets_every_frame_once_whether_it_comes_before_during_or_
         await store.close()
 
 
+async def test_a_done_goes_out_before_the_store_files_its_run_and_is_found_meanwhile() -> None:
+    """The store's bookkeeping of a finished run (filing it, letting older runs go) waits
+    until its `done` is sent; while a slow client takes the done, the run is found, done,
+    and not expired; a done whose client is gone mid-send is filed all the same."""
+    store = RunStore(Bounds(keep_s=60, run_bytes=10**6, tenant_runs=1, tenant_bytes=10**7), FakeMetrics())
+    await store.open()
+    try:
+        first = store.start(FakeService(lines=0), Req("first"), "me", None)  # type: ignore[arg-type]
+        assert first.task is not None
+        await first.task
+        assert first.run is not None and store.find(first.run, "me") is first
+        taking, release = asyncio.Event(), asyncio.Event()
+        seen: list[str] = []
+
+        async def slow(text: str) -> None:
+            frame = json.loads(text)
+            if frame["type"] == "done":
+                seen.append("filed" if log in store._finished else "not filed")
+                taking.set()
+                await release.wait()
+                raise Cancelled("the client went as its done was sent")
+
+        log = store.start(FakeService(lines=0), Req("second"), "me", slow)  # type: ignore[arg-type]
+        await taking.wait()
+        assert seen == ["not filed"], "the done went out before the store filed its run"
+        assert log.run is not None and store.find(log.run, "me") is log and log.done
+        assert store.find(first.run, "me") is first, "nothing was let go before the done went out"
+        release.set()
+        assert log.task is not None
+        await log.task
+        assert log in store._finished and store.find(log.run, "me") is log
+        assert store.find(first.run, "me") is None, "filed: the tenant keeps one finished run"
+    finally:
+        await store.close()
+
+
 async def test_a_queued_run_nobody_follows_is_cancelled_a_started_one_goes_on() -> None:
     store = RunStore(Bounds(keep_s=60, run_bytes=10**6, tenant_runs=5, tenant_bytes=10**7), FakeMetrics())
     await store.open()

@@ -124,18 +124,26 @@ class RunLog:
         if isinstance(event, Started):
             self.store._started(self, event.run)
         self._keep(seq, text)
-        if isinstance(event, Done):
+        ended = isinstance(event, Done)
+        if ended:
             self.done_seq = seq
-            self.store._ended(self)
+            self.ended_at = self.store.clock()
         changed = self._changed
         if changed is not None:
             self._changed = None
             changed.set()
-        for sink in tuple(self._sinks):
-            try:
-                await sink(text)
-            except Cancelled:
-                self.detach(sink)
+        try:
+            for sink in tuple(self._sinks):
+                try:
+                    await sink(text)
+                except Cancelled:
+                    self.detach(sink)
+        finally:
+            # The store files the finished run (and lets older ones go) once its `done` is
+            # sent: that bookkeeping is not the client's to wait for. The log reads as done,
+            # and is found, from the line above.
+            if ended:
+                self.store._ended(self)
 
     def _keep(self, seq: int, text: str) -> None:
         frames = self.frames
@@ -294,7 +302,6 @@ class RunStore:
         if log.run is None:  # it never started: nothing can attach to it
             self._forget(log)
             return
-        log.ended_at = self.clock()
         if self.bounds.keep_s <= 0:
             self._evict(log, "expired")
             return
