@@ -108,6 +108,8 @@ class PoolLeases(LeaseSource):
         self.pools = pools
         self._owner = owner  # the teardown tasks' owner
         self._teardowns: set[asyncio.Task[None]] = set()
+        self._doomed: list[Jail] = []  # ended, their teardown not started yet
+        self._soon: asyncio.Handle | None = None
 
     def lease(self, req: RunRequest) -> contextlib.AbstractAsyncContextManager[Lease]:
         profile = self.pools.profile_for(req.code)
@@ -116,18 +118,34 @@ class PoolLeases(LeaseSource):
     def teardown(self, jail: Jail) -> None:
         """Kill, reap and remove a one-shot run's jail in a task of its own.
 
-        Its first step SIGKILLs the jail. It runs once the run's task yields, which is after
-        that task has written its `done` (a send waits only for a client that stopped
-        reading), so the kill falls just after `done` instead of just before it, where waking
-        the sleeping jail and waiting for its teardown would add both to every warm round trip
-        (benchmarks/results/micro-opts.md). Nothing of the run is left to observe the order:
-        its final disk check, outputs and counters were taken already (while its processes
-        lived, as a forged `done` event allows anyway), and its limits hold until the kill.
+        The task is made at the loop's next turn and its first step SIGKILLs the jail: both
+        come once the run's task yields, which is after that task has written its `done` (a
+        send waits only for a client that stopped reading). So neither making the task nor
+        the kill is on the run's path: the kill falls just after `done` instead of just
+        before it, where waking the sleeping jail and waiting for its teardown would add both
+        to every warm round trip (benchmarks/results/micro-opts.md). Nothing of the run is
+        left to observe the order: its final disk check, outputs and counters were taken
+        already (while its processes lived, as a forged `done` event allows anyway), and its
+        limits hold until the kill.
         """
-        task = self._owner.spawn(jail.destroy(), name="jail-teardown")
-        self._teardowns.add(task)
-        task.add_done_callback(self._teardowns.discard)
+        self._doomed.append(jail)
+        if self._soon is None:
+            self._soon = asyncio.get_running_loop().call_soon(self._start_teardowns)
+
+    def _start_teardowns(self) -> None:
+        self._soon = None
+        if not self._owner.running:  # closing: `close` destroys them
+            return
+        doomed, self._doomed = self._doomed, []
+        for jail in doomed:
+            task = self._owner.spawn(jail.destroy(), name="jail-teardown")
+            self._teardowns.add(task)
+            task.add_done_callback(self._teardowns.discard)
 
     async def close(self) -> None:
-        await asyncio.gather(*self._teardowns, return_exceptions=True)
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+        doomed, self._doomed = self._doomed, []
+        await asyncio.gather(*self._teardowns, *(jail.destroy() for jail in doomed), return_exceptions=True)
         await self.pools.close()
