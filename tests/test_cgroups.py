@@ -304,6 +304,22 @@ def test_cgroup_memory_sees_tmpfs_files_that_proc_cannot(tree: cgroups.Hierarchy
         g.remove()
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "shmem 4096\nswap 0\ntotal_shmem 8192\ntotal_swap 4096\ntotal_rss 99\n",
+        "total_shmem 1\nshmem 2",  # no newline at the end
+        "file_shmem 5\nshmem_thp 6\nshmem 7\n",  # keys that end or start like another
+        "shmem\nshmem x\nshmem 1 2\nshmem -3\n",  # lines parse_keyed skips
+        "",
+        "\n\nshmem 9\n\n",
+    ],
+)
+def test_one_key_read_in_place_is_what_parsing_every_line_gives(text: str) -> None:
+    for key in ("shmem", "total_shmem", "total_swap", "swap", "file_shmem", "shmem_thp"):
+        assert cgroups.keyed_value(text, key) == cgroups.parse_keyed(text).get(key), (text, key)
+
+
 def test_shmem_is_read_high_and_not_at_all_where_swap_goes_uncounted() -> None:
     v1 = "shmem 4096\nswap 0\ntotal_shmem 8192\ntotal_swap 4096\ntotal_rss 99\n"
     assert cgroups.shmem_of_stat(1, v1, None) == 8192 + 4096  # the hierarchy's, swap included

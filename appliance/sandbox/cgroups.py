@@ -195,6 +195,20 @@ def parse_keyed(text: str) -> dict[str, int]:
     return out
 
 
+def keyed_value(text: str, key: str) -> int | None:
+    """`parse_keyed(text).get(key)` without parsing the other lines."""
+    needle, value = key + " ", None
+    at = text.find(needle)
+    while at >= 0:
+        end = text.find("\n", at)
+        if at == 0 or text[at - 1] == "\n":  # a whole key at a line's start
+            parts = text[at : end if end >= 0 else len(text)].split()
+            if len(parts) == 2 and parts[1].lstrip("-").isdigit():
+                value = int(parts[1])
+        at = text.find(needle, end) if end >= 0 else -1
+    return value
+
+
 def counters_v1(read: Callable[[str, str], str]) -> Counters:
     """Counters from v1 files; read(controller, file) returns the file's text."""
     return Counters(
@@ -236,11 +250,11 @@ def shmem_of_stat(version: int, stat: str, swap: str | None) -> int | None:
     """Bytes of shmem (tmpfs, memfds, /dev/shm) a group holds, in memory or in swap, from its
     memory.stat (and v2's memory.swap.current), counted high: swapped anonymous pages too.
     None where the files cannot say (no swap accounting: a swapped page would go uncounted)."""
-    k = parse_keyed(stat)
+    # Two keys of forty lines, looked up where they stand: a cell's end reads this.
     if version == 1:
-        shmem, swapped = k.get("total_shmem"), k.get("total_swap")
+        shmem, swapped = keyed_value(stat, "total_shmem"), keyed_value(stat, "total_swap")
     else:
-        shmem = k.get("shmem")
+        shmem = keyed_value(stat, "shmem")
         swapped = int(swap) if swap is not None and swap.strip().isdigit() else None
     if shmem is None or swapped is None:
         return None
