@@ -95,7 +95,8 @@ STEPS = {
     "_first": "hello_checked",
     "_splice_tunnel": "relayed",
     "_splice_down": "relayed",
-    "_close": "closed",
+    "_close": "closed",  # an older proxy's (asyncio streams), for an A/B
+    "_close_bare": "closed",
 }
 
 
@@ -151,7 +152,8 @@ def instrument(proxy: EgressProxy, marks: Marks) -> Callable[[], None]:  # noqa:
     proxy._serve = serve_marked  # type: ignore[method-assign,assignment]
     undo.append(lambda: delattr(proxy, "_serve"))
     for name, end in STEPS.items():
-        wrap_method(name, end)
+        if hasattr(proxy, name):
+            wrap_method(name, end)
 
     relay, tunnel = egresssplice.relay, egresssplice.tunnel
 
