@@ -14,7 +14,7 @@ import pytest
 
 from appliance.sandbox import cgroups, instance
 from appliance.sandbox.cgroups import GroupLimits, Write, changes, render_v1, render_v2
-from appliance.sandbox.firejail import JOIN_FAILED, join_argv
+from appliance.sandbox.firejail import JAIL_OOM_SCORE_ADJ, JOIN_FAILED, join_argv, oom_join_argv
 from tests.support import descriptors_on
 
 # Needs root, firejail or a real server: never in the fast tier (tests/tiers.py).
@@ -241,6 +241,35 @@ def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None
         foreign.close()
         if sleeper.poll() is None:
             sleeper.kill()
+
+
+def test_the_oom_score_and_the_join_in_one_shell_fail_closed_and_place_what_follows(
+    tree: cgroups.Hierarchy, tmp_path: Path
+) -> None:
+    """`oom_join_argv` (every jail root starts with a cgroup): one shell writes the OOM score,
+    joins every controller's group and execs what follows; a failed join runs nothing."""
+    g = tree.group(f"t-{uuid.uuid4().hex[:8]}", L)
+    marker = tmp_path / "ran"
+    try:
+        procs = g.procs_files()
+        missing = procs[-1].parent / "gone" / "cgroup.procs"
+        argv = oom_join_argv([*procs[:-1], missing])
+        p = subprocess.run([*argv, "sh", "-c", f"touch {marker}; echo ran"], capture_output=True, timeout=30)
+        assert p.returncode == JOIN_FAILED and b"ran" not in p.stdout and not marker.exists()
+        assert argv.count("sh") == 2  # `sh -c SCRIPT sh ...`: one shell, its $0
+        look = "cat /proc/self/oom_score_adj; cat /proc/self/cgroup"
+        p = subprocess.run([*oom_join_argv(procs), "sh", "-c", look], capture_output=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        adj, *lines = p.stdout.decode().splitlines()
+        assert int(adj) == JAIL_OOM_SCORE_ADJ
+        placed = {}  # controller ("" on v2) -> the path /proc/self/cgroup gives for it
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            for c in controllers.split(","):
+                placed[c] = path
+        assert all(placed[c].endswith(f"/{g.name}") for c in g.paths), (placed, list(g.paths))
+    finally:
+        g.remove()
 
 
 def test_a_failing_join_stops_the_launcher_before_anything_runs(

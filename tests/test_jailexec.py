@@ -39,6 +39,9 @@ def test_the_join_runs_as_the_jail_in_its_cgroup_with_its_limits_and_only_its_en
     text = " ".join(argv)
     # Outermost first: the OOM score, the cgroup join, the accounts, the uid, the rlimits.
     assert text.index("oom_score_adj") < text.index("/cg/pids/j/commands/cgroup.procs")
+    # One shell writes the OOM score and joins the group (`oom_join_argv`): no second shell.
+    assert argv[:2] == ["sh", "-c"] and "oom_score_adj" in argv[2]
+    assert argv[3:6] == ["sh", "1", "/cg/pids/j/commands/cgroup.procs"]
     assert text.index("cgroup.procs") < text.index("/run/a/passwd") < text.index("--reuid=1005")
     assert text.index("--reuid=1005") < text.index("prlimit") < text.index("--join=4242")
     assert "--nproc=64" in argv and "--nofile=1024" in argv and f"--as={512 << 20}" in argv

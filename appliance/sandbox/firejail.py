@@ -229,7 +229,8 @@ _JOIN = (
 # jailed code cannot lower it; the server lowers its own (`lower_own_oom_score`).
 JAIL_OOM_SCORE_ADJ = 1000
 SERVER_OOM_SCORE_ADJ = -900
-_OOM = f'printf {JAIL_OOM_SCORE_ADJ} > /proc/self/oom_score_adj || exit 126; exec "$@"'
+_OOM_WRITE = f"printf {JAIL_OOM_SCORE_ADJ} > /proc/self/oom_score_adj || exit 126; "
+_OOM = _OOM_WRITE + 'exec "$@"'
 
 
 def oom_argv() -> list[str]:
@@ -259,3 +260,11 @@ def join_argv(procs: Sequence[Path]) -> list[str]:
     page the server writes takes a copy-on-write fault (250-650 per warm run here).
     """
     return ["sh", "-c", _JOIN, "sh", str(len(procs)), *(str(p) for p in procs)]
+
+
+def oom_join_argv(procs: Sequence[Path]) -> list[str]:
+    """`oom_argv` then `join_argv` in one shell: the OOM score written first, then each
+    cgroup.procs, then the exec of what follows; a failed write runs nothing (exit
+    JOIN_FAILED). Root starts every jail (and every command joining one) with both: one
+    shell's exec (about 0.8 ms of CPU) less per jail than the two prefixes chained."""
+    return ["sh", "-c", _OOM_WRITE + _JOIN, "sh", str(len(procs)), *(str(p) for p in procs)]

@@ -38,6 +38,7 @@ from appliance.sandbox.firejail import (
     join_argv,
     launcher_env,
     oom_argv,
+    oom_join_argv,
     render_argv,
 )
 from appliance.sandbox.host import HostFacts
@@ -704,9 +705,13 @@ class JailFactory:
             prefix = drop_argv(uid, gid)
         if table is not None:
             prefix = binds_argv(table, prefix)
-        if group is not None:
+        # Root: the jail is the OOM killer's first choice (with a cgroup, in the join's shell).
+        as_root = self.host.run_as_uid is not None
+        if group is not None and as_root:
+            prefix = oom_join_argv(group.procs_files()) + prefix
+        elif group is not None:
             prefix = join_argv(group.procs_files()) + prefix
-        if self.host.run_as_uid is not None:  # root: the jail is the OOM killer's first choice
+        elif as_root:
             prefix = oom_argv() + prefix
         return prefix
 

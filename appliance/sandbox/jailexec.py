@@ -52,7 +52,7 @@ from typing import Protocol
 from appliance.core.tasks import TaskScope, cancel_and_wait, within
 from appliance.sandbox import proctree, signals
 from appliance.sandbox.control import ControlPipe
-from appliance.sandbox.firejail import MIB, accounts_argv, drop_argv, join_argv, launcher_env, oom_argv
+from appliance.sandbox.firejail import MIB, accounts_argv, drop_argv, launcher_env, oom_join_argv
 from appliance.sandbox.spec import JailLimits
 
 READ_CHUNK = 65536
@@ -118,7 +118,7 @@ def command_argv(  # noqa: PLR0913 (the jail's facts and the command's, all pure
         prefix = drop_argv(spec.uid, spec.gid) + prefix
         if spec.accounts is not None:
             prefix = accounts_argv(*spec.accounts, spec.workdir, prefix)
-        prefix = oom_argv() + join_argv(procs) + prefix
+        prefix = oom_join_argv(procs) + prefix
     return prefix + join
 
 
