@@ -1,4 +1,5 @@
-"""The egress proxy's connection to a far end (appliance.sandbox.egressproxy._connect): one the
+"""The egress proxy's connections: a jail's, taken from the listener (one out of descriptors
+rests rather than spins), and the one to a far end (appliance.sandbox.egressproxy._connect): one the
 kernel settles within the connect call (a refusal on loopback) costs no wait, one still
 going on is waited for within CONNECT_TIMEOUT_S; either failure is the jail's 502 and the
 ledger's `failed`, nothing relayed.
@@ -9,10 +10,14 @@ policy's address rules on purpose), addressed by IP literal."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from ipaddress import IPv4Address, IPv4Network
+from typing import cast
 
 import pytest
 
@@ -27,8 +32,8 @@ WAIT_S = 10.0  # a bound on the test's reads, never a synchronisation
 
 
 @asynccontextmanager
-async def _proxy(port: int) -> AsyncIterator[tuple[int, list[Flow]]]:
-    """A proxy allowing FAR:port by the address rules: (its port, the finished flows)."""
+async def _proxy(port: int) -> AsyncIterator[tuple[int, list[Flow], EgressProxy]]:
+    """A proxy allowing FAR:port by the address rules: (its port, the finished flows, it)."""
     policy = EgressPolicy(
         ports=(port,),
         allow_nets=(IPv4Network(f"{FAR}/32"),),
@@ -44,7 +49,7 @@ async def _proxy(port: int) -> AsyncIterator[tuple[int, list[Flow]]]:
     await proxy.listen(link)
     proxy.begin(link, Scope(Layers(()), "test"))
     try:
-        yield proxy._jails[0].listener.getsockname()[1], finished
+        yield proxy._jails[0].listener.getsockname()[1], finished, proxy
     finally:
         await proxy.close()
 
@@ -65,7 +70,7 @@ async def test_a_far_end_that_refuses_is_a_502_and_a_failed_flow() -> None:
     closed.bind((FAR, 0))
     port = closed.getsockname()[1]
     with closed:
-        async with _proxy(port) as (proxy_port, finished):
+        async with _proxy(port) as (proxy_port, finished, _):
             got = await _get(proxy_port, port)
     assert got.startswith(b"HTTP/1.1 502 "), got
     assert f"{FAR}:{port} could not be reached (Connection refused)".encode() in got
@@ -82,8 +87,71 @@ async def test_a_far_end_that_does_not_answer_in_time_is_a_502(monkeypatch: pyte
     port = full.getsockname()[1]
     first = socket.create_connection((FAR, port))  # fills the queue of one, never accepted
     with full, first:
-        async with _proxy(port) as (proxy_port, finished):
+        async with _proxy(port) as (proxy_port, finished, _):
             got = await _get(proxy_port, port)
     assert got.startswith(b"HTTP/1.1 502 "), got
     assert b"could not be reached (TimeoutError)" in got
     assert [f.decision for f in finished] == ["failed"]
+
+
+class _OutOfDescriptors:
+    """The proxy's listener, whose accept fails with EMFILE while `failing` (as a process out
+    of descriptors sees), counting the calls."""
+
+    def __init__(self, real: socket.socket) -> None:
+        self.real = real
+        self.failing = True
+        self.failed = 0
+        self.first_failure = asyncio.Event()
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def getsockname(self) -> tuple[str, int]:
+        name: tuple[str, int] = self.real.getsockname()
+        return name
+
+    def accept(self) -> tuple[socket.socket, tuple[str, int]]:
+        if self.failing:
+            self.failed += 1
+            self.first_failure.set()
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return self.real.accept()
+
+    def close(self) -> None:
+        self.real.close()
+
+
+async def test_a_listener_out_of_descriptors_rests_instead_of_spinning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of descriptors, the listener stays readable: the proxy stops watching it for
+    ACCEPT_PAUSE_S (one failed accept, not one per turn of the loop), and the connection
+    that waited in the backlog is served once it is watched again."""
+    monkeypatch.setattr(egressproxy, "ACCEPT_PAUSE_S", 0.2)
+    far = await asyncio.start_server(_answer_ok, FAR, 0)
+    port = far.sockets[0].getsockname()[1]
+    try:
+        async with _proxy(port) as (proxy_port, finished, proxy):
+            state = proxy._jails[0]
+            listener = _OutOfDescriptors(state.listener)
+            state.listener = cast(socket.socket, listener)
+            got = asyncio.ensure_future(_get(proxy_port, port))
+            async with asyncio.timeout(WAIT_S):
+                await listener.first_failure.wait()
+            for _ in range(20):  # turns of the loop (no time passes): a watched listener would fail each
+                await asyncio.sleep(0)
+            listener.failing = False  # descriptors again; the listener is watched after its rest
+            assert (await got).endswith(b"ok")
+            assert listener.failed == 1
+            assert [f.decision for f in finished] == ["allowed"]
+    finally:
+        far.close()
+
+
+async def _answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError, asyncio.IncompleteReadError):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+        await writer.drain()
+    writer.close()
