@@ -54,9 +54,15 @@ class FrameParser:
     async def parse(self, data: str | bytes, owner: str) -> ClientMessage:
         """The frame's message; ProtocolError (rejected) or Busy (over the rate) otherwise."""
         limits = self._limits
-        with self._charged(owner):
-            if len(data) <= OFF_LOOP_BYTES:
+        # A refused frame costs its tenant a rate token (`_charged`); a run's small frame,
+        # nearly every one, is judged here without a context manager's calls on its path.
+        if len(data) <= OFF_LOOP_BYTES:
+            try:
                 return protocol.parse_client_frame(data, limits)  # its size checked there
+            except ProtocolError:
+                self._service.charge_rejected(owner)
+                raise
+        with self._charged(owner):
             protocol.check_size(data, limits)
             async with self._big_one(data, owner, "frame"):
                 return await self.worker.parse(data, limits)
