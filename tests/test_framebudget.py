@@ -10,6 +10,7 @@ import struct
 import pytest
 
 from appliance.api.framebudget import Closing, Fed, FrameBudget, FrameMeter, Refusal
+from appliance.api.wsmeter import MeteredReader
 from appliance.settings import from_env
 
 LIMIT = 1000
@@ -200,9 +201,113 @@ def test_a_whole_frame_in_one_read_gets_the_same_answer_as_from_the_general_path
         assert states[0] == states[1]
 
 
+class Inner:
+    """What aiohttp's WebSocket reader would be given, in order."""
+
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+
+    def feed_data(self, data: bytes) -> tuple[bool, bytes]:
+        self.got.append(data)
+        return False, b""
+
+    def feed_eof(self) -> None:
+        self.got.append(b"<eof>")
+
+
+class Told:
+    def __init__(self) -> None:
+        self.said: list[object] = []
+
+    def refused(self, refusal: Refusal) -> None:
+        self.said.append(refusal)
+
+    def closed(self, closing: Closing) -> None:
+        self.said.append(closing)
+
+    def gone(self, freed: int) -> None:
+        self.said.append(("gone", freed))
+
+
+class Wire:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.shut = False
+
+    def write(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def close(self) -> None:
+        self.shut = True
+
+
+def reads_of(rng: random.Random) -> list[bytes]:
+    """Random client bytes as reads: whole frames, fragments, control frames, over-limit
+    headers, some cut in two."""
+    makers = [
+        lambda: frame(1, rng.randbytes(rng.choice([0, 5, 125, 126, 300, LIMIT, LIMIT + 1]))),
+        lambda: frame(1, rng.randbytes(rng.randrange(60))),  # a run's frame
+        lambda: frame(2, rng.randbytes(rng.randrange(60))),
+        lambda: frame(1, b"x" * 20, fin=False) + frame(0, b"y" * 20),
+        lambda: frame(9, b"ping"),
+    ]
+    reads: list[bytes] = []
+    for _ in range(30):
+        data = rng.choice(makers)()
+        cut = rng.randrange(len(data) + 1) if rng.randrange(2) else len(data)
+        reads += [part for part in (data[:cut], data[cut:]) if part]
+    if rng.randrange(2):  # and a header far over the limit: the meter closes the connection
+        reads.insert(rng.randrange(len(reads) // 2, len(reads)), frame(1, b"", announced=3 * LIMIT))
+    return reads
+
+
+@pytest.mark.parametrize("seed", range(20))
+async def test_the_reader_hands_on_a_whole_frame_as_the_metered_path_would(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`MeteredReader.feed_data`'s shortcut for one whole frame (straight to the reader)
+    against the path through `FrameMeter.feed`, over random reads: the reader gets the same
+    bytes, the same refusals and closes are told, the meters end in the same state."""
+    rng = random.Random(seed)  # noqa: S311 (reproducible streams, not secrets)
+    reads = reads_of(rng)
+    total = rng.choice([10 * LIMIT, LIMIT + 50, 400])
+    shortcuts: list[bool] = []
+    short, metered = meter(total=total), meter(total=total)
+    take = short.take_whole
+
+    def counted(data: bytes) -> bool:
+        taken = take(data)
+        shortcuts.append(taken)
+        return taken
+
+    monkeypatch.setattr(short, "take_whole", counted)
+    monkeypatch.setattr(metered, "take_whole", lambda data: False)
+    sides = [(m, Inner(), Told(), Wire()) for m in (short, metered)]
+    readers = [MeteredReader(inner, m, wire, 30.0, told) for m, inner, told, wire in sides]  # type: ignore[arg-type]
+    for data in reads:
+        answers = [reader.feed_data(data) for reader in readers]
+        assert answers[0] == answers[1]
+        if rng.random() < 0.7:  # the handler takes what it was given, now or later
+            while short.taken or metered.taken:
+                short.handled()
+                metered.handled()
+        (m1, i1, t1, w1), (m2, i2, t2, w2) = sides
+        assert b"".join(i1.got) == b"".join(i2.got) and t1.said == t2.said and w1.sent == w2.sent
+        assert (list(m1.taken), m1.held, m1.unfinished, m1.closed) == (
+            list(m2.taken),
+            m2.held,
+            m2.unfinished,
+            m2.closed,
+        )
+    for reader in readers:
+        reader.release()
+    assert any(shortcuts), "the shortcut was taken (else both sides took the same path)"
+
+
 def test_the_whole_frame_path_takes_a_runs_frame() -> None:
     # Else the test above compares the general path with itself.
     m = meter()
     payload = b'{"type": "execute", "code": "print(2+2)"}'
     assert m._whole(frame(1, payload)) is not None and list(m.taken) == [len(payload)]
     assert m._whole(frame(1, b"x", fin=False)) is None and m._whole(frame(9, b"p")) is None
+    assert m.take_whole(frame(1, payload)) and list(m.taken) == [len(payload)] * 2

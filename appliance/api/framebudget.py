@@ -191,20 +191,25 @@ class FrameMeter:
         run's frame nearly always is): kept and handed on, as the general path would. None
         for anything else, which the general path judges. tests/test_framebudget.py holds
         the two to the same answers."""
+        return Fed(pieces=[data]) if self.take_whole(data) else None
+
+    def take_whole(self, data: bytes) -> bool:
+        """Whether data is such a whole frame (`_whole`), kept: then all of it goes on to the
+        reader as it is, and nothing else is to be done."""
         if self._header or self._in_payload or self._in_message or self.closed or len(data) < 6:
-            return None
+            return False
         second = data[1]
         flag = second & 0x7F
         if flag == 127:
-            return None
+            return False
         size, header = (int.from_bytes(data[2:4], "big"), 8) if flag == 126 else (flag, 6)
         # FIN and a data opcode (RSV bits are the reader's to refuse), a mask, one frame exactly.
         if data[0] & 0x8F not in (0x81, 0x82) or not second & 0x80 or len(data) != header + size:
-            return None
+            return False
         if size > self.limit or self._reserve(size) is not None:
-            return None  # refused: the general path says why
+            return False  # refused: the general path says why
         self.taken.append(size)
-        return Fed(pieces=[data])
+        return True
 
     def _judge(self, header: bytes) -> Closing | None:  # noqa: C901 (one verdict per RFC 6455 header rule, in the order they apply)
         opcode, fin = header[0] & 0x0F, bool(header[0] & 0x80)

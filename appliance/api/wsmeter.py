@@ -77,6 +77,9 @@ class MeteredReader:
         self._timer_for: float | None = None
 
     def feed_data(self, data: bytes) -> tuple[bool, bytes]:
+        if self._timer is None and self.meter.take_whole(data):
+            handed: tuple[bool, bytes] = self.inner.feed_data(data)  # one whole frame, kept
+            return handed
         fed = self.meter.feed(data)
         if fed.closing is not None:
             self._close(fed.closing)
