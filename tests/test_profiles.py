@@ -7,11 +7,12 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from typing import Unpack
+from typing import Unpack, cast
 
 import pytest
 
 from appliance.core.errors import SettingsError
+from appliance.sandbox.pool import JailPool, ProfilePools
 from appliance.sandbox.profiles import SCAN_CHARS, Profile, choose, imports_of
 from appliance.settings import from_env
 from appliance_client.client import AsyncClient, Execution, RequestOptions
@@ -176,3 +177,22 @@ async def test_each_profiles_pool_refills_on_its_own(profiled: Server) -> None:
     assert min(seen_bare) >= min(full["bare"]["ready"], full["bare"]["target"]), (
         "the bare pool was drawn on for a numpy run"
     )
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "print(2+2)",
+        "import numpy\nnumpy.zeros(3)",
+        "import json",
+        "x = 1  # no import",
+        "#" * (SCAN_CHARS + 1),
+    ],
+)
+def test_the_pools_give_a_run_the_profile_choose_names_and_count_it(code: str) -> None:
+    profiles = (Profile("bare", ()), Profile("numeric", ("numpy",)), Profile("data", ("numpy", "pandas")))
+    pools = ProfilePools(dict.fromkeys(profiles, cast(JailPool, None)))
+    imports = imports_of(code)
+    assert pools.profile_for(code) == choose(profiles, imports)
+    assert pools.runs == {choose(profiles, imports).name: 1}
+    assert pools.imported == ({"numpy": 1} if imports and "numpy" in imports else {})

@@ -230,6 +230,7 @@ class ProfilePools:
         self.runs: Counter[str] = Counter()  # profile name -> runs given one of its jails
         self.imported: Counter[str] = Counter()  # preloaded package -> runs whose code imports it
         self._preloaded = frozenset().union(*(p.tops for p in self.profiles))
+        self._plain = choose(self.profiles, frozenset())  # code that imports nothing: most runs
 
     @classmethod
     def build(
@@ -244,10 +245,13 @@ class ProfilePools:
     def profile_for(self, code: str) -> Profile:
         """The profile a run of `code` gets (and what it is counted as having imported)."""
         imports = imports_of(code)
-        profile = choose(self.profiles, imports)
+        if imports is not None and not imports:
+            profile = self._plain
+        else:
+            profile = choose(self.profiles, imports)
+            if imports is not None:  # code too long to scan is counted as importing nothing
+                self.imported.update(imports & self._preloaded)
         self.runs[profile.name] += 1
-        if imports is not None:  # code too long to scan is counted as importing nothing
-            self.imported.update(imports & self._preloaded)
         return profile
 
     def start(self, owner: TaskScope) -> None:
