@@ -101,7 +101,7 @@ class Admission:
 
 def request_size(req: RunRequest) -> int:
     """What a waiting request holds that its sender chose the size of: its code and files."""
-    return len(req.code) + sum(len(f.data) for f in req.files)
+    return len(req.code) + sum(len(f.data) for f in req.files) if req.files else len(req.code)
 
 
 class Slot:
