@@ -68,6 +68,27 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ): "a Connect call and the watch for its client: awaited in place, cancelled in its finally",
     ("core/tasks.py", "TaskScope.close", "call_later"): "the stuck-children report: cancelled as close ends",
     ("core/tasks.py", "within", "ensure_future"): "awaited in place; cancelled and ended if the wait is",
+    (
+        "sandbox/lease.py",
+        "PoolLeases.teardown",
+        "call_soon",
+    ): "the teardowns' start at the next turn: the leases' close cancels it and destroys what it held",
+    (
+        "api/transport.py",
+        "_GoneWatch.add",
+        "call_later",
+    ): "the poll of waiting connections: it ends when none waits",
+    ("api/transport.py", "_GoneWatch._tick", "call_later"): "the same poll, re-armed while one waits",
+    (
+        "sandbox/egressproxy.py",
+        "EgressProxy._accept",
+        "create_task",
+    ): "a jail's connection: held in its listener's conns, cancelled and awaited at unlisten",
+    (
+        "sandbox/egressproxy.py",
+        "EgressProxy._accept",
+        "call_later",
+    ): "the accept pause: cancelled at unlisten",
 }
 
 
