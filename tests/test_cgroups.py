@@ -243,6 +243,16 @@ def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None
             sleeper.kill()
 
 
+def placement(lines: list[str]) -> dict[str, str]:
+    """Controller ("" on v2) -> the path /proc/self/cgroup's lines give for it."""
+    placed = {}
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        for c in controllers.split(","):
+            placed[c] = path
+    return placed
+
+
 def test_the_oom_score_and_the_join_in_one_shell_fail_closed_and_place_what_follows(
     tree: cgroups.Hierarchy, tmp_path: Path
 ) -> None:
@@ -262,11 +272,7 @@ def test_the_oom_score_and_the_join_in_one_shell_fail_closed_and_place_what_foll
         assert p.returncode == 0, p.stderr
         adj, *lines = p.stdout.decode().splitlines()
         assert int(adj) == JAIL_OOM_SCORE_ADJ
-        placed = {}  # controller ("" on v2) -> the path /proc/self/cgroup gives for it
-        for line in lines:
-            _, controllers, path = line.split(":", 2)
-            for c in controllers.split(","):
-                placed[c] = path
+        placed = placement(lines)
         assert all(placed[c].endswith(f"/{g.name}") for c in g.paths), (placed, list(g.paths))
     finally:
         g.remove()
@@ -292,11 +298,7 @@ def test_a_failing_join_stops_the_launcher_before_anything_runs(
         # And a join that works runs what follows, inside the group.
         p = subprocess.run([*join_argv(procs), "cat", "/proc/self/cgroup"], capture_output=True, timeout=30)
         assert p.returncode == 0
-        placed = {}  # controller ("" on v2) -> the path /proc/self/cgroup gives for it
-        for line in p.stdout.decode().splitlines():
-            _, controllers, path = line.split(":", 2)
-            for c in controllers.split(","):
-                placed[c] = path
+        placed = placement(p.stdout.decode().splitlines())
         assert all(placed[c].endswith(f"/{g.name}") for c in g.paths), (placed, list(g.paths))
     finally:
         g.remove()
