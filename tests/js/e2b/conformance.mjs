@@ -268,7 +268,11 @@ const scenarios = {
   async a_tenant_quota_applies() {
     const first = await Sandbox.create({ apiKey: LIMITED_KEY })
     try {
-      await raises(RateLimitError, () => Sandbox.create({ apiKey: LIMITED_KEY })) // max_sessions = 1
+      // max_sessions = 1. Our 429 carries Retry-After, which the SDK answers by retrying with
+      // Request.clone(); under node's bundled undici (6.19.8 on) that clone throws
+      // `TypeError: unusable` once the clone sent last has been garbage-collected, as it can
+      // be during the wait (docs/e2b.md). retries: 0 asks for the refusal itself.
+      await raises(RateLimitError, () => Sandbox.create({ apiKey: LIMITED_KEY, retries: 0 }))
       await raises(SandboxError, () => first.createCodeContext()) // a context is a session too
     } finally {
       await first.kill()
