@@ -1,20 +1,23 @@
 """The egress proxy's resolver keeps a named resolver's answers (appliance.sandbox.egressresolve):
-for the least TTL of the answer's chain, bounded in names, on a clock the tests turn; and a
-kept answer is never a decision: a name that rebinds to a blocked address is refused as soon
-as the answer saying so is asked for, and nothing is ever connected to an address unchecked.
+for the least TTL of the answer's chain, bounded in names, on a clock the tests turn; the
+host resolver's (no TTL) for HOST_CACHE_S; and a kept answer is never a decision: a name
+that rebinds to a blocked address is refused as soon as the answer saying so is asked for,
+and nothing is ever connected to an address unchecked.
 
-A DNS server of the test's own on loopback answers from a zone the tests change; the proxy
-runs in the test's loop, its far ends on 127.0.0.2 (allowed by the policy on purpose) and
-127.0.0.3 (loopback: blocked)."""
+A DNS server of the test's own on loopback answers from a zone the tests change; the host
+resolver's answers come from the test (the loop's getaddrinfo, scripted: the host's own
+files and resolver are not the test's to change); the proxy runs in the test's loop, its far
+ends on 127.0.0.2 (allowed by the policy on purpose) and 127.0.0.3 (loopback: blocked)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
-from typing import cast
+from typing import Any, cast
 
 import dns.message
 import dns.name
@@ -160,6 +163,56 @@ async def test_an_unknown_name_is_an_error_and_is_not_kept(fake_dns: tuple[FakeD
     assert server.asked == ["nowhere.test", "nowhere.test"]
 
 
+@dataclass
+class HostLookups:
+    """The host resolver as the proxy sees it (the loop's getaddrinfo), answering scripted
+    names from `names` (a name: its addresses, or None: the lookup fails); every scripted
+    name asked is in `asked`. Addresses and other names go to the real one."""
+
+    names: dict[str, list[str] | None] = field(default_factory=dict)
+    asked: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+async def host_lookups(monkeypatch: pytest.MonkeyPatch) -> HostLookups:
+    lookups = HostLookups()
+    loop = asyncio.get_running_loop()
+    real = loop.getaddrinfo
+
+    async def getaddrinfo(host: Any, port: Any, **kwargs: Any) -> list[Any]:
+        if host not in lookups.names:
+            return await real(host, port, **kwargs)
+        lookups.asked.append(host)
+        addresses = lookups.names[host]
+        if addresses is None:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in addresses]
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    return lookups
+
+
+async def test_the_host_resolvers_answer_is_kept_briefly(host_lookups: HostLookups) -> None:
+    """No TTL comes with it: kept HOST_CACHE_S, then asked again; a failure is never kept."""
+    clock = Clock()
+    resolver = Resolver(clock=clock)
+    host_lookups.names["h.test"] = ["198.51.100.20"]
+    assert await resolver.resolve("h.test") == [IPv4Address("198.51.100.20")]
+    host_lookups.names["h.test"] = ["198.51.100.21"]
+    clock.now += egressresolve.HOST_CACHE_S - 0.1
+    assert await resolver.resolve("h.test") == [IPv4Address("198.51.100.20")]  # kept
+    assert host_lookups.asked == ["h.test"]
+    clock.now += 0.1
+    assert await resolver.resolve("h.test") == [IPv4Address("198.51.100.21")]
+    assert host_lookups.asked == ["h.test", "h.test"]
+
+    host_lookups.names["gone.test"] = None
+    for _ in range(2):
+        with pytest.raises(ResolveError, match="could not be resolved"):
+            await resolver.resolve("gone.test")
+    assert host_lookups.asked.count("gone.test") == 2
+
+
 # -- through the proxy -----------------------------------------------------------------------
 ALLOWED_FAR = "127.0.0.2"  # allowed by the policy below (allow_nets), on purpose
 BLOCKED_FAR = "127.0.0.3"  # loopback: on the blocklist
@@ -257,6 +310,52 @@ async def test_a_rebinding_name_cannot_get_past_the_check_with_answers_kept(
             refused = await _get(proxy_port, "private.test", port)
             assert refused.startswith(b"HTTP/1.1 403 ")
         assert server.asked.count("private.test") == 1  # the second was the kept answer, checked again
+        assert allowed.accepted == 2
+        assert blocked.accepted == 0
+    finally:
+        await proxy.close()
+        for far in (allowed, blocked):
+            assert far.server is not None
+            far.server.close()
+
+
+async def test_a_rebinding_name_cannot_get_past_the_host_resolvers_kept_answer(
+    host_lookups: HostLookups,
+) -> None:
+    """With no resolver named, the host's answer is kept HOST_CACHE_S: while it is, flows go
+    to the address that was checked; once it expires the rebinding is asked for, checked and
+    refused, and nothing ever reaches the blocked address."""
+    allowed, blocked, port = await _far_pair()
+    clock = Clock()
+    policy = EgressPolicy(
+        ports=(),
+        allow_nets=(IPv4Network(f"{ALLOWED_FAR}/32"),),
+        dns=(),
+        subnet=IPv4Network("10.225.0.0/24"),
+        host_addresses=(),
+        proxy_port=0,
+    )
+    layers = Layers(parse_rules([f"rebind.test:{port}"], "test"))
+    finished: list[Flow] = []
+    proxy = EgressProxy(policy, layers, Resolver(clock=clock), 5.0, on_flow=lambda f, _: finished.append(f))
+    link = JailLink(0, "test", "test", IPv4Address("127.0.0.1"), IPv4Address("127.0.0.1"))
+    await proxy.listen(link)
+    proxy.begin(link, Scope(layers, "test"))
+    proxy_port = proxy._jails[0].listener.getsockname()[1]
+    try:
+        host_lookups.names["rebind.test"] = [ALLOWED_FAR]
+        assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")
+        host_lookups.names["rebind.test"] = [BLOCKED_FAR]  # the rebinding
+        assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")  # the kept, checked answer
+        assert [f.address for f in finished] == [ALLOWED_FAR, ALLOWED_FAR]
+        assert host_lookups.asked == ["rebind.test"]
+        clock.now += egressresolve.HOST_CACHE_S
+        for _ in range(2):  # the new answer, refused; kept, and refused again at its next use
+            refused = await _get(proxy_port, "rebind.test", port)
+            assert refused.startswith(b"HTTP/1.1 403 ")
+            assert f"resolves to {BLOCKED_FAR}".encode() in refused
+        assert host_lookups.asked == ["rebind.test", "rebind.test"]
+        assert [f.decision for f in finished[-2:]] == ["denied", "denied"]
         assert allowed.accepted == 2
         assert blocked.accepted == 0
     finally:

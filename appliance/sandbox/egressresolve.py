@@ -10,7 +10,10 @@ CACHE_NAMES names (the oldest answer goes first). What is kept is the answer, ne
 decision: the proxy checks every address of it against its policy's blocklist at each
 use, so a name that rebinds to a private address is refused as soon as the answer that
 says so is asked for. The host's resolver (getaddrinfo) gives no TTL, so its answers are
-not kept.
+kept for HOST_CACHE_S only: long enough that a run's burst of flows to one host (a pip
+install, a loop of requests) costs one lookup, through the loop's executor, not one each;
+short enough that a name whose address changes is followed within seconds. A failed lookup
+is never kept, by either resolver.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ RESOLVE_TIMEOUT_S = 5.0
 MAX_ADDRESSES = 16  # a longer answer is cut: every kept address is checked
 CACHE_NAMES = 1024  # answers kept, each for its TTL and at most CACHE_MAX_S
 CACHE_MAX_S = 60.0
+HOST_CACHE_S = 2.0  # the host resolver's answers, which carry no TTL
 
 
 class ResolveError(Exception):
@@ -58,22 +62,28 @@ class Resolver:
 
     async def resolve(self, name: str) -> list[IPv4Address]:
         """The name's IPv4 addresses, in the answer's order (at most MAX_ADDRESSES)."""
-        found = await (self._ask_dns(name) if self._dns is not None else self._ask_host(name))
-        if not found:
-            raise ResolveError(f"{name} has no IPv4 address")
-        return found[:MAX_ADDRESSES]
-
-    async def _ask_dns(self, name: str) -> list[IPv4Address]:
-        """The named resolvers' answer, kept for its chain's least TTL (at most CACHE_MAX_S):
-        what is kept is only ever what was asked; each use checks every address again."""
-        if self._dns is None:
-            return []
         now = self._clock()
         kept = self._cache.get(name)
         if kept is not None:
             if kept[0] > now:
-                return kept[1]
+                return kept[1][:MAX_ADDRESSES]
             del self._cache[name]
+        found = await (self._ask_dns(name, now) if self._dns is not None else self._ask_host(name, now))
+        if not found:
+            raise ResolveError(f"{name} has no IPv4 address")
+        return found[:MAX_ADDRESSES]
+
+    def _keep(self, name: str, until: float, found: list[IPv4Address]) -> None:
+        """An answer kept until `until`: only ever what was asked (each use checks every
+        address of it again), the oldest of CACHE_NAMES dropped first."""
+        if len(self._cache) >= CACHE_NAMES:
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[name] = (until, found)
+
+    async def _ask_dns(self, name: str, now: float) -> list[IPv4Address]:
+        """The named resolvers' answer, kept for its chain's least TTL (at most CACHE_MAX_S)."""
+        if self._dns is None:
+            return []
         try:
             answer = await self._dns.resolve(name, "A", search=False)
         except dns.resolver.NXDOMAIN:
@@ -89,12 +99,12 @@ class Resolver:
         # long is asked again when the CNAME expires, not when the A records do.
         ttl = min(float(answer.chaining_result.minimum_ttl), CACHE_MAX_S)
         if ttl > 0 and found:
-            if len(self._cache) >= CACHE_NAMES:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[name] = (now + ttl, found)
+            self._keep(name, now + ttl, found)
         return found
 
-    async def _ask_host(self, name: str) -> list[IPv4Address]:
+    async def _ask_host(self, name: str, now: float) -> list[IPv4Address]:
+        """The host resolver's answer (getaddrinfo, in the loop's executor), kept for
+        HOST_CACHE_S."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -108,4 +118,6 @@ class Resolver:
             address = IPv4Address(info[4][0])
             if address not in found:
                 found.append(address)
+        if found:
+            self._keep(name, now + HOST_CACHE_S, found)
         return found
