@@ -1,10 +1,10 @@
 """The egress proxy's fixed cost per flow, piece by piece: where a small flow's time goes.
 
-    python -m benchmarks.egress_flow [--flows N] [--rounds R]
+    python -m benchmarks.egress_flow [--flows N] [--rounds R] [--size BYTES] [--rate MBIT]
 
 The proxy in this process on loopback (no jail, no server; as benchmarks.egress's relay
 rows), with the server's flow hook (the /metrics counters and a JSONL log line), a client
-process making 100-byte GETs from the fake internet (tests/fakenet.py), one connection
+process making 100-byte GETs (--size: larger) from the fake internet (tests/fakenet.py), one connection
 each: over plain HTTP (a forwarded request), over HTTPS (a CONNECT tunnel, its ClientHello
 checked), and direct to the address without the proxy. Client and proxy stamp each step
 with CLOCK_MONOTONIC (one clock for both processes), so a flow's timeline reads across them:
@@ -18,7 +18,9 @@ with CLOCK_MONOTONIC (one clock for both processes), so a flow's timeline reads 
 Timeline rounds are instrumented (a wrapper per step, about a microsecond each); the CPU
 per flow comes from rounds without the wrappers: this process's CPU time over a batch (the
 proxy's alone; the client is another process) divided by its flows. Rounds alternate the
-three ways; p50s are over all rounds' flows.
+three ways; p50s are over all rounds' flows. With --rate the fake internet's veth is shaped
+as in benchmarks.egress (tc tbf, both ways); the client's marks are then set side by side
+with the direct flows', and the relay's first and last part taken are marked too.
 """
 
 from __future__ import annotations
@@ -47,11 +49,12 @@ from appliance.sandbox.egressproxy import EgressProxy, Scope
 from appliance.sandbox.egressresolve import Resolver
 from appliance.sandbox.network import EgressPolicy, JailLink
 from benchmarks.appliance_server import BenchError
+from benchmarks.egress import _shape
 from tests.fakenet import DOMAIN, FakeNet, fake_internet
 
 CLIENT = r"""
 import json, socket, ssl, sys, time
-host, port, proxy, n, tls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+host, port, proxy, n, tls, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1", int(sys.argv[6])
 ctx = ssl.create_default_context(cafile=CA) if tls else None
 now = time.monotonic
 def get():
@@ -69,19 +72,22 @@ def get():
             t["established"] = now()
         s = ctx.wrap_socket(s, server_hostname=NAME)
         t["tls"] = now()
-    target = "http://%s/bytes/100" % NAME if proxy and ctx is None else "/bytes/100"
+    target = ("http://%s" % NAME if proxy and ctx is None else "") + "/bytes/%d" % size
     s.sendall(("GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % (target, NAME)).encode())
     t["sent"] = now()
-    data = s.recv(65536)
+    parts = [s.recv(262144)]
     t["first"] = now()
     while True:
-        more = s.recv(65536)
+        more = s.recv(262144)
         if not more:
             break
-        data += more
+        t["last"] = now()
+        parts.append(more)
     s.close()
     t["end"] = now()
-    assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"x" * 100), data[-200:]
+    data = b"".join(parts)
+    assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"x" * min(size, 100)), data[-200:]
+    t.setdefault("last", t["first"])
     return t
 print(json.dumps([get() for _ in range(n)]))
 """
@@ -162,6 +168,8 @@ def instrument(proxy: EgressProxy, marks: Marks) -> Callable[[], None]:  # noqa:
 
         def counted(n: int) -> None:
             flow.setdefault("first_byte", time.monotonic())
+            flow["last_byte"] = time.monotonic()
+            flow["parts"] = flow.get("parts", 0) + 1
             count(n)
 
         return counted
@@ -196,7 +204,10 @@ HTTP_SPANS = [
     ("connected_up", "request_sent", "proxy: the request head written upstream"),
     ("request_sent", "relay_start", "proxy: from the request to the relay's start"),
     ("relay_start", "first_byte", "the far end's answer (to the relay's first byte)"),
-    ("first_byte", "relayed", "proxy: the relay's end (the far end's close)"),
+    ("first_byte", "first", "client: its first byte, after the relay's"),
+    ("first_byte", "last_byte", "proxy: the answer's bytes taken from the far end, first to last"),
+    ("last_byte", "last", "client: its last byte, after the relay took it"),
+    ("last_byte", "relayed", "proxy: the relay's end (the far end's close)"),
     ("relayed", "end", "client: the end of file seen (the proxy's half-close)"),
     ("end", "closed", "proxy: the flow's bookkeeping, the close, after the client's end"),
 ]
@@ -212,9 +223,21 @@ HTTPS_SPANS = [
     ("relay_start", "tls", "the rest of the TLS handshake, through the relay"),
     ("tls", "sent", "client: the request sent"),
     ("sent", "first", "the far end's answer (client: its first byte)"),
-    ("first", "end", "client: the end of file seen"),
+    ("first", "last", "client: first byte to last"),
+    ("last_byte", "last", "client: its last byte, after the relay took it"),
+    ("last", "end", "client: the end of file seen"),
     ("end", "relayed", "proxy: the tunnel's end (both ways closed), after the client's"),
     ("relayed", "closed", "proxy: the flow's bookkeeping, the close"),
+]
+# The client's own marks, since its start: the same for both ways, side by side.
+CLIENT_MARKS = [
+    ("connected", "connected"),
+    ("established", "`200 Connection established` (proxy only)"),
+    ("tls", "TLS handshake done"),
+    ("sent", "request sent"),
+    ("first", "first byte of the answer"),
+    ("last", "last byte of the answer"),
+    ("end", "end of file"),
 ]
 
 
@@ -226,10 +249,21 @@ async def _client(  # noqa: PLR0913 (a client run's parts)
     n: int,
     tls: bool,
     cpu: list[resource.struct_rusage] | None = None,
+    size: int = 100,
 ) -> list[dict[str, float]]:
     """The client's flows' marks; `cpu` is given this process's times at the client's start
     (its spawning left out) and end."""
-    argv = [sys.executable, "-c", code, net.public, str(far_port), str(via), str(n), "1" if tls else "0"]
+    argv = [
+        sys.executable,
+        "-c",
+        code,
+        net.public,
+        str(far_port),
+        str(via),
+        str(n),
+        "1" if tls else "0",
+        str(size),
+    ]
     proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
     if cpu is not None:
         cpu.append(resource.getrusage(resource.RUSAGE_SELF))
@@ -252,10 +286,17 @@ def _p50(xs: list[float]) -> float:
     return round(statistics.median(xs), 1) if xs else 0.0
 
 
-async def measure(
-    flows: int, rounds: int, base: Path, cpu_only: bool = False, kinds: tuple[str, ...] = ("http", "https")
+async def measure(  # noqa: PLR0913 (the probe's knobs)
+    flows: int,
+    rounds: int,
+    base: Path,
+    cpu_only: bool = False,
+    kinds: tuple[str, ...] = ("http", "https"),
+    size: int = 100,
+    rate: int | None = None,
 ) -> dict[str, Any]:
     with fake_internet(base / "net") as net:
+        qdisc = _shape(net, rate) if rate is not None else "unshaped"
         name = f"api.{DOMAIN}"
         policy = EgressPolicy(
             ports=(80,),
@@ -292,7 +333,7 @@ async def measure(
                     # The CPU per flow, uninstrumented.
                     proxy.begin(link, Scope(layers, "benchmark"))
                     times: list[resource.struct_rusage] = []
-                    await _client(code, net, far_port, port, flows, tls, times)
+                    await _client(code, net, far_port, port, flows, tls, times, size)
                     user, system = (
                         times[1].ru_utime - times[0].ru_utime,
                         times[1].ru_stime - times[0].ru_stime,
@@ -305,7 +346,7 @@ async def measure(
                     proxy.begin(link, Scope(layers, "benchmark"))
                     restore = instrument(proxy, marks)
                     try:
-                        client = await _client(code, net, far_port, port, flows, tls)
+                        client = await _client(code, net, far_port, port, flows, tls, size=size)
                     finally:
                         restore()
                     server = marks.take()
@@ -314,19 +355,34 @@ async def measure(
                     for c, s in zip(client, server, strict=True):
                         s["connected_up"] = s.pop("connected")
                         timeline[kind].append(c | s)
-                    timeline["direct_" + kind] += await _client(code, net, far_port, 0, flows, tls)
+                    timeline["direct_" + kind] += await _client(code, net, far_port, 0, flows, tls, size=size)
         finally:
             await proxy.close()
             audit.close()
-    return {"timeline": timeline, "cpu_ms_per_flow": cpu, "sys_share": sys_share, "load": os.getloadavg()}
+            if rate is not None:
+                _shape(net, None)
+    return {
+        "timeline": timeline,
+        "cpu_ms_per_flow": cpu,
+        "sys_share": sys_share,
+        "load": os.getloadavg(),
+        "size": size,
+        "link": qdisc,
+    }
 
 
 def _spans(flows: list[dict[str, float]], spans: list[tuple[str, str, str]]) -> list[tuple[str, float]]:
     return [(what, _p50([(f[b] - f[a]) * 1e6 for f in flows if a in f and b in f])) for a, b, what in spans]
 
 
+def _since_start(flows: list[dict[str, float]], mark: str) -> float | None:
+    got = [(f[mark] - f["start"]) * 1e6 for f in flows if mark in f]
+    return _p50(got) if got else None
+
+
 def render(doc: dict[str, Any]) -> str:
     t, cpu = doc["timeline"], doc["cpu_ms_per_flow"]
+    size, link = doc.get("size", 100), doc.get("link", "unshaped")
     lines: list[str] = []
     for kind, spans in (("http", HTTP_SPANS), ("https", HTTPS_SPANS)):
         if not cpu[kind]:
@@ -334,12 +390,25 @@ def render(doc: dict[str, Any]) -> str:
         flows, direct = t[kind], t["direct_" + kind]
         total = _p50([(f["end"] - f["start"]) * 1e6 for f in flows])
         total_direct = _p50([(f["end"] - f["start"]) * 1e6 for f in direct])
+        parts = _p50([f["parts"] for f in flows if "parts" in f])
         lines += [
-            f"{kind.upper()}: a 100-byte GET, one connection, through the proxy "
+            f"{kind.upper()}: a {size}-byte GET, one connection, link {link}, through the proxy "
             f"(n={len(flows)}): p50 {total} us, direct {total_direct} us "
             f"(added {round(total - total_direct, 1)} us); the proxy's CPU per flow "
             f"{round(statistics.median(cpu[kind]) * 1000, 1)} us (p50 of {len(cpu[kind])} batches; "
-            f"{statistics.median(doc['sys_share'][kind]):.0%} of it in the kernel)",
+            f"{statistics.median(doc['sys_share'][kind]):.0%} of it in the kernel); "
+            f"parts relayed down per flow {parts}",
+            "",
+            "| the client's mark, since its start | through the proxy, us | direct, us | added, us |",
+            "| --- | --- | --- | --- |",
+        ]
+        for mark, what in CLIENT_MARKS:
+            p, d = _since_start(flows, mark), _since_start(direct, mark)
+            if p is None:
+                continue
+            added = "" if d is None else round(p - d, 1)
+            lines.append(f"| {what} | {p} | {'' if d is None else d} | {added} |")
+        lines += [
             "",
             "| step | p50, us |",
             "| --- | --- |",
@@ -355,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flows", type=int, default=200, help="flows per batch")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--json", type=Path, help="also write the raw timelines here")
+    parser.add_argument("--size", type=int, default=100, help="the answer's bytes (default 100)")
+    parser.add_argument("--rate", type=int, help="the fake internet's link shaped to this, Mbit/s")
     parser.add_argument("--only", choices=("http", "https"), help="one kind of flow alone")
     parser.add_argument(
         "--cpu-only", action="store_true", help="no timelines: the CPU rounds alone (to profile)"
@@ -365,7 +436,13 @@ def main(argv: list[str] | None = None) -> int:
         base.chmod(0o755)
         doc = asyncio.run(
             measure(
-                args.flows, args.rounds, base, args.cpu_only, (args.only,) if args.only else ("http", "https")
+                args.flows,
+                args.rounds,
+                base,
+                args.cpu_only,
+                (args.only,) if args.only else ("http", "https"),
+                args.size,
+                args.rate,
             )
         )
     if args.json is not None:
