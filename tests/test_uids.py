@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from appliance.sandbox import uids
-from appliance.sandbox.uids import Uids
+from appliance.sandbox.uids import Held, Uids
 from appliance.sandbox.workdir import RunDirs, open_base
 from tests.support import SANDBOX_UID, SANDBOX_UIDS, reachable_tmp_root, until
 
@@ -111,6 +111,67 @@ def test_giving_back_kills_what_is_left_of_the_jail(root: Path) -> None:
     assert u.take() is not None
 
 
+@pytest.mark.host  # setpriv to another uid needs root (tests/tiers.py)
+def test_a_uid_given_back_with_its_group_removed_is_not_scanned_yet_never_handed_out_busy(root: Path) -> None:
+    """A give-back after the jail's cgroup was removed scans nothing (nothing of the jail can be
+    alive: `uids`' docstring); what may still be of the uid (here a process no group of the
+    jail held, as a zombie that left its group as it exited is) keeps it from the next take,
+    whose scan sees it: a uid is never handed to a jail while a process of it lives."""
+    u = pool(root, 1)
+    held = u.take()
+    assert held is not None and held.uid == FIRST
+    stray = subprocess.Popen(
+        ["setpriv", f"--reuid={FIRST}", f"--regid={FIRST}", "--clear-groups", "sleep", "60"]
+    )
+    try:
+        assert running_as(FIRST) == [stray.pid]
+        u.give_back(held, emptied=True)
+        assert held.fd is None
+        assert uids.processes_of(FIRST) == [stray.pid], "the give-back scanned and killed"
+        assert u.take() is None, "a uid a process still runs as was handed out"
+    finally:
+        stray.kill()
+        stray.wait()
+    again = until(u.take, 10, "the uid, once its process is gone")
+    assert again is not None and again.uid == FIRST
+
+
+@pytest.mark.host  # setpriv to another uid needs root (tests/tiers.py)
+def test_a_take_scans_after_its_lock_so_a_jail_ended_meanwhile_is_seen(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another holder may take a uid, run a jail and give it back (a zombie of it left: its group
+    is gone, so no scan at the give-back) while a take is under way. The take's scan comes after
+    its lock, so either that holder finds the uid locked, or the scan sees what it left."""
+    mine, other = pool(root, 1), pool(root, 1)
+    scans: list[Held | None] = []
+    stray: list[subprocess.Popen[bytes]] = []
+    real = uids.uids_in_use
+
+    def scan_then_another_jail_runs() -> set[int]:
+        found = real()
+        if not scans:  # once, between this take's scan and whatever follows it
+            monkeypatch.setattr(uids, "uids_in_use", real)
+            theirs = other.take()
+            scans.append(theirs)
+            if theirs is not None:  # only a holder of the uid starts its processes
+                drop = ["setpriv", f"--reuid={FIRST}", f"--regid={FIRST}", "--clear-groups"]
+                stray.append(subprocess.Popen([*drop, "sleep", "60"]))
+                running_as(FIRST)
+                other.give_back(theirs, emptied=True)
+        return found
+
+    monkeypatch.setattr(uids, "uids_in_use", scan_then_another_jail_runs)
+    try:
+        held = mine.take()
+        assert scans, "the take did not scan"
+        assert held is None or uids.processes_of(held.uid) == [], "a uid a process runs as was handed out"
+    finally:
+        for p in stray:
+            p.kill()
+            p.wait()
+
+
 def test_a_squatted_lock_directory_stops_startup(root: Path) -> None:
     base = root / "appliance"
     base.mkdir(mode=0o755, exist_ok=True)
@@ -160,3 +221,46 @@ def test_staging_a_uids_accounts_again_leaves_the_files_a_launching_jail_binds(r
         second.stage_accounts(base_fd, FIRST, FIRST)
     assert passwd.stat().st_ino != before[0] and group.stat().st_ino == before[1]
     assert f":{FIRST}:{FIRST}::/workspace:" in passwd.read_text()
+
+
+async def test_a_jail_with_its_own_cgroup_costs_one_scan_of_proc_and_leaves_nothing_of_its_uid(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real jail with a cgroup and a uid of its own: its uid's take scans /proc, its give-back
+    does not (the removal of its group killed what it left, a daemon here), and nothing of the
+    uid outlives the jail."""
+    if os.geteuid() != 0:
+        pytest.skip("a uid of its own for a jail is a root server's")
+    from appliance.sandbox import cgroups, channel
+    from tests.support import jail_factory
+
+    scans: list[int] = []
+    listing = uids._pids
+
+    def counted() -> list[int]:
+        scans.append(1)
+        return listing()
+
+    monkeypatch.setattr(uids, "_pids", counted)
+    tree, missing = cgroups.open_hierarchy("require")
+    assert tree is not None, missing
+    try:
+        with jail_factory() as factory:
+            factory.cgroups = tree
+            factory.uids = pool(root, 1)
+            jail = await factory.launch()
+            try:
+                assert jail.uid == FIRST and len(scans) == 1
+                daemon = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(300)\n    os._exit(0)"
+                jail.process.write(channel.run_op(daemon, [], True))
+                done = await jail.process.wait_event("done", 60)
+                assert done.get("status") in (None, "ok"), done
+                assert len(uids.processes_of(FIRST)) >= 2  # the interpreter and its daemon, at least
+                scans.clear()
+            finally:
+                await jail.destroy()
+            assert scans == [], "the give-back scanned /proc"
+            assert uids.processes_of(FIRST) == [], "a process of the jail's uid outlived it"
+            assert jail.held is not None and jail.held.fd is None  # given back
+    finally:
+        tree.close()

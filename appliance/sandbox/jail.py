@@ -107,6 +107,7 @@ class Jail:
     ended: bool = False  # destroyed: its processes killed and reaped, its cgroup removed
     _destroyed: bool = False
     _workdir_kept: bool = False  # destroyed while held: the last release removes the directory
+    _emptied: bool = False  # its cgroup removed: no live process of its uid left (`uids`)
 
     @property
     def uid(self) -> int:
@@ -412,6 +413,8 @@ class Jail:
             try:
                 if self.cgroup is not None:  # also kills anything of the jail still in it
                     self.cgroup.remove()
+                    # It held every process of the jail: none is left (`uids`' docstring).
+                    self._emptied = True
             finally:
                 # The uid goes back once its processes are gone, and with them its files: a
                 # held directory keeps it (no other jail is given the uid of files still there).
@@ -426,7 +429,7 @@ class Jail:
 
     def _give_back_uid(self) -> None:
         if self.uids is not None and self.held is not None:
-            self.uids.give_back(self.held)
+            self.uids.give_back(self.held, emptied=self._emptied)
 
 
 @dataclass

@@ -13,8 +13,16 @@ flock. The place is the host's, not SANDBOX_TMP_ROOT's: servers with temp roots 
 still share the host's uids, and two locks in two places would let two jails take one uid,
 then the first to end kill the other's processes as its leftovers (`give_back`). The kernel drops a lock with the last descriptor of it, so a server
 killed with -9 frees its uids while its jails live on (firejail is setuid: no parent-death
-signal reaches it); hence a uid is taken only when no process of it runs, and given back only
-once every process of its jail is gone.
+signal reaches it); hence a uid is taken only when no process of it runs (a scan of /proc at
+every take, once the uid is locked: it is what keeps that promise, whoever held the uid before
+and however it ended), and given back only once every live process of its jail is gone. Where
+the jail had a cgroup of its own and its removal succeeded, that is already so: every process of the jail descends from
+the launcher that joined the group as root before dropping to the uid, a process cannot leave a
+group that only root may write, and the removal kills what is left and succeeds only once none
+is (`cgroups.remove_paths`); so the give-back scans nothing (`give_back(emptied=True)`). What
+may still be of the uid then are zombies (they leave the group as they exit, and count against
+RLIMIT_NPROC until reaped): the next take's scan sees them and passes the uid over. Without such
+a group (none, or its removal failed), the give-back scans, kills what is left and waits.
 
 SANDBOX_UID is never taken exclusively: it stays the one uid that jails share where a uid each
 cannot be had: a range of that uid alone (all jails share it, as before ranges), GPU jails (an
@@ -151,9 +159,9 @@ class Uids:
 
     def take(self) -> Held | None:
         """Lock a uid of the range that no process runs as; None when every one is held or
-        busy. Blocking I/O (one scan of /proc, a few opens): call it in a thread."""
+        busy. Blocking I/O (a scan of /proc, a few opens): call it in a thread."""
         self._retry_aside()
-        busy = uids_in_use()
+        busy: set[int] = set()  # from the last scan: busy then (a hint, never a proof of free)
         n = len(self.candidates)
         start, self._cursor = self._cursor, self._cursor + 1
         with self._lock_dir() as dir_fd:
@@ -162,21 +170,27 @@ class Uids:
                 if uid in busy:
                     continue
                 fd = _lock(dir_fd, uid, os.geteuid())
-                if fd is not None:
-                    # The scan came before the lock: a process of uid seen by neither was
-                    # started by a holder since, and a holder gives a uid back only once its
-                    # processes are gone.
+                if fd is None:
+                    continue
+                # The scan comes after the lock: from the lock on, no holder can start a
+                # process of uid, so what the scan does not see is not there. (Before the lock,
+                # a holder could take uid, run a jail and give it back, zombies left, unseen.)
+                busy = uids_in_use()
+                if uid not in busy:
                     return Held(uid, uid, fd)
+                os.close(fd)
         return None
 
-    def give_back(self, held: Held) -> None:
-        """Free a jail's uid once no process of it is left: any still there (the jail is
-        destroyed: they are its own, since the uid was held) are killed and waited for; a uid
-        whose processes will not die is kept locked, set aside, and tried again later."""
+    def give_back(self, held: Held, emptied: bool = False) -> None:
+        """Free a jail's uid once no live process of it is left. emptied: the caller has just
+        removed the jail's own cgroup, which held every process the jail had: none is left,
+        and nothing is scanned (see the module's docstring). Otherwise any still there (the
+        jail is destroyed: they are its own, since the uid was held) are killed and waited for;
+        a uid whose processes will not die is kept locked, set aside, and tried again later."""
         fd, held.fd = held.fd, None
         if fd is None:
             return
-        if not _gone(held.uid, GIVE_BACK_WAIT_S):
+        if not emptied and not _gone(held.uid, GIVE_BACK_WAIT_S):
             log.error("a jail's uid still has processes: kept until they are gone", extra={"uid": held.uid})
             with self._aside_lock:
                 self._aside.append(Held(held.uid, held.gid, fd))
