@@ -1,5 +1,6 @@
-"""The egress proxy's connections: a jail's, taken from the listener (one out of descriptors
-rests rather than spins), and the one to a far end (appliance.sandbox.egressproxy._connect): one the
+"""The egress proxy's connections: a jail's, taken from the listener once it has sent its
+first bytes (one that says nothing holds no task), one out of descriptors rests rather than
+spins; and the one to a far end (appliance.sandbox.egressproxy._connect): one the
 kernel settles within the connect call (a refusal on loopback) costs no wait, one still
 going on is waited for within CONNECT_TIMEOUT_S; either failure is the jail's 502 and the
 ledger's `failed`, nothing relayed.
@@ -75,6 +76,31 @@ async def test_a_far_end_that_refuses_is_a_502_and_a_failed_flow() -> None:
     assert got.startswith(b"HTTP/1.1 502 "), got
     assert f"{FAR}:{port} could not be reached (Connection refused)".encode() in got
     assert [(f.decision, f.bytes_down) for f in finished] == [("failed", 0)]
+
+
+async def test_a_jail_connection_that_has_sent_nothing_holds_no_task() -> None:
+    """A connection is handed to the proxy with its head (TCP_DEFER_ACCEPT), not at its
+    handshake: one that has said nothing costs the server no task (nor a wakeup of its loop)
+    while another connection is served from start to end; once it speaks it is served too."""
+    closed = socket.socket()
+    closed.bind((FAR, 0))
+    port = closed.getsockname()[1]
+    with closed:
+        async with _proxy(port) as (proxy_port, finished, proxy):
+            async with asyncio.timeout(WAIT_S):
+                reader, writer = await asyncio.open_connection("127.0.0.1", proxy_port)
+            try:
+                # A whole flow on a second connection, made after the silent one was
+                # established: the listener was read for it, and its task has ended.
+                assert (await _get(proxy_port, port)).startswith(b"HTTP/1.1 502 ")
+                assert proxy._jails[0].conns == set()
+                writer.write(f"GET http://{FAR}:{port}/ HTTP/1.1\r\nHost: {FAR}:{port}\r\n\r\n".encode())
+                async with asyncio.timeout(WAIT_S):
+                    got = await reader.read()
+                assert got.startswith(b"HTTP/1.1 502 "), got
+            finally:
+                writer.close()
+    assert [f.decision for f in finished] == ["failed", "failed"]
 
 
 async def test_a_far_end_that_does_not_answer_in_time_is_a_502(monkeypatch: pytest.MonkeyPatch) -> None:

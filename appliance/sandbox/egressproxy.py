@@ -81,6 +81,13 @@ CONNECT_TIMEOUT_S = 10.0
 HELLO_TIMEOUT_S = 10.0
 CLOSE_GRACE_S = 5.0  # what is still buffered for a peer at the end has this long to go
 ACCEPT_PAUSE_S = 1.0  # out of descriptors: the listener rests this long before accepting again
+# A jail's connection is handed to the proxy once its first bytes (the request head) have
+# come, not at its handshake (TCP_DEFER_ACCEPT): the server's loop is not woken while the
+# jail's client is still in its connect call, where on a busy host it took the client's CPU
+# before the client had even sent its head. A connection that says nothing waits in the
+# listener's backlog (MAX_CONNECTIONS) and is handed over after about this long anyway,
+# then bound by HEAD_TIMEOUT_S like any other.
+DEFER_ACCEPT_S = 1
 MAX_CONNECTIONS = 64  # one jail's connections through the proxy at once
 MAX_FLOWS = 256  # flows one run's ledger lists; past it they are counted only
 MAX_DENIALS_TOLD = 32  # denials one run is told of as they happen; past it, in `done` only
@@ -333,6 +340,7 @@ class EgressProxy:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, DEFER_ACCEPT_S)
             listener.bind((str(link.gateway), port))
             listener.listen(MAX_CONNECTIONS)
             listener.setblocking(False)
