@@ -6,12 +6,16 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Unpack
 
 import pytest
 
+from appliance.core.tasks import TaskScope
 from appliance.sandbox import proctree
 from appliance.sandbox.jail import JailFactory
+from appliance.sandbox.pool import JailPool, mem_available_kb
+from appliance.sandbox.process import JailProcess
 from appliance.sandbox.proctree import descendants
 from appliance_client.client import AsyncClient, Execution, RequestOptions
 from tests.support import Server, descriptors_on, jail_factory, reachable_tmp_root, run_root, start_server
@@ -320,3 +324,39 @@ def jail_processes_of(factory: JailFactory) -> list[int]:
         except OSError:
             continue
     return found
+
+
+def test_the_memory_the_pool_sizes_by_is_the_kernels_memavailable() -> None:
+    lines = Path("/proc/meminfo").read_text().splitlines()
+    listed = next(int(line.split()[1]) for line in lines if line.startswith("MemAvailable:"))
+    # The kernel's figure moves between two reads: the same line, within a few MiB.
+    assert mem_available_kb() > 0
+    assert abs(mem_available_kb() - listed) < 64 * 1024
+
+
+async def test_the_pool_measures_its_jails_pss_once_for_jails_started_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each measurement reads every process's smaps_rollup (a walk of its address space); the
+    jails of one pool start alike, so two started one after the other are measured once."""
+    measured: list[int] = []
+    real = JailProcess.pss_kb
+
+    def counted(self: JailProcess) -> int:
+        measured.append(self.pid)
+        return real(self)
+
+    monkeypatch.setattr(JailProcess, "pss_kb", counted)
+    with jail_factory() as factory:
+        pool = JailPool(factory, size=2)
+        try:
+            async with TaskScope("test-pool") as scope:
+                pool.start(scope)
+                async with asyncio.timeout(120):
+                    while len(pool.ready) < 2:
+                        await asyncio.sleep(0.05)  # polling the pool's own state, not a pause
+                assert len(measured) == 1, measured
+                assert pool.jail_pss_kb > 1000
+                await pool.close()
+        finally:
+            await pool.close()

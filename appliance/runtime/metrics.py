@@ -21,7 +21,9 @@ class Metrics:
         self.pool_ready = Gauge("appliance_pool_ready", "Ready jails in the pool", registry=r)
         self.pool_starting = Gauge("appliance_pool_starting", "Jails being started for the pool", registry=r)
         self.pool_target = Gauge("appliance_pool_target", "Jails the pool currently aims to keep", registry=r)
-        self.jail_pss = Gauge("appliance_jail_pss_bytes", "PSS of the last warm jail started", registry=r)
+        self.jail_pss = Gauge(
+            "appliance_jail_pss_bytes", "PSS of a warm jail, measured at most every 10 s", registry=r
+        )
         self.cold_starts = Counter("appliance_cold_starts", "Runs that found the pool empty", registry=r)
         self.jails_spawned = Counter("appliance_jails_spawned", "Jails started", registry=r)
         self.sessions = Gauge("appliance_sessions_active", "Open sessions", registry=r)
@@ -97,7 +99,7 @@ class Metrics:
         )
         self.profile_pss = Gauge(
             "appliance_profile_jail_pss_bytes",
-            "PSS of the last warm jail of this profile",
+            "PSS of a warm jail of this profile, measured at most every 10 s",
             ["profile"],
             registry=r,
         )

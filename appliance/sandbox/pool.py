@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -34,17 +35,30 @@ RATE_WINDOW_S = 10.0
 MEMORY_RESERVE_KB = 512 * 1024  # never let warm jails eat the last 512 MiB
 TICK_S = 1.0
 REFILL_DELAY_S = 0.05
+# A ready jail's PSS is measured again at most this often: the jails of one pool start alike,
+# and each measurement reads every process's smaps_rollup, which walks its whole address space.
+PSS_EVERY_S = 10.0
+MEMINFO_BYTES = 8192  # the whole of /proc/meminfo (MemAvailable is its third line)
 
 
 def mem_available_kb() -> int:
+    """MemAvailable, in KiB (0 where unreadable). One raw read: the pool asks at every refill
+    decision, and a buffered text file cost twice as much."""
     try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
+        fd = os.open("/proc/meminfo", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            text = os.read(fd, MEMINFO_BYTES)
+        finally:
+            os.close(fd)
+    except OSError:
+        return 0
+    start = text.find(b"MemAvailable:")
+    if start < 0 or (start > 0 and text[start - 1 : start] != b"\n"):
+        return 0
+    try:
+        return int(text[start + 13 : text.find(b"\n", start)].split()[0])
+    except (ValueError, IndexError):
+        return 0
 
 
 def pool_target(  # noqa: PLR0913 (a pure sizing policy of named, keyword-only inputs)
@@ -87,6 +101,7 @@ class JailPool:
         self.starting = 0
         self.cold_starts = 0
         self.jail_pss_kb = 0
+        self._pss_at = -math.inf  # when jail_pss_kb was last measured (`PSS_EVERY_S`)
         self._arrivals: deque[float] = deque()
         self._start_s: deque[float] = deque(maxlen=20)
         self._wake = asyncio.Event()
@@ -178,7 +193,10 @@ class JailPool:
         if self._closing:
             await jail.destroy()
             return
-        self.jail_pss_kb = await asyncio.to_thread(jail.process.pss_kb) or self.jail_pss_kb
+        now = time.monotonic()
+        if not self.jail_pss_kb or now - self._pss_at >= PSS_EVERY_S:
+            self._pss_at = now  # before the wait: two starts ending together measure once
+            self.jail_pss_kb = await asyncio.to_thread(jail.process.pss_kb) or self.jail_pss_kb
         # Started nice'd and at idle CPU weight so that its startup never competes with running
         # work; ready, it is idle and waits at normal priority and the run's limits, so that
         # taking it costs a run nothing more.
