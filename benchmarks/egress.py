@@ -48,6 +48,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
@@ -266,6 +268,39 @@ def _shaped_bytes(net: FakeNet) -> dict[str, int]:
 Sides = dict[str, tuple[Server, str]]
 
 
+@contextmanager
+def server_pair(base: Path, net: FakeNet, **names_settings: str) -> Iterator[tuple[Server, Server]]:
+    """The two servers every egress benchmark compares: (names, address). `names` lets its jails
+    out only through the proxy, to the fake internet's api host by name (its settings plus
+    `names_settings`); `address` opens ports 80 and 443 by IP, no proxy. Both stopped after."""
+    common = {"SANDBOX_AUTH_TOKEN": TOKEN, "SANDBOX_MAX_EXEC_MS": "300000", "SANDBOX_POOL_SIZE": "1"}
+    names = start_server(
+        base / "names",
+        settings={
+            **common,
+            "SANDBOX_EGRESS_ALLOW_DOMAINS": f"api.{DOMAIN}:80,api.{DOMAIN}:443",
+            "SANDBOX_EGRESS_DNS": net.dns,
+            "SANDBOX_EGRESS_SUBNET": f"10.219.{net.k}.0/24",
+            **names_settings,
+        },
+    )
+    try:
+        address = start_server(
+            base / "address",
+            settings={
+                **common,
+                "SANDBOX_OPEN_PORTS": "80,443",
+                "SANDBOX_EGRESS_SUBNET": f"10.220.{net.k}.0/24",
+            },
+        )
+        try:
+            yield names, address
+        finally:
+            address.stop()
+    finally:
+        names.stop()
+
+
 async def _rounds(sides: Sides, reps: int) -> dict[str, dict[str, list[float]]]:
     """`reps` runs of each side's code, alternating which goes first."""
     got: dict[str, dict[str, list[float]]] = {
@@ -313,49 +348,26 @@ async def measure(
     flows_per_run = 2 * n_big + n_small
     links: list[dict[str, Any]] = []
     with fake_internet(base / "net") as net:
-        common = {"SANDBOX_AUTH_TOKEN": TOKEN, "SANDBOX_MAX_EXEC_MS": "300000", "SANDBOX_POOL_SIZE": "1"}
-        names = start_server(
-            base / "names",
-            settings={
-                **common,
-                "SANDBOX_EGRESS_ALLOW_DOMAINS": f"api.{DOMAIN}:80,api.{DOMAIN}:443",
-                "SANDBOX_EGRESS_DNS": net.dns,
-                "SANDBOX_EGRESS_SUBNET": f"10.219.{net.k}.0/24",
-            },
-        )
-        try:
-            address = start_server(
-                base / "address",
-                settings={
-                    **common,
-                    "SANDBOX_OPEN_PORTS": "80,443",
-                    "SANDBOX_EGRESS_SUBNET": f"10.220.{net.k}.0/24",
-                },
-            )
+        with server_pair(base, net) as (names, address):
+            ca = net.ca.read_text()
+            sides: Sides = {
+                "proxy": (names, _code(ca, True, f"api.{DOMAIN}", n_big, n_small)),
+                "direct": (address, _code(ca, False, net.public, n_big, n_small)),
+            }
+            got = await _rounds(sides, reps)
             try:
-                ca = net.ca.read_text()
-                sides: Sides = {
-                    "proxy": (names, _code(ca, True, f"api.{DOMAIN}", n_big, n_small)),
-                    "direct": (address, _code(ca, False, net.public, n_big, n_small)),
-                }
-                got = await _rounds(sides, reps)
-                try:
-                    for rate in rates:
-                        qdisc = _shape(net, rate)
-                        shaped = await _rounds(sides, reps)
-                        # Proof the runs crossed the shaper: what it sent (and dropped) meanwhile.
-                        through = _shaped_bytes(net)
-                        _shape(net, None)
-                        links.append(
-                            {"rate_mbit": rate, "qdisc": qdisc, "shaper": through, "raw": shaped}
-                            | _summary(shaped, flows_per_run)
-                        )
-                finally:
+                for rate in rates:
+                    qdisc = _shape(net, rate)
+                    shaped = await _rounds(sides, reps)
+                    # Proof the runs crossed the shaper: what it sent (and dropped) meanwhile.
+                    through = _shaped_bytes(net)
                     _shape(net, None)
+                    links.append(
+                        {"rate_mbit": rate, "qdisc": qdisc, "shaper": through, "raw": shaped}
+                        | _summary(shaped, flows_per_run)
+                    )
             finally:
-                address.stop()
-        finally:
-            names.stop()
+                _shape(net, None)
         relayed = await relay(net, reps * 2, n_big, n_small * 3)
     summary = _summary(got, flows_per_run)
     summary["relay"] = relayed

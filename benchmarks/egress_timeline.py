@@ -39,10 +39,10 @@ from typing import Any
 from appliance.sandbox import egressproxy, egresssplice
 from appliance_client.client import AsyncClient
 from benchmarks.appliance_server import REPO, BenchError
-from benchmarks.egress import TOKEN, _shape
+from benchmarks.egress import TOKEN, _shape, server_pair
 from benchmarks.egress_flow import STEPS
 from tests.fakenet import DOMAIN, fake_internet
-from tests.support import Server, start_server
+from tests.support import Server
 
 MARKS_ENV = "APPLIANCE_BENCH_EGRESS_MARKS"  # where the names server's proxy writes its marks
 
@@ -243,67 +243,42 @@ async def measure(size: int, rate: int | None, rounds: int, n: int, base: Path) 
         side: {"http": [], "https": []} for side in ("proxy", "direct")
     }
     with fake_internet(base / "net") as net:
-        common = {"SANDBOX_AUTH_TOKEN": TOKEN, "SANDBOX_MAX_EXEC_MS": "300000", "SANDBOX_POOL_SIZE": "1"}
-        names = start_server(
-            base / "names",
-            settings={
-                **common,
-                "SANDBOX_EGRESS_ALLOW_DOMAINS": f"api.{DOMAIN}:80,api.{DOMAIN}:443",
-                "SANDBOX_EGRESS_DNS": net.dns,
-                "SANDBOX_EGRESS_SUBNET": f"10.219.{net.k}.0/24",
-                "PYTHONPATH": str(hook_dir),
-                MARKS_ENV: str(marks),
-            },
-        )
-        try:
-            address = start_server(
-                base / "address",
-                settings={
-                    **common,
-                    "SANDBOX_OPEN_PORTS": "80,443",
-                    "SANDBOX_EGRESS_SUBNET": f"10.220.{net.k}.0/24",
-                },
-            )
+        with server_pair(base, net, PYTHONPATH=str(hook_dir), **{MARKS_ENV: str(marks)}) as (names, address):
+            ca = net.ca.read_text()
+
+            def code(by_name: bool, host: str) -> str:
+                head = f"CA_PEM = {json.dumps(ca)}\nBY_NAME = {by_name}\nHOST = {host!r}\nSIZE = {size}\nN = {n}\n"
+                return head + CLIENT
+
+            sides = {
+                "proxy": (names, code(True, f"api.{DOMAIN}")),
+                "direct": (address, code(False, net.public)),
+            }
+            if rate is not None:
+                _shape(net, rate)
             try:
-                ca = net.ca.read_text()
-
-                def code(by_name: bool, host: str) -> str:
-                    head = f"CA_PEM = {json.dumps(ca)}\nBY_NAME = {by_name}\nHOST = {host!r}\nSIZE = {size}\nN = {n}\n"
-                    return head + CLIENT
-
-                sides = {
-                    "proxy": (names, code(True, f"api.{DOMAIN}")),
-                    "direct": (address, code(False, net.public)),
-                }
-                if rate is not None:
-                    _shape(net, rate)
-                try:
-                    await _run(names, sides["proxy"][1])  # warm: the name's answer kept, imports done
-                    marks.write_text("")
-                    for r in range(rounds):
-                        for side in ("proxy", "direct") if r % 2 == 0 else ("direct", "proxy"):
-                            server, source = sides[side]
-                            result = await _run(server, source)
-                            if side == "proxy":
-                                proxied = sorted(
-                                    (json.loads(line) for line in marks.read_text().splitlines() if line),
-                                    key=lambda m: m["task"],
-                                )
-                                marks.write_text("")
-                                flows = result["http"] + result["https"]
-                                if len(proxied) != len(flows):
-                                    raise BenchError(f"{len(flows)} client flows, {len(proxied)} proxy flows")
-                                for c, p in zip(flows, proxied, strict=True):
-                                    c.update({"p_" + k: v for k, v in p.items()})
-                            for kind in ("http", "https"):
-                                got[side][kind] += result[kind]
-                finally:
-                    if rate is not None:
-                        _shape(net, None)
+                await _run(names, sides["proxy"][1])  # warm: the name's answer kept, imports done
+                marks.write_text("")
+                for r in range(rounds):
+                    for side in ("proxy", "direct") if r % 2 == 0 else ("direct", "proxy"):
+                        server, source = sides[side]
+                        result = await _run(server, source)
+                        if side == "proxy":
+                            proxied = sorted(
+                                (json.loads(line) for line in marks.read_text().splitlines() if line),
+                                key=lambda m: m["task"],
+                            )
+                            marks.write_text("")
+                            flows = result["http"] + result["https"]
+                            if len(proxied) != len(flows):
+                                raise BenchError(f"{len(flows)} client flows, {len(proxied)} proxy flows")
+                            for c, p in zip(flows, proxied, strict=True):
+                                c.update({"p_" + k: v for k, v in p.items()})
+                        for kind in ("http", "https"):
+                            got[side][kind] += result[kind]
             finally:
-                address.stop()
-        finally:
-            names.stop()
+                if rate is not None:
+                    _shape(net, None)
     return {"flows": got, "size": size, "rate_mbit": rate, "load": os.getloadavg()}
 
 
