@@ -264,6 +264,29 @@ async def _get(proxy_port: int, name: str, port: int) -> bytes:
         return data
 
 
+@contextlib.asynccontextmanager
+async def _proxy(rules: list[str], resolver: Resolver, finished: list[Flow]) -> AsyncIterator[int]:
+    """A proxy for one jail on loopback that lets out only ALLOWED_FAR's net, under `rules`,
+    asking `resolver`; yields its port, each finished flow appended to `finished`."""
+    policy = EgressPolicy(
+        ports=(),
+        allow_nets=(IPv4Network(f"{ALLOWED_FAR}/32"),),
+        dns=(),
+        subnet=IPv4Network("10.225.0.0/24"),
+        host_addresses=(),
+        proxy_port=0,
+    )
+    layers = Layers(parse_rules(rules, "test"))
+    proxy = EgressProxy(policy, layers, resolver, 5.0, on_flow=lambda f, _: finished.append(f))
+    link = JailLink(0, "test", "test", IPv4Address("127.0.0.1"), IPv4Address("127.0.0.1"))
+    await proxy.listen(link)
+    try:
+        proxy.begin(link, Scope(layers, "test"))
+        yield proxy._jails[0].listener.getsockname()[1]
+    finally:
+        await proxy.close()
+
+
 async def test_a_rebinding_name_cannot_get_past_the_check_with_answers_kept(
     fake_dns: tuple[FakeDns, int],
 ) -> None:
@@ -274,46 +297,31 @@ async def test_a_rebinding_name_cannot_get_past_the_check_with_answers_kept(
     server, dns_port = fake_dns
     allowed, blocked, port = await _far_pair()
     clock = Clock()
-    policy = EgressPolicy(
-        ports=(),
-        allow_nets=(IPv4Network(f"{ALLOWED_FAR}/32"),),
-        dns=(),
-        subnet=IPv4Network("10.225.0.0/24"),
-        host_addresses=(),
-        proxy_port=0,
-    )
-    layers = Layers(parse_rules([f"rebind.test:{port}", f"private.test:{port}"], "test"))
     finished: list[Flow] = []
-    proxy = EgressProxy(
-        policy, layers, _resolver(dns_port, clock), 5.0, on_flow=lambda f, _: finished.append(f)
-    )
-    link = JailLink(0, "test", "test", IPv4Address("127.0.0.1"), IPv4Address("127.0.0.1"))
-    await proxy.listen(link)
-    proxy.begin(link, Scope(layers, "test"))
-    proxy_port = proxy._jails[0].listener.getsockname()[1]
+    rules = [f"rebind.test:{port}", f"private.test:{port}"]
     try:
-        server.zone["rebind.test"] = (30, [ALLOWED_FAR])
-        assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")
-        server.zone["rebind.test"] = (30, [BLOCKED_FAR])  # the rebinding
-        assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")  # the kept, checked answer
-        assert [f.address for f in finished] == [ALLOWED_FAR, ALLOWED_FAR]
-        assert server.asked == ["rebind.test"]
-        clock.now += 30
-        refused = await _get(proxy_port, "rebind.test", port)
-        assert refused.startswith(b"HTTP/1.1 403 ")
-        assert f"resolves to {BLOCKED_FAR}".encode() in refused
-        assert server.asked == ["rebind.test", "rebind.test"]
-        assert finished[-1].decision == "denied" and finished[-1].address is None
-
-        server.zone["private.test"] = (30, [BLOCKED_FAR])
-        for _ in range(2):
-            refused = await _get(proxy_port, "private.test", port)
+        async with _proxy(rules, _resolver(dns_port, clock), finished) as proxy_port:
+            server.zone["rebind.test"] = (30, [ALLOWED_FAR])
+            assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")
+            server.zone["rebind.test"] = (30, [BLOCKED_FAR])  # the rebinding
+            assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")  # the kept, checked answer
+            assert [f.address for f in finished] == [ALLOWED_FAR, ALLOWED_FAR]
+            assert server.asked == ["rebind.test"]
+            clock.now += 30
+            refused = await _get(proxy_port, "rebind.test", port)
             assert refused.startswith(b"HTTP/1.1 403 ")
-        assert server.asked.count("private.test") == 1  # the second was the kept answer, checked again
-        assert allowed.accepted == 2
-        assert blocked.accepted == 0
+            assert f"resolves to {BLOCKED_FAR}".encode() in refused
+            assert server.asked == ["rebind.test", "rebind.test"]
+            assert finished[-1].decision == "denied" and finished[-1].address is None
+
+            server.zone["private.test"] = (30, [BLOCKED_FAR])
+            for _ in range(2):
+                refused = await _get(proxy_port, "private.test", port)
+                assert refused.startswith(b"HTTP/1.1 403 ")
+            assert server.asked.count("private.test") == 1  # the second was the kept answer, checked again
+            assert allowed.accepted == 2
+            assert blocked.accepted == 0
     finally:
-        await proxy.close()
         for far in (allowed, blocked):
             assert far.server is not None
             far.server.close()
@@ -327,39 +335,25 @@ async def test_a_rebinding_name_cannot_get_past_the_host_resolvers_kept_answer(
     refused, and nothing ever reaches the blocked address."""
     allowed, blocked, port = await _far_pair()
     clock = Clock()
-    policy = EgressPolicy(
-        ports=(),
-        allow_nets=(IPv4Network(f"{ALLOWED_FAR}/32"),),
-        dns=(),
-        subnet=IPv4Network("10.225.0.0/24"),
-        host_addresses=(),
-        proxy_port=0,
-    )
-    layers = Layers(parse_rules([f"rebind.test:{port}"], "test"))
     finished: list[Flow] = []
-    proxy = EgressProxy(policy, layers, Resolver(clock=clock), 5.0, on_flow=lambda f, _: finished.append(f))
-    link = JailLink(0, "test", "test", IPv4Address("127.0.0.1"), IPv4Address("127.0.0.1"))
-    await proxy.listen(link)
-    proxy.begin(link, Scope(layers, "test"))
-    proxy_port = proxy._jails[0].listener.getsockname()[1]
     try:
-        host_lookups.names["rebind.test"] = [ALLOWED_FAR]
-        assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")
-        host_lookups.names["rebind.test"] = [BLOCKED_FAR]  # the rebinding
-        assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")  # the kept, checked answer
-        assert [f.address for f in finished] == [ALLOWED_FAR, ALLOWED_FAR]
-        assert host_lookups.asked == ["rebind.test"]
-        clock.now += egressresolve.HOST_CACHE_S
-        for _ in range(2):  # the new answer, refused; kept, and refused again at its next use
-            refused = await _get(proxy_port, "rebind.test", port)
-            assert refused.startswith(b"HTTP/1.1 403 ")
-            assert f"resolves to {BLOCKED_FAR}".encode() in refused
-        assert host_lookups.asked == ["rebind.test", "rebind.test"]
-        assert [f.decision for f in finished[-2:]] == ["denied", "denied"]
-        assert allowed.accepted == 2
-        assert blocked.accepted == 0
+        async with _proxy([f"rebind.test:{port}"], Resolver(clock=clock), finished) as proxy_port:
+            host_lookups.names["rebind.test"] = [ALLOWED_FAR]
+            assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")
+            host_lookups.names["rebind.test"] = [BLOCKED_FAR]  # the rebinding
+            assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")  # the kept, checked answer
+            assert [f.address for f in finished] == [ALLOWED_FAR, ALLOWED_FAR]
+            assert host_lookups.asked == ["rebind.test"]
+            clock.now += egressresolve.HOST_CACHE_S
+            for _ in range(2):  # the new answer, refused; kept, and refused again at its next use
+                refused = await _get(proxy_port, "rebind.test", port)
+                assert refused.startswith(b"HTTP/1.1 403 ")
+                assert f"resolves to {BLOCKED_FAR}".encode() in refused
+            assert host_lookups.asked == ["rebind.test", "rebind.test"]
+            assert [f.decision for f in finished[-2:]] == ["denied", "denied"]
+            assert allowed.accepted == 2
+            assert blocked.accepted == 0
     finally:
-        await proxy.close()
         for far in (allowed, blocked):
             assert far.server is not None
             far.server.close()
