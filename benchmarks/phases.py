@@ -175,7 +175,11 @@ def serve(argv: list[str]) -> int:
     out = Path(os.environ[OUT_ENV])
 
     def dump(_signum: int, _frame: object) -> None:
-        out.write_text(timeline.table())
+        # Written beside and renamed: the client polls for the file, and must never read it
+        # half written (a CI run read it empty under load).
+        part = out.with_name(out.name + ".part")
+        part.write_text(timeline.table())
+        part.replace(out)
 
     signal.signal(signal.SIGUSR1, dump)
     return cli_main(argv)
