@@ -7,6 +7,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -72,6 +73,14 @@ async def until_async(
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not met within {scaled(timeout):.0f} s")
         await asyncio.sleep(poll)
+
+
+def metric(server: LocalServer, name: str) -> float:
+    """One unlabelled (or fully labelled) sample of the server's /metrics; 0 where absent."""
+    status, text = server.get("/metrics")
+    assert status == 200, text
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 # One spawner for tests, benchmarks and users: tests add small pools, no preload and

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import re
 import secrets
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -18,7 +17,7 @@ import aiohttp
 import pytest
 
 from appliance_client.client import AsyncClient, Execution
-from tests.support import Server, scaled, start_server, until_async
+from tests.support import Server, metric, scaled, start_server, until_async
 
 HOLD = "print('up', flush=True)\ninput()\nprint('released')"
 
@@ -35,13 +34,6 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Pa
     )
     yield srv, outdir
     srv.stop()
-
-
-def metric(server: Server, name: str) -> float:
-    status, text = server.get("/metrics")
-    assert status == 200, text
-    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 BUSY = 'appliance_runs_total{status="busy"}'

@@ -24,7 +24,7 @@ from appliance.runtime.local import ServerStartError
 from appliance_client.client import AsyncClient
 from tests import nvml_standin
 from tests.nvml_standin import Host
-from tests.support import Server, scaled, start_server
+from tests.support import Server, scaled, start_server, until_async
 from tests.test_gpu_server import host_pid_of, simulate
 
 MARGIN_MB = 128
@@ -163,19 +163,24 @@ async def test_best_effort_leaves_a_run_nvml_cannot_measure_running_and_says_so_
     best_effort: tuple[Server, Host],
 ) -> None:
     srv, host = best_effort
-    code = (
-        "import subprocess, time\nsubprocess.Popen(['sleep', '77.6'])\nprint('up', flush=True)\ntime.sleep(2)"
-    )
+    # The run lives until the watchdog has read it (its line on stdin), not for a fixed time.
+    code = "import subprocess\nsubprocess.Popen(['sleep', '77.6'])\nprint('up', flush=True)\ninput()"
+
+    def degraded() -> dict[str, Any]:
+        gpu = readyz(srv)[1]["gpu"]
+        assert isinstance(gpu, dict)
+        found: dict[str, Any] = gpu["degraded"]
+        return found
+
     async with AsyncClient(srv.url) as c:
-        run = asyncio.create_task(c.execute(code, gpu={"memory_mb": 1000}))
+        run = asyncio.create_task(c.execute(code, id="unmeasured", gpu={"memory_mb": 1000}))
         pid = await asyncio.to_thread(host_pid_of, srv, "sleep 77.6")
         host.use(pid, None)  # usedGpuMemory unavailable: the memory is in the device's total only
+        await until_async(lambda: "per_process_memory" in degraded(), 20, "the watchdog read the run")
+        await c.stdin("unmeasured", "\n")
         ex = await asyncio.wait_for(run, scaled(20))
     assert ex.status == "ok", ex.frames
-    _, body = readyz(srv)
-    gpu = body["gpu"]
-    assert isinstance(gpu, dict)
-    assert "NVML_VALUE_NOT_AVAILABLE" in gpu["degraded"]["per_process_memory"], gpu["degraded"]
+    assert "NVML_VALUE_NOT_AVAILABLE" in degraded()["per_process_memory"], degraded()
     assert 'appliance_gpu_degraded{reason="per_process_memory"} 1.0' in metric_lines(
         srv, "appliance_gpu_degraded"
     )

@@ -11,7 +11,7 @@ from typing import Any, Unpack
 import pytest
 
 from appliance_client.client import AsyncClient, Execution, RequestOptions
-from tests.support import Server, jail_factory, jail_processes, start_server, until_async
+from tests.support import Server, jail_factory, jail_processes, metric, scaled, start_server, until_async
 
 
 @pytest.fixture(scope="module")
@@ -304,16 +304,20 @@ async def test_past_the_queue_a_request_is_answered_busy_and_nothing_runs(
     srv = start_server(tmp_path_factory.mktemp("busy"), SANDBOX_MAX_CONCURRENCY="1", SANDBOX_MAX_QUEUE="1")
     try:
         async with AsyncClient(srv.url, retry_busy_s=0) as c:
-            running = asyncio.create_task(c.execute("import time\ntime.sleep(1.5)\nprint('first')"))
-            await asyncio.sleep(0.5)
+            # The second is sent once the first runs (its line came back), and the third once
+            # the server has queued the second: no fixed sleeps for a busy machine to outlast.
+            up = asyncio.Event()
+            code = "import time\nprint('up', flush=True)\ntime.sleep(2)\nprint('first')"
+            running = asyncio.create_task(c.execute(code, on_stdout=lambda _: up.set()))
+            await asyncio.wait_for(up.wait(), scaled(30))
             queued = asyncio.create_task(c.execute("print('second')"))
-            await asyncio.sleep(0.2)
+            await until_async(lambda: metric(srv, "appliance_queue_depth") >= 1, 10, "the second run queued")
             refused = await c.execute("open('/workspace/outputs/ran', 'w')\nprint('third')")
             first, second = await running, await queued
         assert refused.status == "busy" and "queue is full" in (refused.message or "")
         assert refused.stdout == "" and [f["type"] for f in refused.frames] == ["done"]
-        assert first.stdout == "first\n" and second.stdout == "second\n"
-        assert second.frames[0]["queued_ms"] >= 500
+        assert first.stdout == "up\nfirst\n" and second.stdout == "second\n"
+        assert second.frames[0]["queued_ms"] > 0
     finally:
         srv.stop()
 

@@ -11,17 +11,21 @@ import pytest
 import websockets
 
 from appliance_client.client import AsyncClient
-from tests.support import cmdline, jail_processes, start_server
+from tests.support import cmdline, jail_processes, scaled, start_server
 
 
 async def test_a_run_shorter_than_the_grace_period_finishes_after_sigterm(tmp_path: Path) -> None:
     server = start_server(tmp_path, SANDBOX_SHUTDOWN_GRACE_MS="5000")
     async with AsyncClient(server.url) as c:
-        task = asyncio.create_task(c.execute("import time\ntime.sleep(1.5)\nprint('finished')"))
-        await asyncio.sleep(0.5)
+        # SIGTERM once the run has started (its first line came back), not after a fixed time
+        # that a loaded machine may not have spent starting it.
+        up = asyncio.Event()
+        code = "import time\nprint('started', flush=True)\ntime.sleep(1.5)\nprint('finished')"
+        task = asyncio.create_task(c.execute(code, on_stdout=lambda _: up.set()))
+        await asyncio.wait_for(up.wait(), scaled(30))
         server.proc.send_signal(signal.SIGTERM)
         ex = await task
-    assert ex.status == "ok" and ex.stdout == "finished\n"
+    assert ex.status == "ok" and ex.stdout == "started\nfinished\n"
     assert await asyncio.to_thread(server.proc.wait, 30) == 0
     with pytest.raises(ConnectionRefusedError):
         async with websockets.connect(server.url, open_timeout=2):
@@ -31,8 +35,10 @@ async def test_a_run_shorter_than_the_grace_period_finishes_after_sigterm(tmp_pa
 async def test_a_run_longer_than_the_grace_period_is_cancelled_with_a_done(tmp_path: Path) -> None:
     server = start_server(tmp_path, SANDBOX_SHUTDOWN_GRACE_MS="1000", SANDBOX_POOL_SIZE="0")
     async with AsyncClient(server.url) as c:
-        task = asyncio.create_task(c.execute("import time\nprint('started', flush=True)\ntime.sleep(60)"))
-        await asyncio.sleep(1.0)
+        up = asyncio.Event()
+        code = "import time\nprint('started', flush=True)\ntime.sleep(60)"
+        task = asyncio.create_task(c.execute(code, on_stdout=lambda _: up.set()))
+        await asyncio.wait_for(up.wait(), scaled(30))  # a cold jail: seconds on a loaded machine
         server.proc.send_signal(signal.SIGTERM)
         ex = await asyncio.wait_for(task, 20)
     assert ex.status == "cancelled" and "shutting down" in (ex.message or "")

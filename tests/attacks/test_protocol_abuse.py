@@ -493,16 +493,23 @@ async def test_a_request_flood_gets_one_done_each(target: Server, observe: Obser
 async def test_a_busy_session_rejects_a_second_request(target: Server, observe: Observe) -> None:
     async with AsyncClient(target.url, TOKEN) as c:
         s = await c.execute("n = 0", session="new")
+        # The second is sent once the first cell runs (its line came back), not after a fixed
+        # time: on a stalled server both could be handled before the first took the session.
+        up = asyncio.Event()
         first = asyncio.create_task(
-            c.execute("import time\ntime.sleep(1)\nn += 1\nprint(n)", session=s.session)
+            c.execute(
+                "import time\nprint('in', flush=True)\ntime.sleep(1)\nn += 1\nprint(n)",
+                session=s.session,
+                on_stdout=lambda _: up.set(),
+            )
         )
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(up.wait(), scaled(30))
         second = await c.execute("n += 100", session=s.session)
         f = await first
         final = await c.execute("print(n)", session=s.session)
         assert s.session is not None
         await c.close_session(s.session)
-    assert second.status == "rejected" and f.stdout == "1\n" and final.stdout == "1\n", (second, f, final)
+    assert second.status == "rejected" and f.stdout == "in\n1\n" and final.stdout == "1\n", (second, f, final)
     observe(f"second: {second.message}")
 
 
