@@ -246,9 +246,11 @@ def report_throughput(targets: list[Target], clients: int, window_s: float) -> s
     ]
     for t in targets:
         ratios = [a / b for a, b in zip(t.runs_per_s, base.runs_per_s, strict=True) if b > 0]
+        # A window in which the base finished nothing gives no ratio (a machine too busy for it).
+        spread = f"{percentile(ratios, 50):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]" if ratios else "n/a"
         rows.append(
             f"| {t.name} | {len(t.runs_per_s)} | {percentile(t.runs_per_s, 50):.2f} / "
-            f"{sum(t.runs_per_s) / len(t.runs_per_s):.2f} | {percentile(ratios, 50):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] |"
+            f"{sum(t.runs_per_s) / len(t.runs_per_s):.2f} | {spread} |"
         )
     return "\n".join(rows)
 

@@ -18,7 +18,16 @@ from appliance.sandbox.pool import JailPool, mem_available_kb
 from appliance.sandbox.process import JailProcess
 from appliance.sandbox.proctree import descendants
 from appliance_client.client import AsyncClient, Execution, RequestOptions
-from tests.support import Server, descriptors_on, jail_factory, reachable_tmp_root, run_root, start_server
+from tests.support import (
+    Server,
+    descriptors_on,
+    jail_factory,
+    reachable_tmp_root,
+    run_root,
+    start_server,
+    until,
+    until_async,
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +59,8 @@ def comm(pid: int) -> str:
 
 
 async def wait_pool_ready(server: Server, count: int) -> None:
-    for _ in range(200):
-        if metric(server, "appliance_pool_ready") >= count:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the pool did not refill")
+    # Refills start niced and weighted low: on a busy machine they wait their turn.
+    await until_async(lambda: metric(server, "appliance_pool_ready") >= count, 60, "the pool refilled")
 
 
 async def test_nothing_one_pooled_run_leaves_is_visible_to_the_next(pooled: Server) -> None:
@@ -327,11 +333,16 @@ def jail_processes_of(factory: JailFactory) -> list[int]:
 
 
 def test_the_memory_the_pool_sizes_by_is_the_kernels_memavailable() -> None:
-    lines = Path("/proc/meminfo").read_text().splitlines()
-    listed = next(int(line.split()[1]) for line in lines if line.startswith("MemAvailable:"))
-    # The kernel's figure moves between two reads: the same line, within a few MiB.
+    def listed() -> int:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        return next(int(line.split()[1]) for line in lines if line.startswith("MemAvailable:"))
+
     assert mem_available_kb() > 0
-    assert abs(mem_available_kb() - listed) < 64 * 1024
+    # The kernel's figure moves between two reads: the same line, within a few MiB. Another
+    # test's allocation between the two can move it further, so a pair is read until one agrees.
+    until(
+        lambda: abs(mem_available_kb() - listed()) < 64 * 1024, 5, "two reads of MemAvailable within 64 MiB"
+    )
 
 
 async def test_the_pool_measures_its_jails_pss_once_for_jails_started_together(

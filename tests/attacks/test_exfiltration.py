@@ -11,7 +11,7 @@ from pathlib import Path
 from appliance.runtime.canary import ALLOWED_JAIL_ENV
 from appliance_client.client import AsyncClient
 from tests.attacks.common import AWS_SECRET, TOKEN, attack, probe, run, run_dirs
-from tests.support import REPO, Server, run_root
+from tests.support import REPO, Server, run_root, until_async
 
 Observe = Callable[[str], None]
 
@@ -123,14 +123,13 @@ async def test_another_runs_files_are_out_of_reach(target: Server, observe: Obse
         victim = asyncio.create_task(
             c.execute("import time\nopen('victim-secret.txt','w').write('VICTIM-DATA-31337')\ntime.sleep(4)")
         )
-        for _ in range(100):
-            dirs = run_dirs(target)
-            base = run_root(Path(target.env["SANDBOX_TMP_ROOT"]), target.proc.pid)
-            found = [d for d in dirs if (base / d / "victim-secret.txt").exists()]
-            if found:
-                break
-            await asyncio.sleep(0.05)
-        assert found, "victim run never started"
+        base = run_root(Path(target.env["SANDBOX_TMP_ROOT"]), target.proc.pid)
+        # A cold jail (no pool here): seconds on a loaded machine.
+        found = await until_async(
+            lambda: [d for d in run_dirs(target) if (base / d / "victim-secret.txt").exists()],
+            30,
+            "the victim run wrote its file",
+        )
         host_path = str(base / found[0] / "victim-secret.txt")
         code = f"""
 import errno, json, os
