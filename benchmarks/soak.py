@@ -288,15 +288,18 @@ def leftover_groups(pid: int) -> list[str]:
     return sorted(found)
 
 
-def settle(server: Server, timeout: float = 30) -> tuple[list[int], list[str]]:
+def settle(server: Server, timeout: float = 30) -> tuple[list[int], list[str], list[str]]:
+    """Wait until the runs left no process, run directory or cgroup; what is left at the end.
+    A jail removes its directory before its group, so all three are waited for together."""
     from tests.attacks.common import run_dirs
-    from tests.support import run_descendants
+    from tests.support import run_descendants, scaled
 
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while True:
         procs, dirs = run_descendants(server.proc.pid), run_dirs(server)
-        if (not procs and not dirs) or time.monotonic() > deadline:
-            return procs, dirs
+        groups = leftover_groups(server.proc.pid)
+        if not (procs or dirs or groups) or time.monotonic() > deadline:
+            return procs, dirs, groups
         time.sleep(0.2)
 
 
@@ -357,8 +360,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:  # noqa: C901, PLR091
         rss_before, fds_before = rss_kb(server.proc.pid), fd_count(server.proc.pid)
         peak = [rss_before]
         tally, seconds = asyncio.run(soak(server, total, args.concurrency, args.seed, peak))
-        procs, dirs = settle(server)
-        groups = leftover_groups(server.proc.pid)
+        procs, dirs, groups = settle(server)
         mounts = [str(p) for p in runfs.mounts_under(work / "appliance")]
         time.sleep(1)
         rss_after, fds_after = rss_kb(server.proc.pid), fd_count(server.proc.pid)

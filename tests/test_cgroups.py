@@ -204,6 +204,7 @@ def test_members_are_the_groups_processes_read_anew_each_time(tree: cgroups.Hier
             p.wait()
 
 
+@pytest.mark.exclusive  # any server starting meanwhile (another worker's) would purge the planted dead instance first
 def test_purge_removes_only_dead_servers_groups(tree: cgroups.Hierarchy) -> None:
     """A server killed with -9 leaves its instance directory; the next start removes it, and the
     processes still in it, but never the directory of a server that is still alive, nor one of

@@ -15,7 +15,7 @@ import pytest
 from appliance.core.tenants import owner_of
 from appliance.sandbox import outputs
 from appliance_client.client import AsyncClient
-from tests.support import Server, scaled, start_server
+from tests.support import Server, scaled, start_server, until_async
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +119,16 @@ async def test_persisted_runs_past_their_retention_are_swept(
         while persisted.exists() and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         assert not persisted.exists(), "the sweeper did not remove a run past its retention"
+        # The sweep removes it in a thread and logs when the thread is back: wait for the line
+        # before stopping the server, which would cancel the sweeper between the two.
+        await until_async(
+            lambda: "removed persisted outputs past their retention" in server.logs(),
+            30,
+            "the sweeper's log line",
+        )
         assert server.proc.poll() is None
     finally:
         server.stop()
-    assert "removed persisted outputs past their retention" in server.logs()
 
 
 def test_sweep_removes_only_runs_older_than_the_retention(tmp_path: Path) -> None:

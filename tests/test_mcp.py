@@ -28,9 +28,9 @@ from pydantic import AnyUrl
 from appliance import __version__
 from appliance.api import mcp_tools
 from appliance_client.cli import exec_url
-from appliance_client.client import AsyncClient
+from appliance_client.client import AsyncClient, Execution
 from tests.models import write_tiny_llama, write_tiny_whisper
-from tests.support import CHECKOUT_PATH, REPO, Server, scaled, start_server
+from tests.support import CHECKOUT_PATH, REPO, Server, scaled, start_server, until_async
 
 TOKEN = "mcp-test-token-0123456789abcdef"
 FIGURE = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nNone"
@@ -308,10 +308,17 @@ class TestSessionLifetime:
                 alive = await client.execute("y", session=session.group(1))
                 assert alive.text == "1"
         # The MCP session ended (HTTP: the client's DELETE; stdio: the process exited), and
-        # its appliance session with it, not at the idle timeout.
+        # its appliance session with it, not at the idle timeout. The close follows the end
+        # (the SDK answers the DELETE first), so it is waited for, well within the idle timeout.
+        tries: list[Execution] = []
         async with AsyncClient(authed.url, TOKEN) as client:
-            gone = await client.execute("y", session=session.group(1))
-        assert gone.status == "rejected" and "no such session" in (gone.message or ""), gone.frames
+
+            async def ended() -> bool:
+                tries.append(await client.execute("y", session=session.group(1)))
+                return tries[-1].status == "rejected"
+
+            closed: bool = await until_async(ended, 10, "the appliance session closed with the MCP session")
+        assert closed and "no such session" in (tries[-1].message or ""), tries[-1].frames
 
 
 class TestStdioCli:
