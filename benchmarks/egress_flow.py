@@ -52,45 +52,57 @@ from benchmarks.appliance_server import BenchError
 from benchmarks.egress import _shape
 from tests.fakenet import DOMAIN, FakeNet, fake_internet
 
-CLIENT = r"""
-import json, socket, ssl, sys, time
-host, port, proxy, n, tls, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1", int(sys.argv[6])
-ctx = ssl.create_default_context(cafile=CA) if tls else None
-now = time.monotonic
-def get():
+# One timed HTTP/1.1 download of /bytes/SIZE, its marks since its start, in a client process
+# (which defines `now`): direct, through the proxy as an absolute-form GET, or over TLS, through
+# a CONNECT tunnel where proxied. The flow benchmark runs it on the host; egress_timeline runs
+# it in a jail.
+TIMED_GET = r"""
+def timed_get(address, name, port, ctx, proxied, size):
     t = {"start": now()}
-    s = socket.create_connection(("127.0.0.1", proxy) if proxy else (host, port))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s = socket.create_connection(address)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as http.client does
     t["connected"] = now()
     if ctx is not None:
-        if proxy:
-            s.sendall(("CONNECT %s:%d HTTP/1.1\r\nHost: %s:%d\r\n\r\n" % (NAME, port, NAME, port)).encode())
+        if proxied:
+            s.sendall(("CONNECT %s:%d HTTP/1.1\r\nHost: %s:%d\r\n\r\n" % (name, port, name, port)).encode())
             head = b""
             while not head.endswith(b"\r\n\r\n"):
-                head += s.recv(1)
+                head += s.recv(1)  # never past the head: what follows is the tunnel's
             assert head.startswith(b"HTTP/1.1 200"), head
             t["established"] = now()
-        s = ctx.wrap_socket(s, server_hostname=NAME)
+        s = ctx.wrap_socket(s, server_hostname=name)
         t["tls"] = now()
-    target = ("http://%s" % NAME if proxy and ctx is None else "") + "/bytes/%d" % size
-    s.sendall(("GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % (target, NAME)).encode())
+    target = ("http://%s" % name if proxied and ctx is None else "") + "/bytes/%d" % size
+    s.sendall(("GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % (target, name)).encode())
     t["sent"] = now()
     parts = [s.recv(262144)]
-    t["first"] = now()
+    t["first"] = t["last"] = now()
     while True:
         more = s.recv(262144)
         if not more:
             break
         t["last"] = now()
         parts.append(more)
-    s.close()
     t["end"] = now()
+    s.close()
     data = b"".join(parts)
     assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"x" * min(size, 100)), data[-200:]
-    t.setdefault("last", t["first"])
     return t
-print(json.dumps([get() for _ in range(n)]))
 """
+
+CLIENT = (
+    r"""
+import json, socket, ssl, sys, time
+host, port, proxy, n, tls, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1", int(sys.argv[6])
+ctx = ssl.create_default_context(cafile=CA) if tls else None
+now = time.monotonic
+"""
+    + TIMED_GET
+    + r"""
+address = ("127.0.0.1", proxy) if proxy else (host, port)
+print(json.dumps([timed_get(address, NAME, port, ctx, bool(proxy), size) for _ in range(n)]))
+"""
+)
 
 # The proxy's steps timed in the timeline rounds: (the method, the mark at its end).
 STEPS = {

@@ -40,7 +40,7 @@ from appliance.sandbox import egressproxy, egresssplice
 from appliance_client.client import AsyncClient
 from benchmarks.appliance_server import REPO, BenchError
 from benchmarks.egress import TOKEN, _shape, server_pair
-from benchmarks.egress_flow import STEPS
+from benchmarks.egress_flow import STEPS, TIMED_GET
 from tests.fakenet import DOMAIN, fake_internet
 from tests.support import Server
 
@@ -55,7 +55,8 @@ if os.environ.get({MARKS_ENV!r}):
     hook(os.environ[{MARKS_ENV!r}])
 """
 
-CLIENT = r"""
+CLIENT = (
+    r"""
 import json, os, socket, ssl, time, urllib.parse
 open("/tmp/ca.pem", "w").write(CA_PEM)
 ctx = ssl.create_default_context(cafile="/tmp/ca.pem")
@@ -63,40 +64,16 @@ if not BY_NAME:
     ctx.check_hostname = False  # addressed by IP: the certificate names the host, not the address
 now = time.monotonic
 proxy = urllib.parse.urlsplit(os.environ["HTTPS_PROXY"]) if BY_NAME else None
+"""
+    + TIMED_GET
+    + r"""
 def get(tls):
     port = 443 if tls else 80
-    t = {"start": now()}
-    s = socket.create_connection((proxy.hostname, proxy.port) if proxy else (HOST, port))
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as http.client does
-    t["connected"] = now()
-    if tls:
-        if proxy:
-            s.sendall(("CONNECT %s:%d HTTP/1.1\r\nHost: %s:%d\r\n\r\n" % (HOST, port, HOST, port)).encode())
-            head = b""
-            while not head.endswith(b"\r\n\r\n"):
-                head += s.recv(4096)
-            assert head.startswith(b"HTTP/1.1 200"), head
-            t["established"] = now()
-        s = ctx.wrap_socket(s, server_hostname=HOST)
-        t["tls"] = now()
-    target = ("http://%s" % HOST if proxy and not tls else "") + "/bytes/%d" % SIZE
-    s.sendall(("GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % (target, HOST)).encode())
-    t["sent"] = now()
-    parts = [s.recv(262144)]
-    t["first"] = t["last"] = now()
-    while True:
-        more = s.recv(262144)
-        if not more:
-            break
-        t["last"] = now()
-        parts.append(more)
-    t["end"] = now()
-    s.close()
-    data = b"".join(parts)
-    assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"x" * min(SIZE, 100)), data[:200]
-    return t
+    address = (proxy.hostname, proxy.port) if proxy else (HOST, port)
+    return timed_get(address, HOST, port, ctx if tls else None, proxy is not None, SIZE)
 print(json.dumps({"http": [get(False) for _ in range(N)], "https": [get(True) for _ in range(N)]}))
 """
+)
 
 # The client's marks, since its start.
 CLIENT_MARKS = [
