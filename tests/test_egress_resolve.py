@@ -239,8 +239,9 @@ class Far:
         return int(self.server.sockets[0].getsockname()[1])
 
 
-async def _far_pair() -> tuple[Far, Far, int]:
-    """The two far ends on one port (a rule names one port)."""
+@contextlib.asynccontextmanager
+async def _far_pair() -> AsyncIterator[tuple[Far, Far, int]]:
+    """The two far ends on one port (a rule names one port), closed on the way out."""
     for _ in range(20):
         allowed, blocked = Far(ALLOWED_FAR), Far(BLOCKED_FAR)
         port = await allowed.start(0)
@@ -250,8 +251,15 @@ async def _far_pair() -> tuple[Far, Far, int]:
             assert allowed.server is not None
             allowed.server.close()
             continue
-        return allowed, blocked, port
-    raise AssertionError("no port free on both far addresses")
+        break
+    else:
+        raise AssertionError("no port free on both far addresses")
+    try:
+        yield allowed, blocked, port
+    finally:
+        for far in (allowed, blocked):
+            assert far.server is not None
+            far.server.close()
 
 
 async def _get(proxy_port: int, name: str, port: int) -> bytes:
@@ -295,36 +303,34 @@ async def test_a_rebinding_name_cannot_get_past_the_check_with_answers_kept(
     answer is asked for, checked, and refused: nothing ever reaches the blocked address.
     A kept answer naming a blocked address is refused at every use, not once."""
     server, dns_port = fake_dns
-    allowed, blocked, port = await _far_pair()
     clock = Clock()
     finished: list[Flow] = []
-    rules = [f"rebind.test:{port}", f"private.test:{port}"]
-    try:
-        async with _proxy(rules, _resolver(dns_port, clock), finished) as proxy_port:
-            server.zone["rebind.test"] = (30, [ALLOWED_FAR])
-            assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")
-            server.zone["rebind.test"] = (30, [BLOCKED_FAR])  # the rebinding
-            assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")  # the kept, checked answer
-            assert [f.address for f in finished] == [ALLOWED_FAR, ALLOWED_FAR]
-            assert server.asked == ["rebind.test"]
-            clock.now += 30
-            refused = await _get(proxy_port, "rebind.test", port)
-            assert refused.startswith(b"HTTP/1.1 403 ")
-            assert f"resolves to {BLOCKED_FAR}".encode() in refused
-            assert server.asked == ["rebind.test", "rebind.test"]
-            assert finished[-1].decision == "denied" and finished[-1].address is None
+    async with (
+        _far_pair() as (allowed, blocked, port),
+        _proxy(
+            [f"rebind.test:{port}", f"private.test:{port}"], _resolver(dns_port, clock), finished
+        ) as proxy_port,
+    ):
+        server.zone["rebind.test"] = (30, [ALLOWED_FAR])
+        assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")
+        server.zone["rebind.test"] = (30, [BLOCKED_FAR])  # the rebinding
+        assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")  # the kept, checked answer
+        assert [f.address for f in finished] == [ALLOWED_FAR, ALLOWED_FAR]
+        assert server.asked == ["rebind.test"]
+        clock.now += 30
+        refused = await _get(proxy_port, "rebind.test", port)
+        assert refused.startswith(b"HTTP/1.1 403 ")
+        assert f"resolves to {BLOCKED_FAR}".encode() in refused
+        assert server.asked == ["rebind.test", "rebind.test"]
+        assert finished[-1].decision == "denied" and finished[-1].address is None
 
-            server.zone["private.test"] = (30, [BLOCKED_FAR])
-            for _ in range(2):
-                refused = await _get(proxy_port, "private.test", port)
-                assert refused.startswith(b"HTTP/1.1 403 ")
-            assert server.asked.count("private.test") == 1  # the second was the kept answer, checked again
-            assert allowed.accepted == 2
-            assert blocked.accepted == 0
-    finally:
-        for far in (allowed, blocked):
-            assert far.server is not None
-            far.server.close()
+        server.zone["private.test"] = (30, [BLOCKED_FAR])
+        for _ in range(2):
+            refused = await _get(proxy_port, "private.test", port)
+            assert refused.startswith(b"HTTP/1.1 403 ")
+        assert server.asked.count("private.test") == 1  # the second was the kept answer, checked again
+        assert allowed.accepted == 2
+        assert blocked.accepted == 0
 
 
 async def test_a_rebinding_name_cannot_get_past_the_host_resolvers_kept_answer(
@@ -333,27 +339,24 @@ async def test_a_rebinding_name_cannot_get_past_the_host_resolvers_kept_answer(
     """With no resolver named, the host's answer is kept HOST_CACHE_S: while it is, flows go
     to the address that was checked; once it expires the rebinding is asked for, checked and
     refused, and nothing ever reaches the blocked address."""
-    allowed, blocked, port = await _far_pair()
     clock = Clock()
     finished: list[Flow] = []
-    try:
-        async with _proxy([f"rebind.test:{port}"], Resolver(clock=clock), finished) as proxy_port:
-            host_lookups.names["rebind.test"] = [ALLOWED_FAR]
-            assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")
-            host_lookups.names["rebind.test"] = [BLOCKED_FAR]  # the rebinding
-            assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")  # the kept, checked answer
-            assert [f.address for f in finished] == [ALLOWED_FAR, ALLOWED_FAR]
-            assert host_lookups.asked == ["rebind.test"]
-            clock.now += egressresolve.HOST_CACHE_S
-            for _ in range(2):  # the new answer, refused; kept, and refused again at its next use
-                refused = await _get(proxy_port, "rebind.test", port)
-                assert refused.startswith(b"HTTP/1.1 403 ")
-                assert f"resolves to {BLOCKED_FAR}".encode() in refused
-            assert host_lookups.asked == ["rebind.test", "rebind.test"]
-            assert [f.decision for f in finished[-2:]] == ["denied", "denied"]
-            assert allowed.accepted == 2
-            assert blocked.accepted == 0
-    finally:
-        for far in (allowed, blocked):
-            assert far.server is not None
-            far.server.close()
+    async with (
+        _far_pair() as (allowed, blocked, port),
+        _proxy([f"rebind.test:{port}"], Resolver(clock=clock), finished) as proxy_port,
+    ):
+        host_lookups.names["rebind.test"] = [ALLOWED_FAR]
+        assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")
+        host_lookups.names["rebind.test"] = [BLOCKED_FAR]  # the rebinding
+        assert (await _get(proxy_port, "rebind.test", port)).endswith(b"ok")  # the kept, checked answer
+        assert [f.address for f in finished] == [ALLOWED_FAR, ALLOWED_FAR]
+        assert host_lookups.asked == ["rebind.test"]
+        clock.now += egressresolve.HOST_CACHE_S
+        for _ in range(2):  # the new answer, refused; kept, and refused again at its next use
+            refused = await _get(proxy_port, "rebind.test", port)
+            assert refused.startswith(b"HTTP/1.1 403 ")
+            assert f"resolves to {BLOCKED_FAR}".encode() in refused
+        assert host_lookups.asked == ["rebind.test", "rebind.test"]
+        assert [f.decision for f in finished[-2:]] == ["denied", "denied"]
+        assert allowed.accepted == 2
+        assert blocked.accepted == 0
