@@ -27,10 +27,15 @@ the same over a longer whole, so a bandwidth-only link is the harder case for th
 The relay alone: the proxy in this process on loopback (no jail, no server), a client
 process fetching 1 MiB over plain HTTP, then over HTTPS (a CONNECT tunnel), from the fake
 internet directly, through the proxy relaying by splice(2), and through the proxy relaying
-by its stream loop, batches alternating; what the proxy itself adds to a download, with
-less of a busy host's noise. Then batches of small GETs through that proxy: its CPU per
-flow (this process's CPU time, the proxy's alone, over a batch), steadier on a loaded host
-than the jail-side timings.
+by its stream loop, and through the floor relay, batches alternating; what the proxy itself
+adds to a download, with less of a busy host's noise. The floor relay
+(benchmarks/floor_relay.c, built with `cc -O2` at the start) is a port forward in C with no
+logic: a process per connection, splice(2) both ways, the client's bytes exactly as
+direct's (no CONNECT; TLS straight through it); what any relay that terminates the client's
+TCP connection, as an HTTP CONNECT proxy must, adds at the least. Without a C compiler its
+figures read n/a. Then batches of small GETs through that proxy: its CPU per flow (this
+process's CPU time, the proxy's alone, over a batch), steadier on a loaded host than the
+jail-side timings.
 
 Writes egress.json and egress.md (quick: egress_quick.*) into --out (default benchmarks/results).
 """
@@ -43,13 +48,15 @@ import json
 import os
 import platform
 import secrets
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
@@ -98,12 +105,14 @@ print(json.dumps({"http_mib": http_mib, "https_mib": https_mib, "small_total": s
 
 # The relay benchmark's client: N GETs of /bytes/SIZE, direct or through the proxy; over
 # TLS (CA set) a CONNECT tunnel to NAME:port through the proxy, or TLS to the address direct.
+# Through the floor relay (its port as `floor`) it sends direct's bytes to the relay's port.
 RELAY_CLIENT = r"""
 import json, socket, ssl, sys, time
 host, port, proxy, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+floor = int(sys.argv[6])
 ctx = ssl.create_default_context(cafile=CA) if CA else None
 def get():
-    s = socket.create_connection(("127.0.0.1", proxy) if proxy else (host, port))
+    s = socket.create_connection(("127.0.0.1", proxy or floor) if proxy or floor else (host, port))
     if ctx is not None:
         if proxy:
             s.sendall(("CONNECT %s:%d HTTP/1.1\r\nHost: %s:%d\r\n\r\n" % (NAME, port, NAME, port)).encode())
@@ -132,11 +141,60 @@ print(json.dumps(out))
 """
 
 
+FLOOR_SOURCE = Path(__file__).with_name("floor_relay.c")
+
+
+def build_floor_relay(folder: Path) -> Path | None:
+    """benchmarks/floor_relay.c built into folder (`cc -O2`), or None where there is no C compiler."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    binary = folder / "floor_relay"
+    done = subprocess.run(
+        [cc, "-O2", "-o", str(binary), str(FLOOR_SOURCE)], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise BenchError(f"cc could not build {FLOOR_SOURCE.name}: {done.stderr.strip()}")
+    return binary
+
+
+@contextmanager
+def floor_relay(binary: Path, host: str, port: int) -> Iterator[int]:
+    """The floor relay in front of host:port, listening on an ephemeral loopback port (yielded).
+    After, it and its connection processes (a process group of their own) are killed, and
+    waited for until none is left."""
+    proc = subprocess.Popen(
+        [str(binary), "0", host, str(port)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        line = proc.stdout.readline().strip() if proc.stdout else ""
+        if not line.isdigit():
+            raise BenchError(f"the floor relay did not start (in front of {host}:{port})")
+        yield int(line)
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                os.killpg(proc.pid, 0)  # a connection process left, or not yet reaped
+            except ProcessLookupError:
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"the floor relay's processes outlived it (group {proc.pid})")
+            time.sleep(0.01)
+
+
 async def relay(net: FakeNet, reps: int, n: int, n_small: int) -> dict[str, Any]:
-    """Direct, splice and stream, alternating batches, over plain HTTP and then over HTTPS (a
-    CONNECT tunnel: after its ClientHello, splice relays both ways); p50 of each in ms. Then
-    batches of small GETs through the proxy: its CPU per flow is this process's CPU time over
-    a batch (nothing else runs in it then) divided by the flows, with no jail or server around it."""
+    """Direct, splice, stream and the floor relay, alternating batches, over plain HTTP and then
+    over HTTPS (a CONNECT tunnel: after its ClientHello, splice relays both ways; the floor
+    relay passes TLS straight through); p50 of each in ms (the floor's None without a C
+    compiler). Then batches of small GETs through the proxy: its CPU per flow is this
+    process's CPU time over a batch (nothing else runs in it then) divided by the flows, with
+    no jail or server around it."""
     name, net_dns, public, ca = f"api.{DOMAIN}", net.dns, net.public, str(net.ca)
     policy = EgressPolicy(
         ports=(80,),
@@ -151,36 +209,49 @@ async def relay(net: FakeNet, reps: int, n: int, n_small: int) -> dict[str, Any]
     link = JailLink(0, "bench", "bench", IPv4Address("127.0.0.1"), IPv4Address("127.0.0.1"))
     await proxy.listen(link)
     port = proxy._jails[0].listener.getsockname()[1]
-    got: dict[str, dict[str, list[float]]] = {
-        scheme: {"direct": [], "splice": [], "stream": []} for scheme in ("http", "https")
-    }
-    cpu: dict[str, dict[str, list[float]]] = {scheme: {"splice": [], "stream": []} for scheme in got}
 
-    async def client(code: str, far_port: int, via: int, count: int, size: int) -> tuple[list[float], float]:
+    async def client(  # noqa: PLR0913 (the floor relay's port beside the proxy's)
+        code: str, far_port: int, via: int, count: int, size: int, floor: int = 0
+    ) -> tuple[list[float], float]:
         """The client's timings, and this process's CPU meanwhile (the proxy's then) in ms
         per flow, from the client's start (its spawning left out) to its end."""
-        argv = [sys.executable, "-c", code, public, str(far_port), str(via), str(count), str(size)]
+        argv = [sys.executable, "-c", code, public, *map(str, (far_port, via, count, size, floor))]
         proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
         before = time.process_time()
         out, _ = await proc.communicate()
         cpu_ms = (time.process_time() - before) * 1000 / count
         if proc.returncode != 0:
-            raise BenchError(f"the relay client failed ({far_port}, via {via})")
+            raise BenchError(f"the relay client failed ({far_port}, via {via}, floor {floor})")
         return list(json.loads(out)), cpu_ms
 
     codes = {
         "http": f"NAME = {name!r}\nCA = None\n" + RELAY_CLIENT,
         "https": f"NAME = {name!r}\nCA = {ca!r}\n" + RELAY_CLIENT,
     }
+    floor_dir = tempfile.TemporaryDirectory(prefix="floor-relay-")
+    relays = ExitStack()
     try:
+        binary = build_floor_relay(Path(floor_dir.name))
+        # One floor relay per far port, for all the batches: {far port: the relay's port}.
+        floors = (
+            {far: relays.enter_context(floor_relay(binary, public, far)) for far in (80, 443)}
+            if binary
+            else {}
+        )
+        got: dict[str, dict[str, list[float]]] = {
+            scheme: {mode: [] for mode in ("direct", "splice", "stream", *(("floor",) if floors else ()))}
+            for scheme in ("http", "https")
+        }
+        cpu: dict[str, dict[str, list[float]]] = {scheme: {"splice": [], "stream": []} for scheme in got}
         for scheme, far_port in (("http", 80), ("https", 443)):
             for rep in range(reps):
                 modes = got[scheme]
                 for mode in list(modes) if rep % 2 == 0 else list(reversed(modes)):
                     egresssplice.ENABLED = mode == "splice"
                     proxy.begin(link, Scope(layers, "benchmark"))
-                    via = 0 if mode == "direct" else port
-                    times, used = await client(codes[scheme], far_port, via, n, MIB)
+                    via = port if mode in ("splice", "stream") else 0
+                    floor = floors[far_port] if mode == "floor" else 0
+                    times, used = await client(codes[scheme], far_port, via, n, MIB, floor)
                     modes[mode] += times
                     if mode in cpu[scheme]:
                         cpu[scheme][mode].append(used)
@@ -191,9 +262,16 @@ async def relay(net: FakeNet, reps: int, n: int, n_small: int) -> dict[str, Any]
             cpu_ms.append((await client(codes["http"], 80, port, n_small, 100))[1])
     finally:
         egresssplice.ENABLED = True
+        relays.close()
+        floor_dir.cleanup()
         await proxy.close()
-    return {mode: _p50(v) for mode, v in got["http"].items()} | {
-        "https": {mode: _p50(v) for mode, v in got["https"].items()},
+    p50s: dict[str, dict[str, float | None]] = {
+        scheme: {mode: _p50(v) for mode, v in modes.items()} for scheme, modes in got.items()
+    }
+    for p50 in p50s.values():
+        p50.setdefault("floor", None)  # no C compiler: no floor, and no figure in its place
+    return p50s["http"] | {
+        "https": p50s["https"],
         "mib_cpu_ms_per_flow": {
             scheme: {mode: _p50(v) for mode, v in c.items()} for scheme, c in cpu.items()
         },
@@ -408,10 +486,7 @@ def render(doc: dict[str, Any]) -> str:
             f"The relay alone (the proxy on loopback in the benchmark's process, no jail; 1 MiB over "
             f"plain HTTP from the fake internet, n={s['relay']['n']} each, p50 in ms):",
             "",
-            "| direct | proxy, splice(2) | proxy, stream loop | splice / direct | stream / direct |",
-            "| --- | --- | --- | --- | --- |",
-            f"| {s['relay']['direct']} | {s['relay']['splice']} | {s['relay']['stream']} | "
-            f"x{s['relay']['splice'] / s['relay']['direct']:.3f} | x{s['relay']['stream'] / s['relay']['direct']:.3f} |",
+            *_relay_table(s["relay"]),
             *_render_relay_https(s["relay"]),
             "",
             f"The proxy's CPU per small flow there (100-byte GETs, one connection each, "
@@ -432,10 +507,20 @@ def _render_relay_https(relay: dict[str, Any]) -> list[str]:
         f"The same over HTTPS (a CONNECT tunnel through the proxy, its ClientHello checked; "
         f"n={relay['n']} each, p50 in ms):",
         "",
-        "| direct | proxy, splice(2) | proxy, stream loop | splice / direct | stream / direct |",
-        "| --- | --- | --- | --- | --- |",
-        f"| {https['direct']} | {https['splice']} | {https['stream']} | "
-        f"x{https['splice'] / https['direct']:.3f} | x{https['stream'] / https['direct']:.3f} |",
+        *_relay_table(https),
+    ]
+
+
+def _relay_table(p50: dict[str, Any]) -> list[str]:
+    """One scheme's relay figures: direct, the proxy both ways, the floor relay, and each over direct."""
+    direct, floor = p50["direct"], p50.get("floor")
+    floor_cells = (floor, f"x{floor / direct:.3f}") if floor is not None else ("n/a (no cc)", "n/a")
+    return [
+        "| direct | proxy, splice(2) | proxy, stream loop | floor relay (C, splice) "
+        "| splice / direct | stream / direct | floor / direct |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| {direct} | {p50['splice']} | {p50['stream']} | {floor_cells[0]} | "
+        f"x{p50['splice'] / direct:.3f} | x{p50['stream'] / direct:.3f} | {floor_cells[1]} |",
     ]
 
 

@@ -1,12 +1,18 @@
 """The benchmark report's pure parts: percentiles, summaries, the targets' verdicts, the pool's
-idle test and the phase table (the benchmarks themselves run in tests/test_benchmarks.py and
-tests/test_benchmark_probes.py)."""
+idle test and the phase table; and the egress benchmark's floor relay, on loopback only (the
+benchmarks themselves run in tests/test_benchmarks.py and tests/test_benchmark_probes.py)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import threading
+from pathlib import Path
+
 import pytest
 
-from benchmarks import report
+from benchmarks import egress, report
 from benchmarks.appliance_server import profiles_full
 from benchmarks.phases import Timeline
 from benchmarks.stats import median_ratio, percentile, summarize
@@ -121,3 +127,65 @@ def test_the_phase_table_takes_the_commonest_path_and_medians_its_gaps() -> None
     assert "| 1 | `frame read` | `op write>` | 2 |" in table  # median of 1, 3, 2 µs
     assert "| 2 | `op write>` | `send done>` | 2 |" in table  # median of 2, 1, 4 µs
     assert "**4**" in table and "cold jail" not in table  # median whole: 3, 4, 6 µs
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    chunks = []
+    while chunk := sock.recv(1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("first", ["client", "far end"])
+def test_the_floor_relay_carries_both_ways_whole_across_a_half_close(tmp_path: Path, first: str) -> None:
+    """Through benchmarks/floor_relay.c, each way carries more than its 1 MiB pipe, whole; one
+    side's half-close reaches the other as EOF while the way back stays open (`first` is
+    the side that sends all and shuts down its writing first)."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.fail("a C compiler is needed to build benchmarks/floor_relay.c (apt-get install gcc)")
+    binary = egress.build_floor_relay(tmp_path)
+    assert binary is not None
+    up, down = os.urandom(3 * (1 << 20) + 12345), os.urandom(5 * (1 << 20) + 321)
+    far_got: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(30)
+
+        def far_end() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(30)
+                if first == "far end":
+                    conn.sendall(down)
+                    conn.shutdown(socket.SHUT_WR)
+                far_got.append(_read_all(conn))
+                if first == "client":
+                    conn.sendall(down)
+
+        thread = threading.Thread(target=far_end, daemon=True)
+        thread.start()
+        with egress.floor_relay(binary, "127.0.0.1", listener.getsockname()[1]) as port:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+                if first == "client":
+                    client.sendall(up)
+                    client.shutdown(socket.SHUT_WR)
+                    got = _read_all(client)
+                else:
+                    got = _read_all(client)
+                    client.sendall(up)
+                    client.shutdown(socket.SHUT_WR)
+                    assert client.recv(1) == b""  # the far end's close, once it has read all
+            thread.join(30)
+        assert not thread.is_alive()
+    assert far_got == [up]
+    assert len(got) == len(down) and got == down
+    with pytest.raises(ConnectionRefusedError):  # the relay is gone with its context
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_the_relay_table_reads_the_floor_or_says_why_there_is_none() -> None:
+    row = {"direct": 2.0, "splice": 3.0, "stream": 4.0, "floor": 2.5}
+    table = "\n".join(egress._relay_table(row))
+    assert "floor relay (C, splice)" in table and "floor / direct" in table
+    assert "| 2.0 | 3.0 | 4.0 | 2.5 | x1.500 | x2.000 | x1.250 |" in table
+    table = "\n".join(egress._relay_table(row | {"floor": None}))
+    assert "| n/a (no cc) |" in table and table.endswith("| n/a |")

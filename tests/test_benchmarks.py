@@ -146,6 +146,10 @@ def test_the_egress_benchmark_measures_the_proxy_and_by_ip_side_by_side(tmp_path
     assert s["relay"]["small_cpu_ms_per_flow"] > 0 and s["relay"]["small_flows"] == 2 * 2 * 60
     # The relay alone over HTTPS too (a CONNECT tunnel: spliced, and by the stream loop).
     assert all(s["relay"]["https"][mode] > 0 for mode in ("direct", "splice", "stream"))
+    # The floor relay (benchmarks/floor_relay.c: gcc is part of the suite's setup) beside them.
+    assert s["relay"]["floor"] > 0 and s["relay"]["https"]["floor"] > 0
+    assert "| floor relay (C, splice) |" in (tmp_path / "egress_quick.md").read_text()
+    assert "n/a (no cc)" not in (tmp_path / "egress_quick.md").read_text()
     cpu = s["relay"]["mib_cpu_ms_per_flow"]
     assert all(cpu[scheme][mode] > 0 for scheme in ("http", "https") for mode in ("splice", "stream"))
     assert "The same over HTTPS" in (tmp_path / "egress_quick.md").read_text()
