@@ -30,12 +30,12 @@ internet directly, through the proxy relaying by splice(2), and through the prox
 by its stream loop, and through the floor relay, batches alternating; what the proxy itself
 adds to a download, with less of a busy host's noise. The floor relay
 (benchmarks/floor_relay.c, built with `cc -O2` at the start) is a port forward in C with no
-logic: a process per connection, splice(2) both ways, the client's bytes exactly as
-direct's (no CONNECT; TLS straight through it); what any relay that terminates the client's
-TCP connection, as an HTTP CONNECT proxy must, adds at the least. Without a C compiler its
-figures read n/a. Then batches of small GETs through that proxy: its CPU per flow (this
-process's CPU time, the proxy's alone, over a batch), steadier on a loaded host than the
-jail-side timings.
+logic: processes forked at the start (none per connection), splice(2) both ways, the
+client's bytes exactly as direct's (no CONNECT; TLS straight through it); what any relay
+that terminates the client's TCP connection, as an HTTP CONNECT proxy must, adds at the
+least. Without a C compiler its figures read n/a. Then batches of small GETs through that
+proxy: its CPU per flow (this process's CPU time, the proxy's alone, over a batch), steadier
+on a loaded host than the jail-side timings.
 
 Writes egress.json and egress.md (quick: egress_quick.*) into --out (default benchmarks/results).
 """
@@ -161,7 +161,7 @@ def build_floor_relay(folder: Path) -> Path | None:
 @contextmanager
 def floor_relay(binary: Path, host: str, port: int) -> Iterator[int]:
     """The floor relay in front of host:port, listening on an ephemeral loopback port (yielded).
-    After, it and its connection processes (a process group of their own) are killed, and
+    After, it and its workers (a process group of their own) are killed, and
     waited for until none is left."""
     proc = subprocess.Popen(
         [str(binary), "0", host, str(port)], stdout=subprocess.PIPE, text=True, start_new_session=True

@@ -4,12 +4,12 @@
  *     floor_relay LISTEN_PORT UPSTREAM_ADDR UPSTREAM_PORT
  *
  * Listens on 127.0.0.1:LISTEN_PORT (0: an ephemeral port) and prints the port it got on
- * stdout. Each accepted connection gets a process of its own, which connects to
- * UPSTREAM_ADDR:UPSTREAM_PORT and moves the bytes both ways with splice(2) through a pipe per
- * way, in one poll(2) loop: no copy to user space, no parsing. TCP_NODELAY on both sockets.
- * A way whose reader sees EOF is passed on as shutdown(SHUT_WR) once its pipe is empty; the
- * process ends when both ways have ended, or at the first error (its sockets closed).
- * Connection processes die with the listener (PR_SET_PDEATHSIG). */
+ * stdout. WORKERS processes, forked at the start (none per connection), each accept one
+ * connection at a time, connect to UPSTREAM_ADDR:UPSTREAM_PORT and move the bytes both ways
+ * with splice(2) through a pipe per way, in one poll(2) loop: no copy to user space, no
+ * parsing. TCP_NODELAY on both sockets. A way whose reader sees EOF is passed on as
+ * shutdown(SHUT_WR) once its pipe is empty; a connection ends when both ways have ended, or
+ * at its first error. The workers die with the first process (PR_SET_PDEATHSIG). */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #define PIPE_BYTES (1 << 20)
+#define WORKERS 4
 
 struct way {
     int from, to, pipe[2];
@@ -34,49 +35,52 @@ struct way {
 
 static void die(const char *what) {
     perror(what);
-    _exit(1);
+    exit(1);
 }
 
 static void nodelay(int fd) {
     int one = 1;
-    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0) die("TCP_NODELAY");
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
-static void way_open(struct way *w, int from, int to) {
+static int way_open(struct way *w, int from, int to) {
     w->from = from, w->to = to, w->held = 0, w->eof = 0, w->done = 0;
-    if (pipe2(w->pipe, O_NONBLOCK) < 0) die("pipe2");
+    if (pipe2(w->pipe, O_NONBLOCK) < 0) return -1;
     int size = fcntl(w->pipe[1], F_SETPIPE_SZ, PIPE_BYTES);
     w->room = size > 0 ? (size_t)size : (size_t)fcntl(w->pipe[1], F_GETPIPE_SZ);
+    return 0;
 }
 
-/* Moves what it can without blocking: socket into pipe, pipe into socket. */
-static void way_step(struct way *w, short from_events) {
+/* Moves what it can without blocking: socket into pipe, pipe into socket. -1: a reset. */
+static int way_step(struct way *w, short from_events) {
     unsigned flags = SPLICE_F_MOVE | SPLICE_F_NONBLOCK;
-    if (!w->eof && w->held < w->room && (from_events & (POLLIN | POLLHUP | POLLERR))) {
+    if (!w->eof && w->held < w->room && (from_events & (POLLIN | POLLHUP))) {
         ssize_t n = splice(w->from, NULL, w->pipe[1], NULL, w->room - w->held, flags);
         if (n == 0) w->eof = 1;
         else if (n > 0) w->held += (size_t)n;
-        else if (errno != EAGAIN) _exit(1); /* reset: the connection is over */
+        else if (errno != EAGAIN) return -1;
     }
     while (w->held > 0) {
         ssize_t n = splice(w->pipe[0], NULL, w->to, NULL, w->held, flags);
         if (n > 0) w->held -= (size_t)n;
         else if (n < 0 && errno == EAGAIN) break;
-        else _exit(1);
+        else return -1;
     }
     if (w->eof && w->held == 0 && !w->done) {
         shutdown(w->to, SHUT_WR);
         w->done = 1;
     }
+    return 0;
 }
 
+/* One connection, from its upstream connect to the end of both ways. */
 static void relay(int client, const struct sockaddr_in *upstream) {
+    struct way up = {.pipe = {-1, -1}}, down = {.pipe = {-1, -1}}; /* client to far, far to client */
     int far = socket(AF_INET, SOCK_STREAM, 0);
-    if (far < 0 || connect(far, (const struct sockaddr *)upstream, sizeof *upstream) < 0) die("connect");
+    if (far < 0 || connect(far, (const struct sockaddr *)upstream, sizeof *upstream) < 0) goto out;
     nodelay(client), nodelay(far);
     fcntl(client, F_SETFL, O_NONBLOCK), fcntl(far, F_SETFL, O_NONBLOCK);
-    struct way up, down; /* client to far, far to client */
-    way_open(&up, client, far), way_open(&down, far, client);
+    if (way_open(&up, client, far) < 0 || way_open(&down, far, client) < 0) goto out;
     while (!(up.done && down.done)) {
         struct pollfd fds[2] = {{client, 0, 0}, {far, 0, 0}};
         if (!up.eof && up.held < up.room) fds[0].events |= POLLIN;
@@ -85,12 +89,18 @@ static void relay(int client, const struct sockaddr_in *upstream) {
         if (down.held > 0) fds[0].events |= POLLOUT;
         if (poll(fds, 2, -1) < 0) {
             if (errno == EINTR) continue;
-            die("poll");
+            goto out;
         }
-        if ((fds[0].revents | fds[1].revents) & (POLLERR | POLLNVAL)) _exit(1); /* a reset */
-        way_step(&up, fds[0].revents), way_step(&down, fds[1].revents);
+        if ((fds[0].revents | fds[1].revents) & (POLLERR | POLLNVAL)) goto out; /* a reset */
+        if (way_step(&up, fds[0].revents) < 0 || way_step(&down, fds[1].revents) < 0) goto out;
     }
-    _exit(0);
+out:
+    for (int i = 0; i < 2; i++) {
+        if (up.pipe[i] >= 0) close(up.pipe[i]);
+        if (down.pipe[i] >= 0) close(down.pipe[i]);
+    }
+    if (far >= 0) close(far);
+    close(client);
 }
 
 int main(int argc, char **argv) {
@@ -102,29 +112,26 @@ int main(int argc, char **argv) {
     struct sockaddr_in upstream = {.sin_family = AF_INET, .sin_port = htons((unsigned short)atoi(argv[3]))};
     here.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     if (inet_pton(AF_INET, argv[2], &upstream.sin_addr) != 1) die("the upstream address");
-    signal(SIGCHLD, SIG_IGN); /* connection processes are reaped by the kernel */
+    signal(SIGPIPE, SIG_IGN); /* a write to a reset peer is an error, not the end */
     int one = 1, listener = socket(AF_INET, SOCK_STREAM, 0);
     if (listener < 0 || setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0) die("socket");
     if (bind(listener, (struct sockaddr *)&here, sizeof here) < 0 || listen(listener, 128) < 0) die("listen");
     socklen_t len = sizeof here;
     if (getsockname(listener, (struct sockaddr *)&here, &len) < 0) die("getsockname");
-    printf("%d\n", ntohs(here.sin_port));
-    fflush(stdout);
-    pid_t parent = getpid();
-    for (;;) {
-        int client = accept(listener, NULL, NULL);
-        if (client < 0) {
-            if (errno == EINTR || errno == ECONNABORTED) continue;
-            die("accept");
-        }
+    pid_t first = getpid();
+    for (int i = 0; i < WORKERS; i++) {
         pid_t pid = fork();
-        if (pid == 0) {
-            prctl(PR_SET_PDEATHSIG, SIGKILL);
-            if (getppid() != parent) _exit(1); /* the listener died before the prctl */
-            close(listener);
-            relay(client, &upstream);
+        if (pid < 0) die("fork");
+        if (pid > 0) continue;
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() != first) _exit(1); /* the first process died before the prctl */
+        for (;;) {
+            int client = accept(listener, NULL, NULL);
+            if (client >= 0) relay(client, &upstream);
+            else if (errno != EINTR && errno != ECONNABORTED) die("accept");
         }
-        if (pid < 0) perror("fork");
-        close(client);
     }
+    printf("%d\n", ntohs(here.sin_port)); /* ready: every worker is listening */
+    fflush(stdout);
+    for (;;) pause(); /* until killed, with the workers */
 }
