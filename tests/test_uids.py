@@ -264,3 +264,77 @@ async def test_a_jail_with_its_own_cgroup_costs_one_scan_of_proc_and_leaves_noth
             assert jail.held is not None and jail.held.fd is None  # given back
     finally:
         tree.close()
+
+
+def test_under_load_one_scan_readies_uids_for_several_takes(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Takes close together share scans: a scan hands out one uid and keeps up to STOCK more
+    ready (returned ones it saw free, fresh ones locked before it), which later takes get
+    without scanning. One scan a take was most of a take's CPU at many jails a second."""
+    scans: list[int] = []
+    real = uids.uids_in_use
+
+    def counted() -> set[int]:
+        scans.append(1)
+        return real()
+
+    monkeypatch.setattr(uids, "uids_in_use", counted)
+    u = pool(root, 2 * (uids.STOCK + 1))
+    taken: set[int] = set()
+    for _ in range(20):
+        held = u.take()
+        assert held is not None
+        taken.add(held.uid)
+        u.give_back(held, emptied=True)
+    assert len(scans) <= 20 // (uids.STOCK + 1) + 2, scans
+    assert len(taken) <= uids.STOCK + 2, "a fresh uid locked where a ready one was there"
+    u.close()
+
+
+@pytest.mark.host  # setpriv to another uid needs root (tests/tiers.py)
+def test_a_returned_uid_a_process_still_runs_as_is_passed_over_by_the_scan_that_readies_others(
+    root: Path,
+) -> None:
+    """A uid given back with its group removed is kept locked, then judged by the next scan
+    like any other: with a process of it still there it is never handed out nor kept ready."""
+    u = pool(root, 3)
+    first = u.take()
+    assert first is not None
+    stray = subprocess.Popen(
+        ["setpriv", f"--reuid={first.uid}", f"--regid={first.uid}", "--clear-groups", "sleep", "60"]
+    )
+    try:
+        assert running_as(first.uid) == [stray.pid]
+        u.give_back(first, emptied=True)  # under load: the next take readies a stock
+        got = [u.take() for _ in range(3)]
+        assert all(h is None or h.uid != first.uid for h in got), got
+        assert [h for h in got if h is not None] and got[-1] is None, got
+    finally:
+        stray.kill()
+        stray.wait()
+    u.close()
+
+
+def test_uids_kept_ready_go_back_to_the_host_unused(root: Path) -> None:
+    """A stock is the server's while it is busy: another server finds it locked until `tidy`
+    (or the server's end) gives it back."""
+    u, other = pool(root, 2), pool(root, 2)
+    first = u.take()
+    assert first is not None
+    u.give_back(first, emptied=True)
+    again = u.take()  # under load: it readies the other uid too
+    assert again is not None
+    assert other.take() is None, "another server took a uid kept ready"
+    u.tidy()  # not yet: kept for KEEP_S
+    assert other.take() is None
+    u.tidy(0.0)
+    stolen = other.take()
+    assert stolen is not None and stolen.uid != again.uid
+    u.give_back(again, emptied=True)  # returned: still locked, for u's next scan
+    assert other.take() is None, "another server took a uid given back and kept"
+    u.close()
+    last = other.take()
+    assert last is not None and last.uid == again.uid
+    for held in (stolen, last):
+        other.give_back(held)

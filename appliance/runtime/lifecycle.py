@@ -116,6 +116,7 @@ class Lifecycle:
         self.tasks = TaskScope("lifecycle")
         self._task: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None  # SANDBOX_OUTPUTS_RETENTION_S
+        self._tidier: asyncio.Task[None] | None = None  # uids kept ready go back to the host
         self._counted: dict[str, Counter[str]] = {
             k: Counter() for k in ("cold", "runs", "imported", "spawned")
         }
@@ -273,6 +274,8 @@ class Lifecycle:
             },
         )
         self._task = self.tasks.spawn(self._canary_loop(), name="canary")
+        if jail_uids.exclusive:
+            self._tidier = self.tasks.spawn(self._tidy_uids(jail_uids), name="uids-tidier")
         if s.outputs_dir is not None and s.outputs_retention_s > 0:
             self._sweeper = self.tasks.spawn(
                 self._sweep_outputs(s.outputs_dir, s.outputs_retention_s), name="outputs-sweeper"
@@ -316,6 +319,13 @@ class Lifecycle:
             ) from exc
         return jail_uids
 
+    async def _tidy_uids(self, jail_uids: uids.Uids) -> None:
+        """Uids this server keeps ready past their jails go back to the host after `uids.KEEP_S`
+        unused, whether or not another jail starts meanwhile."""
+        while True:
+            await asyncio.sleep(uids.KEEP_S)
+            jail_uids.tidy()
+
     async def _sweep_outputs(self, root: Path, retention_s: int) -> None:
         """Remove persisted runs past their retention, now and then (a tenth of it, 1 s to 1 h)."""
         every = min(max(retention_s / 10, 1.0), 3600.0)
@@ -335,7 +345,7 @@ class Lifecycle:
         loop, whose scope ends its jail starts, then waits for teardowns and destroys the ready
         jails); then the scope cancels whatever task is left, before the network, directories,
         uids and cgroups the tasks stood on go."""
-        await self.tasks.cancel(self._task, self._sweeper)
+        await self.tasks.cancel(self._task, self._sweeper, self._tidier)
         if self.tools is not None:
             await self.tools.close()
         await self.provisioner.close()  # and the CPU pool it was given

@@ -24,6 +24,16 @@ may still be of the uid then are zombies (they leave the group as they exit, and
 RLIMIT_NPROC until reaped): the next take's scan sees them and passes the uid over. Without such
 a group (none, or its removal failed), the give-back scans, kills what is left and waits.
 
+A uid given back that way stays locked by this server for a while (`KEEP_S`): it is "returned",
+and the next scan says whether it is free. Under load (takes closer together than
+`BUSY_GAP_S`) one scan makes up to `STOCK` uids ready beyond the one it hands out: the returned
+ones it finds free, and fresh ones locked before it. A ready uid has been locked without a break
+since a scan saw no process of it, so it is handed out without another scan: what the scan at
+its take would promise holds already (only a holder of the lock starts processes of the uid).
+A scan costs a read of every process's status, so at many jails a second this is most of a
+take's CPU. Uids ready or returned and unused for `KEEP_S` go back to the host (`tidy`, which
+the server calls now and then), so an idle server holds none beyond its jails.
+
 SANDBOX_UID is never taken exclusively: it stays the one uid that jails share where a uid each
 cannot be had: a range of that uid alone (all jails share it, as before ranges), GPU jails (an
 MPS daemon serves one uid at a time), and a server that is not root (it cannot switch uids).
@@ -60,6 +70,9 @@ HOST_LOCK_ROOT = Path("/run")  # one place for every server of the host, whateve
 # few hundred bytes, after a name of at most 64 (escaped: 256).
 STATUS_BYTES = 4096
 GIVE_BACK_WAIT_S = 5.0  # the longest a uid's last processes may take to die before it is set aside
+STOCK = 4  # uids one scan makes ready beyond the one it hands out, under load
+BUSY_GAP_S = 0.5  # takes closer than this to the last scan are load: the next scan readies a stock
+KEEP_S = 2.0  # a uid ready or returned and unused this long goes back to the host (`Uids.tidy`)
 
 
 @dataclass
@@ -139,6 +152,12 @@ class Uids:
     _cursor: int = field(default_factory=lambda: random.randrange(1 << 30))  # noqa: S311 (spread, not secrecy)
     _aside: list[Held] = field(default_factory=list)  # given back with processes left: still held
     _aside_lock: threading.Lock = field(default_factory=threading.Lock)  # take/give_back run in threads
+    # Still locked, with the time they were put there: given back with their group removed
+    # (free unless a zombie is left: the next scan says), and seen free by a scan since.
+    _returned: list[tuple[Held, float]] = field(default_factory=list)
+    _ready: list[tuple[Held, float]] = field(default_factory=list)
+    _stock_lock: threading.Lock = field(default_factory=threading.Lock)
+    _last_scan: float = float("-inf")
 
     @property
     def exclusive(self) -> bool:
@@ -161,25 +180,51 @@ class Uids:
         """Lock a uid of the range that no process runs as; None when every one is held or
         busy. Blocking I/O (a scan of /proc, a few opens): call it in a thread."""
         self._retry_aside()
+        self.tidy()
+        with self._stock_lock:
+            if self._ready:
+                return self._ready.pop()[0]
+            returned = [held for held, _ in self._returned]
+            self._returned = []
+            want = 1 + STOCK if time.monotonic() - self._last_scan < BUSY_GAP_S else 1
+        return self._scan_for(returned, want)
+
+    def _scan_for(self, locked: list[Held], want: int) -> Held | None:
+        """Lock fresh uids until `want` are locked with those given (returned), scan once, hand
+        out one found free and keep the rest ready; again with fresh ones while none is free."""
         busy: set[int] = set()  # from the last scan: busy then (a hint, never a proof of free)
         n = len(self.candidates)
         start, self._cursor = self._cursor, self._cursor + 1
+        tried = 0
         with self._lock_dir() as dir_fd:
-            for i in range(n):
-                uid = self.candidates[(start + i) % n]
-                if uid in busy:
-                    continue
-                fd = _lock(dir_fd, uid, os.geteuid())
-                if fd is None:
-                    continue
+            while True:
+                while len(locked) < want and tried < n:
+                    uid = self.candidates[(start + tried) % n]
+                    tried += 1
+                    if uid in busy:
+                        continue
+                    fd = _lock(dir_fd, uid, os.geteuid())  # fails on a uid this server holds too
+                    if fd is not None:
+                        locked.append(Held(uid, uid, fd))
+                if not locked:
+                    return None
                 # The scan comes after the lock: from the lock on, no holder can start a
                 # process of uid, so what the scan does not see is not there. (Before the lock,
                 # a holder could take uid, run a jail and give it back, zombies left, unseen.)
+                self._last_scan = time.monotonic()
                 busy = uids_in_use()
-                if uid not in busy:
-                    return Held(uid, uid, fd)
-                os.close(fd)
-        return None
+                free: list[Held] = []
+                for held in locked:
+                    if held.uid in busy and held.fd is not None:
+                        os.close(held.fd)
+                    else:
+                        free.append(held)
+                locked = []
+                if free:
+                    now = time.monotonic()
+                    with self._stock_lock:
+                        self._ready.extend((held, now) for held in free[1:])
+                    return free[0]
 
     def give_back(self, held: Held, emptied: bool = False) -> None:
         """Free a jail's uid once no live process of it is left. emptied: the caller has just
@@ -190,15 +235,33 @@ class Uids:
         fd, held.fd = held.fd, None
         if fd is None:
             return
-        if not emptied and not _gone(held.uid, GIVE_BACK_WAIT_S):
+        if emptied:  # kept locked for the next scan to say it is free (the module's docstring)
+            with self._stock_lock:
+                self._returned.append((Held(held.uid, held.gid, fd), time.monotonic()))
+            return
+        if not _gone(held.uid, GIVE_BACK_WAIT_S):
             log.error("a jail's uid still has processes: kept until they are gone", extra={"uid": held.uid})
             with self._aside_lock:
                 self._aside.append(Held(held.uid, held.gid, fd))
             return
         os.close(fd)  # unlocks
 
+    def tidy(self, keep_s: float | None = None) -> None:
+        """Give back to the host the uids ready or returned and unused for keep_s (KEEP_S)."""
+        keep = KEEP_S if keep_s is None else keep_s
+        now = time.monotonic()
+        with self._stock_lock:
+            old = [held for held, since in self._ready + self._returned if now - since >= keep]
+            self._ready = [(held, since) for held, since in self._ready if now - since < keep]
+            self._returned = [(held, since) for held, since in self._returned if now - since < keep]
+        for held in old:
+            if held.fd is not None:
+                os.close(held.fd)
+
     def close(self) -> None:
-        """The server ends: uids set aside stay locked only as long as this process lives."""
+        """The server ends: uids set aside stay locked only as long as this process lives;
+        those ready or returned go back now."""
+        self.tidy(0.0)
         with self._aside_lock:
             aside, self._aside = self._aside, []
         for held in aside:
