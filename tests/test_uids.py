@@ -3,9 +3,12 @@ still runs as, given back only once its processes are gone; the range leaves hos
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import pytest
 from appliance.sandbox import uids
 from appliance.sandbox.uids import Held, Uids
 from appliance.sandbox.workdir import RunDirs, open_base
-from tests.support import SANDBOX_UID, SANDBOX_UIDS, reachable_tmp_root, until
+from tests.support import SANDBOX_UID, SANDBOX_UIDS, reachable_tmp_root, until, until_async
 
 # Far from any account or jail of this host (tests of the real server use 1001 onwards).
 FIRST = 3_900_000
@@ -205,6 +208,44 @@ async def test_a_servers_uid_locks_are_the_hosts_whatever_its_temp_root(tmp_path
         assert uid in SANDBOX_UIDS and uid != SANDBOX_UID
         assert (uids.HOST_LOCK_ROOT / "appliance" / uids.LOCKS / str(uid)).is_file()
         assert not (tmp_root / "appliance" / uids.LOCKS).exists()
+
+
+async def test_a_server_gives_the_uids_it_kept_back_to_the_host_once_idle(tmp_path: Path) -> None:
+    """After a burst of runs, the uids a server kept ready or returned go back to the host
+    about KEEP_S later, with no jail started meanwhile (its lifecycle's tidier)."""
+    from tests.attacks.common import run
+    from tests.support import start_server
+
+    first, last = FIRST + 100, FIRST + 115  # a range of this test's alone
+    lock_dir = uids.HOST_LOCK_ROOT / "appliance" / uids.LOCKS
+
+    def held_by_the_server() -> list[int]:
+        held = []
+        for uid in range(first, last + 1):
+            try:
+                fd = os.open(lock_dir / str(uid), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held.append(uid)
+            finally:
+                os.close(fd)  # and this test's lock with it
+        return held
+
+    server = start_server(tmp_path / "srv", SANDBOX_POOL_SIZE="0", SANDBOX_UID_RANGE=f"{first}-{last}")
+    try:
+        runs = await asyncio.gather(*(run(server, "print(1)", token=None) for _ in range(4)))
+        ended = time.monotonic()
+        assert [ex.stdout.strip() for ex in runs] == ["1"] * 4
+        kept = held_by_the_server()
+        # Kept for KEEP_S after their give-back; a machine that stalled this test longer than
+        # half of it may have seen them go already.
+        assert kept or time.monotonic() - ended > uids.KEEP_S / 2, "the burst kept no uid"
+        await until_async(lambda: not held_by_the_server(), 15, "the kept uids given back")
+    finally:
+        server.stop()
 
 
 def test_staging_a_uids_accounts_again_leaves_the_files_a_launching_jail_binds(root: Path) -> None:
