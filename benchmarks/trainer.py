@@ -12,6 +12,15 @@ Per level: runs/s, p50/p99 of each request's time from its first send to its ans
 a run the server did not count), runs counted twice, 429s, and runs/s as a share of the
 jail-spawn capacity measured in the same run (JailFactory.launch + destroy of a bare jail).
 
+The share is measured in slices (`--slices`, 5; quick 2): each level's programs go in that
+many parts, with a capacity window before the first and after each, so every part is
+bracketed by two windows a few seconds from it. A part's share is its runs/s (from its first
+answer to its last, as the capacity counts spawns from the first to the last) over the mean of
+its two windows; the level's is the median of its parts'. The report also gives each part's
+share over the higher of its two windows (the strictest reading). Why: this machine's spawn
+capacity moves by 10-25% between windows a minute apart (a shared VM), so one window before
+all the levels, as earlier runs used, made the share read whatever that window happened to be.
+
 Routes: `POST /run_code` (SandboxFusion's shape) where the server has it, else `POST /v1/exec`
 (NDJSON); the report says which. Baseline in the same run: a naive server, one firejail
 process per request with the appliance's flags (benchmarks.jails.naive_run), at the lowest
@@ -30,6 +39,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +58,9 @@ from benchmarks.stats import percentile
 
 RESULTS = REPO / "benchmarks" / "results"
 FULL_PROGRAMS, QUICK_PROGRAMS = 10_000, 200
+FULL_SLICES, QUICK_SLICES = 5, 2
+# A capacity window: seconds, and jails at least (full, quick).
+WINDOW = {False: (8.0, 40), True: (4.0, 20)}
 LEVELS = (16, 64, 256)
 # A trainer waits as long as it takes: the deadline only bounds a request the server keeps
 # refusing (a lost server), far past any queue this load builds.
@@ -69,6 +82,15 @@ class Level:
     refused_429: int = 0
     counted_ok: float = 0.0  # runs the server counted ok during this level
     server_cpu_s: float = 0.0  # the server process's own CPU (its event loop and threads, not the jails)
+    done_at: list[float] = field(default_factory=list)  # when each answer came (perf_counter)
+
+    def sustained(self) -> float:
+        """Runs/s between the first answer and the last, as `spawn_capacity` counts spawns (the
+        ramp-up before anything completes is not what the machine sustains); over the whole
+        level where fewer than two answers came."""
+        if len(self.done_at) > 1 and max(self.done_at) > min(self.done_at):
+            return (len(self.done_at) - 1) / (max(self.done_at) - min(self.done_at))
+        return self.programs / self.seconds if self.seconds else 0.0
 
     def summary(self, spawns_per_s: float) -> dict[str, Any]:
         runs_per_s = self.programs / self.seconds if self.seconds else 0.0
@@ -148,9 +170,9 @@ async def has_run_code(http: aiohttp.ClientSession, base: str) -> bool:
         return resp.status != 404
 
 
-async def level(server: ApplianceServer, clients: int, count: int, route: str) -> Level:
-    """`count` programs through `clients` concurrent HTTP clients on `route`."""
-    work = programs(count)
+async def level(server: ApplianceServer, clients: int, count: int, route: str, start: int = 0) -> Level:
+    """`count` programs (from the `start`th) through `clients` concurrent HTTP clients on `route`."""
+    work = programs(start + count)[start:]
     result = Level(clients, route, programs=count)
     send = via_run_code if route == "/run_code" else via_exec
     base = server.http
@@ -180,7 +202,8 @@ async def level(server: ApplianceServer, clients: int, count: int, route: str) -
                         if wait is not None:
                             await asyncio.sleep(wait)
                             continue
-                    result.latencies_ms.append((time.perf_counter() - first) * 1000)
+                    result.done_at.append(time.perf_counter())
+                    result.latencies_ms.append((result.done_at[-1] - first) * 1000)
                     if got.status != "ok" or got.stdout != expected:
                         result.errors.append(f"#{i}: {got.status} {got.stdout[:80]!r}")
                     break
@@ -195,6 +218,47 @@ async def level(server: ApplianceServer, clients: int, count: int, route: str) -
     answered_ok = len(result.latencies_ms) - len(result.errors)
     result.lost += max(0, answered_ok - int(result.counted_ok))  # answered ok, never counted: impossible
     return result
+
+
+def merged(parts: list[Level]) -> Level:
+    """One level from its slices: counts and seconds added, latencies and errors pooled."""
+    out = Level(parts[0].clients, parts[0].route)
+    for part in parts:
+        out.programs += part.programs
+        out.seconds += part.seconds
+        out.latencies_ms += part.latencies_ms
+        out.errors += part.errors
+        out.lost += part.lost
+        out.refused_429 += part.refused_429
+        out.counted_ok += part.counted_ok
+        out.server_cpu_s += part.server_cpu_s
+    return out
+
+
+def sliced_summary(parts: list[Level], windows: list[float]) -> dict[str, Any]:
+    """The level's summary, its share the median of its slices' (each slice's sustained runs/s
+    over the mean of the capacity windows before and after it: `windows` has one more than
+    `parts`)."""
+    rows = []
+    for part, before, after in zip(parts, windows, windows[1:], strict=False):
+        runs = part.sustained()
+        rows.append(
+            {
+                "programs": part.programs,
+                "sustained_runs_per_s": round(runs, 2),
+                "capacity_before": round(before, 2),
+                "capacity_after": round(after, 2),
+                "share": round(runs / ((before + after) / 2), 3) if before + after else None,
+                "share_strict": round(runs / max(before, after), 3) if max(before, after) else None,
+            }
+        )
+    summary = merged(parts).summary(statistics.mean(windows))
+    shares = [r["share"] for r in rows if r["share"] is not None]
+    strict = [r["share_strict"] for r in rows if r["share_strict"] is not None]
+    summary["share_of_spawn_capacity"] = round(statistics.median(shares), 3) if shares else None
+    summary["share_strict"] = round(statistics.median(strict), 3) if strict else None
+    summary["slices"] = rows
+    return summary
 
 
 async def naive(jails: BenchJails, clients: int, count: int) -> dict[str, Any]:
@@ -280,8 +344,13 @@ def targets(levels: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
     return out
 
 
-async def run(
-    quick: bool, count: int, clients: tuple[int, ...], out_dir: Path, route: str = "auto"
+async def run(  # noqa: PLR0913 (the command line's options, one each)
+    quick: bool,
+    count: int,
+    clients: tuple[int, ...],
+    out_dir: Path,
+    route: str = "auto",
+    slices: int | None = None,
 ) -> dict[str, Any]:
     load_before, commit = _load(), _commit()  # the code measured: HEAD as the run starts
     jails = await asyncio.to_thread(open_factory, {"SANDBOX_PRELOAD": ""})
@@ -292,19 +361,25 @@ async def run(
                 if route == "auto":
                     async with aiohttp.ClientSession() as http:
                         route = "/run_code" if await has_run_code(http, server.http) else "/v1/exec"
-                await wait_pool_idle(server, 1)
-                cpus = os.cpu_count() or 1
-                cap = await spawn_capacity(jails, 2 * cpus, 5.0 if quick else 15.0, 20 if quick else 100)
-                spawns = cap.spawns_per_s
+                parallel = 2 * (os.cpu_count() or 1)
+                window_s, window_min = WINDOW[quick]
+                n_slices = max(1, min(count, slices or (QUICK_SLICES if quick else FULL_SLICES)))
+
+                async def window() -> float:
+                    await wait_pool_idle(server, 1)
+                    return (await spawn_capacity(jails, parallel, window_s, window_min)).spawns_per_s
+
+                windows = [await window()]
                 levels: list[dict[str, Any]] = []
                 for c in clients:
-                    await wait_pool_idle(server, 1)
-                    measured = await level(server, c, count, route)
-                    levels.append(measured.summary(spawns))
+                    parts: list[Level] = []
+                    for k in range(n_slices):
+                        start, end = count * k // n_slices, count * (k + 1) // n_slices
+                        await wait_pool_idle(server, 1)
+                        parts.append(await level(server, c, end - start, route, start))
+                        windows.append(await window())
+                    levels.append(sliced_summary(parts, windows[-n_slices - 1 :]))
                     print(json.dumps(levels[-1]), flush=True)
-                cap_after = await spawn_capacity(
-                    jails, 2 * cpus, 5.0 if quick else 15.0, 20 if quick else 100
-                )
             finally:
                 server.stop()
         baseline = await naive(jails, min(clients), max(20, count // 10))
@@ -319,10 +394,13 @@ async def run(
         "load_average_after": _load(),
         "route": route,
         "spawn_capacity": {
-            "spawns_per_s_before": round(cap.spawns_per_s, 2),
-            "spawns_per_s_after": round(cap_after.spawns_per_s, 2),
-            "parallel": cap.parallel,
+            "spawns_per_s_before": round(windows[0], 2),
+            "spawns_per_s_after": round(windows[-1], 2),
+            "windows": [round(w, 2) for w in windows],
+            "window_s": window_s,
+            "parallel": parallel,
         },
+        "slices": n_slices,
         "levels": levels,
         "naive_baseline": baseline,
     }
@@ -343,14 +421,18 @@ def write(doc: dict[str, Any], out_dir: Path) -> None:
         "",
         f"Load average (`uptime`) before: {doc['load_average_before']}; after: {doc['load_average_after']} "
         "(the machine is shared: other work ran beside this).",
-        f"Jail-spawn capacity in the same run ({cap['parallel']} at a time): {cap['spawns_per_s_before']} "
-        f"spawns/s before the levels, {cap['spawns_per_s_after']} after; shares below use the first.",
+        f"Jail-spawn capacity in the same run ({cap['parallel']} at a time, windows of {cap.get('window_s', '?')} s "
+        f"before each level's first slice and after each slice; {doc.get('slices', 1)} slices a level): "
+        f"{', '.join(str(w) for w in cap.get('windows', [cap['spawns_per_s_before'], cap['spawns_per_s_after']]))} "
+        "spawns/s. A level's share is the median of its slices' (runs/s over the mean of the two windows "
+        "around the slice); strict: over the higher of the two.",
         "",
-        "| clients | programs | runs/s | share of spawn capacity | p50 ms | p99 ms | errors | lost | ran twice | 429s "
-        "| server CPU ms/run |",
+        "| clients | programs | runs/s | share of spawn capacity (strict) | p50 ms | p99 ms | errors | lost "
+        "| ran twice | 429s | server CPU ms/run |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(
-            f"| {lv['clients']} | {lv['programs']} | {lv['runs_per_s']} | {lv['share_of_spawn_capacity']} | "
+            f"| {lv['clients']} | {lv['programs']} | {lv['runs_per_s']} | {lv['share_of_spawn_capacity']} "
+            f"({lv.get('share_strict', '')}) | "
             f"{lv['p50_ms']} | {lv['p99_ms']} | {lv['errors']} | {lv['lost']} | {lv['ran_twice']} | {lv['refused_429']} "
             f"| {lv.get('server_cpu_ms_per_run', '')} |"
             for lv in doc["levels"]
@@ -359,6 +441,17 @@ def write(doc: dict[str, Any], out_dir: Path) -> None:
         f"Naive baseline (a firejail process per request, the appliance's flags, no pool, no queue), "
         f"{base['clients']} clients, {base['programs']} programs: {base['runs_per_s']} runs/s, "
         f"p50 {base['p50_ms']} ms, p99 {base['p99_ms']} ms, {base['errors']} errors.",
+        "",
+        "Slices (runs/s from the first answer to the last, as the capacity counts spawns; share, strict):",
+        "",
+        *(
+            f"- {lv['clients']} clients: "
+            + "; ".join(
+                f"{r['sustained_runs_per_s']} ({r['share']}, {r['share_strict']})"
+                for r in lv.get("slices", [])
+            )
+            for lv in doc["levels"]
+        ),
         "",
         "With C clients each sending its next program as soon as the last is answered, a request's"
         " time is about C / (runs/s) (Little's law): the p99 target at 256 clients needs about"
@@ -388,13 +481,20 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="auto: /run_code where served",
     )
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=None,
+        help=f"parts a level, a capacity window after each (full: {FULL_SLICES}, quick: {QUICK_SLICES})",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     count = args.programs or (QUICK_PROGRAMS if args.quick else FULL_PROGRAMS)
     clients = tuple(int(c) for c in args.clients.split(",") if c.strip())
-    if count < 1 or not clients or min(clients) < 1:
-        parser.error("--programs and every --clients count must be at least 1")
-    asyncio.run(run(args.quick or count < FULL_PROGRAMS, count, clients, args.out, args.route))
+    if count < 1 or not clients or min(clients) < 1 or (args.slices is not None and args.slices < 1):
+        parser.error("--programs, --slices and every --clients count must be at least 1")
+    quick = args.quick or count < FULL_PROGRAMS
+    asyncio.run(run(quick, count, clients, args.out, args.route, args.slices))
     return 0
 
 
