@@ -150,6 +150,11 @@ def test_the_egress_benchmark_measures_the_proxy_and_by_ip_side_by_side(tmp_path
     assert s["relay"]["floor"] > 0 and s["relay"]["https"]["floor"] > 0
     assert "| floor relay (C, splice) |" in (tmp_path / "egress_quick.md").read_text()
     assert "n/a (no cc)" not in (tmp_path / "egress_quick.md").read_text()
+    # And again over the modelled link (the quick run's one rate).
+    (shaped,) = s["links"]
+    assert shaped["relay"]["floor"] > 0 and shaped["relay"]["https"]["splice"] > 0
+    assert shaped["relay"]["small_cpu_ms_per_flow"] is None
+    assert f"| {shaped['rate_mbit']} Mbit/s | HTTPS |" in (tmp_path / "egress_quick.md").read_text()
     cpu = s["relay"]["mib_cpu_ms_per_flow"]
     assert all(cpu[scheme][mode] > 0 for scheme in ("http", "https") for mode in ("splice", "stream"))
     assert "The same over HTTPS" in (tmp_path / "egress_quick.md").read_text()
