@@ -379,3 +379,22 @@ def test_uids_kept_ready_go_back_to_the_host_unused(root: Path) -> None:
     assert last is not None and last.uid == again.uid
     for held in (stolen, last):
         other.give_back(held)
+
+
+def test_a_take_that_fails_gives_back_what_it_held(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scan that fails (here /proc unreadable) leaves no uid locked by this server for good:
+    the returned one it was judging goes back to the host with the error."""
+    u = pool(root, 1)
+    held = u.take()
+    assert held is not None
+    u.give_back(held, emptied=True)
+
+    def unreadable() -> set[int]:
+        raise OSError("no /proc")
+
+    monkeypatch.setattr(uids, "uids_in_use", unreadable)
+    with pytest.raises(OSError, match="no /proc"):
+        u.take()
+    monkeypatch.undo()
+    other = pool(root, 1).take()
+    assert other is not None and other.uid == held.uid, "the failed take kept the uid locked"

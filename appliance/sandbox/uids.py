@@ -191,7 +191,17 @@ class Uids:
 
     def _scan_for(self, locked: list[Held], want: int) -> Held | None:
         """Lock fresh uids until `want` are locked with those given (returned), scan once, hand
-        out one found free and keep the rest ready; again with fresh ones while none is free."""
+        out one found free and keep the rest ready; again with fresh ones while none is free.
+        Whatever it holds when it fails (no lock directory, /proc unreadable) goes back."""
+        try:
+            return self._scan(locked, want)
+        except BaseException:
+            for held in locked:
+                if held.fd is not None:
+                    os.close(held.fd)
+            raise
+
+    def _scan(self, locked: list[Held], want: int) -> Held | None:
         busy: set[int] = set()  # from the last scan: busy then (a hint, never a proof of free)
         n = len(self.candidates)
         start, self._cursor = self._cursor, self._cursor + 1
@@ -214,12 +224,12 @@ class Uids:
                 self._last_scan = time.monotonic()
                 busy = uids_in_use()
                 free: list[Held] = []
-                for held in locked:
+                while locked:  # emptied as it goes: what a failure leaves in it is still held
+                    held = locked.pop(0)
                     if held.uid in busy and held.fd is not None:
                         os.close(held.fd)
                     else:
                         free.append(held)
-                locked = []
                 if free:
                     now = time.monotonic()
                     with self._stock_lock:
