@@ -32,7 +32,7 @@ from typing import Any
 
 import websockets
 
-from appliance.sandbox import cgroups, fstree, instance, runfs
+from appliance.sandbox import cgroups, fstree, instance, runfs, uids
 from tests.support import REPO, Server, start_server
 
 NORMAL = [
@@ -275,6 +275,21 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def idle_fds(pid: int, ceiling: int | None = None, timeout: float = 15) -> int:
+    """The server's open descriptors once the uids it keeps after a burst are back: a lock file
+    each, given back after `uids.KEEP_S` unused by a task that runs as often. With a ceiling,
+    polled until at most that (a leak never comes back: the count at the deadline then)."""
+    from tests.support import scaled
+
+    if ceiling is None:
+        time.sleep(2 * uids.KEEP_S + 0.5)
+        return fd_count(pid)
+    deadline = time.monotonic() + scaled(timeout)
+    while (count := fd_count(pid)) > ceiling and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return count
+
+
 def leftover_groups(pid: int) -> list[str]:
     """The per-run cgroups server `pid` still has (the pool is off: any is a leak; a session's
     frozen group among them would be one its close failed to end)."""
@@ -357,13 +372,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:  # noqa: C901, PLR091
         # Warm up (imports, caches, the first connections) before the baseline is taken.
         asyncio.run(soak(server, 40, 4, args.seed + 1))
         settle(server)
-        rss_before, fds_before = rss_kb(server.proc.pid), fd_count(server.proc.pid)
+        rss_before, fds_before = rss_kb(server.proc.pid), idle_fds(server.proc.pid)
         peak = [rss_before]
         tally, seconds = asyncio.run(soak(server, total, args.concurrency, args.seed, peak))
         procs, dirs, groups = settle(server)
         mounts = [str(p) for p in runfs.mounts_under(work / "appliance")]
         time.sleep(1)
-        rss_after, fds_after = rss_kb(server.proc.pid), fd_count(server.proc.pid)
+        rss_after, fds_after = rss_kb(server.proc.pid), idle_fds(server.proc.pid, fds_before + 2)
         frame_bytes_after = frame_buffer_bytes(server)
         entries_most, entries_all = persisted_entries(work / "persisted")
         alive = server.proc.poll() is None and server.get("/healthz")[0] == 200
