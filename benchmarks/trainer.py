@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -240,7 +241,7 @@ def sliced_summary(parts: list[Level], windows: list[float]) -> dict[str, Any]:
     over the mean of the capacity windows before and after it: `windows` has one more than
     `parts`)."""
     rows = []
-    for part, before, after in zip(parts, windows, windows[1:], strict=False):
+    for part, (before, after) in zip(parts, itertools.pairwise(windows), strict=True):
         runs = part.sustained()
         rows.append(
             {
@@ -421,9 +422,9 @@ def write(doc: dict[str, Any], out_dir: Path) -> None:
         "",
         f"Load average (`uptime`) before: {doc['load_average_before']}; after: {doc['load_average_after']} "
         "(the machine is shared: other work ran beside this).",
-        f"Jail-spawn capacity in the same run ({cap['parallel']} at a time, windows of {cap.get('window_s', '?')} s "
-        f"before each level's first slice and after each slice; {doc.get('slices', 1)} slices a level): "
-        f"{', '.join(str(w) for w in cap.get('windows', [cap['spawns_per_s_before'], cap['spawns_per_s_after']]))} "
+        f"Jail-spawn capacity in the same run ({cap['parallel']} at a time, windows of {cap['window_s']} s "
+        f"before each level's first slice and after each slice; {doc['slices']} slices a level): "
+        f"{', '.join(str(w) for w in cap['windows'])} "
         "spawns/s. A level's share is the median of its slices' (runs/s over the mean of the two windows "
         "around the slice); strict: over the higher of the two.",
         "",
@@ -432,7 +433,7 @@ def write(doc: dict[str, Any], out_dir: Path) -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         *(
             f"| {lv['clients']} | {lv['programs']} | {lv['runs_per_s']} | {lv['share_of_spawn_capacity']} "
-            f"({lv.get('share_strict', '')}) | "
+            f"({lv['share_strict']}) | "
             f"{lv['p50_ms']} | {lv['p99_ms']} | {lv['errors']} | {lv['lost']} | {lv['ran_twice']} | {lv['refused_429']} "
             f"| {lv.get('server_cpu_ms_per_run', '')} |"
             for lv in doc["levels"]
@@ -447,8 +448,7 @@ def write(doc: dict[str, Any], out_dir: Path) -> None:
         *(
             f"- {lv['clients']} clients: "
             + "; ".join(
-                f"{r['sustained_runs_per_s']} ({r['share']}, {r['share_strict']})"
-                for r in lv.get("slices", [])
+                f"{r['sustained_runs_per_s']} ({r['share']}, {r['share_strict']})" for r in lv["slices"]
             )
             for lv in doc["levels"]
         ),
