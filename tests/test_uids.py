@@ -40,6 +40,19 @@ def pool(root: Path, n: int = 3) -> Uids:
     return u
 
 
+def counted_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """A list that grows by one at each call of `uids.<name>`, which still does its work."""
+    calls: list[int] = []
+    real = getattr(uids, name)
+
+    def counted() -> object:
+        calls.append(1)
+        return real()
+
+    monkeypatch.setattr(uids, name, counted)
+    return calls
+
+
 def test_the_range_leaves_out_the_shared_uid_and_host_accounts() -> None:
     ok, skipped = uids.usable(0, 2, shared=1)
     assert 1 not in ok and 1 not in skipped
@@ -275,14 +288,7 @@ async def test_a_jail_with_its_own_cgroup_costs_one_scan_of_proc_and_leaves_noth
     from appliance.sandbox import cgroups, channel
     from tests.support import jail_factory
 
-    scans: list[int] = []
-    listing = uids._pids
-
-    def counted() -> list[int]:
-        scans.append(1)
-        return listing()
-
-    monkeypatch.setattr(uids, "_pids", counted)
+    scans = counted_calls(monkeypatch, "_pids")
     tree, missing = cgroups.open_hierarchy("require")
     assert tree is not None, missing
     try:
@@ -313,14 +319,7 @@ def test_under_load_one_scan_readies_uids_for_several_takes(
     """Takes close together share scans: a scan hands out one uid and keeps up to STOCK more
     ready (returned ones it saw free, fresh ones locked before it), which later takes get
     without scanning. One scan a take was most of a take's CPU at many jails a second."""
-    scans: list[int] = []
-    real = uids.uids_in_use
-
-    def counted() -> set[int]:
-        scans.append(1)
-        return real()
-
-    monkeypatch.setattr(uids, "uids_in_use", counted)
+    scans = counted_calls(monkeypatch, "uids_in_use")
     u = pool(root, 2 * (uids.STOCK + 1))
     taken: set[int] = set()
     for _ in range(20):
