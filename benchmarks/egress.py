@@ -12,6 +12,14 @@ overhead is left out):
   and a CONNECT tunnel with its SNI check), the median of several;
 - 100 small requests in a row (20 with --quick), each on a new connection (the proxy takes one per connection).
 
+Where a C compiler is found, a third side runs the same code in the address server's jails
+through the floor relay (below): the same measurement with the cheapest relay that ends the
+jail's TCP connection, as any HTTP proxy must. It runs in a namespace of its own placed as
+the proxy is (`relay_box`: reached by IP through the host; its way to the fake internet
+crosses the host and the shaped veth), plain HTTP straight through it (FLOOR_PORTS[0]),
+HTTPS through its CONNECT mode (FLOOR_PORTS[1], as the jail's urllib's proxy): a head read
+and answered "200", then the tunnel, with no parsing and no decision.
+
 The proxy's CPU per flow is the names server's CPU time (utime + stime from /proc) over a
 run of small requests less the address server's over the same run, divided by the flows.
 
@@ -78,6 +86,8 @@ LINK_BURST = "64kb"  # the bucket: a few full-size segments at once
 LINK_LIMIT = "4mb"  # what may queue at the link: more than a download in flight, so nothing drops
 TOKEN = "egress-bench-" + secrets.token_hex(12)
 MIB = 1 << 20
+# The jail-side floor relays' ports (to 80 and to 443) on the fake internet's second address.
+FLOOR_PORTS = (8081, 8443)
 
 CODE = r"""
 import json, ssl, time, urllib.request
@@ -85,8 +95,11 @@ open("/tmp/ca.pem", "w").write(CA_PEM)
 ctx = ssl.create_default_context(cafile="/tmp/ca.pem")
 if not BY_NAME:
     ctx.check_hostname = False  # addressed by IP: the certificate names the host, not the address
+# PROXIES None: the jail's own (its environment's), as urlopen takes them.
+handlers = [urllib.request.HTTPSHandler(context=ctx)]
+opener = urllib.request.build_opener(*handlers, *([urllib.request.ProxyHandler(PROXIES)] if PROXIES is not None else []))
 def get(url):
-    with urllib.request.urlopen(url, context=ctx, timeout=30) as r:
+    with opener.open(url, timeout=30) as r:
         return len(r.read())
 def timed(url, n):
     out = []
@@ -160,12 +173,27 @@ def build_floor_relay(folder: Path) -> Path | None:
 
 
 @contextmanager
-def floor_relay(binary: Path, host: str, port: int) -> Iterator[int]:
-    """The floor relay in front of host:port, listening on an ephemeral loopback port (yielded).
-    After, it and its workers (a process group of their own) are killed, and
-    waited for until none is left."""
+def floor_relay(  # noqa: PLR0913 (where it listens, in which namespace, and as what)
+    binary: Path,
+    host: str,
+    port: int,
+    *,
+    listen: tuple[str, int] = ("127.0.0.1", 0),
+    netns: str | None = None,
+    connect: bool = False,
+) -> Iterator[int]:
+    """The floor relay in front of host:port, listening on `listen` (by default an ephemeral
+    loopback port), in the network namespace `netns` if one is named; with `connect`, as a
+    CONNECT proxy (each connection's head answered first). Yields the port it got. After, it
+    and its workers (a process group of their own) are killed, and waited for until none is
+    left."""
+    inside = ["ip", "netns", "exec", netns] if netns else []  # ip execs the relay: one process group
+    mode = ["--connect"] if connect else []
     proc = subprocess.Popen(
-        [str(binary), "0", host, str(port)], stdout=subprocess.PIPE, text=True, start_new_session=True
+        [*inside, str(binary), *mode, str(listen[1]), host, str(port), listen[0]],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     try:
         line = proc.stdout.readline().strip() if proc.stdout else ""
@@ -303,10 +331,20 @@ async def _run(server: Server, code: str) -> tuple[dict[str, Any], float]:
     return json.loads(ex.stdout.splitlines()[-1]), _cpu_s(server.proc.pid) - before
 
 
-def _code(ca: str, by_name: bool, host: str, n_big: int, n_small: int) -> str:
+def _code(  # noqa: PLR0913 (the jail code's parameters)
+    ca: str,
+    by_name: bool,
+    hosts: tuple[str, str],
+    n_big: int,
+    n_small: int,
+    proxies: dict[str, str] | None = None,
+) -> str:
+    """The jail's code, fetching from http://hosts[0] and https://hosts[1] (host or host:port),
+    through `proxies` where given (urllib's scheme -> proxy URL), else the jail's own."""
     head = (
-        f"CA_PEM = {json.dumps(ca)}\nBY_NAME = {by_name}\nHTTP = 'http://{host}'\nHTTPS = 'https://{host}'\n"
-        f"MIB = {MIB}\nN_BIG = {n_big}\nN_SMALL = {n_small}\n"
+        f"CA_PEM = {json.dumps(ca)}\nBY_NAME = {by_name}\nHTTP = 'http://{hosts[0]}'\n"
+        f"HTTPS = 'https://{hosts[1]}'\nMIB = {MIB}\nN_BIG = {n_big}\nN_SMALL = {n_small}\n"
+        f"PROXIES = {proxies!r}\n"
     )
     return head + CODE
 
@@ -351,7 +389,8 @@ Sides = dict[str, tuple[Server, str]]
 def server_pair(base: Path, net: FakeNet, **names_settings: str) -> Iterator[tuple[Server, Server]]:
     """The two servers every egress benchmark compares: (names, address). `names` lets its jails
     out only through the proxy, to the fake internet's api host by name (its settings plus
-    `names_settings`); `address` opens ports 80 and 443 by IP, no proxy. Both stopped after."""
+    `names_settings`); `address` opens ports 80 and 443 by IP, no proxy (and FLOOR_PORTS, the
+    jail-side floor relays'). Both stopped after."""
     common = {"SANDBOX_AUTH_TOKEN": TOKEN, "SANDBOX_MAX_EXEC_MS": "300000", "SANDBOX_POOL_SIZE": "1"}
     names = start_server(
         base / "names",
@@ -368,7 +407,7 @@ def server_pair(base: Path, net: FakeNet, **names_settings: str) -> Iterator[tup
             base / "address",
             settings={
                 **common,
-                "SANDBOX_OPEN_PORTS": "80,443",
+                "SANDBOX_OPEN_PORTS": ",".join(map(str, (80, 443, *FLOOR_PORTS))),
                 "SANDBOX_EGRESS_SUBNET": f"10.220.{net.k}.0/24",
             },
         )
@@ -378,6 +417,29 @@ def server_pair(base: Path, net: FakeNet, **names_settings: str) -> Iterator[tup
             address.stop()
     finally:
         names.stop()
+
+
+@contextmanager
+def relay_box(workdir: Path, net: FakeNet) -> Iterator[FakeNet]:
+    """A second namespace for the jail-side floor relay, placed as the proxy is: between the
+    host and the fake internet, its way there through the host and the fake internet's veth
+    (shaped or not alike). The jails reach it by IP through the host, as they reach the fake
+    internet; the fake internet answers it through the host."""
+    with fake_internet(workdir) as box:
+        _sh("ip", "-n", box.ns, "route", "add", "default", "via", f"198.18.{box.k}.1")
+        _sh("ip", "-n", net.ns, "route", "add", f"198.18.{box.k}.0/29", "via", f"198.18.{net.k}.1")
+        try:
+            yield box
+        finally:
+            subprocess.run(
+                ["ip", "-n", net.ns, "route", "del", f"198.18.{box.k}.0/29"], capture_output=True, check=False
+            )
+
+
+def _sh(*argv: str) -> None:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"{' '.join(argv)}: {done.stderr.strip()}")
 
 
 async def _rounds(sides: Sides, reps: int) -> dict[str, dict[str, list[float]]]:
@@ -415,6 +477,13 @@ def _summary(got: dict[str, dict[str, list[float]]], flows_per_run: int) -> dict
         "https_mib": round(p["https_mib_p50_ms"] / d["https_mib_p50_ms"], 3),
         "small_100": round(p["small_100_p50_ms"] / d["small_100_p50_ms"], 3),
     }
+    if "floor" in summary:  # the jail-side floor relay, by the same measure
+        f = summary["floor"]
+        summary["floor_ratios"] = {
+            "http_mib": round(f["http_mib_p50_ms"] / d["http_mib_p50_ms"], 3),
+            "https_mib": round(f["https_mib_p50_ms"] / d["https_mib_p50_ms"], 3),
+            "small_100": round(f["small_100_p50_ms"] / d["small_100_p50_ms"], 3),
+        }
     summary["proxy_cpu_ms_per_flow"] = round(
         (p["server_cpu_s_per_run"] - d["server_cpu_s_per_run"]) * 1000 / flows_per_run, 3
     )
@@ -426,31 +495,49 @@ async def measure(
 ) -> dict[str, Any]:
     flows_per_run = 2 * n_big + n_small
     links: list[dict[str, Any]] = []
-    with fake_internet(base / "net") as net:
-        with server_pair(base, net) as (names, address):
-            ca = net.ca.read_text()
-            sides: Sides = {
-                "proxy": (names, _code(ca, True, f"api.{DOMAIN}", n_big, n_small)),
-                "direct": (address, _code(ca, False, net.public, n_big, n_small)),
-            }
-            got = await _rounds(sides, reps)
-            try:
-                for rate in rates:
-                    qdisc = _shape(net, rate)
-                    shaped = await _rounds(sides, reps)
-                    # Proof the runs crossed the shaper: what it sent (and dropped) meanwhile.
-                    through = _shaped_bytes(net)
-                    # The relay alone over the same link: the floor relay's cost where a
-                    # download crosses one (no small flows: their CPU is the unshaped run's).
-                    relayed_here = await relay(net, reps, n_big, 0)
-                    _shape(net, None)
-                    links.append(
-                        {"rate_mbit": rate, "qdisc": qdisc, "shaper": through, "raw": shaped}
-                        | _summary(shaped, flows_per_run)
-                        | {"relay": relayed_here}
+    with (
+        fake_internet(base / "net") as net,
+        server_pair(base, net) as (names, address),
+        ExitStack() as floors,
+    ):
+        ca = net.ca.read_text()
+        sides: Sides = {
+            "proxy": (names, _code(ca, True, (f"api.{DOMAIN}",) * 2, n_big, n_small)),
+            "direct": (address, _code(ca, False, (net.public,) * 2, n_big, n_small)),
+        }
+        binary = build_floor_relay(base)
+        if binary is not None:
+            # Plain HTTP straight through one (the request as by IP); HTTPS through the other as
+            # through a CONNECT proxy (urllib's CONNECT, then TLS by IP).
+            box = floors.enter_context(relay_box(base / "box", net))
+            for port, far in zip(FLOOR_PORTS, (80, 443), strict=True):
+                floors.enter_context(
+                    floor_relay(
+                        binary, net.public, far, listen=(box.public, port), netns=box.ns, connect=far == 443
                     )
-            finally:
+                )
+            hosts = (f"{box.public}:{FLOOR_PORTS[0]}", net.public)
+            proxies = {"https": f"http://{box.public}:{FLOOR_PORTS[1]}"}
+            sides["floor"] = (address, _code(ca, False, hosts, n_big, n_small, proxies))
+        got = await _rounds(sides, reps)
+        try:
+            for rate in rates:
+                qdisc = _shape(net, rate)
+                shaped = await _rounds(sides, reps)
+                # Proof the runs crossed the shaper: what it sent (and dropped) meanwhile.
+                through = _shaped_bytes(net)
+                # The relay alone over the same link: the floor relay's cost where a
+                # download crosses one (no small flows: their CPU is the unshaped run's).
+                relayed_here = await relay(net, reps, n_big, 0)
                 _shape(net, None)
+                links.append(
+                    {"rate_mbit": rate, "qdisc": qdisc, "shaper": through, "raw": shaped}
+                    | _summary(shaped, flows_per_run)
+                    | {"relay": relayed_here}
+                )
+        finally:
+            _shape(net, None)
+        floors.close()
         relayed = await relay(net, reps * 2, n_big, n_small * 3)
     summary = _summary(got, flows_per_run)
     summary["relay"] = relayed
@@ -465,24 +552,44 @@ async def measure(
     }
 
 
+def _sides_table(s: dict[str, Any], n_small: int, rate: str | None = None) -> list[str]:
+    """The jail-side figures of one link (rate None: the unshaped veth, no link column): the
+    proxy, by IP, and the floor relay where it ran, with their ratios over by IP."""
+    p, d, r = s["proxy"], s["direct"], s["ratios"]
+    f, fr = s.get("floor"), s.get("floor_ratios")
+    rows = [
+        (f"1 MiB over HTTP (n={p['n_big']})", "http_mib_p50_ms", "http_mib"),
+        (f"1 MiB over HTTPS (n={p['n_big']})", "https_mib_p50_ms", "https_mib"),
+        (f"{n_small} small requests, one connection each (n={p['n_runs']})", "small_100_p50_ms", "small_100"),
+    ]
+    link = ("| link ", "| --- ") if rate is not None else ("", "")
+    lines = [
+        f"{link[0]}| what | through the proxy | by IP, no proxy | proxy / by IP | floor relay, by IP | floor / by IP |",
+        f"{link[1]}| --- | --- | --- | --- | --- | --- |",
+    ]
+    for what, ms, ratio in rows:
+        floor = f"{f[ms]} | x{fr[ratio]}" if f is not None and fr is not None else "n/a (no cc) | n/a"
+        cell = f"| {rate} " if rate is not None else ""
+        lines.append(f"{cell}| {what} | {p[ms]} | {d[ms]} | x{r[ratio]} | {floor} |")
+    return lines
+
+
 def render(doc: dict[str, Any]) -> str:
     s = doc["summary"]
-    p, d, r = s["proxy"], s["direct"], s["ratios"]
+    p, d = s["proxy"], s["direct"]
     return "\n".join(
         [
             f"# egress proxy vs allowed by IP ({doc['cpus']} CPUs, commit {doc['commit']}; "
             f"load average {doc['load']})",
             "",
-            f"`{doc.get('command', 'python -m benchmarks.egress')}`: timed inside the jail, the two servers' runs "
-            "alternating; p50 in ms. On a shared machine the load average moves these ratios more than "
-            "the proxy does: compare runs only at like load.",
+            f"`{doc.get('command', 'python -m benchmarks.egress')}`: timed inside the jail, the sides' runs "
+            "alternating; p50 in ms. The floor relay side is the address server's jails fetching by IP "
+            "through benchmarks/floor_relay.c, run in the fake internet in front of the same servers: "
+            "the cheapest relay that ends the jail's TCP connection, as any HTTP proxy must. On a shared "
+            "machine the load average moves these ratios more than the proxy does: compare runs only at "
+            "like load.",
             "",
-            "| what | through the proxy | by IP, no proxy | ratio |",
-            "| --- | --- | --- | --- |",
-            f"| 1 MiB over HTTP (n={p['n_big']}) | {p['http_mib_p50_ms']} | {d['http_mib_p50_ms']} | x{r['http_mib']} |",
-            f"| 1 MiB over HTTPS (n={p['n_big']}) | {p['https_mib_p50_ms']} | {d['https_mib_p50_ms']} | x{r['https_mib']} |",
-            f"| {doc['n_small']} small requests, one connection each (n={p['n_runs']}) | {p['small_100_p50_ms']} | "
-            f"{d['small_100_p50_ms']} | x{r['small_100']} |",
+            *_sides_table(s, doc["n_small"]),
             "",
             f"The server's CPU per run: {p['server_cpu_s_per_run']} s with the proxy, "
             f"{d['server_cpu_s_per_run']} s without; the proxy's CPU per flow: "
@@ -559,6 +666,14 @@ def _render_link_relays(links: list[dict[str, Any]]) -> list[str]:
 GOAL = 1.10  # the issue's aim: a 1 MiB download through the proxy at most 10% slower than by IP
 
 
+def _verdict(name: str, side: dict[str, Any]) -> str:
+    """Whether one link met the goal, and what the floor relay read there by the same measure."""
+    ratio = side["ratios"]["http_mib"]
+    said = f"{name} x{ratio}: {'met' if ratio <= GOAL else 'not met'}"
+    floor = (side.get("floor_ratios") or {}).get("http_mib")
+    return said if floor is None else f"{said} (the floor relay x{floor})"
+
+
 def _render_links(doc: dict[str, Any]) -> list[str]:
     s = doc["summary"]
     links = s.get("links") or []
@@ -574,18 +689,10 @@ def _render_links(doc: dict[str, Any]) -> list[str]:
         "connection upstream taking the place of the direct connection's handshake, so a "
         "bandwidth-only link is the harder case for the proxy. p50 in ms.",
         "",
-        "| link | what | through the proxy | by IP, no proxy | ratio |",
-        "| --- | --- | --- | --- | --- |",
     ]
-    for link in links:
-        p, d, r = link["proxy"], link["direct"], link["ratios"]
-        rate = f"{link['rate_mbit']} Mbit/s"
-        lines += [
-            f"| {rate} | 1 MiB over HTTP (n={p['n_big']}) | {p['http_mib_p50_ms']} | {d['http_mib_p50_ms']} | x{r['http_mib']} |",
-            f"| {rate} | 1 MiB over HTTPS (n={p['n_big']}) | {p['https_mib_p50_ms']} | {d['https_mib_p50_ms']} | x{r['https_mib']} |",
-            f"| {rate} | {doc['n_small']} small requests (n={p['n_runs']}) | {p['small_100_p50_ms']} | "
-            f"{d['small_100_p50_ms']} | x{r['small_100']} |",
-        ]
+    for i, link in enumerate(links):
+        table = _sides_table(link, doc["n_small"], f"{link['rate_mbit']} Mbit/s")
+        lines += table if i == 0 else table[2:]
     lines += [
         "",
         "Proxy CPU per flow (the names server's less the address server's): "
@@ -600,13 +707,14 @@ def _render_links(doc: dict[str, Any]) -> list[str]:
         "",
         *_render_link_relays(links),
     ]
-    verdicts = [("the unshaped veth", s["ratios"]["http_mib"])] + [
-        (f"{link['rate_mbit']} Mbit/s", link["ratios"]["http_mib"]) for link in links
-    ]
     lines.append(
         f"The goal, a 1 MiB download through the proxy within {GOAL - 1:.0%} of the same by IP "
         "(plain HTTP, p50): "
-        + "; ".join(f"{name} x{ratio}: {'met' if ratio <= GOAL else 'not met'}" for name, ratio in verdicts)
+        + "; ".join(
+            _verdict(name, each)
+            for name, each in [("the unshaped veth", s)]
+            + [(f"{link['rate_mbit']} Mbit/s", link) for link in links]
+        )
         + "."
     )
     lines.append("")

@@ -1,15 +1,20 @@
 /* The floor of a TCP-terminating relay: a port forward with no logic at all, for
  * benchmarks/egress.py's relay section.
  *
- *     floor_relay LISTEN_PORT UPSTREAM_ADDR UPSTREAM_PORT
+ *     floor_relay [--connect] LISTEN_PORT UPSTREAM_ADDR UPSTREAM_PORT [LISTEN_ADDR]
  *
- * Listens on 127.0.0.1:LISTEN_PORT (0: an ephemeral port) and prints the port it got on
- * stdout. WORKERS processes, forked at the start (none per connection), each accept one
+ * Listens on LISTEN_ADDR:LISTEN_PORT (127.0.0.1 unless given; port 0: an ephemeral one) and
+ * prints the port it got on stdout. WORKERS processes, forked at the start (none per connection), each accept one
  * connection at a time, connect to UPSTREAM_ADDR:UPSTREAM_PORT and move the bytes both ways
  * with splice(2) through a pipe per way, in one poll(2) loop: no copy to user space, no
  * parsing. TCP_NODELAY on both sockets. A way whose reader sees EOF is passed on as
  * shutdown(SHUT_WR) once its pipe is empty; a connection ends when both ways have ended, or
- * at its first error. The workers die with the first process (PR_SET_PDEATHSIG). */
+ * at its first error. The workers die with the first process (PR_SET_PDEATHSIG).
+ *
+ * --connect: the floor of an HTTP CONNECT proxy. Each connection's head (up to its blank
+ * line) is read first and not parsed, whatever host it names; then the upstream connect,
+ * "200 Connection established", and the relay as above (any bytes sent after the head go
+ * on first). */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -20,12 +25,16 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #define PIPE_BYTES (1 << 20)
 #define WORKERS 4
+#define HEAD_BYTES 8192
+
+static int connect_mode; /* --connect: a CONNECT head is read and answered first */
 
 struct way {
     int from, to, pipe[2];
@@ -73,11 +82,48 @@ static int way_step(struct way *w, short from_events) {
     return 0;
 }
 
-/* One connection, from its upstream connect to the end of both ways. */
+/* Sends all of buf on a blocking socket; -1 on an error. */
+static int send_all(int fd, const char *buf, size_t len) {
+    while (len > 0) {
+        ssize_t n = send(fd, buf, len, MSG_NOSIGNAL);
+        if (n < 0) return -1;
+        buf += n, len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Reads the client's head up to its blank line into buf; the bytes read past it are at
+ * *rest (*rest_len of them). -1: the client ended or sent no blank line in HEAD_BYTES. */
+static int read_head(int client, char *buf, const char **rest, size_t *rest_len) {
+    size_t got = 0;
+    while (got < HEAD_BYTES) {
+        ssize_t n = recv(client, buf + got, HEAD_BYTES - got, 0);
+        if (n <= 0) return -1;
+        got += (size_t)n;
+        char *end = memmem(buf, got, "\r\n\r\n", 4);
+        if (end != NULL) {
+            *rest = end + 4, *rest_len = got - (size_t)(end + 4 - buf);
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* One connection, from its upstream connect (after its head, with --connect) to the end of
+ * both ways. */
 static void relay(int client, const struct sockaddr_in *upstream) {
+    static const char established[] = "HTTP/1.1 200 Connection established\r\n\r\n";
     struct way up = {.pipe = {-1, -1}}, down = {.pipe = {-1, -1}}; /* client to far, far to client */
-    int far = socket(AF_INET, SOCK_STREAM, 0);
+    char head[HEAD_BYTES];
+    const char *rest = NULL;
+    size_t rest_len = 0;
+    int far = -1;
+    if (connect_mode && read_head(client, head, &rest, &rest_len) < 0) goto out;
+    far = socket(AF_INET, SOCK_STREAM, 0);
     if (far < 0 || connect(far, (const struct sockaddr *)upstream, sizeof *upstream) < 0) goto out;
+    if (connect_mode && (send_all(client, established, sizeof established - 1) < 0 ||
+                         send_all(far, rest, rest_len) < 0))
+        goto out;
     nodelay(client), nodelay(far);
     fcntl(client, F_SETFL, O_NONBLOCK), fcntl(far, F_SETFL, O_NONBLOCK);
     if (way_open(&up, client, far) < 0 || way_open(&down, far, client) < 0) goto out;
@@ -104,13 +150,17 @@ out:
 }
 
 int main(int argc, char **argv) {
-    if (argc != 4) {
-        fprintf(stderr, "usage: %s LISTEN_PORT UPSTREAM_ADDR UPSTREAM_PORT\n", argv[0]);
+    const char *self = argv[0];
+    connect_mode = argc > 1 && strcmp(argv[1], "--connect") == 0;
+    argc -= connect_mode, argv += connect_mode;
+    if (argc != 4 && argc != 5) {
+        fprintf(stderr, "usage: %s [--connect] LISTEN_PORT UPSTREAM_ADDR UPSTREAM_PORT [LISTEN_ADDR]\n", self);
         return 2;
     }
     struct sockaddr_in here = {.sin_family = AF_INET, .sin_port = htons((unsigned short)atoi(argv[1]))};
     struct sockaddr_in upstream = {.sin_family = AF_INET, .sin_port = htons((unsigned short)atoi(argv[3]))};
     here.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (argc == 5 && inet_pton(AF_INET, argv[4], &here.sin_addr) != 1) die("the listen address");
     if (inet_pton(AF_INET, argv[2], &upstream.sin_addr) != 1) die("the upstream address");
     signal(SIGPIPE, SIG_IGN); /* a write to a reset peer is an error, not the end */
     int one = 1, listener = socket(AF_INET, SOCK_STREAM, 0);

@@ -189,3 +189,63 @@ def test_the_relay_table_reads_the_floor_or_says_why_there_is_none() -> None:
     assert "| 2.0 | 3.0 | 4.0 | 2.5 | x1.500 | x2.000 | x1.250 |" in table
     table = "\n".join(egress._relay_table(row | {"floor": None}))
     assert "| n/a (no cc) |" in table and table.endswith("| n/a |")
+
+
+def test_the_connect_floor_answers_the_head_then_relays_what_followed_it(tmp_path: Path) -> None:
+    """floor_relay --connect, the floor of a CONNECT proxy: the head is answered "200" whatever
+    host it names, the far end is connected only after it, and bytes sent with the head go
+    on first, then both ways whole."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.fail("a C compiler is needed to build benchmarks/floor_relay.c (apt-get install gcc)")
+    binary = egress.build_floor_relay(tmp_path)
+    assert binary is not None
+    hello, down = b"first bytes\x00" * 100, os.urandom(2 * (1 << 20) + 7)
+    far_got: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(30)
+        with egress.floor_relay(binary, "127.0.0.1", listener.getsockname()[1], connect=True) as port:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+                listener.settimeout(0.5)
+                with pytest.raises(TimeoutError):  # no far end before the head, as in a proxy
+                    listener.accept()
+                listener.settimeout(30)
+                client.sendall(b"CONNECT somewhere.example:443 HTTP/1.1\r\nHost: x\r\n\r\n" + hello)
+                reply = b""
+                while not reply.endswith(b"\r\n\r\n"):
+                    reply += client.recv(1)
+                assert reply == b"HTTP/1.1 200 Connection established\r\n\r\n"
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(30)
+                    conn.sendall(down)
+                    conn.shutdown(socket.SHUT_WR)
+                    client.shutdown(socket.SHUT_WR)
+                    far_got.append(_read_all(conn))
+                    got = _read_all(client)
+    assert far_got == [hello]
+    assert got == down
+
+
+def test_the_sides_table_sets_the_floor_beside_the_proxy_and_the_verdict_names_it() -> None:
+    side = {
+        "http_mib_p50_ms": 2.0,
+        "https_mib_p50_ms": 8.0,
+        "small_100_p50_ms": 20.0,
+        "n_big": 10,
+        "n_runs": 6,
+    }
+    ratios = {"http_mib": 1.5, "https_mib": 1.125, "small_100": 2.0}
+    summary = {
+        "proxy": {**side, "http_mib_p50_ms": 3.0, "https_mib_p50_ms": 9.0, "small_100_p50_ms": 40.0},
+        "direct": side,
+        "ratios": ratios,
+    }
+    table = "\n".join(egress._sides_table(summary, 100))
+    assert "| 1 MiB over HTTP (n=10) | 3.0 | 2.0 | x1.5 | n/a (no cc) | n/a |" in table
+    assert egress._verdict("the unshaped veth", summary) == "the unshaped veth x1.5: not met"
+    floor = {**side, "http_mib_p50_ms": 2.2}
+    summary |= {"floor": floor, "floor_ratios": {"http_mib": 1.1, "https_mib": 1.0, "small_100": 1.2}}
+    table = "\n".join(egress._sides_table(summary, 100, "1000 Mbit/s"))
+    assert "| 1000 Mbit/s | 1 MiB over HTTP (n=10) | 3.0 | 2.0 | x1.5 | 2.2 | x1.1 |" in table
+    assert table.startswith("| link | what |")
+    assert egress._verdict("1000 Mbit/s", summary) == "1000 Mbit/s x1.5: not met (the floor relay x1.1)"

@@ -135,14 +135,15 @@ def test_the_egress_benchmark_measures_the_proxy_and_by_ip_side_by_side(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "egress_quick.json").read_text())
     s = doc["summary"]
-    for side in ("proxy", "direct"):
+    for side in ("proxy", "direct", "floor"):  # the floor: by IP through floor_relay.c in a namespace
         assert s[side]["n_big"] == 6 and s[side]["n_runs"] == 2
         assert (
             s[side]["http_mib_p50_ms"] > 0
             and s[side]["https_mib_p50_ms"] > 0
             and s[side]["small_100_p50_ms"] > 0
         )
-    assert all(r > 0 for r in s["ratios"].values())
+    assert all(r > 0 for r in s["ratios"].values()) and all(r > 0 for r in s["floor_ratios"].values())
+    assert "| floor relay, by IP | floor / by IP |" in (tmp_path / "egress_quick.md").read_text()
     assert s["relay"]["small_cpu_ms_per_flow"] > 0 and s["relay"]["small_flows"] == 2 * 2 * 60
     # The relay alone over HTTPS too (a CONNECT tunnel: spliced, and by the stream loop).
     assert all(s["relay"]["https"][mode] > 0 for mode in ("direct", "splice", "stream"))
@@ -160,10 +161,11 @@ def test_the_egress_benchmark_measures_the_proxy_and_by_ip_side_by_side(tmp_path
     assert "The same over HTTPS" in (tmp_path / "egress_quick.md").read_text()
     (link,) = s["links"]  # the same rounds over the shaped link (quick: its last rate only)
     assert link["rate_mbit"] == 100 and link["qdisc"].startswith("tbf rate 100mbit")
-    for side in ("proxy", "direct"):
+    for side in ("proxy", "direct", "floor"):
         assert link[side]["n_big"] == 6 and link[side]["n_runs"] == 2
-    # Every download of both sides crossed the shaper: 2 sides x 2 runs x (3 + 3) MiB at least.
-    assert link["shaper"]["bytes"] >= 2 * 2 * 6 * (1 << 20), link["shaper"]
+    # Every download of the three sides crossed the shaper: 3 sides x 2 runs x (3 + 3) MiB at least.
+    assert link["shaper"]["bytes"] >= 3 * 2 * 6 * (1 << 20), link["shaper"]
+    assert "(the floor relay x" in (tmp_path / "egress_quick.md").read_text()
     assert all(r > 0 for r in link["ratios"].values())
     assert "Over a modelled link" in (tmp_path / "egress_quick.md").read_text()
     assert "through the proxy" in (tmp_path / "egress_quick.md").read_text()
