@@ -584,8 +584,9 @@ def render(doc: dict[str, Any]) -> str:
             "",
             f"`{doc.get('command', 'python -m benchmarks.egress')}`: timed inside the jail, the sides' runs "
             "alternating; p50 in ms. The floor relay side is the address server's jails fetching by IP "
-            "through benchmarks/floor_relay.c, run in the fake internet in front of the same servers: "
-            "the cheapest relay that ends the jail's TCP connection, as any HTTP proxy must. On a shared "
+            "through benchmarks/floor_relay.c (HTTPS through its CONNECT mode), run in a namespace of "
+            "its own placed as the proxy is, between the host and the fake internet: the cheapest relay "
+            "that ends the jail's TCP connection, as any HTTP proxy must. On a shared "
             "machine the load average moves these ratios more than the proxy does: compare runs only at "
             "like load.",
             "",
