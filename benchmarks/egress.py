@@ -86,7 +86,7 @@ LINK_BURST = "64kb"  # the bucket: a few full-size segments at once
 LINK_LIMIT = "4mb"  # what may queue at the link: more than a download in flight, so nothing drops
 TOKEN = "egress-bench-" + secrets.token_hex(12)
 MIB = 1 << 20
-# The jail-side floor relays' ports (to 80 and to 443) on the fake internet's second address.
+# The jail-side floor relays' ports in the relay box (`relay_box`): to port 80, and to 443 as a CONNECT proxy.
 FLOOR_PORTS = (8081, 8443)
 
 CODE = r"""
@@ -459,6 +459,14 @@ async def _rounds(sides: Sides, reps: int) -> dict[str, dict[str, list[float]]]:
     return got
 
 
+def _ratios(side: dict[str, Any], direct: dict[str, Any]) -> dict[str, float]:
+    """A side's p50s over by IP's."""
+    return {
+        what: round(side[f"{what}_p50_ms"] / direct[f"{what}_p50_ms"], 3)
+        for what in ("http_mib", "https_mib", "small_100")
+    }
+
+
 def _summary(got: dict[str, dict[str, list[float]]], flows_per_run: int) -> dict[str, Any]:
     summary: dict[str, Any] = {
         side: {
@@ -472,18 +480,9 @@ def _summary(got: dict[str, dict[str, list[float]]], flows_per_run: int) -> dict
         for side, v in got.items()
     }
     p, d = summary["proxy"], summary["direct"]
-    summary["ratios"] = {
-        "http_mib": round(p["http_mib_p50_ms"] / d["http_mib_p50_ms"], 3),
-        "https_mib": round(p["https_mib_p50_ms"] / d["https_mib_p50_ms"], 3),
-        "small_100": round(p["small_100_p50_ms"] / d["small_100_p50_ms"], 3),
-    }
+    summary["ratios"] = _ratios(p, d)
     if "floor" in summary:  # the jail-side floor relay, by the same measure
-        f = summary["floor"]
-        summary["floor_ratios"] = {
-            "http_mib": round(f["http_mib_p50_ms"] / d["http_mib_p50_ms"], 3),
-            "https_mib": round(f["https_mib_p50_ms"] / d["https_mib_p50_ms"], 3),
-            "small_100": round(f["small_100_p50_ms"] / d["small_100_p50_ms"], 3),
-        }
+        summary["floor_ratios"] = _ratios(summary["floor"], d)
     summary["proxy_cpu_ms_per_flow"] = round(
         (p["server_cpu_s_per_run"] - d["server_cpu_s_per_run"]) * 1000 / flows_per_run, 3
     )

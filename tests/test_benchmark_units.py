@@ -249,3 +249,14 @@ def test_the_sides_table_sets_the_floor_beside_the_proxy_and_the_verdict_names_i
     assert "| 1000 Mbit/s | 1 MiB over HTTP (n=10) | 3.0 | 2.0 | x1.5 | 2.2 | x1.1 |" in table
     assert table.startswith("| link | what |")
     assert egress._verdict("1000 Mbit/s", summary) == "1000 Mbit/s x1.5: not met (the floor relay x1.1)"
+
+
+def test_the_summary_gives_the_floor_its_ratios_over_by_ip_as_the_proxy_has() -> None:
+    def side(http: float, https: float, small: float) -> dict[str, list[float]]:
+        return {"http_mib": [http], "https_mib": [https], "small_total": [small], "cpu_s": [0.1]}
+
+    got = {"proxy": side(3.0, 9.0, 40.0), "direct": side(2.0, 8.0, 20.0)}
+    assert "floor_ratios" not in egress._summary(got, 10)
+    summary = egress._summary(got | {"floor": side(2.5, 8.8, 30.0)}, 10)
+    assert summary["ratios"] == {"http_mib": 1.5, "https_mib": 1.125, "small_100": 2.0}
+    assert summary["floor_ratios"] == {"http_mib": 1.25, "https_mib": 1.1, "small_100": 1.5}
