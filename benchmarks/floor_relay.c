@@ -4,12 +4,13 @@
  *     floor_relay [--connect] LISTEN_PORT UPSTREAM_ADDR UPSTREAM_PORT [LISTEN_ADDR]
  *
  * Listens on LISTEN_ADDR:LISTEN_PORT (127.0.0.1 unless given; port 0: an ephemeral one) and
- * prints the port it got on stdout. WORKERS processes, forked at the start (none per connection), each accept one
- * connection at a time, connect to UPSTREAM_ADDR:UPSTREAM_PORT and move the bytes both ways
- * with splice(2) through a pipe per way, in one poll(2) loop: no copy to user space, no
- * parsing. TCP_NODELAY on both sockets. A way whose reader sees EOF is passed on as
- * shutdown(SHUT_WR) once its pipe is empty; a connection ends when both ways have ended, or
- * at its first error. The workers die with the first process (PR_SET_PDEATHSIG).
+ * prints the port it got on stdout. WORKERS processes, forked at the start (none per
+ * connection), each accept one connection at a time, connect to UPSTREAM_ADDR:UPSTREAM_PORT
+ * and move the bytes both ways with splice(2) through a pipe per way, in one poll(2) loop: no
+ * copy to user space, no parsing. TCP_NODELAY on both sockets from the start. A way whose
+ * reader sees EOF is passed on as shutdown(SHUT_WR) once its pipe is empty; a connection ends
+ * when both ways have ended, or at its first error. The workers die with the first process
+ * (PR_SET_PDEATHSIG).
  *
  * --connect: the floor of an HTTP CONNECT proxy. Each connection's head (up to its blank
  * line) is read first and not parsed, whatever host it names; then the upstream connect,
@@ -118,13 +119,15 @@ static void relay(int client, const struct sockaddr_in *upstream) {
     const char *rest = NULL;
     size_t rest_len = 0;
     int far = -1;
+    nodelay(client);
     if (connect_mode && read_head(client, head, &rest, &rest_len) < 0) goto out;
     far = socket(AF_INET, SOCK_STREAM, 0);
-    if (far < 0 || connect(far, (const struct sockaddr *)upstream, sizeof *upstream) < 0) goto out;
+    if (far < 0) goto out;
+    nodelay(far);
+    if (connect(far, (const struct sockaddr *)upstream, sizeof *upstream) < 0) goto out;
     if (connect_mode && (send_all(client, established, sizeof established - 1) < 0 ||
                          send_all(far, rest, rest_len) < 0))
         goto out;
-    nodelay(client), nodelay(far);
     fcntl(client, F_SETFL, O_NONBLOCK), fcntl(far, F_SETFL, O_NONBLOCK);
     if (way_open(&up, client, far) < 0 || way_open(&down, far, client) < 0) goto out;
     while (!(up.done && down.done)) {
