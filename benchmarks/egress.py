@@ -77,7 +77,7 @@ from appliance.sandbox.egressresolve import Resolver
 from appliance.sandbox.network import EgressPolicy, JailLink
 from appliance_client.client import AsyncClient
 from benchmarks.appliance_server import REPO, BenchError
-from tests.fakenet import DOMAIN, FakeNet, fake_internet
+from tests.fakenet import DOMAIN, FakeNet, fake_internet, sh
 from tests.support import Server, start_server
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -426,20 +426,12 @@ def relay_box(workdir: Path, net: FakeNet) -> Iterator[FakeNet]:
     (shaped or not alike). The jails reach it by IP through the host, as they reach the fake
     internet; the fake internet answers it through the host."""
     with fake_internet(workdir) as box:
-        _sh("ip", "-n", box.ns, "route", "add", "default", "via", f"198.18.{box.k}.1")
-        _sh("ip", "-n", net.ns, "route", "add", f"198.18.{box.k}.0/29", "via", f"198.18.{net.k}.1")
+        sh("ip", "-n", box.ns, "route", "add", "default", "via", f"198.18.{box.k}.1")
+        sh("ip", "-n", net.ns, "route", "add", f"198.18.{box.k}.0/29", "via", f"198.18.{net.k}.1")
         try:
             yield box
         finally:
-            subprocess.run(
-                ["ip", "-n", net.ns, "route", "del", f"198.18.{box.k}.0/29"], capture_output=True, check=False
-            )
-
-
-def _sh(*argv: str) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise BenchError(f"{' '.join(argv)}: {done.stderr.strip()}")
+            sh("ip", "-n", net.ns, "route", "del", f"198.18.{box.k}.0/29", check=False)
 
 
 async def _rounds(sides: Sides, reps: int) -> dict[str, dict[str, list[float]]]:
