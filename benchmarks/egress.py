@@ -615,10 +615,16 @@ def _render_relay_https(relay: dict[str, Any]) -> list[str]:
     ]
 
 
+def _floor_cells(p50: dict[str, Any]) -> tuple[str, str]:
+    """The floor relay's p50 and its ratio over direct, or what stands in their place where no C
+    compiler built it."""
+    floor, direct = p50.get("floor"), p50["direct"]
+    return (str(floor), f"x{floor / direct:.3f}") if floor is not None else ("n/a (no cc)", "n/a")
+
+
 def _relay_table(p50: dict[str, Any]) -> list[str]:
     """One scheme's relay figures: direct, the proxy both ways, the floor relay, and each over direct."""
-    direct, floor = p50["direct"], p50.get("floor")
-    floor_cells = (floor, f"x{floor / direct:.3f}") if floor is not None else ("n/a (no cc)", "n/a")
+    direct, floor_cells = p50["direct"], _floor_cells(p50)
     return [
         "| direct | proxy, splice(2) | proxy, stream loop | floor relay (C, splice) "
         "| splice / direct | stream / direct | floor / direct |",
@@ -636,8 +642,7 @@ def _render_link_relays(links: list[dict[str, Any]]) -> list[str]:
         if not relayed:
             continue
         for scheme, p50 in (("HTTP", relayed), ("HTTPS", relayed["https"])):
-            direct, floor = p50["direct"], p50.get("floor")
-            floor_cells = (f"{floor} | x{floor / direct:.3f}") if floor is not None else "n/a (no cc) | n/a"
+            direct, floor_cells = p50["direct"], " | ".join(_floor_cells(p50))
             rows.append(
                 f"| {link['rate_mbit']} Mbit/s | {scheme} | {direct} | {p50['splice']} | {floor_cells} "
                 f"| x{p50['splice'] / direct:.3f} |"
